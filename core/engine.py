@@ -1,0 +1,415 @@
+"""The engine: one asyncio loop, one scheduler coroutine, the forward on a worker thread.
+
+``AsyncEngine`` lives on the caller's event loop (the HTTP server's, for ``core
+serve``). ``Engine`` is SGLang's offline API: it runs an ``AsyncEngine`` on a
+private loop thread and offers blocking and async ``generate``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import os
+import threading
+import time
+import uuid
+from typing import Any, AsyncIterator, Iterator
+
+import structlog
+import torch
+
+from core.config import EngineArgs, engine_args_from_kwargs
+from core.errors import CoreError, InvalidRequest, ModelLoadError, UnknownNameError
+from core.interfaces import AttentionConfig, ModelContext
+from core.kv_cache import PageAllocator, ReqToTokenTable, allocate_kv_cache, kv_bytes_per_token
+from core.loader import ModelConfig, iter_weights, load_model_config
+from core.model_runner import ModelRunner
+from core.plugins import PluginManager, load_plugins
+from core.request import Req
+from core.sampler import Sampler
+from core.sampling_params import SamplingParams
+from core.scheduler import Scheduler
+
+log = structlog.get_logger("core.engine")
+
+DEFAULT_ATTENTION_BACKEND = "torch_native"
+
+
+def _pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class AsyncEngine:
+    def __init__(self, args: EngineArgs, plugins: PluginManager | None = None) -> None:
+        self.args = args
+        if args.cpu_threads:
+            torch.set_num_threads(args.cpu_threads)
+        self.plugins = plugins or load_plugins(args.plugins, strict=args.strict_plugins)
+        self.device = _pick_device(args.device)
+        self.model_config: ModelConfig = load_model_config(
+            args.model_path, args.dtype, self.device, args.context_length, args.served_model_name, args.json_model_override_args
+        )
+        mc = self.model_config
+        self.tokenizer = None if args.skip_tokenizer_init else self._load_tokenizer()
+        self.model = self._load_model()
+        self.vocab_size = mc.hf_config.vocab_size
+        self._build_kv_pool()
+        self.sampler = Sampler(self.vocab_size, self.device, seed=args.random_seed or 0)
+        self.runner = ModelRunner(self.model, self.attn_backend, self.table, self.sampler, mc.eos_ids, self.device)
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="core-forward")
+        self._wake: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self._ids = itertools.count()
+        self.log = log
+        self.plugins.pm.hook.on_startup(engine=self)
+
+    # ------------------------------------------------------------------ start-up
+    def _load_tokenizer(self):
+        from transformers import AutoTokenizer
+
+        path = self.args.tokenizer_path or self.model_config.path
+        try:
+            return AutoTokenizer.from_pretrained(path)
+        except Exception as e:
+            raise ModelLoadError(f"cannot load tokenizer from {path}: {e}") from e
+
+    def _load_model(self) -> torch.nn.Module:
+        mc = self.model_config
+        try:
+            factory = self.plugins.resolve("model", mc.architecture)
+        except UnknownNameError as e:
+            raise ModelLoadError(f"architecture {mc.architecture!r} is not supported: {e}") from None
+        quant = self.plugins.resolve("quant_method", self.args.quantization or "none")()
+        with torch.device(self.device):
+            model = factory(mc.hf_config, ModelContext(mc.dtype, self.device, quant))
+        for name, p in model.named_parameters():
+            if p.dtype.is_floating_point and p.dtype != mc.dtype:
+                p.data = p.data.to(mc.dtype)
+        model.load_weights(iter_weights(mc.path))
+        for m in model.modules():
+            if getattr(m, "quant_method", None) is not None:
+                m.quant_method.process_weights_after_loading(m)
+        return model.eval()
+
+    def _build_kv_pool(self) -> None:
+        args, mc, cfg = self.args, self.model_config, self.model_config.hf_config
+        heads = cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        kv_dtype = mc.dtype if args.kv_cache_dtype == "auto" else getattr(torch, args.kv_cache_dtype)
+        per_token = kv_bytes_per_token(cfg.num_hidden_layers, kv_heads, head_dim, kv_dtype)
+        if args.max_total_tokens:
+            tokens = args.max_total_tokens
+        else:
+            if self.device.type == "cuda":
+                free, total = torch.cuda.mem_get_info(self.device)
+                frac = args.mem_fraction_static or 0.88
+            else:
+                import psutil
+
+                vm = psutil.virtual_memory()
+                free, total = vm.available, vm.total
+                frac = args.mem_fraction_static or 0.3
+            budget = total * frac - (total - free)
+            if budget <= per_token * 16:
+                raise ModelLoadError(f"--mem-fraction-static {frac} leaves no memory for the KV cache; raise it or set --max-total-tokens")
+            tokens = int(budget // per_token)
+        ps = args.page_size
+        if ps < 1:
+            raise ModelLoadError(f"--page-size must be >= 1, got {ps}")
+        num_pages = tokens // ps + 1  # +1: the padding page
+        self.kv_cache = allocate_kv_cache(cfg.num_hidden_layers, num_pages, ps, kv_heads, head_dim, kv_dtype, self.device)
+        self.allocator = PageAllocator(num_pages, ps)
+        self.max_total_tokens = self.allocator.capacity * ps
+        max_running = args.max_running_requests or max(1, min(256, self.max_total_tokens // 16))
+        self.table = ReqToTokenTable(max_running, mc.context_len + ps, self.device)
+        self.scheduler = Scheduler(
+            self.allocator, self.table, max_running_requests=max_running, max_prefill_tokens=args.max_prefill_tokens,
+            context_len=mc.context_len, eos_ids=mc.eos_ids,
+        )
+        backend_name = args.attention_backend or DEFAULT_ATTENTION_BACKEND
+        self.attn_backend = self.plugins.resolve("attention_backend", backend_name)(
+            AttentionConfig(cfg.num_hidden_layers, heads, kv_heads, head_dim, mc.dtype, self.device, self.kv_cache)
+        )
+        log.info("engine.ready", model=mc.source, architecture=mc.architecture, dtype=str(mc.dtype), device=str(self.device),
+                 kv_tokens=self.max_total_tokens, page_size=ps, max_running_requests=max_running,
+                 attention_backend=backend_name, threads=torch.get_num_threads())
+
+    # ------------------------------------------------------------------ requests
+    def _tokenize(self, prompt: str | None, input_ids: list[int] | None) -> list[int]:
+        if input_ids is not None:
+            if not isinstance(input_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in input_ids):
+                raise InvalidRequest("input_ids must be a list of integers", param="input_ids")
+            bad = [t for t in input_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidRequest(f"input_ids contains token id {bad[0]} outside the vocabulary [0, {self.vocab_size})", param="input_ids")
+            return list(input_ids)
+        if not isinstance(prompt, str):
+            raise InvalidRequest("either a text prompt or input_ids is required", param="text")
+        if self.tokenizer is None:
+            raise InvalidRequest("the tokenizer is disabled (--skip-tokenizer-init): send input_ids", param="text")
+        return self.tokenizer.encode(prompt, add_special_tokens=True)
+
+    def make_requests(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None,
+                      return_logprob: bool = False, logprob_start_len: int = -1, top_logprobs_num: int = 0) -> list[Req]:
+        """Validate and build the sequences of one prompt (n of them); raises InvalidRequest."""
+        params.validate(self.vocab_size)
+        if not prompt_ids:
+            raise InvalidRequest("the prompt is empty", param="prompt")
+        ctx = self.model_config.context_len
+        if len(prompt_ids) >= ctx:
+            raise InvalidRequest(f"the prompt has {len(prompt_ids)} tokens, but the context length is {ctx}", param="prompt")
+        if not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= 20:
+            raise InvalidRequest("top_logprobs_num must be an integer in [0, 20]", param="top_logprobs_num")
+        if not isinstance(logprob_start_len, int) or not -1 <= logprob_start_len < len(prompt_ids):
+            raise InvalidRequest(f"logprob_start_len must be -1 or in [0, {len(prompt_ids)})", param="logprob_start_len")
+        params = SamplingParams(**{**_asdict(params), "max_new_tokens": min(params.max_new_tokens, ctx - len(prompt_ids))})
+        need = self.scheduler.pages_needed(Req("", prompt_ids, params))
+        if need > self.allocator.capacity:
+            raise InvalidRequest(
+                f"the request needs {len(prompt_ids) + params.max_new_tokens} tokens of KV cache but the pool holds "
+                f"{self.max_total_tokens}; lower max_new_tokens or raise --max-total-tokens", param="max_new_tokens")
+        rid = rid or uuid.uuid4().hex
+        reqs = []
+        for i in range(params.n):
+            seed = None if params.seed is None else params.seed + i
+            gen = None if seed is None else torch.Generator().manual_seed(seed)
+            detok = None
+            if self.tokenizer is not None:
+                from core.detokenizer import IncrementalDetokenizer
+
+                detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens,
+                                               spaces_between_special_tokens=params.spaces_between_special_tokens,
+                                               stop=params.stop, no_stop_trim=params.no_stop_trim)
+            reqs.append(Req(rid if params.n == 1 else f"{rid}-{i}", prompt_ids, params, return_logprob, top_logprobs_num,
+                            logprob_start_len, gen, detok, asyncio.Queue()))
+        return reqs
+
+    def submit(self, reqs: list[Req]) -> None:
+        self._ensure_running()
+        for r in reqs:
+            self.scheduler.add(r)
+        self._wake.set()
+
+    def abort(self, rid: str) -> bool:
+        found = self.scheduler.abort(rid)
+        if found and self._wake is not None:
+            self._wake.set()
+        return found
+
+    async def stream(self, req: Req) -> AsyncIterator[dict]:
+        """Yield the request's cumulative output after each step until it finishes;
+        an abandoned consumer (cancelled task, closed generator) aborts the request."""
+        try:
+            while True:
+                await req.queue.get()
+                while not req.queue.empty():  # coalesce steps the consumer fell behind on
+                    req.queue.get_nowait()
+                yield self.output(req)
+                if req.finished:
+                    return
+        finally:
+            if not req.finished:
+                self.abort(req.rid)
+
+    @staticmethod
+    def output(req: Req) -> dict:
+        return {"text": req.text, "output_ids": list(req.output_ids), "meta_info": req.meta_info()}
+
+    async def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
+                       input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool = False,
+                       logprob_start_len: int = -1, top_logprobs_num: int = 0, stream: bool = False,
+                       rid: str | None = None) -> Any:
+        """SGLang's generate: one prompt -> dict (a list when n > 1); a batch -> list.
+        With ``stream`` an async iterator of cumulative outputs (batch chunks carry ``index``)."""
+        batch = isinstance(prompt, list) or (isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], list))
+        prompts: list = (prompt if isinstance(prompt, list) else input_ids) if batch else [input_ids if input_ids is not None else prompt]
+        is_ids = input_ids is not None
+        sps = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if len(sps) != len(prompts):
+            raise InvalidRequest("sampling_params list must match the number of prompts", param="sampling_params")
+        groups = []
+        for i, (p, sp) in enumerate(zip(prompts, sps)):
+            params = sp if isinstance(sp, SamplingParams) else SamplingParams.from_dict(sp)
+            ids = self._tokenize(None if is_ids else p, p if is_ids else None)
+            groups.append(self.make_requests(ids, params, None if rid is None else (rid if not batch else f"{rid}-{i}"),
+                                             return_logprob, logprob_start_len, top_logprobs_num))
+        reqs = [r for g in groups for r in g]
+        self.submit(reqs)
+        if stream:
+            return self._stream_many(reqs)
+        try:
+            await asyncio.gather(*(self._drain(r) for r in reqs))
+        finally:
+            for r in reqs:
+                if not r.finished:
+                    self.abort(r.rid)
+        outs = [self.output(r) for r in reqs]
+        return outs if batch or len(outs) > 1 else outs[0]
+
+    async def _drain(self, req: Req) -> None:
+        async for _ in self.stream(req):
+            pass
+
+    async def _stream_many(self, reqs: list[Req]) -> AsyncIterator[dict]:
+        if len(reqs) == 1:
+            async for out in self.stream(reqs[0]):
+                yield out
+            return
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, r: Req) -> None:
+            async for out in self.stream(r):
+                await merged.put({**out, "index": i})
+            await merged.put(None)
+
+        tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(reqs)]
+        try:
+            done = 0
+            while done < len(reqs):
+                item = await merged.get()
+                if item is None:
+                    done += 1
+                else:
+                    yield item
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    # ------------------------------------------------------------------ scheduler loop
+    def _ensure_running(self) -> None:
+        if self._task is None or self._task.done():
+            self._wake = asyncio.Event()
+            self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            batch, aborted = self.scheduler.schedule()
+            for req in aborted:
+                self._finished(req)
+            if batch is None:
+                self._wake.clear()
+                if not self.scheduler.has_work:
+                    await self._wake.wait()
+                continue
+            try:
+                result = await loop.run_in_executor(self._executor, self.runner.run, batch)
+            except Exception as e:  # a failing forward fails its batch, not the engine
+                log.exception("engine.forward_failed", rids=[r.rid for r in batch.reqs])
+                self.scheduler.fail(batch.reqs, f"internal error: {type(e).__name__}: {e}")
+                for req in batch.reqs:
+                    self._finished(req)
+                continue
+            for req, _ in self.scheduler.process(batch, result):
+                req.queue.put_nowait(True)
+                if req.finished:
+                    self._finished(req, notify=False)
+
+    def _finished(self, req: Req, notify: bool = True) -> None:
+        if notify:
+            req.queue.put_nowait(True)
+        ttft = None if req.first_token_time is None else req.first_token_time - req.arrival
+        log.info("request.finished", rid=req.rid, prompt_tokens=len(req.prompt_ids), completion_tokens=len(req.output_ids),
+                 ttft=None if ttft is None else round(ttft, 4), latency=round((req.finish_time or time.perf_counter()) - req.arrival, 4),
+                 finish_reason=req.finish_reason)
+
+    async def shutdown(self) -> None:
+        """Abort whatever is queued or running, stop the scheduler and the worker thread."""
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        pending = [*self.scheduler.waiting, *self.scheduler.running]
+        self.scheduler.waiting.clear()
+        self.scheduler.fail(pending, "engine shut down")
+        for req in pending:
+            self._finished(req)
+        self._executor.shutdown(wait=True)
+        self.plugins.pm.hook.on_shutdown(engine=self)
+
+
+def _asdict(params: SamplingParams) -> dict:
+    import attrs
+
+    return attrs.asdict(params, recurse=False)
+
+
+class Engine:
+    """SGLang's offline engine: ``Engine(model_path=...)``, ``generate``, ``async_generate``, ``shutdown``."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        args = engine_args_from_kwargs(kwargs)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="core-engine-loop", daemon=True)
+        self._thread.start()
+        try:
+            self.engine = AsyncEngine(args)
+        except BaseException:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            raise
+        self.tokenizer = self.engine.tokenizer
+
+    def _call(self, coro) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob: bool = False,
+                 logprob_start_len: int = -1, top_logprobs_num: int = 0, stream: bool = False, rid: str | None = None) -> Any:
+        result = self._call(self.engine.generate(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
+                                                 top_logprobs_num, stream, rid))
+        return self._iter_sync(result) if stream else result
+
+    def _iter_sync(self, agen) -> Iterator[dict]:
+        try:
+            while True:
+                try:
+                    yield self._call(agen.__anext__())
+                except StopAsyncIteration:
+                    return
+        finally:
+            self._call(agen.aclose())
+
+    async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob: bool = False,
+                             logprob_start_len: int = -1, top_logprobs_num: int = 0, stream: bool = False,
+                             rid: str | None = None) -> Any:
+        fut = asyncio.run_coroutine_threadsafe(
+            self.engine.generate(prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num, stream, rid),
+            self._loop)
+        result = await asyncio.wrap_future(fut)
+        return self._iter_async(result) if stream else result
+
+    async def _iter_async(self, agen) -> AsyncIterator[dict]:
+        try:
+            while True:
+                try:
+                    yield await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(agen.__anext__(), self._loop))
+                except StopAsyncIteration:
+                    return
+        finally:
+            await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(agen.aclose(), self._loop))
+
+    def abort_request(self, rid: str) -> bool:
+        return self._call(_run(self.engine.abort, rid))
+
+    def shutdown(self) -> None:
+        if self._loop.is_closed():
+            return
+        self._call(self.engine.shutdown())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        self._loop.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+async def _run(fn, *a):
+    return fn(*a)

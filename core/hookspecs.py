@@ -1,0 +1,170 @@
+"""Hook specifications: the public contract between core and its plugins.
+
+A plugin is a module (named by an entry point in the ``core.plugins`` group) that
+implements some of these hooks with ``@core.hookimpl``. Every ``register_*`` hook is
+called exactly once at start-up, before serving, with a ``register`` callback::
+
+    register(name: str, target: str | Callable, *, override: bool = False) -> None
+
+``target`` is either a lazy ``"package.module:attribute"`` string (imported only when
+that name is selected, so a GPU-only plugin costs nothing on a CPU machine) or a
+callable factory. Core records which plugin and distribution registered each name;
+two plugins registering the same name is a start-up error naming both, unless one
+passes ``override=True``. The results are frozen into registries before serving,
+so hooks are never called per request or per token.
+
+Lifecycle hooks (``add_cli_options``, ``on_startup``, ``on_shutdown``) are the only
+others; all hooks are synchronous and return ``None``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+import pluggy
+
+if TYPE_CHECKING:
+    import argparse
+
+PROJECT = "core"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+Register = Callable[..., None]
+
+
+@hookspec
+def register_attention_backends(register: Register) -> None:
+    """Register attention backends, selected with ``--attention-backend NAME``.
+
+    Called once at start-up. ``register(name, target)`` where ``target`` resolves to
+    a class (or factory) called as ``target(config: core.interfaces.AttentionConfig)``
+    that returns an object satisfying :class:`core.interfaces.AttentionBackend`.
+
+    Example::
+
+        @hookimpl
+        def register_attention_backends(register):
+            register("torch_native", "core_plugins.attention.torch_native:TorchNativeBackend")
+    """
+
+
+@hookspec
+def register_quant_methods(register: Register) -> None:
+    """Register quantization methods, selected with ``--quantization NAME``.
+
+    Called once at start-up. ``target`` resolves to a class (or factory) called with no
+    arguments that returns an object satisfying :class:`core.interfaces.QuantMethod`.
+    The name ``"none"`` is the unquantized method used when ``--quantization`` is unset.
+
+    Example::
+
+        @hookimpl
+        def register_quant_methods(register):
+            register("int8_weight", "my_plugin.int8:Int8WeightOnly")
+    """
+
+
+@hookspec
+def register_models(register: Register) -> None:
+    """Register model architectures, keyed by the Hugging Face architecture name.
+
+    Called once at start-up. The name is what appears in ``config.json``'s
+    ``architectures`` list (e.g. ``"LlamaForCausalLM"``). ``target`` resolves to a
+    class (or factory) called as ``target(config, ctx: core.interfaces.ModelContext)``
+    returning a ``torch.nn.Module`` satisfying :class:`core.interfaces.CausalLM`.
+
+    Example::
+
+        @hookimpl
+        def register_models(register):
+            register("LlamaForCausalLM", "core_plugins.models.llama:LlamaForCausalLM")
+            register("MistralForCausalLM", "core_plugins.models.llama:LlamaForCausalLM")
+    """
+
+
+@hookspec
+def register_tool_parsers(register: Register) -> None:
+    """Register tool-call parsers, selected with ``--tool-call-parser NAME``.
+
+    Called once at start-up. ``target`` resolves to a class (or factory) called with no
+    arguments per request that returns a :class:`core.interfaces.ToolParser`.
+
+    Example::
+
+        @hookimpl
+        def register_tool_parsers(register):
+            register("qwen25", "my_plugin.hermes:HermesToolParser")
+    """
+
+
+@hookspec
+def register_reasoning_parsers(register: Register) -> None:
+    """Register reasoning parsers, selected with ``--reasoning-parser NAME``.
+
+    Called once at start-up. ``target`` resolves to a class (or factory) called with no
+    arguments per request that returns a :class:`core.interfaces.ReasoningParser`.
+
+    Example::
+
+        @hookimpl
+        def register_reasoning_parsers(register):
+            register("deepseek-r1", "my_plugin.think:ThinkTagParser")
+    """
+
+
+@hookspec
+def register_grammar_backends(register: Register) -> None:
+    """Register constrained-decoding grammar backends, selected with ``--grammar-backend``.
+
+    Called once at start-up. ``target`` resolves to a class (or factory) called as
+    ``target(tokenizer, vocab_size: int)`` returning a :class:`core.interfaces.GrammarBackend`.
+
+    Example::
+
+        @hookimpl
+        def register_grammar_backends(register):
+            register("xgrammar", "core_plugins.grammar.xgrammar_backend:XGrammarBackend")
+    """
+
+
+@hookspec
+def add_cli_options(parser: argparse.ArgumentParser) -> None:
+    """Add plugin-specific options to ``core serve`` / ``core generate``.
+
+    Called once while the command-line parser is built, after core's own options.
+    Options must be namespaced with the plugin's name (``--myplugin-foo``) so that
+    they never collide with core's or another plugin's. Parsed values reach the
+    plugin through ``on_startup(engine)`` as ``engine.args.extra``.
+
+    Example::
+
+        @hookimpl
+        def add_cli_options(parser):
+            parser.add_argument("--myplugin-scale", type=float, default=1.0)
+    """
+
+
+@hookspec
+def on_startup(engine: Any) -> None:
+    """Called once after the engine is built (model loaded, KV pool allocated) and
+    before it accepts requests. Receives the :class:`core.engine.AsyncEngine`.
+
+    Example::
+
+        @hookimpl
+        def on_startup(engine):
+            engine.log.info("myplugin.ready", model=engine.model_config.architecture)
+    """
+
+
+@hookspec
+def on_shutdown(engine: Any) -> None:
+    """Called once when the engine shuts down, after running requests ended.
+
+    Example::
+
+        @hookimpl
+        def on_shutdown(engine):
+            release_my_resources()
+    """

@@ -1,0 +1,244 @@
+"""The interfaces plugins implement: the public, versioned contract of core.
+
+``PLUGIN_API_VERSION`` follows semantic versioning: a plugin module may declare
+``CORE_PLUGIN_API = "1"`` (the major version it was written for); core refuses a
+plugin whose declared major version differs from its own, naming both.
+
+Tensor conventions: ``T`` is the number of tokens in a forward (all sequences'
+new tokens, flattened in batch order), ``B`` the number of sequences, ``H``/``Hkv``
+query/key-value heads, ``D`` the head dimension.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Protocol, runtime_checkable
+
+import attrs
+import torch
+
+PLUGIN_API_VERSION = "1.0"
+
+
+# --------------------------------------------------------------------------- batches
+
+
+@attrs.define
+class ForwardBatch:
+    """Everything a model and its attention backend need for one batched forward.
+
+    Built by the model runner; read-only for models. The attention backend may set
+    ``attn_metadata`` in :meth:`AttentionBackend.prepare` and read it in every layer.
+    """
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64, absolute position of each new token
+    out_cache_loc: torch.Tensor  # [T] int64, KV-pool slot where each new token's K/V goes
+    seq_lens: torch.Tensor  # [B] int64, KV length of each sequence after this forward
+    extend_lens: torch.Tensor  # [B] int64, new tokens of each sequence in this forward
+    kv_indices: torch.Tensor  # [B, max(seq_lens)] int64, slots of each sequence's KV, padded with 0
+    seq_lens_cpu: list[int]
+    extend_lens_cpu: list[int]
+    attn_backend: AttentionBackend
+    attn_metadata: Any = None
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def is_decode(self) -> bool:
+        """True when every sequence adds exactly one token (a pure decode step)."""
+        return all(n == 1 for n in self.extend_lens_cpu)
+
+
+@attrs.define(frozen=True)
+class AttentionLayerSpec:
+    """Static description of one attention layer, owned by the model."""
+
+    layer_id: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scaling: float
+    sliding_window: int | None = None  # attend to at most this many most recent keys
+    logit_cap: float = 0.0  # tanh soft-capping of scores; 0 disables
+
+
+# --------------------------------------------------------------------------- attention
+
+
+@attrs.define
+class KVCache:
+    """The paged KV pool: one K and one V buffer per layer, ``[num_slots, Hkv, D]``.
+
+    Slot 0 is a zeroed padding slot that is never handed out, so padded gathers are
+    finite. A page is ``page_size`` consecutive slots.
+    """
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    page_size: int
+
+    @property
+    def num_slots(self) -> int:
+        return self.k[0].shape[0]
+
+
+@attrs.define(frozen=True)
+class AttentionConfig:
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+    kv_cache: KVCache
+
+
+@runtime_checkable
+class AttentionBackend(Protocol):
+    """Computes attention over the paged KV cache.
+
+    Constructed once as ``backend(config: AttentionConfig)``. Per forward, core calls
+    ``prepare(batch)`` once, then the model calls ``forward`` once per layer.
+    """
+
+    def prepare(self, batch: ForwardBatch) -> None:
+        """Precompute per-forward metadata shared by all layers (store it in
+        ``batch.attn_metadata``). Must not mutate anything else."""
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch
+    ) -> torch.Tensor:
+        """Write ``k``/``v`` (``[T, Hkv, D]``) into the pool at ``batch.out_cache_loc``,
+        then attend ``q`` (``[T, H, D]``) causally over each sequence's cached keys
+        (honouring ``layer.sliding_window`` and ``layer.logit_cap``).
+        Returns ``[T, H, D]`` in ``q.dtype``."""
+
+
+# --------------------------------------------------------------------------- quantization
+
+
+@runtime_checkable
+class QuantMethod(Protocol):
+    """How a linear layer stores and applies its weight.
+
+    Core's ``Linear`` calls ``create_weights`` in its constructor, ``apply`` in forward
+    and ``process_weights_after_loading`` once after the checkpoint is loaded.
+    """
+
+    def create_weights(
+        self, layer: torch.nn.Module, in_features: int, out_features: int, bias: bool, dtype: torch.dtype
+    ) -> None:
+        """Register the layer's parameters (``layer.weight`` ``[out, in]`` for dense)."""
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """``x`` is ``[T, in]``; return ``[T, out]`` in ``x.dtype``."""
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        """Repack / quantize loaded weights in place (may be a no-op)."""
+
+
+# --------------------------------------------------------------------------- models
+
+
+@attrs.define(frozen=True)
+class ModelContext:
+    """What a model factory receives besides the Hugging Face config."""
+
+    dtype: torch.dtype
+    device: torch.device
+    quant_method: QuantMethod
+
+
+@runtime_checkable
+class CausalLM(Protocol):
+    """A model built as ``factory(hf_config, ctx: ModelContext)`` (an ``nn.Module``)."""
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Return final hidden states ``[T, hidden]`` for every new token."""
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Map selected hidden states ``[N, hidden]`` to float32 logits ``[N, vocab]``."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Consume checkpoint tensors by their Hugging Face names."""
+
+
+# --------------------------------------------------------------------------- parsers
+
+
+@attrs.define
+class ToolCall:
+    name: str
+    arguments: str  # JSON text
+    index: int = 0
+
+
+@runtime_checkable
+class ToolParser(Protocol):
+    """Extracts tool calls from model output. One instance per request (it may keep
+    streaming state)."""
+
+    def parse(self, text: str, tools: list[dict]) -> tuple[str, list[ToolCall]]:
+        """Return (normal text, calls) for a complete output."""
+
+    def parse_streaming(self, delta: str, tools: list[dict]) -> tuple[str, list[ToolCall]]:
+        """Feed the next text fragment; return (normal-text delta, call deltas).
+
+        A call delta carries its ``index``; the name is sent once (first delta), and
+        ``arguments`` fragments concatenate to the call's JSON arguments."""
+
+
+@runtime_checkable
+class ReasoningParser(Protocol):
+    """Separates reasoning from the answer. One instance per request."""
+
+    def parse(self, text: str) -> tuple[str, str]:
+        """Return (reasoning_content, content) for a complete output."""
+
+    def parse_streaming(self, delta: str) -> tuple[str, str]:
+        """Feed the next fragment; return (reasoning delta, content delta)."""
+
+
+# --------------------------------------------------------------------------- grammar
+
+
+@runtime_checkable
+class Grammar(Protocol):
+    """A compiled constraint's matcher state for one sequence."""
+
+    def fill_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
+        """Write the allowed-token mask for the next token into row ``index``."""
+
+    def accept_token(self, token_id: int) -> bool:
+        """Advance the matcher; False if the token is not allowed."""
+
+    def is_terminated(self) -> bool: ...
+
+    def copy(self) -> Grammar: ...
+
+
+@runtime_checkable
+class GrammarBackend(Protocol):
+    """Compiles constraints, constructed as ``backend(tokenizer, vocab_size)``."""
+
+    def compile(self, kind: str, spec: str) -> Grammar:
+        """``kind`` is one of ``json_schema``, ``regex``, ``ebnf``, ``structural_tag``.
+        Raises ``ValueError`` with the backend's message on an invalid spec."""
+
+    def allocate_bitmask(self, batch_size: int) -> torch.Tensor: ...
+
+    def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+        """Set disallowed logits to -inf in place."""
+
+
+EXTENSION_KINDS: dict[str, str] = {
+    # kind -> hook name
+    "attention_backend": "register_attention_backends",
+    "quant_method": "register_quant_methods",
+    "model": "register_models",
+    "tool_parser": "register_tool_parsers",
+    "reasoning_parser": "register_reasoning_parsers",
+    "grammar_backend": "register_grammar_backends",
+}

@@ -1,0 +1,100 @@
+"""Paged KV cache: the pool tensors, the page allocator and the per-request slot table.
+
+The pool is allocated once at start-up. Page 0 is reserved as zeroed padding (its
+slots are what padded gathers read), so it is never handed out. Admission reserves
+the pages a request may ever need (prompt + max_new_tokens) as a count; pages are
+taken from the free list only when tokens actually land in them, and everything a
+request holds goes back when it finishes or is aborted.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from core.interfaces import KVCache
+
+
+def allocate_kv_cache(
+    num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+) -> KVCache:
+    slots = num_pages * page_size
+
+    def buf() -> torch.Tensor:
+        t = torch.empty(slots, num_kv_heads, head_dim, dtype=dtype, device=device)
+        t[:page_size].zero_()  # padding page
+        return t
+
+    return KVCache(k=[buf() for _ in range(num_layers)], v=[buf() for _ in range(num_layers)], page_size=page_size)
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    return 2 * num_layers * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+
+
+class PageAllocator:
+    """Free list of pages with reservations, so admitted requests never run out mid-decode."""
+
+    def __init__(self, num_pages: int, page_size: int) -> None:
+        if num_pages < 2:
+            raise ValueError(f"the KV pool needs at least 2 pages, got {num_pages}")
+        self.num_pages, self.page_size = num_pages, page_size
+        self._free = list(range(num_pages - 1, 0, -1))  # page 0 is padding; pop() yields low pages first
+        self.reserved = 0  # pages promised to admitted requests but not yet taken
+
+    @property
+    def capacity(self) -> int:
+        """Usable pages (all but the padding page)."""
+        return self.num_pages - 1
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def available(self) -> int:
+        """Pages neither in use nor promised."""
+        return len(self._free) - self.reserved
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def can_reserve(self, pages: int) -> bool:
+        return pages <= self.available
+
+    def reserve(self, pages: int) -> None:
+        if not self.can_reserve(pages):
+            raise RuntimeError(f"cannot reserve {pages} pages, {self.available} available")
+        self.reserved += pages
+
+    def take(self) -> int:
+        """Take one reserved page."""
+        if self.reserved <= 0 or not self._free:
+            raise RuntimeError("take() without a reservation")
+        self.reserved -= 1
+        return self._free.pop()
+
+    def release(self, pages: list[int], unused_reservation: int) -> None:
+        self._free.extend(reversed(pages))
+        self.reserved -= unused_reservation
+        assert 0 <= self.reserved <= len(self._free), "page accounting broken"
+
+
+class ReqToTokenTable:
+    """``[max_running, context_len]`` table of KV slots per running request.
+
+    Rows are handed out per running request; the runner gathers each sequence's
+    slots with one index instead of rebuilding lists every step."""
+
+    def __init__(self, max_running: int, context_len: int, device: torch.device) -> None:
+        self.table = torch.zeros(max_running, context_len, dtype=torch.int64, device=device)
+        self._free_rows = list(range(max_running - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free_rows)
+
+    def alloc_row(self) -> int:
+        return self._free_rows.pop()
+
+    def free_row(self, row: int) -> None:
+        self._free_rows.append(row)

@@ -1,0 +1,206 @@
+"""Shared model layers: architectures are wired from these, so a model file stays short.
+
+Linear layers store and apply their weights through a :class:`QuantMethod`; packed
+layers (fused QKV, fused gate/up) carry a ``weight_loader`` on their parameters that
+copies one checkpoint shard into its slice, so loading stays model-agnostic.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from core.interfaces import AttentionLayerSpec, ForwardBatch, QuantMethod
+
+
+def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard: object = None) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded.shape)}")
+    param.data.copy_(loaded)
+
+
+class RMSNorm(nn.Module):
+    """RMS norm computed in float32, as the reference implementations do.
+
+    ``offset`` = 1 gives Gemma's ``(1 + weight)`` scaling."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, offset: float = 0.0) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.offset = eps, offset
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (x32 * (self.offset + self.weight.float())).to(dtype)
+        return self.weight * x32.to(dtype)
+
+
+class Linear(nn.Module):
+    """``y = x W^T (+ b)``; ``output_sizes`` > 1 entries makes it a packed layer whose
+    checkpoint shards (by index or by name in ``shard_names``) load into row slices."""
+
+    def __init__(
+        self,
+        in_features: int,
+        output_sizes: int | list[int],
+        bias: bool,
+        quant_method: QuantMethod,
+        dtype: torch.dtype,
+        shard_names: tuple[str, ...] = (),
+    ) -> None:
+        super().__init__()
+        self.output_sizes = [output_sizes] if isinstance(output_sizes, int) else list(output_sizes)
+        self.shard_names = shard_names
+        self.in_features, self.out_features = in_features, sum(self.output_sizes)
+        self.quant_method = quant_method
+        quant_method.create_weights(self, in_features, self.out_features, bias, dtype)
+        for p in self.parameters(recurse=False):
+            if not hasattr(p, "weight_loader"):
+                p.weight_loader = self._load_shard  # type: ignore[attr-defined]
+
+    def _load_shard(self, param: torch.Tensor, loaded: torch.Tensor, shard: object = None) -> None:
+        if shard is None:
+            return default_weight_loader(param, loaded)
+        idx = self.shard_names.index(shard) if isinstance(shard, str) else int(shard)
+        start = sum(self.output_sizes[:idx])
+        default_weight_loader(param.data.narrow(0, start, self.output_sizes[idx]), loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.quant_method.apply(self, x)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding (NeoX / HF "rotate half" layout) with a cos/sin cache.
+
+    Frequencies come from transformers' rope-init functions for the scaled variants
+    (linear, dynamic, yarn, llama3, ...), so every rope_type a config can name is
+    computed the way the checkpoint was trained. ``dynamic`` uses its base frequencies
+    (no per-length update)."""
+
+    def __init__(self, config, head_dim: int, max_positions: int, rope_parameters: Mapping | None = None) -> None:
+        super().__init__()
+        params = dict(rope_parameters or getattr(config, "rope_parameters", None) or {})
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        rotary_dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+        if rope_type == "default":
+            inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
+            scale = 1.0
+        else:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            if rope_type not in ROPE_INIT_FUNCTIONS:
+                raise ValueError(f"unsupported rope_type {rope_type!r}; known: default, {', '.join(ROPE_INIT_FUNCTIONS)}")
+            inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+        t = torch.arange(max_positions, dtype=torch.float)
+        freqs = torch.outer(t, inv_freq.float())
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.rotary_dim = emb.shape[-1]
+        self.register_buffer("cos", emb.cos() * scale, persistent=False)
+        self.register_buffer("sin", emb.sin() * scale, persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, H, D], k: [T, Hkv, D]."""
+        cos = self.cos[positions].to(q.dtype).unsqueeze(1)
+        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
+        return _rope(q, cos, sin, self.rotary_dim), _rope(k, cos, sin, self.rotary_dim)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+    if rotary_dim < x.shape[-1]:
+        rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+        return torch.cat((_rope(rot, cos, sin, rotary_dim), rest), dim=-1)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    """Delegates to the batch's attention backend (chosen by plugin at start-up)."""
+
+    def __init__(self, spec: AttentionLayerSpec) -> None:
+        super().__init__()
+        self.spec = spec
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        s = self.spec
+        out = batch.attn_backend.forward(
+            q.view(-1, s.num_heads, s.head_dim),
+            k.view(-1, s.num_kv_heads, s.head_dim),
+            v.view(-1, s.num_kv_heads, s.head_dim),
+            s,
+            batch,
+        )
+        return out.reshape(-1, s.num_heads * s.head_dim)
+
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+class GatedMLP(nn.Module):
+    """``down(act(gate(x)) * up(x))`` with gate and up packed into one GEMM."""
+
+    def __init__(self, hidden: int, intermediate: int, act: str, quant: QuantMethod, dtype: torch.dtype, bias: bool = False) -> None:
+        super().__init__()
+        if act not in ACTIVATIONS:
+            raise ValueError(f"unsupported activation {act!r}; known: {', '.join(ACTIVATIONS)}")
+        self.act = ACTIVATIONS[act]
+        self.gate_up_proj = Linear(hidden, [intermediate, intermediate], bias, quant, dtype)
+        self.down_proj = Linear(intermediate, hidden, bias, quant, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class VocabEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden, dtype=dtype))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+def load_packed_weights(
+    model: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    packed: Mapping[str, tuple[str, object]] = {},
+    skip: Callable[[str], bool] = lambda name: False,
+) -> set[str]:
+    """Copy checkpoint tensors into ``model``'s parameters by name.
+
+    ``packed`` maps a checkpoint sub-name to (packed parameter sub-name, shard id),
+    e.g. ``{"q_proj": ("qkv_proj", "q")}``. Returns the parameter names loaded; an
+    unknown checkpoint tensor is an error unless ``skip(name)``."""
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        if skip(name):
+            continue
+        target, shard = name, None
+        for src, (dst, shard_id) in packed.items():
+            if f".{src}." in name:
+                target, shard = name.replace(f".{src}.", f".{dst}."), shard_id
+                break
+        if target not in params:
+            raise ValueError(f"checkpoint tensor {name!r} has no matching model parameter")
+        param = params[target]
+        loader = getattr(param, "weight_loader", None)
+        if loader is None:
+            default_weight_loader(param, tensor.to(param.dtype))
+        else:
+            loader(param, tensor.to(param.dtype), shard)
+        loaded.add(target)
+    return loaded

@@ -1,0 +1,78 @@
+"""A request's state as it moves through the engine (one sequence; n>1 becomes n of these)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import attrs
+import torch
+
+from core.sampling_params import SamplingParams
+
+
+@attrs.define(eq=False)
+class Req:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1  # >= 0: also return logprobs of prompt tokens from this index
+    generator: torch.Generator | None = None
+    detokenizer: Any = None  # IncrementalDetokenizer, or None without a tokenizer
+    queue: asyncio.Queue | None = None  # receives ReqOutput snapshots; None when finished streams are not wanted
+
+    output_ids: list[int] = attrs.field(factory=list)
+    text: str = ""
+    output_logprobs: list[float] = attrs.field(factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = attrs.field(factory=list)
+    input_logprobs: list[float | None] = attrs.field(factory=list)
+    input_top_logprobs: list[list[tuple[int, float]]] = attrs.field(factory=list)
+
+    # KV state, owned by the scheduler
+    row: int = -1
+    pages: list[int] = attrs.field(factory=list)
+    reserved: int = 0
+    kv_len: int = 0
+    cached_tokens: int = 0
+
+    finish_reason: dict | None = None
+    aborted: bool = False
+    arrival: float = attrs.field(factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token_at(self, pos: int) -> int:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[pos] if pos < n else self.output_ids[pos - n]
+
+    def meta_info(self) -> dict:
+        """SGLang's meta_info fields."""
+        info: dict[str, Any] = {
+            "id": self.rid,
+            "prompt_tokens": len(self.prompt_ids),
+            "completion_tokens": len(self.output_ids),
+            "cached_tokens": self.cached_tokens,
+            "finish_reason": self.finish_reason,
+            "e2e_latency": (self.finish_time or time.perf_counter()) - self.arrival,
+        }
+        if self.return_logprob:
+            info["output_token_logprobs"] = [(lp, t) for lp, t in zip(self.output_logprobs, self.output_ids)]
+            if self.top_logprobs_num:
+                info["output_top_logprobs"] = list(self.output_top_logprobs)
+            if self.logprob_start_len >= 0:
+                toks = self.prompt_ids[self.logprob_start_len :]
+                info["input_token_logprobs"] = [(lp, t) for lp, t in zip(self.input_logprobs, toks)]
+                if self.top_logprobs_num:
+                    info["input_top_logprobs"] = list(self.input_top_logprobs)
+        return info

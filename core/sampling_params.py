@@ -1,0 +1,77 @@
+"""Per-request sampling parameters, with SGLang's names and defaults."""
+
+from __future__ import annotations
+
+import attrs
+
+from core.errors import InvalidRequest
+
+
+@attrs.define
+class SamplingParams:
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 (or 0) disables
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] = attrs.field(factory=list, converter=lambda s: [s] if isinstance(s, str) else list(s or []))
+    stop_token_ids: list[int] = attrs.field(factory=list, converter=lambda s: list(s or []))
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    n: int = 1
+    seed: int | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> SamplingParams:
+        """Build from a JSON-style dict; unknown keys are an error naming them."""
+        d = dict(d or {})
+        if "sampling_seed" in d and "seed" not in d:  # SGLang's newer name
+            d["seed"] = d.pop("sampling_seed")
+        known = {f.name for f in attrs.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise InvalidRequest(f"unknown sampling parameter(s): {', '.join(unknown)}", param=unknown[0])
+        try:
+            return cls(**d)
+        except (TypeError, ValueError) as e:
+            raise InvalidRequest(f"invalid sampling parameters: {e}") from None
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise InvalidRequest naming the first bad field."""
+
+        def num(name: str, kinds: tuple[type, ...]) -> float:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, kinds):
+                raise InvalidRequest(f"{name} must be a number, got {v!r}", param=name)
+            return v
+
+        def check(ok: bool, name: str, why: str) -> None:
+            if not ok:
+                raise InvalidRequest(f"{name} {why}, got {getattr(self, name)!r}", param=name)
+
+        check(num("max_new_tokens", (int,)) >= 0, "max_new_tokens", "must be >= 0")
+        check(num("min_new_tokens", (int,)) >= 0, "min_new_tokens", "must be >= 0")
+        check(self.min_new_tokens <= self.max_new_tokens, "min_new_tokens", "must be <= max_new_tokens")
+        check(num("temperature", (int, float)) >= 0, "temperature", "must be >= 0")
+        check(0 < num("top_p", (int, float)) <= 1, "top_p", "must be in (0, 1]")
+        check(num("top_k", (int,)) >= -1, "top_k", "must be -1 (disabled) or >= 1")
+        check(0 <= num("min_p", (int, float)) <= 1, "min_p", "must be in [0, 1]")
+        check(-2 <= num("frequency_penalty", (int, float)) <= 2, "frequency_penalty", "must be in [-2, 2]")
+        check(-2 <= num("presence_penalty", (int, float)) <= 2, "presence_penalty", "must be in [-2, 2]")
+        check(0 < num("repetition_penalty", (int, float)) <= 2, "repetition_penalty", "must be in (0, 2]")
+        check(num("n", (int,)) >= 1, "n", "must be >= 1")
+        check(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)), "seed", "must be an integer")
+        check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
+        for t in self.stop_token_ids:
+            if not isinstance(t, int) or isinstance(t, bool) or t < 0 or (vocab_size is not None and t >= vocab_size):
+                raise InvalidRequest(f"stop_token_ids contains an invalid token id {t!r}", param="stop_token_ids")

@@ -1,0 +1,102 @@
+"""Torch-native attention over the paged KV cache: the reference backend.
+
+Every forward, the sequences' cached keys are gathered into a padded
+``[B, max_len]`` block and attended with one ``scaled_dot_product_attention`` call
+per layer under a boolean mask (causal within each sequence, padding masked out).
+It runs wherever torch runs, CPU included, and faster backends are tested against it.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+import torch.nn.functional as F
+
+from core import hookimpl
+from core.interfaces import AttentionConfig, AttentionLayerSpec, ForwardBatch
+
+
+@attrs.define
+class _Metadata:
+    q_index: torch.Tensor | None  # [B, Qmax] index into the flat token axis (None for pure decode)
+    q_valid: torch.Tensor | None  # [B, Qmax] bool
+    q_pos: torch.Tensor  # [B, Qmax] position of each (padded) query within its sequence
+    key_ok: torch.Tensor  # [B, 1, Qmax, Kmax] bool: causal & in-range
+    windowed: dict[int, torch.Tensor] = attrs.field(factory=dict)  # window -> mask
+
+
+class TorchNativeBackend:
+    def __init__(self, config: AttentionConfig) -> None:
+        self.config = config
+        self.kv = config.kv_cache
+
+    def prepare(self, batch: ForwardBatch) -> None:
+        dev = batch.input_ids.device
+        ext, seq = batch.extend_lens, batch.seq_lens
+        qmax, kmax = max(batch.extend_lens_cpu), batch.kv_indices.shape[1]
+        i = torch.arange(qmax, device=dev)
+        q_valid = i[None, :] < ext[:, None]
+        q_pos = (seq - ext)[:, None] + i[None, :]  # absolute position of query i
+        j = torch.arange(kmax, device=dev)
+        key_ok = (j[None, None, :] <= q_pos[:, :, None]) & (j[None, None, :] < seq[:, None, None])
+        # padded query rows attend to slot 0 only, so their softmax stays finite; they are dropped.
+        key_ok = key_ok | (~q_valid[:, :, None] & (j == 0)[None, None, :])
+        if batch.is_decode:
+            q_index = None
+        else:
+            starts = torch.cumsum(ext, 0) - ext
+            q_index = torch.where(q_valid, starts[:, None] + i[None, :], 0)
+        batch.attn_metadata = _Metadata(q_index, None if batch.is_decode else q_valid, q_pos, key_ok.unsqueeze(1))
+
+    def _mask(self, md: _Metadata, window: int | None) -> torch.Tensor:
+        if not window:
+            return md.key_ok
+        if window not in md.windowed:
+            kmax = md.key_ok.shape[-1]
+            j = torch.arange(kmax, device=md.key_ok.device)
+            recent = (j[None, None, :] > md.q_pos[:, :, None] - window).unsqueeze(1)
+            m = md.key_ok & recent
+            md.windowed[window] = m | (~m.any(-1, keepdim=True) & (j == 0))  # keep padded rows finite
+        return md.windowed[window]
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch
+    ) -> torch.Tensor:
+        kc, vc = self.kv.k[layer.layer_id], self.kv.v[layer.layer_id]
+        kc[batch.out_cache_loc] = k.to(kc.dtype)
+        vc[batch.out_cache_loc] = v.to(vc.dtype)
+        md: _Metadata = batch.attn_metadata
+        b = batch.batch_size
+        if md.q_index is None:
+            qp = q.view(b, 1, layer.num_heads, layer.head_dim)
+        else:
+            qp = q[md.q_index]  # [B, Qmax, H, D]
+        keys = kc[batch.kv_indices].to(q.dtype).transpose(1, 2)  # [B, Hkv, Kmax, D]
+        vals = vc[batch.kv_indices].to(q.dtype).transpose(1, 2)
+        mask = self._mask(md, layer.sliding_window)
+        qp = qp.transpose(1, 2)  # [B, H, Qmax, D]
+        if layer.logit_cap > 0:
+            out = _capped_attention(qp, keys, vals, mask, layer)
+        else:
+            out = F.scaled_dot_product_attention(
+                qp, keys, vals, attn_mask=mask, scale=layer.scaling, enable_gqa=layer.num_heads != layer.num_kv_heads
+            )
+        out = out.transpose(1, 2)  # [B, Qmax, H, D]
+        if md.q_valid is None:
+            return out.reshape(b, layer.num_heads, layer.head_dim)
+        return out[md.q_valid]
+
+
+def _capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, layer: AttentionLayerSpec) -> torch.Tensor:
+    """Explicit softmax(cap * tanh(qk/cap)) attention: SDPA has no soft-capping."""
+    group = layer.num_heads // layer.num_kv_heads
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * layer.scaling
+    scores = layer.logit_cap * torch.tanh(scores / layer.logit_cap)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(-1), v.float()).to(q.dtype)
+
+
+@hookimpl
+def register_attention_backends(register) -> None:
+    register("torch_native", TorchNativeBackend)

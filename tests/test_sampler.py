@@ -1,0 +1,303 @@
+"""Behavioural tests for core.sampler: filters, penalties, seeding, logprobs, edge cases."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from core.sampler import SampleOutput, Sampler, SamplingRow, apply_min_tokens, apply_penalties
+from core.sampling_params import SamplingParams
+
+
+def row(prompt: list[int] | None = None, output: list[int] | None = None, *, seed: int | None = None, **kw) -> SamplingRow:
+    """A row with SamplingParams built from keyword arguments that name its fields."""
+    extra = {k: kw.pop(k) for k in ("eos_ids", "return_logprob", "top_logprobs_num") if k in kw}
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    return SamplingRow(SamplingParams(**kw), list(prompt or []), list(output or []), generator=gen, **extra)
+
+
+def probs_logits(probs: list[float], n: int = 1) -> torch.Tensor:
+    """[n, V] logits whose softmax is exactly ``probs``."""
+    return torch.tensor(probs).log().repeat(n, 1)
+
+
+def draw(probs: list[float], n: int = 2000, seed: int = 0, **kw) -> torch.Tensor:
+    """Sample ``n`` identical rows in one call and return the chosen ids."""
+    logits = probs_logits(probs, n)
+    out = Sampler(len(probs), seed=seed).sample(logits, [row(**kw) for _ in range(n)])
+    return torch.tensor(out.token_ids)
+
+
+def frequencies(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
+    return torch.bincount(tokens, minlength=vocab).float() / len(tokens)
+
+
+P = [0.5, 0.3, 0.15, 0.05]
+
+
+# --- greedy -----------------------------------------------------------------------------------
+
+
+def test_greedy_picks_argmax_for_temperature_zero_and_top_k_one() -> None:
+    logits = torch.randn(6, 100, generator=torch.Generator().manual_seed(1))
+    expected = logits.argmax(-1).tolist()
+    rows = [row(temperature=0.0) for _ in range(3)] + [row(top_k=1, temperature=1.5) for _ in range(3)]
+    out = Sampler(100).sample(logits.clone(), rows)
+    assert out.token_ids == expected
+    assert out.logprobs is None and out.top_logprobs is None
+
+
+def test_greedy_consumes_no_randomness() -> None:
+    s = Sampler(10, seed=3)
+    before = s.generator.get_state()
+    s.sample(torch.randn(4, 10), [row(temperature=0.0) for _ in range(4)])
+    assert torch.equal(before, s.generator.get_state())
+
+
+# --- filters ----------------------------------------------------------------------------------
+
+
+def test_plain_sampling_follows_the_distribution() -> None:
+    freq = frequencies(draw(P, n=4000), 4)
+    assert torch.allclose(freq, torch.tensor(P), atol=0.03)
+
+
+def test_top_k_never_samples_outside_the_k_best() -> None:
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(7))
+    best5 = set(logits[0].topk(5).indices.tolist())
+    n = 2000
+    out = Sampler(50).sample(logits.repeat(n, 1), [row(top_k=5) for _ in range(n)])
+    assert set(out.token_ids) == best5  # all five are reachable, nothing else is
+
+
+@pytest.mark.parametrize("top_k", [0, -1])
+def test_top_k_zero_or_minus_one_disables(top_k: int) -> None:
+    assert set(draw(P, top_k=top_k).tolist()) == {0, 1, 2, 3}
+
+
+def test_top_p_excludes_the_tail() -> None:
+    assert set(draw(P, top_p=0.7).tolist()) == {0, 1}  # 0.5 < 0.7 <= 0.8
+    tokens = draw(P, top_p=0.9)  # 0.8 < 0.9 <= 0.95
+    assert set(tokens.tolist()) == {0, 1, 2}
+    # Renormalised over the kept set.
+    assert torch.allclose(frequencies(tokens, 4)[:3], torch.tensor(P[:3]) / 0.95, atol=0.04)
+
+
+def test_top_p_always_keeps_the_best_token() -> None:
+    assert set(draw(P, n=200, top_p=1e-6).tolist()) == {0}
+    assert set(draw(P, n=200, top_p=0.0).tolist()) == {0}  # unvalidated params must not empty the set
+
+
+def test_min_p_drops_tokens_below_fraction_of_max() -> None:
+    # threshold 0.25 * 0.5 = 0.125: keeps 0.5, 0.3, 0.15; drops 0.05
+    assert set(draw(P, min_p=0.25).tolist()) == {0, 1, 2}
+    assert set(draw(P, min_p=0.7).tolist()) == {0}
+
+
+def test_filters_combine_per_row_in_one_batch() -> None:
+    n = 1500
+    kinds = [dict(top_k=1), dict(top_k=2), dict(top_p=0.9), dict(min_p=0.5), dict()]
+    rows = [row(**kinds[i % len(kinds)]) for i in range(n)]
+    toks = torch.tensor(Sampler(4).sample(probs_logits(P, n), rows).token_ids)
+    allowed = [{0}, {0, 1}, {0, 1, 2}, {0, 1}, {0, 1, 2, 3}]
+    for j, ok in enumerate(allowed):
+        assert set(toks[j :: len(kinds)].tolist()) == ok
+
+
+def test_temperature_sharpens_and_flattens() -> None:
+    cold = frequencies(draw(P, temperature=0.1), 4)
+    assert cold[0] > 0.99
+    hot = frequencies(draw(P, n=4000, temperature=100.0), 4)
+    assert torch.allclose(hot, torch.full((4,), 0.25), atol=0.04)
+
+
+def test_tiny_temperature_overflow_falls_back_to_argmax() -> None:
+    logits = torch.tensor([[1.0, 3.0e5, 2.0]])
+    out = Sampler(3).sample(logits, [row(temperature=1e-40)])
+    assert out.token_ids == [1]
+
+
+# --- penalties --------------------------------------------------------------------------------
+
+
+def test_repetition_penalty_exact_values() -> None:
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
+    out = apply_penalties(logits, [row(prompt=[0], output=[1, 1], repetition_penalty=2.0)])
+    assert torch.equal(out, torch.tensor([[1.0, -4.0, 1.0, 0.5]]))
+
+
+def test_frequency_and_presence_penalty_exact_values() -> None:
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]])
+    r = row(prompt=[3, 3], output=[1, 1, 2], frequency_penalty=0.5, presence_penalty=0.25)
+    out = apply_penalties(logits, [r])
+    # prompt tokens are not counted; token 1 appeared twice, token 2 once
+    assert torch.allclose(out, torch.tensor([[2.0, -2.0 - 1.0 - 0.25, 1.0 - 0.5 - 0.25, 0.5]]))
+
+
+def test_penalties_combine_repetition_first_and_are_per_row() -> None:
+    logits = torch.tensor([[2.0, -2.0, 1.0, 0.5]]).repeat(2, 1)
+    rows = [
+        row(prompt=[0], output=[2, 2], repetition_penalty=2.0, frequency_penalty=1.0),
+        row(prompt=[0], output=[2, 2]),  # defaults: untouched
+    ]
+    out = apply_penalties(logits, rows)
+    assert torch.allclose(out[0], torch.tensor([1.0, -2.0, 0.5 - 2.0, 0.5]))
+    assert torch.equal(out[1], torch.tensor([2.0, -2.0, 1.0, 0.5]))
+
+
+def test_penalties_noop_with_defaults_and_ignore_out_of_range_ids() -> None:
+    logits = torch.tensor([[2.0, -2.0, 1.0]])
+    assert torch.equal(apply_penalties(logits.clone(), [row(output=[0, 1])]), logits)
+    out = apply_penalties(logits.clone(), [row(output=[5, -1, 0], presence_penalty=1.0)])
+    assert torch.equal(out, torch.tensor([[1.0, -2.0, 1.0]]))
+
+
+def test_repetition_penalty_changes_greedy_choice() -> None:
+    logits = torch.tensor([[3.0, 2.0, 0.0]])
+    s = Sampler(3)
+    assert s.sample(logits.clone(), [row(output=[0], temperature=0.0)]).token_ids == [0]
+    assert s.sample(logits.clone(), [row(output=[0], temperature=0.0, repetition_penalty=2.0)]).token_ids == [1]
+
+
+# --- min_new_tokens ---------------------------------------------------------------------------
+
+
+def test_min_new_tokens_blocks_eos_and_stop_ids_then_releases() -> None:
+    logits = torch.tensor([[5.0, 4.0, 3.0, 1.0]])  # eos=0, stop=1
+    kw = dict(temperature=0.0, min_new_tokens=2, stop_token_ids=[1], eos_ids=(0,))
+    s = Sampler(4)
+    assert s.sample(logits.clone(), [row(output=[3], **kw)]).token_ids == [2]
+    assert s.sample(logits.clone(), [row(output=[3, 3], **kw)]).token_ids == [0]
+    # ignore_eos is the scheduler's business: EOS is still blocked before min_new_tokens.
+    assert s.sample(logits.clone(), [row(output=[], ignore_eos=True, **kw)]).token_ids == [2]
+
+
+def test_min_new_tokens_blocks_in_sampled_rows() -> None:
+    n = 1000
+    rows = [row(output=[], min_new_tokens=1, eos_ids=(0,), stop_token_ids=[1]) for _ in range(n)]
+    toks = Sampler(4).sample(probs_logits(P, n), rows).token_ids
+    assert set(toks) == {2, 3}
+
+
+def test_apply_min_tokens_marks_only_short_rows() -> None:
+    logits = torch.zeros(2, 3)
+    apply_min_tokens(logits, [row(output=[], min_new_tokens=1, eos_ids=(2,)), row(output=[1], min_new_tokens=1, eos_ids=(2,))])
+    assert logits[0].tolist() == [0.0, 0.0, -math.inf] and logits[1].tolist() == [0.0, 0.0, 0.0]
+
+
+def test_all_blocked_row_falls_back_to_raw_argmax() -> None:
+    logits = torch.tensor([[1.0, 2.0], [1.0, 2.0]])
+    rows = [row(output=[], min_new_tokens=1, eos_ids=(0, 1), temperature=t) for t in (0.0, 1.0)]
+    assert Sampler(2).sample(logits, rows).token_ids == [1, 1]
+
+
+# --- seeding ----------------------------------------------------------------------------------
+
+
+def _generate(seed: int, index: int, others: int, sampler_seed: int, steps: int = 15) -> list[int]:
+    """Sample ``steps`` tokens for a seeded row placed at ``index`` among noisy neighbours."""
+    vocab = 500
+    logits_gen = torch.Generator().manual_seed(99)
+    target = torch.randn(steps, vocab, generator=logits_gen)
+    sampler = Sampler(vocab, seed=sampler_seed)
+    noise = torch.Generator().manual_seed(sampler_seed)
+    out: list[int] = []
+    for t in range(steps):
+        rows = [row(output=list(out), seed=None if i % 2 else 1000 + i, temperature=0.7 + 0.1 * i) for i in range(others)]
+        me = row(output=list(out), temperature=1.3, top_p=0.95)
+        me.generator = torch.Generator().manual_seed(seed)
+        for _ in range(t):  # advance to step t as a persistent per-request generator would be
+            torch.rand(1, generator=me.generator)
+        rows.insert(index, me)
+        logits = torch.randn(len(rows), vocab, generator=noise)
+        logits[index] = target[t]
+        out.append(sampler.sample(logits, rows).token_ids[index])
+    return out
+
+
+def test_same_seed_same_tokens_regardless_of_batch() -> None:
+    alone = _generate(seed=42, index=0, others=0, sampler_seed=0)
+    batched = _generate(seed=42, index=3, others=5, sampler_seed=123)
+    assert alone == batched
+    assert len(set(alone)) > 5  # actually sampled, not degenerate
+
+
+def test_different_seeds_differ() -> None:
+    a = _generate(seed=1, index=0, others=0, sampler_seed=0)
+    b = _generate(seed=2, index=0, others=0, sampler_seed=0)
+    assert sum(x != y for x, y in zip(a, b)) > len(a) // 2
+
+
+def test_unseeded_rows_follow_sampler_seed() -> None:
+    logits = torch.zeros(64, 1000)
+    rows = [row() for _ in range(64)]
+    a = Sampler(1000, seed=5).sample(logits.clone(), rows).token_ids
+    b = Sampler(1000, seed=5).sample(logits.clone(), rows).token_ids
+    c = Sampler(1000, seed=6).sample(logits.clone(), rows).token_ids
+    assert a == b and a != c
+
+
+# --- logprobs ---------------------------------------------------------------------------------
+
+
+def test_logprobs_are_raw_log_softmax_of_chosen_token() -> None:
+    raw = torch.randn(4, 30, generator=torch.Generator().manual_seed(3))
+    rows = [
+        row(output=[0, 1], return_logprob=True, temperature=0.5, repetition_penalty=1.5, top_k=3),
+        row(return_logprob=True, temperature=0.0, frequency_penalty=1.0, output=[2]),
+        row(top_logprobs_num=5, top_p=0.5),
+        row(),
+    ]
+    out = Sampler(30).sample(raw.clone(), rows)
+    expected = torch.log_softmax(raw, -1)
+    assert out.logprobs is not None and len(out.logprobs) == 4
+    for i, tok in enumerate(out.token_ids):
+        assert out.logprobs[i] == pytest.approx(expected[i, tok].item(), abs=1e-5)
+    assert out.top_logprobs is not None
+    assert out.top_logprobs[0] == [] and out.top_logprobs[1] == [] and out.top_logprobs[3] == []
+    top = out.top_logprobs[2]
+    assert [t for t, _ in top] == expected[2].topk(5).indices.tolist()
+    assert [lp for _, lp in top] == sorted((lp for _, lp in top), reverse=True)
+    assert top[0][1] == pytest.approx(expected[2].max().item(), abs=1e-5)
+
+
+def test_top_logprobs_capped_at_vocab() -> None:
+    out = Sampler(3).sample(torch.randn(1, 3), [row(top_logprobs_num=10, temperature=0.0)])
+    assert out.top_logprobs is not None and len(out.top_logprobs[0]) == 3
+
+
+# --- vocab padding, dtypes, purity ------------------------------------------------------------
+
+
+def test_padded_vocab_columns_never_sampled() -> None:
+    n, vocab = 1000, 8
+    logits = torch.zeros(n, 12)
+    logits[:, vocab:] = 100.0  # garbage in padded columns must not win
+    rows = [row(temperature=0.0)] + [row(temperature=2.0, return_logprob=True) for _ in range(n - 1)]
+    out = Sampler(vocab).sample(logits, rows)
+    assert max(out.token_ids) < vocab and len(set(out.token_ids)) == vocab
+    assert out.logprobs is not None and out.logprobs[1] == pytest.approx(-math.log(vocab), abs=1e-5)
+
+
+def test_mixed_greedy_and_sampled_batch() -> None:
+    n = 1000
+    rows = [row(temperature=0.0) if i % 2 == 0 else row() for i in range(n)]
+    toks = torch.tensor(Sampler(4).sample(probs_logits([0.3, 0.4, 0.2, 0.1], n), rows).token_ids)
+    assert set(toks[0::2].tolist()) == {1}
+    assert set(toks[1::2].tolist()) == {0, 1, 2, 3}
+
+
+def test_bfloat16_logits_accepted() -> None:
+    out = Sampler(5).sample(torch.arange(10, dtype=torch.bfloat16).view(2, 5), [row(temperature=0.0), row()])
+    assert out.token_ids[0] == 4 and 0 <= out.token_ids[1] < 5
+
+
+def test_rows_are_not_mutated() -> None:
+    rows = [row(prompt=[1, 2], output=[3], repetition_penalty=1.3, min_new_tokens=5, eos_ids=(0,), seed=1, top_logprobs_num=2)]
+    snapshot = copy.deepcopy((rows[0].params, rows[0].prompt_ids, rows[0].output_ids, rows[0].eos_ids))
+    out = Sampler(10).sample(torch.randn(1, 10), rows)
+    assert isinstance(out, SampleOutput)
+    assert (rows[0].params, rows[0].prompt_ids, rows[0].output_ids, rows[0].eos_ids) == snapshot
