@@ -137,7 +137,8 @@ def _chat_ids(tok) -> list[int]:
 def test_skip_special_tokens(smol, spaces):
     ids = _chat_ids(smol)
     det = IncrementalDetokenizer(smol, [], skip_special_tokens=True, spaces_between_special_tokens=spaces)
-    assert "".join(stream(det, ids)) == smol.decode(ids, skip_special_tokens=True) == "user\nHi 😀assistant\nok"
+    expected = "user\nHi 😀assistant\nok"
+    assert "".join(stream(det, ids)) == smol.decode(ids, skip_special_tokens=True) == expected
 
 
 def test_keep_special_tokens_without_spaces(smol):
