@@ -14,7 +14,7 @@ import os
 import threading
 import time
 import uuid
-from typing import Any, AsyncIterator, Iterator
+from typing import Any, AsyncIterator, Callable, Iterator
 
 import structlog
 import torch
@@ -29,7 +29,7 @@ from core.plugins import PluginManager, load_plugins
 from core.request import Req
 from core.sampler import Sampler
 from core.sampling_params import SamplingParams
-from core.scheduler import Scheduler
+from core.scheduler import ScheduledBatch, Scheduler
 
 log = structlog.get_logger("core.engine")
 
@@ -64,6 +64,9 @@ class AsyncEngine:
         self._task: asyncio.Task | None = None
         self._ids = itertools.count()
         self.log = log
+        # Observers (metrics, request logs): called on the loop thread, must be cheap and never raise.
+        self.step_listeners: list[Callable[[ScheduledBatch, float], None]] = []
+        self.finish_listeners: list[Callable[[Req], None]] = []
         self.plugins.pm.hook.on_startup(engine=self)
 
     # ------------------------------------------------------------------ start-up
@@ -139,7 +142,7 @@ class AsyncEngine:
                  attention_backend=backend_name, threads=torch.get_num_threads())
 
     # ------------------------------------------------------------------ requests
-    def _tokenize(self, prompt: str | None, input_ids: list[int] | None) -> list[int]:
+    def tokenize(self, prompt: str | None, input_ids: list[int] | None) -> list[int]:
         if input_ids is not None:
             if not isinstance(input_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in input_ids):
                 raise InvalidRequest("input_ids must be a list of integers", param="input_ids")
@@ -234,7 +237,7 @@ class AsyncEngine:
         groups = []
         for i, (p, sp) in enumerate(zip(prompts, sps)):
             params = sp if isinstance(sp, SamplingParams) else SamplingParams.from_dict(sp)
-            ids = self._tokenize(None if is_ids else p, p if is_ids else None)
+            ids = self.tokenize(None if is_ids else p, p if is_ids else None)
             groups.append(self.make_requests(ids, params, None if rid is None else (rid if not batch else f"{rid}-{i}"),
                                              return_logprob, logprob_start_len, top_logprobs_num))
         reqs = [r for g in groups for r in g]
@@ -296,6 +299,7 @@ class AsyncEngine:
                 if not self.scheduler.has_work:
                     await self._wake.wait()
                 continue
+            t0 = time.perf_counter()
             try:
                 result = await loop.run_in_executor(self._executor, self.runner.run, batch)
             except Exception as e:  # a failing forward fails its batch, not the engine
@@ -304,6 +308,8 @@ class AsyncEngine:
                 for req in batch.reqs:
                     self._finished(req)
                 continue
+            for listener in self.step_listeners:
+                listener(batch, time.perf_counter() - t0)
             for req, _ in self.scheduler.process(batch, result):
                 req.queue.put_nowait(True)
                 if req.finished:
@@ -316,6 +322,8 @@ class AsyncEngine:
         log.info("request.finished", rid=req.rid, prompt_tokens=len(req.prompt_ids), completion_tokens=len(req.output_ids),
                  ttft=None if ttft is None else round(ttft, 4), latency=round((req.finish_time or time.perf_counter()) - req.arrival, 4),
                  finish_reason=req.finish_reason)
+        for listener in self.finish_listeners:
+            listener(req)
 
     async def shutdown(self) -> None:
         """Abort whatever is queued or running, stop the scheduler and the worker thread."""

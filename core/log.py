@@ -1,0 +1,28 @@
+"""structlog set-up: one configuration for the CLI, the server and the engine."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import structlog
+
+LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def configure_logging(level: str = "info", json: bool = False) -> None:
+    """Route structlog through a level filter to stderr (JSON lines when ``json``)."""
+    if level not in LEVELS:
+        raise ValueError(f"unknown log level {level!r}; choose one of {', '.join(LEVELS)}")
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso"),
+            structlog.processors.format_exc_info,
+            structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=False),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=False,
+    )
