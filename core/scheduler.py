@@ -104,23 +104,26 @@ class Scheduler:
         return None, aborted
 
     def _build(self, reqs: list[Req], extend_lens: list[int], prefill: bool) -> ScheduledBatch:
+        """Take pages for the new tokens and record their slots in the request table."""
         ps = self.allocator.page_size
         input_ids: list[int] = []
-        positions, locs = [], []
+        rows: list[int] = []
+        positions: list[int] = []
+        locs: list[int] = []
         for req, n in zip(reqs, extend_lens):
             start = req.kv_len
             while len(req.pages) * ps < start + n:
                 req.pages.append(self.allocator.take())
                 req.reserved -= 1
-            pos = torch.arange(start, start + n)
-            pages = torch.tensor(req.pages, dtype=torch.int64)
-            slots = pages[pos // ps] * ps + pos % ps
-            self.table.table[req.row, start : start + n] = slots
-            input_ids.extend(req.token_at(p) for p in range(start, start + n))
-            positions.append(pos)
-            locs.append(slots)
+            pages, span = req.pages, range(start, start + n)
+            positions.extend(span)
+            locs.extend(pages[p // ps] * ps + p % ps for p in span)
+            rows.extend([req.row] * n)
+            input_ids.extend(req.token_at(p) for p in span)
             req.kv_len = start + n
-        return ScheduledBatch(reqs, extend_lens, input_ids, torch.cat(positions), torch.cat(locs), prefill)
+        pos_t, loc_t = torch.tensor(positions), torch.tensor(locs)
+        self.table.table[torch.tensor(rows), pos_t] = loc_t
+        return ScheduledBatch(reqs, extend_lens, input_ids, pos_t, loc_t, prefill)
 
     # ------------------------------------------------------------------ results
     def process(self, batch: ScheduledBatch, result: StepResult) -> list[tuple[Req, str]]:
