@@ -16,6 +16,7 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Callable, Iterator
 
+import attrs
 import structlog
 import torch
 
@@ -79,8 +80,8 @@ class AsyncEngine:
         except Exception as e:
             raise ModelLoadError(f"cannot load tokenizer from {path}: {e}") from e
 
-    def _load_model(self) -> torch.nn.Module:
-        mc = self.model_config
+    def _load_model(self, mc: ModelConfig | None = None) -> torch.nn.Module:
+        mc = mc or self.model_config
         try:
             factory = self.plugins.resolve("model", mc.architecture)
         except UnknownNameError as e:
@@ -324,6 +325,43 @@ class AsyncEngine:
                  finish_reason=req.finish_reason)
         for listener in self.finish_listeners:
             listener(req)
+
+    # ------------------------------------------------------------------ weights
+    async def update_weights_from_disk(self, model_path: str) -> tuple[bool, str]:
+        """Reload weights of the same architecture from ``model_path`` (SGLang's
+        ``/update_weights_from_disk``). Runs on the forward worker thread, so it never
+        overlaps a forward: running requests continue with the new weights. On failure
+        the old weights stay in place. Returns (success, message)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self._reload_weights, model_path)
+
+    def _reload_weights(self, model_path: str) -> tuple[bool, str]:
+        old = self.model_config
+        args = self.args
+        try:
+            new = load_model_config(model_path, args.dtype, self.device, args.context_length, args.served_model_name,
+                                    args.json_model_override_args)
+        except Exception as e:
+            return False, f"Failed to get weights iterator: {e}"
+        if new.architecture != old.architecture:
+            return False, (f"Failed to update weights: architecture {new.architecture} differs from the served "
+                           f"{old.architecture}; only weights of the same architecture can be loaded")
+        keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",
+                "intermediate_size", "head_dim", "tie_word_embeddings")
+        diff = [k for k in keys if getattr(new.hf_config, k, None) != getattr(old.hf_config, k, None)]
+        if diff:
+            return False, f"Failed to update weights: the new config differs in {', '.join(diff)}"
+        new = attrs.evolve(new, context_len=old.context_len, served_name=old.served_name, dtype=old.dtype)
+        try:
+            model = self._load_model(new)  # a fresh module: a failure half-way leaves the served one intact
+        except Exception as e:
+            log.warning("engine.update_weights_failed", model_path=model_path, error=str(e))
+            return False, f"Failed to update weights: {type(e).__name__}: {e}"
+        self.model = model
+        self.runner.model = model
+        self.model_config = new
+        log.info("engine.weights_updated", model_path=model_path)
+        return True, "Succeeded to update model weights."
 
     async def shutdown(self) -> None:
         """Abort whatever is queued or running, stop the scheduler and the worker thread."""

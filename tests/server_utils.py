@@ -114,14 +114,44 @@ def start_server_process(*extra_args: str, env: dict | None = None) -> Iterator[
         stop(server, check=ok)
 
 
+# One default server per test session, shared by the ``default_server`` and ``server``
+# fixtures (either can be imported alone); stopped, with the exit-0 check, when the last
+# fixture that uses it is finalized.
+_default: ServerProcess | None = None
+_default_users = 0
+
+
+def _acquire_default() -> str:
+    global _default, _default_users
+    if _default is None:
+        _default = launch()
+    _default_users += 1
+    return _default.base_url
+
+
+def _release_default() -> None:
+    global _default, _default_users
+    _default_users -= 1
+    if _default_users == 0 and _default is not None:
+        server, _default = _default, None
+        stop(server)
+
+
 @pytest.fixture(scope="session")
 def default_server() -> Iterator[str]:
-    """One server with the default flags for the whole test session; yields its base URL."""
-    with start_server() as url:
+    """A server with the default flags (BASE_ARGS) for the whole test session; yields its base URL."""
+    url = _acquire_default()
+    try:
         yield url
+    finally:
+        _release_default()
 
 
 @pytest.fixture(scope="session")
-def server(default_server: str) -> str:
-    """Same server as ``default_server`` (import both when using this name)."""
-    return default_server
+def server() -> Iterator[str]:
+    """The same shared default server as ``default_server``."""
+    url = _acquire_default()
+    try:
+        yield url
+    finally:
+        _release_default()

@@ -1,0 +1,182 @@
+"""Prometheus metrics with SGLang's names (``sglang:...``), fed by the engine's listeners.
+
+Counters and latency histograms are updated from ``engine.finish_listeners`` and
+``engine.step_listeners``; the load gauges (running / queued requests, token usage)
+are read from the scheduler and allocator when ``/metrics`` is scraped, so they are
+exact even when the engine is idle (an abort between steps shows at once).
+
+Each ``Metrics`` owns a private ``CollectorRegistry``: several servers (or tests) in
+one process never collide in prometheus-client's global registry.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+if TYPE_CHECKING:
+    from core.engine import AsyncEngine
+    from core.request import Req
+    from core.scheduler import ScheduledBatch
+
+# Requests the server makes to itself (warm-up, /health_generate) stay out of the metrics.
+INTERNAL_RID_PREFIXES = ("HEALTH_CHECK_", "WARMUP_")
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                15.0, 20.0, 25.0, 30.0, 60.0)
+ITL_BUCKETS = (0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.025, 0.03, 0.035, 0.04, 0.06, 0.08, 0.1, 0.2,
+               0.4, 0.6, 0.8, 1.0, 2.0, 4.0, 6.0, 8.0)
+E2E_BUCKETS = (0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 2.0, 4.0, 6.0, 8.0, 10.0, 20.0, 40.0, 60.0, 80.0, 100.0, 150.0,
+               200.0, 250.0, 300.0, 350.0, 500.0, 1000.0)
+THROUGHPUT_WINDOW_S = 10.0
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class Metrics:
+    """SGLang-named metrics for one served model; ``enabled=False`` makes every method a no-op."""
+
+    def __init__(self, model_name: str, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.model_name = model_name
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._started = time.perf_counter()
+        self._gen_window: deque[tuple[float, int]] = deque()  # (time, tokens generated in a step)
+        self._last_token_time: dict[Any, float] = {}  # Req -> time of its latest token (for ITL)
+        self._engine: AsyncEngine | None = None
+        labels = ["model_name"]
+        reg = self.registry
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, labels, registry=reg)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=reg)
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=reg)
+
+        # counters (prometheus-client appends _total)
+        self.prompt_tokens = counter("sglang:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("sglang:generation_tokens", "Number of generation tokens processed.")
+        self.cached_tokens = counter("sglang:cached_tokens", "Number of cached prompt tokens.")
+        self.num_requests = counter("sglang:num_requests", "Number of requests processed.")
+        self.num_aborted_requests = counter("sglang:num_aborted_requests", "Number of requests aborted.")
+        # histograms
+        self.ttft = hist("sglang:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS)
+        self.itl = hist("sglang:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
+        self.tpot = hist("sglang:time_per_output_token_seconds", "Histogram of time per output token in seconds.", ITL_BUCKETS)
+        self.e2e = hist("sglang:e2e_request_latency_seconds", "Histogram of end-to-end request latency in seconds.", E2E_BUCKETS)
+        # gauges (load ones refreshed at scrape time)
+        self.num_running_reqs = gauge("sglang:num_running_reqs", "The number of running requests.")
+        self.num_queue_reqs = gauge("sglang:num_queue_reqs", "The number of requests in the waiting queue.")
+        self.num_used_tokens = gauge("sglang:num_used_tokens", "The number of used tokens.")
+        self.token_usage = gauge("sglang:token_usage", "The token usage.")
+        self.cache_hit_rate = gauge("sglang:cache_hit_rate", "The prefix cache hit rate.")
+        self.gen_throughput = gauge("sglang:gen_throughput", "The generation throughput (token/s).")
+        self.max_total_num_tokens = gauge("sglang:max_total_num_tokens", "Maximum total number of tokens in the KV pool.")
+        self.max_running_requests = gauge("sglang:max_running_requests", "Maximum number of running requests.")
+        self.is_ready = gauge("sglang:is_ready", "1 when the server is ready to serve requests.")
+
+    # ------------------------------------------------------------------ wiring
+    def attach(self, engine: AsyncEngine) -> None:
+        """Register the listeners on the engine (only when enabled)."""
+        self._engine = engine
+        if not self.enabled:
+            return
+        engine.step_listeners.append(self.on_step)
+        engine.finish_listeners.append(self.on_finish)
+        self.max_total_num_tokens.labels(self.model_name).set(engine.max_total_tokens)
+        self.max_running_requests.labels(self.model_name).set(engine.scheduler.max_running)
+
+    # ------------------------------------------------------------------ listeners (loop thread, never raise)
+    def on_step(self, batch: ScheduledBatch, duration: float) -> None:
+        try:
+            now = time.perf_counter()
+            tokens = 0
+            for req in batch.reqs:
+                if req.finished or req.aborted or req.params.max_new_tokens == 0:
+                    continue
+                tokens += 1
+                if req.rid.startswith(INTERNAL_RID_PREFIXES):
+                    continue
+                last = self._last_token_time.get(req)
+                if last is not None and not batch.is_prefill:
+                    self.itl.labels(self.model_name).observe(now - last)
+                self._last_token_time[req] = now
+            self._gen_window.append((now, tokens))
+            self._trim(now)
+        except Exception:  # a metrics bug must never break serving
+            pass
+
+    def on_finish(self, req: Req) -> None:
+        try:
+            self._last_token_time.pop(req, None)
+            if req.rid.startswith(INTERNAL_RID_PREFIXES):
+                return
+            m = self.model_name
+            n_out = len(req.output_ids)
+            self.num_requests.labels(m).inc()
+            self.prompt_tokens.labels(m).inc(len(req.prompt_ids))
+            self.generation_tokens.labels(m).inc(n_out)
+            self.cached_tokens.labels(m).inc(req.cached_tokens)
+            if (req.finish_reason or {}).get("type") == "abort":
+                self.num_aborted_requests.labels(m).inc()
+            end = req.finish_time or time.perf_counter()
+            self.e2e.labels(m).observe(end - req.arrival)
+            if req.first_token_time is not None:
+                self.ttft.labels(m).observe(req.first_token_time - req.arrival)
+                if n_out > 1:
+                    self.tpot.labels(m).observe((end - req.first_token_time) / (n_out - 1))
+        except Exception:
+            pass
+
+    def _trim(self, now: float) -> None:
+        while self._gen_window and now - self._gen_window[0][0] > THROUGHPUT_WINDOW_S:
+            self._gen_window.popleft()
+
+    # ------------------------------------------------------------------ scrape
+    def refresh(self, ready: bool = True) -> None:
+        """Read the live load gauges from the engine."""
+        m = self.model_name
+        self.is_ready.labels(m).set(1 if ready else 0)
+        engine = self._engine
+        if engine is None:
+            return
+        load = engine_load(engine)
+        self.num_running_reqs.labels(m).set(load["num_running_reqs"])
+        self.num_queue_reqs.labels(m).set(load["num_waiting_reqs"])
+        self.num_used_tokens.labels(m).set(load["num_used_tokens"])
+        self.token_usage.labels(m).set(load["token_usage"])
+        self.cache_hit_rate.labels(m).set(0.0)  # no prefix cache yet
+        now = time.perf_counter()
+        self._trim(now)
+        span = min(THROUGHPUT_WINDOW_S, max(now - self._started, 1e-3))
+        self.gen_throughput.labels(m).set(sum(t for _, t in self._gen_window) / span)
+
+    def render(self, ready: bool = True) -> bytes:
+        self.refresh(ready)
+        return generate_latest(self.registry)
+
+
+def engine_load(engine: AsyncEngine) -> dict:
+    """Running / queued requests and KV pool usage (tokens promised to admitted requests count as used)."""
+    sched, alloc = engine.scheduler, engine.allocator
+    ps = alloc.page_size
+    capacity = alloc.capacity * ps
+    free = alloc.available * ps
+    used = capacity - free
+    return {
+        "num_running_reqs": len(sched.running),
+        "num_waiting_reqs": len(sched.waiting),
+        "num_total_reqs": len(sched.running) + len(sched.waiting),
+        "num_used_tokens": used,
+        "num_free_tokens": free,
+        "max_total_num_tokens": capacity,
+        "token_usage": round(used / capacity, 6) if capacity else 0.0,
+        "max_running_requests": sched.max_running,
+    }

@@ -1,0 +1,294 @@
+"""Wire types of the OpenAI-compatible API (msgspec Structs), requests and responses.
+
+Unknown-field policy: request Structs **ignore unknown fields** (msgspec's default,
+``forbid_unknown_fields=False``), as OpenAI-compatible servers such as SGLang and vLLM
+do, so newer clients that send fields this server does not know yet keep working.
+Fields that are known but whose feature this engine lacks (``logit_bias``, structured
+output via ``response_format``/``regex``/``json_schema``/``ebnf``, ``suffix``,
+``best_of`` != ``n``, forced ``tool_choice``) are declared here and rejected with a
+400 by ``core.openai_api`` rather than silently ignored.
+
+Types are checked strictly by msgspec (an int field rejects ``1.0``, ``"1"`` and
+``true``; a float field accepts ints). Optional numeric fields also accept ``null``,
+which means "use the default", because several client libraries send explicit nulls.
+Range checks live in ``core.openai_api`` / ``SamplingParams.validate`` so that every
+error names the field.
+
+Responses are encoded with ``msgspec.json``; a field whose value is ``UNSET`` is
+left out of the JSON (used for fields that OpenAI only sends in some cases, e.g. the
+chunk ``usage`` without ``stream_options.include_usage``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+from msgspec import UNSET, Struct, UnsetType
+
+# ----------------------------------------------------------------------------- requests
+
+
+class StreamOptions(Struct, kw_only=True):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class _GenerationRequest(Struct, kw_only=True):
+    """Fields shared by /v1/chat/completions and /v1/completions (OpenAI's + SGLang's extra_body)."""
+
+    model: str | None = None
+    n: int | None = 1
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    seed: int | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    # SGLang extensions (sent through the OpenAI client's extra_body)
+    top_k: int | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
+    repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = False
+    skip_special_tokens: bool | None = True
+    spaces_between_special_tokens: bool | None = True
+    no_stop_trim: bool | None = False
+    rid: str | None = None  # SGLang: the request id (for /abort_request); also the response id
+    # structured output: known, not supported yet (rejected when set)
+    regex: str | None = None
+    json_schema: str | None = None
+    ebnf: str | None = None
+    response_format: dict[str, Any] | None = None
+
+
+class ChatCompletionRequest(_GenerationRequest, kw_only=True):
+    # Messages stay plain dicts: core.openai_api validates them with errors naming the
+    # message, and passes unknown keys (name, tool_call_id, reasoning_content...) to the template.
+    messages: list[dict[str, Any]]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    # SGLang / HF template extensions
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None
+    continue_final_message: bool | None = False
+
+
+class CompletionRequest(_GenerationRequest, kw_only=True):
+    # a string, a list of strings, a list of token ids, or a list of token-id lists
+    prompt: str | list[str | int | list[int]]
+    # absent: OpenAI's default of 16; explicit null: up to the context length
+    max_tokens: int | None | UnsetType = UNSET
+    echo: bool | None = False
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class BatchRequest(Struct, kw_only=True):
+    input_file_id: str
+    endpoint: str
+    completion_window: str = "24h"
+    metadata: dict[str, str] | None = None
+
+
+# ----------------------------------------------------------------------------- responses
+
+
+class ErrorDetail(Struct):
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(Struct):
+    error: ErrorDetail
+
+
+class PromptTokensDetails(Struct):
+    cached_tokens: int = 0
+
+
+class UsageInfo(Struct, kw_only=True):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | UnsetType = UNSET
+
+
+# chat logprobs: choices[i].logprobs.content[{token, logprob, bytes, top_logprobs}]
+class TopLogprob(Struct):
+    token: str
+    logprob: float | None
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(Struct):
+    token: str
+    logprob: float | None
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(Struct):
+    content: list[ChatTokenLogprob] | None
+    refusal: list[ChatTokenLogprob] | None = None
+
+
+# completions logprobs: {tokens, token_logprobs, top_logprobs, text_offset}
+class CompletionLogprobs(Struct):
+    tokens: list[str] = msgspec.field(default_factory=list)
+    token_logprobs: list[float | None] = msgspec.field(default_factory=list)
+    top_logprobs: list[dict[str, float | None] | None] = msgspec.field(default_factory=list)
+    text_offset: list[int] = msgspec.field(default_factory=list)
+
+
+class ChatMessage(Struct, kw_only=True):
+    role: str = "assistant"
+    content: str | None = None
+    refusal: str | None = None
+    tool_calls: list[dict[str, Any]] | UnsetType = UNSET
+
+
+class ChatChoice(Struct, kw_only=True):
+    index: int
+    message: ChatMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    matched_stop: int | str | None = None  # SGLang extension: the stop string / token that ended the choice
+
+
+class ChatCompletionResponse(Struct, kw_only=True):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+    system_fingerprint: str | None = None
+
+
+class DeltaMessage(Struct, kw_only=True):
+    role: str | UnsetType = UNSET
+    content: str | UnsetType = UNSET
+
+
+class ChatStreamChoice(Struct, kw_only=True):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    matched_stop: int | str | None | UnsetType = UNSET
+
+
+class ChatCompletionChunk(Struct, kw_only=True):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    system_fingerprint: str | None = None
+    usage: UsageInfo | None | UnsetType = UNSET
+
+
+class CompletionChoice(Struct, kw_only=True):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    matched_stop: int | str | None | UnsetType = UNSET
+
+
+class CompletionResponse(Struct, kw_only=True):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None | UnsetType = UNSET
+    system_fingerprint: str | None = None
+
+
+class ModelCard(Struct, kw_only=True):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "core"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(Struct, kw_only=True):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class FileObject(Struct, kw_only=True):
+    id: str
+    object: Literal["file"] = "file"
+    bytes: int
+    created_at: int
+    filename: str
+    purpose: str
+    status: str = "processed"
+    status_details: str | None = None
+    expires_at: int | None = None
+
+
+class FileDeleted(Struct, kw_only=True):
+    id: str
+    object: Literal["file"] = "file"
+    deleted: bool = True
+
+
+class RequestCounts(Struct, kw_only=True):
+    total: int = 0
+    completed: int = 0
+    failed: int = 0
+
+
+class BatchObject(Struct, kw_only=True):
+    id: str
+    object: Literal["batch"] = "batch"
+    endpoint: str
+    errors: dict[str, Any] | None = None
+    input_file_id: str
+    completion_window: str
+    status: str = "validating"
+    output_file_id: str | None = None
+    error_file_id: str | None = None
+    created_at: int
+    in_progress_at: int | None = None
+    expires_at: int | None = None
+    finalizing_at: int | None = None
+    completed_at: int | None = None
+    failed_at: int | None = None
+    expired_at: int | None = None
+    cancelling_at: int | None = None
+    cancelled_at: int | None = None
+    request_counts: RequestCounts = msgspec.field(default_factory=RequestCounts)
+    metadata: dict[str, str] | None = None
+    model: str | None = None
+    usage: dict[str, Any] | None = None
+
+
+class ListObject(Struct, kw_only=True):
+    object: Literal["list"] = "list"
+    data: list[Any]
+    first_id: str | None = None
+    last_id: str | None = None
+    has_more: bool = False
+
+
+encoder = msgspec.json.Encoder()

@@ -1,0 +1,419 @@
+"""``core serve``: SGLang's server flags, a YAML ``--config`` file and plugin flags.
+
+Flag names and defaults follow SGLang's ``launch_server`` where the feature exists.
+SGLang flags for features this engine does not have yet are still accepted by the
+parser, but setting one to a non-default value stops start-up with an error naming
+it: they are never silently ignored. ``--help`` groups the flags as SGLang's docs do.
+
+Plugins add namespaced flags through the ``add_cli_options`` hook. The serve parser
+loads the plugins (honouring ``--plugins`` / ``--strict-plugins`` / ``$CORE_PLUGINS``)
+the first time it parses, before the real parse, so plugin flags work on the command
+line, in ``--config`` files and in ``--help``; their values reach
+``EngineArgs.extra``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any, Callable, Sequence
+
+from core.errors import CoreError
+
+# SGLang's help sections, in the order of its server-arguments docs.
+GROUPS = (
+    "Model and tokenizer",
+    "HTTP server",
+    "Quantization and data type",
+    "Memory and scheduling",
+    "Runtime options",
+    "Logging",
+    "API related",
+    "Data parallelism",
+    "Multi-node distributed serving",
+    "Model override args",
+    "LoRA",
+    "Kernel backends (attention, sampling, grammar, GEMM)",
+    "Speculative decoding",
+    "Expert parallelism",
+    "Optimization/debug options",
+    "PD disaggregation",
+    "Plugins",
+    "Configuration file",
+)
+
+# core.cli.add_engine_args group titles -> SGLang sections; per-flag moves for flags it files elsewhere.
+_ENGINE_GROUP_MAP = {
+    "Model and tokenizer": "Model and tokenizer",
+    "Memory and scheduling": "Memory and scheduling",
+    "Kernel backends and plugins": "Kernel backends (attention, sampling, grammar, GEMM)",
+    "Logging": "Logging",
+}
+_FLAG_SECTION = {
+    "--dtype": "Quantization and data type",
+    "--quantization": "Quantization and data type",
+    "--kv-cache-dtype": "Quantization and data type",
+    "--served-model-name": "API related",
+    "--device": "Runtime options",
+    "--random-seed": "Runtime options",
+    "--cpu-threads": "Runtime options",
+    "--json-model-override-args": "Model override args",
+    "--plugins": "Plugins",
+    "--strict-plugins": "Plugins",
+}
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 30000
+
+
+def _off(*ok: Any) -> Callable[[Any], bool]:
+    """Unset (None / False), or one of ``ok``."""
+    return lambda v: v is None or v is False or (not isinstance(v, (list, tuple, dict)) and not isinstance(v, bool)
+                                                 and any(type(v) is type(o) and v == o for o in ok))
+
+
+NOT_SUPPORTED_YET: dict[str, tuple[Callable[[Any], bool], str]] = {
+    # dest: (is the value acceptable, what is supported)
+    "grammar_backend": (_off("none"), "only 'none' is accepted"),
+    "tool_call_parser": (_off(), ""),
+    "reasoning_parser": (_off(), ""),
+    "chunked_prefill_size": (_off(-1, 0), "chunked prefill is not implemented; leave it unset or -1"),
+    "schedule_policy": (_off("fcfs"), "only 'fcfs' is implemented"),
+    "tp_size": (_off(1), "only 1 is supported"),
+    "pp_size": (_off(1), "only 1 is supported"),
+    "dp_size": (_off(1), "only 1 is supported"),
+    "ep_size": (_off(1), "only 1 is supported"),
+    "nnodes": (_off(1), "only 1 is supported"),
+    "enable_dp_attention": (_off(), ""),
+    "enable_lora": (_off(), ""),
+    "lora_paths": (_off(), ""),
+    "speculative_algorithm": (_off(), ""),
+    "disaggregation_mode": (_off("null"), ""),
+    "enable_torch_compile": (_off(), ""),
+    "cuda_graph_max_bs": (_off(), ""),
+    "is_embedding": (_off(), ""),
+    "enable_multimodal": (_off(), ""),
+    "trust_remote_code": (_off(), "custom model code is never executed"),
+    "tokenizer_mode": (_off("auto"), "only 'auto' is supported"),
+    "load_format": (_off("auto", "safetensors", "pt", "gguf"), "supported: auto, safetensors, pt, gguf"),
+}
+
+
+class _Sections:
+    """Stands in for the parser in ``add_engine_args``: its argument groups land in SGLang's sections."""
+
+    def __init__(self, parser: argparse.ArgumentParser, sections: dict[str, argparse._ArgumentGroup]) -> None:
+        self._parser, self._sections = parser, sections
+
+    def add_argument_group(self, title: str | None = None, *args: Any, **kwargs: Any) -> Any:
+        return _SectionRouter(self._sections, self._sections.get(_ENGINE_GROUP_MAP.get(title or "", ""))
+                              or self._sections.setdefault(title or "Other", self._parser.add_argument_group(title)))
+
+    def add_argument(self, *args: Any, **kwargs: Any) -> Any:
+        return _SectionRouter(self._sections, self._sections["Runtime options"]).add_argument(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._parser, name)
+
+
+class _SectionRouter:
+    def __init__(self, sections: dict[str, argparse._ArgumentGroup], default: argparse._ArgumentGroup) -> None:
+        self._sections, self._default = sections, default
+
+    def add_argument(self, *args: Any, **kwargs: Any) -> Any:
+        target = next((self._sections[_FLAG_SECTION[a]] for a in args if a in _FLAG_SECTION), self._default)
+        return target.add_argument(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._default, name)
+
+
+class ServeArgumentParser(argparse.ArgumentParser):
+    """The ``serve`` sub-parser: loads plugins (for their flags) and expands ``--config`` before parsing."""
+
+    plugin_manager: Any = None
+    plugin_dests: tuple[str, ...] = ()
+    _prepared = False
+
+    def parse_known_args(self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None):  # type: ignore[override]
+        import sys
+
+        args = list(sys.argv[1:] if args is None else args)
+        if not self._prepared:
+            self._prepared = True
+            self._load_plugin_options(args)
+        args = self._expand_config(args)
+        return super().parse_known_args(args, namespace)
+
+    # ------------------------------------------------------------------ plugins
+    def _load_plugin_options(self, args: list[str]) -> None:
+        pre = argparse.ArgumentParser(add_help=False)
+        pre.add_argument("--plugins", default=None)
+        pre.add_argument("--strict-plugins", action="store_true")
+        pre.add_argument("--config", default=None)
+        known, _ = pre.parse_known_args([a for a in args if a not in ("-h", "--help")])
+        allow, strict = known.plugins, known.strict_plugins
+        if known.config and (allow is None or not strict):
+            try:
+                cfg = read_config_file(known.config)
+            except CoreError:
+                cfg = {}  # reported properly by _expand_config
+            allow = allow if allow is not None else cfg.get("plugins")
+            strict = strict or bool(cfg.get("strict_plugins"))
+        from core.plugins import load_plugins
+
+        try:
+            manager = load_plugins(allow, strict=strict)
+        except CoreError as e:
+            self.exit(2, f"core serve: error: {e}\n")
+        before = {a.dest for a in self._actions}
+        group = self._sections["Plugins"] if hasattr(self, "_sections") else self
+        manager.pm.hook.add_cli_options(parser=_PluginOptions(self, group))
+        self.plugin_manager = manager
+        self.plugin_dests = tuple(a.dest for a in self._actions if a.dest not in before)
+        # cmd_serve gets them through the namespace (underscore names are not flags)
+        self.set_defaults(_plugin_manager=manager, _plugin_dests=self.plugin_dests)
+
+    # ------------------------------------------------------------------ --config
+    def _expand_config(self, args: list[str]) -> list[str]:
+        path = None
+        for i, a in enumerate(args):
+            if a == "--config" and i + 1 < len(args):
+                path = args[i + 1]
+            elif a.startswith("--config="):
+                path = a.split("=", 1)[1]
+        if path is None:
+            return args
+        try:
+            cfg = read_config_file(path)
+        except CoreError as e:
+            self.exit(2, f"core serve: error: {e}\n")
+        by_dest = {a.dest: a for a in self._actions if a.option_strings}
+        expanded: list[str] = []
+        for key, value in cfg.items():
+            action = by_dest.get(key)
+            if action is None or key in ("config", "help"):
+                self.exit(2, f"core serve: error: config file {path}: unknown option {key!r}\n")
+            flag = next((s for s in action.option_strings if s.startswith("--")), action.option_strings[0])
+            if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+                if not isinstance(value, bool):
+                    self.exit(2, f"core serve: error: config file {path}: {key!r} must be true or false\n")
+                if value == isinstance(action, argparse._StoreTrueAction):
+                    expanded.append(flag)
+                continue
+            if value is None:
+                continue
+            if isinstance(value, (list, tuple)):
+                if action.nargs in (None, 1, "?") and key != "plugins":
+                    self.exit(2, f"core serve: error: config file {path}: {key!r} takes one value, got a list\n")
+                if key == "plugins":
+                    expanded += [flag, ",".join(map(str, value))]
+                else:
+                    expanded += [flag, *map(_yaml_scalar, value)]
+                continue
+            if isinstance(value, dict):
+                import json
+
+                expanded += [flag, json.dumps(value)]
+                continue
+            expanded += [flag, _yaml_scalar(value)]
+        return expanded + args  # command-line values come later, so they win
+
+
+class _PluginOptions:
+    """What a plugin's ``add_cli_options(parser)`` sees: flags land in the "Plugins" section."""
+
+    def __init__(self, parser: argparse.ArgumentParser, group: Any) -> None:
+        self._parser, self._group = parser, group
+
+    def add_argument(self, *args: Any, **kwargs: Any) -> Any:
+        return self._group.add_argument(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._parser, name)
+
+
+def _yaml_scalar(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    return str(v)
+
+
+def read_config_file(path: str) -> dict[str, Any]:
+    """A YAML mapping of flag names (dashes or underscores, optional leading ``--``) to values."""
+    import yaml
+
+    try:
+        with open(os.path.expanduser(path), encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise CoreError(f"config file {path} does not exist") from None
+    except (OSError, yaml.YAMLError) as e:
+        raise CoreError(f"cannot read config file {path}: {e}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise CoreError(f"config file {path} must hold a mapping of option names to values")
+    out: dict[str, Any] = {}
+    for k, v in data.items():
+        key = str(k).lstrip("-").replace("-", "_")
+        if key == "model":
+            key = "model_path"
+        out[key] = v
+    return out
+
+
+# ---------------------------------------------------------------------------- parser
+def add_serve_args(p: argparse.ArgumentParser) -> None:
+    from core.cli import add_engine_args
+
+    sections = {title: p.add_argument_group(title) for title in GROUPS}
+    p._sections = sections  # type: ignore[attr-defined]
+    add_engine_args(_Sections(p, sections))  # type: ignore[arg-type]
+
+    def s(title: str) -> argparse._ArgumentGroup:
+        return sections[title]
+
+    g = s("Model and tokenizer")
+    g.add_argument("--tokenizer-mode", default="auto", help="not supported yet except 'auto'")
+    g.add_argument("--load-format", default="auto", help="weights format (auto: safetensors, .bin or .gguf)")
+    g.add_argument("--trust-remote-code", action="store_true", help="not supported: custom model code never runs")
+    g.add_argument("--is-embedding", action="store_true", help="not supported yet")
+    g.add_argument("--enable-multimodal", action="store_true", default=None, help="not supported yet")
+
+    g = s("HTTP server")
+    g.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind (default {DEFAULT_HOST})")
+    g.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port to bind (default {DEFAULT_PORT})")
+    g.add_argument("--skip-server-warmup", action="store_true", help="skip the warm-up generate before /health reports ready")
+    g.add_argument("--graceful-shutdown-timeout", type=float, default=5.0,
+                   help="seconds running requests may take to finish after SIGTERM/SIGINT before they are aborted")
+
+    g = s("Memory and scheduling")
+    g.add_argument("--max-queued-requests", type=int, default=None,
+                   help="requests allowed to wait for admission; more get HTTP 503 (default: unlimited)")
+    g.add_argument("--chunked-prefill-size", type=int, default=None, help="not supported yet (-1: disabled)")
+    g.add_argument("--schedule-policy", default="fcfs", help="only fcfs is implemented")
+
+    g = s("Runtime options")
+    g.add_argument("--tensor-parallel-size", "--tp-size", dest="tp_size", type=int, default=1, help="only 1 is supported")
+    g.add_argument("--pipeline-parallel-size", "--pp-size", dest="pp_size", type=int, default=1, help="only 1 is supported")
+    g.add_argument("--stream-interval", type=int, default=1,
+                   help="send a streaming chunk every this many tokens (default 1)")
+
+    g = s("Logging")
+    g.add_argument("--log-requests", action="store_true", help="log the inputs and outputs of every request")
+    g.add_argument("--log-requests-level", type=int, default=2, choices=[0, 1, 2, 3],
+                   help="0: metadata, 1: + sampling params, 2: + inputs/outputs up to 2048 chars, 3: everything")
+    g.add_argument("--enable-metrics", action="store_true", help="serve Prometheus metrics at /metrics")
+
+    g = s("API related")
+    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but /health")
+    g.add_argument("--chat-template", default=None, help="chat template: a Jinja file path or a template string")
+    g.add_argument("--file-storage-path", default="sglang_storage", help="where the files API stores uploads")
+    g.add_argument("--enable-cache-report", action="store_true",
+                   help="report cached prompt tokens in usage.prompt_tokens_details")
+    g.add_argument("--reasoning-parser", default=None, help="not supported yet")
+    g.add_argument("--tool-call-parser", default=None, help="not supported yet")
+    g.add_argument("--allow-auto-truncate", action="store_true",
+                   help="truncate prompts longer than the context instead of rejecting them")
+
+    g = s("Data parallelism")
+    g.add_argument("--data-parallel-size", "--dp-size", dest="dp_size", type=int, default=1, help="only 1 is supported")
+
+    g = s("Multi-node distributed serving")
+    g.add_argument("--nnodes", type=int, default=1, help="only 1 is supported")
+
+    g = s("LoRA")
+    g.add_argument("--enable-lora", action="store_true", default=None, help="not supported yet")
+    g.add_argument("--lora-paths", nargs="*", default=None, help="not supported yet")
+
+    g = s("Kernel backends (attention, sampling, grammar, GEMM)")
+    g.add_argument("--grammar-backend", default=None, help="not supported yet (only 'none')")
+
+    g = s("Speculative decoding")
+    g.add_argument("--speculative-algorithm", default=None, help="not supported yet")
+
+    g = s("Expert parallelism")
+    g.add_argument("--expert-parallel-size", "--ep-size", "--ep", dest="ep_size", type=int, default=1,
+                   help="only 1 is supported")
+
+    g = s("Optimization/debug options")
+    g.add_argument("--enable-torch-compile", action="store_true", help="not supported yet")
+    g.add_argument("--cuda-graph-max-bs", type=int, default=None, help="not supported yet")
+    g.add_argument("--enable-dp-attention", action="store_true", help="not supported yet")
+
+    g = s("PD disaggregation")
+    g.add_argument("--disaggregation-mode", default="null", help="not supported yet (only 'null')")
+
+    g = s("Configuration file")
+    g.add_argument("--config", default=None, metavar="FILE.yaml",
+                   help="YAML file of flags (dashes or underscores); command-line flags override it")
+
+
+def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
+    """Hook called by ``core.cli.build_parser``."""
+    previous = subparsers._parser_class
+    subparsers._parser_class = ServeArgumentParser
+    try:
+        p = subparsers.add_parser(
+            "serve", help="serve a model over HTTP (SGLang native + OpenAI-compatible APIs)",
+            description="Serve a model over HTTP with SGLang's native API and the OpenAI-compatible API. "
+                        "Flags follow SGLang's `launch_server`; those for features core lacks are rejected.",
+        )
+    finally:
+        subparsers._parser_class = previous
+    add_serve_args(p)
+    p.set_defaults(func=cmd_serve)
+
+
+# ---------------------------------------------------------------------------- validation
+def validate_serve_args(ns: argparse.Namespace) -> None:
+    """Raise CoreError naming the first flag that asks for something core cannot do yet."""
+    for dest, (ok, note) in NOT_SUPPORTED_YET.items():
+        if not hasattr(ns, dest):
+            continue
+        value = getattr(ns, dest)
+        if not ok(value):
+            flag = "--" + dest.replace("_", "-")
+            shown = "" if isinstance(value, bool) or value is None else f" {_show(value)}"
+            raise CoreError(f"{flag}{shown} is not supported yet" + (f" ({note})" if note else ""))
+    if not 1 <= ns.port <= 65535:
+        raise CoreError(f"--port must be in [1, 65535], got {ns.port}")
+    if ns.stream_interval < 1:
+        raise CoreError(f"--stream-interval must be >= 1, got {ns.stream_interval}")
+    if ns.max_queued_requests is not None and ns.max_queued_requests < 0:
+        raise CoreError(f"--max-queued-requests must be >= 0, got {ns.max_queued_requests}")
+    if ns.max_running_requests is not None and ns.max_running_requests < 1:
+        raise CoreError(f"--max-running-requests must be >= 1, got {ns.max_running_requests}")
+    if ns.context_length is not None and ns.context_length < 2:
+        raise CoreError(f"--context-length must be >= 2, got {ns.context_length}")
+    if ns.api_key is not None and not ns.api_key:
+        raise CoreError("--api-key must not be empty")
+    if ns.graceful_shutdown_timeout < 0:
+        raise CoreError("--graceful-shutdown-timeout must be >= 0")
+    if ns.chat_template and _looks_like_path(ns.chat_template) and not os.path.isfile(os.path.expanduser(ns.chat_template)):
+        raise CoreError(f"--chat-template {ns.chat_template}: no such file")
+
+
+def _show(v: Any) -> str:
+    return " ".join(map(str, v)) if isinstance(v, (list, tuple)) else str(v)
+
+
+def _looks_like_path(s: str) -> bool:
+    return "{" not in s and (s.endswith((".jinja", ".j2", ".json", ".txt")) or os.sep in s)
+
+
+def engine_args_from_namespace(ns: argparse.Namespace, plugin_dests: Sequence[str] = ()):
+    from core.cli import engine_kwargs
+    from core.config import EngineArgs
+
+    kwargs = engine_kwargs(ns)
+    extra = {d: getattr(ns, d) for d in plugin_dests if hasattr(ns, d)}
+    return EngineArgs(**kwargs, extra=extra)
+
+
+def cmd_serve(ns: argparse.Namespace) -> int:
+    validate_serve_args(ns)
+    from core.server import run_server
+
+    return run_server(ns)

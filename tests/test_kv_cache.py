@@ -1,0 +1,119 @@
+"""PageAllocator, ReqToTokenTable and the KV pool tensors (no model)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from core.kv_cache import PageAllocator, ReqToTokenTable, allocate_kv_cache, kv_bytes_per_token
+
+
+def test_needs_two_pages():
+    with pytest.raises(ValueError, match="at least 2 pages"):
+        PageAllocator(1, 4)
+    a = PageAllocator(2, 4)
+    assert a.capacity == 1 and a.num_free == 1 and a.available == 1
+
+
+def test_padding_page_is_never_handed_out():
+    a = PageAllocator(9, 2)
+    assert a.capacity == 8
+    a.reserve(8)
+    taken = [a.take() for _ in range(8)]
+    assert sorted(taken) == list(range(1, 9))
+    assert 0 not in taken
+    assert taken == sorted(taken), "low pages first"
+    with pytest.raises(RuntimeError):
+        a.take()
+    a.release(taken, 0)
+    assert a.num_free == 8 and a.reserved == 0
+
+
+def test_reserve_take_release_accounting():
+    a = PageAllocator(11, 1)
+    assert a.can_reserve(10) and not a.can_reserve(11)
+    a.reserve(6)
+    assert a.reserved == 6 and a.available == 4 and a.num_free == 10
+    assert a.can_reserve(4) and not a.can_reserve(5)
+    with pytest.raises(RuntimeError, match="cannot reserve"):
+        a.reserve(5)
+    pages = [a.take(), a.take()]
+    # taking consumes the reservation and the free page, so availability is unchanged
+    assert a.reserved == 4 and a.num_free == 8 and a.available == 4
+    a.release(pages, 4)  # the request finishes early: its untaken reservation goes back too
+    assert a.reserved == 0 and a.num_free == 10 and a.available == 10
+
+
+def test_take_requires_a_reservation():
+    a = PageAllocator(4, 1)
+    with pytest.raises(RuntimeError, match="without a reservation"):
+        a.take()
+    a.reserve(1)
+    a.take()
+    with pytest.raises(RuntimeError):
+        a.take()
+
+
+def test_release_detects_broken_accounting():
+    a = PageAllocator(4, 1)
+    a.reserve(1)
+    with pytest.raises(AssertionError):
+        a.release([], 2)  # returning more reservation than was made
+
+
+@pytest.mark.parametrize("page_size,tokens,pages", [(1, 0, 0), (1, 7, 7), (4, 1, 1), (4, 4, 1), (4, 5, 2), (16, 33, 3)])
+def test_pages_for_rounds_up(page_size, tokens, pages):
+    assert PageAllocator(2, page_size).pages_for(tokens) == pages
+
+
+def test_random_churn_never_loses_a_page():
+    rng = random.Random(0)
+    a = PageAllocator(33, 2)
+    live: list[tuple[list[int], int]] = []  # (pages taken, reservation left)
+    for _ in range(500):
+        if live and (rng.random() < 0.4 or not a.can_reserve(1)):
+            pages, left = live.pop(rng.randrange(len(live)))
+            a.release(pages, left)
+        else:
+            need = rng.randint(1, max(1, min(8, a.available)))
+            if not a.can_reserve(need):
+                continue
+            a.reserve(need)
+            k = rng.randint(0, need)
+            pages = [a.take() for _ in range(k)]
+            assert 0 not in pages
+            live.append((pages, need - k))
+        in_use = [p for pages, _ in live for p in pages]
+        assert len(in_use) == len(set(in_use))
+        assert a.num_free + len(in_use) == a.capacity
+        assert a.reserved == sum(left for _, left in live)
+    for pages, left in live:
+        a.release(pages, left)
+    assert a.num_free == a.capacity and a.reserved == 0
+    assert sorted(a._free) == list(range(1, 33))
+
+
+def test_req_to_token_table_rows():
+    t = ReqToTokenTable(3, 10, torch.device("cpu"))
+    assert t.table.shape == (3, 10) and t.table.dtype == torch.int64
+    assert not t.table.any(), "unused slots point at the zeroed padding page"
+    rows = [t.alloc_row() for _ in range(3)]
+    assert sorted(rows) == [0, 1, 2] and t.num_free == 0
+    t.free_row(rows[1])
+    assert t.num_free == 1 and t.alloc_row() == rows[1]
+
+
+def test_allocate_kv_cache_shapes_and_zero_padding_page():
+    kv = allocate_kv_cache(3, 5, 4, 2, 8, torch.float32, torch.device("cpu"))
+    assert kv.page_size == 4 and len(kv.k) == len(kv.v) == 3
+    for buf in (*kv.k, *kv.v):
+        assert buf.shape == (20, 2, 8) and buf.dtype == torch.float32
+        assert torch.equal(buf[:4], torch.zeros(4, 2, 8))
+    assert kv.k[0].data_ptr() != kv.k[1].data_ptr() != kv.v[0].data_ptr()
+
+
+def test_kv_bytes_per_token():
+    assert kv_bytes_per_token(30, 3, 64, torch.bfloat16) == 2 * 30 * 3 * 64 * 2
+    assert kv_bytes_per_token(2, 1, 16, torch.float32) == 2 * 2 * 16 * 4

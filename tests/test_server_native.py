@@ -1,0 +1,684 @@
+"""`core serve` end to end: the real server as a subprocess on the default model (SmolLM2).
+
+Two servers for the whole module: ``srv`` (API key, metrics, request logs, context 256)
+and ``cfg_srv`` (started from a YAML --config; one running + one queued request at
+most; no key, no metrics), which the last test stops with SIGTERM. Parser-level checks
+(unsupported flags, --help groups, YAML errors, plugin flags) run in-process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import types
+from typing import Any, Iterator
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.server_utils import ServerProcess, start_server_process
+
+pytestmark = pytest.mark.slow
+
+KEY = "sk-test-secret-key-9f8e7d"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+CTX = 256
+
+
+# ---------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def srv() -> Iterator[ServerProcess]:
+    with start_server_process("--enable-metrics", "--api-key", KEY, "--log-requests", "--log-level", "info",
+                              "--context-length", str(CTX)) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(srv: ServerProcess) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=srv.base_url, headers=AUTH, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def cfg_srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    cfg = tmp_path_factory.mktemp("cfg") / "serve.yaml"
+    cfg.write_text(
+        "served-model-name: from-yaml\n"
+        "max_running_requests: 1\n"  # underscores work too
+        "--max-queued-requests: 1\n"
+        "stream-interval: 2\n"
+        "graceful-shutdown-timeout: 1\n"
+        "enable-metrics: false\n"
+    )
+    with start_server_process("--config", str(cfg), "--served-model-name", "from-cli") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def cfg_client(cfg_srv: ServerProcess) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=cfg_srv.base_url, timeout=60) as c:
+        yield c
+
+
+# ---------------------------------------------------------------------------- helpers
+def gen(client: httpx.Client, **body: Any) -> httpx.Response:
+    return client.post("/generate", json=body)
+
+
+def greedy(n: int = 8, **extra: Any) -> dict:
+    return {"max_new_tokens": n, "temperature": 0, **extra}
+
+
+def sse_events(resp: httpx.Response) -> list[Any]:
+    """Parse an SSE body into JSON payloads, with the final "[DONE]" kept as a string."""
+    events: list[Any] = []
+    for line in resp.iter_lines():
+        if not line:
+            continue
+        assert line.startswith("data: "), line
+        data = line[len("data: "):]
+        events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def assert_error(resp: httpx.Response, status: int, param: str | None = "__any__") -> dict:
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert isinstance(err["message"], str) and err["message"]
+    assert isinstance(err["type"], str) and err["type"]
+    if param != "__any__":
+        assert err["param"] == param, err
+    return err
+
+
+def metrics(client: httpx.Client) -> dict[str, float]:
+    """sample name (+ sorted non-model labels) -> value."""
+    resp = client.get("/metrics")
+    assert resp.status_code == 200, resp.text
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(resp.text):
+        for s in fam.samples:
+            labels = {k: v for k, v in s.labels.items() if k != "model_name"}
+            key = s.name + (json.dumps(labels, sort_keys=True) if labels else "")
+            out[key] = s.value
+    return out
+
+
+def wait_for(pred, timeout: float = 10.0, interval: float = 0.05) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = pred()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(interval)
+
+
+def load(client: httpx.Client) -> dict:
+    resp = client.get("/v1/loads")
+    assert resp.status_code == 200, resp.text
+    return resp.json()["loads"][0]
+
+
+# ---------------------------------------------------------------------------- auth and health
+def test_health_is_open_and_everything_else_needs_the_key(srv: ServerProcess) -> None:
+    url = srv.base_url
+    assert httpx.get(url + "/health").status_code == 200
+    for method, path in [("GET", "/get_model_info"), ("GET", "/get_server_info"), ("GET", "/metrics"),
+                         ("GET", "/v1/loads"), ("POST", "/generate"), ("GET", "/health_generate")]:
+        err = assert_error(httpx.request(method, url + path, json={"text": "hi"}), 401)
+        assert err["code"] == "invalid_api_key"
+    assert_error(httpx.get(url + "/get_model_info", headers={"Authorization": "Bearer wrong"}), 401)
+    assert_error(httpx.get(url + "/get_model_info", headers={"Authorization": KEY}), 401)  # no scheme
+    assert httpx.get(url + "/get_model_info", headers={"Authorization": f"bearer {KEY}"}).status_code == 200
+    assert httpx.get(url + "/get_model_info", headers=AUTH).status_code == 200
+
+
+def test_no_key_server_is_open_and_metrics_off_is_404(cfg_client: httpx.Client) -> None:
+    assert cfg_client.get("/get_model_info").status_code == 200
+    assert_error(cfg_client.get("/metrics"), 404)
+
+
+def test_health_generate(client: httpx.Client) -> None:
+    assert client.get("/health_generate").status_code == 200
+
+
+# ---------------------------------------------------------------------------- /generate
+def test_generate_text(client: httpx.Client) -> None:
+    resp = gen(client, text="The capital of France is", sampling_params=greedy(6))
+    assert resp.status_code == 200, resp.text
+    out = resp.json()
+    assert isinstance(out["text"], str) and out["text"]
+    assert len(out["output_ids"]) == 6
+    meta = out["meta_info"]
+    assert {"id", "prompt_tokens", "completion_tokens", "cached_tokens", "finish_reason", "e2e_latency"} <= set(meta)
+    assert meta["completion_tokens"] == 6 and meta["prompt_tokens"] > 0 and meta["cached_tokens"] == 0
+    assert meta["finish_reason"]["type"] == "length"
+    assert meta["e2e_latency"] > 0
+    again = gen(client, text="The capital of France is", sampling_params=greedy(6)).json()
+    assert again["text"] == out["text"]  # greedy is deterministic
+    assert again["meta_info"]["id"] != meta["id"]
+
+
+def test_generate_input_ids_rid_and_batch(client: httpx.Client) -> None:
+    one = gen(client, text="Hello there", sampling_params=greedy(4)).json()
+    ids = gen(client, text="Hello there", sampling_params=greedy(0)).json()
+    assert ids["meta_info"]["completion_tokens"] == 0
+    prompt_ids = list(range(100, 100 + one["meta_info"]["prompt_tokens"]))
+    by_ids = gen(client, input_ids=prompt_ids, sampling_params=greedy(4), rid="my-rid").json()
+    assert by_ids["meta_info"]["id"] == "my-rid" and by_ids["meta_info"]["prompt_tokens"] == len(prompt_ids)
+
+    batch = gen(client, text=["Hello there", "One, two, three,"], sampling_params=greedy(4)).json()
+    assert isinstance(batch, list) and len(batch) == 2
+    assert batch[0]["text"] == one["text"]
+    per = gen(client, text=["a b c", "d e f"], sampling_params=[greedy(2), greedy(3)], rid=["r-a", "r-b"]).json()
+    assert [o["meta_info"]["completion_tokens"] for o in per] == [2, 3]
+    assert [o["meta_info"]["id"] for o in per] == ["r-a", "r-b"]
+    nested = gen(client, input_ids=[[1, 2, 3], [4, 5]], sampling_params=greedy(2)).json()
+    assert [o["meta_info"]["prompt_tokens"] for o in nested] == [3, 2]
+    many = gen(client, text="Pick a color:", sampling_params={"max_new_tokens": 3, "n": 3, "seed": 1}).json()
+    assert isinstance(many, list) and len(many) == 3
+
+
+def test_generate_stop_token(client: httpx.Client) -> None:
+    first = gen(client, text="Count: one, two, three,", sampling_params=greedy(8)).json()
+    target = first["output_ids"][2]
+    out = gen(client, text="Count: one, two, three,", sampling_params=greedy(8, stop_token_ids=[target])).json()
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": target}
+    assert out["meta_info"]["completion_tokens"] <= 3
+
+
+def test_generate_logprobs(client: httpx.Client) -> None:
+    body = {"text": "The sky is", "sampling_params": greedy(3), "return_logprob": True, "top_logprobs_num": 2,
+            "logprob_start_len": 0}
+    plain = client.post("/generate", json=body).json()["meta_info"]
+    assert len(plain["output_token_logprobs"]) == 3
+    assert all(len(t) == 2 and t[0] <= 0 for t in plain["output_token_logprobs"])
+    assert [t[1] for t in plain["output_token_logprobs"]] == client.post("/generate", json=body).json()["output_ids"]
+    assert all(len(pos) == 2 and all(len(t) == 2 for t in pos) for pos in plain["output_top_logprobs"])
+    # greedy: the chosen token is the top-1 candidate
+    assert all(pos[0][1] == t[1] for pos, t in zip(plain["output_top_logprobs"], plain["output_token_logprobs"]))
+    assert plain["input_token_logprobs"][0][0] is None and len(plain["input_token_logprobs"]) == plain["prompt_tokens"]
+
+    with_text = client.post("/generate", json={**body, "return_text_in_logprobs": True}).json()["meta_info"]
+    assert all(len(t) == 3 and isinstance(t[2], str) for t in with_text["output_token_logprobs"])
+    assert all(len(t) == 3 for pos in with_text["output_top_logprobs"] for t in pos)
+    no_lp = gen(client, text="The sky is", sampling_params=greedy(2)).json()["meta_info"]
+    assert "output_token_logprobs" not in no_lp
+
+
+def test_generate_stream(client: httpx.Client) -> None:
+    with client.stream("POST", "/generate", json={"text": "Once upon a time", "sampling_params": greedy(6),
+                                                  "stream": True}) as resp:
+        assert resp.status_code == 200
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(resp)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert len(chunks) >= 2
+    for prev, cur in zip(chunks, chunks[1:]):  # cumulative text and ids
+        assert cur["text"].startswith(prev["text"])
+        assert cur["output_ids"][: len(prev["output_ids"])] == prev["output_ids"]
+    assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    assert chunks[-1]["meta_info"]["completion_tokens"] == 6
+    full = gen(client, text="Once upon a time", sampling_params=greedy(6)).json()
+    assert chunks[-1]["text"] == full["text"]
+    assert "index" not in chunks[0]
+
+    with client.stream("POST", "/generate", json={"text": ["A", "B"], "sampling_params": greedy(3),
+                                                  "stream": True}) as resp:
+        events = sse_events(resp)
+    assert events[-1] == "[DONE]"
+    finals = {c["index"]: c for c in events[:-1] if c["meta_info"]["finish_reason"]}
+    assert set(finals) == {0, 1}
+
+
+def test_stream_interval(cfg_client: httpx.Client) -> None:
+    """stream-interval 2 (from the YAML): chunks every 2 tokens, plus the final one."""
+    with cfg_client.stream("POST", "/generate", json={"text": "Hi", "sampling_params": greedy(5),
+                                                      "stream": True}) as resp:
+        chunks = sse_events(resp)[:-1]
+    counts = [c["meta_info"]["completion_tokens"] for c in chunks]
+    assert counts[-1] == 5 and len(counts) <= 3, counts  # [2, 4, 5] unless steps coalesced
+    assert all(b - a >= 2 for a, b in zip([0, *counts[:-2]], counts[:-1])), counts
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"text": 5}, "text"),
+    ({"text": "hi", "sampling_params": "fast"}, "sampling_params"),
+    ({"text": "hi", "sampling_params": {"max_new_tokens": "5"}}, "max_new_tokens"),
+    ({"text": "hi", "sampling_params": {"bogus_param": 1}}, "bogus_param"),
+    ({"text": "hi", "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
+    ({"text": "hi", "sampling_params": {"temperature": -0.5}}, "temperature"),
+    ({"text": "hi", "sampling_params": {"top_p": 1.5}}, "top_p"),
+    ({"text": "hi", "sampling_params": {"n": 0}}, "n"),
+    ({"text": ""}, "text"),
+    ({"text": []}, "text"),
+    ({"input_ids": []}, "input_ids"),
+    ({"input_ids": [1, "2"]}, "input_ids"),
+    ({"input_ids": [10 ** 9]}, "input_ids"),
+    ({}, "text"),
+    ({"text": "a", "input_ids": [1]}, "text"),
+    ({"text": "hi", "unknown_field": 1}, "unknown_field"),
+    ({"text": "hi", "image_data": "x.png"}, "image_data"),
+    ({"text": "hello " * 400}, "prompt"),
+    ({"text": ["a", "b"], "sampling_params": [{}]}, "sampling_params"),
+    ({"text": "hi", "return_logprob": True, "top_logprobs_num": 50}, "top_logprobs_num"),
+    ({"text": "hi", "stream": "yes"}, "stream"),
+])
+def test_generate_bad_input_is_400(client: httpx.Client, body: dict, param: str) -> None:
+    assert_error(client.post("/generate", json=body), 400, param)
+
+
+def test_malformed_and_empty_bodies_are_400(client: httpx.Client) -> None:
+    headers = {"content-type": "application/json"}
+    assert_error(client.post("/generate", content=b"{not json", headers=headers), 400)
+    assert_error(client.post("/generate", content=b"", headers=headers), 400)
+    assert_error(client.post("/generate", content=b"[1, 2]", headers=headers), 400)
+    assert_error(client.post("/abort_request", content=b"{\"rid\": 5}", headers=headers), 400, "rid")
+    assert_error(client.get("/no_such_route"), 404)
+    assert_error(client.get("/generate"), 405)
+    # and the server keeps serving
+    assert gen(client, text="ok", sampling_params=greedy(1)).status_code == 200
+
+
+# ---------------------------------------------------------------------------- info endpoints
+def test_get_model_info(client: httpx.Client) -> None:
+    info = client.get("/get_model_info").json()
+    assert info["is_generation"] is True
+    assert {"model_path", "tokenizer_path", "weight_version", "preferred_sampling_params"} <= set(info)
+    assert info["context_length"] == CTX
+
+
+def test_get_server_info_redacts_the_key(client: httpx.Client) -> None:
+    resp = client.get("/get_server_info")
+    info = resp.json()
+    assert KEY not in resp.text
+    assert info["api_key"] == "<redacted>"
+    assert info["port"] > 0 and info["host"] == "127.0.0.1"
+    assert info["max_total_num_tokens"] == 16384
+    assert info["context_length"] == CTX and info["enable_metrics"] is True
+    assert isinstance(info["internal_states"], list) and "version" in info
+
+
+def test_loads_idle(client: httpx.Client) -> None:
+    body = client.get("/v1/loads").json()
+    l0 = body["loads"][0]
+    assert l0["num_running_reqs"] == 0 and l0["num_waiting_reqs"] == 0
+    assert l0["num_used_tokens"] == 0 and l0["token_usage"] == 0
+    assert l0["max_total_num_tokens"] == 16384
+
+
+def test_flush_cache_idle_and_busy(client: httpx.Client) -> None:
+    assert client.post("/flush_cache").status_code == 200
+    with client.stream("POST", "/generate", json={"text": "Tell me a story", "stream": True,
+                                                  "sampling_params": greedy(200, ignore_eos=True)}) as resp:
+        it = resp.iter_lines()
+        next(it)  # running now
+        assert client.post("/flush_cache").status_code == 400
+    wait_for(lambda: load(client)["num_running_reqs"] == 0)
+    assert client.get("/flush_cache").status_code == 200
+
+
+def test_abort_request(client: httpx.Client) -> None:
+    with client.stream("POST", "/generate", json={"text": "Write a long essay", "rid": "to-abort", "stream": True,
+                                                  "sampling_params": greedy(300, ignore_eos=True)}) as resp:
+        it = resp.iter_lines()
+        next(it)
+        assert client.post("/abort_request", json={"rid": "to-abort"}).status_code == 200
+        events = [json.loads(line[6:]) for line in it if line.startswith("data: {")]
+    last = events[-1]
+    assert last["meta_info"]["finish_reason"]["type"] == "abort"
+    assert last["meta_info"]["completion_tokens"] < 300
+    assert client.post("/abort_request", json={"rid": "no-such-rid"}).status_code == 200
+    assert_error(client.post("/abort_request", json={}), 400, "rid")
+
+
+def test_update_weights_from_disk(client: httpx.Client) -> None:
+    from core.loader import default_model_path
+
+    before = gen(client, text="The best fruit is", sampling_params=greedy(5)).json()["text"]
+    path = str(default_model_path())
+    resp = client.post("/update_weights_from_disk", json={"model_path": path, "weight_version": "v2"})
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert body["success"] is True and body["message"].startswith("Succeeded to update model weights")
+    info = client.get("/get_model_info").json()
+    assert info["weight_version"] == "v2" and info["model_path"] == path
+    assert gen(client, text="The best fruit is", sampling_params=greedy(5)).json()["text"] == before
+
+    bad = client.post("/update_weights_from_disk", json={"model_path": "/no/such/model"})
+    assert bad.status_code == 400 and bad.json()["success"] is False and bad.json()["message"]
+    assert gen(client, text="The best fruit is", sampling_params=greedy(5)).json()["text"] == before
+    assert_error(client.post("/update_weights_from_disk", json={}), 400, "model_path")
+
+
+# ---------------------------------------------------------------------------- metrics
+def test_metrics_change_after_a_request(client: httpx.Client) -> None:
+    m0 = metrics(client)
+    for name in ("sglang:prompt_tokens_total", "sglang:generation_tokens_total", "sglang:num_running_reqs",
+                 "sglang:num_queue_reqs", "sglang:token_usage", "sglang:cache_hit_rate", "sglang:gen_throughput",
+                 "sglang:time_to_first_token_seconds_count", "sglang:inter_token_latency_seconds_count",
+                 "sglang:e2e_request_latency_seconds_count", "sglang:num_requests_total"):
+        assert name in m0, name
+    out = gen(client, text="Metrics are", sampling_params=greedy(5)).json()
+    m1 = metrics(client)
+    assert m1["sglang:prompt_tokens_total"] == m0["sglang:prompt_tokens_total"] + out["meta_info"]["prompt_tokens"]
+    assert m1["sglang:generation_tokens_total"] == m0["sglang:generation_tokens_total"] + 5
+    assert m1["sglang:num_requests_total"] == m0["sglang:num_requests_total"] + 1
+    assert m1["sglang:time_to_first_token_seconds_count"] == m0["sglang:time_to_first_token_seconds_count"] + 1
+    assert m1["sglang:e2e_request_latency_seconds_count"] == m0["sglang:e2e_request_latency_seconds_count"] + 1
+    assert m1["sglang:inter_token_latency_seconds_count"] >= m0["sglang:inter_token_latency_seconds_count"] + 4
+    assert m1["sglang:gen_throughput"] > 0
+    assert m1["sglang:num_running_reqs"] == 0 and m1["sglang:token_usage"] == 0
+
+
+def test_client_disconnect_mid_stream_frees_everything(client: httpx.Client) -> None:
+    aborted0 = metrics(client).get("sglang:num_aborted_requests_total", 0)
+    with client.stream("POST", "/generate", json={"text": "Describe the ocean", "stream": True,
+                                                  "sampling_params": greedy(400, ignore_eos=True)}) as resp:
+        it = resp.iter_lines()
+        seen = 0
+        for line in it:
+            if line.startswith("data: {"):
+                seen += 1
+            if seen == 2:
+                break
+        assert metrics(client)["sglang:num_running_reqs"] == 1
+        assert load(client)["num_used_tokens"] > 0
+    # the response is closed mid-stream: the connection drops
+    wait_for(lambda: metrics(client)["sglang:num_running_reqs"] == 0, timeout=5)
+    l0 = load(client)
+    assert l0["num_running_reqs"] == 0 and l0["num_waiting_reqs"] == 0
+    assert l0["num_used_tokens"] == 0 and l0["token_usage"] == 0 and l0["num_free_tokens"] == l0["max_total_num_tokens"]
+    m = metrics(client)
+    assert m["sglang:num_aborted_requests_total"] == aborted0 + 1
+    assert m["sglang:token_usage"] == 0
+
+
+def test_client_disconnect_non_stream_aborts(srv: ServerProcess, client: httpx.Client) -> None:
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(srv.base_url + "/generate", headers=AUTH, timeout=1.0,
+                   json={"text": "Slow", "sampling_params": greedy(400, ignore_eos=True)})
+    wait_for(lambda: load(client)["num_running_reqs"] == 0, timeout=5)
+    assert load(client)["num_used_tokens"] == 0
+
+
+def test_fifty_concurrent_streaming_clients(srv: ServerProcess) -> None:
+    async def one(c: httpx.AsyncClient, i: int) -> dict:
+        body = {"text": f"Request number {i} says", "stream": True, "sampling_params": greedy(4 + i % 3)}
+        last, done = None, False
+        async with c.stream("POST", "/generate", json=body) as resp:
+            assert resp.status_code == 200
+            async for line in resp.aiter_lines():
+                if line == "data: [DONE]":
+                    done = True
+                elif line.startswith("data: "):
+                    last = json.loads(line[6:])
+        assert done and last is not None
+        return last
+
+    async def main() -> list[dict]:
+        limits = httpx.Limits(max_connections=60, max_keepalive_connections=60)
+        async with httpx.AsyncClient(base_url=srv.base_url, headers=AUTH, timeout=120, limits=limits) as c:
+            return await asyncio.gather(*(one(c, i) for i in range(50)))
+
+    results = asyncio.run(main())
+    assert len(results) == 50
+    for i, r in enumerate(results):
+        assert r["meta_info"]["finish_reason"]["type"] == "length"
+        assert r["meta_info"]["completion_tokens"] == 4 + i % 3
+    assert len({r["meta_info"]["id"] for r in results}) == 50
+
+
+def test_request_logs(srv: ServerProcess, client: httpx.Client) -> None:
+    gen(client, text="Log me please", sampling_params=greedy(2), rid="logged-rid")
+
+    def logged() -> bool:
+        logs = srv.logs()
+        return "request.received" in logs and "request.output" in logs and "logged-rid" in logs
+
+    wait_for(logged, timeout=5)
+    logs = srv.logs()
+    assert "Log me please" in logs
+    assert KEY not in logs
+
+
+def test_bench_serving_against_the_server(srv: ServerProcess) -> None:
+    from core.bench_serving import add_bench_command, format_report, run_benchmark
+
+    root = argparse.ArgumentParser()
+    add_bench_command(root.add_subparsers(dest="command"))
+    ns = root.parse_args(["bench", "serving", "--base-url", srv.base_url, "--api-key", KEY, "--num-prompts", "6",
+                          "--random-input-len", "24", "--random-output-len", "6", "--request-rate", "20",
+                          "--max-concurrency", "4"])
+    result = asyncio.run(run_benchmark(ns))
+    assert result["completed"] == 6 and result["failed"] == 0, result["errors"]
+    assert result["output_throughput"] > 0 and result["request_throughput"] > 0
+    assert 0 < result["p50_ttft_ms"] <= result["p99_ttft_ms"] and result["p50_itl_ms"] > 0
+    report = format_report(result)
+    assert "Output token throughput (tok/s)" in report and "P99 ITL (ms)" in report
+
+
+# ---------------------------------------------------------------------------- config, queue limit, shutdown
+def test_config_yaml_and_cli_precedence(cfg_client: httpx.Client) -> None:
+    info = cfg_client.get("/get_server_info").json()
+    assert info["served_model_name"] == "from-cli"  # the command line wins over the file
+    assert info["max_queued_requests"] == 1 and info["max_running_requests"] == 1
+    assert info["stream_interval"] == 2 and info["enable_metrics"] is False
+    assert info["api_key"] is None
+
+
+def test_queue_full_is_503(cfg_srv: ServerProcess, cfg_client: httpx.Client) -> None:
+    long = {"text": "Go on forever", "stream": True, "sampling_params": greedy(400, ignore_eos=True)}
+    with httpx.Client(base_url=cfg_srv.base_url, timeout=60) as c1, httpx.Client(base_url=cfg_srv.base_url, timeout=60) as c2:
+        with c1.stream("POST", "/generate", json=long) as r1:
+            assert r1.status_code == 200
+            wait_for(lambda: load(cfg_client)["num_running_reqs"] == 1)
+            with c2.stream("POST", "/generate", json=long) as r2:
+                assert r2.status_code == 200
+                wait_for(lambda: load(cfg_client)["num_waiting_reqs"] == 1)
+                err = assert_error(cfg_client.post("/generate", json={"text": "one more"}), 503)
+                assert "queue" in err["message"]
+                assert cfg_client.post("/abort_request", json={"rid": "", "abort_all": True}).status_code == 200
+    wait_for(lambda: load(cfg_client)["num_total_reqs"] == 0)
+    assert gen(cfg_client, text="fits now", sampling_params=greedy(1)).status_code == 200
+
+
+def test_sigterm_during_a_stream_exits_0(cfg_srv: ServerProcess) -> None:
+    """Last test on cfg_srv: SIGTERM stops it; the running stream ends within the 1 s grace period."""
+    body = {"text": "A very long story", "stream": True, "sampling_params": greedy(2000, ignore_eos=True)}
+    with httpx.Client(base_url=cfg_srv.base_url, timeout=30) as c:
+        with c.stream("POST", "/generate", json=body) as resp:
+            it = resp.iter_lines()
+            next(it)
+            t0 = time.monotonic()
+            cfg_srv.proc.send_signal(signal.SIGTERM)
+            events = [line for line in it if line]
+    assert events[-1] == "data: [DONE]"
+    final = json.loads(events[-2][6:])
+    assert final["meta_info"]["finish_reason"]["type"] == "abort"
+    assert cfg_srv.proc.wait(15) == 0
+    assert time.monotonic() - t0 < 10
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(cfg_srv.base_url + "/health", timeout=2)
+
+
+# ---------------------------------------------------------------------------- parser (in-process, no model)
+def _parse(*argv: str):
+    from core.cli import build_parser
+
+    return build_parser().parse_args(["serve", *argv])
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--tool-call-parser", "qwen25"], "--tool-call-parser qwen25 is not supported yet"),
+    (["--reasoning-parser", "deepseek-r1"], "--reasoning-parser deepseek-r1 is not supported yet"),
+    (["--grammar-backend", "xgrammar"], "--grammar-backend xgrammar is not supported yet"),
+    (["--chunked-prefill-size", "4096"], "--chunked-prefill-size 4096 is not supported yet"),
+    (["--schedule-policy", "lpm"], "--schedule-policy lpm is not supported yet"),
+    (["--tp-size", "2"], "--tp-size 2 is not supported yet"),
+    (["--dp", "2"], "--dp-size 2 is not supported yet"),  # SGLang's documented abbreviation
+    (["--enable-lora"], "--enable-lora is not supported yet"),
+    (["--speculative-algorithm", "EAGLE"], "--speculative-algorithm EAGLE is not supported yet"),
+])
+def test_unsupported_flags_are_errors(argv: list[str], message: str) -> None:
+    from core.errors import CoreError
+    from core.server_args import validate_serve_args
+
+    ns = _parse(*argv)
+    with pytest.raises(CoreError, match="^" + message.replace("-", r"\-")):
+        validate_serve_args(ns)
+
+
+@pytest.mark.parametrize("argv", [[], ["--grammar-backend", "none"], ["--chunked-prefill-size", "-1"],
+                                  ["--schedule-policy", "fcfs"], ["--tp-size", "1"]])
+def test_supported_values_pass_validation(argv: list[str]) -> None:
+    from core.server_args import validate_serve_args
+
+    validate_serve_args(_parse(*argv))
+
+
+def test_unsupported_flag_exits_2_with_one_line() -> None:
+    proc = subprocess.run([sys.executable, "-m", "core.cli", "serve", "--tool-call-parser", "qwen25"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == "core serve: error: --tool-call-parser qwen25 is not supported yet"
+
+
+def test_defaults_match_sglang() -> None:
+    ns = _parse()
+    assert (ns.host, ns.port) == ("127.0.0.1", 30000)
+    assert ns.api_key is None and ns.enable_metrics is False and ns.stream_interval == 1
+    assert ns.file_storage_path == "sglang_storage" and ns.schedule_policy == "fcfs"
+    assert _parse("--model", "m.gguf").model_path == "m.gguf"
+
+
+def test_help_groups_follow_sglang(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as e:
+        _parse("--help")
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    titles = ["Model and tokenizer:", "HTTP server:", "Quantization and data type:", "Memory and scheduling:",
+              "Runtime options:", "Logging:", "API related:", "LoRA:", "Configuration file:"]
+    positions = [out.index(t) for t in titles]
+    assert positions == sorted(positions)
+    http = out[out.index("HTTP server:"):out.index("Quantization and data type:")]
+    assert "--port" in http and "--host" in http
+    api = out[out.index("API related:"):out.index("Data parallelism:")]
+    assert "--api-key" in api and "--served-model-name" in api
+
+
+def test_config_file_precedence_and_errors(tmp_path) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("port: 4000\nmax-running-requests: 3\nenable_metrics: true\nmodel: x.gguf\n")
+    ns = _parse("--config", str(cfg), "--port", "5000")
+    assert ns.port == 5000 and ns.max_running_requests == 3 and ns.enable_metrics is True
+    assert ns.model_path == "x.gguf"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("no-such-flag: 1\n")
+    with pytest.raises(SystemExit) as e:
+        _parse("--config", str(bad))
+    assert e.value.code == 2
+    with pytest.raises(SystemExit):
+        _parse("--config", str(tmp_path / "missing.yaml"))
+
+
+def test_plugin_cli_options_reach_engine_args_extra(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    import types
+
+    import core.plugins as plugins
+    from core import hookimpl
+    from core.server_args import engine_args_from_namespace
+
+    mod = types.ModuleType("fakeplug")
+
+    @hookimpl
+    def add_cli_options(parser):
+        parser.add_argument("--fakeplug-scale", type=float, default=1.0)
+
+    mod.add_cli_options = add_cli_options
+
+    class EP:
+        name, value, dist = "fakeplug", "fakeplug", None
+
+        def load(self):
+            return mod
+
+    monkeypatch.setattr(plugins, "_entry_points", lambda: [EP()])
+    ns = _parse("--fakeplug-scale", "2.5")
+    args = engine_args_from_namespace(ns, ns._plugin_dests)
+    assert args.extra == {"fakeplug_scale": 2.5}
+    cfg = tmp_path / "p.yaml"
+    cfg.write_text("fakeplug-scale: 4\n")
+    ns = _parse("--config", str(cfg))
+    assert engine_args_from_namespace(ns, ns._plugin_dests).extra == {"fakeplug_scale": 4.0}
+
+
+# ---------------------------------------------------------------------------- app-level (in-process, stub engine)
+class _BrokenScheduler:
+    @property
+    def running(self):
+        raise RuntimeError("scheduler exploded")
+
+    waiting: list = []
+    has_work = False
+    max_running = 1
+
+
+def _stub_app(**args: Any):
+    from core.metrics import Metrics
+    from core.server import ServerState, create_app
+
+    engine = types.SimpleNamespace(scheduler=_BrokenScheduler(), allocator=types.SimpleNamespace(page_size=1, capacity=8, available=8),
+                                   finish_listeners=[], step_listeners=[])
+    ns = argparse.Namespace(**{"api_key": None, "enable_metrics": False, "log_requests": False, **args})
+    state = ServerState(engine=engine, args=ns, metrics=Metrics("stub", enabled=False), served_model_name="stub")  # type: ignore[arg-type]
+    return state, create_app(state)
+
+
+def test_unexpected_error_is_500_and_the_app_keeps_serving() -> None:
+    from starlette.testclient import TestClient
+
+    state, app = _stub_app()
+    with TestClient(app, raise_server_exceptions=False) as c:
+        err = assert_error(c.get("/v1/loads"), 500)
+        assert err["type"] == "server_error" and "scheduler exploded" in err["message"]
+        assert c.get("/health").status_code == 503  # not ready yet
+        state.ready = True
+        assert c.get("/health").status_code == 200
+        assert_error(c.get("/v1/loads"), 500)
+
+
+def test_api_key_middleware_in_process() -> None:
+    from starlette.testclient import TestClient
+
+    state, app = _stub_app(api_key="k1")
+    state.ready = True
+    with TestClient(app, raise_server_exceptions=False) as c:
+        assert c.get("/health").status_code == 200
+        err = assert_error(c.get("/get_model_info"), 401, None)
+        assert err["code"] == "invalid_api_key"
+        assert c.get("/no/route", headers={"Authorization": "Bearer k1"}).status_code == 404
+        assert_error(c.get("/no/route", headers={"Authorization": "Bearer k2"}), 401)
+
+
+def test_error_response_shape() -> None:
+    from core.server import error_response
+
+    resp = error_response(422, "bad thing", param="x")
+    assert resp.status_code == 422
+    assert json.loads(resp.body) == {"error": {"message": "bad thing", "type": "invalid_request_error", "param": "x",
+                                               "code": 422}}
