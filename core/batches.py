@@ -180,6 +180,7 @@ def parse_multipart(content_type: str, body: bytes) -> dict[str, tuple[bytes, st
 async def _read_upload(request: Request) -> tuple[bytes, str, str]:
     ctype = request.headers.get("content-type", "")
     if not ctype.lower().startswith("multipart/form-data"):
+        await request.body()  # consume it, so the connection stays usable for keep-alive clients
         raise InvalidRequest("upload the file as multipart/form-data with the fields 'file' and 'purpose'", param="file")
     import starlette.requests as sr
 
@@ -480,6 +481,7 @@ async def retrieve_batch(request: Request) -> Response:
 
 
 async def cancel_batch(request: Request) -> Response:
+    await request.body()  # ignored; read so the connection stays usable
     store = get_storage(request)
     batch_id = request.path_params["batch_id"]
     batch = store.batches.get(batch_id)

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from core.errors import ModelLoadError
 from core.interfaces import AttentionLayerSpec, ForwardBatch, QuantMethod
 
 
@@ -183,7 +184,8 @@ def load_packed_weights(
 
     ``packed`` maps a checkpoint sub-name to (packed parameter sub-name, shard id),
     e.g. ``{"q_proj": ("qkv_proj", "q")}``. Returns the parameter names loaded; an
-    unknown checkpoint tensor is an error unless ``skip(name)``."""
+    unknown checkpoint tensor (unless ``skip(name)``) or a shape mismatch raises
+    ModelLoadError naming the tensor."""
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     for name, tensor in weights:
@@ -195,12 +197,15 @@ def load_packed_weights(
                 target, shard = name.replace(f".{src}.", f".{dst}."), shard_id
                 break
         if target not in params:
-            raise ValueError(f"checkpoint tensor {name!r} has no matching model parameter")
+            raise ModelLoadError(f"checkpoint tensor {name!r} has no matching model parameter")
         param = params[target]
         loader = getattr(param, "weight_loader", None)
-        if loader is None:
-            default_weight_loader(param, tensor.to(param.dtype))
-        else:
-            loader(param, tensor.to(param.dtype), shard)
+        try:
+            if loader is None:
+                default_weight_loader(param, tensor.to(param.dtype))
+            else:
+                loader(param, tensor.to(param.dtype), shard)
+        except ValueError as e:  # e.g. a shape mismatch: name the tensor
+            raise ModelLoadError(f"checkpoint tensor {name!r}: {e}") from None
         loaded.add(target)
     return loaded

@@ -964,6 +964,7 @@ async def retrieve_model(request: Request) -> Response:
 
 
 async def embeddings(request: Request) -> Response:
+    await request.body()  # read (and ignore) it, so the connection stays usable for keep-alive clients
     try:
         state = _state(request)
     except ApiError as e:

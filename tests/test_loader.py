@@ -208,6 +208,18 @@ def test_bin_folder_serves_like_transformers(tiny_llama, engine_factory, variant
     torch.testing.assert_close(got, ref[torch.arange(5), torch.tensor(p[1:])], atol=1e-4, rtol=0)
 
 
+def test_context_length_cannot_exceed_the_model(tiny_llama):
+    src, _ = tiny_llama("gqa")
+    max_pos = TINY_BASE["max_position_embeddings"]
+    assert load_model_config(str(src), "float32", CPU, max_pos).context_len == max_pos
+    for bad in (max_pos + 1, 4 * max_pos, -5):
+        with pytest.raises(ModelLoadError, match=f"context-length {bad}"):
+            load_model_config(str(src), "float32", CPU, bad)
+    # through the engine: rejected at start-up, not as a failed forward at position max_pos
+    with pytest.raises(ModelLoadError, match="max_position_embeddings"):
+        make_engine(src, skip_tokenizer_init=True, context_length=max_pos * 2)
+
+
 def test_no_weights(tmp_path, tiny_llama):
     src, _ = tiny_llama("gqa")
     shutil.copy(src / "config.json", tmp_path / "config.json")

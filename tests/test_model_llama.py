@@ -251,6 +251,76 @@ def test_small_paged_pool_queues_and_still_matches_transformers(gqa, engine_fact
     assert_pool_free(eng)
 
 
+# --------------------------------------------------------------------------- dtype and checkpoints
+
+
+def test_bfloat16_engine_stays_close_to_float32(gqa, engine_factory):
+    path, hf = gqa
+    eng = engine_factory(path, skip_tokenizer_init=True, dtype="bfloat16")
+    assert eng.engine.model_config.dtype == torch.bfloat16
+    assert all(p.dtype == torch.bfloat16 for p in eng.engine.model.parameters())
+    assert eng.engine.kv_cache.k[0].dtype == torch.bfloat16
+    p = prompt(20, 60)
+    out = eng.generate(input_ids=p, sampling_params=greedy(4), return_logprob=True, logprob_start_len=0)
+    ref = hf_logprobs(hf, p)
+    got = torch.tensor([lp for lp, _ in out["meta_info"]["input_token_logprobs"][1:]])
+    torch.testing.assert_close(got, ref[torch.arange(19), torch.tensor(p[1:])], atol=0.15, rtol=0)
+    assert len(out["output_ids"]) == 4
+    assert_pool_free(eng)
+
+
+def _edit_checkpoint(src, dst, edit) -> None:
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    state = load_file(dst / "model.safetensors")
+    edit(state)
+    save_file(state, dst / "model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("drop", ["model.layers.1.mlp.down_proj.weight", "model.layers.0.self_attn.k_proj.weight",
+                                  "model.layers.1.mlp.up_proj.weight", "model.norm.weight", "lm_head.weight"])
+def test_checkpoint_missing_a_tensor_is_a_load_error(gqa, tmp_path, drop):
+    """A packed parameter counts as loaded only when every shard was in the checkpoint."""
+    from core.errors import ModelLoadError
+    from tests.conftest import make_engine
+
+    src, _ = gqa
+    _edit_checkpoint(src, tmp_path / "m", lambda st: st.pop(drop))
+    with pytest.raises(ModelLoadError, match="missing 1 tensor") as e:
+        make_engine(tmp_path / "m", skip_tokenizer_init=True)
+    assert drop in str(e.value)
+
+
+def test_tied_checkpoint_needs_no_lm_head(tiny_llama, engine_factory):
+    path, hf = tiny_llama("tied")
+    from safetensors import safe_open
+
+    with safe_open(path / "model.safetensors", "pt") as f:
+        assert "lm_head.weight" not in f.keys()
+    eng = engine_factory(path, skip_tokenizer_init=True)
+    assert not hasattr(eng.engine.model, "lm_head")
+
+
+@pytest.mark.parametrize("case", ["unexpected", "shape"])
+def test_bad_checkpoint_tensor_is_a_load_error_naming_it(gqa, tmp_path, case):
+    from core.errors import ModelLoadError
+    from tests.conftest import make_engine
+
+    src, _ = gqa
+    if case == "unexpected":
+        name = "model.layers.0.mlp.extra.weight"
+        _edit_checkpoint(src, tmp_path / "m", lambda st: st.__setitem__(name, torch.zeros(2, 2)))
+    else:
+        name = "model.layers.1.self_attn.v_proj.weight"
+        _edit_checkpoint(src, tmp_path / "m", lambda st: st.__setitem__(name, st[name][:-1].clone()))
+    with pytest.raises(ModelLoadError) as e:
+        make_engine(tmp_path / "m", skip_tokenizer_init=True)
+    assert name in str(e.value)
+
+
 # --------------------------------------------------------------------------- SmolLM2 (the real default model)
 
 SMOL_PROMPTS = [

@@ -560,3 +560,32 @@ def test_batch_input_validation():
     _, errors = parse_batch_input(bad, "/v1/completions")
     assert [e["line"] for e in errors] == [2, 3, 4, 5]
     assert parse_batch_input(b"\n", "/v1/completions")[1][0]["code"] == "empty_file"
+
+
+def test_files_in_process_without_python_multipart(tmp_path, monkeypatch):
+    """The files API on a bare Starlette app, with the standard-library multipart fallback."""
+    import asyncio
+
+    import starlette.requests
+    from starlette.applications import Starlette
+
+    from core.openai_api import openai_routes
+
+    monkeypatch.setattr(starlette.requests, "parse_options_header", None)
+    app = Starlette(routes=openai_routes())
+    app.state.core = _fake_state(file_storage_path=str(tmp_path / "store"))
+    content = b'{"custom_id": "a", "body": {"prompt": "x"}}\n'
+
+    async def run() -> None:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
+            r = await c.post("/v1/files", files={"file": ("in.jsonl", content)}, data={"purpose": "batch"})
+            assert r.status_code == 200, r.text
+            fid = r.json()["id"]
+            assert (await c.get(f"/v1/files/{fid}/content")).content == content
+            assert (await c.get("/v1/files")).json()["data"][0]["id"] == fid
+            r = await c.post("/v1/files", files={"file": ("in.jsonl", content)})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "purpose"
+            assert (await c.delete(f"/v1/files/{fid}")).json() == {"id": fid, "object": "file", "deleted": True}
+
+    asyncio.run(run())
+    assert json.loads((tmp_path / "store" / "index.json").read_text())["files"] == []

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from core import hookimpl
+from core.errors import ModelLoadError
 from core.interfaces import AttentionLayerSpec, ForwardBatch, ModelContext
 from core.layers import Attention, GatedMLP, Linear, RMSNorm, RotaryEmbedding, VocabEmbedding, load_packed_weights
 
@@ -87,7 +88,24 @@ class LlamaForCausalLM(nn.Module):
         def skip(name: str) -> bool:
             return "rotary_emb.inv_freq" in name or (self.tied and name == "lm_head.weight")
 
-        load_packed_weights(self, weights, self.packed_modules, skip)
+        seen: set[str] = set()
+
+        def track(ws: Iterable[tuple[str, torch.Tensor]]):
+            for name, tensor in ws:
+                seen.add(name)
+                yield name, tensor
+
+        load_packed_weights(self, track(weights), self.packed_modules, skip)
+        # Every parameter (every shard of a packed one) must come from the checkpoint:
+        # an absent tensor would otherwise serve uninitialised memory.
+        expected: set[str] = set()
+        for pname, _ in self.named_parameters():
+            shards = [pname.replace(f".{dst}.", f".{src}.") for src, (dst, _) in self.packed_modules.items() if f".{dst}." in pname]
+            expected.update(shards or [pname])
+        missing = sorted(expected - seen)
+        if missing:
+            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            raise ModelLoadError(f"checkpoint is missing {len(missing)} tensor(s): {', '.join(missing[:5])}{more}")
 
 
 @hookimpl
