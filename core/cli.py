@@ -106,12 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
     plg.add_argument("--strict-plugins", action="store_true")
     plg.set_defaults(func=_cmd_plugins)
 
-    try:
-        from core.server_args import add_serve_command
-    except ImportError:  # the HTTP server is optional at this layer
-        pass
-    else:
-        add_serve_command(sub)
+    from core.bench_serving import add_bench_command
+    from core.server_args import add_serve_command
+
+    add_serve_command(sub)
+    add_bench_command(sub)
     return parser
 
 

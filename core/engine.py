@@ -212,8 +212,9 @@ class AsyncEngine:
                 await req.queue.get()
                 while not req.queue.empty():  # coalesce steps the consumer fell behind on
                     req.queue.get_nowait()
+                done = req.finished  # read before yielding: it may finish while the consumer is away
                 yield self.output(req)
-                if req.finished:
+                if done:
                     return
         finally:
             if not req.finished:
@@ -446,6 +447,7 @@ class Engine:
         if self._loop.is_closed():
             return
         self._call(self.engine.shutdown())
+        self._call(_settle())  # let blocked generate() callers observe their aborted requests
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
         self._loop.close()
@@ -455,6 +457,12 @@ class Engine:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+async def _settle(timeout: float = 10.0) -> None:
+    others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    if others:
+        await asyncio.wait(others, timeout=timeout)
 
 
 async def _run(fn, *a):

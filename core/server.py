@@ -454,14 +454,20 @@ async def generate(request: Request) -> Response:
 
         async def body() -> AsyncIterator[bytes]:
             sent = [0] * len(reqs)
+            final_sent = [False] * len(reqs)
             updates = _stream_reqs(engine, reqs)
             try:
                 async for i, r in updates:
                     n = len(r.output_ids)
-                    if not r.finished and n - sent[i] < interval:
+                    if final_sent[i] or (not r.finished and n - sent[i] < interval):
                         continue
-                    sent[i] = n
+                    sent[i], final_sent[i] = n, r.finished
                     yield sse(output_of(state, r, with_text, i if multi else None))
+                # a request can finish between two updates the consumer saw: always end with its final state
+                for i, r in enumerate(reqs):
+                    if r.finished and not final_sent[i]:
+                        final_sent[i] = True
+                        yield sse(output_of(state, r, with_text, i if multi else None))
             except Exception as e:  # mid-stream: the status line is gone, report in-band
                 log.error("server.stream_failed", error=f"{type(e).__name__}: {e}", exc_info=e)
                 yield sse({"error": {"message": f"internal server error: {type(e).__name__}: {e}",

@@ -198,10 +198,8 @@ def assert_pool_free(engine) -> None:
 
 @contextlib.contextmanager
 def finished_requests(engine):
-    """Collect every request the engine finishes, as ``{rid: Req}`` (its final state).
-
-    Streams can be read without relying on the last chunk, which a slow consumer may
-    not receive (see test_engine.py::test_slow_stream_consumer_still_gets_the_final_chunk)."""
+    """Collect every request the engine finishes, as ``{rid: Req}`` (its final state, whatever
+    path it took: finished, aborted, abandoned stream or shutdown)."""
     ae = getattr(engine, "engine", engine)
     done: dict[str, Any] = {}
 

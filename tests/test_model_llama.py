@@ -262,9 +262,14 @@ def test_bfloat16_engine_stays_close_to_float32(gqa, engine_factory):
     assert eng.engine.kv_cache.k[0].dtype == torch.bfloat16
     p = prompt(20, 60)
     out = eng.generate(input_ids=p, sampling_params=greedy(4), return_logprob=True, logprob_start_len=0)
-    ref = hf_logprobs(hf, p)
+    from transformers import LlamaForCausalLM
+
+    hf_bf16 = LlamaForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    idx = (torch.arange(19), torch.tensor(p[1:]))
     got = torch.tensor([lp for lp, _ in out["meta_info"]["input_token_logprobs"][1:]])
-    torch.testing.assert_close(got, ref[torch.arange(19), torch.tensor(p[1:])], atol=0.15, rtol=0)
+    # same numerics as transformers in bfloat16, and within bfloat16 error of float32
+    torch.testing.assert_close(got, hf_logprobs(hf_bf16, p)[idx], atol=2e-2, rtol=0)
+    torch.testing.assert_close(got, hf_logprobs(hf, p)[idx], atol=0.5, rtol=0)
     assert len(out["output_ids"]) == 4
     assert_pool_free(eng)
 
