@@ -148,7 +148,8 @@ def load_model_config(model_path: str | None, dtype: str, device: torch.device, 
     max_pos = getattr(hf_config, "max_position_embeddings", None) or 4096
     if context_length is not None and not 0 < context_length <= max_pos:
         # positions past max_position_embeddings have no rotary entry: the forward would fail mid-request
-        raise ModelLoadError(f"--context-length {context_length} must be in [1, {max_pos}] (the model's max_position_embeddings)")
+        raise ModelLoadError(
+            f"--context-length {context_length} must be in [1, {max_pos}] (the model's max_position_embeddings)")
     context_len = context_length or max_pos
     eos: list[int] = []
     for src in (hf_config, _generation_config(GenerationConfig, path)):

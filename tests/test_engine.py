@@ -37,13 +37,24 @@ def eng(tiny, engine_factory):
     return engine_factory(path, max_total_tokens=1024, max_running_requests=16)
 
 
+@pytest.fixture(scope="module")
+def long_eng(tiny_llama, engine_factory):
+    """Same weights, 4096 positions: long requests stay running for as long as an abort test needs."""
+    path, _ = tiny_llama("gqa", max_position_embeddings=4096)
+    return engine_factory(path, max_total_tokens=8192, max_running_requests=8)
+
+
+LONG = {"temperature": 0, "max_new_tokens": 4000, "ignore_eos": True}
+
+
 @pytest.fixture(autouse=True)
 def _pool_is_free_after_each_test(request):
     yield
-    if "eng" in request.fixturenames:
-        e = request.getfixturevalue("eng")
-        wait_until(lambda: not e.engine.scheduler.has_work)
-        assert_pool_free(e)
+    for name in ("eng", "long_eng"):
+        if name in request.fixturenames:
+            e = request.getfixturevalue(name)
+            wait_until(lambda: not e.engine.scheduler.has_work)
+            assert_pool_free(e)
 
 
 def ids_of(eng, text: str) -> list[int]:
@@ -212,22 +223,30 @@ def test_stop_token_ids(eng):
     assert tok not in blocked["output_ids"][: k + 2]
 
 
-def test_eos_ends_generation_unless_ignored(tiny, engine_factory):
+def test_eos_from_the_model_config_ends_generation(tiny, engine_factory, tmp_path):
+    """Make a token the model really generates its EOS (config.json and generation_config.json)."""
     path, _ = tiny
-    eng = engine_factory(path, skip_tokenizer_init=True)
     p = [1, 40, 41, 42]
-    ids = eng.generate(input_ids=p, sampling_params={"temperature": 0, "max_new_tokens": 8, "ignore_eos": True})["output_ids"]
-    # make one of the generated tokens the EOS by asking for it as a stop token and as eos via ignore_eos=False
-    tok = ids[2]
-    eng.engine.scheduler.eos_ids = frozenset({tok})
-    try:
-        out = eng.generate(input_ids=p, sampling_params={"temperature": 0, "max_new_tokens": 8})
-        assert out["output_ids"] == ids[: ids.index(tok) + 1]
-        assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": tok}
-        out = eng.generate(input_ids=p, sampling_params={"temperature": 0, "max_new_tokens": 8, "ignore_eos": True})
-        assert out["output_ids"] == ids
-    finally:
-        eng.engine.scheduler.eos_ids = frozenset(eng.engine.model_config.eos_ids)
+    plain = engine_factory(path, skip_tokenizer_init=True)
+    ids = plain.generate(input_ids=p, sampling_params={"temperature": 0, "max_new_tokens": 8, "ignore_eos": True})["output_ids"]
+    eos = ids[2]
+    k = ids.index(eos)
+    dst = tmp_path / "eos"
+    shutil.copytree(path, dst)
+    for name in ("config.json", "generation_config.json"):
+        cfg = json.loads((dst / name).read_text())
+        cfg["eos_token_id"] = eos
+        (dst / name).write_text(json.dumps(cfg))
+    eng = engine_factory(dst, skip_tokenizer_init=True)
+    assert eng.engine.model_config.eos_ids == (eos,)
+    out = eng.generate(input_ids=p, sampling_params={"temperature": 0, "max_new_tokens": 8})
+    assert out["output_ids"] == ids[: k + 1]
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": eos}
+    out = eng.generate(input_ids=p, sampling_params={"temperature": 0, "max_new_tokens": 8, "ignore_eos": True})
+    assert out["output_ids"] == ids and out["meta_info"]["finish_reason"]["type"] == "length"
+    # min_new_tokens blocks the EOS until it is reached
+    out = eng.generate(input_ids=p, sampling_params={"temperature": 0, "max_new_tokens": 8, "min_new_tokens": k + 2})
+    assert eos not in out["output_ids"][: k + 2] and len(out["output_ids"]) >= k + 2
     assert_pool_free(eng)
 
 
@@ -258,42 +277,42 @@ def test_return_logprob_with_text_prompt(eng):
 # --------------------------------------------------------------------------- aborts
 
 
-def test_abort_running_request_from_its_stream(eng):
-    rid = "abort-stream"
+def test_abort_running_request_from_its_stream(long_eng):
+    eng, rid = long_eng, "abort-stream"
     chunks = []
     with finished_requests(eng) as done:
-        for chunk in eng.generate(PROMPT, {"temperature": 0, "max_new_tokens": 200, "ignore_eos": True}, stream=True,
-                                  rid=rid):
+        for chunk in eng.generate(PROMPT, LONG, stream=True, rid=rid):
             chunks.append(chunk)
             if len(chunks) == 1:
                 assert eng.engine.scheduler.running, "the request is running"
                 assert eng.abort_request(rid) is True
     req = done[rid]
     assert req.finish_reason == {"type": "abort", "message": "request aborted"}
-    assert len(req.output_ids) < 200
+    assert 0 < len(req.output_ids) < 4000
     assert chunks[-1]["meta_info"]["finish_reason"] == req.finish_reason, "the stream ends with the aborted state"
+    assert chunks[-1]["output_ids"] == req.output_ids and chunks[-1]["text"] == req.text
     assert eng.abort_request(rid) is False, "a finished request is gone"
     assert_pool_free(eng)
 
 
-def test_abort_blocking_generate_from_another_thread(eng):
-    rid = "abort-blocking"
+def test_abort_blocking_generate_from_another_thread(long_eng):
+    eng, rid = long_eng, "abort-blocking"
     result: dict = {}
-    t = threading.Thread(target=lambda: result.update(out=eng.generate(
-        PROMPT, {"temperature": 0, "max_new_tokens": 220, "ignore_eos": True}, rid=rid)))
+    t = threading.Thread(target=lambda: result.update(out=eng.generate(PROMPT, LONG, rid=rid)), daemon=True)
     t.start()
     wait_until(lambda: any(r.rid == rid and r.output_ids for r in list(eng.engine.scheduler.running)) or not t.is_alive())
     assert eng.abort_request(rid)
     t.join(30)
-    assert result["out"]["meta_info"]["finish_reason"]["type"] == "abort"
+    out = result["out"]
+    assert out["meta_info"]["finish_reason"] == {"type": "abort", "message": "request aborted"}
+    assert 0 < len(out["output_ids"]) < 4000
     assert_pool_free(eng)
 
 
-def test_abort_by_request_id_covers_its_n_sequences(eng):
-    rid = "multi"
+def test_abort_by_request_id_covers_its_n_sequences(long_eng):
+    eng, rid = long_eng, "multi"
     result: dict = {}
-    t = threading.Thread(target=lambda: result.update(out=eng.generate(
-        PROMPT, {"temperature": 0, "max_new_tokens": 200, "ignore_eos": True, "n": 2}, rid=rid)))
+    t = threading.Thread(target=lambda: result.update(out=eng.generate(PROMPT, {**LONG, "n": 2}, rid=rid)), daemon=True)
     t.start()
     wait_until(lambda: sum(r.rid.startswith("multi-") and bool(r.output_ids) for r in list(eng.engine.scheduler.running)) == 2
                or not t.is_alive())
@@ -305,35 +324,50 @@ def test_abort_by_request_id_covers_its_n_sequences(eng):
     assert_pool_free(eng)
 
 
-def test_abandoned_stream_aborts_its_request(eng):
-    it = eng.generate(PROMPT, {"temperature": 0, "max_new_tokens": 200, "ignore_eos": True}, stream=True)
-    next(it)
-    it.close()
-    wait_until(lambda: not eng.engine.scheduler.has_work)
+def test_abandoned_stream_aborts_its_request(long_eng):
+    eng = long_eng
+    with finished_requests(eng) as done:
+        it = eng.generate(PROMPT, LONG, stream=True, rid="abandoned")
+        next(it)
+        it.close()
+        wait_until(lambda: not eng.engine.scheduler.has_work)
+    assert done["abandoned"].finish_reason["type"] == "abort"
+    assert_pool_free(eng)
+
+    async def main():  # the same for an async consumer that stops early
+        agen = await eng.async_generate(PROMPT, LONG, stream=True, rid="abandoned-async")
+        async for _ in agen:
+            break
+        await agen.aclose()
+
+    with finished_requests(eng) as done:
+        asyncio.run(main())
+        wait_until(lambda: not eng.engine.scheduler.has_work)
+    assert done["abandoned-async"].finish_reason["type"] == "abort"
     assert_pool_free(eng)
 
 
 def test_abort_queued_request(tiny, engine_factory):
-    """With one running slot, a second request waits; aborting it finishes it without running it."""
-    path, _ = tiny
+    """With one running slot, the second prompt of a batch waits; aborting it (from the engine loop,
+    once the first has decoded twice, so deterministically while queued) finishes it without running it."""
+    path, hf = tiny
     eng = engine_factory(path, skip_tokenizer_init=True, max_running_requests=1)
-    results: dict = {}
-    long = threading.Thread(target=lambda: results.update(a=eng.generate(
-        input_ids=[1, 5, 6], sampling_params={"temperature": 0, "max_new_tokens": 150, "ignore_eos": True}, rid="a")))
-    long.start()
-    wait_until(lambda: len(eng.engine.scheduler.running) == 1)
-    queued = threading.Thread(target=lambda: results.update(b=eng.generate(
-        input_ids=[1, 7], sampling_params={"temperature": 0, "max_new_tokens": 5}, rid="b")))
-    queued.start()
-    wait_until(lambda: any(r.rid == "b" for r in list(eng.engine.scheduler.waiting)) or "b" in results)
-    assert eng.abort_request("b")
-    queued.join(30)
-    b = results["b"]
-    if b["meta_info"]["finish_reason"]["type"] == "abort":  # normal case: aborted while still queued
-        assert b["output_ids"] == []
-    assert eng.abort_request("a")
-    long.join(30)
-    assert results["a"]["meta_info"]["finish_reason"]["type"] == "abort"
+    ae = eng.engine
+    aborted = []
+
+    def listener(batch, dt):
+        if not aborted and any(r.rid == "q-1" for r in ae.scheduler.waiting) and len(batch.reqs[0].output_ids) >= 2:
+            aborted.append(ae.abort("q-1"))
+
+    ae.step_listeners.append(listener)
+    try:
+        a, b = eng.generate(input_ids=[[1, 5, 6], [1, 7]], sampling_params=greedy(10), rid="q")
+    finally:
+        ae.step_listeners.remove(listener)
+    assert aborted == [True]
+    assert b["meta_info"]["finish_reason"] == {"type": "abort", "message": "request aborted"} and b["output_ids"] == []
+    assert a["meta_info"]["finish_reason"] == {"type": "length", "length": 10}
+    assert_greedy_matches(hf, [1, 5, 6], a["output_ids"], 10)
     assert_pool_free(eng)
 
 
@@ -540,18 +574,23 @@ def test_shutdown_twice_is_safe_and_context_manager(tiny):
     e2.shutdown()
 
 
-def test_shutdown_finishes_in_flight_requests(tiny):
-    """Regression: shutdown stopped the loop before a blocked generate() could see its abort."""
-    path, _ = tiny
-    e = make_engine(path, skip_tokenizer_init=True)
+def test_shutdown_finishes_in_flight_requests(tiny_llama):
+    """Regression: shutdown stopped the loop before a blocked generate() could see its abort.
+    Both the running and the still-queued request of the call end as aborted."""
+    path, _ = tiny_llama("gqa", max_position_embeddings=4096)
+    e = make_engine(path, skip_tokenizer_init=True, max_running_requests=1, max_total_tokens=8192)
     result: dict = {}
     # daemon: should shutdown ever leave it blocked again, it must not keep pytest from exiting
-    t = threading.Thread(target=lambda: result.update(out=e.generate(
-        input_ids=[1, 2, 3], sampling_params={"temperature": 0, "max_new_tokens": 200, "ignore_eos": True})), daemon=True)
+    t = threading.Thread(target=lambda: result.update(out=e.generate(input_ids=[[1, 2, 3], [1, 9]], sampling_params=LONG)),
+                         daemon=True)
     t.start()
-    wait_until(lambda: e.engine.scheduler.running or not t.is_alive())
+    wait_until(lambda: any(r.output_ids for r in list(e.engine.scheduler.running)) or not t.is_alive())
+    assert len(e.engine.scheduler.waiting) == 1
     e.shutdown()
     assert_pool_free(e)
     t.join(10)
     assert not t.is_alive(), "generate() still blocked after shutdown"
-    assert result["out"]["meta_info"]["finish_reason"] == {"type": "abort", "message": "engine shut down"}
+    running, queued = result["out"]
+    assert running["meta_info"]["finish_reason"] == {"type": "abort", "message": "engine shut down"}
+    assert queued["meta_info"]["finish_reason"] == {"type": "abort", "message": "engine shut down"}
+    assert running["output_ids"] and queued["output_ids"] == []

@@ -242,12 +242,14 @@ def test_small_paged_pool_queues_and_still_matches_transformers(gqa, engine_fact
     listener = lambda batch, dt: running_sizes.append(len(ae.scheduler.running))  # noqa: E731
     ae.step_listeners.append(listener)
     try:
-        outs = eng.generate(input_ids=prompts, sampling_params=greedy(8))
+        outs = eng.generate(input_ids=prompts, sampling_params=greedy(8), return_logprob=True, logprob_start_len=0,
+                            top_logprobs_num=2)
     finally:
         ae.step_listeners.remove(listener)
     assert max(running_sizes) < 6, "the pool was expected to force queueing"
     for p, out in zip(prompts, outs):
         assert_greedy_matches(hf, p, out["output_ids"], 8)
+        check_logprobs(out, p, hf, 2)
     assert_pool_free(eng)
 
 
@@ -357,4 +359,21 @@ def test_smollm2_concurrent_greedy_and_logprobs_match_transformers(smollm2):
         assert_greedy_matches(hf, p, out["output_ids"], 16)
         check_logprobs(out, p, hf, 3, atol=2e-4)
     assert outs[0]["text"].lstrip().startswith("Paris")
+    assert_pool_free(eng)
+
+
+@pytest.mark.slow
+def test_smollm2_stream_and_stop_string(smollm2):
+    eng, _ = smollm2
+    text = eng.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                             tokenize=False, add_generation_prompt=True)
+    sp = {"temperature": 0, "max_new_tokens": 24}
+    full = eng.generate(text, sp)
+    chunks = list(eng.generate(text, sp, stream=True))
+    assert chunks[-1]["text"] == full["text"] and chunks[-1]["output_ids"] == full["output_ids"]
+    assert all(b["text"].startswith(a["text"]) for a, b in zip(chunks, chunks[1:]))
+    assert "Paris" in full["text"] and " is" in full["text"]
+    cut = eng.generate(text, {**sp, "stop": " is"})
+    assert cut["text"] == full["text"][: full["text"].index(" is")]
+    assert cut["meta_info"]["finish_reason"] == {"type": "stop", "matched": " is"}
     assert_pool_free(eng)

@@ -100,7 +100,8 @@ class LlamaForCausalLM(nn.Module):
         # an absent tensor would otherwise serve uninitialised memory.
         expected: set[str] = set()
         for pname, _ in self.named_parameters():
-            shards = [pname.replace(f".{dst}.", f".{src}.") for src, (dst, _) in self.packed_modules.items() if f".{dst}." in pname]
+            shards = [pname.replace(f".{dst}.", f".{src}.")
+                      for src, (dst, _) in self.packed_modules.items() if f".{dst}." in pname]
             expected.update(shards or [pname])
         missing = sorted(expected - seen)
         if missing:
