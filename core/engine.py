@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import itertools
 import os
 import threading
 import time
@@ -63,7 +62,6 @@ class AsyncEngine:
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="core-forward")
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
-        self._ids = itertools.count()
         self.log = log
         # Observers (metrics, request logs): called on the loop thread, must be cheap and never raise.
         self.step_listeners: list[Callable[[ScheduledBatch, float], None]] = []
@@ -171,8 +169,7 @@ class AsyncEngine:
         if not isinstance(logprob_start_len, int) or not -1 <= logprob_start_len < len(prompt_ids):
             raise InvalidRequest(f"logprob_start_len must be -1 or in [0, {len(prompt_ids)})", param="logprob_start_len")
         params = SamplingParams(**{**_asdict(params), "max_new_tokens": min(params.max_new_tokens, ctx - len(prompt_ids))})
-        need = self.scheduler.pages_needed(Req("", prompt_ids, params))
-        if need > self.allocator.capacity:
+        if self.allocator.pages_for(len(prompt_ids) + params.max_new_tokens) > self.allocator.capacity:
             raise InvalidRequest(
                 f"the request needs {len(prompt_ids) + params.max_new_tokens} tokens of KV cache but the pool holds "
                 f"{self.max_total_tokens}; lower max_new_tokens or raise --max-total-tokens", param="max_new_tokens")

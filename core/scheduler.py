@@ -67,7 +67,7 @@ class Scheduler:
         """Mark a request aborted; its resources go back at the next step boundary."""
         found = False
         for req in (*self.waiting, *self.running):
-            if req.rid == rid or req.rid.startswith(rid + "-"):
+            if req.rid == rid or (req.rid.startswith(rid + "-") and req.rid[len(rid) + 1 :].isdigit()):  # n > 1 copies
                 req.aborted, found = True, True
         return found
 

@@ -18,8 +18,8 @@ from core.interfaces import AttentionConfig, AttentionLayerSpec, ForwardBatch
 
 @attrs.define
 class _Metadata:
-    q_index: torch.Tensor | None  # [B, Qmax] index into the flat token axis (None for pure decode)
-    q_valid: torch.Tensor | None  # [B, Qmax] bool
+    q_index: torch.Tensor | None  # [B*Qmax] index into the flat token axis (None for pure decode)
+    out_index: torch.Tensor | None  # [T] rows of the padded [B*Qmax] output that are real tokens
     q_pos: torch.Tensor  # [B, Qmax] position of each (padded) query within its sequence
     key_ok: torch.Tensor  # [B, 1, Qmax, Kmax] bool: causal & in-range
     windowed: dict[int, torch.Tensor] = attrs.field(factory=dict)  # window -> mask
@@ -41,12 +41,12 @@ class TorchNativeBackend:
         key_ok = (j[None, None, :] <= q_pos[:, :, None]) & (j[None, None, :] < seq[:, None, None])
         # padded query rows attend to slot 0 only, so their softmax stays finite; they are dropped.
         key_ok = key_ok | (~q_valid[:, :, None] & (j == 0)[None, None, :])
-        if batch.is_decode:
-            q_index = None
-        else:
+        q_index = out_index = None
+        if not batch.is_decode:
             starts = torch.cumsum(ext, 0) - ext
-            q_index = torch.where(q_valid, starts[:, None] + i[None, :], 0)
-        batch.attn_metadata = _Metadata(q_index, None if batch.is_decode else q_valid, q_pos, key_ok.unsqueeze(1))
+            q_index = torch.where(q_valid, starts[:, None] + i[None, :], 0).view(-1)
+            out_index = q_valid.view(-1).nonzero().squeeze(1)
+        batch.attn_metadata = _Metadata(q_index, out_index, q_pos, key_ok.unsqueeze(1))
 
     def _mask(self, md: _Metadata, window: int | None) -> torch.Tensor:
         if not window:
@@ -63,16 +63,19 @@ class TorchNativeBackend:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch
     ) -> torch.Tensor:
         kc, vc = self.kv.k[layer.layer_id], self.kv.v[layer.layer_id]
-        kc[batch.out_cache_loc] = k.to(kc.dtype)
-        vc[batch.out_cache_loc] = v.to(vc.dtype)
+        kc.index_copy_(0, batch.out_cache_loc, k.to(kc.dtype))
+        vc.index_copy_(0, batch.out_cache_loc, v.to(vc.dtype))
         md: _Metadata = batch.attn_metadata
-        b = batch.batch_size
+        b, kmax = batch.kv_indices.shape
+        h, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
+        # index_select is several times faster than advanced indexing for these row gathers on CPU
         if md.q_index is None:
-            qp = q.view(b, 1, layer.num_heads, layer.head_dim)
+            qp = q.view(b, 1, h, d)
         else:
-            qp = q[md.q_index]  # [B, Qmax, H, D]
-        keys = kc[batch.kv_indices].to(q.dtype).transpose(1, 2)  # [B, Hkv, Kmax, D]
-        vals = vc[batch.kv_indices].to(q.dtype).transpose(1, 2)
+            qp = q.index_select(0, md.q_index).view(b, -1, h, d)  # [B, Qmax, H, D]
+        flat = batch.kv_indices.view(-1)
+        keys = kc.index_select(0, flat).view(b, kmax, hkv, d).to(q.dtype).transpose(1, 2)  # [B, Hkv, Kmax, D]
+        vals = vc.index_select(0, flat).view(b, kmax, hkv, d).to(q.dtype).transpose(1, 2)
         mask = self._mask(md, layer.sliding_window)
         qp = qp.transpose(1, 2)  # [B, H, Qmax, D]
         if layer.logit_cap > 0:
@@ -82,9 +85,9 @@ class TorchNativeBackend:
                 qp, keys, vals, attn_mask=mask, scale=layer.scaling, enable_gqa=layer.num_heads != layer.num_kv_heads
             )
         out = out.transpose(1, 2)  # [B, Qmax, H, D]
-        if md.q_valid is None:
-            return out.reshape(b, layer.num_heads, layer.head_dim)
-        return out[md.q_valid]
+        if md.out_index is None:
+            return out.reshape(b, h, d)
+        return out.reshape(-1, h, d).index_select(0, md.out_index)
 
 
 def _capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, layer: AttentionLayerSpec) -> torch.Tensor:
