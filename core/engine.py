@@ -257,29 +257,40 @@ class AsyncEngine:
             pass
 
     async def _stream_many(self, reqs: list[Req]) -> AsyncIterator[dict]:
+        async for i, out in self.stream_many(reqs):
+            yield out if len(reqs) == 1 else {**out, "index": i}
+
+    async def stream_many(self, reqs: list[Req]) -> AsyncIterator[tuple[int, dict]]:
+        """(index, cumulative output) as each request advances, until all finish;
+        closing the iterator early aborts the unfinished ones."""
         if len(reqs) == 1:
             async for out in self.stream(reqs[0]):
-                yield out
+                yield 0, out
             return
         merged: asyncio.Queue = asyncio.Queue()
 
         async def pump(i: int, r: Req) -> None:
-            async for out in self.stream(r):
-                await merged.put({**out, "index": i})
-            await merged.put(None)
+            try:
+                async for out in self.stream(r):
+                    merged.put_nowait((i, out))
+            finally:
+                merged.put_nowait((i, None))
 
         tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(reqs)]
         try:
-            done = 0
-            while done < len(reqs):
-                item = await merged.get()
-                if item is None:
-                    done += 1
+            left = len(tasks)
+            while left:
+                i, out = await merged.get()
+                if out is None:
+                    left -= 1
                 else:
-                    yield item
+                    yield i, out
         finally:
             for t in tasks:
                 t.cancel()
+            for r in reqs:
+                if not r.finished:
+                    self.abort(r.rid)
 
     # ------------------------------------------------------------------ scheduler loop
     def _ensure_running(self) -> None:

@@ -535,33 +535,9 @@ class _Job:
             if not req.finished:
                 self.engine.abort(req.rid)
 
-    async def merged(self) -> AsyncIterator[tuple[int, dict]]:
+    def merged(self) -> AsyncIterator[tuple[int, dict]]:
         """(choice index, cumulative output) as each sequence advances."""
-        if len(self.reqs) == 1:
-            async for out in self.engine.stream(self.reqs[0]):
-                yield 0, out
-            return
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(i: int, req: Any) -> None:
-            try:
-                async for out in self.engine.stream(req):
-                    queue.put_nowait((i, out))
-            finally:
-                queue.put_nowait((i, None))
-
-        tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(self.reqs)]
-        try:
-            left = len(tasks)
-            while left:
-                i, out = await queue.get()
-                if out is None:
-                    left -= 1
-                else:
-                    yield i, out
-        finally:
-            for t in tasks:
-                t.cancel()
+        return self.engine.stream_many(self.reqs)
 
     def _interval(self) -> int:
         v = getattr(self.state.args, "stream_interval", 1)

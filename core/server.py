@@ -382,38 +382,8 @@ async def _drain(engine: AsyncEngine, req: Req) -> None:
 
 async def _stream_reqs(engine: AsyncEngine, reqs: list[Req]) -> AsyncIterator[tuple[int, Req]]:
     """(index, request) after each of its steps until all finish; closing this aborts unfinished ones."""
-    if len(reqs) == 1:
-        try:
-            async for _ in engine.stream(reqs[0]):
-                yield 0, reqs[0]
-        finally:
-            if not reqs[0].finished:
-                engine.abort(reqs[0].rid)
-        return
-    merged: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int, r: Req) -> None:
-        try:
-            async for _ in engine.stream(r):
-                await merged.put(i)
-        finally:
-            await merged.put(None)
-
-    tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(reqs)]
-    try:
-        done = 0
-        while done < len(reqs):
-            i = await merged.get()
-            if i is None:
-                done += 1
-            else:
-                yield i, reqs[i]
-    finally:
-        for t in tasks:
-            t.cancel()
-        for r in reqs:
-            if not r.finished:
-                engine.abort(r.rid)
+    async for i, _ in engine.stream_many(reqs):
+        yield i, reqs[i]
 
 
 def _log_received(state: ServerState, reqs: list[Req], body: Any) -> None:
