@@ -24,8 +24,10 @@ from core.errors import CoreError, InvalidRequest, ModelLoadError, UnknownNameEr
 from core.interfaces import AttentionConfig, ModelContext
 from core.kv_cache import PageAllocator, ReqToTokenTable, allocate_kv_cache, kv_bytes_per_token
 from core.loader import ModelConfig, iter_weights, load_model_config
+from core.grammar import GrammarManager, request_constraint
 from core.model_runner import ModelRunner
 from core.plugins import PluginManager, load_plugins
+from core.radix_cache import RadixCache
 from core.request import Req
 from core.sampler import Sampler
 from core.sampling_params import SamplingParams
@@ -34,6 +36,7 @@ from core.scheduler import ScheduledBatch, Scheduler
 log = structlog.get_logger("core.engine")
 
 DEFAULT_ATTENTION_BACKEND = "torch_native"
+DEFAULT_CPU_CHUNKED_PREFILL_SIZE = 2048
 
 
 def _pick_device(name: str) -> torch.device:
@@ -59,6 +62,8 @@ class AsyncEngine:
         self._build_kv_pool()
         self.sampler = Sampler(self.vocab_size, self.device, seed=args.random_seed or 0)
         self.runner = ModelRunner(self.model, self.attn_backend, self.table, self.sampler, mc.eos_ids, self.device)
+        self.grammar = GrammarManager(self.plugins, args.grammar_backend, self.tokenizer, self.vocab_size, mc.eos_ids)
+        self.runner.grammar = self.grammar
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="core-forward")
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
@@ -78,7 +83,7 @@ class AsyncEngine:
         except Exception as e:
             raise ModelLoadError(f"cannot load tokenizer from {path}: {e}") from e
 
-    def _load_model(self, mc: ModelConfig | None = None) -> torch.nn.Module:
+    def _load_model(self, mc: ModelConfig | None = None, load_format: str | None = None) -> torch.nn.Module:
         mc = mc or self.model_config
         try:
             factory = self.plugins.resolve("model", mc.architecture)
@@ -90,7 +95,10 @@ class AsyncEngine:
         for name, p in model.named_parameters():
             if p.dtype.is_floating_point and p.dtype != mc.dtype:
                 p.data = p.data.to(mc.dtype)
-        model.load_weights(iter_weights(mc.path))
+        if (load_format or self.args.load_format) == "dummy":
+            _init_dummy_weights(model, self.args.random_seed or 0)
+        else:
+            model.load_weights(iter_weights(mc.path))
         for m in model.modules():
             if getattr(m, "quant_method", None) is not None:
                 m.quant_method.process_weights_after_loading(m)
@@ -128,9 +136,27 @@ class AsyncEngine:
         self.max_total_tokens = self.allocator.capacity * ps
         max_running = args.max_running_requests or max(1, min(256, self.max_total_tokens // 16))
         self.table = ReqToTokenTable(max_running, mc.context_len + ps, self.device)
+        from core.radix_cache import EVICTION_POLICIES
+        from core.scheduler import SCHEDULE_POLICIES
+
+        if args.schedule_policy not in SCHEDULE_POLICIES:
+            raise CoreError(f"--schedule-policy {args.schedule_policy!r} is not one of {', '.join(SCHEDULE_POLICIES)}")
+        if args.radix_eviction_policy not in EVICTION_POLICIES:
+            raise CoreError(f"--radix-eviction-policy {args.radix_eviction_policy!r} is not one of {', '.join(EVICTION_POLICIES)}")
+        if args.schedule_conservativeness <= 0:
+            raise CoreError(f"--schedule-conservativeness must be > 0, got {args.schedule_conservativeness}")
+        self.tree_cache = None if args.disable_radix_cache else RadixCache(ps, args.radix_eviction_policy)
+        chunk = args.chunked_prefill_size
+        if chunk is None:  # SGLang picks by GPU memory; 2048 (its small-GPU value) keeps a CPU forward short
+            chunk = 8192 if self.device.type == "cuda" else DEFAULT_CPU_CHUNKED_PREFILL_SIZE
+        self.chunked_prefill_size = chunk if chunk > 0 else None
         self.scheduler = Scheduler(
             self.allocator, self.table, max_running_requests=max_running, max_prefill_tokens=args.max_prefill_tokens,
-            context_len=mc.context_len, eos_ids=mc.eos_ids,
+            context_len=mc.context_len, eos_ids=mc.eos_ids, tree_cache=self.tree_cache,
+            chunked_prefill_size=self.chunked_prefill_size, schedule_policy=args.schedule_policy,
+            schedule_conservativeness=args.schedule_conservativeness, enable_mixed_chunk=args.enable_mixed_chunk,
+            enable_priority_scheduling=args.enable_priority_scheduling,
+            schedule_low_priority_values_first=args.schedule_low_priority_values_first, seed=args.random_seed or 0,
         )
         backend_name = args.attention_backend or DEFAULT_ATTENTION_BACKEND
         self.attn_backend = self.plugins.resolve("attention_backend", backend_name)(
@@ -138,6 +164,8 @@ class AsyncEngine:
         )
         log.info("engine.ready", model=mc.source, architecture=mc.architecture, dtype=str(mc.dtype), device=str(self.device),
                  kv_tokens=self.max_total_tokens, page_size=ps, max_running_requests=max_running,
+                 radix_cache=self.tree_cache is not None, chunked_prefill_size=self.chunked_prefill_size,
+                 schedule_policy=args.schedule_policy,
                  attention_backend=backend_name, threads=torch.get_num_threads())
 
     # ------------------------------------------------------------------ requests
@@ -156,9 +184,13 @@ class AsyncEngine:
         return self.tokenizer.encode(prompt, add_special_tokens=True)
 
     def make_requests(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None,
-                      return_logprob: bool = False, logprob_start_len: int = -1, top_logprobs_num: int = 0) -> list[Req]:
+                      return_logprob: bool = False, logprob_start_len: int = -1, top_logprobs_num: int = 0,
+                      priority: int | None = None) -> list[Req]:
         """Validate and build the sequences of one prompt (n of them); raises InvalidRequest."""
         params.validate(self.vocab_size)
+        if (c := request_constraint(params)) is not None and not self.grammar.enabled:
+            raise InvalidRequest(f"{c[0]} constraints need a grammar backend, but the server runs with --grammar-backend none"
+                                 if self.tokenizer is not None else f"{c[0]} constraints need the tokenizer", param=c[0])
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty", param="prompt")
         ctx = self.model_config.context_len
@@ -166,6 +198,8 @@ class AsyncEngine:
             raise InvalidRequest(f"the prompt has {len(prompt_ids)} tokens, but the context length is {ctx}", param="prompt")
         if not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= 20:
             raise InvalidRequest("top_logprobs_num must be an integer in [0, 20]", param="top_logprobs_num")
+        if priority is not None and (not isinstance(priority, int) or isinstance(priority, bool)):
+            raise InvalidRequest("priority must be an integer", param="priority")
         if not isinstance(logprob_start_len, int) or not -1 <= logprob_start_len < len(prompt_ids):
             raise InvalidRequest(f"logprob_start_len must be -1 or in [0, {len(prompt_ids)})", param="logprob_start_len")
         params = SamplingParams(**{**_asdict(params), "max_new_tokens": min(params.max_new_tokens, ctx - len(prompt_ids))})
@@ -186,14 +220,44 @@ class AsyncEngine:
                                                spaces_between_special_tokens=params.spaces_between_special_tokens,
                                                stop=params.stop, no_stop_trim=params.no_stop_trim)
             reqs.append(Req(rid if params.n == 1 else f"{rid}-{i}", prompt_ids, params, return_logprob, top_logprobs_num,
-                            logprob_start_len, gen, detok, asyncio.Queue()))
+                            logprob_start_len, gen, detok, asyncio.Queue(), priority=priority))
         return reqs
+
+    async def prepare_grammars(self, reqs: list[Req]) -> None:
+        """Compile (off the loop, cached) and attach each constrained request's matcher;
+        raises InvalidRequest with the backend's message for an invalid spec."""
+        for r in reqs:
+            c = request_constraint(r.params)
+            if c is not None and r.grammar is None:
+                r.grammar = await self.grammar.compile(*c)
 
     def submit(self, reqs: list[Req]) -> None:
         self._ensure_running()
+        if any(r.grammar is None and request_constraint(r.params) is not None for r in reqs):
+            # not prepared by the caller: compile in the background, the running batch is not held up
+            asyncio.get_running_loop().create_task(self._submit_after_compile(reqs))
+            return
         for r in reqs:
             self.scheduler.add(r)
         self._wake.set()
+
+    async def _submit_after_compile(self, reqs: list[Req]) -> None:
+        try:
+            await self.prepare_grammars(reqs)
+        except InvalidRequest as e:
+            for r in reqs:
+                r.finish_reason = {"type": "abort", "message": e.message}
+                r.finish_time = time.perf_counter()
+                self._finished(r)
+            return
+        self.submit(reqs)
+
+    def flush_cache(self) -> bool:
+        """Empty the radix prefix cache; False (nothing done) while requests are queued or running."""
+        ok = self.scheduler.flush_cache()
+        if ok:
+            log.info("engine.cache_flushed")
+        return ok
 
     def abort(self, rid: str) -> bool:
         found = self.scheduler.abort(rid)
@@ -240,6 +304,7 @@ class AsyncEngine:
             groups.append(self.make_requests(ids, params, None if rid is None else (rid if not batch else f"{rid}-{i}"),
                                              return_logprob, logprob_start_len, top_logprobs_num))
         reqs = [r for g in groups for r in g]
+        await self.prepare_grammars(reqs)
         self.submit(reqs)
         if stream:
             return self._stream_many(reqs)
@@ -335,6 +400,40 @@ class AsyncEngine:
         for listener in self.finish_listeners:
             listener(req)
 
+    # ------------------------------------------------------------------ embeddings and classification
+    @property
+    def is_classifier(self) -> bool:
+        return callable(getattr(self.model, "classify", None))
+
+    async def encode(self, prompt_ids_list: list[list[int]]) -> list[list[float]]:
+        """Pooled (normalised) final hidden states of each prompt, or a classification
+        model's scores, from one prefill-only forward (``--is-embedding``)."""
+        if not prompt_ids_list or any(len(p) == 0 for p in prompt_ids_list):
+            raise InvalidRequest("input must not be empty", param="input")
+        limit = self.model_config.context_len
+        if any(len(p) > limit for p in prompt_ids_list):
+            raise InvalidRequest(f"an input is longer than the context length {limit}", param="input")
+        vocab = self.vocab_size
+        if any(not 0 <= t < vocab for p in prompt_ids_list for t in p):
+            raise InvalidRequest(f"token ids must be in [0, {vocab})", param="input")
+        if self.is_classifier:
+            pooling, normalize, head = "last", False, self.model.classify
+        else:
+            (pooling, normalize), head = _pooling_config(self.model_config.path), None
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self.runner.encode, prompt_ids_list, self._scratch_backend,
+                                          pooling, normalize, head)
+
+    def _scratch_backend(self, num_slots: int):
+        """A fresh attention backend over a private ``num_slots`` KV cache (for encode)."""
+        k0 = self.kv_cache.k[0]
+        layers, (hkv, d) = len(self.kv_cache.k), k0.shape[1:]
+        kv = allocate_kv_cache(layers, num_slots, 1, hkv, d, k0.dtype, self.device)
+        heads = self.model_config.hf_config.num_attention_heads
+        name = self.args.attention_backend or DEFAULT_ATTENTION_BACKEND
+        return self.plugins.resolve("attention_backend", name)(
+            AttentionConfig(layers, heads, hkv, d, self.model_config.dtype, self.device, kv))
+
     # ------------------------------------------------------------------ weights
     async def update_weights_from_disk(self, model_path: str) -> tuple[bool, str]:
         """Reload weights of the same architecture from ``model_path`` (SGLang's
@@ -362,7 +461,7 @@ class AsyncEngine:
             return False, f"Failed to update weights: the new config differs in {', '.join(diff)}"
         new = attrs.evolve(new, context_len=old.context_len, served_name=old.served_name, dtype=old.dtype)
         try:
-            model = self._load_model(new)  # a fresh module: a failure half-way leaves the served one intact
+            model = self._load_model(new, "auto")  # a fresh module: a failure half-way leaves the served one intact
         except Exception as e:
             log.warning("engine.update_weights_failed", model_path=model_path, error=str(e))
             return False, f"Failed to update weights: {type(e).__name__}: {e}"
@@ -386,7 +485,50 @@ class AsyncEngine:
         for req in pending:
             self._finished(req)
         self._executor.shutdown(wait=True)
+        self.grammar.shutdown()
         self.plugins.pm.hook.on_shutdown(engine=self)
+
+
+def _pooling_config(path) -> tuple[str, bool]:
+    """(pooling, normalize) from the sentence-transformers files (modules.json and its
+    Pooling module's config.json) when the model has them; else last token, normalised
+    (SGLang's default for embedding models)."""
+    import json
+    from pathlib import Path
+
+    path = Path(path)
+    try:
+        modules = json.loads((path / "modules.json").read_text())
+    except (OSError, ValueError):
+        return "last", True
+    pooling, normalize = "last", False
+    for m in modules:
+        kind = str(m.get("type", ""))
+        if kind.endswith("Normalize"):
+            normalize = True
+        elif kind.endswith("Pooling"):
+            try:
+                cfg = json.loads((path / m.get("path", "") / "config.json").read_text())
+            except (OSError, ValueError):
+                cfg = {}
+            if cfg.get("pooling_mode_mean_tokens"):
+                pooling = "mean"
+            elif cfg.get("pooling_mode_cls_token"):
+                pooling = "cls"
+            elif cfg.get("pooling_mode_lasttoken"):
+                pooling = "last"
+    return pooling, normalize
+
+
+def _init_dummy_weights(model: torch.nn.Module, seed: int, low: float = -1e-3, high: float = 1e-3) -> None:
+    """``--load-format dummy``: every parameter uniform in [low, high] (SGLang's dummy
+    loader), so a model shape runs from its config.json alone, e.g. for benchmarks."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    for p in model.parameters():
+        if p.dtype.is_floating_point:
+            p.data.copy_(torch.rand(p.shape, generator=gen, dtype=torch.float32).mul_(high - low).add_(low).to(p.dtype))
+        else:
+            p.data.zero_()
 
 
 def _asdict(params: SamplingParams) -> dict:
@@ -447,6 +589,16 @@ class Engine:
                     return
         finally:
             await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(agen.aclose(), self._loop))
+
+    def encode(self, prompt: str | list[str] | None = None, input_ids: list[int] | list[list[int]] | None = None) -> Any:
+        """SGLang's ``Engine.encode``: ``{"embedding": [...], "meta_info": ...}`` per prompt
+        (a list for a batch); a classification model's ``embedding`` holds its scores."""
+        batch = isinstance(prompt, list) or bool(input_ids and isinstance(input_ids[0], list))
+        items = (prompt if isinstance(prompt, list) else input_ids) if batch else [input_ids if input_ids is not None else prompt]
+        ids = [self.engine.tokenize(None if input_ids is not None else p, p if input_ids is not None else None) for p in items]
+        embs = self._call(self.engine.encode(ids))
+        outs = [{"embedding": e, "meta_info": {"prompt_tokens": len(i)}} for e, i in zip(embs, ids)]
+        return outs if batch else outs[0]
 
     def abort_request(self, rid: str) -> bool:
         return self._call(_run(self.engine.abort, rid))

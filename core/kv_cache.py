@@ -1,10 +1,13 @@
 """Paged KV cache: the pool tensors, the page allocator and the per-request slot table.
 
 The pool is allocated once at start-up. Page 0 is reserved as zeroed padding (its
-slots are what padded gathers read), so it is never handed out. Admission reserves
-the pages a request may ever need (prompt + max_new_tokens) as a count; pages are
-taken from the free list only when tokens actually land in them, and everything a
-request holds goes back when it finishes or is aborted.
+slots are what padded gathers read), so it is never handed out. The scheduler
+allocates pages as tokens land (``can_allocate`` / ``allocate``) and returns them with
+``free``; admission only *estimates* future needs (``--schedule-conservativeness``) and
+decode retracts requests when the pool runs out. Pages shared through the radix prefix
+cache are owned by the cache (core/radix_cache.py), not by requests. The older
+reservation interface (``reserve`` / ``take`` / ``release``) is kept for callers that
+want hard reservations.
 """
 
 from __future__ import annotations
@@ -57,6 +60,19 @@ class PageAllocator:
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
+
+    def can_allocate(self, pages: int) -> bool:
+        return pages <= self.available
+
+    def allocate(self, pages: int) -> list[int]:
+        """Take ``pages`` free (unreserved) pages."""
+        if not self.can_allocate(pages):
+            raise RuntimeError(f"cannot allocate {pages} pages, {self.available} available")
+        return [self._free.pop() for _ in range(pages)]
+
+    def free(self, pages: list[int]) -> None:
+        self._free.extend(reversed(pages))
+        assert len(self._free) <= self.capacity, "page accounting broken: a page was freed twice"
 
     def can_reserve(self, pages: int) -> bool:
         return pages <= self.available

@@ -84,8 +84,13 @@ class RotaryEmbedding(nn.Module):
     computed the way the checkpoint was trained. ``dynamic`` uses its base frequencies
     (no per-length update)."""
 
-    def __init__(self, config, head_dim: int, max_positions: int, rope_parameters: Mapping | None = None) -> None:
+    def __init__(self, config, head_dim: int, max_positions: int, rope_parameters: Mapping | None = None,
+                 layer_type: str | None = None) -> None:
+        """``layer_type`` selects one entry of a per-layer-type ``rope_parameters`` dict
+        (Gemma 3: ``sliding_attention`` / ``full_attention`` have their own theta)."""
         super().__init__()
+        if layer_type is not None and rope_parameters is None:
+            rope_parameters = config.rope_parameters[layer_type]
         params = dict(rope_parameters or getattr(config, "rope_parameters", None) or {})
         rope_type = params.get("rope_type", params.get("type", "default"))
         theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
@@ -98,7 +103,8 @@ class RotaryEmbedding(nn.Module):
 
             if rope_type not in ROPE_INIT_FUNCTIONS:
                 raise ValueError(f"unsupported rope_type {rope_type!r}; known: default, {', '.join(ROPE_INIT_FUNCTIONS)}")
-            inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+            kw = {"layer_type": layer_type} if layer_type is not None else {}
+            inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), **kw)
         t = torch.arange(max_positions, dtype=torch.float)
         freqs = torch.outer(t, inv_freq.float())
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -221,3 +227,92 @@ def load_packed_weights(
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise ModelLoadError(f"checkpoint is missing {len(missing)} tensor(s): {', '.join(missing[:5])}{more}")
     return seen
+
+
+# --------------------------------------------------------------------------- mixture of experts
+
+
+class ExpertsMethod:
+    """How a :class:`FusedExperts` layer computes its experts. The default is a reference
+    torch loop over the experts some token selected (runs anywhere, CPU included); a
+    fused kernel replaces it by subclassing and overriding :meth:`apply` (and, when it
+    needs another weight layout, :meth:`process_weights_after_loading`), then being
+    assigned to ``layer.experts_method``."""
+
+    def apply(self, layer: FusedExperts, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[T, H]``, ``topk_weights`` / ``topk_ids`` ``[T, k]``; returns
+        ``sum_k w[t, k] * expert[ids[t, k]](x[t])`` as ``[T, H]`` in ``x.dtype``."""
+        out = torch.zeros_like(x)
+        flat_ids = topk_ids.reshape(-1)
+        for e in torch.unique(flat_ids).tolist():
+            token, slot = torch.where(topk_ids == e)
+            gate, up = F.linear(x[token], layer.w13.weight[e]).chunk(2, dim=-1)
+            y = F.linear(layer.act(gate) * up, layer.w2.weight[e])
+            out.index_add_(0, token, (y * topk_weights[token, slot, None]).to(x.dtype))
+        return out
+
+    def process_weights_after_loading(self, layer: FusedExperts) -> None:
+        return None
+
+
+class _ExpertWeight(nn.Module):
+    """One ``[E, rows, cols]`` weight; checkpoint shard ``(expert, part)`` loads into
+    rows ``part * rows_per_part`` of expert ``expert``."""
+
+    def __init__(self, shape: tuple[int, int, int], parts: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+        self.rows = shape[1] // parts
+        self.weight.weight_loader = self._load  # type: ignore[attr-defined]
+
+    def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard: object = None) -> None:
+        if shard is None:  # an already-fused [E, rows, cols] checkpoint tensor
+            return default_weight_loader(param, loaded)
+        e, part = shard  # type: ignore[misc]
+        default_weight_loader(param.data[e].narrow(0, part * self.rows, self.rows), loaded)
+
+
+class FusedExperts(nn.Module):
+    """``E`` gated-MLP experts stored as ``w13`` ``[E, 2I, H]`` (gate rows, then up) and
+    ``w2`` ``[E, H, I]``; per-expert checkpoint tensors load through :meth:`packed_modules`."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, act: str, dtype: torch.dtype,
+                 method: ExpertsMethod | None = None) -> None:
+        super().__init__()
+        if act not in ACTIVATIONS:
+            raise ValueError(f"unsupported activation {act!r}; known: {', '.join(ACTIVATIONS)}")
+        self.num_experts, self.act = num_experts, ACTIVATIONS[act]
+        self.w13 = _ExpertWeight((num_experts, 2 * intermediate, hidden), 2, dtype)
+        self.w2 = _ExpertWeight((num_experts, hidden, intermediate), 1, dtype)
+        self.experts_method = method or ExpertsMethod()
+
+    @property
+    def quant_method(self) -> ExpertsMethod:
+        """The engine calls ``quant_method.process_weights_after_loading(layer)`` once loaded."""
+        return self.experts_method
+
+    @staticmethod
+    def packed_modules(num_experts: int, prefix: str = "experts", names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+                       ) -> dict[str, tuple[str, object]]:
+        """``load_packed_weights`` entries mapping ``experts.{e}.gate_proj`` etc. to shards."""
+        g, u, d = names
+        out: dict[str, tuple[str, object]] = {}
+        for e in range(num_experts):
+            out[f"{prefix}.{e}.{g}"] = (f"{prefix}.w13", (e, 0))
+            out[f"{prefix}.{e}.{u}"] = (f"{prefix}.w13", (e, 1))
+            out[f"{prefix}.{e}.{d}"] = (f"{prefix}.w2", (e, 0))
+        return out
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        return self.experts_method.apply(self, x, topk_weights, topk_ids)
+
+
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax (float32) top-k routing; ``renormalize`` makes the k weights sum to 1
+    (Mixtral always, Qwen2-MoE when ``norm_topk_prob``). Returns (weights in the logits'
+    dtype, ids), both ``[T, k]``."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(router_logits.dtype), ids

@@ -99,7 +99,7 @@ class Metrics:
             now = time.perf_counter()
             tokens = 0
             for req in batch.reqs:
-                if req.finished or req.aborted or req.params.max_new_tokens == 0:
+                if req.finished or req.aborted or req.params.max_new_tokens == 0 or req.kv_len < req.seq_len:
                     continue
                 tokens += 1
                 if req.rid.startswith(INTERNAL_RID_PREFIXES):
@@ -152,7 +152,8 @@ class Metrics:
         self.num_queue_reqs.labels(m).set(load["num_waiting_reqs"])
         self.num_used_tokens.labels(m).set(load["num_used_tokens"])
         self.token_usage.labels(m).set(load["token_usage"])
-        self.cache_hit_rate.labels(m).set(0.0)  # no prefix cache yet
+        tree = getattr(engine.scheduler, "tree_cache", None)  # cumulative cached / prompt tokens of admitted prefills
+        self.cache_hit_rate.labels(m).set(tree.hit_rate if tree is not None else 0.0)
         now = time.perf_counter()
         self._trim(now)
         span = min(THROUGHPUT_WINDOW_S, max(now - self._started, 1e-3))
@@ -164,11 +165,12 @@ class Metrics:
 
 
 def engine_load(engine: AsyncEngine) -> dict:
-    """Running / queued requests and KV pool usage (tokens promised to admitted requests count as used)."""
+    """Running / queued requests and KV pool usage (unused cached prefixes count as free: they are evictable)."""
     sched, alloc = engine.scheduler, engine.allocator
     ps = alloc.page_size
     capacity = alloc.capacity * ps
-    free = alloc.available * ps
+    tree = getattr(sched, "tree_cache", None)
+    free = (alloc.available + (tree.evictable_pages if tree is not None else 0)) * ps
     used = capacity - free
     return {
         "num_running_reqs": len(sched.running),

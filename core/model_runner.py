@@ -11,11 +11,12 @@ import torch
 
 from core.interfaces import ForwardBatch
 from core.kv_cache import ReqToTokenTable
-from core.sampler import Sampler, SamplingRow
+from core.sampler import SampleOutput, Sampler, SamplingRow
 from core.scheduler import ScheduledBatch, StepResult
 
 
 class ModelRunner:
+    grammar = None  # core.grammar.GrammarManager, set by the engine
     def __init__(self, model: torch.nn.Module, attn_backend, table: ReqToTokenTable, sampler: Sampler,
                  eos_ids: tuple[int, ...], device: torch.device) -> None:
         self.model, self.attn_backend, self.table = model, attn_backend, table
@@ -42,16 +43,31 @@ class ModelRunner:
         self.attn_backend.prepare(fb)
         hidden = self.model(fb)
         ends = torch.cumsum(fb.extend_lens, 0) - 1
-        logits = self.model.compute_logits(hidden[ends])
-        rows_ = [
-            SamplingRow(r.params, r.prompt_ids, r.output_ids, r.generator, self.eos_ids, r.return_logprob, r.top_logprobs_num)
-            for r in reqs
-        ]
-        result = StepResult(self.sampler.sample(logits, rows_))
+        all_reqs = reqs
+        live = [i for i, r in enumerate(reqs) if r.kv_len >= r.seq_len]  # a non-final prefill chunk samples nothing
+        if len(live) < len(reqs):
+            reqs = [reqs[i] for i in live]
+        if reqs:
+            logits = self.model.compute_logits(hidden[ends if reqs is all_reqs else ends[live]])
+            rows_ = [
+                SamplingRow(r.params, r.prompt_ids, r.output_ids, r.generator, self.eos_ids, r.return_logprob, r.top_logprobs_num)
+                for r in reqs
+            ]
+            grammar = self.grammar if self.grammar is not None and any(r.grammar is not None for r in reqs) else None
+            if grammar is not None:  # one [B, V/32] bitmask for the batch, applied before sampling
+                grammar.apply(logits, reqs)
+            result = StepResult(self.sampler.sample(logits, rows_))
+            if grammar is not None:
+                grammar.accept(reqs, result.sample.token_ids)
+        else:
+            result = StepResult(SampleOutput([], None, None))
+        if reqs is not all_reqs:
+            result.sample = _scatter(result.sample, live, len(all_reqs))
         if batch.is_prefill:
             starts = (ends - fb.extend_lens + 1).tolist()
-            for i, r in enumerate(reqs):
-                if r.return_logprob and r.logprob_start_len >= 0:
+            for i, r in enumerate(all_reqs):
+                # only a prefill from position 0 (prompt-logprob requests never use a cached prefix or chunks)
+                if r.return_logprob and r.logprob_start_len >= 0 and r.kv_len == batch.extend_lens[i]:
                     result.input_logprobs[i] = self._prompt_logprobs(hidden, starts[i], r)
         return result
 
@@ -70,3 +86,53 @@ class ModelRunner:
                 tv, ti = lp.topk(req.top_logprobs_num, dim=-1)
                 tops += [list(zip(i, v)) for i, v in zip(ti.tolist(), tv.tolist())]
         return vals, tops
+
+    @torch.inference_mode()
+    def encode(self, prompts: list[list[int]], make_backend, pooling: str = "last", normalize: bool = True,
+               head=None) -> list[list[float]]:
+        """Prefill-only forward of ``prompts`` and their pooled final hidden states
+        (``pooling``: last, mean or cls; L2-normalised when ``normalize``), or ``head(pooled)``
+        (a classification head) when given. It writes into a private scratch KV cache from
+        ``make_backend(num_slots)`` (slot 0 padding), so it never touches the scheduler's pool."""
+        dev, lens = self.device, [len(p) for p in prompts]
+        total = sum(lens)
+        backend = make_backend(total + 1)
+        starts = torch.tensor([0] + lens[:-1], device=dev).cumsum(0)
+        kmax = max(lens)
+        j = torch.arange(kmax, device=dev)
+        lens_t = torch.tensor(lens, device=dev)
+        fb = ForwardBatch(
+            input_ids=torch.tensor([t for p in prompts for t in p], dtype=torch.int64, device=dev),
+            positions=torch.cat([torch.arange(n, device=dev) for n in lens]),
+            out_cache_loc=torch.arange(1, total + 1, device=dev),
+            seq_lens=lens_t, extend_lens=lens_t.clone(),
+            kv_indices=torch.where(j[None, :] < lens_t[:, None], starts[:, None] + j[None, :] + 1, 0),
+            seq_lens_cpu=lens, extend_lens_cpu=list(lens), attn_backend=backend,
+        )
+        backend.prepare(fb)
+        hidden = self.model(fb).float()
+        if pooling == "mean":
+            seg = torch.repeat_interleave(torch.arange(len(lens), device=dev), lens_t)
+            pooled = torch.zeros(len(lens), hidden.shape[1], device=dev).index_add_(0, seg, hidden) / lens_t[:, None]
+        elif pooling == "cls":
+            pooled = hidden[starts]
+        else:
+            pooled = hidden[starts + lens_t - 1]
+        if head is not None:
+            return head(pooled).float().tolist()
+        if normalize:
+            pooled = torch.nn.functional.normalize(pooled, p=2, dim=-1)
+        return pooled.tolist()
+
+
+def _scatter(sample: SampleOutput, live: list[int], n: int) -> SampleOutput:
+    """Spread the samples of the ``live`` rows back over all ``n`` requests of the batch (0 / None elsewhere)."""
+    toks, lps = [0] * n, None if sample.logprobs is None else [0.0] * n
+    tops = None if sample.top_logprobs is None else [[] for _ in range(n)]
+    for j, i in enumerate(live):
+        toks[i] = sample.token_ids[j]
+        if lps is not None:
+            lps[i] = sample.logprobs[j]
+        if tops is not None:
+            tops[i] = sample.top_logprobs[j]
+    return SampleOutput(toks, lps, tops)

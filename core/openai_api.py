@@ -51,6 +51,7 @@ import uuid
 import weakref
 from typing import Any, AsyncIterator
 
+import attrs
 import msgspec
 import structlog
 from msgspec import UNSET
@@ -82,6 +83,7 @@ from core.protocol import (
     UsageInfo,
     encoder,
 )
+from core.function_call import ChoicePost, function_call_routes, tool_constraint, tool_mode
 from core.sampling_params import SamplingParams
 
 log = structlog.get_logger("core.openai_api")
@@ -357,7 +359,7 @@ def render_chat(state: Any, r: ChatCompletionRequest) -> list[int]:
         raise InvalidRequest("the model has no chat template; start the server with --chat-template FILE or use /v1/completions")
     cont = bool(r.continue_final_message) and messages[-1]["role"] == "assistant"
     try:
-        text = tok.apply_chat_template(messages, tools=r.tools, documents=r.documents, add_generation_prompt=not cont,
+        text = tok.apply_chat_template(messages, tools=None if r.tool_choice == "none" else r.tools, documents=r.documents, add_generation_prompt=not cont,
                                        continue_final_message=cont, tokenize=False, **kwargs)
     except Exception as e:  # jinja2 TemplateError (raise_exception in templates), TypeError on odd messages
         raise InvalidRequest(f"the chat template could not render these messages: {e}", param="messages") from None
@@ -382,15 +384,38 @@ def _common_checks(r: Any) -> int:
         _check(0 <= r.temperature <= MAX_TEMPERATURE, f"temperature must be between 0 and {MAX_TEMPERATURE:g}, got {r.temperature}",
                "temperature")
     _check(not r.logit_bias, "logit_bias is not supported by this server", "logit_bias")
-    for name in ("regex", "json_schema", "ebnf"):
-        _check(getattr(r, name) is None, f"{name} (structured output) is not supported by this server yet", name)
-    rf = r.response_format
-    if rf is not None:
-        _check(rf.get("type") in (None, "text"), f"response_format type {rf.get('type')!r} is not supported by this server yet; "
-               "only 'text' is", "response_format")
+    _constraint(r)  # validates response_format / regex / json_schema / ebnf (at most one)
     if r.min_tokens is not None:
         _check(r.min_tokens >= 0, f"min_tokens must be >= 0, got {r.min_tokens}", "min_tokens")
     return n
+
+
+def _constraint(r: Any) -> dict[str, str]:
+    """Structured output of a request as SamplingParams fields: response_format (json_schema,
+    json_object, structural_tag) or SGLang's extra_body regex / json_schema / ebnf; at most one."""
+    out: dict[str, str] = {}
+    for name in ("regex", "json_schema", "ebnf"):
+        if getattr(r, name) is not None:
+            out[name] = getattr(r, name)
+    rf = r.response_format
+    if rf is not None:
+        kind = rf.get("type")
+        if kind == "json_schema":
+            js = rf.get("json_schema")
+            schema = js.get("schema", js.get("schema_")) if isinstance(js, dict) else None
+            _check(isinstance(schema, (dict, bool)), "response_format json_schema needs json_schema.schema (an object)",
+                   "response_format")
+            out["json_schema"] = json.dumps(schema)
+        elif kind == "json_object":
+            out["json_schema"] = '{"type": "object"}'
+        elif kind == "structural_tag":
+            out["structural_tag"] = json.dumps(rf)
+        else:
+            _check(kind in (None, "text"), f"response_format type {kind!r} is not supported; use text, json_object, "
+                   "json_schema or structural_tag", "response_format")
+    if len(out) > 1:
+        raise InvalidRequest(f"only one constraint per request is allowed, got {', '.join(out)}", param=list(out)[1])
+    return out
 
 
 def _sampling_params(r: Any, max_new: int, n: int) -> SamplingParams:
@@ -414,6 +439,7 @@ def _sampling_params(r: Any, max_new: int, n: int) -> SamplingParams:
         no_stop_trim=bool(r.no_stop_trim),
         n=n,
         seed=r.seed,
+        **_constraint(r),
     )
 
 
@@ -474,12 +500,25 @@ class _Job:
         self.echo_texts: list[str] | None = None
         self.logprobs = False
         self.top = 0
+        self.tool_mode, self.tool_name = "none", None
+
+    def post(self) -> ChoicePost:
+        """A fresh per-choice reasoning / tool-call post-processor (core.function_call)."""
+        return ChoicePost(self.state, self.r, self.tool_mode, self.tool_name)
 
     # ---- building
     def add_prompt(self, ids: list[int], params: SamplingParams, p: int, start_len: int = -1) -> None:
         rid = self.id if p < 0 else f"{self.id}-{p}"
         try:
-            self.reqs += self.engine.make_requests(ids, params, rid, self.logprobs, start_len, self.top)
+            self.reqs += self.engine.make_requests(ids, params, rid, self.logprobs, start_len, self.top,
+                                                   priority=getattr(self.r, "priority", None))
+        except InvalidRequest as e:
+            raise _engine_error(e) from None
+
+    async def prepare(self) -> None:
+        """Compile the grammars of constrained requests off the loop (an invalid one is a 400)."""
+        try:
+            await self.engine.prepare_grammars(self.reqs)
         except InvalidRequest as e:
             raise _engine_error(e) from None
 
@@ -606,16 +645,19 @@ def prepare_chat(state: Any, r: ChatCompletionRequest, rid: str | None = None) -
     _check(0 <= top <= MAX_TOP_LOGPROBS, f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {top}", "top_logprobs")
     _check(job.logprobs or top == 0, "logprobs must be true when top_logprobs is set", "top_logprobs")
     job.top = top
-    tc = r.tool_choice
-    _check(tc in (None, "auto", "none"), f"tool_choice {tc!r} is not supported by this server yet (only 'auto' and 'none')",
-           "tool_choice")
+    job.tool_mode, job.tool_name = tool_mode(r)
     max_tokens = r.max_completion_tokens if r.max_completion_tokens is not None else r.max_tokens
     if max_tokens is not None and max_tokens < 0:
         name = "max_completion_tokens" if r.max_completion_tokens is not None else "max_tokens"
         raise InvalidRequest(f"{name} must be >= 0, got {max_tokens}", param=name)
     ids = render_chat(state, r)
     ids, max_new = _fit_context(state, ids, max_tokens, "messages")
-    job.add_prompt(ids, _sampling_params(r, max_new, n), -1)
+    params = _sampling_params(r, max_new, n)
+    if (spec := tool_constraint(r, job.tool_mode, job.tool_name)) is not None:  # required / named: constrained call
+        _check(not _constraint(r), "tool_choice 'required' or a named function cannot be combined with another "
+               "constraint (response_format, regex, json_schema, ebnf)", "tool_choice")
+        params = attrs.evolve(params, json_schema=spec)
+    job.add_prompt(ids, params, -1)
     return job
 
 
@@ -625,8 +667,10 @@ async def chat_response(job: _Job) -> ChatCompletionResponse:
     for i, out in enumerate(outs):
         reason, matched = _finish(out)
         lp = job.chat_logprobs(out["meta_info"], 0) if job.logprobs else None
-        choices.append(ChatChoice(index=i, message=ChatMessage(role="assistant", content=out["text"]), logprobs=lp,
-                                  finish_reason=reason, matched_stop=matched))
+        reasoning, content, calls, reason = job.post().full(out["text"], reason)
+        msg = ChatMessage(role="assistant", content=content, reasoning_content=reasoning if reasoning is not None else UNSET,
+                          tool_calls=calls if calls else UNSET)
+        choices.append(ChatChoice(index=i, message=msg, logprobs=lp, finish_reason=reason, matched_stop=matched))
     return ChatCompletionResponse(id=job.id, created=job.created, model=job.model, choices=choices, usage=job._usage(outs))
 
 
@@ -655,6 +699,7 @@ async def chat_stream(job: _Job) -> AsyncIterator[bytes]:
         sent_text = [""] * count
         sent_toks = [0] * count
         last: list[dict | None] = [None] * count
+        posts = [job.post() for _ in range(count)]
         interval = job._interval()
         async for i, out in job.merged():
             last[i] = out
@@ -675,7 +720,14 @@ async def chat_stream(job: _Job) -> AsyncIterator[bytes]:
             if reason is None and not delta and not (lp and lp.content):
                 continue
             sent_text[i], sent_toks[i] = out["text"], ntok
-            yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(content=delta) if delta else DeltaMessage(), logprobs=lp,
+            r_delta, delta, calls = posts[i].delta(delta, reason is not None)
+            if reason == "stop" and posts[i].n_calls:
+                reason = "tool_calls"
+            if reason is None and not delta and not r_delta and not calls and not (lp and lp.content):
+                continue
+            dm = DeltaMessage(content=delta if delta else UNSET, reasoning_content=r_delta if r_delta else UNSET,
+                              tool_calls=calls if calls else UNSET)
+            yield chunk(ChatStreamChoice(index=i, delta=dm, logprobs=lp,
                                          finish_reason=reason, matched_stop=matched if reason else UNSET))
         if job.include_usage:
             yield chunk(None, job._usage(last))
@@ -866,10 +918,12 @@ async def run_request(state: Any, endpoint: str, body: Any, request_id: str | No
             raise InvalidRequest("streaming is not supported in batch requests", param="stream")
         if endpoint == "/v1/chat/completions":
             job = prepare_chat(state, convert_body(body, ChatCompletionRequest), request_id)
+            await job.prepare()
             job.submit()
             resp: Any = await chat_response(job)
         elif endpoint == "/v1/completions":
             job = prepare_completion(state, convert_body(body, CompletionRequest), request_id)
+            await job.prepare()
             job.submit()
             resp = await completion_response(job)
         else:
@@ -888,6 +942,7 @@ async def _generation(request: Request, kind: str) -> Response:
             job = prepare_chat(state, decode_body(await request.body(), ChatCompletionRequest))
         else:
             job = prepare_completion(state, decode_body(await request.body(), CompletionRequest))
+        await job.prepare()
         job.submit()
         if job.stream:
             return _SSEResponse(chat_stream(job) if kind == "chat" else completion_stream(job))
@@ -940,14 +995,9 @@ async def retrieve_model(request: Request) -> Response:
 
 
 async def embeddings(request: Request) -> Response:
-    await request.body()  # read (and ignore) it, so the connection stays usable for keep-alive clients
-    try:
-        state = _state(request)
-    except ApiError as e:
-        return e.response()
-    return error_response(400, f"The served model '{state.served_model_name}' is a generative model, not an embedding model; "
-                               "/v1/embeddings needs a server started with an embedding model", param="model",
-                          code="model_not_supported")
+    from core.embeddings import openai_embeddings
+
+    return await openai_embeddings(request)
 
 
 def openai_routes() -> list[Route]:
@@ -959,5 +1009,6 @@ def openai_routes() -> list[Route]:
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/models/{model_id:path}", retrieve_model, methods=["GET"]),
         Route("/v1/embeddings", embeddings, methods=["POST"]),
+        *function_call_routes(),
         *batch_routes(),
     ]

@@ -60,6 +60,7 @@ class _GenerationRequest(Struct, kw_only=True):
     spaces_between_special_tokens: bool | None = True
     no_stop_trim: bool | None = False
     rid: str | None = None  # SGLang: the request id (for /abort_request); also the response id
+    priority: int | None = None  # SGLang: scheduling priority (with --enable-priority-scheduling)
     # structured output: known, not supported yet (rejected when set)
     regex: str | None = None
     json_schema: str | None = None
@@ -82,6 +83,7 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, Any]] | None = None
     continue_final_message: bool | None = False
+    separate_reasoning: bool | None = True  # with --reasoning-parser: reasoning_content apart from content
 
 
 class CompletionRequest(_GenerationRequest, kw_only=True):
@@ -158,6 +160,7 @@ class ChatMessage(Struct, kw_only=True):
     role: str = "assistant"
     content: str | None = None
     refusal: str | None = None
+    reasoning_content: str | None | UnsetType = UNSET
     tool_calls: list[dict[str, Any]] | UnsetType = UNSET
 
 
@@ -181,7 +184,9 @@ class ChatCompletionResponse(Struct, kw_only=True):
 
 class DeltaMessage(Struct, kw_only=True):
     role: str | UnsetType = UNSET
-    content: str | UnsetType = UNSET
+    content: str | None | UnsetType = UNSET
+    reasoning_content: str | UnsetType = UNSET
+    tool_calls: list[dict[str, Any]] | UnsetType = UNSET
 
 
 class ChatStreamChoice(Struct, kw_only=True):

@@ -23,6 +23,8 @@ class Req:
     generator: torch.Generator | None = None
     detokenizer: Any = None  # IncrementalDetokenizer, or None without a tokenizer
     queue: asyncio.Queue | None = None  # receives ReqOutput snapshots; None when finished streams are not wanted
+    priority: int | None = None  # with --enable-priority-scheduling (higher first unless --schedule-low-priority-values-first)
+    grammar: Any = None  # core.interfaces.Grammar matcher of a constrained request (core.grammar)
 
     output_ids: list[int] = attrs.field(factory=list)
     text: str = ""
@@ -37,6 +39,10 @@ class Req:
     reserved: int = 0
     kv_len: int = 0
     cached_tokens: int = 0
+    tree_pages: int = 0  # leading entries of ``pages`` owned by the radix cache (locked through last_node)
+    last_node: Any = None  # radix node locked by this request, or None
+    prefix_len: int = 0  # scheduler scratch: cached prefix found when last matched while waiting
+    num_retractions: int = 0
 
     finish_reason: dict | None = None
     aborted: bool = False
@@ -51,6 +57,14 @@ class Req:
     @property
     def seq_len(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs need the whole prompt computed in one prefill: no cached prefix, no chunks."""
+        return self.return_logprob and self.logprob_start_len >= 0
+
+    def fill_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
 
     def token_at(self, pos: int) -> int:
         n = len(self.prompt_ids)

@@ -26,6 +26,11 @@ class SamplingParams:
     no_stop_trim: bool = False
     n: int = 1
     seed: int | None = None
+    # constrained decoding (at most one; see core.grammar)
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
 
     @classmethod
     def from_dict(cls, d: dict | None) -> SamplingParams:
@@ -72,6 +77,13 @@ class SamplingParams:
         check(num("n", (int,)) >= 1, "n", "must be >= 1")
         check(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)), "seed", "must be an integer")
         check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
+        for name in ("json_schema", "regex", "ebnf", "structural_tag"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, (str, dict)):
+                raise InvalidRequest(f"{name} must be a string, got {type(v).__name__}", param=name)
+        from core.grammar import request_constraint
+
+        request_constraint(self)  # more than one constraint: error
         for t in self.stop_token_ids:
             if not isinstance(t, int) or isinstance(t, bool) or t < 0 or (vocab_size is not None and t >= vocab_size):
                 raise InvalidRequest(f"stop_token_ids contains an invalid token id {t!r}", param="stop_token_ids")

@@ -1,14 +1,24 @@
 """Continuous batching: which requests run in the next forward, and what their results do.
 
-Each step is either a prefill batch (newly admitted requests, bounded by
-``max_prefill_tokens``) or a decode batch (every running request adds one token),
-prefill first, as SGLang does by default. New requests therefore join between
-decode steps and finished ones leave at once. Pure bookkeeping: no asyncio, no
-model; the engine drives it.
+Each step is either a prefill batch (newly admitted requests and at most one chunk of
+a long prompt, bounded by ``max_prefill_tokens`` and ``chunked_prefill_size``) or a
+decode batch (every running request adds one token), prefill first, as SGLang does.
+While a long prompt is being prefilled in chunks, chunks and decode steps alternate
+(or share one forward with ``enable_mixed_chunk``), so running streams keep moving.
+
+KV memory: requests reuse the longest cached prefix from the radix cache
+(core/radix_cache.py) and prefill only the rest. Admission does not reserve pages; it
+*estimates* future needs (SGLang's ``new_token_ratio``, scaled by
+``schedule_conservativeness``), and when a decode step finds the pool empty (after
+evicting unused cached prefixes), the most recently admitted requests are retracted to
+the front of the queue, keeping their generated tokens; they re-prefill prompt+output
+(minus whatever prefix is still cached) when they come back. Pure bookkeeping: no
+asyncio, no model; the engine drives it.
 """
 
 from __future__ import annotations
 
+import random
 import time
 from collections import deque
 
@@ -17,6 +27,7 @@ import structlog
 import torch
 
 from core.kv_cache import PageAllocator, ReqToTokenTable
+from core.radix_cache import RadixCache
 from core.request import Req
 from core.sampler import SampleOutput
 
@@ -40,6 +51,17 @@ class StepResult:
     input_logprobs: dict[int, tuple[list[float | None], list[list[tuple[int, float]]]]] = attrs.field(factory=dict)
 
 
+# SGLang's scheduling constants (global_config / schedule_policy.py)
+CLIP_MAX_NEW_TOKENS = 4096  # future tokens of one request counted at most this many in estimates
+INIT_NEW_TOKEN_RATIO = 0.7  # times --schedule-conservativeness
+MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
+NEW_TOKEN_RATIO_DECAY_STEPS = 600
+RETRACT_DECODE_STEPS = 20
+LPM_MAX_QUEUE = 128  # longer queues fall back to fcfs for the cache-aware policies, as in SGLang
+
+SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
+
+
 class Scheduler:
     def __init__(
         self,
@@ -50,14 +72,39 @@ class Scheduler:
         max_prefill_tokens: int,
         context_len: int,
         eos_ids: tuple[int, ...],
+        tree_cache: RadixCache | None = None,
+        chunked_prefill_size: int | None = None,
+        schedule_policy: str = "fcfs",
+        schedule_conservativeness: float = 1.0,
+        enable_mixed_chunk: bool = False,
+        enable_priority_scheduling: bool = False,
+        schedule_low_priority_values_first: bool = False,
+        seed: int = 0,
     ) -> None:
+        if schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"unknown schedule policy {schedule_policy!r}; choose one of {', '.join(SCHEDULE_POLICIES)}")
         self.allocator, self.table = allocator, table
+        self.tree_cache = tree_cache
         self.max_running = max_running_requests
         self.max_prefill_tokens = max_prefill_tokens
+        self.chunked_prefill_size = chunked_prefill_size if chunked_prefill_size and chunked_prefill_size > 0 else None
         self.context_len = context_len
         self.eos_ids = frozenset(eos_ids)
+        self.policy = schedule_policy
+        self.enable_mixed_chunk = enable_mixed_chunk
+        self.enable_priority = enable_priority_scheduling
+        self.priority_sign = 1 if schedule_low_priority_values_first else -1
+        self.rng = random.Random(seed)
+        self.init_new_token_ratio = min(INIT_NEW_TOKEN_RATIO * schedule_conservativeness, 1.0)
+        self.min_new_token_ratio = min(self.init_new_token_ratio * MIN_NEW_TOKEN_RATIO_FACTOR, 1.0)
+        self.new_token_ratio_decay = (self.init_new_token_ratio - self.min_new_token_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS
+        self.new_token_ratio = self.init_new_token_ratio
         self.waiting: deque[Req] = deque()
-        self.running: list[Req] = []
+        self.running: list[Req] = []  # admitted requests in admission order (the chunked one included)
+        self.chunked_req: Req | None = None  # the request whose prompt is being prefilled in chunks
+        self._chunk_ran_last = False
+        self.num_retracted = 0  # requests retracted so far (a request may count more than once)
+        self.prefill_tokens = 0  # tokens computed by prefill forwards (cached prefixes excluded)
 
     # ------------------------------------------------------------------ queue
     def add(self, req: Req) -> None:
@@ -75,46 +122,298 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def pages_needed(self, req: Req) -> int:
-        return self.allocator.pages_for(len(req.prompt_ids) + req.params.max_new_tokens)
+    def flush_cache(self) -> bool:
+        """Empty the prefix cache (SGLang's /flush_cache); refused (False) while requests are queued or running."""
+        if self.has_work:
+            return False
+        if self.tree_cache is not None:
+            self.allocator.free(self.tree_cache.reset())
+        return True
+
+    # ------------------------------------------------------------------ memory
+    @property
+    def ps(self) -> int:
+        return self.allocator.page_size
+
+    def _evictable(self) -> int:
+        return self.tree_cache.evictable_pages if self.tree_cache is not None else 0
+
+    def _can_alloc(self, pages: int) -> bool:
+        return pages <= self.allocator.available + self._evictable()
+
+    def _alloc(self, pages: int) -> list[int]:
+        """Take ``pages`` pages, evicting unused cached prefixes first when the free list is short."""
+        short = pages - self.allocator.available
+        if short > 0 and self.tree_cache is not None:
+            self.allocator.free(self.tree_cache.evict(short))
+        return self.allocator.allocate(pages)
+
+    def _write_row(self, req: Req, start: int, end: int) -> None:
+        if end > start:
+            ps = self.ps
+            locs = [req.pages[p // ps] * ps + p % ps for p in range(start, end)]
+            self.table.table[req.row, start:end] = torch.tensor(locs)
+
+    def _match(self, req: Req) -> tuple[list[int], object]:
+        """Cached prefix of a waiting request: at least its last token is always recomputed (for logits)."""
+        if self.tree_cache is None or req.needs_prompt_logprobs:
+            return [], None
+        return self.tree_cache.match_prefix(req.fill_ids()[: req.seq_len - 1])
+
+    def _release_kv(self, req: Req, cache: bool = True) -> None:
+        """Give back a request's pages: its computed tokens go into the prefix cache (page-aligned),
+        duplicates and the partial last page to the free list; unlock its cached prefix."""
+        tree, ps = self.tree_cache, self.ps
+        if tree is not None and cache:
+            n = req.kv_len // ps * ps
+            already = tree.insert(req.fill_ids()[:n], req.pages[: n // ps]) if n else 0
+            self.allocator.free(req.pages[req.tree_pages : max(req.tree_pages, already // ps)] + req.pages[n // ps :])
+        else:
+            self.allocator.free(req.pages[req.tree_pages :])
+        if req.last_node is not None:
+            tree.dec_lock_ref(req.last_node)
+        req.pages, req.tree_pages, req.last_node, req.reserved = [], 0, None, 0
+
+    def _cache_unfinished(self, req: Req) -> None:
+        """After a prefill (chunk), share the request's computed prefix through the tree right away,
+        so requests admitted next reuse it (SGLang's cache_unfinished_req)."""
+        tree, ps = self.tree_cache, self.ps
+        n = req.kv_len // ps * ps
+        if tree is None or n <= req.tree_pages * ps:
+            return
+        ids = req.fill_ids()[:n]
+        already = tree.insert(ids, req.pages[: n // ps])
+        pages, node = tree.match_prefix(ids)
+        assert len(pages) == n // ps, "radix insert/match disagree"
+        dup = req.pages[req.tree_pages : max(req.tree_pages, already // ps)]
+        old_tree = req.tree_pages
+        req.pages[: n // ps] = pages
+        if dup:
+            self.allocator.free(dup)
+            self._write_row(req, old_tree * ps, already // ps * ps)
+        tree.inc_lock_ref(node)
+        if req.last_node is not None:
+            tree.dec_lock_ref(req.last_node)
+        req.last_node, req.tree_pages = node, n // ps
+
+    def check_accounting(self) -> None:
+        """Every usable page is exactly one of: free, held by the tree, privately held by a running request."""
+        held = [p for r in self.running for p in r.pages[r.tree_pages :]]
+        tree = self.tree_cache.all_pages() if self.tree_cache is not None else []
+        pages = sorted(self.allocator._free + tree + held)
+        assert pages == list(range(1, self.allocator.num_pages)), "KV pages leaked or double-owned"
+        if self.tree_cache is not None:
+            self.tree_cache.check()
+
+    # ------------------------------------------------------------------ policy
+    def _sort_waiting(self) -> None:
+        if len(self.waiting) < 2:
+            return
+        q = list(self.waiting)
+        policy = self.policy
+        cache_aware = policy in ("lpm", "dfs-weight")
+        if cache_aware and (self.tree_cache is None or len(q) > LPM_MAX_QUEUE):
+            policy = "fcfs"
+        prio = (lambda r: self.priority_sign * (r.priority or 0)) if self.enable_priority else (lambda r: 0)
+        if cache_aware and policy != "fcfs":
+            nodes = {}
+            for r in q:
+                pages, node = self._match(r)
+                r.prefix_len = len(pages) * self.ps
+                nodes[id(r)] = node
+        if policy == "fcfs":
+            if self.enable_priority:
+                q.sort(key=prio)  # stable: queue order (arrival, retracted first) within a priority
+        elif policy == "lpm":
+            q.sort(key=lambda r: (prio(r), -r.prefix_len))
+        elif policy == "lof":
+            q.sort(key=lambda r: (prio(r), -r.params.max_new_tokens))
+        elif policy == "random":
+            self.rng.shuffle(q)
+            q.sort(key=prio)
+        elif policy == "dfs-weight":
+            q = self._dfs_weight(q, nodes)
+            q.sort(key=prio)
+        self.waiting = deque(q)
+
+    def _dfs_weight(self, q: list[Req], nodes: dict) -> list[Req]:
+        """SGLang's dfs-weight: walk the tree depth-first, heavier subtrees (more waiting requests) first."""
+        root = self.tree_cache.root
+        at: dict[int, list[Req]] = {}
+        weight: dict[int, int] = {}
+        for r in q:
+            node = nodes[id(r)] or root
+            at.setdefault(id(node), []).append(r)
+            while node is not None:
+                weight[id(node)] = weight.get(id(node), 0) + 1
+                node = node.parent
+        out: list[Req] = []
+        stack = [root]
+        while stack:
+            node = stack.pop()
+            out += at.get(id(node), [])
+            kids = sorted((c for c in node.children.values() if id(c) in weight), key=lambda c: weight[id(c)])
+            stack.extend(kids)  # heaviest popped first
+        return out
 
     # ------------------------------------------------------------------ batching
     def schedule(self) -> tuple[ScheduledBatch | None, list[Req]]:
         """Form the next batch; also returns requests finished by abort since the last step."""
         aborted = self._reap_aborted()
-        admitted: list[Req] = []
-        tokens = 0
-        while self.waiting and len(self.running) + len(admitted) < self.max_running and self.table.num_free:
+        decodable = [r for r in self.running if r.kv_len == r.seq_len - 1]
+        prefill: list[tuple[Req, int]] = []
+        if not (self._chunk_ran_last and decodable and not self.enable_mixed_chunk):
+            prefill = self._get_prefill(decodable)
+        self._chunk_ran_last = bool(prefill) and self.chunked_req is not None
+        if prefill:
+            reqs, lens = [r for r, _ in prefill], [n for _, n in prefill]
+            self.prefill_tokens += sum(lens)
+            if self.enable_mixed_chunk and decodable:
+                need = sum(1 for r in decodable if r.kv_len % self.ps == 0)
+                if self._can_alloc(need):
+                    reqs, lens = reqs + decodable, lens + [1] * len(decodable)
+            return self._build(reqs, lens, prefill=True), aborted
+        if decodable:
+            decodable = self._ensure_decode_memory(decodable)
+            self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay, self.min_new_token_ratio)
+            return self._build(decodable, [1] * len(decodable), prefill=False), aborted
+        return None, aborted
+
+    def _get_prefill(self, decodable: list[Req]) -> list[tuple[Req, int]]:
+        """Admit what fits: the ongoing chunked request first, then waiting requests in policy order."""
+        ps = self.ps
+        out: list[tuple[Req, int]] = []
+        rem_input = self.max_prefill_tokens
+        rem_chunk = self.chunked_prefill_size
+        claimed = 0  # pages this batch will allocate
+        if self.chunked_req is not None:
+            req = self.chunked_req
+            left = req.seq_len - req.kv_len
+            n = left if rem_chunk is None or left <= rem_chunk else rem_chunk // ps * ps
+            need = self.allocator.pages_for(req.kv_len + n) - len(req.pages)
+            if n <= 0 or not self._can_alloc(need):
+                return []  # no room yet: running requests decode (and free pages) first
+            if n == left:
+                self.chunked_req = None
+            out.append((req, n))
+            claimed += need
+            rem_input -= n
+            if rem_chunk is not None:
+                rem_chunk -= n
+            if self.chunked_req is not None:
+                return out
+        if not self.waiting:
+            return out
+        self._sort_waiting()
+        # estimated future tokens of what already runs (SGLang's rem_total_token_offset)
+        offset = sum(min(r.params.max_new_tokens - len(r.output_ids), CLIP_MAX_NEW_TOKENS) * self.new_token_ratio
+                     + (r.seq_len - r.kv_len - (1 if r.kv_len == r.seq_len - 1 else 0))
+                     for r in self.running)
+        for _, n in out:
+            offset -= n
+        while self.waiting and len(self.running) < self.max_running and self.table.num_free:
             req = self.waiting[0]
-            need = self.pages_needed(req)
-            if admitted and tokens + len(req.prompt_ids) > self.max_prefill_tokens:
+            if req.aborted:  # aborted between reap and now: dropped at the next step
                 break
-            if not self.allocator.can_reserve(need):
+            pages, node = self._match(req)
+            prefix = len(pages) * ps
+            extend = req.seq_len - prefix
+            if out and extend > rem_input:
+                break
+            chunked = False
+            if rem_chunk is not None and extend > rem_chunk and not req.needs_prompt_logprobs:
+                extend = rem_chunk // ps * ps
+                if extend <= 0:
+                    break
+                chunked = True
+            elif rem_chunk is not None and extend > rem_chunk and out:
+                break
+            future = min(req.params.max_new_tokens - len(req.output_ids), CLIP_MAX_NEW_TOKENS)
+            if node is not None:
+                self.tree_cache.inc_lock_ref(node)  # before counting evictable pages: ours are not
+            need = self.allocator.pages_for(prefix + extend) - len(pages)
+            budget = self.allocator.available + self._evictable() - claimed
+            rem_total = budget * ps - offset
+            fits = need <= budget and (not (self.running or out) or
+                                       (req.seq_len - prefix) + future + ps <= rem_total)
+            if not fits:
+                if node is not None:
+                    self.tree_cache.dec_lock_ref(node)
                 break
             self.waiting.popleft()
-            self.allocator.reserve(need)
-            req.reserved, req.row = need, self.table.alloc_row()
-            admitted.append(req)
-            tokens += len(req.prompt_ids)
-        if admitted:
-            self.running.extend(admitted)
-            return self._build(admitted, [len(r.prompt_ids) for r in admitted], prefill=True), aborted
-        if self.running:
-            return self._build(list(self.running), [1] * len(self.running), prefill=False), aborted
-        return None, aborted
+            req.row = self.table.alloc_row()
+            req.pages, req.tree_pages, req.last_node, req.kv_len = list(pages), len(pages), node, prefix
+            self._write_row(req, 0, prefix)
+            if req.num_retractions == 0:
+                req.cached_tokens = prefix
+            if self.tree_cache is not None:
+                self.tree_cache.record(prefix, req.seq_len)
+            self.running.append(req)
+            out.append((req, extend))
+            claimed += need
+            offset += (req.seq_len - prefix - extend) + future
+            rem_input -= extend
+            if rem_chunk is not None:
+                rem_chunk -= extend
+            if chunked:
+                self.chunked_req = req
+                break
+            if rem_input <= 0 or (rem_chunk is not None and rem_chunk <= 0):
+                break
+        return out
+
+    def _ensure_decode_memory(self, decodable: list[Req]) -> list[Req]:
+        """Retract the most recently admitted requests until the decode step's new pages fit."""
+        ps = self.ps
+        need = sum(1 for r in decodable if r.kv_len % ps == 0)
+        if self._can_alloc(need):
+            return decodable
+        retracted: list[Req] = []
+        while not self._can_alloc(need):
+            victims = [r for r in reversed(self.running) if not (len(decodable) == 1 and r is decodable[0])]
+            if not victims:
+                break
+            victim = victims[0]
+            if victim in decodable:
+                decodable.remove(victim)
+                need -= 1 if victim.kv_len % ps == 0 else 0
+            self._retract(victim)
+            retracted.append(victim)
+        if not self._can_alloc(need):
+            raise RuntimeError("the KV pool cannot hold a single request; this is a bug in admission limits")
+        for r in reversed(retracted):  # oldest retracted first at the head of the queue
+            self.waiting.appendleft(r)
+        decoded = sum(len(r.output_ids) for r in self.running)
+        max_new = sum(r.params.max_new_tokens for r in self.running)
+        self.new_token_ratio = min(1.0, (decoded + RETRACT_DECODE_STEPS * len(self.running)) / max(max_new, 1))
+        self.num_retracted += len(retracted)
+        log.warning("scheduler.retract", num_retracted=len(retracted), rids=[r.rid for r in retracted],
+                    running=len(self.running), new_token_ratio=round(self.new_token_ratio, 4),
+                    free_pages=self.allocator.available, evictable_pages=self._evictable())
+        return decodable
+
+    def _retract(self, req: Req) -> None:
+        """Back to the queue with its generated tokens (and detokenizer state); its KV goes to the cache."""
+        if req is self.chunked_req:
+            self.chunked_req = None
+        self._release_kv(req)
+        self.table.free_row(req.row)
+        req.row, req.kv_len = -1, 0
+        req.num_retractions += 1
+        self.running.remove(req)
 
     def _build(self, reqs: list[Req], extend_lens: list[int], prefill: bool) -> ScheduledBatch:
         """Take pages for the new tokens and record their slots in the request table."""
-        ps = self.allocator.page_size
+        ps = self.ps
         input_ids: list[int] = []
         rows: list[int] = []
         positions: list[int] = []
         locs: list[int] = []
         for req, n in zip(reqs, extend_lens):
             start = req.kv_len
-            while len(req.pages) * ps < start + n:
-                req.pages.append(self.allocator.take())
-                req.reserved -= 1
+            more = self.allocator.pages_for(start + n) - len(req.pages)
+            if more > 0:
+                req.pages += self._alloc(more)
             pages, span = req.pages, range(start, start + n)
             positions.extend(span)
             locs.extend(pages[p // ps] * ps + p % ps for p in span)
@@ -139,6 +438,9 @@ class Scheduler:
             if req.finished or req.aborted:  # aborted while the forward ran: dropped at the next step
                 updates.append((req, ""))
                 continue
+            if req.kv_len < req.seq_len:  # a chunk of a longer prompt: nothing sampled yet
+                self._cache_unfinished(req)
+                continue
             if req.params.max_new_tokens == 0:  # prompt-only request (e.g. for prompt logprobs)
                 req.finish_reason = {"type": "length", "length": 0}
                 updates.append((req, ""))
@@ -154,6 +456,8 @@ class Scheduler:
             delta = self._check_finish(req, tok)
             req.text += delta
             updates.append((req, delta))
+            if batch.is_prefill and not req.finished:
+                self._cache_unfinished(req)
         for req in [r for r in self.running if r.finished]:
             self._free(req)
             req.finish_time = now
@@ -169,6 +473,8 @@ class Scheduler:
             req.finish_reason = {"type": "stop", "matched": tok}
         elif req.detokenizer is not None and req.detokenizer.matched_stop is not None:
             req.finish_reason = {"type": "stop", "matched": req.detokenizer.matched_stop}
+        elif req.grammar is not None and req.grammar.is_terminated():  # constrained output complete
+            req.finish_reason = {"type": "stop", "matched": None}
         elif len(req.output_ids) >= p.max_new_tokens or req.seq_len >= self.context_len:
             req.finish_reason = {"type": "length", "length": len(req.output_ids)}
         if req.finished and req.detokenizer is not None and req.detokenizer.matched_stop is None:
@@ -176,14 +482,16 @@ class Scheduler:
         return delta
 
     def fail(self, reqs: list[Req], message: str) -> None:
-        """Finish requests whose forward failed, returning their pages."""
+        """Finish requests whose forward failed, returning their pages (their KV is not cached)."""
         now = time.perf_counter()
         for req in reqs:
             if not req.finished:
                 req.finish_reason = {"type": "abort", "message": message}
                 req.finish_time = now
             if req.row >= 0:
-                self._free(req)
+                self._free(req, cache=False)
+            elif req in self.waiting:
+                self.waiting.remove(req)
 
     def _reap_aborted(self) -> list[Req]:
         gone = [r for r in self.waiting if r.aborted] + [r for r in self.running if r.aborted and not r.finished]
@@ -198,9 +506,10 @@ class Scheduler:
                 self._free(req)
         return gone
 
-    def _free(self, req: Req) -> None:
-        self.allocator.release(req.pages, req.reserved)
-        req.pages, req.reserved = [], 0
+    def _free(self, req: Req, cache: bool = True) -> None:
+        if req is self.chunked_req:
+            self.chunked_req = None
+        self._release_kv(req, cache)
         self.table.free_row(req.row)
         req.row = -1
         self.running.remove(req)

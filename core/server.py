@@ -258,7 +258,7 @@ class GenerateReqInput(msgspec.Struct, forbid_unknown_fields=True):
 _UNSUPPORTED_GENERATE_FIELDS = (
     "image_data", "video_data", "audio_data", "input_embeds", "lora_path", "lora_id", "custom_logit_processor",
     "session_params", "return_hidden_states", "token_ids_logprob", "bootstrap_host", "bootstrap_port", "bootstrap_room",
-    "data_parallel_rank", "priority", "modalities",
+    "data_parallel_rank", "modalities",
 )
 
 
@@ -321,6 +321,7 @@ def build_generate_requests(state: ServerState, obj: GenerateReqInput) -> tuple[
     lps = _per_item(obj.return_logprob, n, "return_logprob", False)
     starts = _per_item(obj.logprob_start_len, n, "logprob_start_len", -1)
     tops = _per_item(obj.top_logprobs_num, n, "top_logprobs_num", 0)
+    prios = _per_item(obj.priority, n, "priority", None)
     in_flight = {r.rid for r in (*engine.scheduler.waiting, *engine.scheduler.running)}
     reqs: list[Req] = []
     interval = None
@@ -332,7 +333,8 @@ def build_generate_requests(state: ServerState, obj: GenerateReqInput) -> tuple[
         rid = rids[i]
         if rid is not None and (rid in in_flight or any(r.rid == rid for r in reqs)):
             raise InvalidRequest(f"a request with rid {rid!r} is already running", param="rid")
-        reqs += engine.make_requests(token_ids, params, rid or uuid.uuid4().hex, bool(lps[i]), starts[i], tops[i])
+        reqs += engine.make_requests(token_ids, params, rid or uuid.uuid4().hex, bool(lps[i]), starts[i], tops[i],
+                                     priority=prios[i])
     return reqs, batch, interval
 
 
@@ -413,6 +415,7 @@ async def generate(request: Request) -> Response:
     state = state_of(request)
     obj = await read_json(request, GenerateReqInput)
     reqs, batch, req_interval = build_generate_requests(state, obj)
+    await state.engine.prepare_grammars(reqs)  # constrained requests: compile off the loop (400 if invalid)
     state.submit(reqs)
     _log_received(state, reqs, obj)
     engine = state.engine
@@ -574,7 +577,10 @@ async def flush_cache(request: Request) -> Response:
     if state.engine.scheduler.has_work:
         return PlainTextResponse("Cache not flushed: there are running or waiting requests; retry when the server is idle.\n",
                                  status_code=400)
-    return PlainTextResponse("Cache flushed.\n(core has no prefix cache yet: nothing was cached.)\n")
+    if not state.engine.flush_cache():  # a request arrived in between
+        return PlainTextResponse("Cache not flushed: there are running or waiting requests; retry when the server is idle.\n",
+                                 status_code=400)
+    return PlainTextResponse("Cache flushed.\n")
 
 
 class AbortReq(msgspec.Struct, forbid_unknown_fields=True):
@@ -639,8 +645,11 @@ async def metrics_endpoint(request: Request) -> Response:
 
 # ---------------------------------------------------------------------------- app
 def native_routes(state: ServerState) -> list[Route]:
+    from core.embeddings import embedding_routes
+
     routes = [
         Route("/generate", generate, methods=["POST", "PUT"]),
+        *embedding_routes(),
         Route("/health", health, methods=["GET", "POST"]),
         Route("/health_generate", health_generate, methods=["GET", "POST"]),
         Route("/get_model_info", get_model_info, methods=["GET"]),
@@ -697,6 +706,9 @@ def create_app(state: ServerState) -> Starlette:
 
 
 def build_state(engine: AsyncEngine, args: argparse.Namespace) -> ServerState:
+    for kind, dest in (("tool_parser", "tool_call_parser"), ("reasoning_parser", "reasoning_parser")):
+        if getattr(args, dest, None):
+            engine.plugins.get(kind, getattr(args, dest))  # an unknown name stops start-up, listing the registered ones
     name = engine.model_config.served_name
     metrics = Metrics(name, enabled=bool(getattr(args, "enable_metrics", False)))
     metrics.attach(engine)

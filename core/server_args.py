@@ -74,11 +74,6 @@ def _off(*ok: Any) -> Callable[[Any], bool]:
 
 NOT_SUPPORTED_YET: dict[str, tuple[Callable[[Any], bool], str]] = {
     # dest: (is the value acceptable, what is supported)
-    "grammar_backend": (_off("none"), "only 'none' is accepted"),
-    "tool_call_parser": (_off(), ""),
-    "reasoning_parser": (_off(), ""),
-    "chunked_prefill_size": (_off(-1, 0), "chunked prefill is not implemented; leave it unset or -1"),
-    "schedule_policy": (_off("fcfs"), "only 'fcfs' is implemented"),
     "tp_size": (_off(1), "only 1 is supported"),
     "pp_size": (_off(1), "only 1 is supported"),
     "dp_size": (_off(1), "only 1 is supported"),
@@ -91,11 +86,10 @@ NOT_SUPPORTED_YET: dict[str, tuple[Callable[[Any], bool], str]] = {
     "disaggregation_mode": (_off("null"), ""),
     "enable_torch_compile": (_off(), ""),
     "cuda_graph_max_bs": (_off(), ""),
-    "is_embedding": (_off(), ""),
     "enable_multimodal": (_off(), ""),
     "trust_remote_code": (_off(), "custom model code is never executed"),
     "tokenizer_mode": (_off("auto"), "only 'auto' is supported"),
-    "load_format": (_off("auto", "safetensors", "pt", "gguf"), "supported: auto, safetensors, pt, gguf"),
+    "load_format": (_off("auto", "safetensors", "pt", "gguf", "dummy"), "supported: auto, safetensors, pt, gguf, dummy"),
 }
 
 
@@ -276,9 +270,11 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
     g = s("Model and tokenizer")
     g.add_argument("--tokenizer-mode", default="auto", help="not supported yet except 'auto'")
-    g.add_argument("--load-format", default="auto", help="weights format (auto: safetensors, .bin or .gguf)")
+    g.add_argument("--load-format", default="auto",
+                   help="weights format (auto: safetensors, .bin or .gguf; dummy: random weights from config.json alone)")
     g.add_argument("--trust-remote-code", action="store_true", help="not supported: custom model code never runs")
-    g.add_argument("--is-embedding", action="store_true", help="not supported yet")
+    g.add_argument("--is-embedding", action="store_true",
+                   help="serve an embedding / classification model (/v1/embeddings, /encode, /classify)")
     g.add_argument("--enable-multimodal", action="store_true", default=None, help="not supported yet")
 
     g = s("HTTP server")
@@ -291,8 +287,6 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g = s("Memory and scheduling")
     g.add_argument("--max-queued-requests", type=int, default=None,
                    help="requests allowed to wait for admission; more get HTTP 503 (default: unlimited)")
-    g.add_argument("--chunked-prefill-size", type=int, default=None, help="not supported yet (-1: disabled)")
-    g.add_argument("--schedule-policy", default="fcfs", help="only fcfs is implemented")
 
     g = s("Runtime options")
     g.add_argument("--tensor-parallel-size", "--tp-size", dest="tp_size", type=int, default=1, help="only 1 is supported")
@@ -312,8 +306,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--file-storage-path", default="sglang_storage", help="where the files API stores uploads")
     g.add_argument("--enable-cache-report", action="store_true",
                    help="report cached prompt tokens in usage.prompt_tokens_details")
-    g.add_argument("--reasoning-parser", default=None, help="not supported yet")
-    g.add_argument("--tool-call-parser", default=None, help="not supported yet")
+    g.add_argument("--reasoning-parser", default=None,
+                   help="separate reasoning_content in chat responses: deepseek-r1, qwen3, qwen3-thinking, kimi, gpt-oss "
+                        "(any registered reasoning parser)")
+    g.add_argument("--tool-call-parser", default=None,
+                   help="parse tool calls from model output: qwen25, llama3, mistral, deepseekv3, pythonic, qwen3_coder, "
+                        "kimi_k2, glm45, gpt-oss (any registered tool parser)")
     g.add_argument("--allow-auto-truncate", action="store_true",
                    help="truncate prompts longer than the context instead of rejecting them")
 
@@ -328,7 +326,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lora-paths", nargs="*", default=None, help="not supported yet")
 
     g = s("Kernel backends (attention, sampling, grammar, GEMM)")
-    g.add_argument("--grammar-backend", default=None, help="not supported yet (only 'none')")
+    g.add_argument("--grammar-backend", default=None,
+                   help="constrained decoding backend: xgrammar (default), llguidance, or none to disable")
 
     g = s("Speculative decoding")
     g.add_argument("--speculative-algorithm", default=None, help="not supported yet")
@@ -383,6 +382,8 @@ def validate_serve_args(ns: argparse.Namespace) -> None:
         raise CoreError(f"--stream-interval must be >= 1, got {ns.stream_interval}")
     if ns.max_queued_requests is not None and ns.max_queued_requests < 0:
         raise CoreError(f"--max-queued-requests must be >= 0, got {ns.max_queued_requests}")
+    if getattr(ns, "schedule_conservativeness", 1.0) <= 0:
+        raise CoreError(f"--schedule-conservativeness must be > 0, got {ns.schedule_conservativeness}")
     if ns.max_running_requests is not None and ns.max_running_requests < 1:
         raise CoreError(f"--max-running-requests must be >= 1, got {ns.max_running_requests}")
     if ns.context_length is not None and ns.context_length < 2:

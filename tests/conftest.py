@@ -185,13 +185,19 @@ def hf_logprobs(model, ids: list[int]) -> torch.Tensor:
 
 
 def assert_pool_free(engine) -> None:
-    """Nothing queued or running, every KV page back in the free list, every table row free."""
+    """Nothing queued or running, every KV page back in the free list or held (unlocked) by the
+    prefix cache, every table row free."""
     ae = getattr(engine, "engine", engine)
     sched, alloc, table = ae.scheduler, ae.allocator, ae.table
     assert not sched.waiting and not sched.running, (list(sched.waiting), sched.running)
     assert alloc.reserved == 0
-    assert alloc.num_free == alloc.capacity
-    assert sorted(alloc._free) == list(range(1, alloc.num_pages)), "page 0 handed out or a page duplicated"
+    tree = getattr(sched, "tree_cache", None)
+    cached = [] if tree is None else tree.all_pages()
+    if tree is not None:
+        tree.check()
+        assert tree.protected_pages == 0, "a finished request still locks the prefix cache"
+    assert alloc.num_free + len(cached) == alloc.capacity
+    assert sorted(alloc._free + cached) == list(range(1, alloc.num_pages)), "page 0 handed out or a page duplicated"
     assert table.num_free == table.table.shape[0]
     assert sorted(table._free_rows) == list(range(table.table.shape[0]))
 

@@ -76,7 +76,7 @@ def test_models(client, http):
     assert err["code"] == "model_not_found"
 
 
-def test_embeddings_rejected(http):
+def test_embeddings_rejected(http):  # a generative model (no --is-embedding)
     err = assert_error(http.post("/v1/embeddings", json={"model": "x", "input": "hello"}), 400)
     assert "embedding" in err["message"]
 
@@ -219,7 +219,9 @@ BAD_CHAT = [
     ({"model": "m", "messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
     ({"model": "m", "messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"model": "m", "messages": CHAT, "logit_bias": {"1": 5}}, "logit_bias"),
-    ({"model": "m", "messages": CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+    ({"model": "m", "messages": CHAT, "response_format": {"type": "xml"}}, "response_format"),
+    ({"model": "m", "messages": CHAT, "regex": "((", "max_tokens": 4}, "regex"),
+    ({"model": "m", "messages": CHAT, "regex": "a", "ebnf": "root ::= \"a\"", "max_tokens": 4}, "ebnf"),
     ({"model": "m", "messages": CHAT, "tool_choice": "required"}, "tool_choice"),
     ({"model": "m", "messages": CHAT, "frequency_penalty": 3}, "frequency_penalty"),
     ({"model": "m", "messages": CHAT, "stop_token_ids": [10**9]}, "stop_token_ids"),

@@ -1,8 +1,12 @@
-"""Llama architecture (Llama 2/3, SmolLM2, ...), wired from core's shared layers."""
+"""Llama architecture (Llama 2/3, SmolLM2, ...), wired from core's shared layers.
+
+The classes take keyword options (projection biases, q/k norm, attention scaling,
+soft-capping, norm offset) so that Llama-like families (Qwen2/3, Mistral, Gemma, ...)
+stay short files that subclass or reuse them; every option defaults to Llama."""
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 from torch import nn
@@ -12,33 +16,63 @@ from core.interfaces import AttentionLayerSpec, ForwardBatch, ModelContext
 from core.layers import Attention, GatedMLP, Linear, RMSNorm, RotaryEmbedding, VocabEmbedding, load_packed_weights
 
 
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def sliding_window_of(config, layer_id: int) -> int | None:
+    """The layer's attention window: from ``layer_types`` where the config has them
+    (Qwen2/3, Gemma 2/3), else ``sliding_window`` on every layer (Mistral)."""
+    window = getattr(config, "sliding_window", None) or None
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        return window if types[layer_id] == "sliding_attention" else None
+    return window
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, config, layer_id: int, ctx: ModelContext, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config, layer_id: int, ctx: ModelContext, rotary: RotaryEmbedding, *, qkv_bias: bool | None = None,
+                 o_bias: bool | None = None, qk_norm: bool = False, norm_offset: float = 0.0, scaling: float | None = None,
+                 logit_cap: float = 0.0, sliding_window: int | None | str = "config") -> None:
         super().__init__()
         h, kv = config.num_attention_heads, config.num_key_value_heads
-        d = getattr(config, "head_dim", None) or config.hidden_size // h
+        d = head_dim_of(config)
         bias = getattr(config, "attention_bias", False)
+        qkv_bias = bias if qkv_bias is None else qkv_bias
+        o_bias = bias if o_bias is None else o_bias
         self.q_size, self.kv_size = h * d, kv * d
-        self.qkv_proj = Linear(config.hidden_size, [h * d, kv * d, kv * d], bias, ctx.quant_method, ctx.dtype, ("q", "k", "v"))
-        self.o_proj = Linear(h * d, config.hidden_size, bias, ctx.quant_method, ctx.dtype)
-        self.rotary = rotary  # shared by all layers: one cos/sin cache
-        self.attn = Attention(AttentionLayerSpec(layer_id, h, kv, d, scaling=d**-0.5))
+        self.qkv_proj = Linear(config.hidden_size, [h * d, kv * d, kv * d], qkv_bias, ctx.quant_method, ctx.dtype, ("q", "k", "v"))
+        self.o_proj = Linear(h * d, config.hidden_size, o_bias, ctx.quant_method, ctx.dtype)
+        if qk_norm:  # per-head RMS norm of q and k before rotary (Qwen3, Gemma 3)
+            self.q_norm = RMSNorm(d, config.rms_norm_eps, norm_offset)
+            self.k_norm = RMSNorm(d, config.rms_norm_eps, norm_offset)
+        self.qk_norm = qk_norm
+        self.rotary = rotary  # shared by all layers of a kind: one cos/sin cache
+        window = sliding_window_of(config, layer_id) if sliding_window == "config" else sliding_window
+        self.attn = Attention(AttentionLayerSpec(layer_id, h, kv, d, scaling=d**-0.5 if scaling is None else scaling,
+                                                 sliding_window=window, logit_cap=logit_cap or 0.0))
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         s = self.attn.spec
-        q, k = self.rotary(batch.positions, q.view(-1, s.num_heads, s.head_dim), k.view(-1, s.num_kv_heads, s.head_dim))
+        q, k = q.view(-1, s.num_heads, s.head_dim), k.view(-1, s.num_kv_heads, s.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(batch.positions, q, k)
         return self.o_proj(self.attn(q, k, v, batch))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, layer_id: int, ctx: ModelContext, rotary: RotaryEmbedding) -> None:
+    def __init__(self, config, layer_id: int, ctx: ModelContext, rotary: RotaryEmbedding, **attn_options: Any) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_id, ctx, rotary)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, ctx.quant_method, ctx.dtype,
-                            bias=getattr(config, "mlp_bias", False))
+        self.self_attn = LlamaAttention(config, layer_id, ctx, rotary, **attn_options)
+        self.mlp = self.make_mlp(config, layer_id, ctx)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def make_mlp(self, config, layer_id: int, ctx: ModelContext) -> nn.Module:
+        return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act, ctx.quant_method, ctx.dtype,
+                        bias=getattr(config, "mlp_bias", False))
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), batch)
@@ -46,12 +80,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, ctx: ModelContext) -> None:
+    def __init__(self, config, ctx: ModelContext, layer_cls: type[nn.Module] = LlamaDecoderLayer, **attn_options: Any) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, ctx.dtype)
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        rotary = RotaryEmbedding(config, head_dim, config.max_position_embeddings)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, ctx, rotary) for i in range(config.num_hidden_layers))
+        rotary = RotaryEmbedding(config, head_dim_of(config), config.max_position_embeddings)
+        self.layers = nn.ModuleList(layer_cls(config, i, ctx, rotary, **attn_options) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
@@ -62,16 +95,21 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    """Subclasses change ``attn_options`` (keyword options of :class:`LlamaAttention`),
+    ``layer_cls`` or ``packed_modules``; the rest is shared."""
+
     packed_modules = {
         "q_proj": ("qkv_proj", "q"),
         "k_proj": ("qkv_proj", "k"),
         "v_proj": ("qkv_proj", "v"),
     }
+    attn_options: dict[str, Any] = {}
+    layer_cls: type[nn.Module] = LlamaDecoderLayer
 
     def __init__(self, config, ctx: ModelContext) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, ctx)
+        self.model = LlamaModel(config, ctx, self.layer_cls, **self.attn_options)
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tied:
             self.lm_head = VocabEmbedding(config.vocab_size, config.hidden_size, ctx.dtype)
@@ -83,11 +121,11 @@ class LlamaForCausalLM(nn.Module):
         w = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
         return torch.nn.functional.linear(hidden, w).float()
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        def skip(name: str) -> bool:
-            return "rotary_emb.inv_freq" in name or (self.tied and name == "lm_head.weight")
+    def skip_weight(self, name: str) -> bool:
+        return "rotary_emb.inv_freq" in name or (self.tied and name == "lm_head.weight")
 
-        load_packed_weights(self, weights, self.packed_modules, skip)
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        load_packed_weights(self, weights, self.packed_modules, self.skip_weight)
 
 
 @hookimpl

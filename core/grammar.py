@@ -1,0 +1,125 @@
+"""Constrained decoding: compile cache, per-request matchers, the batch token bitmask.
+
+The grammar backend itself is a plugin (``--grammar-backend``, default ``xgrammar``;
+``none`` disables constrained decoding). This module owns what is backend-independent:
+
+* ``GrammarManager.compile(kind, spec)`` compiles on a small thread pool (never on the
+  event loop) and caches the compiled prototype by ``(backend, kind, spec)``; concurrent
+  requests for the same spec share one compilation. Every request gets its own matcher
+  (``prototype.copy()``), so n > 1 and identical specs never share state.
+* ``GrammarManager.apply(logits, reqs)`` runs on the forward thread: it fills one
+  ``[B, ceil(V/32)]`` int32 bitmask for the whole batch (all-ones for unconstrained rows)
+  and applies it to the logits in one vectorised op before sampling.
+* ``GrammarManager.accept(reqs, tokens)`` advances each constrained request's matcher with
+  its sampled token; the scheduler finishes a request whose grammar terminated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import json
+import threading
+from typing import Any
+
+import structlog
+import torch
+
+from core.errors import InvalidRequest
+
+log = structlog.get_logger("core.grammar")
+
+CONSTRAINT_KINDS = ("json_schema", "regex", "ebnf", "structural_tag")
+DEFAULT_GRAMMAR_BACKEND = "xgrammar"
+CACHE_SIZE = 512
+
+
+def request_constraint(params: Any) -> tuple[str, str] | None:
+    """The (kind, spec) a SamplingParams asks for, or None; more than one is an InvalidRequest."""
+    found = [(k, getattr(params, k, None)) for k in CONSTRAINT_KINDS if getattr(params, k, None) is not None]
+    if not found:
+        return None
+    if len(found) > 1:
+        raise InvalidRequest(f"only one constraint per request is allowed, got {', '.join(k for k, _ in found)}",
+                             param=found[1][0])
+    kind, spec = found[0]
+    if not isinstance(spec, str):
+        spec = json.dumps(spec)
+    return kind, spec
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Set logits of tokens whose bit is 0 to -inf, in place (bit j of word w is token 32*w + j)."""
+    bitmask = bitmask.to(logits.device)
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().reshape(bitmask.shape[0], -1)
+    v = logits.shape[1]
+    n = min(v, allowed.shape[1])
+    logits[:, :n].masked_fill_(~allowed[:, :n], float("-inf"))
+    if v > n:
+        logits[:, n:] = float("-inf")
+
+
+class GrammarManager:
+    def __init__(self, plugins: Any, name: str | None, tokenizer: Any, vocab_size: int, eos_ids: tuple[int, ...]) -> None:
+        self.name = name or DEFAULT_GRAMMAR_BACKEND
+        self.vocab_size = vocab_size
+        self.backend = None
+        if self.name != "none" and tokenizer is not None:
+            factory = plugins.resolve("grammar_backend", self.name)
+            self.backend = factory(tokenizer, vocab_size, stop_token_ids=list(eos_ids))
+        self._cache: collections.OrderedDict[tuple[str, str, str], concurrent.futures.Future] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="core-grammar")
+
+    @property
+    def enabled(self) -> bool:
+        return self.backend is not None
+
+    def _future(self, kind: str, spec: str) -> concurrent.futures.Future:
+        key = (self.name, kind, spec)
+        with self._lock:
+            fut = self._cache.get(key)
+            if fut is not None:
+                self._cache.move_to_end(key)
+                return fut
+            fut = self._pool.submit(self.backend.compile, kind, spec)
+            self._cache[key] = fut
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+            return fut
+
+    async def compile(self, kind: str, spec: str) -> Any:
+        """A fresh matcher for (kind, spec); compilation runs off the loop and is cached.
+        An invalid spec raises InvalidRequest carrying the backend's message."""
+        if self.backend is None:
+            raise InvalidRequest(f"{kind} constraints need a grammar backend, but the server runs with "
+                                 f"--grammar-backend none", param=kind)
+        try:
+            proto = await asyncio.wrap_future(self._future(kind, spec))
+        except (ValueError, RuntimeError, TypeError) as e:
+            raise InvalidRequest(f"invalid {kind}: {e}", param=kind) from None
+        return proto.copy()
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # ---- forward thread
+    def apply(self, logits: torch.Tensor, reqs: list[Any]) -> None:
+        rows = [i for i, r in enumerate(reqs) if r.grammar is not None and not r.grammar.is_terminated()]
+        if not rows or self.backend is None:
+            return
+        bitmask = self.backend.allocate_bitmask(len(reqs))
+        bitmask.fill_(-1)
+        for i in rows:
+            reqs[i].grammar.fill_bitmask(bitmask, i)
+        self.backend.apply_bitmask(logits, bitmask)
+
+    def accept(self, reqs: list[Any], tokens: list[int]) -> None:
+        for r, tok in zip(reqs, tokens):
+            g = r.grammar
+            if g is None or g.is_terminated() or r.finished or r.params.max_new_tokens == 0:
+                continue
+            if not g.accept_token(tok):
+                log.warning("grammar.token_rejected", rid=r.rid, token=tok)
