@@ -189,6 +189,9 @@ class ToolParser(Protocol):
         A call delta carries its ``index``; the name is sent once (first delta), and
         ``arguments`` fragments concatenate to the call's JSON arguments."""
 
+    def flush(self, tools: list[dict]) -> tuple[str, list[ToolCall]]:
+        """End of the stream: return what was held back (same shape as parse_streaming)."""
+
 
 @runtime_checkable
 class ReasoningParser(Protocol):
@@ -199,6 +202,9 @@ class ReasoningParser(Protocol):
 
     def parse_streaming(self, delta: str) -> tuple[str, str]:
         """Feed the next fragment; return (reasoning delta, content delta)."""
+
+    def flush(self) -> tuple[str, str]:
+        """End of the stream: return what was held back (a partial tag)."""
 
 
 # --------------------------------------------------------------------------- grammar
@@ -221,7 +227,9 @@ class Grammar(Protocol):
 
 @runtime_checkable
 class GrammarBackend(Protocol):
-    """Compiles constraints, constructed as ``backend(tokenizer, vocab_size)``."""
+    """Compiles constraints, constructed as ``backend(tokenizer, vocab_size, *, stop_token_ids)``.
+    Core caches what ``compile`` returns by (backend, kind, spec), compiles on a thread pool, and
+    gives each request ``compiled.copy()`` (a fresh matcher)."""
 
     def compile(self, kind: str, spec: str) -> Grammar:
         """``kind`` is one of ``json_schema``, ``regex``, ``ebnf``, ``structural_tag``.
