@@ -127,6 +127,9 @@ def main() -> None:
     p.add_argument("--chunked-prefill-size", type=int, default=2048)
     p.add_argument("--skip", choices=["prefix", "itl"], default=None)
     args = p.parse_args()
+    from core.log import configure_logging
+
+    configure_logging("warning")
     print(f"torch {torch.__version__}, {args.cpu_threads} threads")
     if args.skip != "prefix":
         bench_shared_prefix(args)
