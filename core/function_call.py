@@ -2,10 +2,14 @@
 
 * ``tool_choice``: ``none`` (tools hidden from the template, output is text), ``auto`` (the
   ``--tool-call-parser`` finds calls in the text), ``required`` and ``{"type": "function",
-  "function": {"name": ...}}``: the output is constrained through the grammar backend, as
-  SGLang does, to a JSON array of ``{"name", "parameters"}`` (one item at most when
-  ``parallel_tool_calls`` is false) or to the named function's parameter schema, so the
-  call always parses and validates. These two work with any model and need no parser.
+  "function": {"name": ...}}``: the output is constrained through the grammar backend so the
+  call always parses and validates. With a ``--tool-call-parser`` whose parser describes its
+  format (``structural_tag``) and the xgrammar backend, the constraint is the model's NATIVE
+  call format (one or more calls; one when ``parallel_tool_calls`` is false; only the named
+  function) with arguments matching each tool's schema, and the parser reads the calls back,
+  streamed incrementally. Otherwise, as SGLang does, a JSON array of ``{"name", "parameters"}``
+  (one item at most when ``parallel_tool_calls`` is false) or the named function's parameter
+  schema; this works with any model and needs no parser, and streams incrementally too.
 * With ``--reasoning-parser`` and ``separate_reasoning`` (default true), reasoning goes to
   ``reasoning_content`` (``delta.reasoning_content`` when streaming) and is not searched for calls.
 """
@@ -57,11 +61,29 @@ def _params_schema(tool: dict) -> Any:
     return (tool.get("function") or {}).get("parameters") or {"type": "object", "properties": {}}
 
 
-def tool_constraint(r: Any, mode: str, name: str | None) -> str | None:
-    """The JSON schema the output is constrained to for required / named tool_choice."""
+def native_tool_parser(state: Any) -> Any:
+    """The ``--tool-call-parser`` class when required / named tool_choice can use its native format
+    (the parser has ``structural_tag`` and the grammar backend is xgrammar), else None."""
+    tp = getattr(state.args, "tool_call_parser", None)
+    grammar = getattr(state.engine, "grammar", None)
+    if not tp or grammar is None or getattr(grammar, "name", None) != "xgrammar":
+        return None
+    cls = state.engine.plugins.resolve("tool_parser", tp)
+    return cls if callable(getattr(cls, "structural_tag", None)) else None
+
+
+def tool_constraint(r: Any, mode: str, name: str | None, parser: Any = None) -> tuple[str, str] | None:
+    """(constraint kind, spec) the output is constrained to for required / named tool_choice:
+    the native call format of ``parser`` (a tool-parser class) when it describes one, else
+    SGLang's JSON schema."""
+    if mode in ("required", "named") and parser is not None:
+        tag = parser().structural_tag(r.tools, name if mode == "named" else None,
+                                      mode == "required" and r.parallel_tool_calls is not False)
+        if tag is not None:
+            return "structural_tag", json.dumps(tag)
     if mode == "named":
         tool = next(t for t in r.tools if t["function"]["name"] == name)
-        return json.dumps(_params_schema(tool))
+        return "json_schema", json.dumps(_params_schema(tool))
     if mode == "required":
         items = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
                                                    "parameters": _params_schema(t)},
@@ -69,7 +91,7 @@ def tool_constraint(r: Any, mode: str, name: str | None) -> str | None:
         schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
         if r.parallel_tool_calls is False:
             schema["maxItems"] = 1
-        return json.dumps(schema)
+        return "json_schema", json.dumps(schema)
     return None
 
 
@@ -86,30 +108,70 @@ def _call_dict(call: ToolCall, index: int, with_id: bool = True) -> dict:
     return d
 
 
-def _constrained_calls(text: str, mode: str, name: str | None) -> list[ToolCall] | None:
-    try:
-        obj = json.loads(text)
-    except ValueError:
-        return None
-    if mode == "named":
-        return [ToolCall(name or "", json.dumps(obj, ensure_ascii=False), 0)]
-    if not isinstance(obj, list):
-        return None
-    return [ToolCall(o["name"], json.dumps(o.get("parameters", {}), ensure_ascii=False), i)
-            for i, o in enumerate(obj) if isinstance(o, dict) and "name" in o]
+class _NamedArgs:
+    """Named tool_choice under SGLang's JSON constraint: the whole output is the call's arguments,
+    streamed as they arrive (the name first)."""
+
+    def __init__(self, name: str | None) -> None:
+        self.fn, self.buf, self.started = name or "", "", False
+
+    def parse(self, text: str, tools: Any = None) -> tuple[str, list[ToolCall]]:
+        try:
+            json.loads(text)
+        except ValueError:
+            return text, []
+        return "", [ToolCall(self.fn, text.strip(), 0)]
+
+    def parse_streaming(self, delta: str, tools: Any = None) -> tuple[str, list[ToolCall]]:
+        out = []
+        if not self.started:
+            delta = delta.lstrip()
+            if not delta:
+                return "", []
+            self.started = True
+            out.append(ToolCall(self.fn, "", 0))
+        self.buf += delta
+        return "", out + [ToolCall("", delta, 0)]
+
+    def flush(self, tools: Any = None) -> tuple[str, list[ToolCall]]:
+        return "", []
+
+
+def _JsonArray() -> Any:
+    """Required tool_choice under SGLang's JSON constraint: ``[{"name", "parameters"}, ...]``,
+    read (and streamed) by the mistral parser's array scanner without its ``[TOOL_CALLS]`` prefix."""
+    from core_plugins.parsers.tools import MistralToolParser
+
+    class JsonArrayToolParser(MistralToolParser):
+        def find_start(self, text: str, i: int) -> tuple[int, int]:
+            s = len(text) - len(text.lstrip())
+            return (s, s) if i == 0 and text[s:s + 1] == "[" else (-1, -1)
+
+        def hold_back(self, text: str, i: int) -> int:
+            return len(text) - i if i == 0 and not text.strip() else 0
+
+    return JsonArrayToolParser()
 
 
 class ChoicePost:
     """Turns one choice's text into (reasoning, content, tool calls), whole or streamed."""
 
-    def __init__(self, state: Any, r: Any, mode: str, name: str | None) -> None:
+    def __init__(self, state: Any, r: Any, mode: str, name: str | None, native: bool = False) -> None:
         self.r, self.mode, self.name = r, mode, name
         args = state.args
         plugins = state.engine.plugins
         rp = getattr(args, "reasoning_parser", None)
-        self.reasoning = plugins.resolve("reasoning_parser", rp)() if rp and r.separate_reasoning is not False else None
+        self.reasoning = None
+        if rp and r.separate_reasoning is not False:
+            self.reasoning = plugins.resolve("reasoning_parser", rp)()
+            if hasattr(self.reasoning, "configure"):  # e.g. qwen3 with enable_thinking false
+                self.reasoning.configure(getattr(r, "chat_template_kwargs", None) or {})
         tp = getattr(args, "tool_call_parser", None)
-        self.tools = plugins.resolve("tool_parser", tp)() if tp and mode == "auto" and r.tools else None
+        if native:  # required / named constrained to the parser's own format: it reads the calls back
+            self.mode = "auto"
+        self.tools = plugins.resolve("tool_parser", tp)() if tp and self.mode == "auto" and r.tools else None
+        if self.mode in ("required", "named"):  # SGLang's JSON constraint, streamed incrementally
+            self.tools = _NamedArgs(name) if self.mode == "named" else _JsonArray()
         self.pending = ""  # constrained output, parsed at the end
         self.n_calls = 0
 
@@ -118,11 +180,7 @@ class ChoicePost:
         if self.reasoning is not None:
             reasoning, text = self.reasoning.parse(text)
         calls: list[ToolCall] | None = None
-        if self.mode in ("required", "named"):
-            calls = _constrained_calls(text, self.mode, self.name)
-            if calls:
-                text = ""
-        elif self.tools is not None:
+        if self.tools is not None:
             text, calls = self.tools.parse(text, self.r.tools)
         if calls:
             return reasoning, (text or None), [_call_dict(c, i) for i, c in enumerate(calls)], \
@@ -138,18 +196,6 @@ class ChoicePost:
                 r2, c2 = self.reasoning.flush()
                 reasoning, delta = reasoning + r2, delta + c2
         out: list[dict] = []
-        if self.mode in ("required", "named"):
-            self.pending += delta
-            if not finished:
-                return reasoning, "", []
-            calls = _constrained_calls(self.pending, self.mode, self.name)
-            if not calls:
-                return reasoning, self.pending, []
-            for i, c in enumerate(calls):
-                out.append(_call_dict(ToolCall(c.name, "", i), i))
-                out.append(_call_dict(ToolCall("", c.arguments, i), i, with_id=False))
-            self.n_calls = len(calls)
-            return reasoning, "", out
         if self.tools is not None:
             text, calls = self.tools.parse_streaming(delta, self.r.tools)
             if finished:

@@ -83,7 +83,7 @@ from core.protocol import (
     UsageInfo,
     encoder,
 )
-from core.function_call import ChoicePost, function_call_routes, tool_constraint, tool_mode
+from core.function_call import ChoicePost, function_call_routes, native_tool_parser, tool_constraint, tool_mode
 from core.sampling_params import SamplingParams
 
 log = structlog.get_logger("core.openai_api")
@@ -501,10 +501,11 @@ class _Job:
         self.logprobs = False
         self.top = 0
         self.tool_mode, self.tool_name = "none", None
+        self.native_tools = False  # required / named constrained to the tool parser's own format
 
     def post(self) -> ChoicePost:
         """A fresh per-choice reasoning / tool-call post-processor (core.function_call)."""
-        return ChoicePost(self.state, self.r, self.tool_mode, self.tool_name)
+        return ChoicePost(self.state, self.r, self.tool_mode, self.tool_name, native=self.native_tools)
 
     # ---- building
     def add_prompt(self, ids: list[int], params: SamplingParams, p: int, start_len: int = -1) -> None:
@@ -653,10 +654,12 @@ def prepare_chat(state: Any, r: ChatCompletionRequest, rid: str | None = None) -
     ids = render_chat(state, r)
     ids, max_new = _fit_context(state, ids, max_tokens, "messages")
     params = _sampling_params(r, max_new, n)
-    if (spec := tool_constraint(r, job.tool_mode, job.tool_name)) is not None:  # required / named: constrained call
+    native = native_tool_parser(state) if job.tool_mode in ("required", "named") else None
+    if (spec := tool_constraint(r, job.tool_mode, job.tool_name, native)) is not None:  # required / named: constrained call
         _check(not _constraint(r), "tool_choice 'required' or a named function cannot be combined with another "
                "constraint (response_format, regex, json_schema, ebnf)", "tool_choice")
-        params = attrs.evolve(params, json_schema=spec)
+        job.native_tools = spec[0] == "structural_tag"
+        params = attrs.evolve(params, **{spec[0]: spec[1]})
     job.add_prompt(ids, params, -1)
     return job
 

@@ -121,6 +121,13 @@ class PluginManager:
                         f"'{reg.plugin}' (dist {reg.distribution} {reg.version}) failed to import: "
                         f"{type(exc).__name__}: {exc}"
                     ) from exc
+                missing = _missing_methods(kind, value)
+                if missing:
+                    raise PluginError(
+                        f"{kind} '{name}': target '{reg.target}' registered by plugin '{reg.plugin}' "
+                        f"(dist {reg.distribution} {reg.version}) in {EXTENSION_KINDS[kind]} is a "
+                        f"{type(value).__name__} lacking {', '.join(missing)} (see docs/interfaces.md)"
+                    )
                 self._resolved[key] = value
         return self._resolved[key]
 
@@ -135,7 +142,7 @@ class PluginManager:
             obj = load()
             if (declared := getattr(obj, "CORE_PLUGIN_API", None)) is not None:
                 info.api_version = str(declared)
-                if info.api_version.split(".")[0] != PLUGIN_API_VERSION.split(".")[0]:
+                if not api_compatible(info.api_version):
                     raise PluginError(
                         f"{info.label} targets core plugin API {info.api_version}, "
                         f"this core provides {PLUGIN_API_VERSION}"
@@ -244,6 +251,46 @@ def _columns(rows: Sequence[Sequence[str]]) -> list[str]:
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
 
 
+# What a registered class must define, per kind (checked for classes only: a factory
+# function is trusted until it is called). Mirrors the Protocols in core/interfaces.py.
+REQUIRED_METHODS: dict[str, tuple[str, ...]] = {
+    "attention_backend": ("prepare", "forward"),
+    "quant_method": ("create_weights", "apply", "process_weights_after_loading"),
+    "model": ("forward", "load_weights"),
+    "tool_parser": ("parse", "parse_streaming"),
+    "reasoning_parser": ("parse", "parse_streaming"),
+    "grammar_backend": ("compile", "allocate_bitmask", "apply_bitmask"),
+}
+
+
+def _missing_methods(kind: str, target: Any) -> list[str]:
+    """The interface methods a registered class lacks; a non-callable resolved target lacks everything."""
+    if not callable(target):
+        return ["__call__"]
+    if not isinstance(target, type):
+        return []
+    return [m for m in REQUIRED_METHODS.get(kind, ()) if not callable(getattr(target, m, None))]
+
+
+def api_compatible(declared: str, provided: str = PLUGIN_API_VERSION) -> bool:
+    """Whether a plugin's ``CORE_PLUGIN_API`` accepts this core's plugin API version.
+
+    A bare version (``"1"``, ``"1.2"``) names the major version the plugin was written for
+    and matches any ``provided`` with that major. Anything else is a PEP 440 specifier set
+    (``">=1.0,<2"``, ``"~=1.0"``, ``"==1.*"``) that ``provided`` must satisfy.
+    """
+    text = str(declared).strip()
+    if text[:1].isdigit() and all(part.isdigit() for part in text.split(".")):
+        return text.split(".")[0] == provided.split(".")[0]
+    from packaging.specifiers import InvalidSpecifier, SpecifierSet
+
+    try:
+        spec = SpecifierSet(text)
+    except InvalidSpecifier:
+        return False
+    return spec.contains(provided, prereleases=True)
+
+
 def _register_callback(
     info: PluginInfo, kind: str, hook: str, out: list[Registration]
 ) -> tuple[Callable[..., None], Callable[[], None]]:
@@ -264,6 +311,11 @@ def _register_callback(
         if not valid:
             raise PluginError(
                 f"{where}: target for '{name}' must be a 'module:attr' string or a callable, got {target!r}"
+            )
+        if not isinstance(target, str) and (missing := _missing_methods(kind, target)):
+            raise PluginError(
+                f"{where}: target for {kind} '{name}' is {target!r}, which lacks {', '.join(missing)} "
+                f"(see docs/interfaces.md)"
             )
         if any(r.kind == kind and r.name == name for r in out):
             raise PluginError(f"{where}: {kind} '{name}' registered twice by the same plugin")

@@ -45,10 +45,12 @@ class ServerProcess:
 
 
 def launch(*extra_args: str, env: dict | None = None, base_args: tuple[str, ...] = BASE_ARGS,
-           startup_timeout: float = STARTUP_TIMEOUT, wait_path: str = "/health") -> ServerProcess:
-    """Spawn ``python -m core.cli serve`` on a free port and wait until ``wait_path`` answers 200."""
+           startup_timeout: float = STARTUP_TIMEOUT, wait_path: str = "/health",
+           python: str = sys.executable) -> ServerProcess:
+    """Spawn ``python -m core.cli serve`` on a free port and wait until ``wait_path`` answers 200.
+    ``python`` is the interpreter (e.g. a virtual environment's, to test an installed plugin)."""
     port = free_port()
-    args = [sys.executable, "-m", "core.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *base_args, *extra_args]
+    args = [python, "-m", "core.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *base_args, *extra_args]
     fd, log_path = tempfile.mkstemp(prefix="core-serve-", suffix=".log")
     log_file = os.fdopen(fd, "w")
     proc = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
@@ -103,9 +105,10 @@ def start_server(*extra_args: str, env: dict | None = None) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def start_server_process(*extra_args: str, env: dict | None = None) -> Iterator[ServerProcess]:
-    """Like ``start_server`` but yields the ``ServerProcess`` (for logs and signals)."""
-    server = launch(*extra_args, env=env)
+def start_server_process(*extra_args: str, env: dict | None = None, **launch_kwargs) -> Iterator[ServerProcess]:
+    """Like ``start_server`` but yields the ``ServerProcess`` (for logs and signals);
+    ``launch_kwargs`` go to :func:`launch` (``python=``, ``base_args=``, ...)."""
+    server = launch(*extra_args, env=env, **launch_kwargs)
     ok = False
     try:
         yield server

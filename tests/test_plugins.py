@@ -217,14 +217,39 @@ def test_both_override_is_an_error(installed):
 def test_lazy_target_not_imported_until_resolve(installed):
     installed(FakeEP("lazy", make_plugin("fl", grammar_backend=[
         ("ghost", "core_test_no_such_pkg.backend:Backend"), ("js", "json:JSONDecoder"),
+        ("fake", "tests.test_plugins:FakeGrammarBackend"),
     ]), dist="lazy-dist"))
     m = load_plugins("lazy")  # succeeds: nothing imported yet
     assert "core_test_no_such_pkg" not in sys.modules
     with pytest.raises(PluginError, match=r"core_test_no_such_pkg.backend:Backend.*'lazy'.*lazy-dist") as ei:
         m.resolve("grammar_backend", "ghost")
     assert isinstance(ei.value.__cause__, ImportError)
-    assert m.resolve("grammar_backend", "js") is json.JSONDecoder
-    assert m.resolve("grammar_backend", "js") is json.JSONDecoder  # cached
+    assert m.resolve("grammar_backend", "fake") is FakeGrammarBackend
+    assert m.resolve("grammar_backend", "fake") is FakeGrammarBackend  # cached
+    # a lazy target that turns out to be the wrong type is reported with its plugin and hook
+    with pytest.raises(PluginError, match=r"'lazy' \(dist lazy-dist 1.0\) in register_grammar_backends.*"
+                                          r"lacking compile, allocate_bitmask, apply_bitmask"):
+        m.resolve("grammar_backend", "js")
+
+
+class FakeGrammarBackend:
+    def compile(self, kind, spec): ...
+    def allocate_bitmask(self, batch_size): ...
+    def apply_bitmask(self, logits, bitmask): ...
+
+
+class NotABackend:
+    def prepare(self, batch): ...  # no forward
+
+
+def test_registered_class_of_the_wrong_type_is_refused(installed):
+    installed(FakeEP("wt", make_plugin("fwt", attention_backend=[("half", NotABackend)]), dist="wt-dist"))
+    with pytest.raises(PluginError, match=r"plugin 'wt' \(dist wt-dist\) in register_attention_backends: "
+                                          r"target for attention_backend 'half' .* lacks forward"):
+        load_plugins("wt")
+    assert "lacks forward" in load_plugins().plugins[0].error  # auto-discovered: skipped
+    with pytest.raises(PluginError, match="lacks forward"):
+        load_plugins(strict=True)
 
 
 def test_callable_target_returned_as_is(installed):
@@ -249,7 +274,11 @@ def test_unknown_name_lists_registered(installed):
         m.names("nonsense")
 
 
-@pytest.mark.parametrize("declared,ok", [("1", True), ("1.7", True), (1, True), ("2", False), ("0.9", False)])
+@pytest.mark.parametrize("declared,ok", [
+    ("1", True), ("1.7", True), (1, True), ("2", False), ("0.9", False),
+    (">=1.0,<2", True), ("~=1.0", True), ("==1.*", True), (">=1.1", False), (">=2,<3", False), ("<1", False),
+    ("not a version", False),
+])
 def test_api_version(installed, declared, ok):
     installed(FakeEP("v", make_plugin("fv", api=declared, model=[("M", "json:dumps")]), dist="vdist"))
     if ok:

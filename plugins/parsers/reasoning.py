@@ -4,6 +4,10 @@ One scanner serves both modes: ``parse`` is ``parse_streaming(text)`` followed b
 so a streamed output split anywhere yields exactly the non-streaming result. A partial tag at
 the end of a fragment is held back until it can be decided. A think block that never closes
 is all reasoning.
+
+``configure(chat_template_kwargs)`` is called once per request before parsing: a parser whose
+``thinking_kwarg`` is false in the request (qwen3 / glm45 with ``enable_thinking: false``, as in
+SGLang) does no separation at all: everything is content.
 """
 
 from __future__ import annotations
@@ -23,11 +27,19 @@ class ThinkTagReasoningParser:
     force_reasoning = False  # the prompt already opened the block (output starts inside it)
     content_prefix = ""  # dropped right after the end tag (gpt-oss's final-channel header)
     content_suffix = ""  # dropped at the very end (gpt-oss's <|return|>)
+    thinking_kwarg: str | None = None  # chat_template_kwargs switch that turns thinking off when false
 
     def __init__(self) -> None:
         self.buf = ""
         self.state = "reasoning" if self.force_reasoning else "start"  # start | reasoning | after | content
         self.seen_start = False
+        self.enabled = True
+
+    def configure(self, chat_template_kwargs: dict) -> None:
+        """Per-request options; call before the first parse."""
+        if self.thinking_kwarg and chat_template_kwargs.get(self.thinking_kwarg, True) is False:
+            self.enabled = False
+            self.state = "content"
 
     def parse(self, text: str) -> tuple[str, str]:
         r1, c1 = self.parse_streaming(text)
@@ -76,6 +88,9 @@ class ThinkTagReasoningParser:
                 self.buf, self.state = s, "content"
                 continue
             # content
+            if not self.enabled:
+                content, self.buf = self.buf, ""
+                break
             hold = _partial_suffix(self.buf, self.content_suffix) if self.content_suffix else 0
             body = self.buf[: len(self.buf) - hold]
             if self.content_suffix and body.endswith(self.content_suffix):
@@ -102,7 +117,10 @@ class DeepSeekR1ReasoningParser(ThinkTagReasoningParser):
 
 
 class Qwen3ReasoningParser(ThinkTagReasoningParser):
-    """Qwen3 (hybrid): reasoning only when the output opens <think> (enable_thinking)."""
+    """Qwen3 (hybrid): reasoning only when the output opens <think>; none at all with
+    ``chat_template_kwargs: {"enable_thinking": false}``."""
+
+    thinking_kwarg = "enable_thinking"
 
 
 class Qwen3ThinkingReasoningParser(ThinkTagReasoningParser):

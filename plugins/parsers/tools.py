@@ -1,12 +1,23 @@
 """Tool-call parsers, one class per model family, registered under SGLang's --tool-call-parser names.
 
 Every parser is a scanner over the whole output so far: ``_scan(text, final)`` returns the
-normal text that is already certain and the calls whose block is complete. ``parse`` is one
-final scan; ``parse_streaming`` rescans the buffer and sends what is new (normal text, then
-for each newly completed call its name once and its arguments as one JSON fragment), and
-``flush`` does the final scan at the end of the stream. So a stream split anywhere yields the
-same calls as ``parse``. A block that does not parse (malformed JSON) stays normal text;
-a call to a function not in ``tools`` is dropped, as in SGLang.
+normal text that is already certain and the calls seen, each keyed by where its block starts:
+complete ones, and (while streaming) the one still being written, with its name once known and
+the prefix of its arguments so far. ``parse`` is one final scan; ``parse_streaming`` rescans the
+buffer and sends what is new: normal text, each call's name once (as soon as it is known), then
+argument fragments. JSON-argument formats stream the raw argument text as it arrives (holding
+back only what could begin the closing tag) and return that raw text as the final arguments;
+parameter formats (qwen3_coder, glm45, pythonic) send ``{"key": value`` per completed parameter
+and the closing ``}`` with the call, building ``json.dumps`` of the final arguments. So a stream
+split anywhere yields the same calls (argument fragments concatenating to the final arguments)
+as ``parse``. A block that does not parse (malformed JSON) stays normal text; a call to a function
+not in ``tools`` is dropped, as in SGLang. A call already announced in a stream cannot be
+withdrawn if its block later turns out malformed (its fragments stop; the block text is also sent
+as normal text).
+
+``structural_tag(tools, name, parallel)`` describes the native call format as an xgrammar
+structural tag (arguments constrained by each tool's parameter schema), used for
+``tool_choice`` required / named.
 """
 
 from __future__ import annotations
@@ -19,6 +30,12 @@ from typing import Any
 from core.interfaces import ToolCall
 
 _DEC = json.JSONDecoder()
+_WS = " \t\n\r"
+
+# A scanned call: (key, name, arguments, complete). ``key`` identifies the call across rescans
+# (block start, position in the block); ``arguments`` is the full JSON text when complete, else
+# the prefix known so far.
+Entry = tuple[tuple[int, int], str, str, bool]
 
 
 class Incomplete(Exception):
@@ -41,6 +58,168 @@ def _args_json(args: Any) -> str:
     return json.dumps(args, ensure_ascii=False)
 
 
+def _skip_ws(text: str, i: int) -> int:
+    while i < len(text) and text[i] in _WS:
+        i += 1
+    return i
+
+
+def _value_end(text: str, i: int, stops: str = ",}] \t\n\r;") -> int | None:
+    """End of the JSON value starting at ``text[i]``; None while it may still grow (not a validator)."""
+    n = len(text)
+    if i >= n:
+        return None
+    c = text[i]
+    if c in '"{[':
+        depth, j, in_str = 0, i, False
+        while j < n:
+            ch = text[j]
+            if in_str:
+                if ch == "\\":
+                    j += 2
+                    continue
+                if ch == '"':
+                    in_str = False
+                    if depth == 0:
+                        return j + 1
+            elif ch == '"':
+                in_str = True
+            elif ch in "{[":
+                depth += 1
+            elif ch in "}]":
+                depth -= 1
+                if depth == 0:
+                    return j + 1
+            j += 1
+        return None
+    j = i
+    while j < n and text[j] not in stops:
+        j += 1
+    return j if j < n else None
+
+
+def _object_members(text: str, i: int) -> tuple[list[tuple[str, int, int | None]], int | None]:
+    """Members (key, value start, value end or None) of the JSON object at ``text[i]`` seen so far,
+    and the object's end (None while incomplete). ValueError when it cannot be an object."""
+    n = len(text)
+    if text[i:i + 1] != "{":
+        raise ValueError("not an object")
+    members: list[tuple[str, int, int | None]] = []
+    j = _skip_ws(text, i + 1)
+    if j < n and text[j] == "}":
+        return members, j + 1
+    while True:
+        if j >= n:
+            return members, None
+        if text[j] != '"':
+            raise ValueError("expected a key")
+        kend = _value_end(text, j)
+        if kend is None:
+            return members, None
+        key = json.loads(text[j:kend])
+        j = _skip_ws(text, kend)
+        if j >= n:
+            return members, None
+        if text[j] != ":":
+            raise ValueError("expected ':'")
+        j = _skip_ws(text, j + 1)
+        vend = _value_end(text, j)
+        members.append((key, j, vend))
+        if vend is None:
+            return members, None
+        j = _skip_ws(text, vend)
+        if j >= n:
+            return members, None
+        if text[j] == ",":
+            j = _skip_ws(text, j + 1)
+            continue
+        if text[j] == "}":
+            return members, j + 1
+        raise ValueError("expected ',' or '}'")
+
+
+_ARG_KEYS = ("arguments", "parameters")
+
+
+def _obj_call(text: str, i: int) -> tuple[str | None, str, int | None]:
+    """A ``{"name": ..., "arguments"|"parameters": {...}}`` object at ``text[i]``: (name or None while
+    unknown, arguments (raw JSON text; a prefix while incomplete), object end or None)."""
+    members, end = _object_members(text, i)
+    if end is not None:
+        obj = json.loads(text[i:end])
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            raise ValueError("a call needs a name")
+        key = next((k for k in _ARG_KEYS if k in obj), None)
+        if key is None:
+            return obj["name"], "{}", end
+        if isinstance(obj[key], dict):
+            vs, ve = [(a, b) for k, a, b in members if k == key][-1]
+            return obj["name"], text[vs:ve], end
+        return obj["name"], _args_json(obj[key]), end
+    name = None
+    for k, vs, ve in members:
+        if k == "name" and ve is not None:
+            v = json.loads(text[vs:ve])
+            name = v if isinstance(v, str) else None
+    args = ""
+    for k, vs, ve in members:
+        if k in _ARG_KEYS:
+            if text[vs:vs + 1] == "{":
+                args = text[vs:ve if ve is not None else len(text)]
+            break
+    return name, args, None
+
+
+def _raw_args(s: str) -> str:
+    """The final arguments of a block whose arguments are JSON text ``s`` (raw, so that it extends
+    what ``_args_prefix`` streamed)."""
+    s = s.strip()
+    obj = json.loads(s)
+    return s if isinstance(obj, dict) else _args_json(obj)
+
+
+def _args_prefix(s: str) -> str:
+    """The streamable prefix of JSON arguments text ``s`` still being written."""
+    s = s.lstrip()
+    if not s.startswith("{"):
+        return ""
+    e = _value_end(s, 0)
+    return s if e is None else s[:e]
+
+
+def _kv(key: str, value: Any) -> str:
+    return json.dumps(key, ensure_ascii=False) + ": " + json.dumps(value, ensure_ascii=False)
+
+
+def _params_json(pairs: list[tuple[str, Any]], complete: bool) -> str:
+    """``json.dumps`` of the object built from ``pairs``, or its prefix up to the last pair."""
+    if complete:
+        return json.dumps(dict(pairs), ensure_ascii=False)
+    return "{" + ", ".join(_kv(k, v) for k, v in pairs)
+
+
+def _tools_of(tools: list[dict] | None) -> list[tuple[str, dict]]:
+    out = []
+    for t in tools or []:
+        fn = (t.get("function") or {}) if isinstance(t, dict) else {}
+        if isinstance(fn.get("name"), str):
+            out.append((fn["name"], fn.get("parameters") or {"type": "object", "properties": {}}))
+    return out
+
+
+def _tag(begin: str, schema: dict, end: str) -> dict:
+    return {"type": "tag", "begin": begin, "content": {"type": "json_schema", "json_schema": schema}, "end": end}
+
+
+def _structural(fmt: dict) -> dict:
+    return {"type": "structural_tag", "format": fmt}
+
+
+def _calls(tags: list[dict], sep: str, parallel: bool) -> dict:
+    return {"type": "tags_with_separator", "tags": tags, "separator": sep, "at_least_one": True,
+            "stop_after_first": not parallel}
+
+
 class BaseToolParser:
     start = ""  # opening token of a call block
     end: str | None = None  # closing token; None: the block ends where its JSON / syntax completes
@@ -49,16 +228,25 @@ class BaseToolParser:
     def __init__(self) -> None:
         self.buf = ""
         self.sent_normal = 0
-        self.sent_calls = 0
+        self.streamed: dict[tuple[int, int], list] = {}  # key -> [index, arguments sent]
 
     # ---- per format
     def parse_block(self, inner: str) -> list[tuple[str, str]]:
         """(name, JSON arguments) of one closed block; ValueError when malformed."""
         raise NotImplementedError
 
+    def partial_block(self, inner: str) -> list[tuple[str, str, bool]]:
+        """While a block with an end token is open: (name, arguments so far, complete) of the calls
+        whose name is known; arguments must be a prefix of what ``parse_block`` returns later."""
+        return []
+
     def parse_open(self, text: str, pos: int, final: bool) -> tuple[list[tuple[str, str]], int]:
         """For blocks without an end token: calls and the end position; Incomplete / ValueError."""
         raise NotImplementedError
+
+    def partial_open(self, text: str, pos: int) -> list[tuple[str, str, bool]]:
+        """``partial_block`` for blocks without an end token (``parse_open`` said Incomplete)."""
+        return []
 
     def find_start(self, text: str, i: int) -> tuple[int, int]:
         """(block start, body start) of the next block at or after ``i``, or (-1, -1)."""
@@ -69,11 +257,25 @@ class BaseToolParser:
         """How many trailing characters of text[i:] might begin a block (not yet normal text)."""
         return max([_partial_suffix(text[i:], t) for t in (self.start, *self.drop) if t] + [0])
 
+    def structural_tag(self, tools: list[dict], name: str | None = None, parallel: bool = True) -> dict | None:
+        """An xgrammar structural tag (``{"type": "structural_tag", "format": ...}``) matching one or
+        more calls (exactly one of function ``name`` when given) in this format, arguments
+        constrained by each tool's parameter schema; None when the format has no description."""
+        return None
+
+    def _tools(self, tools: list[dict], name: str | None) -> list[tuple[str, dict]]:
+        return [(n, s) for n, s in _tools_of(tools) if name is None or n == name]
+
     # ---- scanner
-    def _scan(self, text: str, final: bool) -> tuple[str, list[tuple[str, str]]]:
+    def _scan(self, text: str, final: bool) -> tuple[str, list[Entry]]:
         normal: list[str] = []
-        calls: list[tuple[str, str]] = []
+        calls: list[Entry] = []
         i = 0
+
+        def add(j: int, found: list, complete: bool = True) -> None:
+            for k, c in enumerate(found):
+                calls.append(((j, k), c[0], c[1], c[2] if len(c) > 2 else complete))
+
         while True:
             j, body = self.find_start(text, i)
             if j < 0:
@@ -86,13 +288,19 @@ class BaseToolParser:
                 if k < 0:
                     if final:
                         try:
-                            calls.extend(self.parse_block(text[body:]))
+                            add(j, self.parse_block(text[body:]))
                         except (ValueError, TypeError, KeyError, SyntaxError):
                             normal.append(text[j:])
+                    else:
+                        inner = text[body:]
+                        try:
+                            add(j, self.partial_block(inner[: len(inner) - _partial_suffix(inner, self.end)]))
+                        except (ValueError, TypeError, KeyError, SyntaxError):
+                            pass
                     break
                 nxt = k + len(self.end)
                 try:
-                    calls.extend(self.parse_block(text[body:k]))
+                    add(j, self.parse_block(text[body:k]))
                 except (ValueError, TypeError, KeyError, SyntaxError):
                     normal.append(text[j:nxt])
                 i = nxt
@@ -102,28 +310,38 @@ class BaseToolParser:
             except Incomplete:
                 if final:
                     normal.append(text[j:])
+                else:
+                    try:
+                        add(j, self.partial_open(text, body))
+                    except (ValueError, TypeError, KeyError, SyntaxError):
+                        pass
                 break
             except (ValueError, TypeError, KeyError, SyntaxError):
                 if not final:
+                    try:
+                        add(j, self.partial_open(text, body))
+                    except (ValueError, TypeError, KeyError, SyntaxError):
+                        pass
                     break  # cannot tell malformed from unfinished before the end: hold it
                 normal.append(text[j:])
                 break
-            calls.extend(found)
+            add(j, found)
             i = nxt
         out = "".join(normal)
         for d in self.drop:
             out = out.replace(d, "")
         return out, calls
 
-    def _filter(self, calls: list[tuple[str, str]], tools: list[dict] | None) -> list[tuple[str, str]]:
-        names = {(t.get("function") or {}).get("name") for t in tools or [] if isinstance(t, dict)}
-        return [c for c in calls if not names or c[0] in names]
+    @staticmethod
+    def _names(tools: list[dict] | None) -> set:
+        return {(t.get("function") or {}).get("name") for t in tools or [] if isinstance(t, dict)}
 
     # ---- ToolParser
     def parse(self, text: str, tools: list[dict] | None = None) -> tuple[str, list[ToolCall]]:
         normal, calls = self._scan(text, True)
-        calls = self._filter(calls, tools)
-        return normal, [ToolCall(n, a, i) for i, (n, a) in enumerate(calls)]
+        names = self._names(tools)
+        calls = [c for c in calls if not names or c[1] in names]
+        return normal, [ToolCall(n, a, i) for i, (_, n, a, _) in enumerate(calls)]
 
     def parse_streaming(self, delta: str, tools: list[dict] | None = None) -> tuple[str, list[ToolCall]]:
         self.buf += delta
@@ -132,28 +350,22 @@ class BaseToolParser:
     def flush(self, tools: list[dict] | None = None) -> tuple[str, list[ToolCall]]:
         return self._emit(*self._scan(self.buf, True), tools)
 
-    def _emit(self, normal: str, calls: list[tuple[str, str]], tools: list[dict] | None) -> tuple[str, list[ToolCall]]:
+    def _emit(self, normal: str, calls: list[Entry], tools: list[dict] | None) -> tuple[str, list[ToolCall]]:
         text = normal[self.sent_normal:]
         self.sent_normal = max(self.sent_normal, len(normal))
-        calls = self._filter(calls, tools)
+        names = self._names(tools)
         out = []
-        for idx in range(self.sent_calls, len(calls)):
-            name, args = calls[idx]
-            out.append(ToolCall(name, "", idx))
-            out.append(ToolCall("", args, idx))
-        self.sent_calls = max(self.sent_calls, len(calls))
+        for key, name, args, _ in calls:
+            if names and name not in names:
+                continue
+            st = self.streamed.get(key)
+            if st is None:
+                st = self.streamed[key] = [len(self.streamed), ""]
+                out.append(ToolCall(name, "", st[0]))
+            if len(args) > len(st[1]) and args.startswith(st[1]):
+                out.append(ToolCall("", args[len(st[1]):], st[0]))
+                st[1] = args
         return text, out
-
-    def structure_ebnf(self, tools: list[dict]) -> str | None:
-        """An EBNF grammar (xgrammar / GBNF dialect) matching one call in this format, or None."""
-        return None
-
-
-def _name_args(obj: Any, args_key: tuple[str, ...] = ("arguments", "parameters")) -> tuple[str, str]:
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        raise ValueError("a call needs a name")
-    args = next((obj[k] for k in args_key if k in obj), {})
-    return obj["name"], _args_json(args)
 
 
 class Qwen25ToolParser(BaseToolParser):
@@ -162,10 +374,23 @@ class Qwen25ToolParser(BaseToolParser):
     start, end = "<tool_call>", "</tool_call>"
 
     def parse_block(self, inner: str) -> list[tuple[str, str]]:
-        return [_name_args(json.loads(inner.strip()))]
+        s = inner.strip()
+        name, args, end = _obj_call(s, 0)
+        if end != len(s) or name is None:
+            raise ValueError("not one call object")
+        return [(name, args)]
 
-    def structure_ebnf(self, tools: list[dict]) -> str | None:
-        return None
+    def partial_block(self, inner: str) -> list[tuple[str, str, bool]]:
+        j = _skip_ws(inner, 0)
+        if j >= len(inner):
+            return []
+        name, args, end = _obj_call(inner, j)
+        return [] if name is None else [(name, args, False)]
+
+    def structural_tag(self, tools, name=None, parallel=True):
+        tags = [_tag('<tool_call>\n{"name": ' + json.dumps(n) + ', "arguments": ', s, "}\n</tool_call>")
+                for n, s in self._tools(tools, name)]
+        return _structural(_calls(tags, "\n", parallel))
 
 
 class DeepSeekV3ToolParser(BaseToolParser):
@@ -174,12 +399,24 @@ class DeepSeekV3ToolParser(BaseToolParser):
     start, end = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>"
     drop = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>")
     _re = re.compile(r"^\s*(?:function)?<｜tool▁sep｜>([^\n]+)\n```(?:json)?\s*\n?(.*?)\n?```\s*$", re.S)
+    _head = re.compile(r"^\s*(?:function)?<｜tool▁sep｜>([^\n]+)\n```(?:json)?[ \t]*\n")
 
     def parse_block(self, inner: str) -> list[tuple[str, str]]:
         m = self._re.match(inner)
         if m is None:
             raise ValueError("not a DeepSeek-V3 call")
-        return [(m.group(1).strip(), _args_json(json.loads(m.group(2))))]
+        return [(m.group(1).strip(), _raw_args(m.group(2)))]
+
+    def partial_block(self, inner: str) -> list[tuple[str, str, bool]]:
+        m = self._head.match(inner)
+        return [(m.group(1).strip(), _args_prefix(inner[m.end():]), False)] if m else []
+
+    def structural_tag(self, tools, name=None, parallel=True):
+        tags = [_tag("<｜tool▁call▁begin｜>function<｜tool▁sep｜>" + n + "\n```json\n", s, "\n```<｜tool▁call▁end｜>")
+                for n, s in self._tools(tools, name)]
+        return _structural({"type": "sequence", "elements": [
+            {"type": "const_string", "value": "<｜tool▁calls▁begin｜>"}, _calls(tags, "\n", parallel),
+            {"type": "const_string", "value": "<｜tool▁calls▁end｜>"}]})
 
 
 class KimiK2ToolParser(BaseToolParser):
@@ -193,7 +430,18 @@ class KimiK2ToolParser(BaseToolParser):
         m = self._re.match(inner)
         if m is None:
             raise ValueError("not a Kimi-K2 call")
-        return [(m.group(1), _args_json(json.loads(m.group(2))))]
+        return [(m.group(1), _raw_args(m.group(2)))]
+
+    def partial_block(self, inner: str) -> list[tuple[str, str, bool]]:
+        m = self._re.match(inner)
+        return [(m.group(1), _args_prefix(m.group(2)), False)] if m else []
+
+    def structural_tag(self, tools, name=None, parallel=True):
+        tags = [_tag("<|tool_call_begin|>functions." + n + f":{k}<|tool_call_argument_begin|>", s, "<|tool_call_end|>")
+                for k, (n, s) in enumerate(self._tools(tools, name))]
+        return _structural({"type": "sequence", "elements": [
+            {"type": "const_string", "value": "<|tool_calls_section_begin|>"}, _calls(tags, "", parallel),
+            {"type": "const_string", "value": "<|tool_calls_section_end|>"}]})
 
 
 def _coerce(value: str, schema: dict | None) -> Any:
@@ -215,14 +463,24 @@ class Qwen3CoderToolParser(BaseToolParser):
 
     start, end = "<tool_call>", "</tool_call>"
     _fn = re.compile(r"^\s*<function=([^>\n]+)>(.*?)</function>\s*$", re.S)
+    _fn_head = re.compile(r"^\s*<function=([^>\n]+)>")
     _param = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.S)
+
+    def _pairs(self, body: str) -> list[tuple[str, Any]]:
+        return [(k.strip(), _coerce(v, None)) for k, v in self._param.findall(body)]
 
     def parse_block(self, inner: str) -> list[tuple[str, str]]:
         m = self._fn.match(inner)
         if m is None:
             raise ValueError("not a Qwen3-Coder call")
-        args = {k.strip(): _coerce(v, None) for k, v in self._param.findall(m.group(2))}
-        return [(m.group(1).strip(), json.dumps(args, ensure_ascii=False))]
+        return [(m.group(1).strip(), _params_json(self._pairs(m.group(2)), True))]
+
+    def partial_block(self, inner: str) -> list[tuple[str, str, bool]]:
+        m = self._fn_head.match(inner)
+        if m is None:
+            return []
+        body = inner[m.end():].split("</function>", 1)[0]
+        return [(m.group(1).strip(), _params_json(self._pairs(body), False), False)]
 
 
 class Glm45ToolParser(BaseToolParser):
@@ -230,13 +488,20 @@ class Glm45ToolParser(BaseToolParser):
 
     start, end = "<tool_call>", "</tool_call>"
     _kv = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
+    _head = re.compile(r"^\s*([\w.\-]+)[ \t]*(?:\n|<arg_key>)")
+
+    def _pairs(self, inner: str) -> list[tuple[str, Any]]:
+        return [(k.strip(), _coerce(v, None)) for k, v in self._kv.findall(inner)]
 
     def parse_block(self, inner: str) -> list[tuple[str, str]]:
         name = inner.strip().split("\n", 1)[0].split("<arg_key>", 1)[0].strip()
         if not name or not re.fullmatch(r"[\w.\-]+", name):
             raise ValueError("not a GLM-4.5 call")
-        args = {k.strip(): _coerce(v, None) for k, v in self._kv.findall(inner)}
-        return [(name, json.dumps(args, ensure_ascii=False))]
+        return [(name, _params_json(self._pairs(inner), True))]
+
+    def partial_block(self, inner: str) -> list[tuple[str, str, bool]]:
+        m = self._head.match(inner)
+        return [(m.group(1), _params_json(self._pairs(inner), False), False)] if m else []
 
 
 class GptOssToolParser(BaseToolParser):
@@ -250,11 +515,20 @@ class GptOssToolParser(BaseToolParser):
         m = self._re.match(inner)
         if m is None:
             raise ValueError("not a gpt-oss call")
-        return [(m.group(1), _args_json(json.loads(m.group(2))))]
+        return [(m.group(1), _raw_args(m.group(2)))]
+
+    def partial_block(self, inner: str) -> list[tuple[str, str, bool]]:
+        m = self._re.match(inner)
+        return [(m.group(1), _args_prefix(m.group(2)), False)] if m else []
+
+    def structural_tag(self, tools, name=None, parallel=True):
+        tags = [_tag("<|channel|>commentary to=functions." + n + " <|constrain|>json<|message|>", s, "<|call|>")
+                for n, s in self._tools(tools, name)]
+        return _structural(_calls(tags, "", parallel))
 
 
-def _json_objects(text: str, pos: int, final: bool, sep: str) -> tuple[list[Any], int]:
-    """Consecutive JSON values separated by ``sep`` from ``pos``; Incomplete if more may come."""
+def _json_objects(text: str, pos: int, final: bool, sep: str) -> tuple[list[tuple[Any, int]], int]:
+    """Consecutive JSON values (value, start) separated by ``sep`` from ``pos``; Incomplete if more may come."""
     objs = []
     n = len(text)
     while True:
@@ -272,7 +546,7 @@ def _json_objects(text: str, pos: int, final: bool, sep: str) -> tuple[list[Any]
             if objs:
                 return objs, pos
             raise
-        objs.append(obj)
+        objs.append((obj, pos))
         pos = end
         k = pos
         while k < n and text[k].isspace():
@@ -283,6 +557,35 @@ def _json_objects(text: str, pos: int, final: bool, sep: str) -> tuple[list[Any]
         if sep and k >= n and not final:
             raise Incomplete()  # another call may follow the separator
         return objs, pos
+
+
+def _obj_calls(text: str, objs: list[tuple[Any, int]]) -> list[tuple[str, str]]:
+    out = []
+    for _, start in objs:
+        name, args, end = _obj_call(text, start)
+        if name is None or end is None:
+            raise ValueError("a call needs a name")
+        out.append((name, args))
+    return out
+
+
+def _partial_objs(text: str, j: int, sep: str, close: str = "") -> list[tuple[str, str, bool]]:
+    """Calls of consecutive ``sep``-separated call objects from ``j`` while the block is open."""
+    out = []
+    while True:
+        j = _skip_ws(text, j)
+        if j >= len(text) or text[j] != "{":
+            return out
+        name, args, end = _obj_call(text, j)
+        if name is None:
+            return out
+        out.append((name, args, end is not None))
+        if end is None:
+            return out
+        j = _skip_ws(text, end)
+        if text[j:j + 1] != sep:
+            return out
+        j += 1
 
 
 class Llama3ToolParser(BaseToolParser):
@@ -305,7 +608,14 @@ class Llama3ToolParser(BaseToolParser):
 
     def parse_open(self, text: str, pos: int, final: bool) -> tuple[list[tuple[str, str]], int]:
         objs, end = _json_objects(text, pos, final, ";")
-        return [_name_args(o) for o in objs], end
+        return _obj_calls(text, objs), end
+
+    def partial_open(self, text: str, pos: int) -> list[tuple[str, str, bool]]:
+        return _partial_objs(text, pos, ";")
+
+    def structural_tag(self, tools, name=None, parallel=True):
+        tags = [_tag('{"name": ' + json.dumps(n) + ', "parameters": ', s, "}") for n, s in self._tools(tools, name)]
+        return _structural(_calls(tags, "; ", parallel))
 
 
 class MistralToolParser(BaseToolParser):
@@ -318,14 +628,79 @@ class MistralToolParser(BaseToolParser):
         m = self._named.match(text, pos)
         if m is not None:
             objs, end = _json_objects(text, m.end(), final, "")
-            return [(m.group(1), _args_json(objs[0]))], end
+            return [(m.group(1), _raw_args(text[objs[0][1]:end]))], end
         if not text[pos:].strip() or re.fullmatch(r"\s*[\w.\-]*(\[A?R?G?S?)?", text[pos:]):
             if not final:
                 raise Incomplete()
         objs, end = _json_objects(text, pos, final, "")
-        obj = objs[0]
-        items = obj if isinstance(obj, list) else [obj]
-        return [_name_args(o) for o in items], end
+        obj, start = objs[0]
+        if not isinstance(obj, list):
+            return _obj_calls(text, [(obj, start)]), end
+        starts, j = [], _skip_ws(text, start + 1)  # the item objects' positions in the array
+        for _ in obj:
+            starts.append((None, j))
+            j = _skip_ws(text, _skip_ws(text, _value_end(text, j) or j) + 1)
+        return _obj_calls(text, starts), end
+
+    def partial_open(self, text: str, pos: int) -> list[tuple[str, str, bool]]:
+        m = self._named.match(text, pos)
+        if m is not None:
+            return [(m.group(1), _args_prefix(text[m.end():]), False)]
+        j = _skip_ws(text, pos)
+        if text[j:j + 1] == "[":
+            return _partial_objs(text, j + 1, ",")
+        return _partial_objs(text, j, "")
+
+    def structural_tag(self, tools, name=None, parallel=True):
+        tags = [_tag('{"name": ' + json.dumps(n) + ', "arguments": ', s, "}") for n, s in self._tools(tools, name)]
+        return _structural({"type": "sequence", "elements": [
+            {"type": "const_string", "value": "[TOOL_CALLS] ["}, _calls(tags, ", ", parallel),
+            {"type": "const_string", "value": "]"}]})
+
+
+def _py_value_end(text: str, i: int) -> int | None:
+    """Index of the ',' or ')' ending the Python literal at ``text[i]``; None while incomplete."""
+    depth, j, quote = 0, i, ""
+    while j < len(text):
+        ch = text[j]
+        if quote:
+            if ch == "\\":
+                j += 2
+                continue
+            if ch == quote:
+                quote = ""
+        elif ch in "\"'":
+            quote = ch
+        elif ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            if depth == 0:
+                return j if ch == ")" else None
+            depth -= 1
+        elif ch == "," and depth == 0:
+            return j
+        j += 1
+    return None
+
+
+_PY_SCALARS = {"string": r'"\"" ([^"\\\\\n] | "\\\\" [^\n])* "\""', "integer": '"-"? [0-9]+',
+               "number": '"-"? [0-9]+ ("." [0-9]+)? ([eE] [-+]? [0-9]+)?', "boolean": '"True" | "False"', "null": '"None"'}
+
+
+def _py_value_rule(schema: dict) -> str:
+    if "enum" in schema:
+        return " | ".join(json.dumps(repr(v)) for v in schema["enum"]) or '"None"'
+    if "const" in schema:
+        return json.dumps(repr(schema["const"]))
+    typ = schema.get("type")
+    if isinstance(typ, list):
+        return " | ".join(f"({_py_value_rule({**schema, 'type': t})})" for t in typ)
+    if typ in _PY_SCALARS:
+        return _PY_SCALARS[typ]
+    if typ == "array":
+        item = _py_value_rule(schema.get("items") or {})
+        return f'"[" ws (({item}) (ws "," ws ({item}))*)? ws "]"'
+    return "pyval"
 
 
 class PythonicToolParser(BaseToolParser):
@@ -333,6 +708,8 @@ class PythonicToolParser(BaseToolParser):
 
     _start = re.compile(r"\[\s*[A-Za-z_][\w.]*\s*\(")
     _partial = re.compile(r"\[\s*(?:[A-Za-z_][\w.]*\s*)?$")
+    _call = re.compile(r"\s*([A-Za-z_][\w.]*)\s*\(")
+    _kw = re.compile(r"\s*([A-Za-z_]\w*)\s*=\s*")
 
     def find_start(self, text: str, i: int) -> tuple[int, int]:
         m = self._start.search(text, i)
@@ -357,6 +734,53 @@ class PythonicToolParser(BaseToolParser):
             calls = []
             for call in tree.elts:
                 name = ast.unparse(call.func)
-                args = {kw.arg: ast.literal_eval(kw.value) for kw in call.keywords if kw.arg}
-                calls.append((name, json.dumps(args, ensure_ascii=False)))
+                pairs = [(kw.arg, ast.literal_eval(kw.value)) for kw in call.keywords if kw.arg]
+                calls.append((name, _params_json(pairs, True)))
             return calls, k + 1
+
+    def partial_open(self, text: str, pos: int) -> list[tuple[str, str, bool]]:
+        out = []
+        j = pos + 1
+        while True:
+            m = self._call.match(text, j)
+            if m is None:
+                return out
+            name, j, pairs, closed = m.group(1), m.end(), [], False
+            while True:
+                j = _skip_ws(text, j)
+                if text[j:j + 1] == ")":
+                    closed, j = True, j + 1
+                    break
+                kw = self._kw.match(text, j)
+                if kw is None:
+                    break
+                vend = _py_value_end(text, kw.end())
+                if vend is None:
+                    break
+                try:
+                    pairs.append((kw.group(1), ast.literal_eval(text[kw.end():vend].strip())))
+                except (ValueError, SyntaxError):
+                    break
+                j = vend + 1 if text[vend] == "," else vend
+            out.append((name, _params_json(pairs, closed), closed))
+            j = _skip_ws(text, j)
+            if not closed or text[j:j + 1] != ",":
+                return out
+            j += 1
+
+    def structural_tag(self, tools, name=None, parallel=True):
+        """Keyword arguments: the schema's required properties in order, each value a Python literal
+        of the property's type (or enum); numeric ranges and string patterns are not enforced."""
+        calls = []
+        for n, s in self._tools(tools, name):
+            props, req = s.get("properties") or {}, s.get("required") or []
+            kws = [f'"{k}=" ({_py_value_rule(props.get(k) or {})})' for k in req if re.fullmatch(r"[A-Za-z_]\w*", k)]
+            calls.append(json.dumps(n + "(") + "".join((' ", " ' if i else " ") + kw for i, kw in enumerate(kws)) + ' ")"')
+        call = " | ".join(f"({c})" for c in calls)
+        more = f' (", " ({call}))*' if parallel else ""
+        ebnf = (f'root ::= "[" ({call}){more} "]"\n'
+                'ws ::= [ \\n]*\n'
+                'pyval ::= ' + _PY_SCALARS["string"] + ' | ' + _PY_SCALARS["number"] + ' | "True" | "False" | "None"'
+                ' | "[" ws (pyval (ws "," ws pyval)*)? ws "]"'
+                ' | "{" ws (' + _PY_SCALARS["string"] + ' ws ":" ws pyval (ws "," ws ' + _PY_SCALARS["string"] + ' ws ":" ws pyval)*)? ws "}"\n')
+        return _structural({"type": "grammar", "grammar": ebnf})
