@@ -233,7 +233,7 @@ class PluginManager:
                                       for r in p.registrations)
                 what = "; ".join(f"{kind}: {', '.join(ns)}" for kind, ns in names.items()) or "-"
             rows.append((p.name, p.distribution, p.version, what))
-        lines = _columns(rows) + [""]
+        lines = [f"core plugin API {PLUGIN_API_VERSION}", ""] + _columns(rows) + [""]
         for kind, table in self.registries.items():
             lines.append(f"{kind}:" if table else f"{kind}: (none)")
             sub = []

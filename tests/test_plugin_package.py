@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -33,11 +34,19 @@ def run(*args: str | Path, **kwargs) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def venv_python(tmp_path_factory) -> Path:
+def example_src(tmp_path_factory) -> Path:
+    """A clean copy of the example package, so building and testing it leaves the source tree alone."""
+    dst = tmp_path_factory.mktemp("example-src") / "core-plugin-example"
+    shutil.copytree(EXAMPLE, dst, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__", ".*"))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def venv_python(tmp_path_factory, example_src) -> Path:
     tmp = tmp_path_factory.mktemp("plugin-pkg")
     run(sys.executable, "-m", "venv", "--system-site-packages", tmp / "venv")
     python = tmp / "venv" / "bin" / "python"
-    run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", EXAMPLE, "-w", tmp / "dist")
+    run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", example_src, "-w", tmp / "dist")
     (wheel,) = (tmp / "dist").glob("core_plugin_example-0.3.0-*.whl")
     run(python, "-m", "pip", "install", "--no-deps", "--no-index", "-q", wheel)
     return python
@@ -62,9 +71,10 @@ def test_core_plugins_lists_the_installed_example(venv_python):
         run(sys.executable, "-m", "core.cli", "plugins", "--json", cwd="/", env=env).stdout)}
 
 
-def test_the_example_package_own_tests_pass_against_the_install(venv_python):
-    # Run from the package folder with the installed module shadowing nothing but itself.
-    run(venv_python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests", cwd=EXAMPLE)
+def test_the_example_package_own_tests_pass_against_the_install(venv_python, example_src):
+    (example_src / "core_plugin_example.py").unlink()  # so they import the installed module
+    proc = run(venv_python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests", cwd=example_src)
+    assert "4 passed" in proc.stdout
 
 
 def test_serve_with_the_example_backend_model_parser_and_grammar(venv_python, tmp_path):

@@ -115,17 +115,21 @@ def test_tool_choice_required_and_named(server):
     jsonschema.validate(json.loads(call.arguments), TIME["function"]["parameters"])
     # streaming: the name once, argument fragments that concatenate to valid JSON
     stream = client.chat.completions.create(model="m", messages=msgs, tools=[WEATHER], tool_choice="required",
-                                            max_tokens=120, temperature=0, stream=True)
-    names, args, reasons = [], "", []
+                                            max_tokens=120, temperature=0, stream=True, parallel_tool_calls=False)
+    names, args, reasons = {}, {}, []
     for chunk in stream:
         for c in chunk.choices:
             reasons.append(c.finish_reason)
             for tc in c.delta.tool_calls or []:
                 if tc.function.name:
-                    names.append(tc.function.name)
-                args += tc.function.arguments or ""
-    assert names == ["get_weather"] and reasons[-1] == "tool_calls"
-    jsonschema.validate(json.loads(args), WEATHER["function"]["parameters"])
+                    assert tc.index not in names and tc.id and tc.type == "function"  # id, type, name in the first delta
+                    names[tc.index] = tc.function.name
+                else:
+                    assert tc.index in names  # arguments only after the name
+                args[tc.index] = args.get(tc.index, "") + (tc.function.arguments or "")
+    assert list(names.values()) == ["get_weather"] and reasons[-1] == "tool_calls"
+    for k in names:
+        jsonschema.validate(json.loads(args[k]), WEATHER["function"]["parameters"])
     # history with assistant tool_calls and a tool message reaches the template
     hist = msgs + [{"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
         "name": "get_weather", "arguments": '{"city": "Paris", "days": 3}'}}]},

@@ -687,11 +687,16 @@ _PY_SCALARS = {"string": r'"\"" ([^"\\\\\n] | "\\\\" [^\n])* "\""', "integer": '
                "number": '"-"? [0-9]+ ("." [0-9]+)? ([eE] [-+]? [0-9]+)?', "boolean": '"True" | "False"', "null": '"None"'}
 
 
+def _py_lit(v: Any) -> str:
+    """An EBNF string matching the Python literal of ``v`` (strings double-quoted, JSON-style)."""
+    return json.dumps(json.dumps(v, ensure_ascii=False) if isinstance(v, str) else repr(v), ensure_ascii=False)
+
+
 def _py_value_rule(schema: dict) -> str:
     if "enum" in schema:
-        return " | ".join(json.dumps(repr(v)) for v in schema["enum"]) or '"None"'
+        return " | ".join(_py_lit(v) for v in schema["enum"]) or '"None"'
     if "const" in schema:
-        return json.dumps(repr(schema["const"]))
+        return _py_lit(schema["const"])
     typ = schema.get("type")
     if isinstance(typ, list):
         return " | ".join(f"({_py_value_rule({**schema, 'type': t})})" for t in typ)
