@@ -172,7 +172,6 @@ class ChoicePost:
         self.tools = plugins.resolve("tool_parser", tp)() if tp and self.mode == "auto" and r.tools else None
         if self.mode in ("required", "named"):  # SGLang's JSON constraint, streamed incrementally
             self.tools = _NamedArgs(name) if self.mode == "named" else _JsonArray()
-        self.pending = ""  # constrained output, parsed at the end
         self.n_calls = 0
 
     def full(self, text: str, reason: str | None) -> tuple[str | None, str | None, list[dict] | None, str | None]:
