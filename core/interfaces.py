@@ -178,7 +178,20 @@ class ToolCall:
 @runtime_checkable
 class ToolParser(Protocol):
     """Extracts tool calls from model output. One instance per request (it may keep
-    streaming state)."""
+    streaming state).
+
+    Optional method (not a protocol member, so ``isinstance`` does not require it; core looks
+    it up with ``getattr``):
+
+    ``structural_tag(tools: list[dict], name: str | None = None, parallel: bool = True) -> dict | None``
+        The model's native call format as an xgrammar structural tag
+        (``{"type": "structural_tag", "format": ...}``): one or more calls (at most one when
+        ``parallel`` is false; only function ``name`` when given), each call's arguments
+        constrained by its tool's parameter schema; None when the format cannot be described.
+        With the xgrammar backend, ``tool_choice`` required / named constrains the output to this
+        tag and the same parser reads the calls back (``parse`` / ``parse_streaming``), so the
+        tag must only admit text the parser parses. Without it core falls back to SGLang's JSON
+        constraint."""
 
     def parse(self, text: str, tools: list[dict]) -> tuple[str, list[ToolCall]]:
         """Return (normal text, calls) for a complete output."""
@@ -190,12 +203,20 @@ class ToolParser(Protocol):
         ``arguments`` fragments concatenate to the call's JSON arguments."""
 
     def flush(self, tools: list[dict]) -> tuple[str, list[ToolCall]]:
-        """End of the stream: return what was held back (same shape as parse_streaming)."""
+        """End of the stream: return what was held back (same shape as parse_streaming); an
+        unfinished call block is resolved as ``parse`` would (calls, or normal text)."""
 
 
 @runtime_checkable
 class ReasoningParser(Protocol):
-    """Separates reasoning from the answer. One instance per request."""
+    """Separates reasoning from the answer. One instance per request.
+
+    Optional method (not a protocol member; core calls it when present, via ``hasattr``):
+
+    ``configure(chat_template_kwargs: dict) -> None``
+        Called once, before any ``parse`` / ``parse_streaming``, with the request's
+        ``chat_template_kwargs`` (``{}`` when absent), e.g. ``qwen3`` with
+        ``enable_thinking: false`` stops separating (everything is content), as in SGLang."""
 
     def parse(self, text: str) -> tuple[str, str]:
         """Return (reasoning_content, content) for a complete output."""
@@ -204,7 +225,8 @@ class ReasoningParser(Protocol):
         """Feed the next fragment; return (reasoning delta, content delta)."""
 
     def flush(self) -> tuple[str, str]:
-        """End of the stream: return what was held back (a partial tag)."""
+        """End of the stream: return what was held back (a partial tag), so that the streamed
+        deltas plus ``flush()`` equal ``parse`` of the whole text."""
 
 
 # --------------------------------------------------------------------------- grammar

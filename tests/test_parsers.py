@@ -175,6 +175,12 @@ NATIVE = {  # a valid output in each native format, and one that breaks the sche
                 '{"city": 3}<|tool_call_end|><|tool_calls_section_end|>'),
     "gpt-oss": ('<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Tokyo", "days": 1}<|call|>',
                 '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Tokyo"}<|call|>'),
+    "qwen3_coder": ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>\n"
+                    "</function>\n</tool_call>\n<tool_call>\n<function=get_time>\n<parameter=tz>\n0800\n</parameter>\n</function>\n</tool_call>",
+                    "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"),
+    "glm45": ("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n"
+              "</tool_call>\n<tool_call>get_time\n<arg_key>tz</arg_key>\n<arg_value>0800</arg_value>\n</tool_call>",
+              "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>"),
 }
 
 
@@ -206,6 +212,8 @@ def test_structural_tag_native_format(parser, xgr_compiler):
     assert not accepts(tag, bad)
     _, calls = cls().parse(good, STRUCT_TOOLS)
     assert calls and calls[0].name == "get_weather"
+    if parser in ("qwen3_coder", "glm45"):  # XML parameters read back by the schema: "0800" stays a string
+        assert [json.loads(c.arguments) for c in calls] == [{"city": "Paris", "days": 3}, {"tz": "0800"}]
     single = cls().structural_tag(STRUCT_TOOLS, parallel=False)
     first = good if len(calls) == 1 else None
     if first is not None:
@@ -214,3 +222,24 @@ def test_structural_tag_native_format(parser, xgr_compiler):
         assert not accepts(single, good)  # one call at most
     named = cls().structural_tag(STRUCT_TOOLS, name="get_time")
     assert not accepts(named, good.split("get_time")[0]) or parser == "pythonic"
+
+
+@pytest.mark.parametrize("parser", ["qwen3_coder", "glm45"])
+def test_xml_parameters_typed_by_schema(parser):
+    """XML-style parameter values are read by the tool's schema, streamed or not: a string-typed
+    value that looks like a number stays a string; untyped ones are still JSON-decoded."""
+    good = NATIVE[parser][0]
+    want = [("get_weather", {"city": "Paris", "days": 3}), ("get_time", {"tz": "0800"})]
+    _, calls = PM.resolve("tool_parser", parser)().parse(good, STRUCT_TOOLS)
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == want
+    p = PM.resolve("tool_parser", parser)()
+    args: dict[int, str] = {}
+    for t in [p.parse_streaming(ch, STRUCT_TOOLS) for ch in good] + [p.flush(STRUCT_TOOLS)]:
+        for c in t[1]:
+            args[c.index] = args.get(c.index, "") + c.arguments
+    assert [json.loads(a) for _, a in sorted(args.items())] == [a for _, a in want]
+    good = good.replace("0800", "42")
+    _, calls = PM.resolve("tool_parser", parser)().parse(good, STRUCT_TOOLS)
+    assert json.loads(calls[1].arguments) == {"tz": "42"}
+    _, calls = PM.resolve("tool_parser", parser)().parse(good, TOOLS)  # no property types: JSON where it parses
+    assert json.loads(calls[1].arguments) == {"tz": 42}

@@ -17,7 +17,9 @@ as normal text).
 
 ``structural_tag(tools, name, parallel)`` describes the native call format as an xgrammar
 structural tag (arguments constrained by each tool's parameter schema), used for
-``tool_choice`` required / named.
+``tool_choice`` required / named. The XML parameter formats use xgrammar's ``qwen_xml`` /
+``glm_xml`` JSON-schema styles (string values raw, others JSON), and their parsers read values
+back by the tool's schema (a string-typed parameter stays a string even if it looks like a number).
 """
 
 from __future__ import annotations
@@ -207,8 +209,11 @@ def _tools_of(tools: list[dict] | None) -> list[tuple[str, dict]]:
     return out
 
 
-def _tag(begin: str, schema: dict, end: str) -> dict:
-    return {"type": "tag", "begin": begin, "content": {"type": "json_schema", "json_schema": schema}, "end": end}
+def _tag(begin: str, schema: dict, end: str, style: str = "json") -> dict:
+    content = {"type": "json_schema", "json_schema": schema}
+    if style != "json":
+        content["style"] = style  # xgrammar's XML parameter styles (qwen_xml, glm_xml)
+    return {"type": "tag", "begin": begin, "content": content, "end": end}
 
 
 def _structural(fmt: dict) -> dict:
@@ -229,6 +234,7 @@ class BaseToolParser:
         self.buf = ""
         self.sent_normal = 0
         self.streamed: dict[tuple[int, int], list] = {}  # key -> [index, arguments sent]
+        self.schemas: dict[str, dict] = {}  # tool name -> parameter schema (for parameter formats)
 
     # ---- per format
     def parse_block(self, inner: str) -> list[tuple[str, str]]:
@@ -337,17 +343,29 @@ class BaseToolParser:
         return {(t.get("function") or {}).get("name") for t in tools or [] if isinstance(t, dict)}
 
     # ---- ToolParser
+    def _use_tools(self, tools: list[dict] | None) -> None:
+        if tools:
+            self.schemas = dict(_tools_of(tools))
+
+    def _prop(self, name: str, key: str) -> dict | None:
+        """The schema of parameter ``key`` of tool ``name``, when the tools say."""
+        props = (self.schemas.get(name) or {}).get("properties")
+        return props.get(key) if isinstance(props, dict) and isinstance(props.get(key), dict) else None
+
     def parse(self, text: str, tools: list[dict] | None = None) -> tuple[str, list[ToolCall]]:
+        self._use_tools(tools)
         normal, calls = self._scan(text, True)
         names = self._names(tools)
         calls = [c for c in calls if not names or c[1] in names]
         return normal, [ToolCall(n, a, i) for i, (_, n, a, _) in enumerate(calls)]
 
     def parse_streaming(self, delta: str, tools: list[dict] | None = None) -> tuple[str, list[ToolCall]]:
+        self._use_tools(tools)
         self.buf += delta
         return self._emit(*self._scan(self.buf, False), tools)
 
     def flush(self, tools: list[dict] | None = None) -> tuple[str, list[ToolCall]]:
+        self._use_tools(tools)
         return self._emit(*self._scan(self.buf, True), tools)
 
     def _emit(self, normal: str, calls: list[Entry], tools: list[dict] | None) -> tuple[str, list[ToolCall]]:
@@ -445,6 +463,8 @@ class KimiK2ToolParser(BaseToolParser):
 
 
 def _coerce(value: str, schema: dict | None) -> Any:
+    """A parameter value as written in an XML-style call: the text itself for a string-typed
+    parameter (so ``"123"`` stays a string), else JSON (or a Python literal), else the text."""
     v = value.strip("\n")
     typ = (schema or {}).get("type")
     if typ == "string":
@@ -466,21 +486,29 @@ class Qwen3CoderToolParser(BaseToolParser):
     _fn_head = re.compile(r"^\s*<function=([^>\n]+)>")
     _param = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.S)
 
-    def _pairs(self, body: str) -> list[tuple[str, Any]]:
-        return [(k.strip(), _coerce(v, None)) for k, v in self._param.findall(body)]
+    def _pairs(self, name: str, body: str) -> list[tuple[str, Any]]:
+        return [(k.strip(), _coerce(v, self._prop(name, k.strip()))) for k, v in self._param.findall(body)]
 
     def parse_block(self, inner: str) -> list[tuple[str, str]]:
         m = self._fn.match(inner)
         if m is None:
             raise ValueError("not a Qwen3-Coder call")
-        return [(m.group(1).strip(), _params_json(self._pairs(m.group(2)), True))]
+        name = m.group(1).strip()
+        return [(name, _params_json(self._pairs(name, m.group(2)), True))]
 
     def partial_block(self, inner: str) -> list[tuple[str, str, bool]]:
         m = self._fn_head.match(inner)
         if m is None:
             return []
-        body = inner[m.end():].split("</function>", 1)[0]
-        return [(m.group(1).strip(), _params_json(self._pairs(body), False), False)]
+        name, body = m.group(1).strip(), inner[m.end():].split("</function>", 1)[0]
+        return [(name, _params_json(self._pairs(name, body), False), False)]
+
+    def structural_tag(self, tools, name=None, parallel=True):
+        """Each parameter as ``<parameter=KEY>\\nVALUE\\n</parameter>`` (xgrammar's ``qwen_xml``
+        style: string values raw, others JSON), in the schema's property order."""
+        tags = [_tag("<tool_call>\n<function=" + n + ">\n", s, "\n</function>\n</tool_call>", "qwen_xml")
+                for n, s in self._tools(tools, name)]
+        return _structural(_calls(tags, "\n", parallel))
 
 
 class Glm45ToolParser(BaseToolParser):
@@ -490,18 +518,25 @@ class Glm45ToolParser(BaseToolParser):
     _kv = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
     _head = re.compile(r"^\s*([\w.\-]+)[ \t]*(?:\n|<arg_key>)")
 
-    def _pairs(self, inner: str) -> list[tuple[str, Any]]:
-        return [(k.strip(), _coerce(v, None)) for k, v in self._kv.findall(inner)]
+    def _pairs(self, name: str, inner: str) -> list[tuple[str, Any]]:
+        return [(k.strip(), _coerce(v, self._prop(name, k.strip()))) for k, v in self._kv.findall(inner)]
 
     def parse_block(self, inner: str) -> list[tuple[str, str]]:
         name = inner.strip().split("\n", 1)[0].split("<arg_key>", 1)[0].strip()
         if not name or not re.fullmatch(r"[\w.\-]+", name):
             raise ValueError("not a GLM-4.5 call")
-        return [(name, _params_json(self._pairs(inner), True))]
+        return [(name, _params_json(self._pairs(name, inner), True))]
 
     def partial_block(self, inner: str) -> list[tuple[str, str, bool]]:
         m = self._head.match(inner)
-        return [(m.group(1), _params_json(self._pairs(inner), False), False)] if m else []
+        return [(m.group(1), _params_json(self._pairs(m.group(1), inner), False), False)] if m else []
+
+    def structural_tag(self, tools, name=None, parallel=True):
+        """``<tool_call>NAME`` then each parameter as ``<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>``
+        (xgrammar's ``glm_xml`` style: string values raw, others JSON; newlines between allowed),
+        in the schema's property order."""
+        tags = [_tag("<tool_call>" + n, s, "</tool_call>", "glm_xml") for n, s in self._tools(tools, name)]
+        return _structural(_calls(tags, "\n", parallel))
 
 
 class GptOssToolParser(BaseToolParser):
