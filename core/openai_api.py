@@ -575,9 +575,12 @@ class _Job:
             if not req.finished:
                 self.engine.abort(req.rid)
 
-    def merged(self) -> AsyncIterator[tuple[int, dict]]:
-        """(choice index, cumulative output) as each sequence advances."""
-        return self.engine.stream_many(self.reqs)
+    async def merged(self) -> AsyncIterator[tuple[int, dict]]:
+        """(choice index, cumulative output) as each sequence advances; an aborted
+        sequence raises ApiError."""
+        async for i, out in self.engine.stream_many(self.reqs):
+            _raise_if_aborted(out)
+            yield i, out
 
     def _interval(self) -> int:
         v = getattr(self.state.args, "stream_interval", 1)
@@ -707,13 +710,6 @@ async def chat_stream(job: _Job) -> AsyncIterator[bytes]:
         async for i, out in job.merged():
             last[i] = out
             reason, matched = _finish(out)
-            if reason == "abort":
-                try:
-                    _raise_if_aborted(out)
-                except ApiError as e:
-                    yield _sse_error(e)
-                yield _DONE
-                return
             meta = out["meta_info"]
             ntok = meta["completion_tokens"]
             if reason is None and ntok - sent_toks[i] < interval:
@@ -734,6 +730,9 @@ async def chat_stream(job: _Job) -> AsyncIterator[bytes]:
                                          finish_reason=reason, matched_stop=matched if reason else UNSET))
         if job.include_usage:
             yield chunk(None, job._usage(last))
+        yield _DONE
+    except ApiError as e:  # an aborted sequence (shutdown, engine failure): report in-band
+        yield _sse_error(e)
         yield _DONE
     except Exception as e:  # mid-stream: the status line is gone, report in-band
         log.exception("openai.stream_failed", id=job.id)
@@ -843,13 +842,6 @@ async def completion_stream(job: _Job) -> AsyncIterator[bytes]:
         async for i, out in job.merged():
             last[i] = out
             reason, matched = _finish(out)
-            if reason == "abort":
-                try:
-                    _raise_if_aborted(out)
-                except ApiError as e:
-                    yield _sse_error(e)
-                yield _DONE
-                return
             meta = out["meta_info"]
             ntok = meta["completion_tokens"]
             first = not started[i]
@@ -867,6 +859,9 @@ async def completion_stream(job: _Job) -> AsyncIterator[bytes]:
                                          matched_stop=matched if reason else UNSET))
         if job.include_usage:
             yield chunk(None, job._usage(last))
+        yield _DONE
+    except ApiError as e:  # an aborted sequence (shutdown, engine failure): report in-band
+        yield _sse_error(e)
         yield _DONE
     except Exception as e:  # mid-stream: the status line is gone, report in-band
         log.exception("openai.stream_failed", id=job.id)

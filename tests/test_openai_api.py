@@ -272,6 +272,27 @@ def test_stream_disconnect_aborts(base_url, http):
     _wait_idle(http)  # 4000 tokens would take minutes: the engine request was aborted
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_stream_aborted_by_server_reports_error_in_band(base_url, http, path):
+    body = {"model": "m", "max_tokens": 4000, "stream": True, "ignore_eos": True}
+    body.update({"messages": CHAT} if "chat" in path else {"prompt": "Count to a thousand:"})
+    events = []
+    with httpx.Client(base_url=base_url, timeout=60) as c:
+        with c.stream("POST", path, json=body) as resp:
+            assert resp.status_code == 200
+            for line in resp.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(line[6:])
+                if len(events) == 2:  # the sequence is running: abort it from the server side
+                    rid = json.loads(events[0])["id"]
+                    assert http.post("/abort_request", json={"rid": rid}).status_code == 200
+    assert events[-1] == "[DONE]"
+    err = json.loads(events[-2])["error"]
+    assert err["type"] == "server_error" and err["message"].startswith("the request was aborted"), err
+    _wait_idle(http)
+
+
 def test_non_stream_disconnect_aborts(base_url, http):
     body = {"model": "m", "prompt": "Once", "max_tokens": 4000, "ignore_eos": True}
     with httpx.Client(base_url=base_url, timeout=1.5) as c:
