@@ -691,6 +691,25 @@ def _sse_error(e: ApiError) -> bytes:
     return _sse(e.body())
 
 
+async def _guarded(job: _Job, events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """The end every OpenAI stream shares: ``[DONE]`` after the events, errors reported
+    in-band (the status line is already sent), engine requests aborted on close."""
+    try:
+        async for event in events:
+            yield event
+        yield _DONE
+    except ApiError as e:  # an aborted sequence (shutdown, engine failure)
+        yield _sse_error(e)
+        yield _DONE
+    except Exception as e:
+        log.exception("openai.stream_failed", id=job.id)
+        yield _sse_error(ApiError(500, f"internal error: {type(e).__name__}: {e}", "server_error"))
+        yield _DONE
+    finally:
+        await events.aclose()
+        job.abort()
+
+
 async def chat_stream(job: _Job) -> AsyncIterator[bytes]:
     usage_field = None if job.include_usage else UNSET
     count = len(job.reqs)
@@ -699,47 +718,36 @@ async def chat_stream(job: _Job) -> AsyncIterator[bytes]:
         return _sse(ChatCompletionChunk(id=job.id, created=job.created, model=job.model,
                                         choices=[] if choice is None else [choice], usage=usage))
 
-    try:
-        for i in range(count):
-            yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
-        sent_text = [""] * count
-        sent_toks = [0] * count
-        last: list[dict | None] = [None] * count
-        posts = [job.post() for _ in range(count)]
-        interval = job._interval()
-        async for i, out in job.merged():
-            last[i] = out
-            reason, matched = _finish(out)
-            meta = out["meta_info"]
-            ntok = meta["completion_tokens"]
-            if reason is None and ntok - sent_toks[i] < interval:
-                continue
-            delta = out["text"][len(sent_text[i]):]
-            lp = job.chat_logprobs(meta, sent_toks[i]) if job.logprobs else None
-            if reason is None and not delta and not (lp and lp.content):
-                continue
-            sent_text[i], sent_toks[i] = out["text"], ntok
-            r_delta, delta, calls = posts[i].delta(delta, reason is not None)
-            if reason == "stop" and posts[i].n_calls:
-                reason = "tool_calls"
-            if reason is None and not delta and not r_delta and not calls and not (lp and lp.content):
-                continue
-            dm = DeltaMessage(content=delta if delta else UNSET, reasoning_content=r_delta if r_delta else UNSET,
-                              tool_calls=calls if calls else UNSET)
-            yield chunk(ChatStreamChoice(index=i, delta=dm, logprobs=lp,
-                                         finish_reason=reason, matched_stop=matched if reason else UNSET))
-        if job.include_usage:
-            yield chunk(None, job._usage(last))
-        yield _DONE
-    except ApiError as e:  # an aborted sequence (shutdown, engine failure): report in-band
-        yield _sse_error(e)
-        yield _DONE
-    except Exception as e:  # mid-stream: the status line is gone, report in-band
-        log.exception("openai.stream_failed", id=job.id)
-        yield _sse_error(ApiError(500, f"internal error: {type(e).__name__}: {e}", "server_error"))
-        yield _DONE
-    finally:
-        job.abort()
+    for i in range(count):
+        yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
+    sent_text = [""] * count
+    sent_toks = [0] * count
+    last: list[dict | None] = [None] * count
+    posts = [job.post() for _ in range(count)]
+    interval = job._interval()
+    async for i, out in job.merged():
+        last[i] = out
+        reason, matched = _finish(out)
+        meta = out["meta_info"]
+        ntok = meta["completion_tokens"]
+        if reason is None and ntok - sent_toks[i] < interval:
+            continue
+        delta = out["text"][len(sent_text[i]):]
+        lp = job.chat_logprobs(meta, sent_toks[i]) if job.logprobs else None
+        if reason is None and not delta and not (lp and lp.content):
+            continue
+        sent_text[i], sent_toks[i] = out["text"], ntok
+        r_delta, delta, calls = posts[i].delta(delta, reason is not None)
+        if reason == "stop" and posts[i].n_calls:
+            reason = "tool_calls"
+        if reason is None and not delta and not r_delta and not calls and not (lp and lp.content):
+            continue
+        dm = DeltaMessage(content=delta if delta else UNSET, reasoning_content=r_delta if r_delta else UNSET,
+                          tool_calls=calls if calls else UNSET)
+        yield chunk(ChatStreamChoice(index=i, delta=dm, logprobs=lp,
+                                     finish_reason=reason, matched_stop=matched if reason else UNSET))
+    if job.include_usage:
+        yield chunk(None, job._usage(last))
 
 
 # ----------------------------------------------------------------------------- completions
@@ -832,43 +840,32 @@ async def completion_stream(job: _Job) -> AsyncIterator[bytes]:
         return _sse(CompletionResponse(id=job.id, created=job.created, model=job.model,
                                        choices=[] if choice is None else [choice], usage=usage))
 
-    try:
-        sent_text = [""] * count
-        sent_toks = [0] * count
-        started = [False] * count
-        offsets = [_Offsets() for _ in range(count)]
-        last: list[dict | None] = [None] * count
-        interval = job._interval()
-        async for i, out in job.merged():
-            last[i] = out
-            reason, matched = _finish(out)
-            meta = out["meta_info"]
-            ntok = meta["completion_tokens"]
-            first = not started[i]
-            if reason is None and not first and ntok - sent_toks[i] < interval:
-                continue
-            delta = out["text"][len(sent_text[i]):]
-            lp = _completion_lp(job, meta, sent_toks[i], offsets[i], echo and first) if job.logprobs else None
-            if first and echo:
-                delta = job.echo_texts[i // job.n] + delta
-            if reason is None and not delta and not (lp and lp.tokens):
-                continue
-            started[i] = True
-            sent_text[i], sent_toks[i] = out["text"], ntok
-            yield chunk(CompletionChoice(index=i, text=delta, logprobs=lp, finish_reason=reason,
-                                         matched_stop=matched if reason else UNSET))
-        if job.include_usage:
-            yield chunk(None, job._usage(last))
-        yield _DONE
-    except ApiError as e:  # an aborted sequence (shutdown, engine failure): report in-band
-        yield _sse_error(e)
-        yield _DONE
-    except Exception as e:  # mid-stream: the status line is gone, report in-band
-        log.exception("openai.stream_failed", id=job.id)
-        yield _sse_error(ApiError(500, f"internal error: {type(e).__name__}: {e}", "server_error"))
-        yield _DONE
-    finally:
-        job.abort()
+    sent_text = [""] * count
+    sent_toks = [0] * count
+    started = [False] * count
+    offsets = [_Offsets() for _ in range(count)]
+    last: list[dict | None] = [None] * count
+    interval = job._interval()
+    async for i, out in job.merged():
+        last[i] = out
+        reason, matched = _finish(out)
+        meta = out["meta_info"]
+        ntok = meta["completion_tokens"]
+        first = not started[i]
+        if reason is None and not first and ntok - sent_toks[i] < interval:
+            continue
+        delta = out["text"][len(sent_text[i]):]
+        lp = _completion_lp(job, meta, sent_toks[i], offsets[i], echo and first) if job.logprobs else None
+        if first and echo:
+            delta = job.echo_texts[i // job.n] + delta
+        if reason is None and not delta and not (lp and lp.tokens):
+            continue
+        started[i] = True
+        sent_text[i], sent_toks[i] = out["text"], ntok
+        yield chunk(CompletionChoice(index=i, text=delta, logprobs=lp, finish_reason=reason,
+                                     matched_stop=matched if reason else UNSET))
+    if job.include_usage:
+        yield chunk(None, job._usage(last))
 
 
 # ----------------------------------------------------------------------------- entry points
@@ -943,7 +940,7 @@ async def _generation(request: Request, kind: str) -> Response:
         await job.prepare()
         job.submit()
         if job.stream:
-            return _SSEResponse(chat_stream(job) if kind == "chat" else completion_stream(job))
+            return _SSEResponse(_guarded(job, chat_stream(job) if kind == "chat" else completion_stream(job)))
         watcher = asyncio.create_task(_watch_disconnect(request, job.abort))
         try:
             resp = await (chat_response(job) if kind == "chat" else completion_response(job))
