@@ -437,22 +437,30 @@ class DeepSeekV3ToolParser(BaseToolParser):
             {"type": "const_string", "value": "<｜tool▁calls▁end｜>"}]})
 
 
-class KimiK2ToolParser(BaseToolParser):
-    """<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:0<|tool_call_argument_begin|>{...}<|tool_call_end|>..."""
+class _NameArgsToolParser(BaseToolParser):
+    """A block whose whole text is matched by ``_re``: group 1 the name, group 2 the JSON arguments."""
 
-    start, end = "<|tool_call_begin|>", "<|tool_call_end|>"
-    drop = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>")
-    _re = re.compile(r"^\s*(?:functions\.)?([\w.\-]+?)(?::\d+)?\s*<\|tool_call_argument_begin\|>(.*)$", re.S)
+    label = ""
+    _re: re.Pattern
 
     def parse_block(self, inner: str) -> list[tuple[str, str]]:
         m = self._re.match(inner)
         if m is None:
-            raise ValueError("not a Kimi-K2 call")
+            raise ValueError(f"not a {self.label} call")
         return [(m.group(1), _raw_args(m.group(2)))]
 
     def partial_block(self, inner: str) -> list[tuple[str, str, bool]]:
         m = self._re.match(inner)
         return [(m.group(1), _args_prefix(m.group(2)), False)] if m else []
+
+
+class KimiK2ToolParser(_NameArgsToolParser):
+    """<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:0<|tool_call_argument_begin|>{...}<|tool_call_end|>..."""
+
+    start, end = "<|tool_call_begin|>", "<|tool_call_end|>"
+    drop = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>")
+    label = "Kimi-K2"
+    _re = re.compile(r"^\s*(?:functions\.)?([\w.\-]+?)(?::\d+)?\s*<\|tool_call_argument_begin\|>(.*)$", re.S)
 
     def structural_tag(self, tools, name=None, parallel=True):
         tags = [_tag("<|tool_call_begin|>functions." + n + f":{k}<|tool_call_argument_begin|>", s, "<|tool_call_end|>")
@@ -539,22 +547,13 @@ class Glm45ToolParser(BaseToolParser):
         return _structural(_calls(tags, "\n", parallel))
 
 
-class GptOssToolParser(BaseToolParser):
+class GptOssToolParser(_NameArgsToolParser):
     """harmony: <|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>"""
 
     start, end = "<|channel|>commentary to=", "<|call|>"
     drop = ("<|start|>assistant",)
+    label = "gpt-oss"
     _re = re.compile(r"^(?:functions\.)?([\w.\-]+)\s*(?:<\|constrain\|>\s*json)?\s*<\|message\|>(.*)$", re.S)
-
-    def parse_block(self, inner: str) -> list[tuple[str, str]]:
-        m = self._re.match(inner)
-        if m is None:
-            raise ValueError("not a gpt-oss call")
-        return [(m.group(1), _raw_args(m.group(2)))]
-
-    def partial_block(self, inner: str) -> list[tuple[str, str, bool]]:
-        m = self._re.match(inner)
-        return [(m.group(1), _args_prefix(m.group(2)), False)] if m else []
 
     def structural_tag(self, tools, name=None, parallel=True):
         tags = [_tag("<|channel|>commentary to=functions." + n + " <|constrain|>json<|message|>", s, "<|call|>")
