@@ -5,9 +5,7 @@ slots are what padded gathers read), so it is never handed out. The scheduler
 allocates pages as tokens land (``can_allocate`` / ``allocate``) and returns them with
 ``free``; admission only *estimates* future needs (``--schedule-conservativeness``) and
 decode retracts requests when the pool runs out. Pages shared through the radix prefix
-cache are owned by the cache (core/radix_cache.py), not by requests. The older
-reservation interface (``reserve`` / ``take`` / ``release``) is kept for callers that
-want hard reservations.
+cache are owned by the cache (core/radix_cache.py), not by requests.
 """
 
 from __future__ import annotations
@@ -35,14 +33,14 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype:
 
 
 class PageAllocator:
-    """Free list of pages with reservations, so admitted requests never run out mid-decode."""
+    """Free list of pages; admission control and retraction (in the scheduler) decide
+    who may take them, so this only hands pages out and takes them back."""
 
     def __init__(self, num_pages: int, page_size: int) -> None:
         if num_pages < 2:
             raise ValueError(f"the KV pool needs at least 2 pages, got {num_pages}")
         self.num_pages, self.page_size = num_pages, page_size
         self._free = list(range(num_pages - 1, 0, -1))  # page 0 is padding; pop() yields low pages first
-        self.reserved = 0  # pages promised to admitted requests but not yet taken
 
     @property
     def capacity(self) -> int:
@@ -53,46 +51,20 @@ class PageAllocator:
     def num_free(self) -> int:
         return len(self._free)
 
-    @property
-    def available(self) -> int:
-        """Pages neither in use nor promised."""
-        return len(self._free) - self.reserved
-
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 
     def can_allocate(self, pages: int) -> bool:
-        return pages <= self.available
+        return pages <= len(self._free)
 
     def allocate(self, pages: int) -> list[int]:
-        """Take ``pages`` free (unreserved) pages."""
         if not self.can_allocate(pages):
-            raise RuntimeError(f"cannot allocate {pages} pages, {self.available} available")
+            raise RuntimeError(f"cannot allocate {pages} pages, {len(self._free)} free")
         return [self._free.pop() for _ in range(pages)]
 
     def free(self, pages: list[int]) -> None:
         self._free.extend(reversed(pages))
         assert len(self._free) <= self.capacity, "page accounting broken: a page was freed twice"
-
-    def can_reserve(self, pages: int) -> bool:
-        return pages <= self.available
-
-    def reserve(self, pages: int) -> None:
-        if not self.can_reserve(pages):
-            raise RuntimeError(f"cannot reserve {pages} pages, {self.available} available")
-        self.reserved += pages
-
-    def take(self) -> int:
-        """Take one reserved page."""
-        if self.reserved <= 0 or not self._free:
-            raise RuntimeError("take() without a reservation")
-        self.reserved -= 1
-        return self._free.pop()
-
-    def release(self, pages: list[int], unused_reservation: int) -> None:
-        self._free.extend(reversed(pages))
-        self.reserved -= unused_reservation
-        assert 0 <= self.reserved <= len(self._free), "page accounting broken"
 
 
 class ReqToTokenTable:

@@ -170,7 +170,7 @@ def engine_load(engine: AsyncEngine) -> dict:
     ps = alloc.page_size
     capacity = alloc.capacity * ps
     tree = getattr(sched, "tree_cache", None)
-    free = (alloc.available + (tree.evictable_pages if tree is not None else 0)) * ps
+    free = (alloc.num_free + (tree.evictable_pages if tree is not None else 0)) * ps
     used = capacity - free
     return {
         "num_running_reqs": len(sched.running),

@@ -36,7 +36,6 @@ class Req:
     # KV state, owned by the scheduler
     row: int = -1
     pages: list[int] = attrs.field(factory=list)
-    reserved: int = 0
     kv_len: int = 0
     cached_tokens: int = 0
     tree_pages: int = 0  # leading entries of ``pages`` owned by the radix cache (locked through last_node)

@@ -139,11 +139,11 @@ class Scheduler:
         return self.tree_cache.evictable_pages if self.tree_cache is not None else 0
 
     def _can_alloc(self, pages: int) -> bool:
-        return pages <= self.allocator.available + self._evictable()
+        return pages <= self.allocator.num_free + self._evictable()
 
     def _alloc(self, pages: int) -> list[int]:
         """Take ``pages`` pages, evicting unused cached prefixes first when the free list is short."""
-        short = pages - self.allocator.available
+        short = pages - self.allocator.num_free
         if short > 0 and self.tree_cache is not None:
             self.allocator.free(self.tree_cache.evict(short))
         return self.allocator.allocate(pages)
@@ -172,7 +172,7 @@ class Scheduler:
             self.allocator.free(req.pages[req.tree_pages :])
         if req.last_node is not None:
             tree.dec_lock_ref(req.last_node)
-        req.pages, req.tree_pages, req.last_node, req.reserved = [], 0, None, 0
+        req.pages, req.tree_pages, req.last_node = [], 0, None
 
     def _cache_unfinished(self, req: Req) -> None:
         """After a prefill (chunk), share the request's computed prefix through the tree right away,
@@ -332,7 +332,7 @@ class Scheduler:
             if node is not None:
                 self.tree_cache.inc_lock_ref(node)  # before counting evictable pages: ours are not
             need = self.allocator.pages_for(prefix + extend) - len(pages)
-            budget = self.allocator.available + self._evictable() - claimed
+            budget = self.allocator.num_free + self._evictable() - claimed
             rem_total = budget * ps - offset
             fits = need <= budget and (not (self.running or out) or
                                        (req.seq_len - prefix) + future + ps <= rem_total)
@@ -389,7 +389,7 @@ class Scheduler:
         self.num_retracted += len(retracted)
         log.warning("scheduler.retract", num_retracted=len(retracted), rids=[r.rid for r in retracted],
                     running=len(self.running), new_token_ratio=round(self.new_token_ratio, 4),
-                    free_pages=self.allocator.available, evictable_pages=self._evictable())
+                    free_pages=self.allocator.num_free, evictable_pages=self._evictable())
         return decodable
 
     def _retract(self, req: Req) -> None:

@@ -14,53 +14,40 @@ def test_needs_two_pages():
     with pytest.raises(ValueError, match="at least 2 pages"):
         PageAllocator(1, 4)
     a = PageAllocator(2, 4)
-    assert a.capacity == 1 and a.num_free == 1 and a.available == 1
+    assert a.capacity == 1 and a.num_free == 1
 
 
 def test_padding_page_is_never_handed_out():
     a = PageAllocator(9, 2)
     assert a.capacity == 8
-    a.reserve(8)
-    taken = [a.take() for _ in range(8)]
+    taken = a.allocate(8)
     assert sorted(taken) == list(range(1, 9))
     assert 0 not in taken
     assert taken == sorted(taken), "low pages first"
-    with pytest.raises(RuntimeError):
-        a.take()
-    a.release(taken, 0)
-    assert a.num_free == 8 and a.reserved == 0
+    with pytest.raises(RuntimeError, match="cannot allocate"):
+        a.allocate(1)
+    a.free(taken)
+    assert a.num_free == 8
 
 
-def test_reserve_take_release_accounting():
+def test_allocate_free_accounting():
     a = PageAllocator(11, 1)
-    assert a.can_reserve(10) and not a.can_reserve(11)
-    a.reserve(6)
-    assert a.reserved == 6 and a.available == 4 and a.num_free == 10
-    assert a.can_reserve(4) and not a.can_reserve(5)
-    with pytest.raises(RuntimeError, match="cannot reserve"):
-        a.reserve(5)
-    pages = [a.take(), a.take()]
-    # taking consumes the reservation and the free page, so availability is unchanged
-    assert a.reserved == 4 and a.num_free == 8 and a.available == 4
-    a.release(pages, 4)  # the request finishes early: its untaken reservation goes back too
-    assert a.reserved == 0 and a.num_free == 10 and a.available == 10
+    assert a.can_allocate(10) and not a.can_allocate(11)
+    pages = a.allocate(6)
+    assert a.num_free == 4 and a.can_allocate(4) and not a.can_allocate(5)
+    with pytest.raises(RuntimeError, match="cannot allocate 5 pages, 4 free"):
+        a.allocate(5)
+    assert a.num_free == 4, "a refused allocation takes nothing"
+    a.free(pages)
+    assert a.num_free == 10
 
 
-def test_take_requires_a_reservation():
+def test_double_free_detected():
     a = PageAllocator(4, 1)
-    with pytest.raises(RuntimeError, match="without a reservation"):
-        a.take()
-    a.reserve(1)
-    a.take()
-    with pytest.raises(RuntimeError):
-        a.take()
-
-
-def test_release_detects_broken_accounting():
-    a = PageAllocator(4, 1)
-    a.reserve(1)
-    with pytest.raises(AssertionError):
-        a.release([], 2)  # returning more reservation than was made
+    pages = a.allocate(2)
+    a.free(pages)
+    with pytest.raises(AssertionError, match="freed twice"):
+        a.free(pages + pages[:1])
 
 
 @pytest.mark.parametrize("page_size,tokens,pages", [(1, 0, 0), (1, 7, 7), (4, 1, 1), (4, 4, 1), (4, 5, 2), (16, 33, 3)])
@@ -71,27 +58,23 @@ def test_pages_for_rounds_up(page_size, tokens, pages):
 def test_random_churn_never_loses_a_page():
     rng = random.Random(0)
     a = PageAllocator(33, 2)
-    live: list[tuple[list[int], int]] = []  # (pages taken, reservation left)
+    live: list[list[int]] = []
     for _ in range(500):
-        if live and (rng.random() < 0.4 or not a.can_reserve(1)):
-            pages, left = live.pop(rng.randrange(len(live)))
-            a.release(pages, left)
+        if live and (rng.random() < 0.4 or not a.can_allocate(1)):
+            a.free(live.pop(rng.randrange(len(live))))
         else:
-            need = rng.randint(1, max(1, min(8, a.available)))
-            if not a.can_reserve(need):
+            need = rng.randint(1, max(1, min(8, a.num_free)))
+            if not a.can_allocate(need):
                 continue
-            a.reserve(need)
-            k = rng.randint(0, need)
-            pages = [a.take() for _ in range(k)]
+            pages = a.allocate(need)
             assert 0 not in pages
-            live.append((pages, need - k))
-        in_use = [p for pages, _ in live for p in pages]
+            live.append(pages)
+        in_use = [p for pages in live for p in pages]
         assert len(in_use) == len(set(in_use))
         assert a.num_free + len(in_use) == a.capacity
-        assert a.reserved == sum(left for _, left in live)
-    for pages, left in live:
-        a.release(pages, left)
-    assert a.num_free == a.capacity and a.reserved == 0
+    for pages in live:
+        a.free(pages)
+    assert a.num_free == a.capacity
     assert sorted(a._free) == list(range(1, 33))
 
 

@@ -35,7 +35,7 @@ def step(s: Scheduler, tokens: dict[str, int] | int = 7):
 
 def assert_all_free(s: Scheduler) -> None:
     assert not s.running and not s.waiting
-    assert s.allocator.reserved == 0 and s.allocator.num_free == s.allocator.capacity
+    assert s.allocator.num_free == s.allocator.capacity
     assert s.table.num_free == s.table.table.shape[0]
 
 
@@ -65,14 +65,14 @@ def test_admission_estimates_future_pages_and_waits_for_them():
     s.add(b)
     batch, _ = s.schedule()
     assert batch.reqs == [a] and list(s.waiting) == [b]
-    assert s.allocator.reserved == 0 and len(a.pages) == 4  # pages are taken as tokens land, nothing is reserved
+    assert len(a.pages) == 4  # pages are taken as tokens land, nothing is reserved
     # a decodes to completion; b is not admitted while a's estimated future tokens leave too little room
     s.process(batch, StepResult(SampleOutput([7], None, None)))
     for _ in range(2):
         batch, _ = step(s)
         assert batch.reqs == [a]
     assert a.finished and a.finish_reason == {"type": "length", "length": 3}
-    assert a.pages == [] and a.row == -1 and s.allocator.available == 10
+    assert a.pages == [] and a.row == -1 and s.allocator.num_free == 10
     batch, _ = s.schedule()  # pages are back: b is admitted now
     assert batch.is_prefill and batch.reqs == [b]
 
@@ -129,7 +129,7 @@ def test_batch_positions_slots_and_table_with_pages():
     assert batch.out_cache_loc.tolist() == [4, 5, 6, 7, 8, 9, 12, 13]
     assert s.table.table[a.row, :6].tolist() == [4, 5, 6, 7, 8, 9]
     assert s.table.table[b.row, :2].tolist() == [12, 13]
-    assert s.allocator.reserved == 0 and s.allocator.num_free == 8 - 3
+    assert s.allocator.num_free == 8 - 3
     s.process(batch, StepResult(SampleOutput([40, 41], None, None)))
     batch, _ = s.schedule()
     assert batch.input_ids == [40, 41] and batch.positions.tolist() == [6, 2]
@@ -144,7 +144,7 @@ def test_finished_requests_leave_at_once_and_return_everything():
     s.add(b)
     batch, _ = step(s)
     assert a.finished and a.finish_reason == {"type": "length", "length": 1}
-    assert s.running == [b] and a.row == -1 and a.pages == [] and a.reserved == 0
+    assert s.running == [b] and a.row == -1 and a.pages == []
     assert a.finish_time is not None
     batch, _ = s.schedule()
     assert batch.reqs == [b]
@@ -246,7 +246,7 @@ def test_many_requests_through_a_small_pool(page_size):
     while s.has_work:
         batch, _ = step(s)
         assert len(batch.reqs) <= 3
-        assert s.allocator.num_free >= 0 and s.allocator.reserved <= s.allocator.num_free
+        assert 0 <= s.allocator.num_free <= s.allocator.capacity
         steps += 1
         assert steps < 500
     assert all(r.finish_reason == {"type": "length", "length": r.params.max_new_tokens} for r in reqs)

@@ -640,7 +640,7 @@ def _stub_app(**args: Any):
     from core.metrics import Metrics
     from core.server import ServerState, create_app
 
-    engine = types.SimpleNamespace(scheduler=_BrokenScheduler(), allocator=types.SimpleNamespace(page_size=1, capacity=8, available=8),
+    engine = types.SimpleNamespace(scheduler=_BrokenScheduler(), allocator=types.SimpleNamespace(page_size=1, capacity=8, num_free=8),
                                    finish_listeners=[], step_listeners=[])
     ns = argparse.Namespace(**{"api_key": None, "enable_metrics": False, "log_requests": False, **args})
     state = ServerState(engine=engine, args=ns, metrics=Metrics("stub", enabled=False), served_model_name="stub")  # type: ignore[arg-type]
