@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import os
 import threading
 import time
 import uuid
@@ -309,7 +308,7 @@ class AsyncEngine:
         if stream:
             return self._stream_many(reqs)
         try:
-            await asyncio.gather(*(self._drain(r) for r in reqs))
+            await asyncio.gather(*(self.drain(r) for r in reqs))
         finally:
             for r in reqs:
                 if not r.finished:
@@ -317,7 +316,8 @@ class AsyncEngine:
         outs = [self.output(r) for r in reqs]
         return outs if batch or len(outs) > 1 else outs[0]
 
-    async def _drain(self, req: Req) -> None:
+    async def drain(self, req: Req) -> None:
+        """Wait until the request finishes (aborting it if the wait is cancelled)."""
         async for _ in self.stream(req):
             pass
 

@@ -377,11 +377,6 @@ def output_of(state: ServerState, req: Req, with_text: bool, index: int | None =
     return out
 
 
-async def _drain(engine: AsyncEngine, req: Req) -> None:
-    async for _ in engine.stream(req):
-        pass
-
-
 async def _stream_reqs(engine: AsyncEngine, reqs: list[Req]) -> AsyncIterator[tuple[int, Req]]:
     """(index, request) after each of its steps until all finish; closing this aborts unfinished ones."""
     async for i, _ in engine.stream_many(reqs):
@@ -459,7 +454,7 @@ async def generate(request: Request) -> Response:
 
     watcher = asyncio.create_task(watch_disconnect(request, abort_all))
     try:
-        await asyncio.gather(*(_drain(engine, r) for r in reqs))
+        await asyncio.gather(*(engine.drain(r) for r in reqs))
     finally:
         watcher.cancel()
         abort_all()
@@ -495,7 +490,7 @@ async def run_internal_generate(state: ServerState, prefix: str, max_new_tokens:
                                 rid=f"{prefix}{uuid.uuid4().hex}")
     engine.submit(reqs)
     try:
-        await asyncio.wait_for(asyncio.gather(*(_drain(engine, r) for r in reqs)), timeout)
+        await asyncio.wait_for(asyncio.gather(*(engine.drain(r) for r in reqs)), timeout)
     except asyncio.TimeoutError:
         return False
     finally:
