@@ -9,11 +9,11 @@ __all__ = ["hookimpl", "PLUGIN_API_VERSION", "Engine", "SamplingParams"]
 def __getattr__(name: str):
     # Lazy so that `import core` (e.g. from a plugin module) does not import torch-heavy engine code.
     if name == "Engine":
-        from core.engine import Engine
+        from core.engine.offline import Engine
 
         return Engine
     if name == "SamplingParams":
-        from core.sampling_params import SamplingParams
+        from core.engine.sampling_params import SamplingParams
 
         return SamplingParams
     raise AttributeError(name)

@@ -75,7 +75,7 @@ def engine_kwargs(ns: argparse.Namespace) -> dict:
 
 
 def _cmd_generate(ns: argparse.Namespace) -> int:
-    from core.engine import Engine
+    from core.engine.offline import Engine
 
     engine = Engine(**engine_kwargs(ns))
     try:
@@ -124,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     plg.set_defaults(func=_cmd_plugins)
 
     from core.bench_serving import add_bench_command
-    from core.server_args import add_serve_command
+    from core.server.args import add_serve_command
 
     add_serve_command(sub)
     add_bench_command(sub)

@@ -9,7 +9,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from core.detokenizer import IncrementalDetokenizer
+from core.engine.detokenizer import IncrementalDetokenizer
 
 TEXTS = [
     "Hello world! This is a plain ASCII sentence.",

@@ -10,9 +10,9 @@ import pytest
 import torch
 import transformers
 
-from core import loader
+from core.engine import loader
 from core.errors import ModelLoadError
-from core.loader import iter_weights, load_model_config, pick_dtype, resolve_model_path
+from core.engine.loader import iter_weights, load_model_config, pick_dtype, resolve_model_path
 from tests.conftest import TINY_BASE, assert_greedy_matches, assert_pool_free, char_tokenizer, greedy, hf_logprobs, make_engine
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.conftest import TINY_VARIANTS, assert_greedy_matches, assert_pool_free, finished_requests, greedy, hf_logprobs
-from core.sampling_params import SamplingParams
+from core.engine.sampling_params import SamplingParams
 
 ATOL = 1e-4
 

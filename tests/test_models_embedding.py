@@ -76,8 +76,8 @@ def test_http_endpoints(tmp_path, engine_factory):
     from starlette.testclient import TestClient
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from core.embeddings import embedding_routes
-    from core.openai_api import embeddings
+    from core.server.embeddings import embedding_routes
+    from core.server.openai.api import embeddings
     from tests.conftest import char_tokenizer
 
     build_tiny(tmp_path, LlamaConfig, LlamaForCausalLM)

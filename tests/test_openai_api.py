@@ -515,7 +515,7 @@ def _fake_state(tokenizer=None, ctx: int = 100, pool: int = 10_000, **args):
 
 
 def test_fit_context_policy():
-    from core.openai_api import _fit_context
+    from core.server.openai.api import _fit_context
 
     st = _fake_state(ctx=100, pool=60)
     assert _fit_context(st, list(range(10)), 5, "prompt") == (list(range(10)), 5)
@@ -535,7 +535,7 @@ def test_fit_context_policy():
 
 
 def test_chat_template_override_and_tools(smol_tokenizer, tmp_path):
-    from core.openai_api import ChatCompletionRequest, render_chat
+    from core.server.openai.api import ChatCompletionRequest, render_chat
     import msgspec
 
     template = ("{% for m in messages %}[{{ m.role }}]{{ m.content }}{% if m.tool_calls %}"
@@ -562,7 +562,7 @@ def test_chat_template_override_and_tools(smol_tokenizer, tmp_path):
 
 
 def test_multipart_fallback_parser():
-    from core.batches import parse_multipart
+    from core.server.openai.batches import parse_multipart
 
     content = "é😀 line\r\n{\"a\": 1}\n".encode()
     req = httpx.Request("POST", "http://x/v1/files", files={"file": ("in.jsonl", content)}, data={"purpose": "batch"})
@@ -573,7 +573,7 @@ def test_multipart_fallback_parser():
 
 
 def test_batch_input_validation():
-    from core.batches import parse_batch_input
+    from core.server.openai.batches import parse_batch_input
 
     ok = b'{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}\n\n'
     lines, errors = parse_batch_input(ok, "/v1/completions")
@@ -592,7 +592,7 @@ def test_files_in_process_without_python_multipart(tmp_path, monkeypatch):
     import starlette.requests
     from starlette.applications import Starlette
 
-    from core.openai_api import openai_routes
+    from core.server.openai.api import openai_routes
 
     monkeypatch.setattr(starlette.requests, "parse_options_header", None)
     app = Starlette(routes=openai_routes())

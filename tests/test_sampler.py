@@ -1,4 +1,4 @@
-"""Behavioural tests for core.sampler: filters, penalties, seeding, logprobs, edge cases."""
+"""Behavioural tests for core.engine.sampler: filters, penalties, seeding, logprobs, edge cases."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from core.sampler import SampleOutput, Sampler, SamplingRow, apply_min_tokens, apply_penalties
-from core.sampling_params import SamplingParams
+from core.engine.sampler import SampleOutput, Sampler, SamplingRow, apply_min_tokens, apply_penalties
+from core.engine.sampling_params import SamplingParams
 
 
 def row(prompt: list[int] | None = None, output: list[int] | None = None, *, seed: int | None = None, **kw) -> SamplingRow:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core.kv_cache import PageAllocator, ReqToTokenTable
-from core.radix_cache import RadixCache
-from core.request import Req
-from core.sampler import SampleOutput
-from core.sampling_params import SamplingParams
-from core.scheduler import Scheduler, StepResult
+from core.engine.kv_cache import PageAllocator, ReqToTokenTable
+from core.engine.radix_cache import RadixCache
+from core.engine.request import Req
+from core.engine.sampler import SampleOutput
+from core.engine.sampling_params import SamplingParams
+from core.engine.scheduler import Scheduler, StepResult
 from tests.conftest import assert_pool_free, greedy
 
 A = list(range(10, 30))  # a cached 20-token prefix

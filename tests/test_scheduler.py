@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core.kv_cache import PageAllocator, ReqToTokenTable
-from core.request import Req
-from core.sampler import SampleOutput
-from core.sampling_params import SamplingParams
-from core.scheduler import Scheduler, StepResult
+from core.engine.kv_cache import PageAllocator, ReqToTokenTable
+from core.engine.request import Req
+from core.engine.sampler import SampleOutput
+from core.engine.sampling_params import SamplingParams
+from core.engine.scheduler import Scheduler, StepResult
 
 EOS = 2
 

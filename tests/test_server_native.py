@@ -346,7 +346,7 @@ def test_abort_request(client: httpx.Client) -> None:
 
 
 def test_update_weights_from_disk(client: httpx.Client) -> None:
-    from core.loader import default_model_path
+    from core.engine.loader import default_model_path
 
     before = gen(client, text="The best fruit is", sampling_params=greedy(5)).json()["text"]
     path = str(default_model_path())
@@ -531,7 +531,7 @@ def _parse(*argv: str):
 ])
 def test_unsupported_flags_are_errors(argv: list[str], message: str) -> None:
     from core.errors import CoreError
-    from core.server_args import validate_serve_args
+    from core.server.args import validate_serve_args
 
     ns = _parse(*argv)
     with pytest.raises(CoreError, match="^" + message.replace("-", r"\-")):
@@ -544,7 +544,7 @@ def test_unsupported_flags_are_errors(argv: list[str], message: str) -> None:
                                   ["--schedule-policy", "lpm"], ["--schedule-policy", "dfs-weight"], ["--enable-mixed-chunk"],
                                   ["--disable-radix-cache"], ["--radix-eviction-policy", "lfu"], ["--enable-priority-scheduling"]])
 def test_supported_values_pass_validation(argv: list[str]) -> None:
-    from core.server_args import validate_serve_args
+    from core.server.args import validate_serve_args
 
     validate_serve_args(_parse(*argv))
 
@@ -599,7 +599,7 @@ def test_plugin_cli_options_reach_engine_args_extra(monkeypatch: pytest.MonkeyPa
 
     import core.plugins as plugins
     from core import hookimpl
-    from core.server_args import engine_args_from_namespace
+    from core.server.args import engine_args_from_namespace
 
     mod = types.ModuleType("fakeplug")
 
@@ -637,8 +637,8 @@ class _BrokenScheduler:
 
 
 def _stub_app(**args: Any):
-    from core.metrics import Metrics
-    from core.server import ServerState, create_app
+    from core.server.metrics import Metrics
+    from core.server.app import ServerState, create_app
 
     engine = types.SimpleNamespace(scheduler=_BrokenScheduler(), allocator=types.SimpleNamespace(page_size=1, capacity=8, num_free=8),
                                    finish_listeners=[], step_listeners=[])
@@ -674,7 +674,7 @@ def test_api_key_middleware_in_process() -> None:
 
 
 def test_error_response_shape() -> None:
-    from core.server import error_response
+    from core.server.app import error_response
 
     resp = error_response(422, "bad thing", param="x")
     assert resp.status_code == 422

@@ -197,8 +197,8 @@ def test_local_plugin_parsers_end_to_end():
     from core.cli import build_parser
     from core.engine import AsyncEngine
     from core.plugins import load_plugins
-    from core.server import build_state, create_app
-    from core.server_args import engine_args_from_namespace
+    from core.server.app import build_state, create_app
+    from core.server.args import engine_args_from_namespace
 
     mod = types.ModuleType("local_parsers")
 
@@ -234,7 +234,7 @@ def test_local_plugin_parsers_end_to_end():
                 text = (await c.post("/generate", json={"input_ids": [1], "sampling_params": {"max_new_tokens": 1}})).json()
                 assert "content" in msg
                 # a response with reasoning_content comes through the local reasoning parser
-                post = __import__("core.function_call", fromlist=["ChoicePost"]).ChoicePost(
+                post = __import__("core.server.openai.tools", fromlist=["ChoicePost"]).ChoicePost(
                     state, types.SimpleNamespace(separate_reasoning=True, tools=[WEATHER]), "auto", None)
                 reasoning, content, calls, reason = post.full('hmm!ok CALL get_weather {"city": "Paris"}', "stop")
                 assert reasoning == "hmm" and content == "ok " and reason == "tool_calls"

@@ -53,7 +53,7 @@ class LLGuidanceBackend:
         return llguidance.torch.allocate_token_bitmask(batch_size, self.vocab_size)
 
     def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-        from core.grammar import apply_token_bitmask
+        from core.engine.grammar import apply_token_bitmask
 
         apply_token_bitmask(logits, bitmask)
 

@@ -64,7 +64,7 @@ class XGrammarBackend:
 
     def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
         if logits.device.type == "cpu":
-            from core.grammar import apply_token_bitmask
+            from core.engine.grammar import apply_token_bitmask
 
             apply_token_bitmask(logits, bitmask)
         else:

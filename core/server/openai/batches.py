@@ -10,7 +10,7 @@ the server's working directory), created on the first upload:
   ``cancelled`` if it was cancelling) at the next start.
 
 A batch runs as an asyncio task on the server's loop, through the same engine and the same
-chat/completions code as the HTTP endpoints (``core.openai_api.run_request``), at most
+chat/completions code as the HTTP endpoints (``core.server.openai.api.run_request``), at most
 ``BATCH_CONCURRENCY`` lines at a time so the engine batches them; a line refused because
 ``--max-queued-requests`` is full waits and retries. When the server shuts down, the batch
 stops, writes what completed and becomes ``failed`` (code ``server_shutdown``). Statuses: ``validating``
@@ -47,9 +47,9 @@ from starlette.responses import FileResponse, Response
 from starlette.routing import Route
 
 from core.errors import InvalidRequest
-from core.protocol import BatchObject, BatchRequest, FileDeleted, FileObject, ListObject, RequestCounts
+from core.server.openai.protocol import BatchObject, BatchRequest, FileDeleted, FileObject, ListObject, RequestCounts
 
-log = structlog.get_logger("core.batches")
+log = structlog.get_logger("core.server.openai.batches")
 
 DEFAULT_STORAGE = "sglang_storage"
 BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
@@ -144,13 +144,13 @@ def get_storage(request: Request) -> Storage:
 
 
 def _err(status: int, message: str, param: str | None = None, code: str | None = None) -> Response:
-    from core.openai_api import error_response
+    from core.server.openai.api import error_response
 
     return error_response(status, message, param=param, code=code)
 
 
 def _json(obj: Any, status: int = 200) -> Response:
-    from core.protocol import encoder
+    from core.server.openai.protocol import encoder
 
     return Response(encoder.encode(obj), status_code=status, media_type="application/json")
 
@@ -333,7 +333,7 @@ def _write_results(store: Storage, batch: BatchObject, lines: list[dict], result
 
 
 async def run_batch(store: Storage, state: Any, batch_id: str) -> None:
-    from core.openai_api import run_request
+    from core.server.openai.api import run_request
 
     batch = store.batches[batch_id]
     lines: list[dict] = []
@@ -433,7 +433,7 @@ class _BatchFailed(Exception):
 
 
 async def create_batch(request: Request) -> Response:
-    from core.openai_api import decode_body
+    from core.server.openai.api import decode_body
 
     store = get_storage(request)
     try:

@@ -28,7 +28,7 @@ import torch
 
 from core.errors import InvalidRequest
 
-log = structlog.get_logger("core.grammar")
+log = structlog.get_logger("core.engine.grammar")
 
 CONSTRAINT_KINDS = ("json_schema", "regex", "ebnf", "structural_tag")
 DEFAULT_GRAMMAR_BACKEND = "xgrammar"

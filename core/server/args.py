@@ -406,7 +406,7 @@ def _looks_like_path(s: str) -> bool:
 
 def engine_args_from_namespace(ns: argparse.Namespace, plugin_dests: Sequence[str] = ()):
     from core.cli import engine_kwargs
-    from core.config import EngineArgs
+    from core.engine.config import EngineArgs
 
     kwargs = engine_kwargs(ns)
     extra = {d: getattr(ns, d) for d in plugin_dests if hasattr(ns, d)}
@@ -415,6 +415,6 @@ def engine_args_from_namespace(ns: argparse.Namespace, plugin_dests: Sequence[st
 
 def cmd_serve(ns: argparse.Namespace) -> int:
     validate_serve_args(ns)
-    from core.server import run_server
+    from core.server.app import run_server
 
     return run_server(ns)

@@ -26,7 +26,7 @@ class SamplingParams:
     no_stop_trim: bool = False
     n: int = 1
     seed: int | None = None
-    # constrained decoding (at most one; see core.grammar)
+    # constrained decoding (at most one; see core.engine.grammar)
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
@@ -81,7 +81,7 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and not isinstance(v, (str, dict)):
                 raise InvalidRequest(f"{name} must be a string, got {type(v).__name__}", param=name)
-        from core.grammar import request_constraint
+        from core.engine.grammar import request_constraint
 
         request_constraint(self)  # more than one constraint: error
         for t in self.stop_token_ids:

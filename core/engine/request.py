@@ -9,7 +9,7 @@ from typing import Any
 import attrs
 import torch
 
-from core.sampling_params import SamplingParams
+from core.engine.sampling_params import SamplingParams
 
 
 @attrs.define(eq=False)
@@ -24,7 +24,7 @@ class Req:
     detokenizer: Any = None  # IncrementalDetokenizer, or None without a tokenizer
     queue: asyncio.Queue | None = None  # receives ReqOutput snapshots; None when finished streams are not wanted
     priority: int | None = None  # with --enable-priority-scheduling (higher first unless --schedule-low-priority-values-first)
-    grammar: Any = None  # core.interfaces.Grammar matcher of a constrained request (core.grammar)
+    grammar: Any = None  # core.interfaces.Grammar matcher of a constrained request (core.engine.grammar)
 
     output_ids: list[int] = attrs.field(factory=list)
     text: str = ""

@@ -8,7 +8,7 @@ Policies (SGLang's behaviour unless noted):
 * Model names: any ``model`` value is accepted, as SGLang does; responses echo the
   requested name (the served name when the request has none). ``GET /v1/models/{id}``
   answers 404 for any id but the served name.
-* Unknown request fields are ignored (see ``core.protocol``); known but unsupported ones
+* Unknown request fields are ignored (see ``core.server.openai.protocol``); known but unsupported ones
   (``logit_bias``, structured output, ``suffix``, ``best_of`` != ``n``, forced
   ``tool_choice``) are a 400. Tool calls are not parsed out of the output yet: ``tools``
   and assistant ``tool_calls`` / ``tool`` messages reach the chat template, the reply is text.
@@ -60,7 +60,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from core.errors import CoreError, InvalidRequest
-from core.protocol import (
+from core.server.openai.protocol import (
     ChatChoice,
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -83,10 +83,10 @@ from core.protocol import (
     UsageInfo,
     encoder,
 )
-from core.function_call import ChoicePost, function_call_routes, native_tool_parser, tool_constraint, tool_mode
-from core.sampling_params import SamplingParams
+from core.server.openai.tools import ChoicePost, function_call_routes, native_tool_parser, tool_constraint, tool_mode
+from core.engine.sampling_params import SamplingParams
 
-log = structlog.get_logger("core.openai_api")
+log = structlog.get_logger("core.server.openai.api")
 
 MAX_N = 128
 MAX_SEQUENCES = 4096
@@ -504,7 +504,7 @@ class _Job:
         self.native_tools = False  # required / named constrained to the tool parser's own format
 
     def post(self) -> ChoicePost:
-        """A fresh per-choice reasoning / tool-call post-processor (core.function_call)."""
+        """A fresh per-choice reasoning / tool-call post-processor (core.server.openai.tools)."""
         return ChoicePost(self.state, self.r, self.tool_mode, self.tool_name, native=self.native_tools)
 
     # ---- building
@@ -990,13 +990,13 @@ async def retrieve_model(request: Request) -> Response:
 
 
 async def embeddings(request: Request) -> Response:
-    from core.embeddings import openai_embeddings
+    from core.server.embeddings import openai_embeddings
 
     return await openai_embeddings(request)
 
 
 def openai_routes() -> list[Route]:
-    from core.batches import batch_routes
+    from core.server.openai.batches import batch_routes
 
     return [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),

@@ -20,8 +20,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 if TYPE_CHECKING:
     from core.engine import AsyncEngine
-    from core.request import Req
-    from core.scheduler import ScheduledBatch
+    from core.engine.request import Req
+    from core.engine.scheduler import ScheduledBatch
 
 # Requests the server makes to itself (warm-up, /health_generate) stay out of the metrics.
 INTERNAL_RID_PREFIXES = ("HEALTH_CHECK_", "WARMUP_")

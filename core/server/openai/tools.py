@@ -212,7 +212,7 @@ class ChoicePost:
 
 async def parse_function_call(request: Any) -> Any:
     """SGLang's /parse_function_call: {text, tool_call_parser, tools} -> {normal_text, calls}."""
-    from core.openai_api import _state, error_response
+    from core.server.openai.api import _state, error_response
     from starlette.responses import JSONResponse
 
     try:
@@ -236,7 +236,7 @@ async def parse_function_call(request: Any) -> Any:
 
 async def separate_reasoning(request: Any) -> Any:
     """SGLang's /separate_reasoning: {text, reasoning_parser} -> {text, reasoning_text}."""
-    from core.openai_api import _state, error_response
+    from core.server.openai.api import _state, error_response
     from starlette.responses import JSONResponse
 
     try:

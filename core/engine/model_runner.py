@@ -10,13 +10,13 @@ from __future__ import annotations
 import torch
 
 from core.interfaces import ForwardBatch
-from core.kv_cache import ReqToTokenTable
-from core.sampler import SampleOutput, Sampler, SamplingRow
-from core.scheduler import ScheduledBatch, StepResult
+from core.engine.kv_cache import ReqToTokenTable
+from core.engine.sampler import SampleOutput, Sampler, SamplingRow
+from core.engine.scheduler import ScheduledBatch, StepResult
 
 
 class ModelRunner:
-    grammar = None  # core.grammar.GrammarManager, set by the engine
+    grammar = None  # core.engine.grammar.GrammarManager, set by the engine
     def __init__(self, model: torch.nn.Module, attn_backend, table: ReqToTokenTable, sampler: Sampler,
                  eos_ids: tuple[int, ...], device: torch.device) -> None:
         self.model, self.attn_backend, self.table = model, attn_backend, table

@@ -13,7 +13,7 @@ from itertools import chain
 import attrs
 import torch
 
-from core.sampling_params import SamplingParams
+from core.engine.sampling_params import SamplingParams
 
 
 @attrs.define

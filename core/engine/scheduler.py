@@ -26,12 +26,12 @@ import attrs
 import structlog
 import torch
 
-from core.kv_cache import PageAllocator, ReqToTokenTable
-from core.radix_cache import RadixCache
-from core.request import Req
-from core.sampler import SampleOutput
+from core.engine.kv_cache import PageAllocator, ReqToTokenTable
+from core.engine.radix_cache import RadixCache
+from core.engine.request import Req
+from core.engine.sampler import SampleOutput
 
-log = structlog.get_logger("core.scheduler")
+log = structlog.get_logger("core.engine.scheduler")
 
 
 @attrs.define

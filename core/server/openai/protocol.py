@@ -6,12 +6,12 @@ do, so newer clients that send fields this server does not know yet keep working
 Fields that are known but whose feature this engine lacks (``logit_bias``, structured
 output via ``response_format``/``regex``/``json_schema``/``ebnf``, ``suffix``,
 ``best_of`` != ``n``, forced ``tool_choice``) are declared here and rejected with a
-400 by ``core.openai_api`` rather than silently ignored.
+400 by ``core.server.openai.api`` rather than silently ignored.
 
 Types are checked strictly by msgspec (an int field rejects ``1.0``, ``"1"`` and
 ``true``; a float field accepts ints). Optional numeric fields also accept ``null``,
 which means "use the default", because several client libraries send explicit nulls.
-Range checks live in ``core.openai_api`` / ``SamplingParams.validate`` so that every
+Range checks live in ``core.server.openai.api`` / ``SamplingParams.validate`` so that every
 error names the field.
 
 Responses are encoded with ``msgspec.json``; a field whose value is ``UNSET`` is
@@ -69,7 +69,7 @@ class _GenerationRequest(Struct, kw_only=True):
 
 
 class ChatCompletionRequest(_GenerationRequest, kw_only=True):
-    # Messages stay plain dicts: core.openai_api validates them with errors naming the
+    # Messages stay plain dicts: core.server.openai.api validates them with errors naming the
     # message, and passes unknown keys (name, tool_call_id, reasoning_content...) to the template.
     messages: list[dict[str, Any]]
     max_tokens: int | None = None

@@ -32,11 +32,11 @@ from starlette.routing import Route
 
 from core.engine import AsyncEngine
 from core.errors import CoreError, InvalidRequest
-from core.metrics import Metrics, engine_load
-from core.request import Req
-from core.sampling_params import SamplingParams
+from core.server.metrics import Metrics, engine_load
+from core.engine.request import Req
+from core.engine.sampling_params import SamplingParams
 
-log = structlog.get_logger("core.server")
+log = structlog.get_logger("core.server.app")
 
 VERSION = "0.1.0"
 HEALTH_GENERATE_TIMEOUT_S = 20.0
@@ -633,14 +633,14 @@ async def update_weights_from_disk(request: Request) -> Response:
 
 async def metrics_endpoint(request: Request) -> Response:
     state = state_of(request)
-    from core.metrics import CONTENT_TYPE
+    from core.server.metrics import CONTENT_TYPE
 
     return Response(state.metrics.render(state.ready), media_type=CONTENT_TYPE)
 
 
 # ---------------------------------------------------------------------------- app
 def native_routes(state: ServerState) -> list[Route]:
-    from core.embeddings import embedding_routes
+    from core.server.embeddings import embedding_routes
 
     routes = [
         Route("/generate", generate, methods=["POST", "PUT"]),
@@ -681,12 +681,12 @@ def _request_logger(state: ServerState) -> Callable[[Req], None]:
 
 
 def create_app(state: ServerState) -> Starlette:
-    """The starlette app: native routes, OpenAI routes (when core.openai_api exists), auth, errors."""
+    """The starlette app: native routes, OpenAI routes (when core.server.openai.api exists), auth, errors."""
     routes: list = native_routes(state)
     try:
-        from core.openai_api import openai_routes
+        from core.server.openai.api import openai_routes
     except ImportError as e:
-        if getattr(e, "name", None) not in ("core.openai_api",):
+        if getattr(e, "name", None) not in ("core.server.openai.api",):
             raise
     else:
         routes += openai_routes()
@@ -741,7 +741,7 @@ async def _serve(ns: argparse.Namespace) -> int:
     from hypercorn.asyncio import serve
     from hypercorn.config import Config
 
-    from core.server_args import engine_args_from_namespace
+    from core.server.args import engine_args_from_namespace
 
     loop = asyncio.get_running_loop()
     _check_bind(ns.host, ns.port)  # fail before the model loads

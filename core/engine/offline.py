@@ -1,0 +1,103 @@
+"""SGLang's offline API: ``Engine`` runs an ``AsyncEngine`` on a private loop thread and
+offers blocking and async ``generate``, ``encode`` and ``shutdown``."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any, AsyncIterator, Iterator
+
+from core.engine.async_engine import AsyncEngine
+from core.engine.config import engine_args_from_kwargs
+
+
+class Engine:
+    """SGLang's offline engine: ``Engine(model_path=...)``, ``generate``, ``async_generate``, ``shutdown``."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        args = engine_args_from_kwargs(kwargs)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="core-engine-loop", daemon=True)
+        self._thread.start()
+        try:
+            self.engine = AsyncEngine(args)
+        except BaseException:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            raise
+        self.tokenizer = self.engine.tokenizer
+
+    def _call(self, coro) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob: bool = False,
+                 logprob_start_len: int = -1, top_logprobs_num: int = 0, stream: bool = False, rid: str | None = None) -> Any:
+        result = self._call(self.engine.generate(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
+                                                 top_logprobs_num, stream, rid))
+        return self._iter_sync(result) if stream else result
+
+    def _iter_sync(self, agen) -> Iterator[dict]:
+        try:
+            while True:
+                try:
+                    yield self._call(agen.__anext__())
+                except StopAsyncIteration:
+                    return
+        finally:
+            self._call(agen.aclose())
+
+    async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob: bool = False,
+                             logprob_start_len: int = -1, top_logprobs_num: int = 0, stream: bool = False,
+                             rid: str | None = None) -> Any:
+        fut = asyncio.run_coroutine_threadsafe(
+            self.engine.generate(prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num, stream, rid),
+            self._loop)
+        result = await asyncio.wrap_future(fut)
+        return self._iter_async(result) if stream else result
+
+    async def _iter_async(self, agen) -> AsyncIterator[dict]:
+        try:
+            while True:
+                try:
+                    yield await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(agen.__anext__(), self._loop))
+                except StopAsyncIteration:
+                    return
+        finally:
+            await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(agen.aclose(), self._loop))
+
+    def encode(self, prompt: str | list[str] | None = None, input_ids: list[int] | list[list[int]] | None = None) -> Any:
+        """SGLang's ``Engine.encode``: ``{"embedding": [...], "meta_info": ...}`` per prompt
+        (a list for a batch); a classification model's ``embedding`` holds its scores."""
+        batch = isinstance(prompt, list) or bool(input_ids and isinstance(input_ids[0], list))
+        items = (prompt if isinstance(prompt, list) else input_ids) if batch else [input_ids if input_ids is not None else prompt]
+        ids = [self.engine.tokenize(None if input_ids is not None else p, p if input_ids is not None else None) for p in items]
+        embs = self._call(self.engine.encode(ids))
+        outs = [{"embedding": e, "meta_info": {"prompt_tokens": len(i)}} for e, i in zip(embs, ids)]
+        return outs if batch else outs[0]
+
+    def abort_request(self, rid: str) -> bool:
+        return self._call(_run(self.engine.abort, rid))
+
+    def shutdown(self) -> None:
+        if self._loop.is_closed():
+            return
+        self._call(self.engine.shutdown())
+        self._call(_settle())  # let blocked generate() callers observe their aborted requests
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        self._loop.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+async def _settle(timeout: float = 10.0) -> None:
+    others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    if others:
+        await asyncio.wait(others, timeout=timeout)
+
+
+async def _run(fn, *a):
+    return fn(*a)

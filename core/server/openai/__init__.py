@@ -1,0 +1,2 @@
+"""OpenAI-compatible endpoints: wire structs, chat, completions, logprobs, tool calls,
+files and batches."""
