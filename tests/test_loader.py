@@ -31,9 +31,27 @@ def test_pick_dtype_explicit_names_win(name, expected, device):
         assert pick_dtype(name, cfg, device) == expected
 
 
-@pytest.mark.parametrize("cfg", [None, torch.float32, torch.float16, torch.bfloat16])
-def test_pick_dtype_auto_on_cpu_is_bfloat16(cfg):
-    assert pick_dtype("auto", cfg, CPU) == torch.bfloat16
+@pytest.mark.parametrize("flags,expected", [
+    ({"avx2", "avx512f", "avx512_bf16"}, torch.bfloat16),  # e.g. Zen 4/5, Cooper Lake
+    ({"avx2", "avx512f", "amx_bf16", "amx_tile"}, torch.bfloat16),  # Sapphire Rapids
+    ({"avx2", "fma"}, torch.float32),  # AVX2-only EPYC: bf16 would be emulated
+    ({"avx2", "avx512f"}, torch.float32),  # AVX-512 without the bf16 extension
+])
+@pytest.mark.parametrize("cfg", [None, torch.float32, torch.bfloat16])
+def test_pick_dtype_auto_on_cpu_follows_native_bf16(monkeypatch, flags, expected, cfg):
+    from core.engine import device
+
+    monkeypatch.setattr(device, "cpu_flags", lambda: frozenset(flags))
+    assert pick_dtype("auto", cfg, CPU) == expected
+    native, why = device.cpu_native_bf16()
+    assert native == (expected == torch.bfloat16) and why
+
+
+def test_auto_dtype_on_this_machine_matches_its_flags():
+    from core.engine.device import cpu_flags
+
+    native = bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+    assert pick_dtype("auto", None, CPU) == (torch.bfloat16 if native else torch.float32)
 
 
 @pytest.mark.parametrize("cfg,expected", [

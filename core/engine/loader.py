@@ -21,6 +21,7 @@ import attrs
 import structlog
 import torch
 
+from core.engine.device import auto_dtype
 from core.errors import ModelLoadError
 
 log = structlog.get_logger("core.engine.loader")
@@ -118,16 +119,15 @@ def resolve_model_path(model_path: str | os.PathLike | None) -> tuple[Path, str]
 
 
 def pick_dtype(name: str, config_dtype: torch.dtype | None, device: torch.device) -> torch.dtype:
-    """``auto``: bfloat16 on CPU (AMX/AVX-512 make it the fast path); on GPU the
-    checkpoint's dtype, with float32 checkpoints served in float16 as SGLang does."""
+    """``auto`` follows what the device does natively (``core.engine.device.auto_dtype``)."""
     table = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "half": torch.float16}
     if name != "auto":
         if name not in table:
             raise ModelLoadError(f"unknown --dtype {name!r}; choose auto, float32, bfloat16 or float16")
         return table[name]
-    if device.type == "cpu":
-        return torch.bfloat16
-    return torch.float16 if config_dtype in (None, torch.float32) else config_dtype
+    dtype, why = auto_dtype(device, config_dtype)
+    log.info("dtype.auto", dtype=str(dtype).removeprefix("torch."), device=device.type, reason=why)
+    return dtype
 
 
 def load_model_config(model_path: str | None, dtype: str, device: torch.device, context_length: int | None,
