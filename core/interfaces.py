@@ -263,6 +263,20 @@ class GrammarBackend(Protocol):
         """Set disallowed logits to -inf in place."""
 
 
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Set ``logits[b, t]`` to -inf where bit ``t % 32`` of ``bitmask[b, t // 32]`` is 0, in place
+    (``logits`` ``[B, V]``, ``bitmask`` ``[B, ceil(V/32)]`` int32; tokens past the mask are
+    disallowed). A portable ``GrammarBackend.apply_bitmask`` for backends without a kernel."""
+    bitmask = bitmask.to(logits.device)
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().reshape(bitmask.shape[0], -1)
+    v = logits.shape[1]
+    n = min(v, allowed.shape[1])
+    logits[:, :n].masked_fill_(~allowed[:, :n], float("-inf"))
+    if v > n:
+        logits[:, n:] = float("-inf")
+
+
 EXTENSION_KINDS: dict[str, str] = {
     # kind -> hook name
     "attention_backend": "register_attention_backends",

@@ -371,6 +371,44 @@ def test_abort_queued_request(tiny, engine_factory):
     assert_pool_free(eng)
 
 
+def test_load_queries_and_abort_all(tiny, engine_factory):
+    """The queries the server asks instead of reading the scheduler: with one running slot and
+    three prompts, one runs and two wait; abort_all (from the engine loop) aborts all three with
+    its reason and counts them; afterwards the engine is idle and the pool free."""
+    path, _ = tiny
+    eng = engine_factory(path, skip_tokenizer_init=True, max_running_requests=1)
+    ae = eng.engine
+    seen: dict = {}
+
+    def listener(batch, dt):
+        if not seen and len(batch.reqs[0].output_ids) >= 2:
+            seen.update(waiting=ae.num_waiting(), running=ae.num_running(), busy=ae.has_work(), load=ae.load(),
+                        known=(ae.has_request("all-0"), ae.has_request("all-2"), ae.has_request("all"), ae.has_request("x")))
+            seen["aborted"] = ae.abort_all("stopped by the test")
+            seen["again"] = ae.abort_all()  # already aborted: not counted twice
+
+    assert (ae.num_waiting(), ae.num_running(), ae.has_work()) == (0, 0, False)
+    ae.step_listeners.append(listener)
+    try:
+        outs = eng.generate(input_ids=[[1, 5, 6], [1, 7], [1, 8, 9]], sampling_params=greedy(50), rid="all")
+    finally:
+        ae.step_listeners.remove(listener)
+    assert (seen["waiting"], seen["running"], seen["busy"]) == (2, 1, True)
+    assert seen["known"] == (True, True, False, False)
+    load = seen["load"]
+    assert (load["num_running_reqs"], load["num_waiting_reqs"], load["num_total_reqs"]) == (1, 2, 3)
+    assert load["max_running_requests"] == ae.max_running_requests == 1
+    assert load["max_total_num_tokens"] == ae.max_total_tokens
+    assert load["num_used_tokens"] >= 3 + 2 and load["num_used_tokens"] + load["num_free_tokens"] == ae.max_total_tokens
+    assert 0 < load["token_usage"] < 1
+    assert (seen["aborted"], seen["again"]) == (3, 0)
+    assert [o["meta_info"]["finish_reason"] for o in outs] == [{"type": "abort", "message": "stopped by the test"}] * 3
+    wait_until(lambda: not ae.has_work())
+    assert (ae.num_waiting(), ae.num_running(), ae.abort_all()) == (0, 0, 0)
+    assert ae.load()["num_total_reqs"] == 0
+    assert_pool_free(eng)
+
+
 def test_random_stress_with_aborts_leaves_the_pool_free(tiny, engine_factory):
     """Many requests of random lengths through a small paged pool, a third abandoned or aborted
     mid-way; the survivors equal transformers' greedy output and every page comes back."""

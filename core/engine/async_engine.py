@@ -22,7 +22,7 @@ from core.errors import CoreError, InvalidRequest, ModelLoadError, UnknownNameEr
 from core.interfaces import AttentionConfig, ModelContext
 from core.engine.kv_cache import PageAllocator, ReqToTokenTable, allocate_kv_cache, kv_bytes_per_token
 from core.engine.loader import ModelConfig, iter_weights, load_model_config
-from core.engine.grammar import GrammarManager, request_constraint
+from core.engine.grammar import GrammarManager
 from core.engine.model_runner import ModelRunner
 from core.plugins import PluginManager, load_plugins
 from core.engine.radix_cache import RadixCache
@@ -186,7 +186,7 @@ class AsyncEngine:
                       priority: int | None = None) -> list[Req]:
         """Validate and build the sequences of one prompt (n of them); raises InvalidRequest."""
         params.validate(self.vocab_size)
-        if (c := request_constraint(params)) is not None and not self.grammar.enabled:
+        if (c := params.constraint()) is not None and not self.grammar.enabled:
             raise InvalidRequest(f"{c[0]} constraints need a grammar backend, but the server runs with --grammar-backend none"
                                  if self.tokenizer is not None else f"{c[0]} constraints need the tokenizer", param=c[0])
         if not prompt_ids:
@@ -225,13 +225,12 @@ class AsyncEngine:
         """Compile (off the loop, cached) and attach each constrained request's matcher;
         raises InvalidRequest with the backend's message for an invalid spec."""
         for r in reqs:
-            c = request_constraint(r.params)
-            if c is not None and r.grammar is None:
-                r.grammar = await self.grammar.compile(*c)
+            if r.constraint is not None and r.grammar is None:
+                r.grammar = await self.grammar.compile(*r.constraint)
 
     def submit(self, reqs: list[Req]) -> None:
         self._ensure_running()
-        if any(r.grammar is None and request_constraint(r.params) is not None for r in reqs):
+        if any(r.grammar is None and r.constraint is not None for r in reqs):
             # not prepared by the caller: compile in the background, the running batch is not held up
             asyncio.get_running_loop().create_task(self._submit_after_compile(reqs))
             return
@@ -258,10 +257,63 @@ class AsyncEngine:
         return ok
 
     def abort(self, rid: str) -> bool:
+        """Abort a queued or running request (and its n > 1 copies ``rid-i``); False when none matched.
+        Its KV pages go back at the next step boundary."""
         found = self.scheduler.abort(rid)
         if found and self._wake is not None:
             self._wake.set()
         return found
+
+    def abort_all(self, reason: str = "aborted by the server") -> int:
+        """Abort every queued and running request; returns how many were aborted.
+        ``reason`` becomes their finish message."""
+        n = self.scheduler.abort_all(reason)
+        if n and self._wake is not None:
+            self._wake.set()
+        return n
+
+    # ------------------------------------------------------------------ load queries (for the server)
+    def num_waiting(self) -> int:
+        """Requests queued for admission (not yet running)."""
+        return len(self.scheduler.waiting)
+
+    def num_running(self) -> int:
+        """Requests admitted to the running batch (a chunked prefill included)."""
+        return len(self.scheduler.running)
+
+    def has_work(self) -> bool:
+        """True while any request is queued or running."""
+        return self.scheduler.has_work
+
+    def has_request(self, rid: str) -> bool:
+        """True while a request with exactly this rid is queued or running (for duplicate-rid checks)."""
+        return any(r.rid == rid for r in (*self.scheduler.waiting, *self.scheduler.running))
+
+    @property
+    def max_running_requests(self) -> int:
+        """How many requests may run in one batch (``--max-running-requests`` or its derived default)."""
+        return self.scheduler.max_running
+
+    def load(self) -> dict[str, Any]:
+        """Running / queued requests and KV pool usage, SGLang's ``/get_load`` keys plus the
+        prefix-cache hit rate. Unused cached prefixes count as free: they are evictable."""
+        alloc, tree = self.allocator, self.tree_cache
+        ps = alloc.page_size
+        capacity = alloc.capacity * ps
+        free = (alloc.num_free + (tree.evictable_pages if tree is not None else 0)) * ps
+        used = capacity - free
+        running, waiting = self.num_running(), self.num_waiting()
+        return {
+            "num_running_reqs": running,
+            "num_waiting_reqs": waiting,
+            "num_total_reqs": running + waiting,
+            "num_used_tokens": used,
+            "num_free_tokens": free,
+            "max_total_num_tokens": capacity,
+            "token_usage": round(used / capacity, 6) if capacity else 0.0,
+            "max_running_requests": self.max_running_requests,
+            "cache_hit_rate": tree.hit_rate if tree is not None else 0.0,
+        }
 
     async def stream(self, req: Req) -> AsyncIterator[dict]:
         """Yield the request's cumulative output after each step until it finishes;

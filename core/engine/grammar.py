@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import json
 import threading
 from typing import Any
 
@@ -27,38 +26,14 @@ import structlog
 import torch
 
 from core.errors import InvalidRequest
+from core.interfaces import apply_token_bitmask
+
+__all__ = ["GrammarManager", "apply_token_bitmask", "DEFAULT_GRAMMAR_BACKEND"]
 
 log = structlog.get_logger("core.engine.grammar")
 
-CONSTRAINT_KINDS = ("json_schema", "regex", "ebnf", "structural_tag")
 DEFAULT_GRAMMAR_BACKEND = "xgrammar"
 CACHE_SIZE = 512
-
-
-def request_constraint(params: Any) -> tuple[str, str] | None:
-    """The (kind, spec) a SamplingParams asks for, or None; more than one is an InvalidRequest."""
-    found = [(k, getattr(params, k, None)) for k in CONSTRAINT_KINDS if getattr(params, k, None) is not None]
-    if not found:
-        return None
-    if len(found) > 1:
-        raise InvalidRequest(f"only one constraint per request is allowed, got {', '.join(k for k, _ in found)}",
-                             param=found[1][0])
-    kind, spec = found[0]
-    if not isinstance(spec, str):
-        spec = json.dumps(spec)
-    return kind, spec
-
-
-def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """Set logits of tokens whose bit is 0 to -inf, in place (bit j of word w is token 32*w + j)."""
-    bitmask = bitmask.to(logits.device)
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().reshape(bitmask.shape[0], -1)
-    v = logits.shape[1]
-    n = min(v, allowed.shape[1])
-    logits[:, :n].masked_fill_(~allowed[:, :n], float("-inf"))
-    if v > n:
-        logits[:, n:] = float("-inf")
 
 
 class GrammarManager:

@@ -25,6 +25,8 @@ class Req:
     queue: asyncio.Queue | None = None  # receives ReqOutput snapshots; None when finished streams are not wanted
     priority: int | None = None  # with --enable-priority-scheduling (higher first unless --schedule-low-priority-values-first)
     grammar: Any = None  # core.interfaces.Grammar matcher of a constrained request (core.engine.grammar)
+    # (kind, spec) the sampling params constrain the output to, or None; derived once, here
+    constraint: tuple[str, str] | None = attrs.field(init=False)
 
     output_ids: list[int] = attrs.field(factory=list)
     text: str = ""
@@ -45,9 +47,14 @@ class Req:
 
     finish_reason: dict | None = None
     aborted: bool = False
+    abort_message: str = "request aborted"  # the finish message once an abort is reaped
     arrival: float = attrs.field(factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None
+
+    @constraint.default
+    def _constraint(self) -> tuple[str, str] | None:
+        return self.params.constraint()
 
     @property
     def finished(self) -> bool:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 import attrs
 
 from core.errors import InvalidRequest
+
+CONSTRAINT_KINDS = ("json_schema", "regex", "ebnf", "structural_tag")
 
 
 @attrs.define
@@ -26,7 +30,7 @@ class SamplingParams:
     no_stop_trim: bool = False
     n: int = 1
     seed: int | None = None
-    # constrained decoding (at most one; see core.engine.grammar)
+    # constrained decoding (at most one, see constraint(); compiled by core.engine.grammar)
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
@@ -50,6 +54,18 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    def constraint(self) -> tuple[str, str] | None:
+        """The (kind, spec) these params constrain the output to, or None; a dict spec becomes
+        its JSON text. More than one constraint is an InvalidRequest naming the second."""
+        found = [(k, getattr(self, k)) for k in CONSTRAINT_KINDS if getattr(self, k) is not None]
+        if not found:
+            return None
+        if len(found) > 1:
+            raise InvalidRequest(f"only one constraint per request is allowed, got {', '.join(k for k, _ in found)}",
+                                 param=found[1][0])
+        kind, spec = found[0]
+        return kind, spec if isinstance(spec, str) else json.dumps(spec)
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise InvalidRequest naming the first bad field."""
@@ -77,13 +93,11 @@ class SamplingParams:
         check(num("n", (int,)) >= 1, "n", "must be >= 1")
         check(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)), "seed", "must be an integer")
         check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
-        for name in ("json_schema", "regex", "ebnf", "structural_tag"):
+        for name in CONSTRAINT_KINDS:
             v = getattr(self, name)
             if v is not None and not isinstance(v, (str, dict)):
                 raise InvalidRequest(f"{name} must be a string, got {type(v).__name__}", param=name)
-        from core.engine.grammar import request_constraint
-
-        request_constraint(self)  # more than one constraint: error
+        self.constraint()  # more than one constraint: error
         for t in self.stop_token_ids:
             if not isinstance(t, int) or isinstance(t, bool) or t < 0 or (vocab_size is not None and t >= vocab_size):
                 raise InvalidRequest(f"stop_token_ids contains an invalid token id {t!r}", param="stop_token_ids")

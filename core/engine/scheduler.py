@@ -118,6 +118,13 @@ class Scheduler:
                 req.aborted, found = True, True
         return found
 
+    def abort_all(self, message: str = "request aborted") -> int:
+        """Mark every queued and running request aborted (finish message ``message``); how many were."""
+        reqs = [r for r in (*self.waiting, *self.running) if not r.aborted and not r.finished]
+        for req in reqs:
+            req.aborted, req.abort_message = True, message
+        return len(reqs)
+
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -500,7 +507,7 @@ class Scheduler:
         self.waiting = deque(r for r in self.waiting if not r.aborted)
         now = time.perf_counter()
         for req in gone:
-            req.finish_reason = {"type": "abort", "message": "request aborted"}
+            req.finish_reason = {"type": "abort", "message": req.abort_message}
             req.finish_time = now
             if req.row >= 0:
                 self._free(req)

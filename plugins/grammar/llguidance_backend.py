@@ -7,6 +7,8 @@ import llguidance.hf
 import llguidance.torch
 import torch
 
+from core.interfaces import apply_token_bitmask
+
 _FORMATS = {"json_schema": "json_schema", "regex": "regex", "ebnf": "grammar"}
 
 
@@ -53,8 +55,6 @@ class LLGuidanceBackend:
         return llguidance.torch.allocate_token_bitmask(batch_size, self.vocab_size)
 
     def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
-        from core.engine.grammar import apply_token_bitmask
-
         apply_token_bitmask(logits, bitmask)
 
 

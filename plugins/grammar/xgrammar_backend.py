@@ -8,6 +8,8 @@ import re
 import torch
 import xgrammar as xgr
 
+from core.interfaces import apply_token_bitmask
+
 
 class XGrammarGrammar:
     def __init__(self, compiled: xgr.CompiledGrammar) -> None:
@@ -64,8 +66,6 @@ class XGrammarBackend:
 
     def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
         if logits.device.type == "cpu":
-            from core.engine.grammar import apply_token_bitmask
-
             apply_token_bitmask(logits, bitmask)
         else:
             xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), vocab_size=self.vocab_size)
