@@ -74,9 +74,12 @@ class TorchNativeBackend:
         else:
             qp = q.index_select(0, md.q_index).view(b, -1, h, d)  # [B, Qmax, H, D]
         flat = batch.kv_indices.view(-1)
-        keys = kc.index_select(0, flat).view(b, kmax, hkv, d).to(q.dtype).transpose(1, 2)  # [B, Hkv, Kmax, D]
-        vals = vc.index_select(0, flat).view(b, kmax, hkv, d).to(q.dtype).transpose(1, 2)
+        keys = kc.index_select(0, flat).view(b, kmax, hkv, d).to(q.dtype)  # [B, Kmax, Hkv, D]
+        vals = vc.index_select(0, flat).view(b, kmax, hkv, d).to(q.dtype)
         mask = self._mask(md, layer.sliding_window)
+        if md.q_index is None:
+            return _decode_attention(q.view(b, hkv, h // hkv, d), keys, vals, mask, layer).reshape(b, h, d)
+        keys, vals = keys.transpose(1, 2), vals.transpose(1, 2)  # [B, Hkv, Kmax, D]
         qp = qp.transpose(1, 2)  # [B, H, Qmax, D]
         if layer.logit_cap > 0:
             out = _capped_attention(qp, keys, vals, mask, layer)
@@ -88,6 +91,24 @@ class TorchNativeBackend:
         if md.out_index is None:
             return out.reshape(b, h, d)
         return out.reshape(-1, h, d).index_select(0, md.out_index)
+
+
+def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                      layer: AttentionLayerSpec) -> torch.Tensor:
+    """One query per sequence as batched matmuls, one pair per KV head, the query heads of that KV
+    head side by side (``q`` ``[B, Hkv, group, D]``, ``k``/``v`` ``[B, Kmax, Hkv, D]`` as gathered, so
+    no transposed copy is made). On CPU this is ~25x faster in bf16 than a masked
+    ``scaled_dot_product_attention``, whose flash kernel is built for long query blocks."""
+    b, kmax = k.shape[0], k.shape[1]
+    masked = ~mask.view(b, 1, kmax)
+    out = []
+    for h in range(k.shape[2]):
+        scores = torch.bmm(q[:, h], k[:, :, h].transpose(1, 2)).float() * layer.scaling  # [B, group, Kmax]
+        if layer.logit_cap > 0:
+            scores = layer.logit_cap * torch.tanh(scores / layer.logit_cap)
+        scores = scores.masked_fill(masked, float("-inf"))
+        out.append(torch.bmm(scores.softmax(-1).to(v.dtype), v[:, :, h]))  # [B, group, D]
+    return torch.stack(out, 1)  # [B, Hkv, group, D]
 
 
 def _capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, layer: AttentionLayerSpec) -> torch.Tensor:
