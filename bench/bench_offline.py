@@ -6,8 +6,16 @@ through async_generate (streaming, so time to first token is measured per reques
 transformers runs the same prompts as one padded-free batch (all prompts have the
 same length) in ``generate``, its TTFT being the time of a 1-token generate.
 
+Besides throughput it prints what explains it: the CPU's capability and the dtype
+``--dtype auto`` picks there, the memory bandwidth measured here, the batch-1
+weight-read limit that implies (bandwidth / bytes of weights read per decode step)
+and the fraction of it reached, and the split of one decode step at batch 1 and at
+the largest concurrency into GEMMs, attention and the rest (Python, small ops).
+
 Run on a quiet machine, one engine at a time:
     python bench/bench_offline.py --cpu-threads 2
+Real shapes without a checkpoint (e.g. on a GPU machine):
+    python bench/bench_offline.py --model-path CONFIG_DIR --load-format dummy --skip-tokenizer-init
 """
 
 from __future__ import annotations
@@ -19,6 +27,105 @@ import statistics
 import time
 
 import torch
+
+
+def measure_bandwidth(device: torch.device, nbytes: int = 256 << 20, reps: int = 5) -> float:
+    """Bytes per second a large tensor copy moves (read + write), best of ``reps``."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(reps):
+        _sync(device)
+        t = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        best = min(best, time.perf_counter() - t)
+    return 2 * src.numel() * 4 / best
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes a decode step reads: every parameter and buffer once, except the input embedding
+    (one row per token), unless the LM head shares it."""
+    seen: set[int] = set()
+    total = 0
+    embeds = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding) or type(m).__name__ == "VocabEmbedding"}
+    tied = bool(getattr(model, "tied", False))  # the LM head reads the embedding matrix whole
+    for t in list(model.parameters()) + list(model.buffers()):
+        if id(t) in seen or (id(t) in embeds and not tied) or t.dtype in (torch.int64,):
+            continue
+        seen.add(id(t))
+        total += t.numel() * t.element_size()
+    return total
+
+
+def step_split(engine, prompts: list[list[int]], steps: int = 8) -> dict[str, float]:
+    """Mean milliseconds of one decode step at ``len(prompts)`` streams, split into GEMMs
+    (every ``Linear`` and the LM head), attention (the backend's per-layer call) and the rest."""
+    core = engine.engine
+    timers = {"gemm": 0.0, "attention": 0.0}
+    dev = core.device
+    handles = []
+
+    def timed(kind: str):
+        def pre(mod, args):
+            _sync(dev)
+            mod._t0 = time.perf_counter()
+
+        def post(mod, args, out):
+            _sync(dev)
+            timers[kind] += time.perf_counter() - mod._t0
+        return pre, post
+
+    from core.layers import Attention, Linear
+
+    for m in core.model.modules():
+        kind = "gemm" if isinstance(m, Linear) else "attention" if isinstance(m, Attention) else None
+        if kind:
+            pre, post = timed(kind)
+            handles += [m.register_forward_pre_hook(pre), m.register_forward_hook(post)]
+    logits_fn = core.model.compute_logits
+
+    def compute_logits(hidden):  # the LM head GEMM
+        _sync(dev)
+        t = time.perf_counter()
+        out = logits_fn(hidden)
+        _sync(dev)
+        timers["gemm"] += time.perf_counter() - t
+        return out
+
+    core.model.compute_logits = compute_logits
+    runner, orig = core.runner, core.runner.run
+    walls: list[float] = []
+    before: list[dict[str, float]] = []
+
+    def run(batch):
+        if batch.is_prefill:
+            return orig(batch)
+        before.append(dict(timers))
+        t = time.perf_counter()
+        out = orig(batch)
+        walls.append(time.perf_counter() - t)
+        return out
+
+    runner.run = run
+    try:
+        params = {"temperature": 0, "max_new_tokens": steps + 2, "ignore_eos": True}
+        engine.generate(input_ids=prompts, sampling_params=[params] * len(prompts))
+    finally:
+        runner.run = orig
+        del core.model.compute_logits
+        for h in handles:
+            h.remove()
+    n = len(walls)
+    gemm = (timers["gemm"] - before[0]["gemm"]) / n
+    attn = (timers["attention"] - before[0]["attention"]) / n
+    wall = sum(walls) / n
+    return {"step": wall * 1e3, "gemm": gemm * 1e3, "attention": attn * 1e3, "other": (wall - gemm - attn) * 1e3}
 
 
 def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -43,8 +150,8 @@ async def run_core(engine, prompts: list[list[int]], out_len: int) -> tuple[floa
     return time.perf_counter() - t0, ttfts, sum(counts)
 
 
-def run_hf(model, prompts: list[list[int]], out_len: int) -> tuple[float, float, int]:
-    ids = torch.tensor(prompts)
+def run_hf(model, prompts: list[list[int]], out_len: int, device: torch.device) -> tuple[float, float, int]:
+    ids = torch.tensor(prompts, device=device)
     mask = torch.ones_like(ids)
     with torch.inference_mode():
         t0 = time.perf_counter()
@@ -61,22 +168,35 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,8,64")
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto", help="auto: what the engine picks for this device")
     ap.add_argument("--cpu-threads", type=int, default=None)
+    ap.add_argument("--model-path", default=None, help="default: the embedded SmolLM2-135M-Instruct")
+    ap.add_argument("--load-format", default="auto", help="dummy: random weights from config.json")
+    ap.add_argument("--skip-tokenizer-init", action="store_true")
+    ap.add_argument("--attention-backend", default=None)
+    ap.add_argument("--quantization", default=None)
+    ap.add_argument("--device", default="auto")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--skip-split", action="store_true", help="do not measure the per-step split")
     args = ap.parse_args()
     if args.cpu_threads:
         torch.set_num_threads(args.cpu_threads)
     levels = [int(c) for c in args.concurrency.split(",")]
 
     from core import Engine
+    from core.engine.device import cpu_native_bf16
     from core.log import configure_logging
 
     configure_logging("warning")
+    kwargs = {k: v for k, v in dict(model_path=args.model_path, load_format=args.load_format,
+                                     skip_tokenizer_init=args.skip_tokenizer_init or None,
+                                     attention_backend=args.attention_backend, quantization=args.quantization,
+                                     device=args.device).items() if v is not None}
     engine = Engine(dtype=args.dtype, max_total_tokens=max(levels) * (args.input_len + args.output_len) + 64,
-                    max_running_requests=max(levels), cpu_threads=args.cpu_threads, log_level="warning")
-    vocab = engine.engine.vocab_size
-    path = engine.engine.model_config.path
+                    max_running_requests=max(levels), cpu_threads=args.cpu_threads, log_level="warning", **kwargs)
+    core = engine.engine
+    vocab, dtype, dev = core.vocab_size, core.model_config.dtype, core.device
+    path = core.model_config.path
     # warm-up
     engine.generate(input_ids=make_prompts(1, 16, vocab, 0)[0], sampling_params={"max_new_tokens": 4, "ignore_eos": True})
     rows = []
@@ -84,23 +204,57 @@ def main() -> None:
         prompts = make_prompts(c, args.input_len, vocab, c)
         wall, ttfts, toks = asyncio.run(run_core(engine, prompts, args.output_len))
         rows.append(("core", c, toks / wall, statistics.median(ttfts), wall))
+    splits = {} if args.skip_split else {c: step_split(engine, make_prompts(c, args.input_len, vocab, c + 1))
+                                         for c in sorted({1, max(levels)})}
+    wbytes = weight_bytes(core.model)
     engine.shutdown()
 
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, args.dtype)).eval()
-        model.generate(torch.tensor(make_prompts(1, 16, vocab, 0)), max_new_tokens=4, do_sample=False, pad_token_id=0)
+        hf_kwargs = {"dtype": dtype}
+        if args.load_format == "dummy":
+            from transformers import AutoConfig
+
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), **hf_kwargs)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(path, **hf_kwargs)
+        model = model.to(dev).eval()
+        model.generate(torch.tensor(make_prompts(1, 16, vocab, 0), device=dev), max_new_tokens=4, do_sample=False, pad_token_id=0)
         for c in levels:
             prompts = make_prompts(c, args.input_len, vocab, c)
-            wall, ttft, toks = run_hf(model, prompts, args.output_len)
+            wall, ttft, toks = run_hf(model, prompts, args.output_len, dev)
             rows.append(("transformers", c, toks / wall, ttft, wall))
 
-    print(f"# {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
-          f"dtype {args.dtype}, {args.input_len} in / {args.output_len} out, EOS ignored")
-    print(f"{'engine':<14}{'concurrency':>12}{'output tok/s':>14}{'TTFT p50 (s)':>14}{'wall (s)':>10}")
+    bw = measure_bandwidth(dev)
+    limit = bw / wbytes
+    if dev.type == "cpu":
+        native, why = cpu_native_bf16()
+        cpu = f"{_cpu_model()}; torch capability {torch.backends.cpu.get_cpu_capability()}; native bf16: {native} ({why})"
+    else:
+        cpu = torch.cuda.get_device_name(dev)
+    print(f"# {cpu}")
+    print(f"# {torch.get_num_threads()} threads, torch {torch.__version__}, dtype {str(dtype).removeprefix('torch.')} "
+          f"(--dtype {args.dtype}), {args.input_len} in / {args.output_len} out, EOS ignored")
+    print(f"# memory bandwidth {bw / 1e9:.1f} GB/s (copy, read + write); weights read per decode step "
+          f"{wbytes / 1e6:.0f} MB; batch-1 weight-read limit {limit:.1f} tok/s")
+    print(f"{'engine':<14}{'concurrency':>12}{'output tok/s':>14}{'TTFT p50 (s)':>14}{'wall (s)':>10}{'of limit':>10}")
     for name, c, tps, ttft, wall in sorted(rows, key=lambda r: (r[1], r[0])):
-        print(f"{name:<14}{c:>12}{tps:>14.1f}{ttft:>14.3f}{wall:>10.2f}")
+        frac = f"{tps / limit:>9.0%}" if c == 1 else ""
+        print(f"{name:<14}{c:>12}{tps:>14.1f}{ttft:>14.3f}{wall:>10.2f}{frac:>10}")
+    for c, sp in splits.items():
+        print(f"# decode step at {c} streams: {sp['step']:.1f} ms = GEMMs {sp['gemm']:.1f} + attention "
+              f"{sp['attention']:.1f} + other (Python, norms, rotary, sampling) {sp['other']:.1f}")
+
+
+def _cpu_model() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 if __name__ == "__main__":
