@@ -15,13 +15,14 @@ import importlib
 import importlib.metadata
 import os
 import traceback
+import typing
 from typing import Any, Callable, Iterable, Sequence
 
 import attrs
 import pluggy
 import structlog
 
-from core import hookspecs
+from core import hookspecs, interfaces
 from core.errors import PluginError, UnknownNameError
 from core.interfaces import EXTENSION_KINDS, PLUGIN_API_VERSION
 
@@ -251,16 +252,31 @@ def _columns(rows: Sequence[Sequence[str]]) -> list[str]:
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
 
 
-# What a registered class must define, per kind (checked for classes only: a factory
-# function is trusted until it is called). Mirrors the Protocols in core/interfaces.py.
-REQUIRED_METHODS: dict[str, tuple[str, ...]] = {
-    "attention_backend": ("prepare", "forward"),
-    "quant_method": ("create_weights", "apply", "process_weights_after_loading"),
-    "model": ("forward", "load_weights"),
-    "tool_parser": ("parse", "parse_streaming"),
-    "reasoning_parser": ("parse", "parse_streaming"),
-    "grammar_backend": ("compile", "allocate_bitmask", "apply_bitmask"),
+# The interface (a Protocol in core/interfaces.py) a registered class of each kind implements.
+INTERFACES: dict[str, type] = {
+    "attention_backend": interfaces.AttentionBackend,
+    "quant_method": interfaces.QuantMethod,
+    "model": interfaces.CausalLM,
+    "tool_parser": interfaces.ToolParser,
+    "reasoning_parser": interfaces.ReasoningParser,
+    "grammar_backend": interfaces.GrammarBackend,
 }
+
+
+def protocol_methods(protocol: type) -> tuple[str, ...]:
+    """The public methods a Protocol declares (with its Protocol bases'), in definition order.
+    Methods its docstring calls optional are not defined in the class body, so they are not here."""
+    names: list[str] = []
+    for cls in reversed(protocol.__mro__):
+        if cls is typing.Protocol or not cls.__dict__.get("_is_protocol", False):
+            continue
+        names += [n for n, v in vars(cls).items() if not n.startswith("_") and callable(v) and n not in names]
+    return tuple(names)
+
+
+# What a registered class must define, per kind (checked for classes only: a factory
+# function is trusted until it is called).
+REQUIRED_METHODS: dict[str, tuple[str, ...]] = {kind: protocol_methods(p) for kind, p in INTERFACES.items()}
 
 
 def _missing_methods(kind: str, target: Any) -> list[str]:

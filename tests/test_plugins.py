@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 import types
+import typing
 from typing import Any
 
 import pytest
@@ -250,6 +251,46 @@ def test_registered_class_of_the_wrong_type_is_refused(installed):
     assert "lacks forward" in load_plugins().plugins[0].error  # auto-discovered: skipped
     with pytest.raises(PluginError, match="lacks forward"):
         load_plugins(strict=True)
+
+
+class StreamingOnlyToolParser:  # a ToolParser from before flush() joined the contract
+    def parse(self, text, tools): ...
+    def parse_streaming(self, delta, tools): ...
+
+
+class LogitlessModel:
+    def forward(self, batch): ...
+    def load_weights(self, weights): ...
+
+
+def test_required_methods_are_the_protocol_members():
+    """Derived from core.interfaces, not a hand-kept list: members added to a Protocol (flush,
+    compute_logits) are required; methods documented as optional are not."""
+    import core.interfaces as api
+
+    assert plugins.REQUIRED_METHODS["tool_parser"] == ("parse", "parse_streaming", "flush")
+    assert plugins.REQUIRED_METHODS["reasoning_parser"] == ("parse", "parse_streaming", "flush")
+    assert plugins.REQUIRED_METHODS["model"] == ("forward", "compute_logits", "load_weights")
+    assert set(plugins.INTERFACES) == set(EXTENSION_KINDS)
+    for kind, proto in plugins.INTERFACES.items():
+        declared = {n for n, v in vars(proto).items() if callable(v) and not n.startswith("_")}
+        assert set(plugins.REQUIRED_METHODS[kind]) == declared, kind
+    assert "structural_tag" not in plugins.REQUIRED_METHODS["tool_parser"]  # optional, looked up with getattr
+    assert "configure" not in plugins.REQUIRED_METHODS["reasoning_parser"]
+
+    class Extended(api.ToolParser, typing.Protocol):  # a derived protocol inherits its bases' members
+        def reset(self) -> None: ...
+
+    assert plugins.protocol_methods(Extended) == ("parse", "parse_streaming", "flush", "reset")
+
+
+@pytest.mark.parametrize("kind,target,missing", [("tool_parser", StreamingOnlyToolParser, "flush"),
+                                                 ("model", LogitlessModel, "compute_logits")])
+def test_class_missing_a_protocol_member_is_refused_naming_it(installed, kind, target, missing):
+    installed(FakeEP("old", make_plugin("fold", **{kind: [("old", target)]}), dist="old-dist"))
+    with pytest.raises(PluginError, match=rf"plugin 'old' \(dist old-dist\) in {EXTENSION_KINDS[kind]}: "
+                                          rf"target for {kind} 'old' .* lacks {missing} \(see docs"):
+        load_plugins("old")
 
 
 def test_callable_target_returned_as_is(installed):

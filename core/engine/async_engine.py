@@ -44,6 +44,11 @@ def _pick_device(name: str) -> torch.device:
 
 
 class AsyncEngine:
+    """Owns the model, the KV pool and the scheduler; requests go in with ``make_requests`` +
+    ``submit`` (or ``generate``) and come out through ``stream``. Every method but the forward
+    runs on the caller's event loop; servers ask it about load (``num_waiting``, ``has_work``,
+    ``load``...) and abort through it, never through the scheduler."""
+
     def __init__(self, args: EngineArgs, plugins: PluginManager | None = None) -> None:
         self.args = args
         if args.cpu_threads:
@@ -135,7 +140,7 @@ class AsyncEngine:
         max_running = args.max_running_requests or max(1, min(256, self.max_total_tokens // 16))
         self.table = ReqToTokenTable(max_running, mc.context_len + ps, self.device)
         from core.engine.radix_cache import EVICTION_POLICIES
-        from core.engine.scheduler import SCHEDULE_POLICIES
+        from core.engine.schedule_policy import SCHEDULE_POLICIES
 
         if args.schedule_policy not in SCHEDULE_POLICIES:
             raise CoreError(f"--schedule-policy {args.schedule_policy!r} is not one of {', '.join(SCHEDULE_POLICIES)}")

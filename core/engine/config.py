@@ -1,47 +1,157 @@
-"""Engine arguments, named as SGLang's server arguments so launch commands carry over."""
+"""Engine arguments and their command-line flags, named as SGLang's server arguments so
+launch commands carry over.
+
+Each ``EngineArgs`` field that has a flag says so in its attrs metadata (``Flag``: help
+group, help, aliases, choices); ``add_engine_args`` builds the parser from the fields and
+``engine_args_from_namespace`` reads them back by field name, so a new engine option is
+one field, never a field plus a flag plus an entry in a list of names. The flag's type
+comes from the field's annotation (``bool`` fields are switches), its default from the
+field's default.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import argparse
+import typing
+from typing import Any, Iterator, Sequence
 
 import attrs
 
+from core.engine.radix_cache import EVICTION_POLICIES
+from core.engine.schedule_policy import SCHEDULE_POLICIES
 
-@attrs.define
+FLAG = "core.flag"  # attrs metadata key
+
+# Help groups, in the order the flags are listed; ``core serve`` files them into SGLang's
+# sections (core.server.args).
+MODEL = "Model and tokenizer"
+MEMORY = "Memory and scheduling"
+BACKENDS = "Kernel backends and plugins"
+LOGGING = "Logging"
+
+DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+@attrs.frozen
+class Flag:
+    """How an ``EngineArgs`` field appears on the command line (``--field-name``)."""
+
+    group: str
+    help: str | None = None
+    aliases: tuple[str, ...] = ()  # more option strings, e.g. ``--model`` for ``--model-path``
+    choices: tuple[str, ...] | None = None
+    serve_only: bool = False  # only ``core serve`` offers it (the option means nothing to ``core generate``)
+
+
+def _arg(default: Any, group: str, help: str | None = None, *, aliases: tuple[str, ...] = (),
+         choices: tuple[str, ...] | None = None, serve_only: bool = False) -> Any:
+    return attrs.field(default=default, metadata={FLAG: Flag(group, help, aliases, choices, serve_only)})
+
+
+@attrs.define(kw_only=True)
 class EngineArgs:
-    model_path: str | None = None  # None: the embedded SmolLM2-135M-Instruct
-    tokenizer_path: str | None = None
-    served_model_name: str | None = None
-    dtype: str = "auto"
-    context_length: int | None = None
-    device: str = "auto"  # auto: cuda if available, else cpu
-    mem_fraction_static: float | None = None  # auto: 0.88 on GPU, 0.3 of system memory on CPU
-    max_total_tokens: int | None = None
-    max_running_requests: int | None = None
-    max_prefill_tokens: int = 16384
-    chunked_prefill_size: int | None = None  # None: 2048 on CPU, 8192 on GPU; -1 (or 0) disables chunked prefill
-    enable_mixed_chunk: bool = False
-    schedule_policy: str = "fcfs"  # fcfs, lpm, dfs-weight, lof, random
-    schedule_conservativeness: float = 1.0
-    enable_priority_scheduling: bool = False
-    schedule_low_priority_values_first: bool = False
-    disable_radix_cache: bool = False
-    radix_eviction_policy: str = "lru"  # lru or lfu
-    page_size: int = 1
-    attention_backend: str | None = None  # None: torch_native
-    quantization: str | None = None
-    grammar_backend: str | None = None  # None: xgrammar; "none" disables constrained decoding
-    kv_cache_dtype: str = "auto"
-    random_seed: int | None = None
-    skip_tokenizer_init: bool = False
-    json_model_override_args: str | None = None
-    load_format: str = "auto"  # auto / safetensors / pt / gguf read the checkpoint; dummy: random weights from config.json
-    is_embedding: bool = False  # serve pooled hidden states (/v1/embeddings, /encode) and classification scores
-    plugins: str | list[str] | None = None  # allowlist; None: $CORE_PLUGINS or all installed
-    strict_plugins: bool = False
-    cpu_threads: int | None = None  # torch intra-op threads on CPU; None: torch's default (all cores)
-    log_level: str = "info"
-    extra: dict[str, Any] = attrs.field(factory=dict)  # plugin-defined options
+    """Everything the engine is built from (SGLang's server-argument names and defaults)."""
+
+    # ---- model and tokenizer
+    model_path: str | None = _arg(None, MODEL, "Hugging Face folder or .gguf file "
+                                               "(default: the embedded SmolLM2-135M-Instruct)", aliases=("--model",))
+    tokenizer_path: str | None = _arg(None, MODEL, "tokenizer folder (default: the model's)")
+    served_model_name: str | None = _arg(None, MODEL, "model name the API reports (default: the model path)")
+    dtype: str = _arg("auto", MODEL, "weights and activations dtype", choices=DTYPES)
+    context_length: int | None = _arg(None, MODEL, "context length (default: from config.json)")
+    skip_tokenizer_init: bool = _arg(False, MODEL, "no tokenizer: requests send input_ids and get token ids back")
+    json_model_override_args: str | None = _arg(None, MODEL, "JSON object overriding config.json fields")
+    load_format: str = _arg("auto", MODEL, "weights format (auto: safetensors, .bin or .gguf; "
+                                           "dummy: random weights from config.json alone)")
+    is_embedding: bool = _arg(False, MODEL, "serve an embedding / classification model (/v1/embeddings, /encode, "
+                                            "/classify)", serve_only=True)
+    device: str = _arg("auto", MODEL, "cpu, cuda or cuda:N (default: cuda if available, else cpu)")
+    # ---- memory and scheduling
+    mem_fraction_static: float | None = _arg(None, MEMORY, "fraction of memory for weights and KV cache "
+                                                           "(default: 0.88 of GPU memory, 0.3 of system memory on CPU)")
+    max_total_tokens: int | None = _arg(None, MEMORY, "KV cache size in tokens (default: from --mem-fraction-static)")
+    max_running_requests: int | None = _arg(None, MEMORY, "requests in one batch (default: from the KV cache size)")
+    max_prefill_tokens: int = _arg(16384, MEMORY, "tokens in one prefill batch")
+    chunked_prefill_size: int | None = _arg(None, MEMORY, "prefill long prompts in chunks of this many tokens between "
+                                                          "decode steps (default: 2048 on CPU, 8192 on GPU; -1 disables)")
+    enable_mixed_chunk: bool = _arg(False, MEMORY, "run a prefill chunk and the decode steps in one forward")
+    schedule_policy: str = _arg("fcfs", MEMORY, "order of the waiting queue (lpm, dfs-weight: cache-aware)",
+                                choices=SCHEDULE_POLICIES)
+    schedule_conservativeness: float = _arg(1.0, MEMORY, "larger: admit fewer requests (estimate more future KV use), "
+                                                         "fewer retractions")
+    enable_priority_scheduling: bool = _arg(False, MEMORY, "order the queue by the request field 'priority' first "
+                                                           "(higher values first)")
+    schedule_low_priority_values_first: bool = _arg(False, MEMORY, "with --enable-priority-scheduling, lower priority "
+                                                                   "values run first")
+    disable_radix_cache: bool = _arg(False, MEMORY, "no prefix cache: every prompt is prefilled in full")
+    radix_eviction_policy: str = _arg("lru", MEMORY, "which unused cached prefixes are evicted first when the KV pool "
+                                                     "runs low", choices=EVICTION_POLICIES)
+    page_size: int = _arg(1, MEMORY, "tokens per KV cache page")
+    kv_cache_dtype: str = _arg("auto", MEMORY, "KV cache dtype (auto: the model's)", choices=KV_CACHE_DTYPES)
+    random_seed: int | None = _arg(None, MEMORY, "random seed (sampling, the random schedule policy, dummy weights)")
+    cpu_threads: int | None = _arg(None, MEMORY, "torch intra-op threads on CPU (default: torch's choice, all cores; "
+                                                 "OMP_NUM_THREADS also applies)")
+    # ---- kernel backends and plugins
+    attention_backend: str | None = _arg(None, BACKENDS, "attention backend (default: torch_native; any registered)")
+    quantization: str | None = _arg(None, BACKENDS, "quantization method (any registered)")
+    grammar_backend: str | None = _arg(None, BACKENDS, "constrained decoding backend: xgrammar (default), llguidance, "
+                                                       "or none to disable")
+    plugins: str | list[str] | None = _arg(None, BACKENDS, "comma-separated plugins to load "
+                                                           "(default: $CORE_PLUGINS or all installed)")
+    strict_plugins: bool = _arg(False, BACKENDS, "a plugin that fails to load stops start-up")
+    # ---- logging
+    log_level: str = _arg("info", LOGGING, None, choices=LOG_LEVELS)
+    # plugin-defined options (their flags come from the add_cli_options hook); no flag of its own
+    extra: dict[str, Any] = attrs.field(factory=dict)
+
+
+def engine_flags(serve: bool = True) -> Iterator[tuple[attrs.Attribute, Flag, type | None]]:
+    """(field, its Flag, the flag's value type: int, float, str, or None for a switch), in field order."""
+    hints = typing.get_type_hints(EngineArgs)
+    for field in attrs.fields(EngineArgs):
+        flag = field.metadata.get(FLAG)
+        if flag is None or (flag.serve_only and not serve):
+            continue
+        yield field, flag, _value_type(hints[field.name])
+
+
+def _value_type(hint: Any) -> type | None:
+    if hint is bool:
+        return None
+    kinds = set(typing.get_args(hint)) or {hint}
+    for kind in (int, float):
+        if kind in kinds:
+            return kind
+    return str
+
+
+def add_engine_args(parser: argparse.ArgumentParser, *, serve: bool = False) -> None:
+    """Add the engine's flags to ``parser``, one argument group per ``Flag.group`` (SGLang's
+    names and defaults). ``serve``: include the flags only ``core serve`` offers."""
+    groups: dict[str, Any] = {}
+    for field, flag, kind in engine_flags(serve):
+        group = groups.get(flag.group)
+        if group is None:
+            group = groups[flag.group] = parser.add_argument_group(flag.group)
+        names = ("--" + field.name.replace("_", "-"), *flag.aliases)
+        if kind is None:
+            group.add_argument(*names, dest=field.name, action="store_true", help=flag.help)
+        else:
+            group.add_argument(*names, dest=field.name, type=kind, default=field.default, help=flag.help,
+                               choices=list(flag.choices) if flag.choices else None)
+
+
+def engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
+    """The ``EngineArgs`` fields present in a parsed namespace, by name (``extra`` excluded)."""
+    return {f.name: getattr(ns, f.name) for f in attrs.fields(EngineArgs) if f.name != "extra" and hasattr(ns, f.name)}
+
+
+def engine_args_from_namespace(ns: argparse.Namespace, plugin_dests: Sequence[str] = ()) -> EngineArgs:
+    """``EngineArgs`` from parsed flags; the values of plugin flags (``plugin_dests``) go to ``extra``."""
+    extra = {d: getattr(ns, d) for d in plugin_dests if hasattr(ns, d)}
+    return EngineArgs(**engine_kwargs(ns), extra=extra)
 
 
 # SGLang server flags whose features this engine does not have yet: passing one is an error, never silently ignored.
@@ -55,8 +165,9 @@ def engine_args_from_kwargs(kwargs: dict[str, Any]) -> EngineArgs:
     """Accept SGLang-style keyword arguments; unknown ones are an error naming them."""
     from core.errors import CoreError
 
-    if "model" in kwargs and "model_path" not in kwargs:
-        kwargs = {**kwargs, "model_path": kwargs.pop("model")}
+    if "model" in kwargs and "model_path" not in kwargs:  # SGLang's alias
+        kwargs = dict(kwargs)
+        kwargs["model_path"] = kwargs.pop("model")
     names = {f.name for f in attrs.fields(EngineArgs)}
     unsupported = [k for k in kwargs if k in UNSUPPORTED_SGLANG_ARGS and kwargs[k] not in (None, False, 1)]
     if unsupported:

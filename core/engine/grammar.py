@@ -37,6 +37,8 @@ CACHE_SIZE = 512
 
 
 class GrammarManager:
+    """The engine's side of constrained decoding over one grammar backend plugin (or none)."""
+
     def __init__(self, plugins: Any, name: str | None, tokenizer: Any, vocab_size: int, eos_ids: tuple[int, ...]) -> None:
         self.name = name or DEFAULT_GRAMMAR_BACKEND
         self.vocab_size = vocab_size

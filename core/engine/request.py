@@ -14,6 +14,9 @@ from core.engine.sampling_params import SamplingParams
 
 @attrs.define(eq=False)
 class Req:
+    """Built by ``AsyncEngine.make_requests``; the scheduler owns its KV fields, the engine loop
+    its outputs. Compared by identity (``eq=False``): two requests are never equal."""
+
     rid: str
     prompt_ids: list[int]
     params: SamplingParams

@@ -13,6 +13,8 @@ CONSTRAINT_KINDS = ("json_schema", "regex", "ebnf", "structural_tag")
 
 @attrs.define
 class SamplingParams:
+    """One request's sampling options; ``from_dict`` for JSON input, ``validate`` before use."""
+
     max_new_tokens: int = 128
     min_new_tokens: int = 0
     temperature: float = 1.0

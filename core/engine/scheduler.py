@@ -7,18 +7,18 @@ While a long prompt is being prefilled in chunks, chunks and decode steps altern
 (or share one forward with ``enable_mixed_chunk``), so running streams keep moving.
 
 KV memory: requests reuse the longest cached prefix from the radix cache
-(core/radix_cache.py) and prefill only the rest. Admission does not reserve pages; it
+(core/engine/radix_cache.py) and prefill only the rest. Admission does not reserve pages; it
 *estimates* future needs (SGLang's ``new_token_ratio``, scaled by
 ``schedule_conservativeness``), and when a decode step finds the pool empty (after
 evicting unused cached prefixes), the most recently admitted requests are retracted to
 the front of the queue, keeping their generated tokens; they re-prefill prompt+output
-(minus whatever prefix is still cached) when they come back. Pure bookkeeping: no
-asyncio, no model; the engine drives it.
+(minus whatever prefix is still cached) when they come back. The order in which waiting
+requests are considered is a ``SchedulePolicy`` (core/engine/schedule_policy.py). Pure
+bookkeeping: no asyncio, no model; the engine drives it.
 """
 
 from __future__ import annotations
 
-import random
 import time
 from collections import deque
 
@@ -29,6 +29,7 @@ import torch
 from core.engine.kv_cache import PageAllocator, ReqToTokenTable
 from core.engine.radix_cache import RadixCache
 from core.engine.request import Req
+from core.engine.schedule_policy import SchedulePolicy
 from core.engine.sampler import SampleOutput
 
 log = structlog.get_logger("core.engine.scheduler")
@@ -57,9 +58,6 @@ INIT_NEW_TOKEN_RATIO = 0.7  # times --schedule-conservativeness
 MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
 NEW_TOKEN_RATIO_DECAY_STEPS = 600
 RETRACT_DECODE_STEPS = 20
-LPM_MAX_QUEUE = 128  # longer queues fall back to fcfs for the cache-aware policies, as in SGLang
-
-SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 
 
 class Scheduler:
@@ -81,8 +79,6 @@ class Scheduler:
         schedule_low_priority_values_first: bool = False,
         seed: int = 0,
     ) -> None:
-        if schedule_policy not in SCHEDULE_POLICIES:
-            raise ValueError(f"unknown schedule policy {schedule_policy!r}; choose one of {', '.join(SCHEDULE_POLICIES)}")
         self.allocator, self.table = allocator, table
         self.tree_cache = tree_cache
         self.max_running = max_running_requests
@@ -90,11 +86,9 @@ class Scheduler:
         self.chunked_prefill_size = chunked_prefill_size if chunked_prefill_size and chunked_prefill_size > 0 else None
         self.context_len = context_len
         self.eos_ids = frozenset(eos_ids)
-        self.policy = schedule_policy
+        self.policy = SchedulePolicy(schedule_policy, tree_cache, enable_priority=enable_priority_scheduling,
+                                     low_priority_values_first=schedule_low_priority_values_first, seed=seed)
         self.enable_mixed_chunk = enable_mixed_chunk
-        self.enable_priority = enable_priority_scheduling
-        self.priority_sign = 1 if schedule_low_priority_values_first else -1
-        self.rng = random.Random(seed)
         self.init_new_token_ratio = min(INIT_NEW_TOKEN_RATIO * schedule_conservativeness, 1.0)
         self.min_new_token_ratio = min(self.init_new_token_ratio * MIN_NEW_TOKEN_RATIO_FACTOR, 1.0)
         self.new_token_ratio_decay = (self.init_new_token_ratio - self.min_new_token_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS
@@ -214,54 +208,8 @@ class Scheduler:
 
     # ------------------------------------------------------------------ policy
     def _sort_waiting(self) -> None:
-        if len(self.waiting) < 2:
-            return
-        q = list(self.waiting)
-        policy = self.policy
-        cache_aware = policy in ("lpm", "dfs-weight")
-        if cache_aware and (self.tree_cache is None or len(q) > LPM_MAX_QUEUE):
-            policy = "fcfs"
-        prio = (lambda r: self.priority_sign * (r.priority or 0)) if self.enable_priority else (lambda r: 0)
-        if cache_aware and policy != "fcfs":
-            nodes = {}
-            for r in q:
-                pages, node = self._match(r)
-                r.prefix_len = len(pages) * self.ps
-                nodes[id(r)] = node
-        if policy == "fcfs":
-            if self.enable_priority:
-                q.sort(key=prio)  # stable: queue order (arrival, retracted first) within a priority
-        elif policy == "lpm":
-            q.sort(key=lambda r: (prio(r), -r.prefix_len))
-        elif policy == "lof":
-            q.sort(key=lambda r: (prio(r), -r.params.max_new_tokens))
-        elif policy == "random":
-            self.rng.shuffle(q)
-            q.sort(key=prio)
-        elif policy == "dfs-weight":
-            q = self._dfs_weight(q, nodes)
-            q.sort(key=prio)
-        self.waiting = deque(q)
-
-    def _dfs_weight(self, q: list[Req], nodes: dict) -> list[Req]:
-        """SGLang's dfs-weight: walk the tree depth-first, heavier subtrees (more waiting requests) first."""
-        root = self.tree_cache.root
-        at: dict[int, list[Req]] = {}
-        weight: dict[int, int] = {}
-        for r in q:
-            node = nodes[id(r)] or root
-            at.setdefault(id(node), []).append(r)
-            while node is not None:
-                weight[id(node)] = weight.get(id(node), 0) + 1
-                node = node.parent
-        out: list[Req] = []
-        stack = [root]
-        while stack:
-            node = stack.pop()
-            out += at.get(id(node), [])
-            kids = sorted((c for c in node.children.values() if id(c) in weight), key=lambda c: weight[id(c)])
-            stack.extend(kids)  # heaviest popped first
-        return out
+        if len(self.waiting) > 1:
+            self.waiting = deque(self.policy.order(list(self.waiting), self._match, self.ps))
 
     # ------------------------------------------------------------------ batching
     def schedule(self) -> tuple[ScheduledBatch | None, list[Req]]:

@@ -18,6 +18,7 @@ import argparse
 import os
 from typing import Any, Callable, Sequence
 
+from core.engine.config import add_engine_args, engine_args_from_namespace  # noqa: F401 (engine_args_from_namespace: re-exported)
 from core.errors import CoreError
 
 # SGLang's help sections, in the order of its server-arguments docs.
@@ -42,7 +43,7 @@ GROUPS = (
     "Configuration file",
 )
 
-# core.cli.add_engine_args group titles -> SGLang sections; per-flag moves for flags it files elsewhere.
+# core.engine.config.add_engine_args group titles -> SGLang sections; per-flag moves for flags it files elsewhere.
 _ENGINE_GROUP_MAP = {
     "Model and tokenizer": "Model and tokenizer",
     "Memory and scheduling": "Memory and scheduling",
@@ -259,22 +260,16 @@ def read_config_file(path: str) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------- parser
 def add_serve_args(p: argparse.ArgumentParser) -> None:
-    from core.cli import add_engine_args
-
     sections = {title: p.add_argument_group(title) for title in GROUPS}
     p._sections = sections  # type: ignore[attr-defined]
-    add_engine_args(_Sections(p, sections))  # type: ignore[arg-type]
+    add_engine_args(_Sections(p, sections), serve=True)  # type: ignore[arg-type]
 
     def s(title: str) -> argparse._ArgumentGroup:
         return sections[title]
 
     g = s("Model and tokenizer")
     g.add_argument("--tokenizer-mode", default="auto", help="not supported yet except 'auto'")
-    g.add_argument("--load-format", default="auto",
-                   help="weights format (auto: safetensors, .bin or .gguf; dummy: random weights from config.json alone)")
     g.add_argument("--trust-remote-code", action="store_true", help="not supported: custom model code never runs")
-    g.add_argument("--is-embedding", action="store_true",
-                   help="serve an embedding / classification model (/v1/embeddings, /encode, /classify)")
     g.add_argument("--enable-multimodal", action="store_true", default=None, help="not supported yet")
 
     g = s("HTTP server")
@@ -324,10 +319,6 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g = s("LoRA")
     g.add_argument("--enable-lora", action="store_true", default=None, help="not supported yet")
     g.add_argument("--lora-paths", nargs="*", default=None, help="not supported yet")
-
-    g = s("Kernel backends (attention, sampling, grammar, GEMM)")
-    g.add_argument("--grammar-backend", default=None,
-                   help="constrained decoding backend: xgrammar (default), llguidance, or none to disable")
 
     g = s("Speculative decoding")
     g.add_argument("--speculative-algorithm", default=None, help="not supported yet")
@@ -404,13 +395,6 @@ def _looks_like_path(s: str) -> bool:
     return "{" not in s and (s.endswith((".jinja", ".j2", ".json", ".txt")) or os.sep in s)
 
 
-def engine_args_from_namespace(ns: argparse.Namespace, plugin_dests: Sequence[str] = ()):
-    from core.cli import engine_kwargs
-    from core.engine.config import EngineArgs
-
-    kwargs = engine_kwargs(ns)
-    extra = {d: getattr(ns, d) for d in plugin_dests if hasattr(ns, d)}
-    return EngineArgs(**kwargs, extra=extra)
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
