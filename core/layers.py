@@ -95,8 +95,9 @@ class RotaryEmbedding(nn.Module):
         rope_type = params.get("rope_type", params.get("type", "default"))
         theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
         rotary_dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+        device = torch.get_default_device()  # the device the model is being built on (``with torch.device(...)``)
         if rope_type == "default":
-            inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
+            inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float, device=device) / rotary_dim))
             scale = 1.0
         else:
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -104,8 +105,8 @@ class RotaryEmbedding(nn.Module):
             if rope_type not in ROPE_INIT_FUNCTIONS:
                 raise ValueError(f"unsupported rope_type {rope_type!r}; known: default, {', '.join(ROPE_INIT_FUNCTIONS)}")
             kw = {"layer_type": layer_type} if layer_type is not None else {}
-            inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), **kw)
-        t = torch.arange(max_positions, dtype=torch.float)
+            inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config, device, **kw)
+        t = torch.arange(max_positions, dtype=torch.float, device=device)
         freqs = torch.outer(t, inv_freq.float())
         emb = torch.cat((freqs, freqs), dim=-1)
         self.rotary_dim = emb.shape[-1]

@@ -1,0 +1,87 @@
+"""Triton attention over the paged KV cache (``--attention-backend triton``; kernels in ``core_kernels``).
+
+``prepare`` flattens each sequence's slots from the request -> token table into
+``kv_indptr`` / ``kv_indices`` with a device kernel (sizes come from the lengths the batch
+already holds as Python ints, so nothing is read back from the device). Each layer stores
+its new K/V into the pool, then runs the split-KV decode kernel for a pure decode step or the
+extend kernel (cached prefix + causal new tokens) otherwise. Triton itself is imported only
+when the backend is built, so importing this plugin costs nothing on machines that never use it.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from core import hookimpl
+from core.errors import CoreError
+from core.interfaces import AttentionConfig, AttentionLayerSpec, ForwardBatch
+from core_kernels import interpreting
+
+
+@attrs.define
+class _Metadata:
+    kv_indptr: torch.Tensor  # [B + 1] int32: decode, the whole sequence; extend, the cached prefix
+    kv_indices: torch.Tensor  # int32 pool slots, back to back
+    qo_indptr: torch.Tensor | None  # [B + 1] int32 new-token offsets (None for a pure decode step)
+    max_extend_len: int
+    num_kv_splits: int
+
+
+def _require_triton(device: torch.device) -> None:
+    """Refuse, naming the way out, where the kernels cannot run."""
+    if device.type != "cuda" and not interpreting():
+        raise CoreError(
+            f"attention backend 'triton' needs a CUDA GPU, but the engine runs on {device}: use "
+            "--attention-backend torch_native there (or set TRITON_INTERPRET=1 to run the kernels in "
+            "triton's slow interpreter, for testing)"
+        )
+    try:
+        import triton  # noqa: F401
+    except ImportError as e:
+        raise CoreError(f"attention backend 'triton' needs the triton package, which cannot be imported: {e}") from None
+
+
+class TritonBackend:
+    def __init__(self, config: AttentionConfig) -> None:
+        _require_triton(config.device)
+        from core_kernels import decode_attention, extend_attention, kv_indices, store_kv
+
+        self._decode, self._extend = decode_attention, extend_attention
+        self._store, self._indices = store_kv.store_kv, kv_indices.build_kv_indices
+        self.config, self.kv = config, config.kv_cache
+        dev = config.device
+        self.num_sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
+
+    def prepare(self, batch: ForwardBatch) -> None:
+        table = batch.kv_indices  # the batch's rows of the request -> token table, [B, max(seq_lens)]
+        rows = torch.arange(batch.batch_size, device=table.device)
+        if batch.is_decode:
+            indptr, indices = self._indices(table, rows, batch.seq_lens, sum(batch.seq_lens_cpu))
+            c = self.config
+            splits = self._decode.num_kv_splits_for(batch.batch_size, c.num_kv_heads, c.num_heads // c.num_kv_heads,
+                                                    max(batch.seq_lens_cpu), self.num_sms)
+            batch.attn_metadata = _Metadata(indptr, indices, None, 1, splits)
+            return
+        qo_indptr = torch.zeros(batch.batch_size + 1, dtype=torch.int32, device=table.device)
+        qo_indptr[1:] = torch.cumsum(batch.extend_lens, 0)
+        prefix_total = sum(batch.seq_lens_cpu) - sum(batch.extend_lens_cpu)
+        indptr, indices = self._indices(table, rows, batch.seq_lens - batch.extend_lens, prefix_total)
+        batch.attn_metadata = _Metadata(indptr, indices, qo_indptr, max(batch.extend_lens_cpu), 1)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch
+    ) -> torch.Tensor:
+        kc, vc = self.kv.k[layer.layer_id], self.kv.v[layer.layer_id]
+        self._store(k, v, kc, vc, batch.out_cache_loc)
+        md: _Metadata = batch.attn_metadata
+        opts = dict(scale=layer.scaling, logit_cap=layer.logit_cap, sliding_window=layer.sliding_window)
+        if md.qo_indptr is None:
+            return self._decode.decode_attention(q, kc, vc, md.kv_indptr, md.kv_indices, num_kv_splits=md.num_kv_splits, **opts)
+        return self._extend.extend_attention(q, k, v, kc, vc, md.qo_indptr, md.kv_indptr, md.kv_indices,
+                                             md.max_extend_len, **opts)
+
+
+@hookimpl
+def register_attention_backends(register) -> None:
+    register("triton", TritonBackend)
