@@ -24,6 +24,11 @@ def block_d(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
+def tile_n(head_dim: int) -> int:
+    """Key-tile rows: 64, halved for heads wider than 128 so a tile's registers still fit."""
+    return 64 if head_dim <= 128 else 32
+
+
 def head_stride_ok(x: torch.Tensor) -> torch.Tensor:
     """``x`` ``[N, heads, D]`` with unit stride on D (a row stride is fine); copied otherwise."""
     return x if x.stride(-1) == 1 else x.contiguous()
@@ -33,9 +38,10 @@ def head_stride_ok(x: torch.Tensor) -> torch.Tensor:
 def dot(a, b, F32: tl.constexpr):
     """``a @ b`` with float32 accumulation; ``F32`` casts both to float32 and keeps IEEE precision."""
     if F32:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     else:
-        return tl.dot(a, b)
+        out = tl.dot(a, b)
+    return out
 
 
 @triton.jit

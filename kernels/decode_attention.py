@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from core_kernels.common import block_d, dot, dot_in_f32, head_stride_ok, soft_cap, softmax_step
+from core_kernels.common import block_d, dot, dot_in_f32, head_stride_ok, soft_cap, softmax_step, tile_n
 
 BLOCK_H = 16  # query-head rows per program (tl.dot needs >= 16); a group smaller than this is masked
 MAX_KV_SPLITS = 16
@@ -108,7 +108,7 @@ def num_kv_splits_for(batch_size: int, num_kv_heads: int, group: int, max_kv_len
 def decode_attention(
     q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
     *, scale: float, logit_cap: float = 0.0, sliding_window: int | None = None, num_kv_splits: int = 1,
-    out: torch.Tensor | None = None, block_n: int = 64,
+    out: torch.Tensor | None = None, block_n: int | None = None,
 ) -> torch.Tensor:
     """Attention of ``q`` ``[B, H, D]`` (the newest token of each sequence) over the pool rows
     ``kv_indices[kv_indptr[b]:kv_indptr[b + 1]]`` (positions 0.. of sequence b, every sequence
@@ -132,7 +132,7 @@ def decode_attention(
         scale, logit_cap, sliding_window or 0, num_kv_splits,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        GROUP=group, D=d, BLOCK_D=bd, BLOCK_H=BLOCK_H, BLOCK_N=block_n,
+        GROUP=group, D=d, BLOCK_D=bd, BLOCK_H=BLOCK_H, BLOCK_N=block_n or tile_n(d),
         CAP=logit_cap > 0, WINDOW=bool(sliding_window), F32=dot_in_f32(q.dtype),
         num_warps=4, num_stages=2,
     )

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from core_kernels.common import block_d, dot, dot_in_f32, head_stride_ok, soft_cap, softmax_step
+from core_kernels.common import block_d, dot, dot_in_f32, head_stride_ok, soft_cap, softmax_step, tile_n
 
 
 @triton.jit
@@ -101,7 +101,7 @@ def extend_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     qo_indptr: torch.Tensor, prefix_indptr: torch.Tensor, prefix_indices: torch.Tensor, max_extend_len: int,
     *, scale: float, logit_cap: float = 0.0, sliding_window: int | None = None, out: torch.Tensor | None = None,
-    block_m: int = 64, block_n: int = 64,
+    block_m: int | None = None, block_n: int | None = None,
 ) -> torch.Tensor:
     """Attention of the new tokens ``q`` ``[T, H, D]`` (sequence b's are rows
     ``qo_indptr[b]:qo_indptr[b + 1]``, with keys/values ``k``/``v`` ``[T, Hkv, D]``) over their
@@ -111,13 +111,15 @@ def extend_attention(
     t, h, d = q.shape
     hkv = k.shape[1]
     bsz = qo_indptr.shape[0] - 1
-    if h % hkv or k.shape != (t, hkv, d) or v.shape != k.shape or k_pool.shape[1:] != (hkv, d) or prefix_indptr.shape != (bsz + 1,):
+    shapes_ok = k.shape == (t, hkv, d) and v.shape == k.shape and k_pool.shape[1:] == (hkv, d)
+    if h % hkv or not shapes_ok or prefix_indptr.shape != (bsz + 1,):
         raise ValueError(f"extend_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, pool {tuple(k_pool.shape)}, "
                          f"qo_indptr {tuple(qo_indptr.shape)}, prefix_indptr {tuple(prefix_indptr.shape)}")
     q, k, v = head_stride_ok(q), head_stride_ok(k), head_stride_ok(v)
     out = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
     if t == 0 or bsz == 0:
         return out
+    block_m, block_n = block_m or tile_n(d), block_n or tile_n(d)
     grid = (bsz, h, triton.cdiv(max_extend_len, block_m))
     _extend_kernel[grid](
         q, k, v, k_pool, v_pool, qo_indptr, prefix_indptr, prefix_indices, out,

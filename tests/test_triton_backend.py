@@ -111,6 +111,7 @@ ENGINE_OPTS = {
 }
 
 
+@pytest.mark.timeout(300)  # bounds a hung engine (seconds on CPU)
 @pytest.mark.parametrize("opts", list(ENGINE_OPTS), ids=list(ENGINE_OPTS))
 def test_engine_greedy_tokens_equal_torch_native(tiny, opts):
     path, _ = tiny

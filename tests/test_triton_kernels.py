@@ -10,6 +10,8 @@ and mixed decode/prefill rows. The ``gpu`` tests repeat this at realistic shapes
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -103,7 +105,7 @@ DECODE_CASES = {
     "gqa-d64-page1": (4, 2, 64, 1, 1, None, 0.0, torch.float32),
     "mqa-d128-page16-splits": (24, 1, 128, 16, 4, None, 0.0, torch.float32),  # group 24: two head tiles
     "gqa-page16-window-cap-splits": (8, 2, 64, 16, 3, 7, 2.0, torch.float32),
-    "mha-fp16": (2, 2, 64, 1, 2, None, 0.0, torch.float16),
+    "mha-fp16-d80": (2, 2, 80, 1, 2, None, 0.0, torch.float16),  # head_dim not a power of two
 }
 
 
@@ -132,6 +134,19 @@ def test_num_kv_splits_fills_the_gpu_only_when_the_batch_is_small():
     assert num_kv_splits_for(1, 8, 4, 4000, num_sms=132) == 16
     assert num_kv_splits_for(256, 8, 4, 4000, num_sms=132) == 1
     assert num_kv_splits_for(1, 8, 4, 100, num_sms=132) == 1  # too short to split
+
+
+def test_attention_kernels_reject_mismatched_shapes():
+    pool = torch.zeros(8, 2, 16, device=DEV)
+    indptr = torch.tensor([0, 1], dtype=torch.int32, device=DEV)
+    idx = torch.tensor([1], dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match="decode_attention"):  # 3 query heads over 2 kv heads
+        decode_attention(torch.zeros(1, 3, 16, device=DEV), pool, pool, indptr, idx, scale=1.0)
+    with pytest.raises(ValueError, match="decode_attention"):
+        decode_attention(torch.zeros(1, 2, 16, device=DEV), pool, pool, indptr, idx, scale=1.0, num_kv_splits=0)
+    with pytest.raises(ValueError, match="extend_attention"):  # k has the wrong head_dim
+        extend_attention(torch.zeros(1, 2, 16, device=DEV), torch.zeros(1, 2, 8, device=DEV), torch.zeros(1, 2, 8, device=DEV),
+                         pool, pool, indptr, torch.zeros(2, dtype=torch.int32, device=DEV), idx, 1, scale=1.0)
 
 
 # --------------------------------------------------------------------------- extend
@@ -171,6 +186,51 @@ def test_extend_attention_matches_reference(case):
         keys, vals = torch.cat([k_pool[pre], k[a:b]]), torch.cat([v_pool[pre], v[a:b]])
         ref = reference(q[a:b], keys, vals, torch.arange(prefix[i], lens[i], device=DEV), scale, cap, window)
         torch.testing.assert_close(out[a:b].double(), ref, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+# --------------------------------------------------------------------------- compiled for a GPU
+
+
+def compile_for_sm90() -> None:
+    """Compile each kernel (bf16 with cap and window; the fp32 IEEE-dot path without) to an
+    sm_90 cubin. Triton ships its own ptxas, so this needs no GPU; it catches what the
+    interpreter never checks (tile shapes for tl.dot, types carried through loops, constexpr
+    branches). Run with TRITON_INTERPRET=0."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from core_kernels import decode_attention as da, extend_attention as ea, kv_indices, store_kv
+    from core_kernels.common import block_d, tile_n
+
+    def build(jit, ptrs: dict[str, str], consts: dict, **options) -> None:
+        sig = {p.name: "constexpr" if p.name in consts else ptrs.get(p.name, "fp32" if p.name in ("scale", "logit_cap") else "i32")
+               for p in jit.params}
+        cex = {(i,): consts[p.name] for i, p in enumerate(jit.params) if p.name in consts}
+        triton.compile(ASTSource(fn=jit, signature=sig, constexprs=cex), target=GPUTarget("cuda", 90, 32), options=options)
+
+    build(store_kv._store_kv_kernel, {"K": "*bf16", "V": "*bf16", "KPool": "*bf16", "VPool": "*bf16", "Loc": "*i64"},
+          dict(HKV=1, D=128, BLOCK_H=1, BLOCK_D=128))
+    build(kv_indices._gather_rows_kernel, {"Table": "*i64", "Rows": "*i64", "Lens": "*i64", "Indptr": "*i32", "Out": "*i32"},
+          dict(BLOCK=512))
+    for dt, d, flags in (("bf16", 128, True), ("fp32", 64, False)):
+        io = {"Q": f"*{dt}", "KPool": f"*{dt}", "VPool": f"*{dt}"}
+        common = dict(GROUP=4, D=d, BLOCK_D=block_d(d), BLOCK_N=tile_n(d), CAP=flags, WINDOW=flags, F32=dt == "fp32")
+        build(da._decode_split_kernel, {**io, "KvIndptr": "*i32", "KvIndices": "*i32", "MidO": "*fp32", "MidLse": "*fp32"},
+              dict(common, BLOCK_H=da.BLOCK_H), num_warps=4, num_stages=2)
+        build(ea._extend_kernel, {**io, "KNew": f"*{dt}", "VNew": f"*{dt}", "QoIndptr": "*i32", "PrefixIndptr": "*i32",
+                                  "PrefixIndices": "*i32", "Out": f"*{dt}"},
+              dict(common, BLOCK_M=tile_n(d)), num_warps=4 if d <= 64 else 8, num_stages=1)
+    build(da._decode_merge_kernel, {"MidO": "*fp32", "MidLse": "*fp32", "Out": "*bf16"}, dict(D=128, BLOCK_D=128, BLOCK_S=1))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the other tests compile and run the kernels")
+def test_kernels_compile_for_an_h100_without_one():
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    code = "from tests.test_triton_kernels import compile_for_sm90; compile_for_sm90()"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
 
 
 # --------------------------------------------------------------------------- realistic shapes (GPU)
