@@ -43,7 +43,20 @@ def _cmd_plugins(ns: argparse.Namespace) -> int:
         sys.stdout.write(json.dumps(manager.describe(), indent=2) + "\n")
     else:
         sys.stdout.write(manager.format_table() + "\n")
+        sys.stdout.write(_attention_choice(manager) + "\n")
     return 0
+
+
+def _attention_choice(manager) -> str:
+    """What ``--attention-backend`` defaults to on this machine, and who decided."""
+    from core.engine.device import pick_device
+
+    device = pick_device("auto")
+    try:
+        name, why, chooser = manager.choose_attention_backend(device)
+    except CoreError as e:
+        return f"\ndefault attention backend on {device.type}: none ({e})"
+    return f"\ndefault attention backend on {device.type}: {name} (chosen by {chooser}: {why})"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     plg.set_defaults(func=_cmd_plugins)
 
     from core.bench_serving import add_bench_command
-    from core.server.args import add_serve_command
+    from core.server.launch import add_serve_command
 
     add_serve_command(sub)
     add_bench_command(sub)

@@ -13,8 +13,9 @@ two plugins registering the same name is a start-up error naming both, unless on
 passes ``override=True``. The results are frozen into registries before serving,
 so hooks are never called per request or per token.
 
+One hook chooses rather than registers: ``choose_attention_backend`` (first answer wins).
 Lifecycle hooks (``add_cli_options``, ``on_startup``, ``on_shutdown``) are the only
-others; all hooks are synchronous and return ``None``.
+others; all hooks are synchronous.
 """
 
 from __future__ import annotations
@@ -125,6 +126,30 @@ def register_grammar_backends(register: Register) -> None:
         @hookimpl
         def register_grammar_backends(register):
             register("xgrammar", "core_plugins.grammar.xgrammar_backend:XGrammarBackend")
+    """
+
+
+@hookspec(firstresult=True)
+def choose_attention_backend(device: Any, model_config: Any, available: list[str]) -> str | tuple[str, str] | None:
+    """Pick the attention backend used when ``--attention-backend`` is not given.
+
+    Called once at start-up, after the registries are built. ``device`` is the
+    ``torch.device`` the engine runs on; ``model_config`` is the engine's
+    ``ModelConfig`` (``hf_config``, ``dtype``, ...; ``None`` when ``core plugins``
+    asks without a model); ``available`` lists the registered backend names. Return a
+    backend name, or ``(name, reason)`` to say why in the start-up log and in
+    ``core plugins``; return ``None`` to let the next plugin answer. The first answer
+    wins: plugins are asked in pluggy's order (the most recently loaded first), and
+    the built-in policy (flashinfer on CUDA when it works, else triton; torch_native
+    elsewhere) is marked ``trylast``, so any installed plugin that answers comes first.
+
+    Example::
+
+        @hookimpl
+        def choose_attention_backend(device, model_config, available):
+            if device.type == "xpu" and "my_xpu_attention" in available:
+                return "my_xpu_attention", "Intel GPU"
+            return None
     """
 
 

@@ -132,6 +132,26 @@ class PluginManager:
                 self._resolved[key] = value
         return self._resolved[key]
 
+    def choose_attention_backend(self, device: Any, model_config: Any = None) -> tuple[str, str, str]:
+        """(backend name, reason, plugin that chose) from the ``choose_attention_backend`` hook.
+
+        The implementations are asked in pluggy's call order until one answers; the answer
+        must name a registered backend."""
+        available = self.names("attention_backend")
+        hook = self.pm.hook.choose_attention_backend
+        for impl in reversed(hook.get_hookimpls()):  # pluggy calls the last one first
+            answer = impl.function(device=device, model_config=model_config, available=available)
+            if answer is None:
+                continue
+            name, reason = (answer, "") if isinstance(answer, str) else answer
+            if name not in available:
+                raise PluginError(f"plugin '{impl.plugin_name}' chose attention backend '{name}', which is not "
+                                  f"registered (registered: {', '.join(available) or 'none'})")
+            return name, reason, impl.plugin_name
+        if not available:
+            raise PluginError("no attention backend is registered (see `core plugins`)")
+        return available[0], "no plugin chose one; the first registered", "core"
+
     # ------------------------------------------------------------------ loading
 
     def _add(self, info: PluginInfo, load: Callable[[], object], *, named: bool, strict: bool) -> None:

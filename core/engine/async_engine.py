@@ -17,11 +17,12 @@ import attrs
 import structlog
 import torch
 
+from core.engine.device import pick_device
 from core.engine.config import EngineArgs, engine_args_from_kwargs
 from core.errors import CoreError, InvalidRequest, ModelLoadError, UnknownNameError
 from core.interfaces import AttentionConfig, ModelContext
 from core.engine.kv_cache import PageAllocator, ReqToTokenTable, allocate_kv_cache, kv_bytes_per_token
-from core.engine.loader import ModelConfig, iter_weights, load_model_config
+from core.engine.loader import ModelConfig, build_quant_method, checkpoint_weights, finish_loading, load_model_config
 from core.engine.grammar import GrammarManager
 from core.engine.model_runner import ModelRunner
 from core.plugins import PluginManager, load_plugins
@@ -33,14 +34,7 @@ from core.engine.scheduler import ScheduledBatch, Scheduler
 
 log = structlog.get_logger("core.engine")
 
-DEFAULT_ATTENTION_BACKEND = "torch_native"
 DEFAULT_CPU_CHUNKED_PREFILL_SIZE = 2048
-
-
-def _pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 class AsyncEngine:
@@ -54,7 +48,7 @@ class AsyncEngine:
         if args.cpu_threads:
             torch.set_num_threads(args.cpu_threads)
         self.plugins = plugins or load_plugins(args.plugins, strict=args.strict_plugins)
-        self.device = _pick_device(args.device)
+        self.device = pick_device(args.device)
         self.model_config: ModelConfig = load_model_config(
             args.model_path, args.dtype, self.device, args.context_length, args.served_model_name, args.json_model_override_args
         )
@@ -92,19 +86,19 @@ class AsyncEngine:
             factory = self.plugins.resolve("model", mc.architecture)
         except UnknownNameError as e:
             raise ModelLoadError(f"architecture {mc.architecture!r} is not supported: {e}") from None
-        quant = self.plugins.resolve("quant_method", self.args.quantization or "none")()
+        load_format = load_format or self.args.load_format
+        quant = build_quant_method(self.plugins, self.args.quantization, getattr(self.args, "torchao_config", None), mc,
+                                   self.device, load_format)
         with torch.device(self.device):
             model = factory(mc.hf_config, ModelContext(mc.dtype, self.device, quant))
         for name, p in model.named_parameters():
-            if p.dtype.is_floating_point and p.dtype != mc.dtype:
+            if p.dtype.is_floating_point and p.dtype != mc.dtype and not getattr(p, "keep_dtype", False):
                 p.data = p.data.to(mc.dtype)
-        if (load_format or self.args.load_format) == "dummy":
+        if load_format == "dummy":
             _init_dummy_weights(model, self.args.random_seed or 0)
         else:
-            model.load_weights(iter_weights(mc.path))
-        for m in model.modules():
-            if getattr(m, "quant_method", None) is not None:
-                m.quant_method.process_weights_after_loading(m)
+            model.load_weights(checkpoint_weights(mc, model, quant))
+        finish_loading(model, quant)
         return model.eval()
 
     def _build_kv_pool(self) -> None:
@@ -161,7 +155,11 @@ class AsyncEngine:
             enable_priority_scheduling=args.enable_priority_scheduling,
             schedule_low_priority_values_first=args.schedule_low_priority_values_first, seed=args.random_seed or 0,
         )
-        backend_name = args.attention_backend or DEFAULT_ATTENTION_BACKEND
+        backend_name = args.attention_backend
+        if backend_name is None:
+            backend_name, why, chooser = self.plugins.choose_attention_backend(self.device, mc)
+            log.info("attention_backend.chosen", backend=backend_name, reason=why, chosen_by=chooser)
+        self.attention_backend_name = backend_name
         self.attn_backend = self.plugins.resolve("attention_backend", backend_name)(
             AttentionConfig(cfg.num_hidden_layers, heads, kv_heads, head_dim, mc.dtype, self.device, self.kv_cache)
         )
@@ -486,8 +484,7 @@ class AsyncEngine:
         layers, (hkv, d) = len(self.kv_cache.k), k0.shape[1:]
         kv = allocate_kv_cache(layers, num_slots, 1, hkv, d, k0.dtype, self.device)
         heads = self.model_config.hf_config.num_attention_heads
-        name = self.args.attention_backend or DEFAULT_ATTENTION_BACKEND
-        return self.plugins.resolve("attention_backend", name)(
+        return self.plugins.resolve("attention_backend", self.attention_backend_name)(
             AttentionConfig(layers, heads, hkv, d, self.model_config.dtype, self.device, kv))
 
     # ------------------------------------------------------------------ weights

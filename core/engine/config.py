@@ -94,7 +94,7 @@ class EngineArgs:
     cpu_threads: int | None = _arg(None, MEMORY, "torch intra-op threads on CPU (default: torch's choice, all cores; "
                                                  "OMP_NUM_THREADS also applies)")
     # ---- kernel backends and plugins
-    attention_backend: str | None = _arg(None, BACKENDS, "attention backend (default: torch_native; any registered)")
+    attention_backend: str | None = _arg(None, BACKENDS, "attention backend (default: chosen for the device by the choose_attention_backend hook: flashinfer or triton on CUDA, torch_native on CPU; `core plugins` shows the choice)")
     quantization: str | None = _arg(None, BACKENDS, "quantization method (any registered)")
     grammar_backend: str | None = _arg(None, BACKENDS, "constrained decoding backend: xgrammar (default), llguidance, "
                                                        "or none to disable")

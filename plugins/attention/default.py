@@ -1,0 +1,27 @@
+"""The built-in choice of attention backend per device (the ``choose_attention_backend`` hook).
+
+Marked ``trylast`` so that any installed plugin that answers for its hardware wins."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from core import hookimpl
+
+
+@hookimpl(trylast=True)
+def choose_attention_backend(device: Any, model_config: Any, available: list[str]) -> tuple[str, str] | None:
+    if device.type == "cuda":
+        if "flashinfer" in available:
+            from core_plugins.attention.flashinfer import flashinfer_status
+
+            ok, why = flashinfer_status()
+            if ok:
+                return "flashinfer", "CUDA, and FlashInfer works here"
+            if "triton" in available:
+                return "triton", f"CUDA; flashinfer not usable ({why})"
+        if "triton" in available:
+            return "triton", "CUDA"
+    if "torch_native" in available:
+        return "torch_native", f"{device.type}: the torch-native reference backend"
+    return None

@@ -1,0 +1,143 @@
+"""Choosing the attention backend per device (the ``choose_attention_backend`` hook) and the
+optional FlashInfer backend's refusal where it cannot run."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+from core import hookimpl, plugins
+from core.errors import CoreError, PluginError
+from core.plugins import load_plugins
+from core_plugins.attention import default as builtin_choice
+from core_plugins.attention import flashinfer as fi_plugin
+from tests.conftest import make_engine
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+def test_cpu_default_is_torch_native():
+    name, why, chooser = load_plugins().choose_attention_backend(CPU)
+    assert (name, chooser) == ("torch_native", "attention_default") and "cpu" in why
+
+
+@pytest.mark.parametrize("works,expected", [(True, "flashinfer"), (False, "triton")])
+def test_cuda_policy_prefers_working_flashinfer_else_triton(monkeypatch, works, expected):
+    monkeypatch.setattr(fi_plugin, "flashinfer_status", lambda: (works, "no nvcc" if not works else "ok"))
+    name, why = builtin_choice.choose_attention_backend(CUDA, None, ["torch_native", "triton", "flashinfer"])
+    assert name == expected
+    assert works or "no nvcc" in why  # the reason flashinfer was passed over is reported
+
+
+def test_cuda_policy_without_gpu_backends_falls_back_to_torch_native():
+    assert builtin_choice.choose_attention_backend(CUDA, None, ["torch_native"])[0] == "torch_native"
+
+
+def _with_extra_plugin(monkeypatch, module: types.ModuleType) -> None:
+    """The real installed plugins plus one more entry point, loaded last."""
+    real = list(plugins._entry_points())
+
+    class EP:
+        name, value = module.__name__, module.__name__
+        dist = types.SimpleNamespace(name="test-dist", version="1.0")
+
+        @staticmethod
+        def load():
+            return module
+
+    monkeypatch.setattr(plugins, "_entry_points", lambda: real + [EP()])
+
+
+def test_a_plugin_that_answers_becomes_the_default(monkeypatch, tiny_llama):
+    mod = types.ModuleType("fast_cpu_attention")
+
+    @hookimpl
+    def register_attention_backends(register):
+        register("fast_cpu", "core_plugins.attention.torch_native:TorchNativeBackend")
+
+    @hookimpl
+    def choose_attention_backend(device, model_config, available):
+        assert "torch_native" in available and "fast_cpu" in available
+        assert model_config is None or model_config.architecture == "LlamaForCausalLM"
+        return ("fast_cpu", "a faster CPU kernel") if device.type == "cpu" else None
+
+    mod.register_attention_backends = register_attention_backends
+    mod.choose_attention_backend = choose_attention_backend
+    _with_extra_plugin(monkeypatch, mod)
+    assert load_plugins().choose_attention_backend(CPU)[:3] == ("fast_cpu", "a faster CPU kernel", "fast_cpu_attention")
+    # on another device it declines, and the built-in policy answers
+    assert load_plugins().choose_attention_backend(CUDA)[0] in ("flashinfer", "triton")
+    path, _ = tiny_llama()
+    eng = make_engine(path)
+    try:
+        assert eng.engine.attention_backend_name == "fast_cpu"
+        assert eng.generate("ab", {"max_new_tokens": 2, "temperature": 0})["meta_info"]["completion_tokens"] == 2
+    finally:
+        eng.shutdown()
+
+
+def test_a_choice_of_an_unregistered_backend_is_an_error(monkeypatch):
+    mod = types.ModuleType("bad_chooser")
+    mod.choose_attention_backend = hookimpl(lambda device, model_config, available: "nope")
+    _with_extra_plugin(monkeypatch, mod)
+    with pytest.raises(PluginError, match="bad_chooser.*'nope'.*not registered"):
+        load_plugins().choose_attention_backend(CPU)
+
+
+def test_explicit_flag_wins_over_the_choice(tiny_llama):
+    path, _ = tiny_llama()
+    eng = make_engine(path, attention_backend="torch_native")
+    try:
+        assert eng.engine.attention_backend_name == "torch_native"
+    finally:
+        eng.shutdown()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
+def test_flashinfer_on_cpu_is_a_clear_startup_error(tiny_llama):
+    ok, why = fi_plugin.flashinfer_status()
+    assert not ok and why
+    path, _ = tiny_llama()
+    with pytest.raises(CoreError, match="flashinfer cannot run here: .*(not installed|no CUDA GPU)"):
+        make_engine(path, attention_backend="flashinfer")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU refusal")
+def test_flashinfer_on_cpu_cli_message_without_traceback(tiny_llama):
+    path, _ = tiny_llama()
+    proc = subprocess.run([sys.executable, "-m", "core.cli", "generate", "hi", "--model-path", str(path),
+                           "--attention-backend", "flashinfer", "--device", "cpu", "--max-new-tokens", "1"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "flashinfer cannot run here" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_core_plugins_shows_the_choice():
+    proc = subprocess.run([sys.executable, "-m", "core.cli", "plugins"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    assert f"default attention backend on {device}: " in proc.stdout and "chosen by attention_default" in proc.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not fi_plugin.flashinfer_status()[0], reason="needs a CUDA GPU with flashinfer installed")
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_flashinfer_matches_torch_native_on_gpu(tiny_llama, page_size):
+    path, _ = tiny_llama()
+    prompts = ["hello world", "abcabcabc", "hello there, a longer prompt"]
+    params = {"max_new_tokens": 12, "temperature": 0}
+    outs = {}
+    for backend in ("torch_native", "flashinfer"):
+        eng = make_engine(path, device="cuda", attention_backend=backend, page_size=page_size)
+        try:
+            first = [o["output_ids"] for o in eng.generate(prompts, params)]
+            # the shared prefix is now cached: a prefix-hit prefill
+            again = [o["output_ids"] for o in eng.generate([p + " more" for p in prompts], params)]
+            outs[backend] = (first, again)
+        finally:
+            eng.shutdown()
+    assert outs["flashinfer"] == outs["torch_native"]
