@@ -69,22 +69,19 @@ def test_classification_head_matches_transformers(tmp_path, engine_factory):
 
 
 def test_http_endpoints(tmp_path, engine_factory):
-    from types import SimpleNamespace
-
-    from starlette.applications import Starlette
-    from starlette.routing import Route
     from starlette.testclient import TestClient
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from core.server.embeddings import embedding_routes
-    from core.server.openai.api import embeddings
+    from core.server.app import build_app
+    from core.server.args import ServerArgs
+    from core.server.state import build_state
     from tests.conftest import char_tokenizer
 
     build_tiny(tmp_path, LlamaConfig, LlamaForCausalLM)
     char_tokenizer().save_pretrained(tmp_path)
     eng = engine_factory(tmp_path, is_embedding=True, max_total_tokens=256)
-    app = Starlette(routes=[Route("/v1/embeddings", embeddings, methods=["POST"]), *embedding_routes()])
-    app.state.core = SimpleNamespace(engine=eng.engine, served_model_name="tiny")
+    state = build_state(eng.engine, ServerArgs())
+    app = build_app(state)
     with TestClient(app) as c:
         ref = eng.encode("hello")["embedding"]
         for inp in ("hello", ["hello", "hi"], eng.tokenizer.encode("hello"), [eng.tokenizer.encode("hello")]):
@@ -98,3 +95,12 @@ def test_http_endpoints(tmp_path, engine_factory):
         assert r.status_code == 200
         torch.testing.assert_close(torch.tensor(r.json()[0]["embedding"]), torch.tensor(ref), atol=1e-5, rtol=0)
         assert c.post("/classify", json={"text": "hello"}).status_code == 400  # no classification head
+        # an input longer than the context: rejected, or with --allow-auto-truncate its head is embedded
+        ctx = eng.engine.model_config.context_len
+        long = (eng.tokenizer.encode("hello world") * ctx)[: ctx + 3]
+        assert c.post("/v1/embeddings", json={"input": long}).json()["error"]["param"] == "input"
+        state.args = ServerArgs(allow_auto_truncate=True)
+        got = c.post("/v1/embeddings", json={"input": long}).json()["data"][0]["embedding"]
+        head = c.post("/v1/embeddings", json={"input": long[:ctx]}).json()["data"][0]["embedding"]
+        assert got == head
+        assert c.post("/encode", json={"input_ids": long}).json()["embedding"] == head

@@ -5,7 +5,6 @@ unit tests of the pieces that need no server (templates, truncation, multipart).
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import io
 import json
@@ -509,33 +508,40 @@ def smol_tokenizer():
 
 
 def _fake_state(tokenizer=None, ctx: int = 100, pool: int = 10_000, **args):
+    from core.server.args import ServerArgs
+    from core.server.metrics import Metrics
+    from core.server.state import ServerState
+
     engine = SimpleNamespace(tokenizer=tokenizer, model_config=SimpleNamespace(context_len=ctx), max_total_tokens=pool)
-    ns = argparse.Namespace(**{"chat_template": None, "allow_auto_truncate": False, "enable_cache_report": False, **args})
-    return SimpleNamespace(engine=engine, args=ns, served_model_name="test")
+    return ServerState(engine=engine, args=ServerArgs(**args), metrics=Metrics("test", enabled=False),  # type: ignore[arg-type]
+                       served_model_name="test")
 
 
 def test_fit_context_policy():
-    from core.server.openai.api import _fit_context
+    from core.server.openai.job import fit_context
 
     st = _fake_state(ctx=100, pool=60)
-    assert _fit_context(st, list(range(10)), 5, "prompt") == (list(range(10)), 5)
-    assert _fit_context(st, list(range(10)), None, "prompt")[1] == 50  # unlimited, bounded by the KV pool
+    assert fit_context(st, list(range(10)), 5, "prompt") == (list(range(10)), 5)
+    assert fit_context(st, list(range(10)), None, "prompt")[1] == 50  # unlimited, bounded by the KV pool
     with pytest.raises(InvalidRequest, match="maximum context length is 100"):
-        _fit_context(st, list(range(100)), 5, "prompt")
+        fit_context(st, list(range(100)), 5, "prompt")
     with pytest.raises(InvalidRequest) as e:
-        _fit_context(st, list(range(90)), 20, "prompt")
+        fit_context(st, list(range(90)), 20, "prompt")
     assert e.value.param == "max_tokens"
     auto = _fake_state(ctx=100, allow_auto_truncate=True)
-    ids, new = _fit_context(auto, list(range(250)), 10, "prompt")
-    assert ids == list(range(160, 250)) and new == 10  # the tail is kept, room left for max_tokens
-    ids, new = _fit_context(auto, list(range(250)), None, "prompt")
-    assert ids == list(range(151, 250)) and new == 1
-    ids, new = _fit_context(auto, list(range(95)), 20, "prompt")
-    assert len(ids) == 95 and new == 5  # max_tokens cut to what fits
+    ids, new = fit_context(auto, list(range(250)), 10, "prompt")
+    assert ids == list(range(99)) and new == 1  # SGLang's rule: the head is kept, max_tokens cut to what fits
+    ids, new = fit_context(auto, list(range(250)), None, "prompt")
+    assert ids == list(range(99)) and new == 1
+    ids, new = fit_context(auto, list(range(100)), 0, "prompt")
+    assert ids == list(range(99)) and new == 0
+    ids, new = fit_context(auto, list(range(95)), 20, "prompt")
+    assert ids == list(range(95)) and new == 5  # a prompt that fits is kept whole; max_tokens cut
 
 
 def test_chat_template_override_and_tools(smol_tokenizer, tmp_path):
-    from core.server.openai.api import ChatCompletionRequest, render_chat
+    from core.server.openai.chat import render_chat
+    from core.server.openai.protocol import ChatCompletionRequest
     import msgspec
 
     template = ("{% for m in messages %}[{{ m.role }}]{{ m.content }}{% if m.tool_calls %}"
@@ -562,7 +568,7 @@ def test_chat_template_override_and_tools(smol_tokenizer, tmp_path):
 
 
 def test_multipart_fallback_parser():
-    from core.server.openai.batches import parse_multipart
+    from core.server.openai.files import parse_multipart
 
     content = "é😀 line\r\n{\"a\": 1}\n".encode()
     req = httpx.Request("POST", "http://x/v1/files", files={"file": ("in.jsonl", content)}, data={"purpose": "batch"})
@@ -586,17 +592,15 @@ def test_batch_input_validation():
 
 
 def test_files_in_process_without_python_multipart(tmp_path, monkeypatch):
-    """The files API on a bare Starlette app, with the standard-library multipart fallback."""
+    """The files API in-process (no engine), with the standard-library multipart fallback."""
     import asyncio
 
     import starlette.requests
-    from starlette.applications import Starlette
 
-    from core.server.openai.api import openai_routes
+    from core.server.app import build_app
 
     monkeypatch.setattr(starlette.requests, "parse_options_header", None)
-    app = Starlette(routes=openai_routes())
-    app.state.core = _fake_state(file_storage_path=str(tmp_path / "store"))
+    app = build_app(_fake_state(file_storage_path=str(tmp_path / "store")))
     content = b'{"custom_id": "a", "body": {"prompt": "x"}}\n'
 
     async def run() -> None:

@@ -64,6 +64,10 @@ TOOL_CASES = [
                 "<|tool_call_begin|>functions.get_time:1<|tool_call_argument_begin|>{\"tz\": \"UTC\", \"n\": 2}<|tool_call_end|><|tool_calls_section_end|>", "", [W, T]),
     ("glm45", "Checking.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>", "Checking.\n", [W]),
     ("gpt-oss", '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>', "", [W]),
+    ("json_array", '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_time", "parameters": {"tz": "UTC", "n": 2}}]',
+     "", [W, T]),
+    ("json_array", '\n[{"name": "get_weather", "parameters": {"city": "Paris"}}]', "\n", [W]),
+    ("json_array", "Not an array: [1, 2]", "Not an array: [1, 2]", []),
 ]
 
 
@@ -243,3 +247,58 @@ def test_xml_parameters_typed_by_schema(parser):
     assert json.loads(calls[1].arguments) == {"tz": "42"}
     _, calls = PM.resolve("tool_parser", parser)().parse(good, TOOLS)  # no property types: JSON where it parses
     assert json.loads(calls[1].arguments) == {"tz": 42}
+
+
+# ----------------------------------------------------------------------------- the tool plan of a chat request
+
+
+def _plan(tool_call_parser=None, reasoning_parser=None, grammar="xgrammar", plugins=PM, **body):
+    from types import SimpleNamespace
+
+    import msgspec
+
+    from core.server.args import ServerArgs
+    from core.server.openai.protocol import ChatCompletionRequest
+    from core.server.openai.tools import plan_tools
+
+    state = SimpleNamespace(engine=SimpleNamespace(plugins=plugins, grammar=SimpleNamespace(name=grammar)),
+                            args=ServerArgs(tool_call_parser=tool_call_parser, reasoning_parser=reasoning_parser))
+    r = msgspec.convert({"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS, **body}, ChatCompletionRequest)
+    return plan_tools(state, r), r
+
+
+def test_tool_plan_decides_mode_constraint_and_parsers_once():
+    from core.server.openai.tools import ChoicePost
+
+    qwen, json_array = PM.resolve("tool_parser", "qwen25"), PM.resolve("tool_parser", "json_array")
+    plan, _ = _plan("qwen25")
+    assert (plan.mode, plan.constraint, plan.tool_parser, plan.hides_tools) == ("auto", None, qwen, False)
+    plan, _ = _plan("qwen25", tool_choice="none")
+    assert plan.tool_parser is None and plan.hides_tools
+    plan, _ = _plan(None)  # no --tool-call-parser: tools reach the template, the output stays text
+    assert plan.mode == "auto" and plan.tool_parser is None
+    # required with xgrammar and a parser that describes its format: the model's own format, read back by it
+    plan, _ = _plan("qwen25", tool_choice="required")
+    assert plan.constraint[0] == "structural_tag" and plan.tool_parser is qwen
+    # otherwise SGLang's JSON array, read back by the json_array plugin, resolved by name
+    plan, r = _plan("qwen25", grammar="llguidance", tool_choice="required", parallel_tool_calls=False)
+    assert plan.constraint[0] == "json_schema" and json.loads(plan.constraint[1])["maxItems"] == 1
+    assert plan.tool_parser is json_array
+    reasoning, content, calls, reason = ChoicePost(plan, r).full('[{"name": "get_time", "parameters": {"tz": "UTC"}}]', "stop")
+    assert (content, reason, calls[0]["function"]) == (None, "tool_calls", {"name": "get_time", "arguments": '{"tz": "UTC"}'})
+    # a named function without a native format: its parameter schema, the whole output is the arguments
+    plan, r = _plan(None, tool_choice={"type": "function", "function": {"name": "get_time"}})
+    assert plan.named_args and json.loads(plan.constraint[1]) == {"type": "object"}
+    assert ChoicePost(plan, r).full('{"tz": "UTC"}', "stop")[2][0]["function"]["name"] == "get_time"
+    # reasoning: the parser class, unless the request turns separation off
+    assert _plan(None, "qwen3")[0].reasoning_parser is PM.resolve("reasoning_parser", "qwen3")
+    assert _plan(None, "qwen3", separate_reasoning=False)[0].reasoning_parser is None
+
+
+def test_tool_plan_without_the_json_array_plugin_is_a_clear_400():
+    from core.errors import InvalidRequest
+
+    no_parsers = load_plugins(["grammar"])  # the built-in parsers plugin not loaded
+    with pytest.raises(InvalidRequest) as e:
+        _plan(None, plugins=no_parsers, grammar="llguidance", tool_choice="required")
+    assert e.value.param == "tool_choice" and "json_array" in e.value.message

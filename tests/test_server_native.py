@@ -626,24 +626,19 @@ def test_plugin_cli_options_reach_engine_args_extra(monkeypatch: pytest.MonkeyPa
 
 
 # ---------------------------------------------------------------------------- app-level (in-process, stub engine)
-class _BrokenScheduler:
-    @property
-    def running(self):
-        raise RuntimeError("scheduler exploded")
-
-    waiting: list = []
-    has_work = False
-    max_running = 1
+def _broken_load() -> dict:
+    raise RuntimeError("scheduler exploded")
 
 
 def _stub_app(**args: Any):
+    from core.server.app import create_app
+    from core.server.args import ServerArgs
     from core.server.metrics import Metrics
-    from core.server.app import ServerState, create_app
+    from core.server.state import ServerState
 
-    engine = types.SimpleNamespace(scheduler=_BrokenScheduler(), allocator=types.SimpleNamespace(page_size=1, capacity=8, num_free=8),
-                                   finish_listeners=[], step_listeners=[])
-    ns = argparse.Namespace(**{"api_key": None, "enable_metrics": False, "log_requests": False, **args})
-    state = ServerState(engine=engine, args=ns, metrics=Metrics("stub", enabled=False), served_model_name="stub")  # type: ignore[arg-type]
+    engine = types.SimpleNamespace(load=_broken_load, finish_listeners=[], step_listeners=[])
+    state = ServerState(engine=engine, args=ServerArgs(**args), metrics=Metrics("stub", enabled=False),  # type: ignore[arg-type]
+                        served_model_name="stub")
     return state, create_app(state)
 
 
@@ -674,9 +669,93 @@ def test_api_key_middleware_in_process() -> None:
 
 
 def test_error_response_shape() -> None:
-    from core.server.app import error_response
+    from core.server.http import error_response
 
     resp = error_response(422, "bad thing", param="x")
     assert resp.status_code == 422
     assert json.loads(resp.body) == {"error": {"message": "bad thing", "type": "invalid_request_error", "param": "x",
                                                "code": 422}}
+    resp = error_response(401, "no key", code="invalid_api_key")
+    assert json.loads(resp.body)["error"]["code"] == "invalid_api_key"
+    assert json.loads(error_response(503, "busy").body)["error"] == {"message": "busy", "type": "server_error",
+                                                                    "param": None, "code": 503}
+
+
+def test_api_error_is_the_one_mapping() -> None:
+    """Every exception becomes the same error object: bad input 400 naming the field, a full queue 503, bugs 500."""
+    import msgspec
+
+    from core.errors import CoreError, InvalidRequest
+    from core.server.http import ApiError, api_error, decode_body
+    from core.server.state import ServiceUnavailable
+
+    class Body(msgspec.Struct, forbid_unknown_fields=True):
+        n: int = 1
+
+    def shape(exc: BaseException) -> tuple:
+        e = api_error(exc)
+        return e.status, e.type, e.param, e.code
+
+    assert shape(InvalidRequest("bad", param="n")) == (400, "invalid_request_error", "n", 400)
+    assert shape(ServiceUnavailable("queue full")) == (503, "server_error", None, 503)
+    assert shape(CoreError("no")) == (400, "invalid_request_error", None, 400)
+    assert shape(RuntimeError("boom")) == (500, "server_error", None, 500)
+    assert api_error(RuntimeError("boom")).message == "internal server error: RuntimeError: boom"
+    err = ApiError(404, "gone", param="id", code="not_found")
+    assert api_error(err) is err and err.to_dict() == {"error": {"message": "gone", "type": "invalid_request_error",
+                                                                 "param": "id", "code": "not_found"}}
+    for raw, param in ((b'{"n": "2"}', "n"), (b'{"m": 1}', "m"), (b"[1]", None), (b"{x", None), (b" ", None)):
+        with pytest.raises(InvalidRequest) as e:
+            decode_body(raw, Body)
+        assert e.value.param == param, (raw, e.value.message)
+
+
+def test_auto_truncate_is_one_rule_on_every_endpoint() -> None:
+    """--allow-auto-truncate keeps the head of an over-long prompt (its first context - 1 tokens, as
+    SGLang does) on /generate, /v1/completions and /v1/chat/completions alike; without it all three 400."""
+    from core.cli import build_parser
+    from core.engine import AsyncEngine
+    from core.engine.config import engine_args_from_namespace
+    from core.server.app import create_app
+    from core.server.args import ServerArgs
+    from core.server.state import build_state
+
+    ctx = 48
+    ns = build_parser().parse_args(["serve", "--allow-auto-truncate", "--context-length", str(ctx), "--cpu-threads", "1",
+                                    "--max-total-tokens", "4096", "--grammar-backend", "none"])
+
+    async def main() -> None:
+        engine = AsyncEngine(engine_args_from_namespace(ns))
+        state = build_state(engine, ServerArgs.from_namespace(ns))
+        state.ready = True
+        seen: list[list[int]] = []
+        engine.finish_listeners.append(lambda req: seen.append(list(req.prompt_ids)))
+        text = "The quick brown fox jumps over the lazy dog, again and again. " * 12
+        ids = engine.tokenize(text, None)
+        chat = [{"role": "user", "content": text}]
+        rendered = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True),
+                                           add_special_tokens=False)
+        assert len(ids) > ctx and len(rendered) > ctx
+        calls = [
+            ("/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 4, "temperature": 0}}, ids),
+            ("/generate", {"text": text, "sampling_params": {"max_new_tokens": 4, "temperature": 0}}, ids),
+            ("/v1/completions", {"prompt": ids, "max_tokens": 4, "temperature": 0}, ids),
+            ("/v1/completions", {"prompt": text, "max_tokens": 4, "temperature": 0}, ids),
+            ("/v1/chat/completions", {"messages": chat, "max_tokens": 4, "temperature": 0}, rendered),
+        ]
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(state)), base_url="http://t") as c:
+                for path, body, full in calls:
+                    r = await c.post(path, json=body)
+                    assert r.status_code == 200, (path, r.text)
+                    assert seen[-1] == full[: ctx - 1], path  # the head, not the tail
+                    out = r.json()
+                    tokens = out["meta_info"]["completion_tokens"] if path == "/generate" else out["usage"]["completion_tokens"]
+                    assert tokens == 1, path  # max tokens cut to what still fits
+                state.args = ServerArgs()  # the flag off: the same requests are rejected
+                for path, body, _ in calls:
+                    assert_error(await c.post(path, json=body), 400)
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())

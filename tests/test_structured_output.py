@@ -9,6 +9,7 @@ import types
 
 import httpx
 import jsonschema
+import msgspec
 import openai
 import pytest
 
@@ -197,8 +198,12 @@ def test_local_plugin_parsers_end_to_end():
     from core.cli import build_parser
     from core.engine import AsyncEngine
     from core.plugins import load_plugins
-    from core.server.app import build_state, create_app
-    from core.server.args import engine_args_from_namespace
+    from core.engine.config import engine_args_from_namespace
+    from core.server.app import create_app
+    from core.server.args import ServerArgs
+    from core.server.openai.protocol import ChatCompletionRequest
+    from core.server.openai.tools import ChoicePost, plan_tools
+    from core.server.state import build_state
 
     mod = types.ModuleType("local_parsers")
 
@@ -217,7 +222,7 @@ def test_local_plugin_parsers_end_to_end():
 
     async def main():
         engine = AsyncEngine(engine_args_from_namespace(ns), plugins=pm)
-        app = create_app(build_state(engine, ns))
+        app = create_app(build_state(engine, ServerArgs.from_namespace(ns)))
         state = app.state.core
         state.ready = True
         try:
@@ -234,8 +239,9 @@ def test_local_plugin_parsers_end_to_end():
                 text = (await c.post("/generate", json={"input_ids": [1], "sampling_params": {"max_new_tokens": 1}})).json()
                 assert "content" in msg
                 # a response with reasoning_content comes through the local reasoning parser
-                post = __import__("core.server.openai.tools", fromlist=["ChoicePost"]).ChoicePost(
-                    state, types.SimpleNamespace(separate_reasoning=True, tools=[WEATHER]), "auto", None)
+                req = msgspec.convert({"messages": [{"role": "user", "content": "x"}], "tools": [WEATHER]},
+                                      ChatCompletionRequest)
+                post = ChoicePost(plan_tools(state, req), req)
                 reasoning, content, calls, reason = post.full('hmm!ok CALL get_weather {"city": "Paris"}', "stop")
                 assert reasoning == "hmm" and content == "ok " and reason == "tool_calls"
                 assert calls[0]["function"]["name"] == "get_weather"

@@ -18,6 +18,8 @@ import argparse
 import os
 from typing import Any, Callable, Sequence
 
+import attrs
+
 from core.engine.config import add_engine_args, engine_args_from_namespace  # noqa: F401 (engine_args_from_namespace: re-exported)
 from core.errors import CoreError
 
@@ -308,7 +310,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="parse tool calls from model output: qwen25, llama3, mistral, deepseekv3, pythonic, qwen3_coder, "
                         "kimi_k2, glm45, gpt-oss (any registered tool parser)")
     g.add_argument("--allow-auto-truncate", action="store_true",
-                   help="truncate prompts longer than the context instead of rejecting them")
+                   help="a prompt longer than the context keeps its first context-length - 1 tokens (the tail is "
+                        "dropped, as SGLang does) instead of being rejected; max tokens are cut to what fits. "
+                        "Same rule on /generate, /v1/completions and /v1/chat/completions")
 
     g = s("Data parallelism")
     g.add_argument("--data-parallel-size", "--dp-size", dest="dp_size", type=int, default=1, help="only 1 is supported")
@@ -340,8 +344,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="YAML file of flags (dashes or underscores); command-line flags override it")
 
 
-def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
-    """Hook called by ``core.cli.build_parser``."""
+def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """The ``serve`` sub-parser with every flag (``core.server.launch`` attaches the command)."""
     previous = subparsers._parser_class
     subparsers._parser_class = ServeArgumentParser
     try:
@@ -353,7 +357,7 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
     finally:
         subparsers._parser_class = previous
     add_serve_args(p)
-    p.set_defaults(func=cmd_serve)
+    return p
 
 
 # ---------------------------------------------------------------------------- validation
@@ -395,10 +399,52 @@ def _looks_like_path(s: str) -> bool:
     return "{" not in s and (s.endswith((".jinja", ".j2", ".json", ".txt")) or os.sep in s)
 
 
+# ---------------------------------------------------------------------------- the typed view
+@attrs.frozen
+class ServerArgs:
+    """The serve flags the HTTP layer reads, typed, built once from the parsed namespace
+    (the engine's own flags become ``EngineArgs``)."""
+
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    api_key: str | None = None
+    model_path: str | None = None
+    tokenizer_path: str | None = None
+    log_level: str = "info"
+    skip_server_warmup: bool = False
+    graceful_shutdown_timeout: float = 5.0
+    max_queued_requests: int | None = None
+    stream_interval: int = 1
+    log_requests: bool = False
+    log_requests_level: int = 2
+    enable_metrics: bool = False
+    chat_template: str | None = None
+    file_storage_path: str = "sglang_storage"
+    enable_cache_report: bool = False
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
+    allow_auto_truncate: bool = False
+    flags: dict[str, Any] = attrs.field(factory=dict)  # every serve flag, JSON-able, the key redacted (/get_server_info)
+
+    @classmethod
+    def from_namespace(cls, ns: argparse.Namespace) -> ServerArgs:
+        names = [f.name for f in attrs.fields(cls) if f.name != "flags"]
+        return cls(**{n: getattr(ns, n) for n in names if hasattr(ns, n)}, flags=public_flags(ns))
 
 
-def cmd_serve(ns: argparse.Namespace) -> int:
-    validate_serve_args(ns)
-    from core.server.app import run_server
+def public_flags(ns: argparse.Namespace) -> dict[str, Any]:
+    """The parsed flags, JSON-able, with the API key redacted."""
+    import msgspec
 
-    return run_server(ns)
+    out: dict[str, Any] = {}
+    for k, v in vars(ns).items():
+        if k.startswith("_") or k == "func" or callable(v):
+            continue
+        if k == "api_key" and v is not None:
+            v = "<redacted>"
+        try:
+            msgspec.json.encode(v)
+        except (TypeError, msgspec.EncodeError):
+            v = str(v)
+        out[k] = v
+    return out

@@ -5,27 +5,17 @@ prefill-only forward, pooled as the model's files say)."""
 from __future__ import annotations
 
 import base64
-import json
 import struct
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
 
 from core.errors import InvalidRequest
+from core.server.http import ApiError, json_response, read_body, state_of
 
 
-def _error(status: int, message: str, param: str | None = None, code: str | None = None) -> Response:
-    body = {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": code}}
-    return Response(json.dumps(body), status_code=status, media_type="application/json")
-
-
-def _ok(obj: Any) -> Response:
-    return Response(json.dumps(obj), media_type="application/json")
-
-
-def input_ids_of(engine, inp: Any, param: str = "input") -> tuple[list[list[int]], bool]:
+def input_ids_of(engine: Any, inp: Any, param: str = "input") -> tuple[list[list[int]], bool]:
     """(token id lists, was it a batch) from a string, list of strings, token ids or list of token id lists."""
     def is_ids(x: Any) -> bool:
         return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
@@ -46,79 +36,55 @@ def input_ids_of(engine, inp: Any, param: str = "input") -> tuple[list[list[int]
     return ids, batch
 
 
-async def _body(request: Request) -> Any:
-    try:
-        return json.loads(await request.body())
-    except ValueError:
-        raise InvalidRequest("the request body is not valid JSON") from None
-
-
-def _engine(request: Request):
-    state = getattr(request.app.state, "core", None)
-    return None if state is None else state, None if state is None else state.engine
-
-
 async def openai_embeddings(request: Request) -> Response:
-    state, engine = _engine(request)
-    body = await request.body()
-    if engine is None:
-        return _error(503, "the server is not ready")
+    """OpenAI's /v1/embeddings."""
+    state = state_of(request)
+    engine = state.engine
+    obj = await read_body(request, dict[str, Any])
     if not engine.args.is_embedding:
-        return _error(400, f"The served model '{state.served_model_name}' is a generative model, not an embedding model; "
-                           "/v1/embeddings needs a server started with --is-embedding", "model", "model_not_supported")
-    try:
-        obj = json.loads(body)
-        if not isinstance(obj, dict) or "input" not in obj:
-            raise InvalidRequest("'input' is required", param="input")
-        if obj.get("dimensions") is not None:  # no Matryoshka truncation support for any model yet
-            raise InvalidRequest("dimensions is not supported by the served model", param="dimensions")
-        fmt = obj.get("encoding_format") or "float"
-        if fmt not in ("float", "base64"):
-            raise InvalidRequest("encoding_format must be 'float' or 'base64'", param="encoding_format")
-        ids, _ = input_ids_of(engine, obj["input"])
-        embs = await engine.encode(ids)
-    except ValueError:
-        return _error(400, "the request body is not valid JSON")
-    except InvalidRequest as e:
-        return _error(400, e.message, e.param)
+        raise ApiError(400, f"The served model '{state.served_model_name}' is a generative model, not an embedding model; "
+                            "/v1/embeddings needs a server started with --is-embedding", param="model",
+                       code="model_not_supported")
+    if "input" not in obj:
+        raise InvalidRequest("'input' is required", param="input")
+    if obj.get("dimensions") is not None:  # no Matryoshka truncation support for any model yet
+        raise InvalidRequest("dimensions is not supported by the served model", param="dimensions")
+    fmt = obj.get("encoding_format") or "float"
+    if fmt not in ("float", "base64"):
+        raise InvalidRequest("encoding_format must be 'float' or 'base64'", param="encoding_format")
+    ids, _ = input_ids_of(engine, obj["input"])
+    ids = [state.fit_prompt(i, engine.model_config.context_len) for i in ids]
+    embs = await engine.encode(ids)
     data = [{"object": "embedding", "index": i,
              "embedding": e if fmt == "float" else base64.b64encode(struct.pack(f"<{len(e)}f", *e)).decode()}
             for i, e in enumerate(embs)]
     n = sum(map(len, ids))
-    return _ok({"object": "list", "data": data, "model": state.served_model_name,
-                "usage": {"prompt_tokens": n, "total_tokens": n}})
+    return json_response({"object": "list", "data": data, "model": state.served_model_name,
+                          "usage": {"prompt_tokens": n, "total_tokens": n}})
 
 
 async def _native(request: Request, classify: bool) -> Response:
-    state, engine = _engine(request)
-    if engine is None:
-        return _error(503, "the server is not ready")
-    try:
-        obj = await _body(request)
-        if not engine.args.is_embedding:
-            raise InvalidRequest("this endpoint needs a server started with --is-embedding")
-        if classify and not engine.is_classifier:
-            raise InvalidRequest("the served model has no classification head")
-        if not isinstance(obj, dict):
-            raise InvalidRequest("the request body must be a JSON object")
-        key = "input_ids" if obj.get("input_ids") is not None else "text"
-        ids, batch = input_ids_of(engine, obj.get(key), key)
-        embs = await engine.encode(ids)
-    except InvalidRequest as e:
-        return _error(400, e.message, e.param)
+    state = state_of(request)
+    engine = state.engine
+    obj = await read_body(request, dict[str, Any])
+    if not engine.args.is_embedding:
+        raise InvalidRequest("this endpoint needs a server started with --is-embedding")
+    if classify and not engine.is_classifier:
+        raise InvalidRequest("the served model has no classification head")
+    key = "input_ids" if obj.get("input_ids") is not None else "text"
+    ids, batch = input_ids_of(engine, obj.get(key), key)
+    ids = [state.fit_prompt(i, engine.model_config.context_len) for i in ids]
+    embs = await engine.encode(ids)
     outs = [{"embedding": e, "meta_info": {"prompt_tokens": len(i), "finish_reason": {"type": "length", "length": 0}}}
             for e, i in zip(embs, ids)]
-    return _ok(outs if batch else outs[0])
+    return json_response(outs if batch else outs[0])
 
 
 async def encode(request: Request) -> Response:
+    """SGLang's /encode: the pooled embedding of each prompt."""
     return await _native(request, classify=False)
 
 
 async def classify(request: Request) -> Response:
     """SGLang's /classify: ``embedding`` holds the per-label scores (one for a reward model)."""
     return await _native(request, classify=True)
-
-
-def embedding_routes() -> list[Route]:
-    return [Route("/encode", encode, methods=["POST", "PUT"]), Route("/classify", classify, methods=["POST", "PUT"])]

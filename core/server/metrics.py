@@ -2,7 +2,7 @@
 
 Counters and latency histograms are updated from ``engine.finish_listeners`` and
 ``engine.step_listeners``; the load gauges (running / queued requests, token usage)
-are read from the scheduler and allocator when ``/metrics`` is scraped, so they are
+are read from ``AsyncEngine.load()`` when ``/metrics`` is scraped, so they are
 exact even when the engine is idle (an abort between steps shows at once).
 
 Each ``Metrics`` owns a private ``CollectorRegistry``: several servers (or tests) in
@@ -91,7 +91,7 @@ class Metrics:
         engine.step_listeners.append(self.on_step)
         engine.finish_listeners.append(self.on_finish)
         self.max_total_num_tokens.labels(self.model_name).set(engine.max_total_tokens)
-        self.max_running_requests.labels(self.model_name).set(engine.scheduler.max_running)
+        self.max_running_requests.labels(self.model_name).set(engine.max_running_requests)
 
     # ------------------------------------------------------------------ listeners (loop thread, never raise)
     def on_step(self, batch: ScheduledBatch, duration: float) -> None:
@@ -139,6 +139,13 @@ class Metrics:
         while self._gen_window and now - self._gen_window[0][0] > THROUGHPUT_WINDOW_S:
             self._gen_window.popleft()
 
+    def throughput(self) -> float:
+        """Generated tokens per second over the last ``THROUGHPUT_WINDOW_S`` (0 when disabled)."""
+        now = time.perf_counter()
+        self._trim(now)
+        span = min(THROUGHPUT_WINDOW_S, max(now - self._started, 1e-3))
+        return sum(t for _, t in self._gen_window) / span
+
     # ------------------------------------------------------------------ scrape
     def refresh(self, ready: bool = True) -> None:
         """Read the live load gauges from the engine."""
@@ -147,38 +154,14 @@ class Metrics:
         engine = self._engine
         if engine is None:
             return
-        load = engine_load(engine)
+        load = engine.load()
         self.num_running_reqs.labels(m).set(load["num_running_reqs"])
         self.num_queue_reqs.labels(m).set(load["num_waiting_reqs"])
         self.num_used_tokens.labels(m).set(load["num_used_tokens"])
         self.token_usage.labels(m).set(load["token_usage"])
-        tree = getattr(engine.scheduler, "tree_cache", None)  # cumulative cached / prompt tokens of admitted prefills
-        self.cache_hit_rate.labels(m).set(tree.hit_rate if tree is not None else 0.0)
-        now = time.perf_counter()
-        self._trim(now)
-        span = min(THROUGHPUT_WINDOW_S, max(now - self._started, 1e-3))
-        self.gen_throughput.labels(m).set(sum(t for _, t in self._gen_window) / span)
+        self.cache_hit_rate.labels(m).set(load["cache_hit_rate"])  # cumulative cached / prompt tokens of admitted prefills
+        self.gen_throughput.labels(m).set(self.throughput())
 
     def render(self, ready: bool = True) -> bytes:
         self.refresh(ready)
         return generate_latest(self.registry)
-
-
-def engine_load(engine: AsyncEngine) -> dict:
-    """Running / queued requests and KV pool usage (unused cached prefixes count as free: they are evictable)."""
-    sched, alloc = engine.scheduler, engine.allocator
-    ps = alloc.page_size
-    capacity = alloc.capacity * ps
-    tree = getattr(sched, "tree_cache", None)
-    free = (alloc.num_free + (tree.evictable_pages if tree is not None else 0)) * ps
-    used = capacity - free
-    return {
-        "num_running_reqs": len(sched.running),
-        "num_waiting_reqs": len(sched.waiting),
-        "num_total_reqs": len(sched.running) + len(sched.waiting),
-        "num_used_tokens": used,
-        "num_free_tokens": free,
-        "max_total_num_tokens": capacity,
-        "token_usage": round(used / capacity, 6) if capacity else 0.0,
-        "max_running_requests": sched.max_running,
-    }

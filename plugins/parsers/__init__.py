@@ -20,6 +20,8 @@ def register_tool_parsers(register):
     register("kimi_k2", _T + "KimiK2ToolParser")
     register("glm45", _T + "Glm45ToolParser")
     register("gpt-oss", _T + "GptOssToolParser")
+    # a bare JSON array of {"name", "parameters"}: what tool_choice "required" is constrained to
+    register("json_array", "core_plugins.parsers.json_array:JsonArrayToolParser")
 
 
 @hookimpl

@@ -1,2 +1,3 @@
-"""OpenAI-compatible endpoints: wire structs, chat, completions, logprobs, tool calls,
-files and batches."""
+"""OpenAI-compatible endpoints: ``protocol`` (wire structs), ``job`` (what chat and completions
+share), ``chat``, ``completions``, ``logprobs``, ``tools`` (tool plan and calls), ``files``,
+``batches`` and ``routes`` (the HTTP handlers)."""

@@ -3,20 +3,20 @@
 Unknown-field policy: request Structs **ignore unknown fields** (msgspec's default,
 ``forbid_unknown_fields=False``), as OpenAI-compatible servers such as SGLang and vLLM
 do, so newer clients that send fields this server does not know yet keep working.
-Fields that are known but whose feature this engine lacks (``logit_bias``, structured
-output via ``response_format``/``regex``/``json_schema``/``ebnf``, ``suffix``,
-``best_of`` != ``n``, forced ``tool_choice``) are declared here and rejected with a
-400 by ``core.server.openai.api`` rather than silently ignored.
+Fields that are known but whose feature this engine lacks (``logit_bias``, ``suffix``,
+``best_of`` != ``n``) are declared here and rejected with a 400 by the chat and completions
+modules rather than silently ignored.
 
 Types are checked strictly by msgspec (an int field rejects ``1.0``, ``"1"`` and
 ``true``; a float field accepts ints). Optional numeric fields also accept ``null``,
 which means "use the default", because several client libraries send explicit nulls.
-Range checks live in ``core.server.openai.api`` / ``SamplingParams.validate`` so that every
+Range checks live in ``core.server.openai.job`` / ``SamplingParams.validate`` so that every
 error names the field.
 
-Responses are encoded with ``msgspec.json``; a field whose value is ``UNSET`` is
-left out of the JSON (used for fields that OpenAI only sends in some cases, e.g. the
-chunk ``usage`` without ``stream_options.include_usage``).
+Responses are encoded with ``msgspec.json`` (``core.server.http.json_response``); a field
+whose value is ``UNSET`` is left out of the JSON (used for fields that OpenAI only sends in
+some cases, e.g. the chunk ``usage`` without ``stream_options.include_usage``). The error
+object is ``core.server.http.ErrorBody``.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class _GenerationRequest(Struct, kw_only=True):
     no_stop_trim: bool | None = False
     rid: str | None = None  # SGLang: the request id (for /abort_request); also the response id
     priority: int | None = None  # SGLang: scheduling priority (with --enable-priority-scheduling)
-    # structured output: known, not supported yet (rejected when set)
+    # structured output (at most one; compiled by the grammar backend)
     regex: str | None = None
     json_schema: str | None = None
     ebnf: str | None = None
@@ -69,7 +69,7 @@ class _GenerationRequest(Struct, kw_only=True):
 
 
 class ChatCompletionRequest(_GenerationRequest, kw_only=True):
-    # Messages stay plain dicts: core.server.openai.api validates them with errors naming the
+    # Messages stay plain dicts: core.server.openai.chat validates them with errors naming the
     # message, and passes unknown keys (name, tool_call_id, reasoning_content...) to the template.
     messages: list[dict[str, Any]]
     max_tokens: int | None = None
@@ -105,17 +105,6 @@ class BatchRequest(Struct, kw_only=True):
 
 
 # ----------------------------------------------------------------------------- responses
-
-
-class ErrorDetail(Struct):
-    message: str
-    type: str = "invalid_request_error"
-    param: str | None = None
-    code: str | int | None = None
-
-
-class ErrorResponse(Struct):
-    error: ErrorDetail
 
 
 class PromptTokensDetails(Struct):
@@ -294,6 +283,3 @@ class ListObject(Struct, kw_only=True):
     first_id: str | None = None
     last_id: str | None = None
     has_more: bool = False
-
-
-encoder = msgspec.json.Encoder()

@@ -1,4 +1,5 @@
-"""Tool calls and reasoning in chat completions, plus SGLang's /parse_function_call and /separate_reasoning.
+"""Tool calls and reasoning in chat completions: the tool plan of a request and the
+per-choice post-processor that applies it.
 
 * ``tool_choice``: ``none`` (tools hidden from the template, output is text), ``auto`` (the
   ``--tool-call-parser`` finds calls in the text), ``required`` and ``{"type": "function",
@@ -6,12 +7,16 @@
   call always parses and validates. With a ``--tool-call-parser`` whose parser describes its
   format (``structural_tag``) and the xgrammar backend, the constraint is the model's NATIVE
   call format (one or more calls; one when ``parallel_tool_calls`` is false; only the named
-  function) with arguments matching each tool's schema, and the parser reads the calls back,
+  function) with arguments matching each tool's schema, and that parser reads the calls back,
   streamed incrementally. Otherwise, as SGLang does, a JSON array of ``{"name", "parameters"}``
-  (one item at most when ``parallel_tool_calls`` is false) or the named function's parameter
-  schema; this works with any model and needs no parser, and streams incrementally too.
+  (one item at most when ``parallel_tool_calls`` is false), read back by the ``json_array``
+  tool parser (a built-in plugin), or the named function's parameter schema; this works with
+  any model and streams incrementally too.
 * With ``--reasoning-parser`` and ``separate_reasoning`` (default true), reasoning goes to
   ``reasoning_content`` (``delta.reasoning_content`` when streaming) and is not searched for calls.
+
+:func:`plan_tools` decides all of this once per request (:class:`ToolPlan`); every choice's
+:class:`ChoicePost` is built from the plan.
 """
 
 from __future__ import annotations
@@ -20,8 +25,12 @@ import json
 import uuid
 from typing import Any
 
-from core.errors import InvalidRequest
+import attrs
+
+from core.errors import CoreError, InvalidRequest
 from core.interfaces import ToolCall
+
+JSON_ARRAY_PARSER = "json_array"  # the tool parser that reads SGLang's constrained ``required`` output
 
 
 def _check(ok: bool, message: str, param: str) -> None:
@@ -61,17 +70,6 @@ def _params_schema(tool: dict) -> Any:
     return (tool.get("function") or {}).get("parameters") or {"type": "object", "properties": {}}
 
 
-def native_tool_parser(state: Any) -> Any:
-    """The ``--tool-call-parser`` class when required / named tool_choice can use its native format
-    (the parser has ``structural_tag`` and the grammar backend is xgrammar), else None."""
-    tp = getattr(state.args, "tool_call_parser", None)
-    grammar = getattr(state.engine, "grammar", None)
-    if not tp or grammar is None or getattr(grammar, "name", None) != "xgrammar":
-        return None
-    cls = state.engine.plugins.resolve("tool_parser", tp)
-    return cls if callable(getattr(cls, "structural_tag", None)) else None
-
-
 def tool_constraint(r: Any, mode: str, name: str | None, parser: Any = None) -> tuple[str, str] | None:
     """(constraint kind, spec) the output is constrained to for required / named tool_choice:
     the native call format of ``parser`` (a tool-parser class) when it describes one, else
@@ -93,6 +91,63 @@ def tool_constraint(r: Any, mode: str, name: str | None, parser: Any = None) -> 
             schema["maxItems"] = 1
         return "json_schema", json.dumps(schema)
     return None
+
+
+@attrs.frozen
+class ToolPlan:
+    """How one chat request's tools and reasoning are handled, decided once by :func:`plan_tools`."""
+
+    mode: str  # none / auto / required / named (as the request asked)
+    name: str | None = None  # the named function
+    constraint: tuple[str, str] | None = None  # (SamplingParams field, spec) the output is constrained to
+    tool_parser: Any = None  # the tool-parser class that reads calls out of the output; None: text only
+    named_args: bool = False  # named tool_choice under SGLang's schema: the whole output is the arguments
+    reasoning_parser: Any = None  # the reasoning-parser class; None: no reasoning_content
+
+    @property
+    def hides_tools(self) -> bool:
+        """The chat template gets no tools (``tool_choice: "none"`` or none given)."""
+        return self.mode == "none"
+
+
+def _resolve(state: Any, kind: str, name: str, why: str) -> Any:
+    try:
+        return state.engine.plugins.resolve(kind, name)
+    except CoreError as e:
+        raise InvalidRequest(f"{why}, but the {kind} {name!r} is not available: {e}", param="tool_choice") from None
+
+
+def _native_parser(state: Any) -> Any:
+    """The ``--tool-call-parser`` class when it can describe its own format to the grammar
+    backend (it has ``structural_tag`` and the backend is xgrammar), else None."""
+    tp = state.args.tool_call_parser
+    grammar = getattr(state.engine, "grammar", None)
+    if not tp or grammar is None or getattr(grammar, "name", None) != "xgrammar":
+        return None
+    cls = state.engine.plugins.resolve("tool_parser", tp)
+    return cls if callable(getattr(cls, "structural_tag", None)) else None
+
+
+def plan_tools(state: Any, r: Any) -> ToolPlan:
+    """Validate ``tools`` / ``tool_choice`` and decide the constraint and the parsers."""
+    mode, name = tool_mode(r)
+    args, plugins = state.args, state.engine.plugins
+    reasoning = None
+    if args.reasoning_parser and r.separate_reasoning is not False:
+        reasoning = plugins.resolve("reasoning_parser", args.reasoning_parser)
+    if mode in ("required", "named"):
+        native = _native_parser(state)
+        constraint = tool_constraint(r, mode, name, native)
+        if constraint is not None and constraint[0] == "structural_tag":  # the model's own format: its parser reads it
+            return ToolPlan(mode, name, constraint, tool_parser=native, reasoning_parser=reasoning)
+        if mode == "named":
+            return ToolPlan(mode, name, constraint, named_args=True, reasoning_parser=reasoning)
+        parser = _resolve(state, "tool_parser", JSON_ARRAY_PARSER, "tool_choice 'required' is read back as a JSON array")
+        return ToolPlan(mode, name, constraint, tool_parser=parser, reasoning_parser=reasoning)
+    parser = None
+    if mode == "auto" and args.tool_call_parser and r.tools:
+        parser = plugins.resolve("tool_parser", args.tool_call_parser)
+    return ToolPlan(mode, name, None, tool_parser=parser, reasoning_parser=reasoning)
 
 
 def _call_dict(call: ToolCall, index: int, with_id: bool = True) -> dict:
@@ -137,41 +192,21 @@ class _NamedArgs:
         return "", []
 
 
-def _JsonArray() -> Any:
-    """Required tool_choice under SGLang's JSON constraint: ``[{"name", "parameters"}, ...]``,
-    read (and streamed) by the mistral parser's array scanner without its ``[TOOL_CALLS]`` prefix."""
-    from core_plugins.parsers.tools import MistralToolParser
-
-    class JsonArrayToolParser(MistralToolParser):
-        def find_start(self, text: str, i: int) -> tuple[int, int]:
-            s = len(text) - len(text.lstrip())
-            return (s, s) if i == 0 and text[s:s + 1] == "[" else (-1, -1)
-
-        def hold_back(self, text: str, i: int) -> int:
-            return len(text) - i if i == 0 and not text.strip() else 0
-
-    return JsonArrayToolParser()
-
-
 class ChoicePost:
-    """Turns one choice's text into (reasoning, content, tool calls), whole or streamed."""
+    """Turns one choice's text into (reasoning, content, tool calls), whole or streamed, as ``plan`` says."""
 
-    def __init__(self, state: Any, r: Any, mode: str, name: str | None, native: bool = False) -> None:
-        self.r, self.mode, self.name = r, mode, name
-        args = state.args
-        plugins = state.engine.plugins
-        rp = getattr(args, "reasoning_parser", None)
+    def __init__(self, plan: ToolPlan, r: Any) -> None:
+        self.r = r
         self.reasoning = None
-        if rp and r.separate_reasoning is not False:
-            self.reasoning = plugins.resolve("reasoning_parser", rp)()
+        if plan.reasoning_parser is not None:
+            self.reasoning = plan.reasoning_parser()
             if hasattr(self.reasoning, "configure"):  # e.g. qwen3 with enable_thinking false
                 self.reasoning.configure(getattr(r, "chat_template_kwargs", None) or {})
-        tp = getattr(args, "tool_call_parser", None)
-        if native:  # required / named constrained to the parser's own format: it reads the calls back
-            self.mode = "auto"
-        self.tools = plugins.resolve("tool_parser", tp)() if tp and self.mode == "auto" and r.tools else None
-        if self.mode in ("required", "named"):  # SGLang's JSON constraint, streamed incrementally
-            self.tools = _NamedArgs(name) if self.mode == "named" else _JsonArray()
+        self.tools: Any = None
+        if plan.named_args:
+            self.tools = _NamedArgs(plan.name)
+        elif plan.tool_parser is not None:
+            self.tools = plan.tool_parser()
         self.n_calls = 0
 
     def full(self, text: str, reason: str | None) -> tuple[str | None, str | None, list[dict] | None, str | None]:
@@ -205,60 +240,3 @@ class ChoicePost:
                 self.n_calls = max(self.n_calls, c.index + 1)
             delta = text
         return reasoning, delta, out
-
-
-# ----------------------------------------------------------------------------- native endpoints
-
-
-async def parse_function_call(request: Any) -> Any:
-    """SGLang's /parse_function_call: {text, tool_call_parser, tools} -> {normal_text, calls}."""
-    from core.server.openai.api import _state, error_response
-    from starlette.responses import JSONResponse
-
-    try:
-        body = json.loads(await request.body() or b"null")
-        _check(isinstance(body, dict), "the request body must be a JSON object", "body")
-        text, parser, tools = body.get("text"), body.get("tool_call_parser"), body.get("tools") or []
-        _check(isinstance(text, str), "text must be a string", "text")
-        state = _state(request)
-        name = parser or getattr(state.args, "tool_call_parser", None)
-        _check(isinstance(name, str) and name in state.engine.plugins.names("tool_parser"),
-               f"unknown tool_call_parser {name!r}; registered: {', '.join(state.engine.plugins.names('tool_parser'))}",
-               "tool_call_parser")
-        normal, calls = state.engine.plugins.resolve("tool_parser", name)().parse(text, tools)
-        return JSONResponse({"normal_text": normal, "calls": [
-            {"tool_index": c.index, "name": c.name, "parameters": c.arguments} for c in calls]})
-    except InvalidRequest as e:
-        return error_response(400, e.message, param=e.param)
-    except ValueError as e:
-        return error_response(400, f"the request body is not valid JSON: {e}")
-
-
-async def separate_reasoning(request: Any) -> Any:
-    """SGLang's /separate_reasoning: {text, reasoning_parser} -> {text, reasoning_text}."""
-    from core.server.openai.api import _state, error_response
-    from starlette.responses import JSONResponse
-
-    try:
-        body = json.loads(await request.body() or b"null")
-        _check(isinstance(body, dict), "the request body must be a JSON object", "body")
-        text, parser = body.get("text"), body.get("reasoning_parser")
-        _check(isinstance(text, str), "text must be a string", "text")
-        state = _state(request)
-        name = parser or getattr(state.args, "reasoning_parser", None)
-        names = state.engine.plugins.names("reasoning_parser")
-        _check(isinstance(name, str) and name in names, f"unknown reasoning_parser {name!r}; registered: {', '.join(names)}",
-               "reasoning_parser")
-        reasoning, content = state.engine.plugins.resolve("reasoning_parser", name)().parse(text)
-        return JSONResponse({"text": content, "reasoning_text": reasoning})
-    except InvalidRequest as e:
-        return error_response(400, e.message, param=e.param)
-    except ValueError as e:
-        return error_response(400, f"the request body is not valid JSON: {e}")
-
-
-def function_call_routes() -> list:
-    from starlette.routing import Route
-
-    return [Route("/parse_function_call", parse_function_call, methods=["POST"]),
-            Route("/separate_reasoning", separate_reasoning, methods=["POST"])]

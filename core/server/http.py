@@ -1,0 +1,216 @@
+"""The HTTP toolkit every endpoint shares: one error object, one way to read a body,
+one JSON and one SSE response, one state getter, one disconnect watcher, the API-key check.
+
+Errors are OpenAI-shaped everywhere: ``{"error": {"message", "type", "param", "code"}}``;
+``code`` defaults to the HTTP status and ``type`` to ``invalid_request_error`` below 500
+and ``server_error`` from 500, as SGLang answers. :func:`api_error` is the one mapping
+from an exception to that object: the app's exception handlers, the in-band errors of
+streams and the batch runner all go through it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import re
+from typing import Any, AsyncIterator, Callable
+
+import msgspec
+import structlog
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from core.errors import CoreError, InvalidRequest
+from core.server.state import ServerState, ServiceUnavailable
+
+log = structlog.get_logger("core.server.http")
+
+encoder = msgspec.json.Encoder()
+
+
+# ---------------------------------------------------------------------------- the error object
+class ErrorDetail(msgspec.Struct):
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorBody(msgspec.Struct):
+    error: ErrorDetail
+
+
+class ApiError(Exception):
+    """An error answered as OpenAI's error object with an HTTP status."""
+
+    def __init__(self, status: int, message: str, type_: str | None = None, param: str | None = None,
+                 code: str | int | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+        self.type = type_ or ("invalid_request_error" if status < 500 else "server_error")
+        self.code = status if code is None else code
+
+    def body(self) -> ErrorBody:
+        return ErrorBody(ErrorDetail(self.message, self.type, self.param, self.code))
+
+    def to_dict(self) -> dict[str, Any]:
+        return msgspec.to_builtins(self.body())
+
+    def response(self) -> Response:
+        return json_response(self.body(), self.status)
+
+
+def error_response(status: int, message: str, type_: str | None = None, param: str | None = None,
+                   code: str | int | None = None) -> Response:
+    """OpenAI's error JSON with ``status``."""
+    return ApiError(status, message, type_, param, code).response()
+
+
+def api_error(exc: BaseException) -> ApiError:
+    """The one mapping from an exception to the error a client sees: a bad request is a 400
+    naming the field, a full queue or a shutdown a 503, anything unexpected a 500."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, InvalidRequest):
+        return ApiError(400, exc.message, param=exc.param)
+    if isinstance(exc, ServiceUnavailable):
+        return ApiError(503, str(exc))
+    if isinstance(exc, msgspec.ValidationError):
+        return api_error(_validation_error(exc))
+    if isinstance(exc, msgspec.DecodeError):
+        return ApiError(400, f"the request body is not valid JSON: {exc}")
+    if isinstance(exc, CoreError):
+        return ApiError(400, str(exc))
+    return ApiError(500, f"internal server error: {type(exc).__name__}: {exc}")
+
+
+# ---------------------------------------------------------------------------- responses
+def json_response(obj: Any, status: int = 200) -> Response:
+    """Any msgspec-encodable value (Structs, dicts, lists) as JSON."""
+    return Response(encoder.encode(obj), status_code=status, media_type="application/json")
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def sse_event(obj: Any) -> bytes:
+    """One server-sent event: ``data: {json}\\n\\n``."""
+    return b"data: " + encoder.encode(obj) + b"\n\n"
+
+
+def sse_error(exc: BaseException) -> bytes:
+    """An error reported in-band, once the stream's status line has been sent."""
+    return sse_event(api_error(exc).body())
+
+
+class EventStream(StreamingResponse):
+    """A server-sent event stream. The body generator is closed in every case (also when the
+    client went away and starlette cancelled the send loop), so its ``finally`` aborts the
+    engine requests behind it."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[bytes]) -> None:
+        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+# ---------------------------------------------------------------------------- request bodies
+_PARAM_RE = re.compile(r"at `\$\.?([^`]*)`")
+_FIELD_RE = re.compile(r"(?:required|unknown) field `([^`]+)`")
+
+
+def decode_body(body: bytes, typ: Any = Any) -> Any:
+    """JSON bytes -> ``typ`` (a msgspec Struct, ``dict``...); every failure is an InvalidRequest."""
+    if not body.strip():
+        raise InvalidRequest("the request body is empty; send a JSON object")
+    try:
+        return msgspec.json.decode(body, type=typ)
+    except msgspec.ValidationError as e:
+        raise _validation_error(e) from None
+    except msgspec.DecodeError as e:
+        raise InvalidRequest(f"the request body is not valid JSON: {e}") from None
+
+
+async def read_body(request: Request, typ: Any = Any) -> Any:
+    """The request's JSON body decoded into ``typ`` (see :func:`decode_body`)."""
+    return decode_body(await request.body(), typ)
+
+
+def convert_body(obj: Any, typ: Any) -> Any:
+    """An already-parsed JSON value (a batch line's body) -> ``typ``."""
+    try:
+        return msgspec.convert(obj, typ)
+    except msgspec.ValidationError as e:
+        raise _validation_error(e) from None
+
+
+def _validation_error(e: msgspec.ValidationError) -> InvalidRequest:
+    text = str(e)
+    m = _PARAM_RE.search(text) or _FIELD_RE.search(text)
+    if "Expected `object`" in text and (m is None or not m.group(1)):
+        return InvalidRequest("the request body must be a JSON object")
+    if text.startswith("Object missing required field") and m is not None:
+        return InvalidRequest(f"'{m.group(1)}' is a required property", param=m.group(1))
+    param = m.group(1).split("[")[0].split(".")[0] if m and m.group(1) else None
+    return InvalidRequest(f"invalid request: {text}", param=param or None)
+
+
+# ---------------------------------------------------------------------------- state, disconnects
+def state_of(request: Request) -> ServerState:
+    """The server's state (``app.state.core``); a 503 before the server has one."""
+    state = getattr(request.app.state, "core", None)
+    if state is None:
+        raise ApiError(503, "the server is not ready")
+    return state
+
+
+async def watch_disconnect(request: Request, on_disconnect: Callable[[], None]) -> None:
+    """Wait for the client to go away (after the body was read), then call ``on_disconnect``."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            on_disconnect()
+            return
+
+
+@contextlib.asynccontextmanager
+async def abort_on_disconnect(request: Request, abort: Callable[[], None]) -> AsyncIterator[None]:
+    """Around a non-streaming generation: ``abort`` runs if the client disconnects meanwhile."""
+    watcher = asyncio.create_task(watch_disconnect(request, abort))
+    try:
+        yield
+    finally:
+        watcher.cancel()
+
+
+# ---------------------------------------------------------------------------- auth
+class ApiKeyMiddleware:
+    """``Authorization: Bearer <key>`` on every endpoint except /health; constant-time compare."""
+
+    OPEN_PATHS = frozenset({"/health"})
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app = app
+        self._key = api_key.encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["method"] != "OPTIONS" and scope["path"] not in self.OPEN_PATHS:
+            auth = b""
+            for name, value in scope["headers"]:
+                if name == b"authorization":
+                    auth = value
+            scheme, _, token = auth.strip().partition(b" ")
+            if not (hmac.compare_digest(token.strip(), self._key) and scheme.lower() == b"bearer"):
+                resp = error_response(401, "Invalid or missing API key; send 'Authorization: Bearer <key>'.",
+                                      code="invalid_api_key")
+                resp.headers["WWW-Authenticate"] = "Bearer"
+                await resp(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

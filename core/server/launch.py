@@ -1,0 +1,149 @@
+"""``core serve``: build the engine, serve the app on hypercorn, shut down cleanly.
+
+One asyncio event loop runs hypercorn and the engine's scheduler; the forward runs on the
+engine's worker thread. The engine is built (synchronously) before serving; a warm-up
+generate runs before /health reports ready. On SIGINT/SIGTERM the server stops accepting
+connections, lets running requests finish for ``--graceful-shutdown-timeout`` seconds,
+aborts the rest, stops running batches and exits 0 (a second signal skips the wait).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import socket
+import time
+
+import structlog
+
+from core.errors import CoreError
+from core.server.args import ServerArgs, add_serve_parser, validate_serve_args
+
+log = structlog.get_logger("core.server.launch")
+
+SHUTDOWN_ABORT_MESSAGE = "the server shut down before the request finished"
+
+
+def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
+    """The ``serve`` sub-command (called by ``core.cli.build_parser``)."""
+    add_serve_parser(subparsers).set_defaults(func=cmd_serve)
+
+
+def cmd_serve(ns: argparse.Namespace) -> int:
+    validate_serve_args(ns)
+    return run_server(ns)
+
+
+def run_server(ns: argparse.Namespace) -> int:
+    """Serve until a signal, shut down cleanly; returns the exit status."""
+    return asyncio.run(_serve(ns))
+
+
+def _bind(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+def _check_bind(host: str, port: int) -> None:
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as e:
+        raise CoreError(f"cannot resolve --host {host}: {e}") from None
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(addr)
+        except OSError as e:
+            raise CoreError(f"cannot listen on {_bind(host, port)}: {e.strerror or e}") from None
+
+
+async def _serve(ns: argparse.Namespace) -> int:
+    # the HTTP stack and torch load here, not when the CLI builds its parser
+    from hypercorn.asyncio import serve
+    from hypercorn.config import Config
+
+    from core.engine.async_engine import AsyncEngine
+    from core.engine.config import engine_args_from_namespace
+    from core.server.app import create_app
+    from core.server.native import run_internal_generate
+    from core.server.openai.batches import shutdown_batches
+    from core.server.state import build_state
+
+    args = ServerArgs.from_namespace(ns)
+    loop = asyncio.get_running_loop()
+    _check_bind(args.host, args.port)  # fail before the model loads
+    engine = AsyncEngine(engine_args_from_namespace(ns, getattr(ns, "_plugin_dests", ())),
+                         plugins=getattr(ns, "_plugin_manager", None))
+    state = build_state(engine, args)
+    app = create_app(state)
+
+    grace = float(args.graceful_shutdown_timeout)
+    config = Config()
+    config.bind = [_bind(args.host, args.port)]
+    config.accesslog = None
+    config.loglevel = "WARNING" if args.log_level in ("warning", "error", "critical") else args.log_level.upper()
+    config.graceful_timeout = grace + 5.0
+    config.keep_alive_timeout = 75.0
+
+    stop = asyncio.Event()
+    force = asyncio.Event()
+    exit_code = 0
+
+    def on_signal(signame: str) -> None:
+        if stop.is_set():
+            log.warning("server.force_shutdown", signal=signame)
+            force.set()
+        else:
+            log.info("server.shutting_down", signal=signame, grace_s=grace)
+            stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal, sig.name)
+
+    async def warmup() -> None:
+        nonlocal exit_code
+        try:
+            if not args.skip_server_warmup:
+                t0 = time.perf_counter()
+                if not await run_internal_generate(state, "WARMUP_", max_new_tokens=4, timeout=600):
+                    raise RuntimeError("the warm-up generate produced no tokens")
+                log.info("server.warmup_done", seconds=round(time.perf_counter() - t0, 3))
+            state.ready = True
+            log.info("server.ready", url=f"http://{_bind(args.host, args.port)}", model=state.served_model_name)
+        except Exception as e:
+            log.error("server.warmup_failed", error=f"{type(e).__name__}: {e}")
+            exit_code = 1
+            stop.set()
+
+    async def drain() -> None:
+        """After the signal: let running requests finish for `grace` seconds, then abort the rest."""
+        await stop.wait()
+        state.shutting_down = True
+        state.ready = False
+        deadline = loop.time() + grace
+        while engine.has_work() and loop.time() < deadline and not force.is_set():
+            await asyncio.sleep(0.05)
+        aborted = engine.abort_all(SHUTDOWN_ABORT_MESSAGE)
+        if aborted:
+            log.info("server.aborting_requests", count=aborted)
+
+    warm_task = asyncio.create_task(warmup())
+    drain_task = asyncio.create_task(drain())
+    try:
+        await serve(app, config, shutdown_trigger=stop.wait)  # type: ignore[arg-type]
+    except OSError as e:
+        raise CoreError(f"cannot listen on {_bind(args.host, args.port)}: {e}") from None
+    finally:
+        stop.set()
+        warm_task.cancel()
+        try:
+            await asyncio.wait_for(drain_task, grace + 1.0)
+        except (asyncio.TimeoutError, asyncio.CancelledError):
+            pass
+        await shutdown_batches(app)
+        await engine.shutdown()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+    log.info("server.stopped", exit_code=exit_code)
+    return exit_code

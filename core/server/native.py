@@ -1,0 +1,455 @@
+"""SGLang's native endpoints: /generate, health, model and server info, loads, cache flush,
+request abort, weight updates and /metrics. Bodies and errors as SGLang's ``http_server``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator, Callable
+
+import msgspec
+import structlog
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response
+
+from core.engine.request import Req
+from core.engine.sampling_params import SamplingParams
+from core.errors import InvalidRequest
+from core.server.http import (
+    EventStream,
+    SSE_DONE,
+    abort_on_disconnect,
+    json_response,
+    read_body,
+    sse_error,
+    sse_event,
+    state_of,
+)
+from core.server.metrics import CONTENT_TYPE
+from core.server.state import ServerState
+
+log = structlog.get_logger("core.server.native")
+
+VERSION = "0.1.0"
+HEALTH_GENERATE_TIMEOUT_S = 20.0
+LOG_TRUNCATE = 2048
+
+
+# ---------------------------------------------------------------------------- /generate
+class GenerateReqInput(msgspec.Struct, forbid_unknown_fields=True):
+    """SGLang's GenerateReqInput (the fields this engine serves)."""
+
+    text: str | list[str] | None = None
+    input_ids: list[int | list[int]] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    rid: str | list[str] | None = None
+    return_logprob: bool | list[bool] | None = None
+    logprob_start_len: int | list[int] | None = None
+    top_logprobs_num: int | list[int] | None = None
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+    log_metrics: bool = True
+    # SGLang fields for features core does not have: accepted only when unset.
+    image_data: Any = None
+    video_data: Any = None
+    audio_data: Any = None
+    input_embeds: Any = None
+    lora_path: Any = None
+    lora_id: Any = None
+    custom_logit_processor: Any = None
+    session_params: Any = None
+    return_hidden_states: Any = None
+    token_ids_logprob: Any = None
+    bootstrap_host: Any = None
+    bootstrap_port: Any = None
+    bootstrap_room: Any = None
+    data_parallel_rank: Any = None
+    priority: Any = None
+    modalities: Any = None
+
+
+_UNSUPPORTED_GENERATE_FIELDS = (
+    "image_data", "video_data", "audio_data", "input_embeds", "lora_path", "lora_id", "custom_logit_processor",
+    "session_params", "return_hidden_states", "token_ids_logprob", "bootstrap_host", "bootstrap_port", "bootstrap_room",
+    "data_parallel_rank", "modalities",
+)
+
+
+def _per_item(value: Any, n: int, name: str, default: Any) -> list:
+    if value is None:
+        return [default] * n
+    if isinstance(value, list):
+        if len(value) != n:
+            raise InvalidRequest(f"{name} has {len(value)} entries but there are {n} prompts", param=name)
+        return [default if v is None else v for v in value]
+    return [value] * n
+
+
+def _sampling_params(d: dict | None) -> tuple[SamplingParams, int | None]:
+    """SamplingParams from a request dict (None values mean 'default'), plus a per-request stream_interval."""
+    d = {k: v for k, v in (d or {}).items() if v is not None}
+    interval = d.pop("stream_interval", None)
+    if interval is not None and (not isinstance(interval, int) or isinstance(interval, bool) or interval < 1):
+        raise InvalidRequest("stream_interval must be an integer >= 1", param="stream_interval")
+    return SamplingParams.from_dict(d), interval
+
+
+def build_generate_requests(state: ServerState, obj: GenerateReqInput) -> tuple[list[Req], bool, int | None]:
+    """Validate a /generate body and build its engine requests (nothing is submitted)."""
+    engine = state.engine
+    for name in _UNSUPPORTED_GENERATE_FIELDS:
+        v = getattr(obj, name)
+        if v not in (None, False, [], {}):
+            raise InvalidRequest(f"{name} is not supported by this server", param=name)
+    if obj.text is not None and obj.input_ids is not None:
+        raise InvalidRequest("send either text or input_ids, not both", param="text")
+    if obj.text is None and obj.input_ids is None:
+        raise InvalidRequest("either text or input_ids is required", param="text")
+    if obj.text is not None:
+        batch = isinstance(obj.text, list)
+        prompts: list = obj.text if batch else [obj.text]
+        if batch and not prompts:
+            raise InvalidRequest("text is an empty list", param="text")
+        for p in prompts:
+            if p == "":
+                raise InvalidRequest("text is empty", param="text")
+        is_ids = False
+    else:
+        ids = obj.input_ids
+        batch = bool(ids) and isinstance(ids[0], list)
+        if batch and not all(isinstance(x, list) for x in ids):
+            raise InvalidRequest("input_ids must be a list of ints or a list of lists of ints", param="input_ids")
+        if not batch and not all(isinstance(x, int) for x in ids):
+            raise InvalidRequest("input_ids must be a list of ints or a list of lists of ints", param="input_ids")
+        prompts = ids if batch else [ids]
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise InvalidRequest("input_ids is empty", param="input_ids")
+        is_ids = True
+    n = len(prompts)
+    sps = _per_item(obj.sampling_params, n, "sampling_params", {})
+    if obj.rid is not None and isinstance(obj.rid, list) and not batch:
+        raise InvalidRequest("rid is a list but there is a single prompt", param="rid")
+    rids = _per_item(obj.rid, n, "rid", None) if isinstance(obj.rid, list) else (
+        [obj.rid] if not batch else [None if obj.rid is None else f"{obj.rid}-{i}" for i in range(n)])
+    lps = _per_item(obj.return_logprob, n, "return_logprob", False)
+    starts = _per_item(obj.logprob_start_len, n, "logprob_start_len", -1)
+    tops = _per_item(obj.top_logprobs_num, n, "top_logprobs_num", 0)
+    prios = _per_item(obj.priority, n, "priority", None)
+    reqs: list[Req] = []
+    interval = None
+    for i, p in enumerate(prompts):
+        params, iv = _sampling_params(sps[i])
+        interval = iv if iv is not None else interval
+        token_ids = engine.tokenize(None if is_ids else p, p if is_ids else None)
+        token_ids = state.fit_prompt(token_ids)
+        rid = rids[i]
+        if rid is not None and (engine.has_request(rid) or any(r.rid == rid for r in reqs)):
+            raise InvalidRequest(f"a request with rid {rid!r} is already running", param="rid")
+        reqs += engine.make_requests(token_ids, params, rid or uuid.uuid4().hex, bool(lps[i]), starts[i], tops[i],
+                                     priority=prios[i])
+    return reqs, batch, interval
+
+
+def _fmt_token_lps(items: list, texts: dict[int, str] | None) -> list:
+    out = []
+    for lp, tid in items:
+        out.append([lp, tid, texts.get(tid)] if texts is not None else [lp, tid])
+    return out
+
+
+def _fmt_top_lps(items: list, texts: dict[int, str] | None) -> list:
+    # engine order is (token_id, logprob); SGLang's is (logprob, token_id[, text])
+    return [[([lp, tid, texts.get(tid)] if texts is not None else [lp, tid]) for tid, lp in (pos or [])] for pos in items]
+
+
+def output_of(state: ServerState, req: Req, with_text: bool, index: int | None = None) -> dict:
+    """SGLang's /generate output: text, output_ids, meta_info (logprobs as [logprob, token_id(, text)])."""
+    meta = req.meta_info()
+    if req.return_logprob:
+        texts = None
+        if with_text:
+            tok = state.engine.tokenizer
+            ids: set[int] = set()
+            for key in ("output_token_logprobs", "input_token_logprobs"):
+                ids.update(t for _, t in meta.get(key, []))
+            for key in ("output_top_logprobs", "input_top_logprobs"):
+                for pos in meta.get(key, []):
+                    ids.update(t for t, _ in (pos or []))
+            order = sorted(ids)
+            texts = dict(zip(order, [tok.decode([t]) for t in order])) if tok is not None else {t: None for t in order}
+        for key in ("output_token_logprobs", "input_token_logprobs"):
+            if key in meta:
+                meta[key] = _fmt_token_lps(meta[key], texts)
+        for key in ("output_top_logprobs", "input_top_logprobs"):
+            if key in meta:
+                meta[key] = _fmt_top_lps(meta[key], texts)
+    out = {"text": req.text, "output_ids": list(req.output_ids), "meta_info": meta}
+    if index is not None:
+        out["index"] = index
+    return out
+
+
+async def _stream_reqs(engine: AsyncEngine, reqs: list[Req]) -> AsyncIterator[tuple[int, Req]]:
+    """(index, request) after each of its steps until all finish; closing this aborts unfinished ones."""
+    async for i, _ in engine.stream_many(reqs):
+        yield i, reqs[i]
+
+
+def _log_received(state: ServerState, reqs: list[Req], body: Any) -> None:
+    if not state.args.log_requests:
+        return
+    level = state.args.log_requests_level
+    fields: dict[str, Any] = {"rids": [r.rid for r in reqs], "prompt_tokens": [len(r.prompt_ids) for r in reqs]}
+    if level >= 1:
+        fields["sampling_params"] = getattr(body, "sampling_params", None)
+    if level >= 2:
+        text = getattr(body, "text", None)
+        if text is None:
+            text = getattr(body, "input_ids", None)
+        fields["input"] = _clip(text, level)
+    log.info("request.received", **fields)
+
+
+def _clip(v: Any, level: int) -> Any:
+    if level >= 3 or v is None:
+        return v
+    s = v if isinstance(v, str) else json.dumps(v)
+    return s if len(s) <= LOG_TRUNCATE else s[:LOG_TRUNCATE] + f"...(+{len(s) - LOG_TRUNCATE} chars)"
+
+
+def request_logger(state: ServerState) -> Callable[[Req], None]:
+    """A finish listener that logs each request's output (``--log-requests``)."""
+    level = state.args.log_requests_level
+
+    def on_finish(req: Req) -> None:
+        if req.rid.startswith(("HEALTH_CHECK_", "WARMUP_")):
+            return
+        try:
+            fields: dict[str, Any] = {"rid": req.rid, "completion_tokens": len(req.output_ids),
+                                      "finish_reason": req.finish_reason}
+            if level >= 2:
+                fields["output"] = _clip(req.text if req.detokenizer is not None else list(req.output_ids), level)
+            log.info("request.output", **fields)
+        except Exception:  # logging must never break serving
+            pass
+
+    return on_finish
+
+
+async def generate(request: Request) -> Response:
+    state = state_of(request)
+    obj = await read_body(request, GenerateReqInput)
+    reqs, batch, req_interval = build_generate_requests(state, obj)
+    await state.engine.prepare_grammars(reqs)  # constrained requests: compile off the loop (400 if invalid)
+    state.submit(reqs)
+    _log_received(state, reqs, obj)
+    engine = state.engine
+    with_text = obj.return_text_in_logprobs
+    multi = len(reqs) > 1
+
+    def abort_unfinished() -> None:
+        for r in reqs:
+            if not r.finished:
+                engine.abort(r.rid)
+
+    if obj.stream:
+        interval = req_interval or max(1, state.args.stream_interval)
+
+        async def body() -> AsyncIterator[bytes]:
+            sent = [0] * len(reqs)
+            final_sent = [False] * len(reqs)
+            updates = _stream_reqs(engine, reqs)
+            try:
+                async for i, r in updates:
+                    n = len(r.output_ids)
+                    if final_sent[i] or (not r.finished and n - sent[i] < interval):
+                        continue
+                    sent[i], final_sent[i] = n, r.finished
+                    yield sse_event(output_of(state, r, with_text, i if multi else None))
+                # a request can finish between two updates the consumer saw: always end with its final state
+                for i, r in enumerate(reqs):
+                    if r.finished and not final_sent[i]:
+                        final_sent[i] = True
+                        yield sse_event(output_of(state, r, with_text, i if multi else None))
+            except Exception as e:  # mid-stream: the status line is gone, report in-band
+                log.error("server.stream_failed", error=f"{type(e).__name__}: {e}", exc_info=e)
+                yield sse_error(e)
+            finally:
+                await updates.aclose()  # aborts whatever has not finished (client gone, cancelled)
+            yield SSE_DONE
+
+        return EventStream(body())
+
+    try:
+        async with abort_on_disconnect(request, abort_unfinished):
+            await asyncio.gather(*(engine.drain(r) for r in reqs))
+    finally:
+        abort_unfinished()
+    outs = [output_of(state, r, with_text) for r in reqs]
+    return json_response(outs if batch or multi else outs[0])
+
+
+# ---------------------------------------------------------------------------- other native endpoints
+async def health(request: Request) -> Response:
+    state = state_of(request)
+    if state.ready and not state.shutting_down:
+        return Response(status_code=200)
+    return Response(status_code=503)
+
+
+async def health_generate(request: Request) -> Response:
+    state = state_of(request)
+    if not state.ready or state.shutting_down:
+        return Response(status_code=503)
+    ok = await run_internal_generate(state, "HEALTH_CHECK_", max_new_tokens=1, timeout=HEALTH_GENERATE_TIMEOUT_S)
+    return Response(status_code=200 if ok else 503)
+
+
+async def run_internal_generate(state: ServerState, prefix: str, max_new_tokens: int, timeout: float) -> bool:
+    """A tiny greedy generate that bypasses the queue limit and the metrics; True if it produced a token."""
+    engine = state.engine
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
+    if engine.tokenizer is not None:
+        ids = engine.tokenize("The capital of France is", None)
+    else:
+        ids = [0, 1, 2, 3]
+    reqs = engine.make_requests(ids[: max(1, engine.model_config.context_len - max_new_tokens - 1)], params,
+                                rid=f"{prefix}{uuid.uuid4().hex}")
+    engine.submit(reqs)
+    try:
+        await asyncio.wait_for(asyncio.gather(*(engine.drain(r) for r in reqs)), timeout)
+    except asyncio.TimeoutError:
+        return False
+    finally:
+        for r in reqs:
+            if not r.finished:
+                engine.abort(r.rid)
+    return all(r.output_ids and (r.finish_reason or {}).get("type") != "abort" for r in reqs)
+
+
+async def get_model_info(request: Request) -> Response:
+    state = state_of(request)
+    mc = state.engine.model_config
+    return json_response({
+        "model_path": state.model_path,
+        "tokenizer_path": state.args.tokenizer_path,
+        "is_generation": True,
+        "preferred_sampling_params": None,
+        "weight_version": state.weight_version,
+        "served_model_name": state.served_model_name,
+        "architecture": mc.architecture,
+        "context_length": mc.context_len,
+        "vocab_size": state.engine.vocab_size,
+        "dtype": str(mc.dtype).removeprefix("torch."),
+    })
+
+
+async def get_server_info(request: Request) -> Response:
+    state = state_of(request)
+    engine = state.engine
+    load = engine.load()
+    return json_response({
+        **state.args.flags,
+        "served_model_name": state.served_model_name,
+        "model_path": state.model_path,
+        "max_total_num_tokens": engine.max_total_tokens,
+        "max_req_input_len": engine.model_config.context_len - 1,
+        "context_length": engine.model_config.context_len,
+        "max_running_requests": engine.max_running_requests,
+        "internal_states": [{
+            "last_gen_throughput": state.metrics.throughput() if state.metrics.enabled else 0.0,
+            "num_running_reqs": load["num_running_reqs"],
+            "num_waiting_reqs": load["num_waiting_reqs"],
+            "token_usage": load["token_usage"],
+        }],
+        "version": VERSION,
+        "uptime_s": round(time.time() - state.started_at, 3),
+    })
+
+
+async def loads(request: Request) -> Response:
+    state = state_of(request)
+    load = {"dp_rank": 0, **_load_keys(state.engine.load())}
+    return json_response({"timestamp": time.time(), "version": VERSION, "loads": [load],
+                          "aggregate": {k: v for k, v in load.items() if k != "dp_rank"}})
+
+
+async def flush_cache(request: Request) -> Response:
+    state = state_of(request)
+    if state.engine.has_work():
+        return PlainTextResponse("Cache not flushed: there are running or waiting requests; retry when the server is idle.\n",
+                                 status_code=400)
+    if not state.engine.flush_cache():  # a request arrived in between
+        return PlainTextResponse("Cache not flushed: there are running or waiting requests; retry when the server is idle.\n",
+                                 status_code=400)
+    return PlainTextResponse("Cache flushed.\n")
+
+
+class AbortReq(msgspec.Struct, forbid_unknown_fields=True):
+    rid: str = ""
+    abort_all: bool = False
+    finished_reason: Any = None
+    abort_message: Any = None
+
+
+async def abort_request(request: Request) -> Response:
+    state = state_of(request)
+    obj = await read_body(request, AbortReq)
+    engine = state.engine
+    if obj.abort_all:
+        engine.abort_all(obj.abort_message if isinstance(obj.abort_message, str) else "request aborted")
+    elif obj.rid:
+        engine.abort(obj.rid)
+    else:
+        raise InvalidRequest("rid is required unless abort_all is true", param="rid")
+    return Response(status_code=200)
+
+
+class UpdateWeightFromDiskReqInput(msgspec.Struct, forbid_unknown_fields=True):
+    model_path: str
+    load_format: str | None = None
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    is_async: bool = False
+    torch_empty_cache: bool = False
+    keep_pause: bool = False
+    recapture_cuda_graph: bool = False
+    token_step: int = 0
+    flush_cache: bool = True
+
+
+async def update_weights_from_disk(request: Request) -> Response:
+    state = state_of(request)
+    obj = await read_body(request, UpdateWeightFromDiskReqInput)
+    if obj.load_format not in (None, "auto", "safetensors", "pt", "gguf"):
+        raise InvalidRequest(f"load_format {obj.load_format!r} is not supported", param="load_format")
+    engine = state.engine
+    if obj.abort_all_requests:
+        engine.abort_all("aborted to update the weights")
+    success, message = await engine.update_weights_from_disk(obj.model_path)
+    if success:
+        state.model_path = obj.model_path
+        if obj.weight_version is not None:
+            state.weight_version = obj.weight_version
+            message += f" Weight version updated to {obj.weight_version}."
+    return json_response({"success": success, "message": message, "num_paused_requests": 0},
+                         status=200 if success else 400)
+
+
+async def metrics_endpoint(request: Request) -> Response:
+    state = state_of(request)
+    if not state.metrics.enabled:
+        raise HTTPException(404)
+    return Response(state.metrics.render(state.ready), media_type=CONTENT_TYPE)
+
+
+_LOAD_KEYS = ("num_running_reqs", "num_waiting_reqs", "num_total_reqs", "num_used_tokens", "num_free_tokens",
+              "max_total_num_tokens", "token_usage", "max_running_requests")
+
+
+def _load_keys(load: dict) -> dict:
+    """SGLang's /get_load keys of ``AsyncEngine.load()``."""
+    return {k: load[k] for k in _LOAD_KEYS}

@@ -1,0 +1,245 @@
+"""``/v1/chat/completions``: messages through the chat template, then generation with
+reasoning and tool calls read out of the output (see ``core.server.openai.tools``)."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, AsyncIterator
+
+from msgspec import UNSET
+
+from core.errors import CoreError, InvalidRequest
+from core.server.http import ApiError, sse_event
+from core.server.openai.job import MAX_TOP_LOGPROBS, Job, check, common_checks, finish_of, fit_context, sampling_params
+from core.server.openai.logprobs import chat_logprobs
+from core.server.openai.protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessage,
+    ChatStreamChoice,
+    DeltaMessage,
+)
+from core.server.openai.tools import ChoicePost, ToolPlan, plan_tools
+
+ALLOWED_ROLES = ("system", "user", "assistant", "tool", "developer")
+
+# ----------------------------------------------------------------------------- chat templates
+
+_TEMPLATE_FILES: dict[str, str] = {}
+_RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                             "continue_final_message", "tokenize", "return_dict", "return_tensors", "padding", "truncation"}
+
+
+def load_chat_template(value: str) -> str:
+    """The Jinja template named by ``--chat-template``: a file path (read once), or the template
+    itself when the value is not a file and contains Jinja markup. SGLang's built-in template
+    names and .json conversation templates are not supported."""
+    hit = _TEMPLATE_FILES.get(value)
+    if hit is None:
+        path = os.path.expanduser(value)
+        if os.path.isfile(path):
+            try:
+                with open(path, encoding="utf-8") as f:
+                    hit = f.read()
+            except OSError as e:
+                raise CoreError(f"--chat-template {value!r}: cannot read it: {e}") from None
+        elif "{%" in value or "{{" in value:
+            hit = value
+        else:
+            raise CoreError(f"--chat-template {value!r} is neither a Jinja template file nor a template string")
+        _TEMPLATE_FILES[value] = hit
+    return hit
+
+
+def _content_text(content: list, i: int) -> str:
+    texts = []
+    for j, part in enumerate(content):
+        if isinstance(part, str):  # a bare string part: lenient
+            texts.append(part)
+            continue
+        if not isinstance(part, dict):
+            raise InvalidRequest(f"messages[{i}].content[{j}] must be an object", param=f"messages[{i}].content[{j}]")
+        kind = part.get("type")
+        if kind == "text" or (kind is None and "text" in part):
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise InvalidRequest(f"messages[{i}].content[{j}].text must be a string", param=f"messages[{i}].content[{j}].text")
+            texts.append(text)
+        else:
+            raise InvalidRequest(
+                f"messages[{i}].content[{j}] has type {kind!r}, but this model is text-only: only 'text' content parts "
+                f"are supported", param=f"messages[{i}].content[{j}].type")
+    return "\n".join(texts)
+
+
+def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Validate chat messages and turn them into what HF chat templates expect."""
+    if not messages:
+        raise InvalidRequest("messages must be a non-empty list", param="messages")
+    out = []
+    for i, m in enumerate(messages):
+        role = m.get("role")
+        if not isinstance(role, str):
+            raise InvalidRequest(f"messages[{i}] is missing the 'role' field", param=f"messages[{i}].role")
+        if role not in ALLOWED_ROLES:
+            raise InvalidRequest(f"Invalid role {role!r} in messages[{i}]: expected one of {', '.join(ALLOWED_ROLES)}",
+                                 param=f"messages[{i}].role")
+        msg = dict(m)
+        if role == "developer":
+            msg["role"] = "system"
+        content = m.get("content")
+        if isinstance(content, list):
+            msg["content"] = _content_text(content, i)
+        elif content is None:
+            if role != "assistant":
+                raise InvalidRequest(f"messages[{i}] (role {role!r}) is missing 'content'", param=f"messages[{i}].content")
+            msg["content"] = ""  # an assistant turn that only calls tools
+        elif not isinstance(content, str):
+            raise InvalidRequest(f"messages[{i}].content must be a string or a list of content parts",
+                                 param=f"messages[{i}].content")
+        tool_calls = m.get("tool_calls")
+        if tool_calls is not None:
+            if not isinstance(tool_calls, list):
+                raise InvalidRequest(f"messages[{i}].tool_calls must be a list", param=f"messages[{i}].tool_calls")
+            msg["tool_calls"] = [_template_tool_call(tc) for tc in tool_calls]
+        out.append(msg)
+    return out
+
+
+def _template_tool_call(tc: Any) -> Any:
+    """HF templates expect function.arguments as a mapping; OpenAI sends a JSON string."""
+    if not isinstance(tc, dict) or not isinstance(tc.get("function"), dict):
+        return tc
+    fn = dict(tc["function"])
+    args = fn.get("arguments")
+    if isinstance(args, str):
+        try:
+            parsed = json.loads(args)
+        except ValueError:
+            parsed = None
+        if isinstance(parsed, dict):
+            fn["arguments"] = parsed
+    return {**tc, "function": fn}
+
+
+def render_chat(state: Any, r: ChatCompletionRequest, hide_tools: bool | None = None) -> list[int]:
+    """Apply the chat template (``--chat-template`` overrides the tokenizer's) and tokenize.
+    ``hide_tools``: give the template no tools (default: when ``tool_choice`` is "none")."""
+    tok = state.engine.tokenizer
+    if tok is None:
+        raise InvalidRequest("chat completions need the tokenizer, but the server runs with --skip-tokenizer-init")
+    messages = normalize_messages(r.messages)
+    kwargs = {k: v for k, v in (r.chat_template_kwargs or {}).items() if k not in _RESERVED_TEMPLATE_KWARGS}
+    path = state.args.chat_template
+    if path:
+        try:
+            kwargs["chat_template"] = load_chat_template(path)
+        except CoreError as e:
+            raise ApiError(500, str(e)) from None
+    elif not getattr(tok, "chat_template", None):
+        raise InvalidRequest("the model has no chat template; start the server with --chat-template FILE or use /v1/completions")
+    if hide_tools is None:
+        hide_tools = r.tool_choice == "none"
+    cont = bool(r.continue_final_message) and messages[-1]["role"] == "assistant"
+    try:
+        text = tok.apply_chat_template(messages, tools=None if hide_tools else r.tools, documents=r.documents,
+                                       add_generation_prompt=not cont, continue_final_message=cont, tokenize=False,
+                                       **kwargs)
+    except Exception as e:  # jinja2 TemplateError (raise_exception in templates), TypeError on odd messages
+        raise InvalidRequest(f"the chat template could not render these messages: {e}", param="messages") from None
+    if not isinstance(text, str):
+        raise ApiError(500, "the chat template did not produce a string")
+    return tok.encode(text, add_special_tokens=False)
+
+
+# ----------------------------------------------------------------------------- the request
+
+
+class ChatJob(Job):
+    """A chat request: a Job plus its tool plan."""
+
+    plan: ToolPlan
+
+    def post(self) -> ChoicePost:
+        """A fresh per-choice reasoning / tool-call post-processor."""
+        return ChoicePost(self.plan, self.r)
+
+
+def prepare_chat(state: Any, r: ChatCompletionRequest, rid: str | None = None) -> ChatJob:
+    """Validate, render and build the engine requests of a chat request (nothing is submitted)."""
+    n, constraint = common_checks(r)
+    job = ChatJob(state, "chat", r, rid)
+    job.n = n
+    job.logprobs = bool(r.logprobs)
+    top = r.top_logprobs or 0
+    check(0 <= top <= MAX_TOP_LOGPROBS, f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {top}", "top_logprobs")
+    check(job.logprobs or top == 0, "logprobs must be true when top_logprobs is set", "top_logprobs")
+    job.top = top
+    job.plan = plan = plan_tools(state, r)
+    if plan.constraint is not None:  # required / named: the call is constrained
+        check(not constraint, "tool_choice 'required' or a named function cannot be combined with another "
+              "constraint (response_format, regex, json_schema, ebnf)", "tool_choice")
+        constraint = {plan.constraint[0]: plan.constraint[1]}
+    max_tokens = r.max_completion_tokens if r.max_completion_tokens is not None else r.max_tokens
+    if max_tokens is not None and max_tokens < 0:
+        name = "max_completion_tokens" if r.max_completion_tokens is not None else "max_tokens"
+        raise InvalidRequest(f"{name} must be >= 0, got {max_tokens}", param=name)
+    ids = render_chat(state, r, hide_tools=plan.hides_tools)
+    ids, max_new = fit_context(state, ids, max_tokens, "messages")
+    job.add_prompt(ids, sampling_params(r, max_new, n, constraint), -1)
+    return job
+
+
+async def chat_response(job: ChatJob) -> ChatCompletionResponse:
+    outs = await job.final_outputs()
+    choices = []
+    for i, out in enumerate(outs):
+        reason, matched = finish_of(out)
+        lp = chat_logprobs(job.vocab, out["meta_info"], 0, job.top) if job.logprobs else None
+        reasoning, content, calls, reason = job.post().full(out["text"], reason)
+        msg = ChatMessage(role="assistant", content=content, reasoning_content=reasoning if reasoning is not None else UNSET,
+                          tool_calls=calls if calls else UNSET)
+        choices.append(ChatChoice(index=i, message=msg, logprobs=lp, finish_reason=reason, matched_stop=matched))
+    return ChatCompletionResponse(id=job.id, created=job.created, model=job.model, choices=choices, usage=job.usage(outs))
+
+
+async def chat_stream(job: ChatJob) -> AsyncIterator[bytes]:
+    usage_field = None if job.include_usage else UNSET
+    count = len(job.reqs)
+
+    def chunk(choice: ChatStreamChoice | None, usage: Any = usage_field) -> bytes:
+        return sse_event(ChatCompletionChunk(id=job.id, created=job.created, model=job.model,
+                                             choices=[] if choice is None else [choice], usage=usage))
+
+    for i in range(count):
+        yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
+    sent_text = [""] * count
+    sent_toks = [0] * count
+    last: list[dict | None] = [None] * count
+    posts = [job.post() for _ in range(count)]
+    async for i, out in job.merged():
+        last[i] = out
+        reason, matched = finish_of(out)
+        meta = out["meta_info"]
+        ntok = meta["completion_tokens"]
+        if reason is None and ntok - sent_toks[i] < job.interval:
+            continue
+        delta = out["text"][len(sent_text[i]):]
+        lp = chat_logprobs(job.vocab, meta, sent_toks[i], job.top) if job.logprobs else None
+        if reason is None and not delta and not (lp and lp.content):
+            continue
+        sent_text[i], sent_toks[i] = out["text"], ntok
+        r_delta, delta, calls = posts[i].delta(delta, reason is not None)
+        if reason == "stop" and posts[i].n_calls:
+            reason = "tool_calls"
+        if reason is None and not delta and not r_delta and not calls and not (lp and lp.content):
+            continue
+        dm = DeltaMessage(content=delta if delta else UNSET, reasoning_content=r_delta if r_delta else UNSET,
+                          tool_calls=calls if calls else UNSET)
+        yield chunk(ChatStreamChoice(index=i, delta=dm, logprobs=lp,
+                                     finish_reason=reason, matched_stop=matched if reason else UNSET))
+    if job.include_usage:
+        yield chunk(None, job.usage(last))

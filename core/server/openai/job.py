@@ -1,0 +1,260 @@
+"""What chat and completions share: validation, sampling parameters, the context check, and
+:class:`Job`, one API request turned into engine requests (choice ``i`` is sequence ``i % n``
+of prompt ``i // n``) with its outputs, usage and the end every stream shares."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+import structlog
+
+from core.engine.sampling_params import SamplingParams
+from core.errors import InvalidRequest
+from core.server.http import SSE_DONE, ApiError, sse_error
+from core.server.openai.logprobs import vocab_of
+from core.server.openai.protocol import PromptTokensDetails, UsageInfo
+
+log = structlog.get_logger("core.server.openai")
+
+MAX_N = 128
+MAX_SEQUENCES = 4096
+MAX_TOP_LOGPROBS = 20
+MAX_TEMPERATURE = 2.0
+
+
+def check(ok: bool, message: str, param: str) -> None:
+    if not ok:
+        raise InvalidRequest(message, param=param)
+
+
+def request_constraint(r: Any) -> dict[str, str]:
+    """Structured output of a request as SamplingParams fields: response_format (json_schema,
+    json_object, structural_tag) or SGLang's extra_body regex / json_schema / ebnf; at most one."""
+    out: dict[str, str] = {}
+    for name in ("regex", "json_schema", "ebnf"):
+        if getattr(r, name) is not None:
+            out[name] = getattr(r, name)
+    rf = r.response_format
+    if rf is not None:
+        kind = rf.get("type")
+        if kind == "json_schema":
+            js = rf.get("json_schema")
+            schema = js.get("schema", js.get("schema_")) if isinstance(js, dict) else None
+            check(isinstance(schema, (dict, bool)), "response_format json_schema needs json_schema.schema (an object)",
+                  "response_format")
+            out["json_schema"] = json.dumps(schema)
+        elif kind == "json_object":
+            out["json_schema"] = '{"type": "object"}'
+        elif kind == "structural_tag":
+            out["structural_tag"] = json.dumps(rf)
+        else:
+            check(kind in (None, "text"), f"response_format type {kind!r} is not supported; use text, json_object, "
+                  "json_schema or structural_tag", "response_format")
+    if len(out) > 1:
+        raise InvalidRequest(f"only one constraint per request is allowed, got {', '.join(out)}", param=list(out)[1])
+    return out
+
+
+def common_checks(r: Any) -> tuple[int, dict[str, str]]:
+    """Validation shared by chat and completions; returns (n, the request's constraint)."""
+    n = 1 if r.n is None else r.n
+    check(1 <= n <= MAX_N, f"n must be between 1 and {MAX_N}, got {n}", "n")
+    if r.temperature is not None:
+        check(0 <= r.temperature <= MAX_TEMPERATURE, f"temperature must be between 0 and {MAX_TEMPERATURE:g}, "
+              f"got {r.temperature}", "temperature")
+    check(not r.logit_bias, "logit_bias is not supported by this server", "logit_bias")
+    constraint = request_constraint(r)
+    if r.min_tokens is not None:
+        check(r.min_tokens >= 0, f"min_tokens must be >= 0, got {r.min_tokens}", "min_tokens")
+    return n, constraint
+
+
+def sampling_params(r: Any, max_new: int, n: int, constraint: dict[str, str]) -> SamplingParams:
+    stop = [r.stop] if isinstance(r.stop, str) else list(r.stop or [])
+    return SamplingParams(
+        max_new_tokens=max_new,
+        min_new_tokens=min(r.min_tokens or 0, max_new),
+        temperature=1.0 if r.temperature is None else r.temperature,
+        top_p=1.0 if r.top_p is None else r.top_p,
+        top_k=-1 if r.top_k in (None, 0) else r.top_k,
+        min_p=0.0 if r.min_p is None else r.min_p,
+        frequency_penalty=0.0 if r.frequency_penalty is None else r.frequency_penalty,
+        presence_penalty=0.0 if r.presence_penalty is None else r.presence_penalty,
+        repetition_penalty=1.0 if r.repetition_penalty is None else r.repetition_penalty,
+        stop=[s for s in stop if s],  # OpenAI clients sometimes send "" entries
+        stop_token_ids=list(r.stop_token_ids or []),
+        ignore_eos=bool(r.ignore_eos),
+        skip_special_tokens=r.skip_special_tokens is not False,
+        spaces_between_special_tokens=r.spaces_between_special_tokens is not False,
+        no_stop_trim=bool(r.no_stop_trim),
+        n=n,
+        seed=r.seed,
+        **constraint,
+    )
+
+
+def fit_context(state: Any, ids: list[int], max_tokens: int | None, param: str) -> tuple[list[int], int]:
+    """Check the prompt and ``max_tokens`` against the context; returns (ids, max_new_tokens).
+    With ``--allow-auto-truncate`` the prompt is cut as on every endpoint (``ServerState.fit_prompt``:
+    its head is kept) and ``max_tokens`` is cut to what still fits; without it either overflow is a 400."""
+    engine = state.engine
+    ctx = engine.model_config.context_len
+    auto = state.args.allow_auto_truncate
+    if max_tokens is not None:
+        check(max_tokens >= 0, f"max_tokens must be >= 0, got {max_tokens}", "max_tokens")
+    if not ids:
+        raise InvalidRequest("the prompt is empty", param=param)
+    if len(ids) >= ctx and not auto:
+        raise InvalidRequest(f"This model's maximum context length is {ctx} tokens. However, your prompt has {len(ids)} "
+                             f"tokens. Please reduce the length of the prompt.", param=param)
+    ids = state.fit_prompt(ids)
+    room = ctx - len(ids)
+    if max_tokens is None:
+        # unlimited: until the context is full, bounded by what one request may hold in the KV pool
+        return ids, max(0, min(room, engine.max_total_tokens - len(ids)))
+    if max_tokens > room:
+        if not auto:
+            raise InvalidRequest(f"This model's maximum context length is {ctx} tokens. However, you requested "
+                                 f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} for the completion). "
+                                 f"Please reduce the length of the prompt or max_tokens.", param="max_tokens")
+        return ids, room
+    return ids, max_tokens
+
+
+def engine_error(e: InvalidRequest) -> InvalidRequest:
+    """An engine error in the OpenAI API's words (max_tokens, not max_new_tokens)."""
+    names = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "input_ids": "prompt", "text": "prompt"}
+    if e.param in names:
+        msg = e.message
+        for old, new in names.items():
+            msg = msg.replace(old, new)
+        return InvalidRequest(msg, param=names[e.param])
+    return e
+
+
+def finish_of(out: dict) -> tuple[str | None, Any]:
+    """(finish_reason type or None while running, the matched stop)."""
+    fr = out["meta_info"]["finish_reason"]
+    if not fr:
+        return None, None
+    return fr.get("type"), fr.get("matched")
+
+
+def raise_if_aborted(out: dict | None) -> None:
+    if out is None:
+        raise ApiError(500, "the request ended without output")
+    fr = out["meta_info"]["finish_reason"]
+    if fr and fr.get("type") == "abort":
+        msg = fr.get("message") or "request aborted"
+        status = 503 if "shut down" in msg else 500
+        raise ApiError(status, f"the request was aborted: {msg}")
+
+
+class Job:
+    """One API request turned into engine requests, from submission to the last output."""
+
+    def __init__(self, state: Any, kind: str, r: Any, rid: str | None) -> None:
+        self.state, self.kind, self.r = state, kind, r
+        self.engine = state.engine
+        prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
+        self.id = rid or r.rid or prefix + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.model = r.model or state.served_model_name
+        self.stream = bool(r.stream)
+        opts = r.stream_options
+        self.include_usage = bool(self.stream and opts is not None and opts.include_usage)
+        self.cache_report = state.args.enable_cache_report
+        self.interval = max(1, state.args.stream_interval)
+        self.n = 1
+        self.reqs: list[Any] = []
+        self.logprobs = False
+        self.top = 0
+
+    @property
+    def vocab(self) -> Any:
+        return vocab_of(self.engine)
+
+    # ---- building
+    def add_prompt(self, ids: list[int], params: SamplingParams, p: int, start_len: int = -1) -> None:
+        rid = self.id if p < 0 else f"{self.id}-{p}"
+        try:
+            self.reqs += self.engine.make_requests(ids, params, rid, self.logprobs, start_len, self.top,
+                                                   priority=self.r.priority)
+        except InvalidRequest as e:
+            raise engine_error(e) from None
+
+    async def start(self) -> None:
+        """Compile the grammars of constrained requests off the loop (an invalid one is a 400),
+        then submit through the admission check (queue full or shutting down: 503)."""
+        try:
+            await self.engine.prepare_grammars(self.reqs)
+        except InvalidRequest as e:
+            raise engine_error(e) from None
+        self.state.submit(self.reqs)
+        if self.state.args.log_requests:
+            log.info("request.received", rids=[r.rid for r in self.reqs], endpoint=self.kind,
+                     prompt_tokens=[len(r.prompt_ids) for r in self.reqs[:: self.n]])
+
+    # ---- results
+    def usage(self, outs: list[dict | None]) -> UsageInfo:
+        prompt = completion = cached = 0
+        for i, out in enumerate(outs):
+            if out is None:
+                continue
+            meta = out["meta_info"]
+            completion += meta["completion_tokens"]
+            if i % self.n == 0:
+                prompt += meta["prompt_tokens"]
+                cached += meta.get("cached_tokens", 0) or 0
+        usage = UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+        if self.cache_report:
+            usage.prompt_tokens_details = PromptTokensDetails(cached_tokens=cached)
+        return usage
+
+    async def final_outputs(self) -> list[dict]:
+        async def last(req: Any) -> dict:
+            out = None
+            async for out in self.engine.stream(req):
+                pass
+            return out
+
+        try:
+            outs = await asyncio.gather(*(last(r) for r in self.reqs))
+        finally:
+            self.abort()
+        for out in outs:
+            raise_if_aborted(out)
+        return outs
+
+    def abort(self) -> None:
+        for req in self.reqs:
+            if not req.finished:
+                self.engine.abort(req.rid)
+
+    async def merged(self) -> AsyncIterator[tuple[int, dict]]:
+        """(choice index, cumulative output) as each sequence advances; an aborted sequence raises ApiError."""
+        async for i, out in self.engine.stream_many(self.reqs):
+            raise_if_aborted(out)
+            yield i, out
+
+    async def guarded(self, events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        """The end every OpenAI stream shares: ``[DONE]`` after the events, errors reported
+        in-band (the status line is already sent), engine requests aborted on close."""
+        try:
+            async for event in events:
+                yield event
+            yield SSE_DONE
+        except ApiError as e:  # an aborted sequence (shutdown, engine failure)
+            yield sse_error(e)
+            yield SSE_DONE
+        except Exception as e:
+            log.exception("openai.stream_failed", id=self.id)
+            yield sse_error(e)
+            yield SSE_DONE
+        finally:
+            await events.aclose()
+            self.abort()
