@@ -101,6 +101,10 @@ class AttentionBackend(Protocol):
 
     Constructed once as ``backend(config: AttentionConfig)``. Per forward, core calls
     ``prepare(batch)`` once, then the model calls ``forward`` once per layer.
+
+    Optional attribute: ``supports_cuda_graph = True`` on the class says ``forward`` of a
+    prepared batch can be captured in a CUDA graph and replayed with new ``q``/``k``/``v``
+    values (the conformance kit's ``cuda_graph`` case checks it on a GPU).
     """
 
     def prepare(self, batch: ForwardBatch) -> None:
@@ -125,6 +129,15 @@ class QuantMethod(Protocol):
 
     Core's ``Linear`` calls ``create_weights`` in its constructor, ``apply`` in forward
     and ``process_weights_after_loading`` once after the checkpoint is loaded.
+
+    Optional method (not a protocol member; the conformance kit, ``core.testing``, looks it up
+    with ``getattr``):
+
+    ``dequantize(layer) -> torch.Tensor``
+        The float ``[out, in]`` weight ``apply`` multiplies by, after loading. The kit checks
+        that it is the loaded weight within the quantization error, and that ``apply(x)``
+        equals ``x @ dequantize(layer).T (+ bias)``; without it, the kit compares ``apply(x)``
+        with the loaded float weight only.
     """
 
     def create_weights(

@@ -1,0 +1,218 @@
+"""The attention-backend suite: a backend against ``torch_native`` on the same paged KV pool.
+
+Each case builds sequences whose earlier tokens are already in the pool (a prefix hit, or
+what previous steps wrote), then runs one or more steps through both backends: ``prepare``
+once per step, ``forward`` for two layers (so per-layer pool indexing is exercised). After
+every layer the outputs must agree within :data:`TOLERANCES` for the backend's dtype (the
+reference computes in float32 from the same rounded inputs), and after every step the K/V
+the backend wrote must equal the reference's, slot for slot, with nothing else in the pool
+changed. Later steps read what the backend itself wrote earlier.
+
+CUDA-graph capture and replay run only on a GPU, and only for a backend that declares
+``supports_cuda_graph = True``; otherwise that case is skipped with the reason.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import torch
+
+from core.errors import CoreError
+from core.interfaces import AttentionConfig, AttentionLayerSpec
+from core.testing.paged import PagedPool, Seq, batch_tensors, make_batch
+from core.testing.suite import (
+    Case, Skipped, assert_close, default_device, fail, reference, resolve_target, seed_for,
+)
+
+KIND = "attention_backend"
+
+TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
+    # dtype -> (atol, rtol) of the backend's output against the float32 reference
+    torch.float32: (2e-4, 2e-4),
+    torch.float16: (5e-3, 5e-3),
+    torch.bfloat16: (2e-2, 2e-2),
+}
+
+
+@attrs.define(frozen=True)
+class AttentionCase:
+    """``cached[i]`` tokens of sequence ``i`` are in the pool before the first step; each step
+    adds ``steps[k][i]`` new tokens to sequence ``i`` (0: not in that batch)."""
+
+    name: str
+    cached: tuple[int, ...]
+    steps: tuple[tuple[int, ...], ...]
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 64
+    page_size: int = 4
+    sliding_window: int | None = None
+    logit_cap: float = 0.0
+    doc: str = ""
+
+
+ATTENTION_CASES: tuple[AttentionCase, ...] = (
+    AttentionCase("decode", (5, 17, 33), ((1, 1, 1),) * 3, doc="three decode steps over cached prefixes"),
+    AttentionCase("decode_long", (300, 2), ((1, 1),) * 2, doc="a long cached sequence beside a short one"),
+    AttentionCase("prefill", (0, 0), ((7, 19),), doc="fresh prompts of different lengths"),
+    AttentionCase("prefill_one_token", (0,), ((1,),), doc="a one-token prompt"),
+    AttentionCase("prefix_hit", (8, 20), ((5, 3),), doc="extends after a cached prefix (a radix hit)"),
+    AttentionCase("chunked_prefill", (0,), ((6,), (6,), (5,), (1,)), doc="one prompt in chunks, then a decode"),
+    AttentionCase("mixed", (12, 0, 6), ((1, 9, 4), (1, 1, 1), (0, 2, 1)),
+                  doc="decode, prefill and extend in one batch; then a batch without one sequence"),
+    AttentionCase("sliding_window_prefill", (0, 10), ((13, 6),), sliding_window=4, doc="window 4, prompts past it"),
+    AttentionCase("sliding_window_decode", (9, 23), ((1, 1),) * 2, sliding_window=4, doc="window 4 while decoding"),
+    AttentionCase("soft_cap", (7, 0), ((1, 11), (1, 1)), logit_cap=2.0, doc="tanh soft-capping of large scores"),
+    AttentionCase("mha", (6, 0), ((1, 7),), num_heads=4, num_kv_heads=4, doc="as many KV heads as query heads"),
+    AttentionCase("gqa_4", (6, 0), ((1, 7), (1, 1)), num_heads=8, num_kv_heads=2, doc="4 query heads per KV head"),
+    AttentionCase("mqa", (6, 0), ((1, 7), (1, 1)), num_heads=4, num_kv_heads=1, doc="one KV head"),
+    AttentionCase("head_dim_128", (6, 0), ((1, 7),), head_dim=128),
+    AttentionCase("page_size_1", (6, 0, 3), ((1, 7, 2), (1, 1, 1)), page_size=1),
+    AttentionCase("page_size_16", (20, 0, 3), ((1, 18, 14), (1, 1, 1)), page_size=16),
+)
+
+
+@attrs.define
+class AttentionSubject:
+    """A backend under test: its factory, and the device and dtype the suite runs in."""
+
+    factory: Any
+    label: str
+    device: torch.device
+    dtype: torch.dtype
+    kind: str = KIND
+
+    @classmethod
+    def build(cls, target: Any, *, plugins: Any = None, device: Any = None, dtype: Any = None) -> AttentionSubject:
+        factory, label = resolve_target(KIND, target, plugins)
+        device = torch.device(device) if device is not None else default_device()
+        if dtype is None:
+            dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+        return cls(factory, label, device, dtype)
+
+
+def _reference(config: AttentionConfig) -> Any:
+    return reference("attention_backend", "torch_native")(config)
+
+
+def _construct(s: AttentionSubject, config: AttentionConfig) -> Any:
+    """The backend for ``config``; a CoreError here is the backend refusing this device or dtype."""
+    try:
+        return s.factory(config)
+    except CoreError as e:
+        raise Skipped(f"the backend refuses {config.device} / {config.dtype}: {e}") from None
+
+
+def _layers(c: AttentionCase, scaling: float) -> list[AttentionLayerSpec]:
+    return [AttentionLayerSpec(i, c.num_heads, c.num_kv_heads, c.head_dim, scaling, c.sliding_window, c.logit_cap)
+            for i in range(2)]
+
+
+def _setup(s: AttentionSubject, c: AttentionCase) -> tuple[PagedPool, list[Seq], torch.Generator]:
+    gen = torch.Generator().manual_seed(seed_for(KIND, c.name))
+    total = [n + sum(step[i] for step in c.steps) for i, n in enumerate(c.cached)]
+    pages = sum(-(-t // c.page_size) for t in total) + 4
+    pool = PagedPool(2, c.num_kv_heads, c.head_dim, s.dtype, s.device, c.page_size, pages, seed_for(c.name))
+    seqs = [Seq() for _ in c.cached]
+    for seq, n in zip(seqs, c.cached):  # the cached prefix: K/V written straight into the pool
+        slots = torch.tensor(pool.grow(seq, n), dtype=torch.int64)
+        for buf in (*pool.kv.k, *pool.kv.v):
+            buf[slots.to(s.device)] = _randn((n, c.num_kv_heads, c.head_dim), gen).to(s.device, s.dtype)
+    return pool, seqs, gen
+
+
+def _randn(shape: tuple[int, ...], gen: torch.Generator, scale: float = 1.0) -> torch.Tensor:
+    return torch.randn(shape, generator=gen) * scale
+
+
+def check_case(s: AttentionSubject, c: AttentionCase) -> None:
+    """Run ``c`` through the backend and the reference; raise naming the case on a disagreement."""
+    if s.device.type == "cuda" and not torch.cuda.is_available():
+        raise Skipped("no CUDA device")
+    atol, rtol = TOLERANCES.get(s.dtype, TOLERANCES[torch.bfloat16])
+    pool, seqs, gen = _setup(s, c)
+    ref_kv = pool.clone(torch.float32)
+    cfg = lambda kv, dt: AttentionConfig(2, c.num_heads, c.num_kv_heads, c.head_dim, dt, s.device, kv)  # noqa: E731
+    backend = _construct(s, cfg(pool.kv, s.dtype))
+    ref = _reference(cfg(ref_kv, torch.float32))
+    # large q makes soft-capping bite (scores well past the cap) and softmax peaked
+    q_scale = 6.0 if c.logit_cap else 1.0
+    layers = _layers(c, c.head_dim ** -0.5)
+    for k, step in enumerate(c.steps):
+        where = f"step {k + 1} of {len(c.steps)} (new tokens {list(step)})"
+        live = [i for i, n in enumerate(step) if n]
+        for i in live:
+            pool.grow(seqs[i], step[i])
+        batch_seqs, new = [seqs[i] for i in live], [step[i] for i in live]
+        mine, theirs = make_batch(batch_seqs, new, backend, s.device), make_batch(batch_seqs, new, ref, s.device)
+        before = batch_tensors(mine)
+        backend.prepare(mine)
+        ref.prepare(theirs)
+        for name, t in before.items():
+            if not torch.equal(getattr(mine, name), t):
+                raise fail(s, c.name, f"{where}: prepare() changed batch.{name}")
+        t = sum(new)
+        for layer in layers:
+            q = _randn((t, c.num_heads, c.head_dim), gen, q_scale).to(s.device, s.dtype)
+            kk = _randn((t, c.num_kv_heads, c.head_dim), gen).to(s.device, s.dtype)
+            v = _randn((t, c.num_kv_heads, c.head_dim), gen).to(s.device, s.dtype)
+            out = backend.forward(q, kk, v, layer, mine)
+            want = ref.forward(q.float(), kk.float(), v.float(), layer, theirs)
+            if out.dtype != q.dtype:
+                raise fail(s, c.name, f"{where} layer {layer.layer_id}: output dtype {out.dtype}, expected {q.dtype}")
+            assert_close(s, c.name, f"{where} layer {layer.layer_id} output", out, want, atol, rtol)
+        for l in range(2):
+            for part, got, exp in (("K", pool.kv.k[l], ref_kv.k[l]), ("V", pool.kv.v[l], ref_kv.v[l])):
+                if not torch.equal(got.float(), exp):
+                    bad = torch.nonzero((got.float() != exp).flatten(1).any(1)).flatten()[:5].tolist()
+                    raise fail(s, c.name, f"{where}: the {part} pool of layer {l} differs from the reference at "
+                                          f"slots {bad} (new tokens go to batch.out_cache_loc, nothing else changes)")
+
+
+def check_cuda_graph(s: AttentionSubject) -> None:
+    """Capture ``forward`` of a prepared decode batch in a CUDA graph; replays with new q/k/v
+    values must equal eager forwards on those values."""
+    if not getattr(s.factory, "supports_cuda_graph", False):
+        raise Skipped("the backend does not declare supports_cuda_graph = True")
+    if s.device.type != "cuda" or not torch.cuda.is_available():
+        raise Skipped("CUDA-graph capture needs a CUDA device")
+    c = AttentionCase("cuda_graph", (5, 17, 33, 64), ((1, 1, 1, 1),))
+    pool, seqs, gen = _setup(s, c)
+    backend = _construct(s, AttentionConfig(2, c.num_heads, c.num_kv_heads, c.head_dim, s.dtype, s.device, pool.kv))
+    for seq in seqs:
+        pool.grow(seq, 1)
+    batch = make_batch(seqs, [1] * len(seqs), backend, s.device)
+    layers = _layers(c, c.head_dim ** -0.5)
+    shape_q, shape_kv = (len(seqs), c.num_heads, c.head_dim), (len(seqs), c.num_kv_heads, c.head_dim)
+    static = [[torch.zeros(sh, device=s.device, dtype=s.dtype) for sh in (shape_q, shape_kv, shape_kv)] for _ in layers]
+    backend.prepare(batch)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up outside the graph, as capture requires
+        for (q, k, v), layer in zip(static, layers):
+            backend.forward(q, k, v, layer, batch)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [backend.forward(q, k, v, layer, batch) for (q, k, v), layer in zip(static, layers)]
+    atol, rtol = TOLERANCES.get(s.dtype, TOLERANCES[torch.bfloat16])
+    for replay in range(2):
+        values = [[_randn(t.shape, gen).to(s.device, s.dtype) for t in bufs] for bufs in static]
+        for bufs, vals in zip(static, values):
+            for b, val in zip(bufs, vals):
+                b.copy_(val)
+        graph.replay()
+        torch.cuda.synchronize()
+        backend.prepare(batch)
+        for out, (q, k, v), layer in zip(outs, values, layers):
+            want = backend.forward(q, k, v, layer, batch)
+            assert_close(s, "cuda_graph", f"replay {replay + 1} layer {layer.layer_id}", out, want, atol, rtol)
+
+
+def attention_cases() -> list[Case]:
+    """Every case of the suite, in order; ``run(subject)`` takes an :class:`AttentionSubject`."""
+    cases = [Case(c.name, lambda s, c=c: check_case(s, c), c.doc) for c in ATTENTION_CASES]
+    cases.append(Case("cuda_graph", check_cuda_graph, "capture/replay, when the backend declares support"))
+    return cases
