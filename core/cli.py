@@ -39,6 +39,10 @@ def _cmd_plugins(ns: argparse.Namespace) -> int:
     from core.plugins import load_plugins
 
     manager = load_plugins(ns.plugins, strict=ns.strict_plugins)
+    if ns.check:  # the conformance suites of every kind NAME is registered as (core.testing)
+        from core.testing.check import check_command
+
+        return check_command(ns.check, manager, sys.stdout, as_json=ns.json)
     if ns.json:
         sys.stdout.write(json.dumps(manager.describe(), indent=2) + "\n")
     else:
@@ -75,6 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     plg.add_argument("--json", action="store_true")
     plg.add_argument("--plugins", default=None)
     plg.add_argument("--strict-plugins", action="store_true")
+    plg.add_argument("--check", metavar="NAME", default=None,
+                     help="run the conformance suite of NAME's kind against it; a pass/fail table, exit 1 on a failure")
     plg.set_defaults(func=_cmd_plugins)
 
     from core.bench_serving import add_bench_command

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from core.interfaces import AttentionConfig, AttentionLayerSpec
+from core.plugins import load_plugins
 from core.testing import ATTENTION_CASES, attention_backend_conformance, check_plugin
 from core.testing.paged import PagedPool, Seq, make_batch
 from core_plugins.attention.torch_native import TorchNativeBackend
@@ -16,9 +17,10 @@ from core_plugins.attention.torch_native import TorchNativeBackend
 pytest_plugins = ["core.testing.pytest_plugin", "pytester"]  # the first: a no-op where its pytest11 entry point loaded it
 
 
-@pytest.fixture(params=["torch_native", "triton"])
+@pytest.fixture(params=load_plugins().names("attention_backend"))
 def attention_backend(request):
-    """Every built-in backend; triton refuses the CPU (CoreError at construction), so it is skipped here."""
+    """Every installed backend; the GPU ones (triton, flashinfer) refuse the CPU with a CoreError at
+    construction, so their cases are skipped here with that reason."""
     return request.param
 
 
