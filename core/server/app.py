@@ -66,7 +66,7 @@ ROUTES = [
 # ---------------------------------------------------------------------------- exception handlers
 async def _error(request: Request, exc: Exception) -> Response:
     err = api_error(exc)
-    if err.status >= 500 and not isinstance(exc, ApiError):
+    if not isinstance(exc, (ApiError, CoreError, msgspec.MsgspecError)):  # a bug, not a refusal
         # the traceback is logged by hypercorn (starlette re-raises after this response is sent)
         log.error("server.internal_error", method=request.method, path=request.url.path,
                   error=f"{type(exc).__name__}: {exc}")

@@ -121,8 +121,7 @@ def _native_parser(state: Any) -> Any:
     """The ``--tool-call-parser`` class when it can describe its own format to the grammar
     backend (it has ``structural_tag`` and the backend is xgrammar), else None."""
     tp = state.args.tool_call_parser
-    grammar = getattr(state.engine, "grammar", None)
-    if not tp or grammar is None or getattr(grammar, "name", None) != "xgrammar":
+    if not tp or state.engine.grammar.name != "xgrammar":
         return None
     cls = state.engine.plugins.resolve("tool_parser", tp)
     return cls if callable(getattr(cls, "structural_tag", None)) else None
