@@ -2,7 +2,7 @@
 
 C prompts of --input-len random token ids (the same ids bench_offline.py makes), exactly
 --output-len tokens out (EOS ignored), greedy. TTFT is the wall time of the same batch with
-one output token (all prefill), as bench_offline.py measures transformers. Run it alone, in
+one output token (all prefill) over different prompts, so its prefix cache cannot help. Run it alone, in
 its own virtual environment (see ../shared/bench/README.md), with both cores given to the
 worker::
 
@@ -44,8 +44,9 @@ def main() -> None:
     print(f"{'engine':<14}{'concurrency':>12}{'output tok/s':>14}{'TTFT (s)':>14}{'wall (s)':>10}")
     for c in levels:
         ps = [TokensPrompt(prompt_token_ids=p) for p in make_prompts(c, args.input_len, vocab, c)]
+        other = [TokensPrompt(prompt_token_ids=p) for p in make_prompts(c, args.input_len, vocab, c + 10_000)]
         t0 = time.perf_counter()
-        llm.generate(ps, first, use_tqdm=False)
+        llm.generate(other, first, use_tqdm=False)  # other prompts: no prefix-cache hit for the timed run
         ttft = time.perf_counter() - t0
         t0 = time.perf_counter()
         outs = llm.generate(ps, full, use_tqdm=False)
