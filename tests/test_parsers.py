@@ -25,12 +25,12 @@ INCREMENTAL = [(name, i) for name, samples in TOOL_SAMPLES.items() for i, s in e
 
 @pytest.mark.parametrize("name,i", INCREMENTAL)
 def test_tool_call_streams_incrementally(name, i):
-    """The first call's name is sent before its block ends, and JSON arguments stream below
+    """The first call's name is sent alone before its block ends, and JSON arguments stream below
     parameter granularity (as SGLang's detectors do)."""
     text, calls = TOOL_SAMPLES[name][i].text, TOOL_SAMPLES[name][i].calls
     p = PM.resolve("tool_parser", name)()
     first = [c for k in range(len(text) - 1) for c in p.parse_streaming(text[k], TOOLS)[1]]
-    assert first and first[0].name == calls[0][0]
+    assert first and first[0].name == calls[0][0] and not first[0].arguments  # the name alone, then fragments
     if name not in ("pythonic", "qwen3_coder", "glm45"):  # parameter formats send one fragment per parameter
         assert len([c for c in first if c.index == 0 and c.arguments]) > 3
 

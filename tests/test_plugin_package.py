@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -74,7 +75,8 @@ def test_core_plugins_lists_the_installed_example(venv_python):
 def test_the_example_package_own_tests_pass_against_the_install(venv_python, example_src):
     (example_src / "core_plugin_example.py").unlink()  # so they import the installed module
     proc = run(venv_python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests", cwd=example_src)
-    assert "4 passed" in proc.stdout
+    passed = re.search(r"(\d+) passed", proc.stdout)  # its 3 own tests and core.testing's suites (34 cases)
+    assert passed and int(passed.group(1)) >= 30 and "failed" not in proc.stdout, proc.stdout[-3000:]
 
 
 def test_serve_with_the_example_backend_model_parser_and_grammar(venv_python, tmp_path):

@@ -141,9 +141,10 @@ class _Runner:
         return list(lp.split([len(t) for t in tokens]))
 
 
-def _prompt(n: int, seed: int) -> list[int]:
+def _prompt(s: ModelSubject, n: int, seed: int) -> list[int]:
+    """``n`` token ids: 1 (BOS in the derived configs), then random ids past the specials."""
     rng = random.Random(seed)
-    return [1] + [rng.randrange(3, VOCAB) for _ in range(n - 1)]
+    return [1] + [rng.randrange(3, model_config(s).vocab_size) for _ in range(n - 1)]
 
 
 @torch.no_grad()
@@ -162,7 +163,7 @@ def check_prefill(s: ModelSubject) -> None:
     """Two fresh prompts in one batch: logprobs at every position equal transformers'."""
     model, hf = _causal(s)
     run = _Runner(model, model_config(s), s.device)
-    prompts = [_prompt(5, 1), _prompt(23, 2)]
+    prompts = [_prompt(s, 5, 1), _prompt(s, 23, 2)]
     seqs = [Seq(), Seq()]
     for p, got in zip(prompts, run.step(seqs, prompts)):
         assert_close(s, "prefill", f"prompt of {len(p)} tokens, logprobs", got, _hf_logprobs(hf, p), LOGPROB_ATOL, 0)
@@ -172,7 +173,7 @@ def check_chunked_prefill(s: ModelSubject) -> None:
     """A prompt in chunks of 7 while another sequence decodes in the same batches."""
     model, hf = _causal(s)
     run = _Runner(model, model_config(s), s.device)
-    long, short = _prompt(20, 3), _prompt(4, 4)
+    long, short = _prompt(s, 20, 3), _prompt(s, 4, 4)
     a, b = Seq(), Seq()
     got_a, outs_b = [], [run.step([b], [short])[0]]
     for k in range(0, len(long), 7):
@@ -191,7 +192,7 @@ def check_greedy(s: ModelSubject, steps: int = 8) -> None:
     the tokens are transformers' greedy tokens and every logprob agrees."""
     model, hf = _causal(s)
     run = _Runner(model, model_config(s), s.device)
-    prompts = [_prompt(3, 5), _prompt(30, 6), _prompt(17, 7)]
+    prompts = [_prompt(s, 3, 5), _prompt(s, 30, 6), _prompt(s, 17, 7)]
     seqs = [Seq() for _ in prompts]
     lps = run.step(seqs, prompts)
     gen: list[list[int]] = [[] for _ in prompts]
@@ -220,7 +221,7 @@ def check_classify(s: ModelSubject) -> None:
         raise Skipped("not a classification model (no classify method)")
     run = _Runner(model, model_config(s), s.device)
     for n, seed in ((6, 8), (19, 9)):
-        p = _prompt(n, seed)
+        p = _prompt(s, n, seed)
         seq = Seq()
         run.pool.grow(seq, n)
         batch = make_batch([seq], [n], run.backend, s.device, input_ids=p)

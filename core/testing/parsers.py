@@ -53,17 +53,23 @@ def pieces(text: str, cut: list[int]) -> list[str]:
     return [text[a:b] for a, b in zip([0, *cut], [*cut, len(text)])]
 
 
-def derived_texts(text: str, seed: int, limit: int = 24) -> list[str]:
-    """Truncations and small corruptions of ``text``: what a model cut off by max_tokens, or a
-    confused one, produces."""
+def derived_texts(text: str, seed: int, limit: int = 12) -> list[tuple[str, list[list[int]]]]:
+    """Truncations and corruptions of ``text`` (what a model cut off by max_tokens, or a confused
+    one, writes), each with the splits to stream it in: ``limit`` truncations character by
+    character; every one-character deletion and ``2 * limit`` junk insertions in one piece and
+    in four random pieces."""
     rng = random.Random(seed)
     n = len(text)
-    cuts = sorted({*range(0, n, max(1, n // (limit // 2))), n - 1})
-    out = [text[:k] for k in cuts]
-    for _ in range(limit // 2):
-        if n:
-            i = rng.randrange(n)
-            out.append(text[:i] + text[i + 1:] if rng.random() < 0.5 else text[:i] + rng.choice(JUNK[1:]) + text[i:])
+
+    def few(t: str) -> list[list[int]]:
+        return [[], sorted(rng.sample(range(1, len(t)), min(3, len(t) - 1)))] if len(t) > 1 else [[]]
+
+    out = [(text[:k], [[], list(range(1, k))]) for k in sorted({*range(0, n, max(1, n // limit)), n - 1})]
+    for i in range(n):
+        out.append((t := text[:i] + text[i + 1:], few(t)))
+    for _ in range(2 * limit if n else 0):
+        i = rng.randrange(n)
+        out.append((t := text[:i] + rng.choice(JUNK[1:]) + text[i:], few(t)))
     return out
 
 
@@ -112,7 +118,7 @@ def _builtin_key(target: Any, factory: Any, plugins: Any, table: dict, kind: str
 def _stream_tool(s: ToolParserSubject, text: str, cut: list[int], tools: list[dict], where: str
                  ) -> tuple[str, list[tuple[str, str]]]:
     """Normal text and ``[(name, arguments)]`` from streaming ``text`` split at ``cut``; checks the
-    delta protocol (name once, first, with no arguments; fragments only after it)."""
+    delta protocol (the name once, in the call's first delta; fragments never before it)."""
     p = s.factory()
     normal, calls = "", {}
     results = [p.parse_streaming(piece, tools) for piece in pieces(text, cut)] + [p.flush(tools)]
@@ -120,12 +126,10 @@ def _stream_tool(s: ToolParserSubject, text: str, cut: list[int], tools: list[di
         _typed(s, where, t, cs)
         normal += t
         for c in cs:
-            if c.name:
+            if c.name:  # the call's first delta (it may carry a first argument fragment too)
                 if c.index in calls:
                     raise fail(s, where, f"split {show(cut)}: call {c.index}'s name sent twice (delta {k})")
-                if c.arguments:
-                    raise fail(s, where, f"split {show(cut)}: call {c.index}'s first delta carries arguments with its name")
-                calls[c.index] = [c.name, ""]
+                calls[c.index] = [c.name, c.arguments]
             else:
                 if c.index not in calls:
                     raise fail(s, where, f"split {show(cut)}: arguments of call {c.index} before its name (delta {k})")
@@ -225,16 +229,16 @@ def _hypothesis() -> tuple[Any, Any, Any]:
 
 def tool_malformed_never_raises(s: ToolParserSubject) -> None:
     """Truncated, corrupted and junk texts: no exception, well-typed results, JSON arguments."""
-    texts = list(JUNK)
+    texts = [(t, [[], list(range(1, len(t)))]) for t in JUNK]
     for i, smp in enumerate(s.samples):
         texts += derived_texts(smp.text, seed_for(s.label, "malformed", i))
-    for text in texts:
+    for text, cuts in texts:
         where = f"malformed_never_raises({text!r})"
         try:
             _, calls = _parse_tool(s, text, s.tools, where)
             for c in calls:
                 _decoded(s, where, c.arguments)
-            for cut in ([], list(range(1, len(text)))):
+            for cut in cuts:
                 _stream_tool(s, text, cut, s.tools, where)
         except Exception as e:
             if isinstance(e, ConformanceError):
@@ -343,12 +347,12 @@ def reasoning_streaming_hypothesis(s: ReasoningParserSubject) -> None:
 
 def reasoning_malformed_never_raises(s: ReasoningParserSubject) -> None:
     """Truncated, corrupted and junk texts: no exception, and streaming still agrees with ``parse``."""
-    texts = list(JUNK)
+    texts = [(t, [[], list(range(1, len(t)))]) for t in JUNK]
     for i, smp in enumerate(s.samples):
         texts += derived_texts(smp.text, seed_for(s.label, "malformed", i))
-    for text in texts:
+    for text, cuts in texts:
         try:
-            for cut in ([], list(range(1, len(text)))):
+            for cut in cuts:
                 _reason_agree(s, text, cut, f"malformed_never_raises({text!r})")
         except Exception as e:
             if isinstance(e, ConformanceError):

@@ -1,6 +1,10 @@
 """The example plugin's own tests: run with ``python -m pytest`` from this package's folder
 (or core's), with core installed. They load the plugin module directly
-(``load_plugins(extra_modules=...)``), so they pass whether or not the wheel is installed."""
+(``load_plugins(extra_modules=...)``), so they pass whether or not the wheel is installed.
+
+Correctness of each extension is core's conformance kit (``core.testing``): importing a suite
+collects it, and a fixture names what it checks. The rest checks what is particular to this
+plugin: its registrations, its counters, and the engine running on all of it together."""
 
 from __future__ import annotations
 
@@ -15,6 +19,12 @@ import torch
 import core_plugin_example as example
 from core.config import engine_args_from_kwargs
 from core.plugins import api_compatible, load_plugins
+from core.testing import (
+    ToolSample, attention_backend_conformance, grammar_backend_conformance, model_conformance, tool_parser_conformance,
+)
+
+# core installs this pytest plugin (a pytest11 entry point); naming it here too is a no-op then
+pytest_plugins = ["core.testing.pytest_plugin"]
 
 EXTRA = [("example", example)]
 
@@ -38,25 +48,69 @@ def test_registrations():
     }
 
 
-WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+# --------------------------------------------------------------------------- the conformance kit
+
+
+@pytest.fixture(scope="module")
+def conformance_plugins():
+    """Names below are looked up among core's dense weights and this plugin only."""
+    return load_plugins("unquantized", extra_modules=EXTRA)
+
+
+@pytest.fixture
+def attention_backend():
+    return "example_counting"
+
+
+@pytest.fixture
+def grammar_backend():
+    return "example_counting_xgrammar"
+
+
+@pytest.fixture
+def tool_parser():
+    return "example_brackets"
+
+
 TEXT = 'Let me check. [[tool get_weather {"city": "Paris"}]] and [[tool get_weather {"city": "Rome"}]] done [x]'
 
 
-def test_tool_parser_complete_and_streaming():
-    normal, calls = example.BracketToolParser().parse(TEXT, WEATHER)
-    assert normal == "Let me check.  and  done [x]"
-    assert [(c.name, json.loads(c.arguments), c.index) for c in calls] == [
-        ("get_weather", {"city": "Paris"}, 0), ("get_weather", {"city": "Rome"}, 1)]
-    p = example.BracketToolParser()
-    out, got = "", []
-    for ch in TEXT:  # one character at a time: the hardest split
-        text, deltas = p.parse_streaming(ch, WEATHER)
-        out += text
-        got += deltas
-    text, deltas = p.flush(WEATHER)
-    out += text
-    got += deltas
-    assert out == normal and [(c.name, c.arguments, c.index) for c in got] == [(c.name, c.arguments, c.index) for c in calls]
+@pytest.fixture
+def tool_parser_samples():
+    paris, rome = ("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Rome"})
+    return [ToolSample(TEXT, "Let me check.  and  done [x]", (paris, rome)),
+            ToolSample("[[tool get_weather {not json}]] [", "[[tool get_weather {not json}]] ["),
+            ToolSample("No call here, only [brackets].", "No call here, only [brackets].")]
+
+
+@pytest.fixture
+def tool_parser_format():
+    """How the round-trip case writes calls in this parser's format."""
+    return lambda calls: " ".join(f"[[tool {name} {json.dumps(args)}]]" for name, args in calls)
+
+
+@pytest.fixture
+def model_architecture():
+    return "ExampleLlamaForCausalLM"
+
+
+@pytest.fixture(scope="module")
+def model_config():
+    """No transformers class is named ExampleLlamaForCausalLM: say which config it reads..."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                       initializer_range=0.25, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                       architectures=["ExampleLlamaForCausalLM"])
+
+
+@pytest.fixture
+def model_reference():
+    """...and which transformers model it must agree with."""
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM
 
 
 # --------------------------------------------------------------------------- tiny model
