@@ -183,31 +183,32 @@ def check_cuda_graph(s: AttentionSubject) -> None:
     backend = _construct(s, AttentionConfig(2, c.num_heads, c.num_kv_heads, c.head_dim, s.dtype, s.device, pool.kv))
     for seq in seqs:
         pool.grow(seq, 1)
-    batch = make_batch(seqs, [1] * len(seqs), backend, s.device)
+    # the captured batch keeps its metadata for the graph's lifetime; eager checks use their own
+    captured, eager = (make_batch(seqs, [1] * len(seqs), backend, s.device) for _ in range(2))
     layers = _layers(c, c.head_dim ** -0.5)
     shape_q, shape_kv = (len(seqs), c.num_heads, c.head_dim), (len(seqs), c.num_kv_heads, c.head_dim)
     static = [[torch.zeros(sh, device=s.device, dtype=s.dtype) for sh in (shape_q, shape_kv, shape_kv)] for _ in layers]
-    backend.prepare(batch)
+    backend.prepare(captured)
+    backend.prepare(eager)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm-up outside the graph, as capture requires
         for (q, k, v), layer in zip(static, layers):
-            backend.forward(q, k, v, layer, batch)
+            backend.forward(q, k, v, layer, captured)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        outs = [backend.forward(q, k, v, layer, batch) for (q, k, v), layer in zip(static, layers)]
+        outs = [backend.forward(q, k, v, layer, captured) for (q, k, v), layer in zip(static, layers)]
     atol, rtol = TOLERANCES.get(s.dtype, TOLERANCES[torch.bfloat16])
     for replay in range(2):
-        values = [[_randn(t.shape, gen).to(s.device, s.dtype) for t in bufs] for bufs in static]
+        values = [[_randn(tuple(t.shape), gen).to(s.device, s.dtype) for t in bufs] for bufs in static]
         for bufs, vals in zip(static, values):
-            for b, val in zip(bufs, vals):
-                b.copy_(val)
+            for buf, val in zip(bufs, vals):
+                buf.copy_(val)
         graph.replay()
         torch.cuda.synchronize()
-        backend.prepare(batch)
         for out, (q, k, v), layer in zip(outs, values, layers):
-            want = backend.forward(q, k, v, layer, batch)
+            want = backend.forward(q, k, v, layer, eager)
             assert_close(s, "cuda_graph", f"replay {replay + 1} layer {layer.layer_id}", out, want, atol, rtol)
 
 
