@@ -13,6 +13,7 @@ genuine near-tie (top-2 gap below :data:`TIE_GAP`).
 
 from __future__ import annotations
 
+import copy
 import random
 import tempfile
 from pathlib import Path
@@ -96,7 +97,7 @@ def _reference_class(s: ModelSubject, config: Any) -> Any:
 def _build(s: ModelSubject) -> tuple[Any, Any]:
     from core.engine.loader import iter_weights
 
-    config = s.config if s.config is not None else derive_config(s.architecture)
+    config = copy.deepcopy(s.config) if s.config is not None else derive_config(s.architecture)
     ref_cls = _reference_class(s, config)
     config._attn_implementation = "eager"  # the plain reference path (soft-capping included)
     torch.manual_seed(seed_for(KIND, s.architecture))
