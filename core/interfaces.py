@@ -101,10 +101,6 @@ class AttentionBackend(Protocol):
 
     Constructed once as ``backend(config: AttentionConfig)``. Per forward, core calls
     ``prepare(batch)`` once, then the model calls ``forward`` once per layer.
-
-    Optional attribute: ``supports_cuda_graph = True`` on the class says ``forward`` of a
-    prepared batch can be captured in a CUDA graph and replayed with new ``q``/``k``/``v``
-    values (the conformance kit's ``cuda_graph`` case checks it on a GPU).
     """
 
     def prepare(self, batch: ForwardBatch) -> None:
@@ -138,6 +134,12 @@ class QuantMethod(Protocol):
         that it is the loaded weight within the quantization error, and that ``apply(x)``
         equals ``x @ dequantize(layer).T (+ bias)``; without it, the kit compares ``apply(x)``
         with the loaded float weight only.
+
+    ``checkpoint_tensors(weight: torch.Tensor) -> dict[str, torch.Tensor]``
+        For a method that loads pre-quantized checkpoints (no float ``weight`` parameter): the
+        tensors, by parameter name, a checkpoint in its format holds for the float ``[out, in]``
+        ``weight`` (one shard of a packed layer). The kit loads them through the parameters'
+        ``weight_loader``s, as the engine loads a checkpoint, and compares with ``weight``.
     """
 
     def create_weights(

@@ -115,15 +115,32 @@ def test_a_backend_writing_the_wrong_slots_is_caught():
     assert "case 'prefill'" in results[1].message
 
 
-def test_cuda_graph_case_needs_a_declaration_and_a_gpu():
+def test_cuda_graph_case_needs_the_capture_hooks_and_a_gpu():
     (r,) = check_plugin("torch_native", "attention_backend", cases=["cuda_graph"])
-    assert r.status == "skipped" and "supports_cuda_graph" in r.message
+    assert r.status == "skipped" and "does not define the CUDA-graph capture hooks" in r.message
 
-    class Declares(TorchNativeBackend):
-        supports_cuda_graph = True
+    class WithHooks(TorchNativeBackend):
+        def init_cuda_graph(self, max_bs, max_len): ...
+        def prepare_capture(self, bs, batch): ...
+        def prepare_replay(self, bs, batch): ...
 
-    (r,) = check_plugin(Declares, "attention_backend", cases=["cuda_graph"], device="cpu")
-    assert r.status == "skipped" and "CUDA" in r.message
+    (r,) = check_plugin(WithHooks, "attention_backend", cases=["cuda_graph"], device="cpu")
+    assert r.status == "skipped" and r.message == "CUDA-graph capture needs a CUDA device"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_cuda_graph_case_catches_a_backend_whose_replay_reads_stale_metadata():
+    """On a GPU: a backend that ignores prepare_replay replays the captured (length-1) metadata."""
+    from core_plugins.attention.triton import TritonBackend
+
+    class StaleReplay(TritonBackend):
+        def prepare_replay(self, bs, batch):
+            return None
+
+    results = {r.case: r for r in check_plugin(TritonBackend, "attention_backend", cases=["cuda_graph"])}
+    assert results["cuda_graph"].status == "passed", results["cuda_graph"].message
+    (r,) = check_plugin(StaleReplay, "attention_backend", cases=["cuda_graph"])
+    assert r.status == "failed" and "case 'cuda_graph': replay 1 layer 0 output" in r.message
 
 
 def test_failure_message_in_pytest_names_the_case(pytester):

@@ -72,6 +72,58 @@ class CrashesWhereDeclared(Int8PerChannel):
         raise RuntimeError("no kernel for this shape")
 
 
+class Int8Checkpoint:
+    """Loads pre-quantized checkpoints (``qweight`` int8, ``scale`` per row): no float weight."""
+
+    devices = ("cpu",)
+
+    def create_weights(self, layer, in_features, out_features, bias, dtype):
+        layer.qweight = torch.nn.Parameter(torch.empty(out_features, in_features, dtype=torch.int8), requires_grad=False)
+        layer.scale = torch.nn.Parameter(torch.empty(out_features, dtype=torch.float32), requires_grad=False)
+        layer.bias = torch.nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
+
+    def checkpoint_tensors(self, weight):
+        """How a checkpoint in this format stores ``weight`` (for the conformance kit)."""
+        scale = weight.abs().amax(1).clamp_min(1e-8) / 127
+        return {"qweight": torch.round(weight / scale[:, None]).to(torch.int8), "scale": scale}
+
+    def process_weights_after_loading(self, layer):
+        return None
+
+    def dequantize(self, layer):
+        return layer.qweight.float() * layer.scale[:, None]
+
+    def apply(self, layer, x):
+        return F.linear(x, self.dequantize(layer).to(x.dtype), layer.bias)
+
+
+class Int8CheckpointSwapsShards(Int8Checkpoint):
+    """Loads the q and k shards of a packed layer into each other's rows."""
+
+    def create_weights(self, layer, in_features, out_features, bias, dtype):
+        super().create_weights(layer, in_features, out_features, bias, dtype)
+        for p in (layer.qweight, layer.scale):
+            p.weight_loader = self._swapped(layer)
+
+    @staticmethod
+    def _swapped(layer):
+        def load(param, loaded, shard=None):
+            if shard is None:
+                return param.data.copy_(loaded)
+            idx = {"q": 1, "k": 0}.get(shard, layer.shard_names.index(shard))
+            param.data.narrow(0, sum(layer.output_sizes[:idx]), loaded.shape[0]).copy_(loaded)
+        return load
+
+
+def test_a_checkpoint_format_method_loads_through_checkpoint_tensors():
+    results = {r.case: r for r in check_plugin(Int8Checkpoint, "quant_method", device="cpu")}
+    assert {c: r.status for c, r in results.items()} == {
+        "device_support": "passed", "load_round_trip": "passed", "gemm_vs_dequantized": "passed", "gemm_vs_float": "passed"}
+    results = {r.case: r for r in check_plugin(Int8CheckpointSwapsShards, "quant_method", device="cpu")}
+    assert results["load_round_trip"].status == "failed" and results["gemm_vs_float"].status == "failed"
+    assert "case 'load_round_trip': packed_qkv torch.float32: dequantized row" in results["load_round_trip"].message
+
+
 def test_a_correct_int8_method_passes():
     results = {r.case: r.status for r in check_plugin(Int8PerChannel, "quant_method", device="cpu")}
     assert results == {"device_support": "passed", "load_round_trip": "passed", "gemm_vs_dequantized": "passed",

@@ -8,8 +8,9 @@ reference computes in float32 from the same rounded inputs), and after every ste
 the backend wrote must equal the reference's, slot for slot, with nothing else in the pool
 changed. Later steps read what the backend itself wrote earlier.
 
-CUDA-graph capture and replay run only on a GPU, and only for a backend that declares
-``supports_cuda_graph = True``; otherwise that case is skipped with the reason.
+CUDA-graph capture and replay run only on a GPU, and only for a backend with the capture hooks
+of plugin API 1.1 (``init_cuda_graph``, ``prepare_capture``, ``prepare_replay``), driven as
+core's graph runner drives them; otherwise that case is skipped with the reason.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import attrs
 import torch
 
 from core.errors import CoreError
-from core.interfaces import AttentionConfig, AttentionLayerSpec
+from core.interfaces import AttentionConfig, AttentionLayerSpec, ForwardBatch
 from core.testing.paged import PagedPool, Seq, batch_tensors, make_batch
 from core.testing.suite import (
     Case, Skipped, assert_close, default_device, fail, reference, resolve_target, seed_for,
@@ -171,49 +172,81 @@ def check_case(s: AttentionSubject, c: AttentionCase) -> None:
                                           f"slots {bad} (new tokens go to batch.out_cache_loc, nothing else changes)")
 
 
+GRAPH_HOOKS = ("init_cuda_graph", "prepare_capture", "prepare_replay")  # core.interfaces.CudaGraphBackend
+
+
+def _padded(batch: ForwardBatch, bs: int) -> ForwardBatch:
+    """``batch`` plus padding rows up to ``bs``, as core replays a graph: token 0 at position 0,
+    KV length 1, reading and writing slot 0 (the padding slot)."""
+    n, dev = batch.batch_size, batch.input_ids.device
+    pad = lambda t, value=0: torch.cat([t, torch.full((bs - n,), value, dtype=t.dtype, device=dev)])  # noqa: E731
+    return ForwardBatch(input_ids=pad(batch.input_ids), positions=pad(batch.positions),
+                        out_cache_loc=pad(batch.out_cache_loc), seq_lens=pad(batch.seq_lens, 1),
+                        extend_lens=pad(batch.extend_lens, 1),
+                        kv_indices=torch.nn.functional.pad(batch.kv_indices, (0, 0, 0, bs - n)),
+                        seq_lens_cpu=batch.seq_lens_cpu + [1] * (bs - n), extend_lens_cpu=[1] * bs,
+                        attn_backend=batch.attn_backend)
+
+
 def check_cuda_graph(s: AttentionSubject) -> None:
-    """Capture ``forward`` of a prepared decode batch in a CUDA graph; replays with new q/k/v
-    values must equal eager forwards on those values."""
-    if not getattr(s.factory, "supports_cuda_graph", False):
-        raise Skipped("the backend does not declare supports_cuda_graph = True")
+    """The capture hooks of plugin API 1.1, driven as core's CUDA-graph runner drives them: a
+    graph of batch size 4 captured over static buffers, replayed for 3 real sequences and one
+    padding row over two decode steps; the real rows and their K/V equal the eager reference."""
+    if not all(callable(getattr(s.factory, h, None)) for h in GRAPH_HOOKS):
+        raise Skipped(f"the backend does not define the CUDA-graph capture hooks ({', '.join(GRAPH_HOOKS)})")
     if s.device.type != "cuda" or not torch.cuda.is_available():
         raise Skipped("CUDA-graph capture needs a CUDA device")
-    c = AttentionCase("cuda_graph", (5, 17, 33, 64), ((1, 1, 1, 1),))
+    c, bs = AttentionCase("cuda_graph", (5, 17, 33), ((1, 1, 1),) * 2), 4
     pool, seqs, gen = _setup(s, c)
-    backend = _construct(s, AttentionConfig(2, c.num_heads, c.num_kv_heads, c.head_dim, s.dtype, s.device, pool.kv))
-    for seq in seqs:
-        pool.grow(seq, 1)
-    # the captured batch keeps its metadata for the graph's lifetime; eager checks use their own
-    captured, eager = (make_batch(seqs, [1] * len(seqs), backend, s.device) for _ in range(2))
+    ref_kv = pool.clone(torch.float32)
+    cfg = lambda kv, dt: AttentionConfig(2, c.num_heads, c.num_kv_heads, c.head_dim, dt, s.device, kv)  # noqa: E731
+    backend, ref = _construct(s, cfg(pool.kv, s.dtype)), _reference(cfg(ref_kv, torch.float32))
     layers = _layers(c, c.head_dim ** -0.5)
-    shape_q, shape_kv = (len(seqs), c.num_heads, c.head_dim), (len(seqs), c.num_kv_heads, c.head_dim)
-    static = [[torch.zeros(sh, device=s.device, dtype=s.dtype) for sh in (shape_q, shape_kv, shape_kv)] for _ in layers]
-    backend.prepare(captured)
-    backend.prepare(eager)
+    backend.init_cuda_graph(bs, 64)
+    zeros = lambda: torch.zeros(bs, dtype=torch.int64, device=s.device)  # noqa: E731
+    static = ForwardBatch(input_ids=zeros(), positions=zeros(), out_cache_loc=zeros(), seq_lens=zeros() + 1,
+                          extend_lens=zeros() + 1, kv_indices=torch.zeros(bs, 1, dtype=torch.int64, device=s.device),
+                          seq_lens_cpu=[1] * bs, extend_lens_cpu=[1] * bs, attn_backend=backend)
+    backend.prepare_capture(bs, static)
+    qkv = [[torch.zeros(bs, h, c.head_dim, device=s.device, dtype=s.dtype) for h in (c.num_heads, c.num_kv_heads,
+                                                                                    c.num_kv_heads)] for _ in layers]
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm-up outside the graph, as capture requires
-        for (q, k, v), layer in zip(static, layers):
-            backend.forward(q, k, v, layer, captured)
+        for (q, k, v), layer in zip(qkv, layers):
+            backend.forward(q, k, v, layer, static)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        outs = [backend.forward(q, k, v, layer, captured) for (q, k, v), layer in zip(static, layers)]
+        outs = [backend.forward(q, k, v, layer, static) for (q, k, v), layer in zip(qkv, layers)]
     atol, rtol = TOLERANCES.get(s.dtype, TOLERANCES[torch.bfloat16])
-    for replay in range(2):
-        values = [[_randn(tuple(t.shape), gen).to(s.device, s.dtype) for t in bufs] for bufs in static]
-        for bufs, vals in zip(static, values):
+    for k, step in enumerate(c.steps):
+        for seq in seqs:
+            pool.grow(seq, 1)
+        real = make_batch(seqs, list(step), backend, s.device)
+        padded = _padded(real, bs)
+        for name in ("input_ids", "positions", "out_cache_loc", "seq_lens", "extend_lens"):
+            getattr(static, name).copy_(getattr(padded, name))
+        backend.prepare_replay(bs, padded)
+        values = [[_randn(tuple(t.shape), gen).to(s.device, s.dtype) for t in bufs] for bufs in qkv]
+        for bufs, vals in zip(qkv, values):
             for buf, val in zip(bufs, vals):
                 buf.copy_(val)
         graph.replay()
         torch.cuda.synchronize()
-        for out, (q, k, v), layer in zip(outs, values, layers):
-            want = backend.forward(q, k, v, layer, eager)
-            assert_close(s, "cuda_graph", f"replay {replay + 1} layer {layer.layer_id}", out, want, atol, rtol)
+        theirs = make_batch(seqs, list(step), ref, s.device)
+        ref.prepare(theirs)
+        for out, (q, kk, v), layer in zip(outs, values, layers):
+            want = ref.forward(q[:3].float(), kk[:3].float(), v[:3].float(), layer, theirs)
+            assert_close(s, "cuda_graph", f"replay {k + 1} layer {layer.layer_id} output", out[:3], want, atol, rtol)
+        for l in range(2):  # slot 0 excepted: the padding row writes there
+            for part, got, exp in (("K", pool.kv.k[l], ref_kv.k[l]), ("V", pool.kv.v[l], ref_kv.v[l])):
+                if not torch.equal(got[1:].float(), exp[1:]):
+                    raise fail(s, "cuda_graph", f"replay {k + 1}: the {part} pool of layer {l} differs from the reference")
 
 
 def attention_cases() -> list[Case]:
     """Every case of the suite, in order; ``run(subject)`` takes an :class:`AttentionSubject`."""
     cases = [Case(c.name, lambda s, c=c: check_case(s, c), c.doc) for c in ATTENTION_CASES]
-    cases.append(Case("cuda_graph", check_cuda_graph, "capture/replay, when the backend declares support"))
+    cases.append(Case("cuda_graph", check_cuda_graph, "capture/replay through the plugin API 1.1 hooks, on a GPU"))
     return cases

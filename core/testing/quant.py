@@ -79,7 +79,8 @@ def _weights(shape: LayerShape, gen: torch.Generator) -> tuple[list[torch.Tensor
     return shards, bias
 
 
-def _layer(s: QuantSubject, shape: LayerShape, dtype: torch.dtype) -> tuple[Linear, torch.Tensor, torch.Tensor | None]:
+def _layer(s: QuantSubject, shape: LayerShape, dtype: torch.dtype, case: str
+           ) -> tuple[Linear, torch.Tensor, torch.Tensor | None]:
     """A loaded, processed layer and the float weight and bias it was loaded from."""
     gen = torch.Generator().manual_seed(seed_for(KIND, shape.name))
     shards, bias = _weights(shape, gen)
@@ -87,15 +88,21 @@ def _layer(s: QuantSubject, shape: LayerShape, dtype: torch.dtype) -> tuple[Line
     with torch.device(s.device):
         layer = Linear(shape.in_features, sizes, shape.bias, s.factory(), dtype, shape.shard_names)
     params = dict(layer.named_parameters())
-    if "weight" not in params:
-        raise Skipped(f"the method creates no float 'weight' parameter to load a checkpoint into "
-                      f"(it has {sorted(params)}); the suite loads float weights")
-    w = params["weight"]
-    if len(shards) == 1:
-        w.weight_loader(w, shards[0].to(s.device, w.dtype))
-    else:
-        for name, shard in zip(shape.shard_names, shards):
-            w.weight_loader(w, shard.to(s.device, w.dtype), name)
+    # what a checkpoint holds for each shard: the float weight, or the method's own tensors for it
+    to_ckpt = getattr(layer.quant_method, "checkpoint_tensors", None)
+    if "weight" not in params and not callable(to_ckpt):
+        raise Skipped(f"the method creates no float 'weight' parameter (it has {sorted(params)}) and has no "
+                      f"checkpoint_tensors(weight) to write a float weight in its checkpoint format")
+    ids = shape.shard_names if len(shards) > 1 else (None,)
+    for shard_id, shard in zip(ids, shards):
+        tensors = {"weight": shard} if "weight" in params else to_ckpt(shard)
+        for name, t in tensors.items():
+            if name not in params:
+                raise fail(s, case, f"checkpoint_tensors returned {name!r}, not a parameter of the layer "
+                                      f"({sorted(params)})")
+            p = params[name]
+            t = t.to(s.device, p.dtype) if t.is_floating_point() else t.to(s.device)
+            p.weight_loader(p, t) if shard_id is None else p.weight_loader(p, t, shard_id)
     if bias is not None:
         b = params["bias"]
         getattr(b, "weight_loader", lambda p, t, *a: p.data.copy_(t))(b, bias.to(s.device, b.dtype))
@@ -138,7 +145,7 @@ def check_round_trip(s: QuantSubject) -> None:
     _supported_here(s)
     for shape in LAYERS:
         for dtype in s.dtypes:
-            layer, w, _ = _layer(s, shape, dtype)
+            layer, w, _ = _layer(s, shape, dtype, "load_round_trip")
             deq = _dequantize(s, layer)
             if tuple(deq.shape) != tuple(w.shape):
                 raise fail(s, "load_round_trip", f"{shape.name} {dtype}: dequantize gave shape {tuple(deq.shape)}, "
@@ -163,7 +170,7 @@ def check_gemm(s: QuantSubject, against: str) -> None:
     case = f"gemm_vs_{against}"
     for shape in LAYERS:
         for dtype in s.dtypes:
-            layer, w, b = _layer(s, shape, dtype)
+            layer, w, b = _layer(s, shape, dtype, case)
             ref_w = _dequantize(s, layer).float().cpu() if against == "dequantized" else w
             tol = s.gemm_rtol.get(dtype, 3e-2) + (s.round_trip_rtol if against == "float" else 0.0)
             gen = torch.Generator().manual_seed(seed_for(KIND, case, shape.name))
@@ -192,7 +199,7 @@ def check_device_support(s: QuantSubject) -> None:
     if declared is not None and s.device.type not in declared:
         raise fail(s, "device_support", f"declares devices {declared} but check_device({s.device}) accepts it")
     shape = LAYERS[1]
-    layer, _, _ = _layer(s, shape, s.dtypes[0])  # accepted here, so it must run here
+    layer, _, _ = _layer(s, shape, s.dtypes[0], "device_support")  # accepted here, so it must run here
     _apply(s, layer, torch.randn(2, shape.in_features, dtype=s.dtypes[0], device=s.device), "device_support",
            f"{shape.name} on {s.device.type}")
 
