@@ -73,11 +73,18 @@ class KVCache:
 
     Slot 0 is a zeroed padding slot that is never handed out, so padded gathers are
     finite. A page is ``page_size`` consecutive slots.
+
+    The buffers' dtype may be narrower than the model's (``--kv-cache-dtype fp8_e4m3``):
+    a backend then stores ``k / k_scale`` (clamped to the dtype's range) and reads
+    ``stored * k_scale`` (likewise ``v``). The scales are per tensor and 1.0 unless set
+    (SGLang's default when a checkpoint ships none).
     """
 
     k: list[torch.Tensor]
     v: list[torch.Tensor]
     page_size: int
+    k_scale: float = 1.0
+    v_scale: float = 1.0
 
     @property
     def num_slots(self) -> int:

@@ -176,12 +176,37 @@ class GatedMLP(nn.Module):
 
 
 class VocabEmbedding(nn.Module):
+    """A ``[vocab, hidden]`` table: token embedding (``forward``) and LM head (``logits``), tied or not.
+
+    A quant method that serves the LM head packed (``QuantMethod.pack_lm_head``) is installed as
+    ``pack_head`` after loading; the first ``logits`` call builds the packed head from the loaded
+    table, so only the table actually used as a head is packed (an untied input embedding never is)."""
+
     def __init__(self, vocab_size: int, hidden: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden, dtype=dtype))
+        self.pack_head: Callable[[nn.Module], nn.Module | None] | None = None
+        self.packed_head: nn.Module | None = None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.weight)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden [N, hidden] @ weight^T`` in ``hidden.dtype`` (through the packed head when there is one)."""
+        if self.pack_head is not None:
+            self.packed_head, self.pack_head = self.pack_head(self), None
+        if self.packed_head is not None:
+            return self.packed_head(hidden)
+        return F.linear(hidden, self.weight)
+
+
+def checkpoint_target(name: str, packed: Mapping[str, tuple[str, object]]) -> tuple[str, object]:
+    """(model parameter name, shard id or None) that checkpoint tensor ``name`` loads into, under a
+    model's ``packed`` map (see :func:`load_packed_weights`)."""
+    for src, (dst, shard_id) in packed.items():
+        if f".{src}." in name:
+            return name.replace(f".{src}.", f".{dst}."), shard_id
+    return name, None
 
 
 def load_packed_weights(
@@ -202,11 +227,7 @@ def load_packed_weights(
     for name, tensor in weights:
         if skip(name):
             continue
-        target, shard = name, None
-        for src, (dst, shard_id) in packed.items():
-            if f".{src}." in name:
-                target, shard = name.replace(f".{src}.", f".{dst}."), shard_id
-                break
+        target, shard = checkpoint_target(name, packed)
         if target not in params:
             raise ModelLoadError(f"checkpoint tensor {name!r} has no matching model parameter")
         param = params[target]

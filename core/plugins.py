@@ -262,9 +262,19 @@ class PluginManager:
                 reg = table[name]
                 losers = self.overridden.get((kind, name), [])
                 note = f"(overrides {', '.join(l.plugin for l in losers)})" if losers else ""
+                if kind == "quant_method":
+                    note = " ".join(filter(None, (self._devices(name), note)))
                 sub.append((f"  {name}", reg.plugin, reg.distribution, note))
             lines.extend(_columns(sub))
         return "\n".join(lines)
+
+    def _devices(self, name: str) -> str:
+        """What a quant method declares in its optional ``devices`` (resolving its target)."""
+        try:
+            devices = getattr(self.resolve("quant_method", name), "devices", None)
+        except Exception:
+            return "devices: ? (its target failed to import)"
+        return f"devices: {', '.join(devices)}" if devices else ""
 
 
 def _columns(rows: Sequence[Sequence[str]]) -> list[str]:

@@ -21,7 +21,7 @@ from core.engine.device import pick_device
 from core.engine.config import EngineArgs, engine_args_from_kwargs
 from core.errors import CoreError, InvalidRequest, ModelLoadError, UnknownNameError
 from core.interfaces import AttentionConfig, ModelContext
-from core.engine.kv_cache import PageAllocator, ReqToTokenTable, allocate_kv_cache, kv_bytes_per_token
+from core.engine.kv_cache import PageAllocator, ReqToTokenTable, allocate_kv_cache, kv_bytes_per_token, kv_cache_dtype
 from core.engine.loader import ModelConfig, build_quant_method, checkpoint_weights, finish_loading, load_model_config
 from core.engine.grammar import GrammarManager
 from core.engine.model_runner import ModelRunner
@@ -106,7 +106,7 @@ class AsyncEngine:
         heads = cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-        kv_dtype = mc.dtype if args.kv_cache_dtype == "auto" else getattr(torch, args.kv_cache_dtype)
+        kv_dtype = kv_cache_dtype(args.kv_cache_dtype, mc.dtype)
         per_token = kv_bytes_per_token(cfg.num_hidden_layers, kv_heads, head_dim, kv_dtype)
         if args.max_total_tokens:
             tokens = args.max_total_tokens

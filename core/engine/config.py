@@ -30,7 +30,7 @@ BACKENDS = "Kernel backends and plugins"
 LOGGING = "Logging"
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float")
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
@@ -89,13 +89,18 @@ class EngineArgs:
     radix_eviction_policy: str = _arg("lru", MEMORY, "which unused cached prefixes are evicted first when the KV pool "
                                                      "runs low", choices=EVICTION_POLICIES)
     page_size: int = _arg(1, MEMORY, "tokens per KV cache page")
-    kv_cache_dtype: str = _arg("auto", MEMORY, "KV cache dtype (auto: the model's)", choices=KV_CACHE_DTYPES)
+    kv_cache_dtype: str = _arg("auto", MEMORY, "KV cache dtype (auto: the model's; fp8_e4m3 / fp8_e5m2 store K/V in "
+                                               "8 bits, twice the tokens in the same memory)", choices=KV_CACHE_DTYPES)
     random_seed: int | None = _arg(None, MEMORY, "random seed (sampling, the random schedule policy, dummy weights)")
     cpu_threads: int | None = _arg(None, MEMORY, "torch intra-op threads on CPU (default: torch's choice, all cores; "
                                                  "OMP_NUM_THREADS also applies)")
     # ---- kernel backends and plugins
     attention_backend: str | None = _arg(None, BACKENDS, "attention backend (default: chosen for the device by the choose_attention_backend hook: flashinfer or triton on CUDA, torch_native on CPU; `core plugins` shows the choice)")
-    quantization: str | None = _arg(None, BACKENDS, "quantization method (any registered)")
+    quantization: str | None = _arg(None, BACKENDS, "quantization method (any registered; default: the checkpoint's "
+                                                    "quantization_config, gguf for a .gguf model on CPU in bf16/fp16, "
+                                                    "else none)")
+    torchao_config: str | None = _arg(None, BACKENDS, "quantize a dense checkpoint at load, weight-only (SGLang's "
+                                                      "names): int8wo, int4wo-32, int4wo-64, int4wo-128, int4wo-256")
     grammar_backend: str | None = _arg(None, BACKENDS, "constrained decoding backend: xgrammar (default), llguidance, "
                                                        "or none to disable")
     plugins: str | list[str] | None = _arg(None, BACKENDS, "comma-separated plugins to load "

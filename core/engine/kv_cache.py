@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from core.errors import CoreError
 from core.interfaces import KVCache
 
 
@@ -30,6 +31,23 @@ def allocate_kv_cache(
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     return 2 * num_layers * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+
+
+# --kv-cache-dtype values (SGLang's names) -> storage dtype; "auto" is the model's dtype.
+KV_CACHE_DTYPES = {
+    "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+}
+
+
+def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The pool's storage dtype for ``--kv-cache-dtype name``. fp8 halves the bytes per token of a
+    bf16/fp16 pool, so the same memory holds twice the tokens (K/V are scaled per tensor, see KVCache)."""
+    if name == "auto":
+        return model_dtype
+    if name not in KV_CACHE_DTYPES:
+        raise CoreError(f"unknown --kv-cache-dtype {name!r}; choose auto, {', '.join(KV_CACHE_DTYPES)}")
+    return KV_CACHE_DTYPES[name]
 
 
 class PageAllocator:

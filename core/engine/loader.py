@@ -4,6 +4,12 @@ Formats: a Hugging Face folder (config.json + safetensors or .bin) or a GGUF fil
 GGUF is dequantized once through transformers' GGUF reader and cached on disk as a
 Hugging Face folder keyed by the file's hash, so the second start is fast. Nothing
 is ever downloaded: a path that does not exist is an error.
+
+Quantization is chosen here too (``build_quant_method``), because the checkpoint decides
+most of it: a ``quantization_config`` in config.json names its method (awq, gptq, fp8); a GGUF
+model on CPU with bf16/fp16 activations is served from its quantized blocks (method ``gguf``,
+fed raw by ``checkpoint_weights``) unless ``--quantization none``; ``--torchao-config``
+quantizes a dense checkpoint at load.
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ import structlog
 import torch
 
 from core.engine.device import auto_dtype
-from core.errors import ModelLoadError
+from core.errors import CoreError, ModelLoadError
+from core.layers import VocabEmbedding, checkpoint_target
 
 log = structlog.get_logger("core.engine.loader")
 
@@ -40,6 +47,8 @@ class ModelConfig:
     context_len: int
     eos_ids: tuple[int, ...]
     served_name: str
+    gguf_file: Path | None = None  # the GGUF file ``path`` was converted from
+    quant_config: dict | None = None  # config.json's quantization_config (a pre-quantized checkpoint)
 
 
 def default_model_path() -> Path:
@@ -97,6 +106,12 @@ def convert_gguf(path: Path) -> Path:
 
 def resolve_model_path(model_path: str | os.PathLike | None) -> tuple[Path, str]:
     """Return (Hugging Face folder, source name), converting GGUF when needed."""
+    folder, name, _ = _resolve(model_path)
+    return folder, name
+
+
+def _resolve(model_path: str | os.PathLike | None) -> tuple[Path, str, Path | None]:
+    """(Hugging Face folder, source name, the GGUF file it was converted from or None)."""
     if model_path is None:
         src = default_model_path()
     else:
@@ -114,8 +129,8 @@ def resolve_model_path(model_path: str | os.PathLike | None) -> tuple[Path, str]
     if src.is_file():
         if src.suffix != ".gguf":
             raise ModelLoadError(f"{src} is a file but not a .gguf; pass a Hugging Face folder or a .gguf file")
-        return convert_gguf(src), src.stem
-    return src, src.name
+        return convert_gguf(src), src.stem, src
+    return src, src.name, None
 
 
 def pick_dtype(name: str, config_dtype: torch.dtype | None, device: torch.device) -> torch.dtype:
@@ -134,7 +149,7 @@ def load_model_config(model_path: str | None, dtype: str, device: torch.device, 
                       served_model_name: str | None = None, json_overrides: str | None = None) -> ModelConfig:
     from transformers import AutoConfig, GenerationConfig
 
-    path, source = resolve_model_path(model_path)
+    path, source, gguf_file = _resolve(model_path)
     try:
         hf_config = AutoConfig.from_pretrained(path)
     except Exception as e:
@@ -164,7 +179,17 @@ def load_model_config(model_path: str | None, dtype: str, device: torch.device, 
         context_len=context_len,
         eos_ids=tuple(dict.fromkeys(eos)),
         served_name=served_model_name or (str(model_path) if model_path else "SmolLM2-135M-Instruct"),
+        gguf_file=gguf_file,
+        quant_config=_quant_config(hf_config),
     )
+
+
+def _quant_config(hf_config) -> dict | None:
+    qc = getattr(hf_config, "quantization_config", None)
+    if qc is None:
+        return None
+    qc = qc if isinstance(qc, dict) else qc.to_dict()
+    return {**qc, "quant_method": str(qc.get("quant_method", "")).lower()}
 
 
 def _generation_config(cls, path: Path):
@@ -190,3 +215,196 @@ def iter_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
         raise ModelLoadError(f"no *.safetensors or *.bin weights in {path}")
     for f in bins:
         yield from torch.load(f, map_location="cpu", weights_only=True).items()
+
+
+# --------------------------------------------------------------------------- GGUF kept quantized
+
+GGUF_TABLE = "gguf_tensors.json"  # written next to the converted folder's weights
+
+
+def gguf_tensor_table(gguf_file: Path, folder: Path) -> dict:
+    """Which converted tensors can be fed from the GGUF file's raw blocks, and how.
+
+    ``{"tensors": {hf_name: [gguf_name, heads]}, "head_type": GGML type of the LM head or None}``:
+    a quantized 2-D tensor is listed when gguf's dequantization of it equals the converted
+    tensor exactly, as is (``heads`` 0) or after transformers' Llama q/k row permutation over
+    ``heads`` heads. Checking values rather than trusting name rules keeps every architecture
+    correct: whatever does not verify is fed dense. Built once and cached next to the conversion."""
+    target = folder / GGUF_TABLE
+    if target.is_file():
+        return json.loads(target.read_text())
+    import gguf
+    from safetensors import safe_open
+
+    try:
+        reader = gguf.GGUFReader(gguf_file)
+        arch = reader.fields["general.architecture"].contents()
+        archs = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}
+        names = gguf.get_tensor_name_map(archs[arch], int(reader.fields[f"{arch}.block_count"].contents()))
+        heads = {int(reader.fields[f"{arch}.attention.{k}"].contents())
+                 for k in ("head_count", "head_count_kv") if f"{arch}.attention.{k}" in reader.fields}
+    except Exception as e:  # not a readable GGUF, or an architecture gguf does not know
+        raise ModelLoadError(f"cannot read the quantized tensors of {gguf_file}: {type(e).__name__}: {e}") from None
+    by_name = {t.name: t for t in reader.tensors}
+    floats = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16}
+    tensors: dict[str, list] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(f, framework="pt") as sf:
+            for name in sf.keys():
+                t = by_name.get(names.get_name(name, try_suffixes=(".weight", ".bias")) or "")
+                if t is None or t.tensor_type in floats or len(t.shape) != 2 or t.name in ("token_embd.weight", "output.weight"):
+                    continue
+                ref = sf.get_tensor(name).float()
+                deq = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy())
+                if deq.shape != ref.shape:
+                    continue
+                for h in [0, *sorted(heads)]:
+                    if h and deq.shape[0] % (2 * h):
+                        continue
+                    if torch.equal(deq if h == 0 else deq[llama_rows(deq.shape[0], h)], ref):
+                        tensors[name] = [t.name, h]
+                        break
+    head = by_name.get("output.weight") or by_name.get("token_embd.weight")
+    table = {"tensors": tensors, "head_type": int(head.tensor_type) if head is not None else None}
+    tmp = target.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(table))
+    tmp.replace(target)
+    log.info("gguf.table", file=str(gguf_file), kept_quantized=len(tensors))
+    return table
+
+
+def llama_rows(rows: int, heads: int) -> torch.Tensor:
+    """Row order transformers gives a llama.cpp q/k weight (it undoes the convert script's
+    interleave): HF row (head, j, i) is GGUF row (head, i, j), i < rows / heads / 2, j < 2."""
+    return torch.arange(rows).reshape(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)
+
+
+def checkpoint_weights(mc: ModelConfig, model: torch.nn.Module, quant: object) -> Iterator[tuple[str, torch.Tensor]]:
+    """What ``model.load_weights`` consumes: the folder's tensors, except that under a quant
+    method with ``gguf_raw`` (the ``gguf`` method) every ``Linear`` weight ``X.weight`` of a GGUF
+    model arrives as ``X.qweight`` (its raw GGUF rows, uint8 ``[rows, bytes]``, rows in the
+    converted order) and ``X.qweight_type`` (int32 ``[1]``, the GGML type). A weight the table
+    does not list is sent as its float32 bytes with type F32 (0)."""
+    if not getattr(quant, "gguf_raw", False):
+        yield from iter_weights(mc.path)
+        return
+    import gguf
+    from safetensors import safe_open
+
+    table = gguf_tensor_table(mc.gguf_file, mc.path)["tensors"]
+    by_name = {t.name: t for t in gguf.GGUFReader(mc.gguf_file).tensors}
+    params = {n for n, _ in model.named_parameters()}
+    packed = getattr(model, "packed_modules", {})
+    for f in sorted(mc.path.glob("*.safetensors")):
+        with safe_open(f, framework="pt") as sf:
+            for name in sf.keys():
+                base = name.removesuffix(".weight")
+                if base == name or checkpoint_target(base + ".qweight", packed)[0] not in params:
+                    yield name, sf.get_tensor(name)
+                    continue
+                if name in table:
+                    gname, heads = table[name]
+                    t = by_name[gname]
+                    raw = torch.from_numpy(t.data.copy()).view(torch.uint8).reshape(int(t.shape[-1]), -1)
+                    raw = raw[llama_rows(raw.shape[0], heads)] if heads else raw
+                    kind = int(t.tensor_type)
+                else:
+                    dense = sf.get_tensor(name).float().contiguous()
+                    raw, kind = dense.view(torch.uint8).reshape(dense.shape[0], -1), 0
+                yield base + ".qweight", raw
+                yield base + ".qweight_type", torch.tensor([kind], dtype=torch.int32)
+
+
+# --------------------------------------------------------------------------- choosing the quant method
+
+TORCHAO_CONFIGS = ("int8wo", "int4wo-32", "int4wo-64", "int4wo-128", "int4wo-256")  # SGLang's names we serve
+PACKED_CHECKPOINTS = ("awq", "gptq")  # methods whose checkpoints hold *.qweight tensors
+
+
+def select_quantization(quantization: str | None, torchao_config: str | None, mc: ModelConfig,
+                        device: torch.device, load_format: str = "auto") -> tuple[str, dict | None]:
+    """(quant method name, config for its ``from_config`` or None). Explicit choices that
+    contradict the checkpoint are errors; with nothing asked, a pre-quantized checkpoint uses its
+    own method and a GGUF model on CPU in bf16/fp16 keeps its quantized blocks (``gguf``; not
+    with ``--load-format dummy``, which reads no weights)."""
+    qc = mc.quant_config
+    if torchao_config is not None:
+        if torchao_config not in TORCHAO_CONFIGS:
+            raise CoreError(f"unknown --torchao-config {torchao_config!r}; choose one of {', '.join(TORCHAO_CONFIGS)}")
+        if quantization not in (None, torchao_config):
+            raise CoreError(f"--torchao-config {torchao_config} and --quantization {quantization} both choose how "
+                            f"weights are quantized; pass one of them")
+        if qc is not None:
+            raise CoreError(f"--torchao-config quantizes a dense checkpoint, but {mc.source} is already "
+                            f"{qc['quant_method']}-quantized (config.json quantization_config)")
+        return torchao_config, None
+    if qc is not None:
+        method = qc["quant_method"]
+        if quantization not in (None, method):
+            raise CoreError(f"{mc.source} is {method}-quantized (config.json quantization_config), so "
+                            f"--quantization {quantization} cannot apply; leave it out or pass {method}")
+        if method in PACKED_CHECKPOINTS and not _has_tensor(mc.path, ".qweight"):
+            raise ModelLoadError(f"config.json of {mc.source} declares {method} quantization, but the checkpoint has "
+                                 f"no {method} tensors (*.qweight, *.qzeros, *.scales)")
+        return method, qc
+    if quantization in PACKED_CHECKPOINTS:
+        raise ModelLoadError(f"--quantization {quantization} needs a {quantization} checkpoint (config.json "
+                             f"quantization_config and *.qweight / *.qzeros / *.scales tensors); {mc.source} is dense")
+    if quantization == "gguf":
+        if mc.gguf_file is None or load_format == "dummy":
+            raise CoreError(f"--quantization gguf serves a .gguf file's own weights; {mc.source} is "
+                            f"{'loaded with dummy weights' if mc.gguf_file else 'a Hugging Face folder'}")
+        return "gguf", {"head_type": gguf_tensor_table(mc.gguf_file, mc.path)["head_type"]}
+    if quantization is not None:
+        return quantization, None
+    if mc.gguf_file is not None and load_format != "dummy" and device.type == "cpu" and mc.dtype in (torch.bfloat16, torch.float16):
+        try:
+            return "gguf", {"head_type": gguf_tensor_table(mc.gguf_file, mc.path)["head_type"]}
+        except ModelLoadError as e:
+            log.warning("gguf.dequantized", reason=str(e))
+    return "none", None
+
+
+def _has_tensor(path: Path, suffix: str) -> bool:
+    from safetensors import safe_open
+
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(f, framework="pt") as sf:
+            if any(k.endswith(suffix) for k in sf.keys()):
+                return True
+    return False
+
+
+def build_quant_method(plugins, quantization: str | None, torchao_config: str | None, mc: ModelConfig,
+                       device: torch.device, load_format: str = "auto"):
+    """The engine's quant method, checked against the device: one that cannot run there stops
+    start-up naming both (optional ``devices`` / ``check_device`` of the method, see QuantMethod)."""
+    name, config = select_quantization(quantization, torchao_config, mc, device, load_format)
+    cls = plugins.resolve("quant_method", name)
+    method = cls.from_config(config) if config is not None and hasattr(cls, "from_config") else cls()
+    reason = None
+    if (check := getattr(method, "check_device", None)) is not None:
+        reason = check(device)
+    elif (devices := getattr(method, "devices", None)) is not None and device.type not in devices:
+        reason = f"it runs on {', '.join(devices)}"
+    if reason:
+        raise ModelLoadError(f"quantization method {name!r} cannot run on device '{device}': {reason}")
+    log.info("quant.method", method=name, device=str(device))
+    return method
+
+
+def finish_loading(model: torch.nn.Module, quant: object) -> None:
+    """After the checkpoint is in: every module with a ``quant_method`` repacks its weights; a
+    method with ``pack_lm_head`` gets to pack the LM head (on its first use)."""
+    from collections import Counter
+
+    for m in model.modules():
+        if getattr(m, "quant_method", None) is not None:
+            m.quant_method.process_weights_after_loading(m)
+    if (pack := getattr(quant, "pack_lm_head", None)) is not None:
+        for m in model.modules():
+            if isinstance(m, VocabEmbedding):
+                m.pack_head = pack
+    formats = Counter(f for m in model.modules() if (f := getattr(m, "quant_format", None)) is not None)
+    if formats:
+        log.info("quant.layers", **formats)

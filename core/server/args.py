@@ -56,6 +56,7 @@ _FLAG_SECTION = {
     "--dtype": "Quantization and data type",
     "--quantization": "Quantization and data type",
     "--kv-cache-dtype": "Quantization and data type",
+    "--torchao-config": "Quantization and data type",
     "--served-model-name": "API related",
     "--device": "Runtime options",
     "--random-seed": "Runtime options",

@@ -4,6 +4,8 @@ Every forward, the sequences' cached keys are gathered into a padded
 ``[B, max_len]`` block and attended with one ``scaled_dot_product_attention`` call
 per layer under a boolean mask (causal within each sequence, padding masked out).
 It runs wherever torch runs, CPU included, and faster backends are tested against it.
+An fp8 pool (``--kv-cache-dtype fp8_e4m3``) is written scaled and saturated, and
+dequantized to the model dtype as it is gathered.
 """
 
 from __future__ import annotations
@@ -63,8 +65,8 @@ class TorchNativeBackend:
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch
     ) -> torch.Tensor:
         kc, vc = self.kv.k[layer.layer_id], self.kv.v[layer.layer_id]
-        kc.index_copy_(0, batch.out_cache_loc, k.to(kc.dtype))
-        vc.index_copy_(0, batch.out_cache_loc, v.to(vc.dtype))
+        _store(kc, batch.out_cache_loc, k, self.kv.k_scale)
+        _store(vc, batch.out_cache_loc, v, self.kv.v_scale)
         md: _Metadata = batch.attn_metadata
         b, kmax = batch.kv_indices.shape
         h, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
@@ -74,8 +76,8 @@ class TorchNativeBackend:
         else:
             qp = q.index_select(0, md.q_index).view(b, -1, h, d)  # [B, Qmax, H, D]
         flat = batch.kv_indices.view(-1)
-        keys = kc.index_select(0, flat).view(b, kmax, hkv, d).to(q.dtype)  # [B, Kmax, Hkv, D]
-        vals = vc.index_select(0, flat).view(b, kmax, hkv, d).to(q.dtype)
+        keys = _gather(kc, flat, q.dtype, self.kv.k_scale).view(b, kmax, hkv, d)  # [B, Kmax, Hkv, D]
+        vals = _gather(vc, flat, q.dtype, self.kv.v_scale).view(b, kmax, hkv, d)
         mask = self._mask(md, layer.sliding_window)
         if md.q_index is None:
             return _decode_attention(q.view(b, hkv, h // hkv, d), keys, vals, mask, layer).reshape(b, h, d)
@@ -91,6 +93,28 @@ class TorchNativeBackend:
         if md.out_index is None:
             return out.reshape(b, h, d)
         return out.reshape(-1, h, d).index_select(0, md.out_index)
+
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _store(pool: torch.Tensor, loc: torch.Tensor, x: torch.Tensor, scale: float) -> None:
+    """Write rows ``x`` at slots ``loc``; an fp8 pool stores ``x / scale`` saturated to its range
+    (through uint8 views: CPU torch has no fp8 ``index_copy_``)."""
+    if pool.dtype not in FP8_DTYPES:
+        pool.index_copy_(0, loc, x.to(pool.dtype))
+        return
+    top = torch.finfo(pool.dtype).max
+    x8 = (x.float() / scale if scale != 1.0 else x).clamp(-top, top).to(pool.dtype)
+    pool.view(torch.uint8).index_copy_(0, loc, x8.view(torch.uint8))
+
+
+def _gather(pool: torch.Tensor, idx: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """Rows ``idx`` of the pool in ``dtype`` (an fp8 pool dequantized: ``stored * scale``)."""
+    if pool.dtype not in FP8_DTYPES:
+        return pool.index_select(0, idx).to(dtype)
+    out = pool.view(torch.uint8).index_select(0, idx).view(pool.dtype).to(dtype)
+    return out * scale if scale != 1.0 else out
 
 
 def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,

@@ -118,8 +118,8 @@ class LlamaForCausalLM(nn.Module):
         return self.model(batch)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        w = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, w).float()
+        head = self.model.embed_tokens if self.tied else self.lm_head
+        return head.logits(hidden).float()
 
     def skip_weight(self, name: str) -> bool:
         return "rotary_emb.inv_freq" in name or (self.tied and name == "lm_head.weight")

@@ -11,6 +11,8 @@ from core import hookimpl
 class Unquantized:
     """Dense ``[out, in]`` weight, applied with one GEMM."""
 
+    devices = ("cpu", "cuda")
+
     def create_weights(self, layer: torch.nn.Module, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
         layer.weight = torch.nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
         layer.bias = torch.nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None

@@ -1,0 +1,77 @@
+"""The embedded SmolLM2 GGUF (Q4_1 layers, Q8_0 embedding / tied head) served from its quantized
+blocks: the default on a CPU with bf16 activations, and `--quantization none` for the dequantized path.
+
+The repacked weights equal transformers' dequantization of the file (the converted folder) within
+bf16 rounding, and the model's next-token choices under teacher forcing agree with the dequantized
+model's on >= 90 % of a text's positions with a small mean KL divergence.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from core.engine import loader
+from tests.test_quant_kernels import BF16_REL, rel_err
+from tests.test_quant_models import MIN_AGREEMENT, agreement_and_kl, teacher_forced_logits
+
+pytestmark = pytest.mark.slow
+
+TEXT = ("The quick brown fox jumps over the lazy dog. Paris is the capital of France, and Berlin is the capital "
+        "of Germany. Water boils at one hundred degrees Celsius at sea level, and it freezes at zero degrees. "
+        "In the morning the baker opens the shop, and by noon most of the bread has been sold to the neighbours.")
+
+
+@pytest.fixture(scope="module")
+def engines():
+    import core
+
+    opts = dict(dtype="bfloat16", max_total_tokens=1024, cpu_threads=1, device="cpu")
+    kept, dense = core.Engine(**opts), core.Engine(quantization="none", **opts)
+    yield kept, dense
+    kept.shutdown()
+    dense.shutdown()
+
+
+def test_default_gguf_is_kept_quantized_on_cpu(engines):
+    kept, dense = engines
+    assert type(kept.engine.model.model.layers[0].mlp.down_proj.quant_method).__name__ == "GGUFQuant"
+    formats = {m.quant_format for m in kept.engine.model.modules() if hasattr(m, "quant_format")}
+    assert formats == {"int4"}, "every Q4_1 linear weight is served as group-32 int4"
+    assert not any(hasattr(m, "quant_format") for m in dense.engine.model.modules())
+    mc = kept.engine.model_config
+    table = loader.gguf_tensor_table(mc.gguf_file, mc.path)
+    assert len(table["tensors"]) == 30 * 7 and table["head_type"] == 8  # every linear weight; head Q8_0
+    permuted = {name.rsplit(".", 2)[-2] for name, (_, heads) in table["tensors"].items() if heads}
+    assert permuted == {"q_proj", "k_proj"}, "llama.cpp interleaves q/k rows; transformers undoes it"
+
+
+def test_repacked_weights_equal_transformers_dequantized_weights(engines):
+    from safetensors import safe_open
+
+    kept, _ = engines
+    mc = kept.engine.model_config
+    layer0 = kept.engine.model.model.layers[0]
+    with safe_open(mc.path / "model.safetensors", framework="pt") as sf:
+        hf = lambda n: sf.get_tensor(f"model.layers.0.{n}.weight").float()  # noqa: E731
+        cases = {"self_attn.qkv_proj": torch.cat([hf(f"self_attn.{p}_proj") for p in "qkv"]),
+                 "mlp.down_proj": hf("mlp.down_proj")}
+    x = torch.randn(4, 1536, generator=torch.Generator().manual_seed(0)).bfloat16()
+    for name, want in cases.items():
+        layer = layer0.get_submodule(name)
+        got = layer.quant_method.dequantize(layer)
+        step = want.abs().amax(1, keepdim=True)  # bf16 rounding of the scale/zero pair, relative to the row
+        assert ((got - want).abs() <= step * BF16_REL).all(), name
+        xi = x[:, : want.shape[1]]
+        assert rel_err(layer(xi), xi.float() @ want.T) < 3 * BF16_REL, name
+
+
+def test_kept_model_tracks_the_dequantized_model(engines):
+    kept, dense = engines
+    ids = kept.engine.tokenizer.encode(TEXT)
+    assert len(ids) >= 60
+    ref, got = teacher_forced_logits(dense, ids), teacher_forced_logits(kept, ids)
+    head = kept.engine.model.model.embed_tokens
+    assert head.packed_head is not None and head.packed_head.quant_format == "int8", "the Q8_0 head is served as int8"
+    agree, kl = agreement_and_kl(ref, got)
+    assert agree >= MIN_AGREEMENT and kl < 0.05, f"agreement {agree:.3f}, mean KL {kl:.4f}"
