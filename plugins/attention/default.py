@@ -22,6 +22,15 @@ def choose_attention_backend(device: Any, model_config: Any, available: list[str
                 return "triton", f"CUDA; flashinfer not usable ({why})"
         if "triton" in available:
             return "triton", "CUDA"
+    if device.type == "cpu" and "cpu" in available:
+        from core_plugins.attention.cpu import kernel_status
+
+        # `core plugins` (no model) never compiles; an engine start builds the kernel once per machine (~10 s)
+        ok, why = kernel_status(build=model_config is not None)
+        if ok:
+            return "cpu", f"cpu: the in-place C++ paged-attention kernel ({why})"
+        if "torch_native" in available:
+            return "torch_native", f"cpu: the torch-native reference backend (the cpu kernel is not usable: {why})"
     if "torch_native" in available:
         return "torch_native", f"{device.type}: the torch-native reference backend"
     return None

@@ -1,0 +1,346 @@
+// Paged attention on CPU, reading K/V in place from the pool through each sequence's slot row.
+//
+// One op, torch.ops.core_cpu.paged_attention, for decode and extend alike: the queries of
+// sequence b are its extend_lens[b] newest tokens (rows of q, back to back in batch order), at
+// positions seq_lens[b] - extend_lens[b] ... seq_lens[b] - 1, and each attends causally to the
+// keys at slots kv_indices[b, 0 .. pos] (the last `window` of them when window > 0). A task is
+// (sequence, KV head, a few query tokens): the query heads sharing that KV head go together, so
+// every key row read from the pool serves all of them. Keys stream in blocks with an online
+// softmax; all arithmetic is fp32. Loops are plain C++ that -O3 -march=native vectorises (AVX2
+// or AVX-512 alike); exp is a polynomial so that it vectorises too. Tasks run on torch's OpenMP
+// pool, dynamically scheduled (sequences differ in length), with torch.get_num_threads() threads.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int kBlock = 32;        // keys per block
+constexpr int kRowTarget = 48;    // query vectors (tokens x heads of a group) per extend task
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+inline float to_f(float x) { return x; }
+inline float to_f(c10::Half x) { return static_cast<float>(x); }
+inline float to_f(c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+template <typename T>
+inline void load_row(const T* __restrict src, float* __restrict dst, int n) {
+#pragma omp simd
+  for (int i = 0; i < n; ++i) dst[i] = to_f(src[i]);
+}
+
+// e^x for x <= 0 (relative error ~2e-7), written so that the compiler vectorises it.
+inline float exp_neg(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  float n = (x * 1.44269504f + 12582912.0f) - 12582912.0f;  // round(x / ln 2)
+  float y = x - n * 0.693145752f - n * 1.42860677e-06f;    // Cody-Waite: |y| <= ln2 / 2
+  float p = 1.0f / 720;
+  p = p * y + 1.0f / 120;
+  p = p * y + 1.0f / 24;
+  p = p * y + 1.0f / 6;
+  p = p * y + 0.5f;
+  p = p * y + 1.0f;
+  p = p * y + 1.0f;
+  int32_t e = (static_cast<int32_t>(n) + 127) << 23;
+  float s;
+  std::memcpy(&s, &e, sizeof s);
+  return p * s;
+}
+
+// Vector helpers where the compiler targets AVX-512 or AVX2 (-march=native decides); elsewhere
+// the plain loops below them are used.
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define CORE_SIMD 16
+using vf = __m512;
+inline vf vzero() { return _mm512_setzero_ps(); }
+inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, vf x) { _mm512_storeu_ps(p, x); }
+inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline vf vset1(float x) { return _mm512_set1_ps(x); }
+inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+inline float vsum(vf x) { return _mm512_reduce_add_ps(x); }
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define CORE_SIMD 8
+using vf = __m256;
+inline vf vzero() { return _mm256_setzero_ps(); }
+inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, vf x) { _mm256_storeu_ps(p, x); }
+inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline vf vset1(float x) { return _mm256_set1_ps(x); }
+inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+inline float vsum(vf x) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
+
+template <int D>
+inline float dot(const float* __restrict a, const float* __restrict b, int d) {
+#ifdef CORE_SIMD
+  if constexpr (D > 0 && D % (2 * CORE_SIMD) == 0) {
+    vf x = vzero(), y = vzero();  // two chains, so FMA latency overlaps
+    for (int c = 0; c < D; c += 2 * CORE_SIMD) {
+      x = vfma(vload(a + c), vload(b + c), x);
+      y = vfma(vload(a + c + CORE_SIMD), vload(b + c + CORE_SIMD), y);
+    }
+    return vsum(vadd(x, y));
+  }
+#endif
+  float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+  for (int i = 0; i < d; ++i) acc += a[i] * b[i];
+  return acc;
+}
+
+// acc += sum_j p[j] * v[j] over the rows j in [a, z) of v (D floats each); acc stays in registers.
+template <int D>
+inline void accumulate(float* __restrict acc, const float* __restrict p, const float* __restrict v, int a, int z,
+                       int d) {
+#ifdef CORE_SIMD
+  if constexpr (D > 0 && D % CORE_SIMD == 0) {
+    constexpr int N = D / CORE_SIMD;
+    vf t[N];
+    for (int c = 0; c < N; ++c) t[c] = vload(acc + c * CORE_SIMD);
+    for (int j = a; j < z; ++j) {
+      const vf w = vset1(p[j]);
+      for (int c = 0; c < N; ++c) t[c] = vfma(w, vload(v + j * D + c * CORE_SIMD), t[c]);
+    }
+    for (int c = 0; c < N; ++c) vstore(acc + c * CORE_SIMD, t[c]);
+    return;
+  }
+#endif
+  for (int j = a; j < z; ++j) {
+    const float w = p[j];
+#pragma omp simd
+    for (int i = 0; i < d; ++i) acc[i] += w * v[j * d + i];
+  }
+}
+
+// Ask for the K and V rows of keys [from, to) ahead of use: the slots of a sequence are scattered
+// page by page, which the hardware prefetchers do not follow.
+template <typename T>
+inline void prefetch_rows(const T* kc, const T* vc, const int64_t* idx, int from, int to, int64_t slot_stride,
+                          int64_t head, int D) {
+  for (int j = from; j < to; ++j) {
+    const char* k = reinterpret_cast<const char*>(kc + idx[j] * slot_stride + head);
+    const char* v = reinterpret_cast<const char*>(vc + idx[j] * slot_stride + head);
+    for (int c = 0; c < D * static_cast<int>(sizeof(T)); c += 64) {
+      __builtin_prefetch(k + c);
+      __builtin_prefetch(v + c);
+    }
+  }
+}
+
+struct Task {
+  int b, kvh, r0, nr;
+  int64_t cost;
+};
+
+struct Params {
+  int64_t H, Hkv, G, D, q_stride, out_stride, slot_stride, idx_stride;
+  float scale, cap;
+  int64_t window;
+  const int64_t* idx;
+  const int64_t* seq_lens;
+  const int64_t* q_start;
+  const int64_t* ext;
+};
+
+// Scratch of one thread, sized for the largest task.
+struct Scratch {
+  std::vector<float> q, acc, s, kv, m, l;
+  std::vector<int> lo, hi, a, z;
+  Scratch(int rows, int nr, int D)
+      : q(rows * D), acc(rows * D), s(rows * kBlock), kv(kBlock * D), m(rows), l(rows),
+        lo(nr), hi(nr), a(nr), z(nr) {}
+};
+
+template <typename T, int DC>
+void run_task(const Params& p, const Task& t, const T* q, const T* kc, const T* vc, T* out, Scratch& w) {
+  const int D = DC > 0 ? DC : static_cast<int>(p.D), G = static_cast<int>(p.G);
+  const int rows = t.nr * G;
+  const int64_t first = p.seq_lens[t.b] - p.ext[t.b] + t.r0;  // position of the task's first query
+  const int64_t* idx = p.idx + t.b * p.idx_stride;
+  const int64_t head = t.kvh * D;
+  const int jlo = p.window > 0 ? static_cast<int>(std::max<int64_t>(0, first - p.window + 1)) : 0;
+  const int jhi = static_cast<int>(first + t.nr - 1);
+  prefetch_rows(kc, vc, idx, jlo, std::min(jlo + kBlock, jhi + 1), p.slot_stride, head, D);
+  float *qb = w.q.data(), *acc = w.acc.data(), *s = w.s.data(), *kv = w.kv.data();
+  for (int r = 0; r < t.nr; ++r) {
+    const int64_t pos = first + r;
+    w.hi[r] = static_cast<int>(pos);
+    w.lo[r] = p.window > 0 ? static_cast<int>(std::max<int64_t>(0, pos - p.window + 1)) : 0;
+    for (int g = 0; g < G; ++g) {
+      const T* src = q + (p.q_start[t.b] + t.r0 + r) * p.q_stride + (t.kvh * G + g) * D;
+      float* dst = qb + (r * G + g) * D;
+      load_row(src, dst, D);
+      for (int i = 0; i < D; ++i) dst[i] *= p.scale;
+    }
+  }
+  std::fill(acc, acc + rows * D, 0.0f);
+  std::fill(w.m.begin(), w.m.begin() + rows, kNegInf);
+  std::fill(w.l.begin(), w.l.begin() + rows, 0.0f);
+  for (int j0 = jlo; j0 <= jhi; j0 += kBlock) {
+    const int n = std::min(kBlock, jhi - j0 + 1);
+    prefetch_rows(kc, vc, idx, j0 + kBlock, std::min(j0 + 2 * kBlock, jhi + 1), p.slot_stride, head, D);
+    for (int j = 0; j < n; ++j) load_row(kc + idx[j0 + j] * p.slot_stride + head, kv + j * D, D);
+    for (int r = 0; r < t.nr; ++r) {  // scores, then the online-softmax update, per query vector
+      w.a[r] = std::max(w.lo[r] - j0, 0);
+      w.z[r] = std::min(w.hi[r] - j0 + 1, n);
+      const int a = w.a[r], z = w.z[r];
+      if (a >= z) continue;
+      for (int g = 0; g < G; ++g) {
+        const int row = r * G + g;
+        float* sr = s + row * kBlock;
+        const float* qr = qb + row * D;
+        float bmax = kNegInf;
+        for (int j = a; j < z; ++j) {
+          float x = dot<DC>(qr, kv + j * D, D);
+          if (p.cap > 0.0f) x = p.cap * std::tanh(x / p.cap);
+          sr[j] = x;
+          bmax = std::max(bmax, x);
+        }
+        const float mnew = std::max(w.m[row], bmax);
+        const float alpha = w.m[row] == kNegInf ? 0.0f : exp_neg(w.m[row] - mnew);
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int j = a; j < z; ++j) {
+          sr[j] = exp_neg(sr[j] - mnew);
+          sum += sr[j];
+        }
+        w.l[row] = w.l[row] * alpha + sum;
+        w.m[row] = mnew;
+        if (alpha != 1.0f) {
+          float* ar = acc + row * D;
+          for (int i = 0; i < D; ++i) ar[i] *= alpha;
+        }
+      }
+    }
+    for (int j = 0; j < n; ++j) load_row(vc + idx[j0 + j] * p.slot_stride + head, kv + j * D, D);
+    for (int r = 0; r < t.nr; ++r) {
+      for (int g = 0; g < G; ++g) {
+        const int row = r * G + g;
+        const float* sr = s + row * kBlock;
+        float* ar = acc + row * D;
+        accumulate<DC>(ar, sr, kv, w.a[r], w.z[r], D);
+      }
+    }
+  }
+  for (int r = 0; r < t.nr; ++r) {
+    for (int g = 0; g < G; ++g) {
+      const int row = r * G + g;
+      const float inv = 1.0f / w.l[row];
+      T* dst = out + (p.q_start[t.b] + t.r0 + r) * p.out_stride + (t.kvh * G + g) * D;
+      for (int i = 0; i < D; ++i) dst[i] = static_cast<T>(acc[row * D + i] * inv);
+    }
+  }
+}
+
+template <typename T, int DC>
+void run_all(const Params& p, const std::vector<Task>& tasks, int max_nr, const at::Tensor& q, const at::Tensor& kc,
+             const at::Tensor& vc, at::Tensor& out) {
+  const T* qp = q.const_data_ptr<T>();
+  const T* kp = kc.const_data_ptr<T>();
+  const T* vp = vc.const_data_ptr<T>();
+  T* op = out.mutable_data_ptr<T>();
+  const int64_t ntasks = static_cast<int64_t>(tasks.size());
+  const int nt = static_cast<int>(std::min<int64_t>(at::get_num_threads(), ntasks));
+#pragma omp parallel num_threads(nt) if (nt > 1)
+  {
+    Scratch w(max_nr * static_cast<int>(p.G), max_nr, static_cast<int>(p.D));
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < ntasks; ++i) run_task<T, DC>(p, tasks[i], qp, kp, vp, op, w);
+  }
+}
+
+template <typename T>
+void dispatch_dim(const Params& p, const std::vector<Task>& tasks, int max_nr, const at::Tensor& q,
+                  const at::Tensor& kc, const at::Tensor& vc, at::Tensor& out) {
+  switch (p.D) {
+    case 64: return run_all<T, 64>(p, tasks, max_nr, q, kc, vc, out);
+    case 128: return run_all<T, 128>(p, tasks, max_nr, q, kc, vc, out);
+    default: return run_all<T, 0>(p, tasks, max_nr, q, kc, vc, out);
+  }
+}
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& kv_indices, const at::Tensor& seq_lens, const at::Tensor& extend_lens,
+                           double scale, int64_t window, double cap) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "q [T, H, D] and caches [slots, Hkv, D]");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "the caches and each row of q must be contiguous");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
+              "q and the caches must have one dtype");
+  TORCH_CHECK(kv_indices.dim() == 2 && kv_indices.stride(1) == 1 && kv_indices.scalar_type() == at::kLong,
+              "kv_indices must be int64 [B, max_len] with contiguous rows");
+  TORCH_CHECK(seq_lens.is_contiguous() && extend_lens.is_contiguous() && seq_lens.scalar_type() == at::kLong &&
+                  extend_lens.scalar_type() == at::kLong,
+              "seq_lens and extend_lens must be contiguous int64");
+  const int64_t B = seq_lens.numel(), H = q.size(1), D = q.size(2), Hkv = k_cache.size(1);
+  TORCH_CHECK(extend_lens.numel() == B && kv_indices.size(0) == B, "one seq_len, extend_len and slot row per sequence");
+  TORCH_CHECK(k_cache.size(2) == D && H % Hkv == 0, "head_dim or head counts disagree between q and the caches");
+  const int64_t G = H / Hkv;
+  const int64_t* sl = seq_lens.const_data_ptr<int64_t>();
+  const int64_t* el = extend_lens.const_data_ptr<int64_t>();
+  std::vector<int64_t> q_start(B);
+  int64_t total = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(el[b] >= 1 && el[b] <= sl[b] && sl[b] <= kv_indices.size(1), "sequence ", b, ": extend_len ", el[b],
+                ", seq_len ", sl[b], " do not fit the slot table");
+    q_start[b] = total;
+    total += el[b];
+  }
+  TORCH_CHECK(total == q.size(0), "q has ", q.size(0), " rows, extend_lens sum to ", total);
+  const int rows_per_task = static_cast<int>(std::max<int64_t>(1, kRowTarget / G));
+  std::vector<Task> tasks;
+  int max_nr = 1;
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t r0 = 0; r0 < el[b]; r0 += rows_per_task) {
+      const int nr = static_cast<int>(std::min<int64_t>(rows_per_task, el[b] - r0));
+      const int64_t last = sl[b] - el[b] + r0 + nr;  // keys the task reads, at most
+      const int64_t keys = window > 0 ? std::min<int64_t>(last, window + nr) : last;
+      max_nr = std::max(max_nr, nr);
+      for (int64_t h = 0; h < Hkv; ++h) tasks.push_back({int(b), int(h), int(r0), nr, keys * nr});
+    }
+  }
+  // longest first, so that dynamic scheduling ends with short tasks
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& x, const Task& y) { return x.cost > y.cost; });
+  Params p{H, Hkv, G, D, q.stride(0), H * D, Hkv * D, kv_indices.stride(0), static_cast<float>(scale),
+           static_cast<float>(cap), window, kv_indices.const_data_ptr<int64_t>(), sl, q_start.data(), el};
+  at::Tensor out = at::empty({q.size(0), H, D}, q.options());
+  switch (q.scalar_type()) {
+    case at::kFloat: dispatch_dim<float>(p, tasks, max_nr, q, k_cache, v_cache, out); break;
+    case at::kBFloat16: dispatch_dim<c10::BFloat16>(p, tasks, max_nr, q, k_cache, v_cache, out); break;
+    case at::kHalf: dispatch_dim<c10::Half>(p, tasks, max_nr, q, k_cache, v_cache, out); break;
+    default: TORCH_CHECK(false, "paged_attention supports float32, bfloat16 and float16, not ", q.scalar_type());
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(core_cpu, m) {
+  m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor kv_indices, Tensor seq_lens, "
+        "Tensor extend_lens, float scale, int window, float cap) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(core_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }
