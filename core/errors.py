@@ -26,3 +26,8 @@ class UnknownNameError(CoreError, LookupError):
 
 class ModelLoadError(CoreError):
     """The model path, format or architecture cannot be served."""
+
+
+class Unavailable(CoreError):
+    """The engine cannot take work now (a tensor-parallel rank died, no data-parallel replica
+    is alive): HTTP 503."""

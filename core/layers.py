@@ -3,18 +3,27 @@
 Linear layers store and apply their weights through a :class:`QuantMethod`; packed
 layers (fused QKV, fused gate/up) carry a ``weight_loader`` on their parameters that
 copies one checkpoint shard into its slice, so loading stays model-agnostic.
+
+Tensor parallelism lives here too: the column- / row-parallel linears, the QKV projection
+(attention heads split over the ranks, KV heads replicated when there are fewer than ranks),
+``Attention``, ``VocabEmbedding`` (vocab-parallel embedding and LM head) and ``FusedExperts``
+read the group they are built in (:func:`core.parallel.current`) and their weight loaders
+copy only this rank's slice of each checkpoint tensor. A model wired from these layers is
+sharded at load with no code of its own; with one rank they are the plain layers.
 """
 
 from __future__ import annotations
 
 from typing import Callable, Iterable, Mapping
 
+import attrs
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from core.errors import ModelLoadError
 from core.interfaces import AttentionLayerSpec, ForwardBatch, QuantMethod
+from core.parallel import TensorParallel, current as current_tp
 
 
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard: object = None) -> None:
@@ -76,6 +85,116 @@ class Linear(nn.Module):
         return self.quant_method.apply(self, x)
 
 
+def _refuse_own_loaders(layer: Linear, tp: TensorParallel) -> None:
+    """A quant method that installs its own weight loaders copies whole checkpoint tensors; under
+    tensor parallelism they would not be sharded, so such a method is refused by name at build time."""
+    if tp.size > 1 and any(p.weight_loader != layer._load_shard for p in layer.parameters(recurse=False)):
+        raise ModelLoadError(f"quantization method {type(layer.quant_method).__name__} loads its own weights and "
+                             f"does not support tensor parallelism (--tp-size {tp.size}) yet")
+
+
+class ColumnParallelLinear(Linear):
+    """A ``Linear`` whose output features are split over the tensor-parallel ranks: each
+    packed part (q/k/v, gate/up) is split on its own, so rank ``r`` holds the ``r``-th slice
+    of every part and its output is this rank's slice (consumed by a :class:`RowParallelLinear`).
+    A fused checkpoint tensor (shard ``None``) is cut into its parts first."""
+
+    def __init__(self, in_features: int, output_sizes: int | list[int], bias: bool, quant_method: QuantMethod,
+                 dtype: torch.dtype, shard_names: tuple[str, ...] = ()) -> None:
+        tp = current_tp()
+        sizes = [output_sizes] if isinstance(output_sizes, int) else list(output_sizes)
+        self._init_parallel(in_features, sizes, [tp.shard(n, "output features") for n in sizes], bias, quant_method,
+                            dtype, shard_names, tp)
+
+    def _init_parallel(self, in_features: int, global_sizes: list[int], local_sizes: list[int], bias: bool,
+                       quant_method: QuantMethod, dtype: torch.dtype, shard_names: tuple[str, ...],
+                       tp: TensorParallel) -> None:
+        super().__init__(in_features, local_sizes, bias, quant_method, dtype, shard_names)
+        self.tp, self.global_sizes = tp, global_sizes
+        _refuse_own_loaders(self, tp)
+
+    def source_start(self, part: int) -> int:
+        """First checkpoint row of part ``part`` that this rank holds."""
+        return self.tp.rank * self.output_sizes[part]
+
+    def _load_shard(self, param: torch.Tensor, loaded: torch.Tensor, shard: object = None) -> None:
+        if self.tp.size == 1:
+            return super()._load_shard(param, loaded, shard)
+        if shard is None and len(self.output_sizes) > 1:  # already fused in the checkpoint: split into parts
+            if loaded.shape[0] != sum(self.global_sizes):
+                raise ValueError(f"shape mismatch: fused checkpoint tensor {tuple(loaded.shape)} for parts {self.global_sizes}")
+            for i, part in enumerate(loaded.split(self.global_sizes, dim=0)):
+                self._load_shard(param, part, i)
+            return
+        idx = 0 if shard is None else self.shard_names.index(shard) if isinstance(shard, str) else int(shard)
+        if loaded.shape[0] != self.global_sizes[idx]:
+            raise ValueError(f"shape mismatch: checkpoint rows {loaded.shape[0]} vs {self.global_sizes[idx]} expected")
+        n = self.output_sizes[idx]
+        default_weight_loader(param.data.narrow(0, sum(self.output_sizes[:idx]), n), loaded.narrow(0, self.source_start(idx), n))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """The packed q/k/v projection, split by attention heads: each rank holds
+    ``num_heads / tp`` query heads and ``num_kv_heads / tp`` KV heads, or, with fewer KV heads
+    than ranks, a copy of the one KV head its query heads attend with (``tp`` must then be a
+    multiple of ``num_kv_heads``). ``num_heads`` / ``num_kv_heads`` are this rank's."""
+
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
+                 quant_method: QuantMethod, dtype: torch.dtype) -> None:
+        tp = current_tp()
+        q_heads, kv_heads = local_heads(num_heads, num_kv_heads, tp)
+        d = head_dim
+        self._init_parallel(hidden, [num_heads * d, num_kv_heads * d, num_kv_heads * d],
+                            [q_heads * d, kv_heads * d, kv_heads * d], bias, quant_method, dtype, ("q", "k", "v"), tp)
+        self.head_dim, self.num_heads, self.num_kv_heads, self.total_kv_heads = d, q_heads, kv_heads, num_kv_heads
+
+    def source_start(self, part: int) -> int:
+        if part == 0:
+            return self.tp.rank * self.output_sizes[0]
+        return (self.tp.rank * self.total_kv_heads // self.tp.size) * self.head_dim  # replicated when kv < tp
+
+
+def local_heads(num_heads: int, num_kv_heads: int, tp: TensorParallel) -> tuple[int, int]:
+    """(query heads, KV heads) one rank holds; KV heads are replicated when fewer than the ranks."""
+    heads = tp.shard(num_heads, "num_attention_heads")
+    if num_kv_heads >= tp.size:
+        return heads, tp.shard(num_kv_heads, "num_key_value_heads")
+    if tp.size % num_kv_heads:
+        raise ValueError(f"the tensor-parallel size {tp.size} is not a multiple of num_key_value_heads ({num_kv_heads})")
+    return heads, 1
+
+
+class RowParallelLinear(Linear):
+    """A ``Linear`` whose input features are split over the ranks (its input is a column-parallel
+    layer's output); the partial products are summed with one all-reduce, only when there is
+    more than one rank. The bias is loaded on rank 0 alone so that the sum adds it once."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, quant_method: QuantMethod,
+                 dtype: torch.dtype) -> None:
+        tp = current_tp()
+        super().__init__(tp.shard(in_features, "input features"), out_features, bias, quant_method, dtype)
+        self.tp, self.reduce = tp, tp.size > 1
+        _refuse_own_loaders(self, tp)
+
+    def _load_shard(self, param: torch.Tensor, loaded: torch.Tensor, shard: object = None) -> None:
+        if self.tp.size == 1:
+            return super()._load_shard(param, loaded, shard)
+        if param.dim() == 1:  # the bias: rank 0's copy only
+            if param.shape != loaded.shape:
+                raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded.shape)}")
+            return param.data.copy_(loaded) if self.tp.rank == 0 else param.data.zero_()
+        n = param.shape[1]
+        if loaded.dim() != 2 or loaded.shape[1] != n * self.tp.size:
+            raise ValueError(f"shape mismatch: checkpoint {tuple(loaded.shape)} for a row-parallel slice {tuple(param.shape)}")
+        default_weight_loader(param, loaded.narrow(1, self.tp.rank * n, n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.quant_method.apply(self, x)
+        if self.reduce:
+            self.tp.all_reduce(y)
+        return y
+
+
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding (NeoX / HF "rotate half" layout) with a cos/sin cache.
 
@@ -130,10 +249,17 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int
 
 
 class Attention(nn.Module):
-    """Delegates to the batch's attention backend (chosen by plugin at start-up)."""
+    """Delegates to the batch's attention backend (chosen by plugin at start-up).
+
+    ``spec`` names the model's head counts; under tensor parallelism ``self.spec`` holds this
+    rank's (see :func:`local_heads`), which is what the projections around it produce."""
 
     def __init__(self, spec: AttentionLayerSpec) -> None:
         super().__init__()
+        tp = current_tp()
+        if tp.size > 1:
+            heads, kv_heads = local_heads(spec.num_heads, spec.num_kv_heads, tp)
+            spec = attrs.evolve(spec, num_heads=heads, num_kv_heads=kv_heads)
         self.spec = spec
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -167,9 +293,9 @@ class GatedMLP(nn.Module):
         if act not in ACTIVATIONS:
             raise ValueError(f"unsupported activation {act!r}; known: {', '.join(ACTIVATIONS)}")
         self.act = ACTIVATIONS[act]
-        self.gate_proj = Linear(hidden, intermediate, bias, quant, dtype)
-        self.up_proj = Linear(hidden, intermediate, bias, quant, dtype)
-        self.down_proj = Linear(intermediate, hidden, bias, quant, dtype)
+        self.gate_proj = ColumnParallelLinear(hidden, intermediate, bias, quant, dtype)
+        self.up_proj = ColumnParallelLinear(hidden, intermediate, bias, quant, dtype)
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias, quant, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
@@ -180,24 +306,48 @@ class VocabEmbedding(nn.Module):
 
     A quant method that serves the LM head packed (``QuantMethod.pack_lm_head``) is installed as
     ``pack_head`` after loading; the first ``logits`` call builds the packed head from the loaded
-    table, so only the table actually used as a head is packed (an untied input embedding never is)."""
+    table, so only the table actually used as a head is packed (an untied input embedding never is).
+
+    Vocab-parallel under tensor parallelism: rank ``r`` holds rows ``[r * n, (r + 1) * n)`` with
+    ``n = ceil(vocab / tp)`` (rows past the vocab are zero padding); the embedding sums the
+    ranks' lookups (each rank contributes the ids it holds) and the LM head gathers the ranks'
+    logit columns."""
 
     def __init__(self, vocab_size: int, hidden: int, dtype: torch.dtype) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden, dtype=dtype))
+        tp = current_tp()
+        self.tp, self.vocab_size = tp, vocab_size
+        rows = -(-vocab_size // tp.size)
+        self.vocab_start = tp.rank * rows
+        self.weight = nn.Parameter(torch.empty(rows, hidden, dtype=dtype))
+        if tp.size > 1:
+            self.weight.weight_loader = self._load_rows  # type: ignore[attr-defined]
         self.pack_head: Callable[[nn.Module], nn.Module | None] | None = None
         self.packed_head: nn.Module | None = None
 
+    def _load_rows(self, param: torch.Tensor, loaded: torch.Tensor, shard: object = None) -> None:
+        if loaded.shape != (self.vocab_size, param.shape[1]):
+            raise ValueError(f"shape mismatch: checkpoint {tuple(loaded.shape)} vs vocab {self.vocab_size} x {param.shape[1]}")
+        n = max(0, min(param.shape[0], self.vocab_size - self.vocab_start))
+        param.data.zero_()
+        param.data[:n].copy_(loaded[self.vocab_start : self.vocab_start + n])
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce(out.masked_fill_(outside[:, None], 0))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [N, hidden] @ weight^T`` in ``hidden.dtype`` (through the packed head when there is one)."""
         if self.pack_head is not None:
             self.packed_head, self.pack_head = self.pack_head(self), None
-        if self.packed_head is not None:
-            return self.packed_head(hidden)
-        return F.linear(hidden, self.weight)
+        out = self.packed_head(hidden) if self.packed_head is not None else F.linear(hidden, self.weight)
+        if self.tp.size > 1:
+            out = self.tp.all_gather(out)[:, : self.vocab_size]
+        return out
 
 
 def checkpoint_target(name: str, packed: Mapping[str, tuple[str, object]]) -> tuple[str, object]:
@@ -279,24 +429,43 @@ class ExpertsMethod:
 
 class _ExpertWeight(nn.Module):
     """One ``[E, rows, cols]`` weight; checkpoint shard ``(expert, part)`` loads into
-    rows ``part * rows_per_part`` of expert ``expert``."""
+    rows ``part * rows_per_part`` of expert ``expert``. Under tensor parallelism each expert's
+    intermediate dimension is split: ``split`` names the dimension of the per-expert checkpoint
+    tensor it is (0: the rows of w13's gate and up parts, 1: the columns of w2)."""
 
-    def __init__(self, shape: tuple[int, int, int], parts: int, dtype: torch.dtype) -> None:
+    def __init__(self, shape: tuple[int, int, int], parts: int, dtype: torch.dtype, tp: TensorParallel,
+                 split: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
-        self.rows = shape[1] // parts
+        self.rows, self.tp, self.split = shape[1] // parts, tp, split
         self.weight.weight_loader = self._load  # type: ignore[attr-defined]
+
+    def _slice(self, loaded: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's part of ``loaded`` along ``dim`` (all of it with one rank)."""
+        if self.tp.size == 1:
+            return loaded
+        n = loaded.shape[dim] // self.tp.size
+        return loaded.narrow(dim, self.tp.rank * n, n)
 
     def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard: object = None) -> None:
         if shard is None:  # an already-fused [E, rows, cols] checkpoint tensor
-            return default_weight_loader(param, loaded)
+            if self.tp.size == 1 or self.split == 1:
+                return default_weight_loader(param, self._slice(loaded, 2))
+            parts = loaded.shape[1] // (self.rows * self.tp.size) if loaded.dim() == 3 else 0
+            if not parts or parts * self.rows != param.shape[1]:
+                raise ValueError(f"shape mismatch: fused checkpoint {tuple(loaded.shape)} for a slice {tuple(param.shape)}")
+            for p, part in enumerate(loaded.chunk(parts, dim=1)):
+                default_weight_loader(param.data.narrow(1, p * self.rows, self.rows), self._slice(part, 1))
+            return
         e, part = shard  # type: ignore[misc]
-        default_weight_loader(param.data[e].narrow(0, part * self.rows, self.rows), loaded)
+        default_weight_loader(param.data[e].narrow(0, part * self.rows, self.rows), self._slice(loaded, self.split))
 
 
 class FusedExperts(nn.Module):
     """``E`` gated-MLP experts stored as ``w13`` ``[E, 2I, H]`` (gate rows, then up) and
-    ``w2`` ``[E, H, I]``; per-expert checkpoint tensors load through :meth:`packed_modules`."""
+    ``w2`` ``[E, H, I]``; per-expert checkpoint tensors load through :meth:`packed_modules`.
+    Under tensor parallelism every expert keeps ``I / tp`` of its intermediate features (as a
+    column- then row-parallel MLP) and the experts' partial sums are all-reduced once."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, act: str, dtype: torch.dtype,
                  method: ExpertsMethod | None = None) -> None:
@@ -304,8 +473,10 @@ class FusedExperts(nn.Module):
         if act not in ACTIVATIONS:
             raise ValueError(f"unsupported activation {act!r}; known: {', '.join(ACTIVATIONS)}")
         self.num_experts, self.act = num_experts, ACTIVATIONS[act]
-        self.w13 = _ExpertWeight((num_experts, 2 * intermediate, hidden), 2, dtype)
-        self.w2 = _ExpertWeight((num_experts, hidden, intermediate), 1, dtype)
+        tp = self.tp = current_tp()
+        local = tp.shard(intermediate, "the experts' intermediate size")
+        self.w13 = _ExpertWeight((num_experts, 2 * local, hidden), 2, dtype, tp, split=0)
+        self.w2 = _ExpertWeight((num_experts, hidden, local), 1, dtype, tp, split=1)
         self.experts_method = method or ExpertsMethod()
 
     @property
@@ -326,7 +497,8 @@ class FusedExperts(nn.Module):
         return out
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        return self.experts_method.apply(self, x, topk_weights, topk_ids)
+        out = self.experts_method.apply(self, x, topk_weights, topk_ids)
+        return self.tp.all_reduce(out) if self.tp.size > 1 else out
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

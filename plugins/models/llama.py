@@ -13,7 +13,8 @@ from torch import nn
 
 from core import hookimpl
 from core.interfaces import AttentionLayerSpec, ForwardBatch, ModelContext
-from core.layers import Attention, GatedMLP, Linear, RMSNorm, RotaryEmbedding, VocabEmbedding, load_packed_weights
+from core.layers import (Attention, GatedMLP, QKVParallelLinear, RMSNorm, RotaryEmbedding, RowParallelLinear,
+                         VocabEmbedding, load_packed_weights)
 
 
 def head_dim_of(config) -> int:
@@ -40,9 +41,10 @@ class LlamaAttention(nn.Module):
         bias = getattr(config, "attention_bias", False)
         qkv_bias = bias if qkv_bias is None else qkv_bias
         o_bias = bias if o_bias is None else o_bias
-        self.q_size, self.kv_size = h * d, kv * d
-        self.qkv_proj = Linear(config.hidden_size, [h * d, kv * d, kv * d], qkv_bias, ctx.quant_method, ctx.dtype, ("q", "k", "v"))
-        self.o_proj = Linear(h * d, config.hidden_size, o_bias, ctx.quant_method, ctx.dtype)
+        # heads split over tensor-parallel ranks by the shared layers: sizes below are this rank's
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, d, h, kv, qkv_bias, ctx.quant_method, ctx.dtype)
+        self.q_size, self.kv_size = self.qkv_proj.output_sizes[:2]
+        self.o_proj = RowParallelLinear(h * d, config.hidden_size, o_bias, ctx.quant_method, ctx.dtype)
         if qk_norm:  # per-head RMS norm of q and k before rotary (Qwen3, Gemma 3)
             self.q_norm = RMSNorm(d, config.rms_norm_eps, norm_offset)
             self.k_norm = RMSNorm(d, config.rms_norm_eps, norm_offset)

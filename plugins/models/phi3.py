@@ -9,7 +9,7 @@ from torch import nn
 
 from core import hookimpl
 from core.interfaces import ModelContext
-from core.layers import ACTIVATIONS, Linear
+from core.layers import ACTIVATIONS, ColumnParallelLinear, RowParallelLinear
 from core_plugins.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 
@@ -18,8 +18,8 @@ class Phi3MLP(nn.Module):
         super().__init__()
         i = config.intermediate_size
         self.act = ACTIVATIONS[config.hidden_act]
-        self.gate_up_proj = Linear(config.hidden_size, [i, i], False, ctx.quant_method, ctx.dtype, ("gate", "up"))
-        self.down_proj = Linear(i, config.hidden_size, False, ctx.quant_method, ctx.dtype)
+        self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [i, i], False, ctx.quant_method, ctx.dtype, ("gate", "up"))
+        self.down_proj = RowParallelLinear(i, config.hidden_size, False, ctx.quant_method, ctx.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)

@@ -1,0 +1,401 @@
+"""Data parallelism: ``--dp-size N`` engine replicas behind one front end.
+
+``DataParallelEngine`` stands where an ``AsyncEngine`` stands (the HTTP server and the
+offline ``Engine`` use either): it tokenizes, validates and builds requests here
+(``RequestFrontEnd``), picks a replica per request (``core.engine.dp_router``), sends it to
+that replica's process (``core.engine.dp_replica``, a whole engine, itself ``--tp-size``
+ranks) and mirrors what the replica streams back into the request, so streaming, metrics
+(finish and step listeners run here) and the request log work as with one engine. Loads
+(``load``, ``num_waiting``...) are the replicas' latest reports, summed.
+
+A replica whose process dies is taken out of rotation; its unfinished requests fail with a
+message naming it, the others keep serving, and ``replicas()`` (``/health``) reports it.
+When none is left the engine stops (``fatal_listeners``: ``core serve`` exits non-zero).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+from typing import Any, Callable
+
+import attrs
+import structlog
+
+from core.engine.collectives import process_context
+from core.engine.config import EngineArgs
+from core.engine.dp_replica import ReqDelta, ReqSpec, replica_main
+from core.engine.dp_router import Router
+from core.engine.frontend import RequestFrontEnd
+from core.engine.grammar import GrammarManager
+from core.engine.kv_cache import PageAllocator
+from core.engine.loader import load_model_config
+from core.engine.request import Req
+from core.errors import CoreError, InvalidRequest, ModelLoadError, Unavailable
+from core.plugins import PluginManager, load_plugins
+
+log = structlog.get_logger("core.engine.data_parallel")
+
+STARTUP_POLL_S = 0.2
+STOP_GRACE_S = 10.0
+
+
+@attrs.define
+class Replica:
+    """The front end's view of one replica process."""
+
+    index: int
+    process: Any
+    conn: Any
+    info: dict = attrs.field(factory=dict)  # what it reported when ready
+    load: dict = attrs.field(factory=dict)  # its latest load report (AsyncEngine.load keys)
+    inflight: dict[str, Req] = attrs.field(factory=dict)  # rid -> unfinished request it runs
+    alive: bool = True
+    error: str | None = None  # why it is out of rotation
+
+
+@attrs.define
+class _StepView:
+    """What step listeners read of a replica's step (``ScheduledBatch``'s reqs / is_prefill)."""
+
+    reqs: list[Req]
+    is_prefill: bool
+
+
+class DataParallelEngine(RequestFrontEnd):
+    """An engine over ``args.dp_size`` replica processes (see the module docstring)."""
+
+    def __init__(self, args: EngineArgs, plugins: PluginManager | None = None) -> None:
+        import torch
+
+        self.args = args
+        self.plugins = plugins or load_plugins(args.plugins, strict=args.strict_plugins)
+        self.device = torch.device("cpu")  # the front end holds no model
+        self.model_config = load_model_config(args.model_path, args.dtype, self.device, args.context_length,
+                                              args.served_model_name, args.json_model_override_args)
+        self.tokenizer = None if args.skip_tokenizer_init else _load_tokenizer(args, self.model_config.path)
+        self.vocab_size = self.model_config.hf_config.vocab_size
+        self.grammar = GrammarManager(self.plugins, args.grammar_backend, self.tokenizer, self.vocab_size,
+                                      self.model_config.eos_ids)
+        self.router = Router(args.dp_size, args.load_balance_method)
+        self.step_listeners: list[Callable[[Any, float], None]] = []
+        self.finish_listeners: list[Callable[[Req], None]] = []
+        self.fatal_listeners: list[Callable[[str], None]] = []
+        self.fatal_error: str | None = None
+        self.log = log
+        self._calls: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._early: list[tuple[int, Any]] = []  # messages that arrived before a loop was known
+        self._lock = threading.Lock()
+        self._closing = False
+        self.replicas = self._start()
+        first = self.replicas[0].info
+        self.allocator = PageAllocator(first["capacity_pages"] + 1, first["page_size"])  # for make_requests' size check
+        self.max_total_tokens = first["max_total_tokens"]
+        self.max_running_requests = first["max_running_requests"]
+        self.is_classifier = first["is_classifier"]
+        for r in self.replicas:
+            threading.Thread(target=self._read, args=(r,), name=f"core-dp-read{r.index}", daemon=True).start()
+        log.info("dp.ready", replicas=args.dp_size, load_balance_method=args.load_balance_method,
+                 pids=[r.info["pid"] for r in self.replicas])
+
+    # ------------------------------------------------------------------ start-up
+    def _start(self) -> list[Replica]:
+        ctx = process_context()
+        one = attrs.evolve(self.args, dp_size=1)
+        replicas = []
+        for i in range(self.args.dp_size):
+            mine, theirs = ctx.Pipe()
+            # not a daemon: a replica may start its own tensor-parallel ranks; it exits when the pipe closes
+            p = ctx.Process(target=replica_main, args=(i, one, theirs), name=f"core-dp-replica{i}")
+            p.start()
+            theirs.close()
+            replicas.append(Replica(i, p, mine))
+        try:
+            for r in replicas:
+                r.info = self._wait_ready(r)
+                r.load = r.info["load"]
+        except BaseException:
+            for r in replicas:
+                _kill(r.process)
+            raise
+        return replicas
+
+    @staticmethod
+    def _wait_ready(r: Replica) -> dict:
+        while not r.conn.poll(STARTUP_POLL_S):
+            if not r.process.is_alive():
+                raise ModelLoadError(f"data-parallel replica {r.index} exited with code {r.process.exitcode} while starting")
+        try:
+            kind, payload = r.conn.recv()
+        except EOFError:
+            raise ModelLoadError(f"data-parallel replica {r.index} exited while starting") from None
+        if kind != "ready":
+            raise ModelLoadError(f"data-parallel replica {r.index} failed to start: {payload}")
+        return payload
+
+    # ------------------------------------------------------------------ requests (loop thread)
+    def submit(self, reqs: list[Req]) -> None:
+        """Route each request to a live replica and send it; raises Unavailable when none is left."""
+        if self.fatal_error is not None:
+            raise Unavailable(f"the engine has stopped: {self.fatal_error}")
+        self._bind_loop()
+        if any(r.grammar is None and r.constraint is not None for r in reqs):
+            asyncio.get_running_loop().create_task(self._submit_after_compile(reqs))
+            return
+        batches: dict[int, list[ReqSpec]] = {}
+        for req in reqs:
+            i = self.router.pick(req.prompt_ids, [len(r.inflight) for r in self.replicas])
+            self.replicas[i].inflight[req.rid] = req
+            spec = ReqSpec(req.rid, req.prompt_ids, attrs.evolve(req.params, n=1, seed=_copy_seed(req)),
+                           req.return_logprob, req.logprob_start_len, req.top_logprobs_num, req.priority)
+            batches.setdefault(i, []).append(spec)
+        for i, specs in batches.items():
+            self._send(self.replicas[i], ("submit", specs))
+
+    async def _submit_after_compile(self, reqs: list[Req]) -> None:
+        try:
+            await self.prepare_grammars(reqs)
+        except InvalidRequest as e:
+            for r in reqs:
+                self._finish(r, {"type": "abort", "message": e.message})
+            return
+        self.submit(reqs)
+
+    def abort(self, rid: str) -> bool:
+        """Abort a request (and its ``rid-i`` copies) on whichever replica runs it."""
+        found = False
+        for r in self.replicas:
+            if r.alive and any(k == rid or (k.startswith(rid + "-") and k[len(rid) + 1:].isdigit()) for k in r.inflight):
+                self._send(r, ("abort", rid))
+                found = True
+        return found
+
+    def abort_all(self, reason: str = "aborted by the server") -> int:
+        n = 0
+        for r in self.replicas:
+            if r.alive and r.inflight:
+                n += len(r.inflight)
+                self._send(r, ("abort_all", reason))
+        return n
+
+    def flush_cache(self) -> bool:
+        if self.has_work():
+            return False
+        for r in self._live():
+            self._send(r, ("flush",))
+        return True
+
+    # ------------------------------------------------------------------ load queries
+    def _live(self) -> list[Replica]:
+        return [r for r in self.replicas if r.alive]
+
+    def has_work(self) -> bool:
+        return any(r.inflight for r in self.replicas)
+
+    def has_request(self, rid: str) -> bool:
+        return any(rid in r.inflight for r in self.replicas)
+
+    def num_running(self) -> int:
+        return sum(min(r.load.get("num_running_reqs", 0), len(r.inflight)) for r in self._live())
+
+    def num_waiting(self) -> int:
+        return sum(len(r.inflight) for r in self.replicas) - self.num_running()
+
+    def load(self) -> dict[str, Any]:
+        """``AsyncEngine.load()`` keys summed over the live replicas (token usage over their
+        pooled capacity, cache hit rate averaged), plus ``replicas`` (``replica_loads``)."""
+        loads = [r.load for r in self._live()] or [{}]
+        total = {k: sum(l.get(k, 0) for l in loads) for k in ("num_running_reqs", "num_waiting_reqs", "num_total_reqs",
+                                                             "num_used_tokens", "num_free_tokens", "max_total_num_tokens",
+                                                             "max_running_requests")}
+        cap = total["max_total_num_tokens"]
+        total["token_usage"] = round(total["num_used_tokens"] / cap, 6) if cap else 0.0
+        total["cache_hit_rate"] = sum(l.get("cache_hit_rate", 0.0) for l in loads) / len(loads)
+        return total
+
+    def replica_loads(self) -> list[dict[str, Any]]:
+        """Each replica's latest load report, with ``dp_rank``, ``alive`` and, for a dead one, ``error``."""
+        out = []
+        for r in self.replicas:
+            item = {"dp_rank": r.index, "alive": r.alive, **r.load}
+            if r.error:
+                item["error"] = r.error
+            out.append(item)
+        return out
+
+    # ------------------------------------------------------------------ replica -> front end
+    def _bind_loop(self) -> None:
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+            with self._lock:
+                early, self._early = self._early, []
+            for index, msg in early:
+                self._on_message(index, msg)
+
+    def _read(self, r: Replica) -> None:
+        """Reader thread of one replica's pipe: messages go to the loop; EOF means it died."""
+        while True:
+            try:
+                msg = r.conn.recv()
+            except (EOFError, OSError):
+                msg = None
+            with self._lock:
+                loop = self._loop
+                if loop is None:
+                    self._early.append((r.index, msg))
+            if loop is not None:
+                try:
+                    loop.call_soon_threadsafe(self._on_message, r.index, msg)
+                except RuntimeError:  # the loop is closed: shutting down
+                    return
+            if msg is None:
+                return
+
+    def _on_message(self, index: int, msg: tuple | None) -> None:
+        r = self.replicas[index]
+        if msg is None:
+            return self._replica_died(r)
+        kind = msg[0]
+        if kind == "events":
+            r.load = msg[2]
+            for event in msg[1]:
+                if event[0] == "step":
+                    self._on_step(r, event)
+                else:
+                    self._on_delta(r, event[1], event[2])
+        elif kind == "reply":
+            fut = self._calls.pop(msg[1], None)
+            if fut is not None and not fut.done():
+                fut.set_result(msg[3]) if msg[2] else fut.set_exception(msg[3])
+
+    def _on_step(self, r: Replica, event: tuple) -> None:
+        _, is_prefill, duration, rids = event
+        reqs = [r.inflight[rid] for rid in rids if rid in r.inflight]
+        for req in reqs:
+            req.kv_len = req.seq_len  # the mirror: every token computed (listeners skip partial prefill chunks)
+        if reqs:
+            for listener in self.step_listeners:
+                listener(_StepView(reqs, is_prefill), duration)
+
+    def _on_delta(self, r: Replica, rid: str, d: ReqDelta) -> None:
+        req = r.inflight.get(rid)
+        if req is None:
+            return
+        if d.output_ids and req.first_token_time is None:
+            req.first_token_time = time.perf_counter()
+        req.output_ids.extend(d.output_ids)
+        req.text += d.text
+        req.output_logprobs.extend(d.output_logprobs)
+        req.output_top_logprobs.extend(d.output_top_logprobs)
+        if d.input_logprobs is not None:
+            req.input_logprobs, req.input_top_logprobs = d.input_logprobs
+        req.cached_tokens = d.cached_tokens
+        req.kv_len = req.seq_len
+        if d.finish_reason is not None:
+            self._finish(req, d.finish_reason)
+        else:
+            req.queue.put_nowait(True)
+
+    def _finish(self, req: Req, reason: dict) -> None:
+        req.finish_reason, req.finish_time = reason, time.perf_counter()
+        for r in self.replicas:
+            if r.inflight.get(req.rid) is req:
+                del r.inflight[req.rid]
+        req.queue.put_nowait(True)
+        for listener in self.finish_listeners:
+            listener(req)
+
+    def _replica_died(self, r: Replica) -> None:
+        if not r.alive or self._closing:
+            return
+        r.process.join(1.0)
+        r.alive, r.error = False, f"data-parallel replica {r.index} died (exit code {r.process.exitcode})"
+        self.router.remove(r.index)
+        log.error("dp.replica_died", replica=r.index, exit_code=r.process.exitcode, failed_requests=len(r.inflight))
+        for req in list(r.inflight.values()):
+            self._finish(req, {"type": "abort", "message": f"{r.error}; the request did not finish"})
+        if not self._live() and self.fatal_error is None:
+            self.fatal_error = "every data-parallel replica died"
+            for listener in self.fatal_listeners:
+                listener(self.fatal_error)
+
+    # ------------------------------------------------------------------ calls (encode, weights)
+    def _send(self, r: Replica, msg: tuple) -> None:
+        try:
+            r.conn.send(msg)
+        except (OSError, ValueError):  # its reader thread reports the death
+            pass
+
+    async def _call(self, r: Replica, what: str, *args: Any) -> Any:
+        self._bind_loop()
+        call_id = next(self._call_ids)
+        fut = self._calls[call_id] = asyncio.get_running_loop().create_future()
+        self._send(r, ("call", call_id, what, *args))
+        return await fut
+
+    async def encode(self, prompt_ids_list: list[list[int]]) -> list[list[float]]:
+        if not self._live():
+            raise Unavailable("no data-parallel replica is alive")
+        return await self._call(self.replicas[self.router.next()], "encode", prompt_ids_list)
+
+    async def update_weights_from_disk(self, model_path: str) -> tuple[bool, str]:
+        """Every live replica reloads; success only when all did (their messages otherwise)."""
+        results = await asyncio.gather(*(self._call(r, "update_weights", model_path) for r in self._live()))
+        failed = [f"replica {r.index}: {msg}" for r, (ok, msg) in zip(self._live(), results) if not ok]
+        return (False, "; ".join(failed)) if failed else results[0]
+
+    async def shutdown(self) -> None:
+        """Stop every replica (killing stragglers); unfinished requests fail."""
+        self._closing = True
+        for r in self._live():
+            self._send(r, ("stop",))
+        loop = asyncio.get_running_loop()
+        for r in self.replicas:
+            await loop.run_in_executor(None, r.process.join, STOP_GRACE_S)
+            _kill(r.process)
+            for req in list(r.inflight.values()):
+                self._finish(req, {"type": "abort", "message": "engine shut down"})
+            r.alive = False
+            r.conn.close()
+        self.grammar.shutdown()
+
+
+def _copy_seed(req: Req) -> int | None:
+    """The seed of this copy (``make_requests`` gives copy i of an n > 1 request ``seed + i``)."""
+    seed = req.params.seed
+    if seed is None or req.params.n == 1:
+        return seed
+    tail = req.rid.rsplit("-", 1)[-1]
+    return seed + int(tail) if tail.isdigit() else seed
+
+
+def _load_tokenizer(args: EngineArgs, path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(args.tokenizer_path or path)
+    except Exception as e:
+        raise ModelLoadError(f"cannot load tokenizer from {args.tokenizer_path or path}: {e}") from e
+
+
+def _kill(process) -> None:
+    if process.is_alive():
+        process.kill()
+        process.join(5)
+
+
+def create_engine(args: EngineArgs, plugins: PluginManager | None = None):
+    """The engine ``args`` ask for: an ``AsyncEngine``, or a ``DataParallelEngine`` with ``--dp-size`` > 1."""
+    if not isinstance(args.dp_size, int) or args.dp_size < 1:
+        raise CoreError(f"--dp-size must be >= 1, got {args.dp_size}")
+    if args.dp_size == 1:
+        from core.engine.async_engine import AsyncEngine
+
+        return AsyncEngine(args, plugins)
+    if args.nnodes > 1:
+        raise CoreError("--dp-size > 1 with --nnodes > 1 is not supported yet (replicas run on one machine)")
+    return DataParallelEngine(args, plugins)

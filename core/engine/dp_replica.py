@@ -1,0 +1,198 @@
+"""One data-parallel replica: a whole ``AsyncEngine`` (itself possibly tensor-parallel) in its
+own process and event loop, driven over a pipe by ``core.engine.data_parallel``.
+
+The front end sends requests as plain specs (it already tokenized and validated them); the
+replica runs them and streams back, per step, what changed in each request (new token ids,
+text, logprobs, cached tokens, finish reason) plus its load. It exits when the front end
+goes away (the pipe closes), when told to stop, or, non-zero, when its engine fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import threading
+from typing import Any
+
+import attrs
+import structlog
+import torch
+
+from core.engine.config import EngineArgs
+from core.engine.request import Req
+from core.engine.sampling_params import SamplingParams
+
+log = structlog.get_logger("core.engine.dp_replica")
+
+
+@attrs.frozen
+class ReqSpec:
+    """One sequence to run, as the front end built it (``n`` copies arrive as n specs, n=1 each)."""
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    return_logprob: bool
+    logprob_start_len: int
+    top_logprobs_num: int
+    priority: int | None
+
+
+@attrs.frozen
+class ReqDelta:
+    """What a request gained since the last delta sent for it."""
+
+    output_ids: list[int]
+    text: str
+    output_logprobs: list[float]
+    output_top_logprobs: list[Any]
+    input_logprobs: tuple[list, list] | None  # (logprobs, top logprobs) of the prompt, sent once
+    cached_tokens: int
+    finish_reason: dict | None
+
+
+def replica_main(index: int, args: EngineArgs, conn) -> None:
+    """Entry point of a replica process (spawned)."""
+    from core.engine.async_engine import AsyncEngine
+    from core.engine.collectives import describe
+    from core.log import configure_logging
+
+    configure_logging(args.log_level)
+    if args.cpu_threads:
+        torch.set_num_threads(args.cpu_threads)
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    try:
+        engine = AsyncEngine(args)
+    except BaseException as e:  # noqa: BLE001 - reported to the front end, which names the replica
+        conn.send(("error", describe(e)))
+        sys.stderr.flush()
+        os._exit(1)
+    conn.send(("ready", {"max_total_tokens": engine.max_total_tokens, "page_size": engine.allocator.page_size,
+                         "capacity_pages": engine.allocator.capacity, "max_running_requests": engine.max_running_requests,
+                         "is_classifier": engine.is_classifier, "load": engine.load(), "pid": os.getpid()}))
+    code = loop.run_until_complete(_Replica(index, engine, conn, loop).run())
+    sys.stderr.flush()
+    os._exit(code)
+
+
+class _Replica:
+    def __init__(self, index: int, engine, conn, loop: asyncio.AbstractEventLoop) -> None:
+        self.index, self.engine, self.conn, self.loop = index, engine, conn, loop
+        self.outbox: list[tuple] = []
+        self.flush_scheduled = False
+        self.done: asyncio.Future = loop.create_future()
+        engine.step_listeners.append(self._on_step)
+        engine.fatal_listeners.append(lambda message: loop.call_later(0.2, self._finish, 1))
+
+    async def run(self) -> int:
+        threading.Thread(target=self._read, name="core-dp-reader", daemon=True).start()
+        code = await self.done
+        try:
+            await self.engine.shutdown()
+        except Exception:  # noqa: BLE001 - exiting anyway
+            log.exception("dp.replica_shutdown_failed", replica=self.index)
+        return code
+
+    def _finish(self, code: int) -> None:
+        if not self.done.done():
+            self.done.set_result(code)
+
+    def _read(self) -> None:
+        """Pipe reader thread: hands each message to the loop; a closed pipe (front end gone) stops."""
+        while True:
+            try:
+                msg = self.conn.recv()
+            except (EOFError, OSError):
+                self.loop.call_soon_threadsafe(self._finish, 0)
+                return
+            self.loop.call_soon_threadsafe(self._handle, msg)
+            if msg[0] == "stop":
+                return
+
+    # ------------------------------------------------------------------ front end -> replica
+    def _handle(self, msg: tuple) -> None:
+        kind, engine = msg[0], self.engine
+        if kind == "submit":
+            self._submit(msg[1])
+        elif kind == "abort":
+            engine.abort(msg[1])
+        elif kind == "abort_all":
+            engine.abort_all(msg[1])
+        elif kind == "flush":
+            engine.flush_cache()
+        elif kind == "call":
+            asyncio.ensure_future(self._call(msg[1], msg[2], msg[3:]))
+        elif kind == "stop":
+            self._finish(0)
+
+    def _submit(self, specs: list[ReqSpec]) -> None:
+        engine, reqs = self.engine, []
+        for s in specs:
+            try:
+                reqs += engine.make_requests(s.prompt_ids, s.params, s.rid, s.return_logprob, s.logprob_start_len,
+                                             s.top_logprobs_num, priority=s.priority)
+            except Exception as e:  # validated by the front end already; report rather than crash
+                self._send_now(("delta", s.rid, ReqDelta([], "", [], [], None, 0, {"type": "abort", "message": str(e)})))
+        try:
+            engine.submit(reqs)
+        except Exception as e:  # the engine has stopped
+            for r in reqs:
+                self._send_now(("delta", r.rid, ReqDelta([], "", [], [], None, 0, {"type": "abort", "message": str(e)})))
+            return
+        for r in reqs:
+            asyncio.ensure_future(self._pump(r))
+
+    async def _call(self, call_id: int, what: str, args: tuple) -> None:
+        try:
+            if what == "encode":
+                value = await self.engine.encode(*args)
+            elif what == "update_weights":
+                value = await self.engine.update_weights_from_disk(*args)
+            else:
+                raise ValueError(f"unknown call {what!r}")
+            self.conn.send(("reply", call_id, True, value))
+        except Exception as e:  # noqa: BLE001 - the caller re-raises it
+            self.conn.send(("reply", call_id, False, e))
+
+    # ------------------------------------------------------------------ replica -> front end
+    def _on_step(self, batch, duration: float) -> None:
+        sampling = [r.rid for r in batch.reqs if r.kv_len >= r.seq_len]
+        if sampling:
+            self.outbox.append(("step", batch.is_prefill, duration, sampling))
+
+    async def _pump(self, req: Req) -> None:
+        """Send what the request gained after each step it took, until it finishes."""
+        n_ids = n_text = n_lp = 0
+        input_sent = False
+        while True:
+            await req.queue.get()
+            while not req.queue.empty():
+                req.queue.get_nowait()
+            inputs = None
+            if not input_sent and req.input_logprobs:
+                inputs, input_sent = (list(req.input_logprobs), list(req.input_top_logprobs)), True
+            delta = ReqDelta(req.output_ids[n_ids:], req.text[n_text:], req.output_logprobs[n_lp:],
+                             req.output_top_logprobs[n_lp:], inputs, req.cached_tokens, req.finish_reason)
+            n_ids, n_text, n_lp = len(req.output_ids), len(req.text), len(req.output_logprobs)
+            self.outbox.append(("delta", req.rid, delta))
+            if not self.flush_scheduled:
+                self.flush_scheduled = True
+                self.loop.call_soon(self._flush)
+            if req.finished:
+                return
+
+    def _flush(self) -> None:
+        self.flush_scheduled = False
+        events, self.outbox = self.outbox, []
+        self._send_raw(("events", events, self.engine.load()))
+
+    def _send_now(self, event: tuple) -> None:
+        self._send_raw(("events", [event], self.engine.load()))
+
+    def _send_raw(self, msg: tuple) -> None:
+        try:
+            self.conn.send(msg)
+        except (OSError, ValueError):  # the front end is gone
+            self._finish(0)

@@ -1,0 +1,182 @@
+"""What every engine front shares: tokenizing, validating and building requests, and
+streaming their outputs. ``AsyncEngine`` (one engine in this process) and
+``core.engine.data_parallel.DataParallelEngine`` (replicas in other processes) both serve the
+HTTP layer through these methods; each supplies ``submit``, ``abort`` and the attributes read
+here (``tokenizer``, ``vocab_size``, ``grammar``, ``model_config``, ``allocator`` for the KV
+pool's ``pages_for`` / ``capacity``, ``max_total_tokens``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any, AsyncIterator
+
+import attrs
+import torch
+
+from core.engine.request import Req
+from core.engine.sampling_params import SamplingParams
+from core.errors import InvalidRequest
+
+
+class RequestFrontEnd:
+    """Request building and output streaming over an engine's ``submit`` / ``abort``."""
+
+    def tokenize(self, prompt: str | None, input_ids: list[int] | None) -> list[int]:
+        if input_ids is not None:
+            if not isinstance(input_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in input_ids):
+                raise InvalidRequest("input_ids must be a list of integers", param="input_ids")
+            bad = [t for t in input_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidRequest(f"input_ids contains token id {bad[0]} outside the vocabulary [0, {self.vocab_size})", param="input_ids")
+            return list(input_ids)
+        if not isinstance(prompt, str):
+            raise InvalidRequest("either a text prompt or input_ids is required", param="text")
+        if self.tokenizer is None:
+            raise InvalidRequest("the tokenizer is disabled (--skip-tokenizer-init): send input_ids", param="text")
+        return self.tokenizer.encode(prompt, add_special_tokens=True)
+
+    def make_requests(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None,
+                      return_logprob: bool = False, logprob_start_len: int = -1, top_logprobs_num: int = 0,
+                      priority: int | None = None) -> list[Req]:
+        """Validate and build the sequences of one prompt (n of them); raises InvalidRequest."""
+        params.validate(self.vocab_size)
+        if (c := params.constraint()) is not None and not self.grammar.enabled:
+            raise InvalidRequest(f"{c[0]} constraints need a grammar backend, but the server runs with --grammar-backend none"
+                                 if self.tokenizer is not None else f"{c[0]} constraints need the tokenizer", param=c[0])
+        if not prompt_ids:
+            raise InvalidRequest("the prompt is empty", param="prompt")
+        ctx = self.model_config.context_len
+        if len(prompt_ids) >= ctx:
+            raise InvalidRequest(f"the prompt has {len(prompt_ids)} tokens, but the context length is {ctx}", param="prompt")
+        if not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= 20:
+            raise InvalidRequest("top_logprobs_num must be an integer in [0, 20]", param="top_logprobs_num")
+        if priority is not None and (not isinstance(priority, int) or isinstance(priority, bool)):
+            raise InvalidRequest("priority must be an integer", param="priority")
+        if not isinstance(logprob_start_len, int) or not -1 <= logprob_start_len < len(prompt_ids):
+            raise InvalidRequest(f"logprob_start_len must be -1 or in [0, {len(prompt_ids)})", param="logprob_start_len")
+        params = SamplingParams(**{**_asdict(params), "max_new_tokens": min(params.max_new_tokens, ctx - len(prompt_ids))})
+        if self.allocator.pages_for(len(prompt_ids) + params.max_new_tokens) > self.allocator.capacity:
+            raise InvalidRequest(
+                f"the request needs {len(prompt_ids) + params.max_new_tokens} tokens of KV cache but the pool holds "
+                f"{self.max_total_tokens}; lower max_new_tokens or raise --max-total-tokens", param="max_new_tokens")
+        rid = rid or uuid.uuid4().hex
+        reqs = []
+        for i in range(params.n):
+            seed = None if params.seed is None else params.seed + i
+            gen = None if seed is None else torch.Generator().manual_seed(seed)
+            detok = None
+            if self.tokenizer is not None:
+                from core.engine.detokenizer import IncrementalDetokenizer
+
+                detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens,
+                                               spaces_between_special_tokens=params.spaces_between_special_tokens,
+                                               stop=params.stop, no_stop_trim=params.no_stop_trim)
+            reqs.append(Req(rid if params.n == 1 else f"{rid}-{i}", prompt_ids, params, return_logprob, top_logprobs_num,
+                            logprob_start_len, gen, detok, asyncio.Queue(), priority=priority))
+        return reqs
+
+    async def prepare_grammars(self, reqs: list[Req]) -> None:
+        """Compile (off the loop, cached) and attach each constrained request's matcher;
+        raises InvalidRequest with the backend's message for an invalid spec."""
+        for r in reqs:
+            if r.constraint is not None and r.grammar is None:
+                r.grammar = await self.grammar.compile(*r.constraint)
+
+    async def stream(self, req: Req) -> AsyncIterator[dict]:
+        """Yield the request's cumulative output after each step until it finishes;
+        an abandoned consumer (cancelled task, closed generator) aborts the request."""
+        try:
+            while True:
+                await req.queue.get()
+                while not req.queue.empty():  # coalesce steps the consumer fell behind on
+                    req.queue.get_nowait()
+                done = req.finished  # read before yielding: it may finish while the consumer is away
+                yield self.output(req)
+                if done:
+                    return
+        finally:
+            if not req.finished:
+                self.abort(req.rid)
+
+    @staticmethod
+    def output(req: Req) -> dict:
+        return {"text": req.text, "output_ids": list(req.output_ids), "meta_info": req.meta_info()}
+
+    async def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
+                       input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool = False,
+                       logprob_start_len: int = -1, top_logprobs_num: int = 0, stream: bool = False,
+                       rid: str | None = None) -> Any:
+        """SGLang's generate: one prompt -> dict (a list when n > 1); a batch -> list.
+        With ``stream`` an async iterator of cumulative outputs (batch chunks carry ``index``)."""
+        batch = isinstance(prompt, list) or (isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], list))
+        prompts: list = (prompt if isinstance(prompt, list) else input_ids) if batch else [input_ids if input_ids is not None else prompt]
+        is_ids = input_ids is not None
+        sps = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        if len(sps) != len(prompts):
+            raise InvalidRequest("sampling_params list must match the number of prompts", param="sampling_params")
+        groups = []
+        for i, (p, sp) in enumerate(zip(prompts, sps)):
+            params = sp if isinstance(sp, SamplingParams) else SamplingParams.from_dict(sp)
+            ids = self.tokenize(None if is_ids else p, p if is_ids else None)
+            groups.append(self.make_requests(ids, params, None if rid is None else (rid if not batch else f"{rid}-{i}"),
+                                             return_logprob, logprob_start_len, top_logprobs_num))
+        reqs = [r for g in groups for r in g]
+        await self.prepare_grammars(reqs)
+        self.submit(reqs)
+        if stream:
+            return self._stream_many(reqs)
+        try:
+            await asyncio.gather(*(self.drain(r) for r in reqs))
+        finally:
+            for r in reqs:
+                if not r.finished:
+                    self.abort(r.rid)
+        outs = [self.output(r) for r in reqs]
+        return outs if batch or len(outs) > 1 else outs[0]
+
+    async def drain(self, req: Req) -> None:
+        """Wait until the request finishes (aborting it if the wait is cancelled)."""
+        async for _ in self.stream(req):
+            pass
+
+    async def _stream_many(self, reqs: list[Req]) -> AsyncIterator[dict]:
+        async for i, out in self.stream_many(reqs):
+            yield out if len(reqs) == 1 else {**out, "index": i}
+
+    async def stream_many(self, reqs: list[Req]) -> AsyncIterator[tuple[int, dict]]:
+        """(index, cumulative output) as each request advances, until all finish;
+        closing the iterator early aborts the unfinished ones."""
+        if len(reqs) == 1:
+            async for out in self.stream(reqs[0]):
+                yield 0, out
+            return
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, r: Req) -> None:
+            try:
+                async for out in self.stream(r):
+                    merged.put_nowait((i, out))
+            finally:
+                merged.put_nowait((i, None))
+
+        tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(reqs)]
+        try:
+            left = len(tasks)
+            while left:
+                i, out = await merged.get()
+                if out is None:
+                    left -= 1
+                else:
+                    yield i, out
+        finally:
+            for t in tasks:
+                t.cancel()
+            for r in reqs:
+                if not r.finished:
+                    self.abort(r.rid)
+
+
+def _asdict(params: SamplingParams) -> dict:
+    return attrs.asdict(params, recurse=False)

@@ -1,0 +1,49 @@
+"""Building a model from its config and loading its weights, the same way on every rank.
+
+``AsyncEngine`` (rank 0) and the other tensor-parallel ranks (``core.engine.tp_worker``) both
+call :func:`build_model`; under ``core.parallel.building(group)`` the shared layers shard
+themselves and their weight loaders keep this rank's slice of each checkpoint tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from core.engine.config import EngineArgs
+from core.engine.loader import ModelConfig, build_quant_method, checkpoint_weights, finish_loading
+from core.errors import ModelLoadError, UnknownNameError
+from core.interfaces import ModelContext
+
+
+def build_model(plugins, args: EngineArgs, mc: ModelConfig, device: torch.device,
+                load_format: str | None = None) -> torch.nn.Module:
+    """The model of ``mc`` on ``device`` with its weights loaded (``load_format`` overrides
+    ``args.load_format``; ``dummy``: random weights seeded by ``--random-seed``), in eval mode."""
+    try:
+        factory = plugins.resolve("model", mc.architecture)
+    except UnknownNameError as e:
+        raise ModelLoadError(f"architecture {mc.architecture!r} is not supported: {e}") from None
+    load_format = load_format or args.load_format
+    quant = build_quant_method(plugins, args.quantization, getattr(args, "torchao_config", None), mc, device, load_format)
+    with torch.device(device):
+        model = factory(mc.hf_config, ModelContext(mc.dtype, device, quant))
+    for p in model.parameters():
+        if p.dtype.is_floating_point and p.dtype != mc.dtype and not getattr(p, "keep_dtype", False):
+            p.data = p.data.to(mc.dtype)
+    if load_format == "dummy":
+        init_dummy_weights(model, args.random_seed or 0)
+    else:
+        model.load_weights(checkpoint_weights(mc, model, quant))
+    finish_loading(model, quant)
+    return model.eval()
+
+
+def init_dummy_weights(model: torch.nn.Module, seed: int, low: float = -1e-3, high: float = 1e-3) -> None:
+    """``--load-format dummy``: every parameter uniform in [low, high] (SGLang's dummy
+    loader), so a model shape runs from its config.json alone, e.g. for benchmarks."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    for p in model.parameters():
+        if p.dtype.is_floating_point:
+            p.data.copy_(torch.rand(p.shape, generator=gen, dtype=torch.float32).mul_(high - low).add_(low).to(p.dtype))
+        else:
+            p.data.zero_()
