@@ -147,6 +147,22 @@ class QuantMethod(Protocol):
         tensors, by parameter name, a checkpoint in its format holds for the float ``[out, in]``
         ``weight`` (one shard of a packed layer). The kit loads them through the parameters'
         ``weight_loader``s, as the engine loads a checkpoint, and compares with ``weight``.
+
+    Optional members the engine uses (looked up with ``getattr`` at start-up, never per token):
+
+    ``devices: tuple[str, ...]`` and ``check_device(device) -> str | None``
+        The device types the method runs on (``core plugins`` lists them) and, for finer
+        conditions, the reason it cannot run on ``device`` (None when it can; e.g. fp8 needs
+        compute capability >= 8.9). A refusal stops start-up naming the method and the device.
+    ``from_config(config: dict) -> QuantMethod`` (classmethod)
+        Built from the checkpoint's ``quantization_config`` (config.json; AWQ's group size,
+        GPTQ's format, fp8's block size) instead of ``cls()``.
+    ``gguf_raw: bool``
+        The loader feeds a GGUF model's linear weights as raw blocks: ``<layer>.qweight``
+        (uint8 rows) and ``<layer>.qweight_type`` (the GGML type), see ``core.engine.loader``.
+    ``pack_lm_head(embedding) -> torch.nn.Module | None``
+        A packed LM head built from the loaded ``VocabEmbedding`` on its first ``logits`` call
+        (None keeps it dense).
     """
 
     def create_weights(

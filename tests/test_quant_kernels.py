@@ -95,10 +95,12 @@ def test_int4_shapes_the_kernel_refuses_stay_dense():
     assert packed.int4_supported(32, 96, 32)
 
 
-def test_float_quantizing_methods_pass_the_conformance_kit():
+def test_quant_methods_pass_the_conformance_kit():
+    """Float-quantizing methods load float weights; gguf / awq / gptq load what their
+    ``checkpoint_tensors`` writes (a Q4_1 tensor, AutoAWQ's and AutoGPTQ's packing)."""
     from core.testing import check_plugin
 
-    for name in ("int8wo", "int4wo-32", "int4wo-128", "fp8"):
+    for name in ("int8wo", "int4wo-32", "int4wo-128", "fp8", "gguf", "awq", "gptq"):
         results = check_plugin(name, "quant_method", device="cpu", dtypes=(torch.bfloat16,))
         assert all(r.ok for r in results), [r.message for r in results if not r.ok]
         passed = {r.case for r in results if r.status == "passed"}

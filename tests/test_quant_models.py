@@ -22,6 +22,7 @@ import torch
 from core.engine.kv_cache import allocate_kv_cache, kv_bytes_per_token
 from core.errors import CoreError
 from core.interfaces import AttentionConfig, ForwardBatch
+from core.layers import Linear
 from core_plugins.attention.torch_native import TorchNativeBackend
 from tests.conftest import make_engine
 from tests.test_quant_kernels import pack_awq, pack_gptq_cols, pack_gptq_rows, quantize_zero_point
@@ -131,9 +132,10 @@ def check_close(ref: torch.Tensor, got: torch.Tensor, max_kl: float) -> None:
 def test_weight_only_methods_track_the_dense_model(tiny, reference, engine_factory, method, max_kl):
     ids, ref = reference
     eng = engine_factory(tiny, dtype="bfloat16", skip_tokenizer_init=True, quantization=method)
-    kinds = {getattr(m, "quant_format", None) for m in eng.engine.model.modules()} - {None}
+    kinds = {m.quant_format for m in eng.engine.model.modules() if isinstance(m, Linear)}
     assert kinds == {"int8" if method == "int8wo" else "int4"}, kinds
     check_close(ref, forced(eng), max_kl)
+    assert eng.engine.model.lm_head.packed_head.quant_format == "int8", "the LM head is served as int8"
     assert_follows_rule(eng, ids)
 
 

@@ -30,6 +30,27 @@ def unpack_cols(packed_cols: torch.Tensor, order: tuple[int, ...] = AWQ_ORDER) -
     return cols.reshape(packed_cols.shape[0], -1).to(torch.uint8)
 
 
+def pack_cols(values: torch.Tensor, order: tuple[int, ...] = AWQ_ORDER) -> torch.Tensor:
+    """uint8 ``[R, C]`` (0-15) -> int32 ``[R, C/8]``, the inverse of :func:`unpack_cols`."""
+    v = values.to(torch.int32).reshape(values.shape[0], -1, PACK)[..., list(order)]
+    out = torch.zeros(v.shape[:-1], dtype=torch.int32, device=v.device)
+    for i in range(PACK):
+        out |= v[..., i] << (4 * i)
+    return out
+
+
+def quantize_zero_point(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """AWQ / GPTQ style asymmetric 4-bit with integer zero points, per group of ``group`` input
+    columns: ``(q [N, K], z [N, K/G], s [N, K/G])`` with ``w ~ (q - z) * s``, ``s`` fp16-representable."""
+    n, k = w.shape
+    wg = w.float().reshape(n, k // group, group)
+    lo, hi = wg.amin(-1).clamp(max=0), wg.amax(-1).clamp(min=0)
+    s = ((hi - lo) / 15).clamp_min(1e-5).half().float()
+    z = torch.round(-lo / s).clamp(0, 15)
+    q = torch.clamp(torch.round(wg / s[..., None]) + z[..., None], 0, 15)
+    return q.reshape(n, k).to(torch.uint8), z.to(torch.uint8), s
+
+
 def shard_loader(layer: torch.nn.Module, dim: int, pack: int):
     """A weight loader that copies a packed layer's shard into its slice along ``dim``, whose
     entries each cover ``pack`` output columns."""
@@ -86,6 +107,11 @@ class AWQ(packed.PackedMethod):
             setattr(layer, name, p)
         layer.bias = torch.nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
         layer.act_dtype = dtype
+
+    def checkpoint_tensors(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        """This layout for a float ``[N, K]`` weight (what AutoAWQ writes; for the conformance kit)."""
+        q, z, s = quantize_zero_point(weight, self.group_size)
+        return {"qweight": pack_cols(q.t()), "qzeros": pack_cols(z.t()), "scales": s.t().half().contiguous()}
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         q = unpack_cols(layer.qweight.data).t()  # [N, K]

@@ -59,6 +59,13 @@ class GGUFQuant(packed.PackedMethod):
         layer.qweight_type.weight_loader = lambda param, loaded, shard=None: _set_type(layer, loaded, shard)
         layer.act_dtype = dtype
 
+    def checkpoint_tensors(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        """A float ``[N, K]`` weight as the loader feeds a Q4_1 GGUF tensor (for the conformance kit)."""
+        import gguf
+
+        raw = gguf.quants.quantize(weight.float().cpu().numpy(), gguf.GGMLQuantizationType.Q4_1)
+        return {"qweight": torch.from_numpy(raw), "qweight_type": torch.tensor([Q4_1], dtype=torch.int32)}
+
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         types = layer.qweight_type.tolist()
         parts = [decode(layer.gguf_shards[i], types[i], layer.in_features) for i in range(len(types))]

@@ -20,7 +20,7 @@ import torch
 from core import hookimpl
 from core.errors import ModelLoadError
 from core_plugins.quant import packed
-from core_plugins.quant.awq import PACK, check_layout, shard_loader
+from core_plugins.quant.awq import PACK, check_layout, pack_cols, quantize_zero_point, shard_loader
 
 SEQUENTIAL = tuple(range(PACK))
 
@@ -78,6 +78,15 @@ class GPTQ:
         layer.g_idx_loaded = False
         layer.bias = torch.nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
         layer.act_dtype = dtype
+
+    def checkpoint_tensors(self, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        """This layout for a float ``[N, K]`` weight (what AutoGPTQ writes without act-order; for the
+        conformance kit)."""
+        q, z, s = quantize_zero_point(weight, self.group_size)
+        k = weight.shape[1]
+        return {"qweight": pack_cols(q.contiguous(), SEQUENTIAL).t().contiguous(),  # rows 8r + i in nibble i
+                "qzeros": pack_cols(((z.int() - self.zero_offset) & 0xF).t().contiguous(), SEQUENTIAL),
+                "scales": s.t().half().contiguous(), "g_idx": (torch.arange(k) // self.group_size).int()}
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         g = self.group_size

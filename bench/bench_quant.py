@@ -1,0 +1,107 @@
+"""Batch-1 decode speed of the default model, dense vs weight-only int8 vs 4-bit, in one run.
+
+Each mode is its own engine over the embedded SmolLM2-135M-Instruct, all at ``--dtype auto``:
+``dense`` (``--quantization none``: the GGUF dequantized), ``int8wo`` (``--torchao-config
+int8wo``: Linear layers per-channel int8, LM head dense, as SGLang's torchao filter), ``int4``
+(the default for a GGUF model on CPU: the file's Q4_1 blocks repacked to int4, its Q8_0 head as
+int8) and, with ``--modes``, ``int4wo-32`` (4-bit quantized at load, LM head dense). One request
+of ``--input-len`` random tokens generates exactly ``--output-len`` tokens (EOS ignored); the
+modes take turns for ``--repeats`` rounds so a noisy machine hurts them alike, and the median
+and best of each are printed: output tok/s over the whole request and decode tok/s (after the
+first token). Engines are built one at a time, measured, and shut down.
+
+    python bench/bench_quant.py --cpu-threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+
+import torch
+
+MODES = {
+    "dense": {"quantization": "none"},
+    "int8wo": {"torchao_config": "int8wo"},
+    "int4": {},  # GGUF kept quantized: the engine's default for the embedded model on CPU
+    "int4wo-32": {"torchao_config": "int4wo-32"},
+}
+
+
+def cpu_model() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def run_once(engine, prompt: list[int], out_len: int) -> tuple[float, float]:
+    """(output tok/s over the request, decode tok/s after the first token)."""
+    params = {"temperature": 0, "max_new_tokens": out_len, "ignore_eos": True}
+    t0 = time.perf_counter()
+    first = None
+    n = 0
+    for chunk in engine.generate(input_ids=prompt, sampling_params=params, stream=True):
+        if first is None and chunk["output_ids"]:
+            first = time.perf_counter()
+        n = len(chunk["output_ids"])
+    wall = time.perf_counter() - t0
+    return n / wall, (n - 1) / (t0 + wall - first)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--modes", default="dense,int8wo,int4", help=f"comma-separated, of {', '.join(MODES)}")
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--cpu-threads", type=int, default=None)
+    ap.add_argument("--dtype", default="auto")
+    args = ap.parse_args()
+    modes = args.modes.split(",")
+    if unknown := [m for m in modes if m not in MODES]:
+        ap.error(f"unknown mode(s) {', '.join(unknown)}; choose from {', '.join(MODES)}")
+
+    from core import Engine
+    from core.engine.device import cpu_native_bf16
+    from core.log import configure_logging
+
+    configure_logging("warning")
+    native, why = cpu_native_bf16()
+    print(f"# {cpu_model()}; torch {torch.__version__}, capability {torch.backends.cpu.get_cpu_capability()}; "
+          f"native bf16: {native} ({why}); threads {args.cpu_threads or torch.get_num_threads()}")
+    prompt = torch.randint(100, 49000, (args.input_len,), generator=torch.Generator().manual_seed(0)).tolist()
+    engines = {}
+    for mode in modes:
+        engines[mode] = Engine(dtype=args.dtype, max_total_tokens=args.input_len + args.output_len + 64,
+                               max_running_requests=1, cpu_threads=args.cpu_threads, log_level="warning",
+                               disable_radix_cache=True, **MODES[mode])
+        run_once(engines[mode], prompt, 8)  # warm-up (and the packed LM head is built on first use)
+    results: dict[str, list[tuple[float, float]]] = {m: [] for m in modes}
+    try:
+        for _ in range(args.repeats):
+            for mode in modes:
+                results[mode].append(run_once(engines[mode], prompt, args.output_len))
+    finally:
+        for e in engines.values():
+            e.shutdown()
+    dtype = next(iter(engines.values())).engine.model_config.dtype
+    print(f"# SmolLM2-135M-Instruct, batch 1, {args.input_len} in / {args.output_len} out, activations "
+          f"{str(dtype).removeprefix('torch.')}, {args.repeats} rounds (modes interleaved)")
+    print("| mode | output tok/s (median / best) | decode tok/s (median / best) | vs dense |")
+    print("|---|---:|---:|---:|")
+    base = statistics.median(d for _, d in results[modes[0]])
+    for mode in modes:
+        out = [o for o, _ in results[mode]]
+        dec = [d for _, d in results[mode]]
+        print(f"| {mode} | {statistics.median(out):.1f} / {max(out):.1f} | {statistics.median(dec):.1f} / "
+              f"{max(dec):.1f} | {statistics.median(dec) / base:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
