@@ -26,7 +26,7 @@ from core.testing.attention import AttentionSubject, check_case
 from core_plugins.attention import cpu as cpu_plugin
 from core_plugins.attention import default as builtin_choice
 from core_plugins.attention.cpu import CpuBackend
-from tests.conftest import greedy, make_engine
+from tests.conftest import greedy, hf_logprobs, make_engine
 
 pytest_plugins = ["core.testing.pytest_plugin"]  # a no-op where its pytest11 entry point loaded it
 CPU = torch.device("cpu")
@@ -124,6 +124,24 @@ def test_engine_greedy_tokens_equal_torch_native(kernel, tiny_llama, opts):
         finally:
             eng.shutdown()
     assert got["cpu"] == got["torch_native"]
+
+
+def test_bfloat16_engine_is_as_close_to_float32_as_torch_native(kernel, tiny_llama):
+    """In bf16 the kernel rounds differently from torch_native (which rounds scores and probabilities to
+    bf16 as transformers does), but its prompt logprobs are no further from the float32 model's."""
+    path, hf = tiny_llama()
+    prompt = [(7 * i + 3) % 250 + 3 for i in range(60)]
+    want = hf_logprobs(hf, prompt)[torch.arange(59), torch.tensor(prompt[1:])]
+    err = {}
+    for backend in ("torch_native", "cpu"):
+        eng = make_engine(path, skip_tokenizer_init=True, dtype="bfloat16", attention_backend=backend)
+        try:
+            out = eng.generate(input_ids=prompt, sampling_params=greedy(1), return_logprob=True, logprob_start_len=0)
+        finally:
+            eng.shutdown()
+        got = torch.tensor([lp for lp, _ in out["meta_info"]["input_token_logprobs"][1:]])
+        err[backend] = (got - want).abs()
+    assert err["cpu"].max() < 0.5 and err["cpu"].mean() <= 1.25 * err["torch_native"].mean(), err
 
 
 # --------------------------------------------------------------------------- default and errors
