@@ -104,6 +104,7 @@ def build_app(state: Any = None, api_key: str | None = None) -> Starlette:
     middleware = [Middleware(ApiKeyMiddleware, api_key=api_key)] if api_key else []
     app = Starlette(routes=ROUTES, middleware=middleware, exception_handlers=EXCEPTION_HANDLERS)
     app.state.core = state
+    app.state.max_body_bytes = getattr(getattr(state, "args", None), "max_request_body_bytes", None)
     return app
 
 

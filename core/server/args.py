@@ -22,6 +22,7 @@ import attrs
 
 from core.engine.config import add_engine_args, engine_args_from_namespace  # noqa: F401 (engine_args_from_namespace: re-exported)
 from core.errors import CoreError
+from core.server.limits import DEFAULT_MAX_BODY_BYTES
 
 # SGLang's help sections, in the order of its server-arguments docs.
 GROUPS = (
@@ -61,6 +62,7 @@ _FLAG_SECTION = {
     "--device": "Runtime options",
     "--random-seed": "Runtime options",
     "--cpu-threads": "Runtime options",
+    "--watchdog-timeout": "Runtime options",
     "--json-model-override-args": "Model override args",
     "--plugins": "Plugins",
     "--strict-plugins": "Plugins",
@@ -279,8 +281,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind (default {DEFAULT_HOST})")
     g.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port to bind (default {DEFAULT_PORT})")
     g.add_argument("--skip-server-warmup", action="store_true", help="skip the warm-up generate before /health reports ready")
-    g.add_argument("--graceful-shutdown-timeout", type=float, default=5.0,
-                   help="seconds running requests may take to finish after SIGTERM/SIGINT before they are aborted")
+    g.add_argument("--graceful-shutdown-timeout", "--drain-timeout", dest="graceful_shutdown_timeout", type=float,
+                   default=5.0, help="after SIGTERM/SIGINT: seconds running requests (streams included) may take to "
+                                     "finish while /health and new requests get 503; the rest are then aborted with "
+                                     "a reason and the server exits 0")
+    g.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help=f"largest JSON request body; a larger one gets HTTP 413 (default {DEFAULT_MAX_BODY_BYTES}, "
+                        "8 MiB; /v1/files uploads have their own limit)")
 
     g = s("Memory and scheduling")
     g.add_argument("--max-queued-requests", type=int, default=None,
@@ -388,6 +395,10 @@ def validate_serve_args(ns: argparse.Namespace) -> None:
         raise CoreError("--api-key must not be empty")
     if ns.graceful_shutdown_timeout < 0:
         raise CoreError("--graceful-shutdown-timeout must be >= 0")
+    if ns.max_request_body_bytes < 1:
+        raise CoreError(f"--max-request-body-bytes must be >= 1, got {ns.max_request_body_bytes}")
+    if getattr(ns, "watchdog_timeout", 0) < 0:
+        raise CoreError(f"--watchdog-timeout must be >= 0 (0 disables it), got {ns.watchdog_timeout}")
     if ns.chat_template and _looks_like_path(ns.chat_template) and not os.path.isfile(os.path.expanduser(ns.chat_template)):
         raise CoreError(f"--chat-template {ns.chat_template}: no such file")
 
@@ -414,6 +425,7 @@ class ServerArgs:
     log_level: str = "info"
     skip_server_warmup: bool = False
     graceful_shutdown_timeout: float = 5.0
+    max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_queued_requests: int | None = None
     stream_interval: int = 1
     log_requests: bool = False

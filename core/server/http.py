@@ -22,11 +22,13 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from core.errors import CoreError, InvalidRequest
+from core.server.limits import DEFAULT_MAX_BODY_BYTES, check_json_depth
 from core.server.state import ServerState, ServiceUnavailable
 
 log = structlog.get_logger("core.server.http")
 
 encoder = msgspec.json.Encoder()
+DEFAULT_RETRY_AFTER_S = 1
 
 
 # ---------------------------------------------------------------------------- the error object
@@ -45,11 +47,12 @@ class ApiError(Exception):
     """An error answered as OpenAI's error object with an HTTP status."""
 
     def __init__(self, status: int, message: str, type_: str | None = None, param: str | None = None,
-                 code: str | int | None = None) -> None:
+                 code: str | int | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
         self.type = type_ or ("invalid_request_error" if status < 500 else "server_error")
         self.code = status if code is None else code
+        self.headers = headers or {}
 
     def body(self) -> ErrorBody:
         return ErrorBody(ErrorDetail(self.message, self.type, self.param, self.code))
@@ -58,7 +61,11 @@ class ApiError(Exception):
         return msgspec.to_builtins(self.body())
 
     def response(self) -> Response:
-        return json_response(self.body(), self.status)
+        resp = json_response(self.body(), self.status)
+        resp.headers.update(self.headers)
+        if self.status == 503 and "Retry-After" not in self.headers:  # every refusal for load says when to retry
+            resp.headers["Retry-After"] = str(DEFAULT_RETRY_AFTER_S)
+        return resp
 
 
 def error_response(status: int, message: str, type_: str | None = None, param: str | None = None,
@@ -75,11 +82,13 @@ def api_error(exc: BaseException) -> ApiError:
     if isinstance(exc, InvalidRequest):
         return ApiError(400, exc.message, param=exc.param)
     if isinstance(exc, ServiceUnavailable):
-        return ApiError(503, str(exc))
+        return ApiError(503, str(exc), headers={"Retry-After": str(exc.retry_after)})
     if isinstance(exc, msgspec.ValidationError):
         return api_error(_validation_error(exc))
     if isinstance(exc, msgspec.DecodeError):
         return ApiError(400, f"the request body is not valid JSON: {exc}")
+    if isinstance(exc, RecursionError):  # a structure nested past Python's limit, wherever it was walked
+        return ApiError(400, "the request nests too deeply")
     if isinstance(exc, CoreError):
         return ApiError(400, str(exc))
     return ApiError(500, f"internal server error: {type(exc).__name__}: {exc}")
@@ -127,20 +136,69 @@ _FIELD_RE = re.compile(r"(?:required|unknown) field `([^`]+)`")
 
 
 def decode_body(body: bytes, typ: Any = Any) -> Any:
-    """JSON bytes -> ``typ`` (a msgspec Struct, ``dict``...); every failure is an InvalidRequest."""
+    """JSON bytes -> ``typ`` (a msgspec Struct, ``dict``...); every failure is an InvalidRequest,
+    nesting deeper than ``limits.MAX_JSON_DEPTH`` included."""
     if not body.strip():
         raise InvalidRequest("the request body is empty; send a JSON object")
+    check_json_depth(body)
     try:
         return msgspec.json.decode(body, type=typ)
     except msgspec.ValidationError as e:
         raise _validation_error(e) from None
     except msgspec.DecodeError as e:
         raise InvalidRequest(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise InvalidRequest("the request body nests too deeply") from None
 
 
 async def read_body(request: Request, typ: Any = Any) -> Any:
-    """The request's JSON body decoded into ``typ`` (see :func:`decode_body`)."""
-    return decode_body(await request.body(), typ)
+    """The request's JSON body decoded into ``typ`` (see :func:`decode_body`), after the
+    Content-Type check (:func:`check_json_content_type`) and the size limit
+    (:func:`read_limited`)."""
+    check_json_content_type(request)
+    return decode_body(await read_limited(request), typ)
+
+
+def check_json_content_type(request: Request) -> None:
+    """A JSON endpoint refuses a body declared as anything but JSON with a 400, SGLang's answer
+    (``application/json`` and ``application/*+json`` pass; a request without the header is
+    read as JSON, as FastAPI does)."""
+    value = request.headers.get("content-type")
+    if value is None:
+        return
+    media = value.split(";", 1)[0].strip().lower()
+    if media == "application/json" or (media.startswith("application/") and media.endswith("+json")):
+        return
+    raise ApiError(400, f"Unsupported Media Type: Only 'application/json' is allowed (the request's Content-Type is "
+                        f"{value!r})", param="Content-Type")
+
+
+def body_limit(request: Request) -> int:
+    """``--max-request-body-bytes`` of the app serving ``request`` (``build_app`` stores it)."""
+    return getattr(request.app.state, "max_body_bytes", None) or DEFAULT_MAX_BODY_BYTES
+
+
+async def read_limited(request: Request) -> bytes:
+    """The raw body, refused with a 413 once it passes ``body_limit``: at once when the
+    Content-Length says so, else as soon as the streamed bytes do (the rest is never read)."""
+    limit = body_limit(request)
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(int(declared), limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(size, limit, streamed=True)
+        chunks.append(chunk)
+    body = b"".join(chunks)
+    request._body = body  # starlette's cache: a later request.body() gets the same bytes
+    return body
+
+
+def _too_large(size: int, limit: int, streamed: bool = False) -> ApiError:
+    what = f"over {limit}" if streamed else str(size)
+    return ApiError(413, f"the request body is {what} bytes; the limit is {limit} bytes (--max-request-body-bytes)")
 
 
 def convert_body(obj: Any, typ: Any) -> Any:

@@ -2,9 +2,12 @@
 
 One asyncio event loop runs hypercorn and the engine's scheduler; the forward runs on the
 engine's worker thread. The engine is built (synchronously) before serving; a warm-up
-generate runs before /health reports ready. On SIGINT/SIGTERM the server stops accepting
-connections, lets running requests finish for ``--graceful-shutdown-timeout`` seconds,
-aborts the rest, stops running batches and exits 0 (a second signal skips the wait).
+generate runs before /health reports ready. On SIGINT/SIGTERM the server drains: it keeps
+listening, but /health and new requests get 503 (with Retry-After), while running requests,
+streams included, finish for ``--graceful-shutdown-timeout`` (``--drain-timeout``) seconds;
+the rest are aborted with a reason, running batches stop, and it exits 0 (a second signal
+skips the wait). An engine that fails for good (a step past ``--watchdog-timeout``, a dead
+rank) fails its requests and the server exits non-zero, for a supervisor to restart it.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from core.server.args import ServerArgs, add_serve_parser, validate_serve_args
 log = structlog.get_logger("core.server.launch")
 
 SHUTDOWN_ABORT_MESSAGE = "the server shut down before the request finished"
+WATCHDOG_EXIT_CODE = 1
 
 
 def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
@@ -86,9 +90,13 @@ async def _serve(ns: argparse.Namespace) -> int:
     config.graceful_timeout = grace + 5.0
     config.keep_alive_timeout = 75.0
 
-    stop = asyncio.Event()
+    stop = asyncio.Event()  # shutting down: drain, then close
+    close = asyncio.Event()  # hypercorn stops listening and finishes the open responses
     force = asyncio.Event()
     exit_code = 0
+    watchdog = getattr(engine, "watchdog", None)
+    if watchdog is not None:  # a hung step cannot be joined: the watchdog ends the process itself, non-zero
+        watchdog.exit_code = WATCHDOG_EXIT_CODE
 
     def on_signal(signame: str) -> None:
         if stop.is_set():
@@ -117,25 +125,33 @@ async def _serve(ns: argparse.Namespace) -> int:
             stop.set()
 
     async def drain() -> None:
-        """After the signal: let running requests finish for `grace` seconds, then abort the rest."""
-        await stop.wait()
-        state.shutting_down = True
-        state.ready = False
-        deadline = loop.time() + grace
-        while engine.has_work() and loop.time() < deadline and not force.is_set():
-            await asyncio.sleep(0.05)
-        aborted = engine.abort_all(SHUTDOWN_ABORT_MESSAGE)
-        if aborted:
-            log.info("server.aborting_requests", count=aborted)
+        """After the signal: keep listening, but /health and new requests get 503 (a load
+        balancer moves on); let running requests (streams included) finish for `grace` seconds,
+        abort the rest with a reason, then let hypercorn close (``close``)."""
+        try:
+            await stop.wait()
+            state.shutting_down = True
+            state.ready = False
+            deadline = loop.time() + grace
+            while engine.has_work() and loop.time() < deadline and not force.is_set():
+                await asyncio.sleep(0.05)
+            aborted = engine.abort_all(SHUTDOWN_ABORT_MESSAGE)
+            if aborted:
+                log.warning("server.aborting_requests", count=aborted, reason=SHUTDOWN_ABORT_MESSAGE, grace_s=grace)
+            else:
+                log.info("server.drained")
+        finally:
+            close.set()
 
     warm_task = asyncio.create_task(warmup())
     drain_task = asyncio.create_task(drain())
     try:
-        await serve(app, config, shutdown_trigger=stop.wait)  # type: ignore[arg-type]
+        await serve(app, config, shutdown_trigger=close.wait)  # type: ignore[arg-type]
     except OSError as e:
         raise CoreError(f"cannot listen on {_bind(args.host, args.port)}: {e}") from None
     finally:
         stop.set()
+        close.set()
         warm_task.cancel()
         try:
             await asyncio.wait_for(drain_task, grace + 1.0)

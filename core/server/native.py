@@ -295,9 +295,13 @@ async def generate(request: Request) -> Response:
 # ---------------------------------------------------------------------------- other native endpoints
 async def health(request: Request) -> Response:
     state = state_of(request)
-    if state.ready and not state.shutting_down:
-        return Response(status_code=200)
-    return Response(status_code=503)
+    ok = state.ready and not state.shutting_down
+    replicas = getattr(state.engine, "replica_loads", None)
+    if replicas is not None:  # --dp-size > 1: which replicas serve (a dead one is out of rotation, with why)
+        keys = ("dp_rank", "alive", "pid", "error")
+        return json_response({"dp_replicas": [{k: r[k] for k in keys if k in r} for r in replicas()]},
+                             status=200 if ok else 503)
+    return Response(status_code=200 if ok else 503)
 
 
 async def health_generate(request: Request) -> Response:
@@ -351,6 +355,8 @@ async def get_server_info(request: Request) -> Response:
     state = state_of(request)
     engine = state.engine
     load = engine.load()
+    # one entry per data-parallel replica (their latest reports); throughput is the whole server's
+    per_replica = engine.replica_loads() if hasattr(engine, "replica_loads") else [load]
     return json_response({
         **state.args.flags,
         "served_model_name": state.served_model_name,
@@ -361,10 +367,9 @@ async def get_server_info(request: Request) -> Response:
         "max_running_requests": engine.max_running_requests,
         "internal_states": [{
             "last_gen_throughput": state.metrics.throughput() if state.metrics.enabled else 0.0,
-            "num_running_reqs": load["num_running_reqs"],
-            "num_waiting_reqs": load["num_waiting_reqs"],
-            "token_usage": load["token_usage"],
-        }],
+            **{k: one[k] for k in ("dp_rank", "alive", "num_running_reqs", "num_waiting_reqs", "token_usage",
+                                   "cache_hit_rate") if k in one},
+        } for one in per_replica],
         "version": VERSION,
         "uptime_s": round(time.time() - state.started_at, 3),
     })
@@ -372,9 +377,14 @@ async def get_server_info(request: Request) -> Response:
 
 async def loads(request: Request) -> Response:
     state = state_of(request)
-    load = {"dp_rank": 0, **_load_keys(state.engine.load())}
-    return json_response({"timestamp": time.time(), "version": VERSION, "loads": [load],
-                          "aggregate": {k: v for k, v in load.items() if k != "dp_rank"}})
+    engine = state.engine
+    if hasattr(engine, "replica_loads"):  # --dp-size > 1: each live replica's latest report, and their sum
+        loads = [{"dp_rank": r["dp_rank"], **_load_keys(r)} for r in engine.replica_loads() if r["alive"]]
+        aggregate = _load_keys(engine.load())
+    else:
+        loads = [{"dp_rank": 0, **_load_keys(engine.load())}]
+        aggregate = {k: v for k, v in loads[0].items() if k != "dp_rank"}
+    return json_response({"timestamp": time.time(), "version": VERSION, "loads": loads, "aggregate": aggregate})
 
 
 async def flush_cache(request: Request) -> Response:

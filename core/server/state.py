@@ -10,15 +10,24 @@ import structlog
 
 from core.engine.async_engine import AsyncEngine
 from core.engine.request import Req
-from core.errors import CoreError
+from core.errors import CoreError, InvalidRequest
 from core.server.args import ServerArgs
+from core.server.limits import NORMALIZATION_SLACK, max_token_chars, text_token_floor
 from core.server.metrics import Metrics
 
 log = structlog.get_logger("core.server.state")
 
+QUEUE_FULL_RETRY_AFTER_S = 1  # Retry-After of a 503 for a full queue: a step or two frees room
+SHUTDOWN_RETRY_AFTER_S = 5  # ... while shutting down or failed: a supervisor restarts the server meanwhile
+
 
 class ServiceUnavailable(CoreError):
-    """The server cannot take the request now (queue full, shutting down): HTTP 503."""
+    """The server cannot take the request now (queue full, shutting down, engine failed): HTTP 503
+    with ``Retry-After: retry_after`` seconds."""
+
+    def __init__(self, message: str, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 def truncate_prompt(ids: list[int], max_len: int) -> list[int]:
@@ -43,9 +52,40 @@ class ServerState:
     weight_version: str = "default"
     started_at: float = attrs.field(factory=time.time)
 
+    _token_chars: int | None = attrs.field(default=None, init=False, repr=False)
+
     @property
     def context_len(self) -> int:
         return self.engine.model_config.context_len
+
+    @property
+    def healthy(self) -> bool:
+        """The engine can still serve: no watchdog trip, no failed scheduler loop."""
+        return engine_failure(self.engine) is None
+
+    def tokenize(self, prompt: str | None, input_ids: list[int] | None, param: str = "text",
+                 max_len: int | None = None) -> list[int]:
+        """``engine.tokenize`` behind the cheap length check of :meth:`prefit_text`."""
+        if input_ids is None and isinstance(prompt, str):
+            prompt = self.prefit_text(prompt, param, max_len)
+        return self.engine.tokenize(prompt, input_ids)
+
+    def prefit_text(self, text: str, param: str, max_len: int | None = None) -> str:
+        """A text prompt before tokenization: one too long to fit ``max_len`` tokens (default
+        ``context_len - 1``) whatever it tokenizes to (``limits.text_token_floor``) is a 400
+        without tokenizing it; with ``--allow-auto-truncate`` only a head that surely holds
+        ``max_len`` tokens, with a wide margin, is tokenized."""
+        limit = self.context_len - 1 if max_len is None else max_len
+        if self._token_chars is None:
+            tok = self.engine.tokenizer
+            self._token_chars = max_token_chars(tok) if tok is not None else 0
+        floor = text_token_floor(len(text), self._token_chars)
+        if floor <= limit:
+            return text
+        if not self.args.allow_auto_truncate:
+            raise InvalidRequest(f"the prompt is {len(text)} characters long, at least {floor} tokens, but the context "
+                                 f"length is {self.context_len} tokens", param=param)
+        return text[: 2 * (limit + 64) * self._token_chars * NORMALIZATION_SLACK]
 
     def fit_prompt(self, ids: list[int], max_len: int | None = None) -> list[int]:
         """The input after ``--allow-auto-truncate`` (see :func:`truncate_prompt`; ``max_len``
@@ -58,20 +98,31 @@ class ServerState:
         return truncate_prompt(ids, limit)
 
     def check_admission(self, num_reqs: int) -> None:
-        """Raise ServiceUnavailable when shutting down or when ``num_reqs`` more would overflow
-        ``--max-queued-requests``. Call right before ``engine.submit``."""
+        """Raise ServiceUnavailable when shutting down, when the engine has failed, or when
+        ``num_reqs`` more would overflow ``--max-queued-requests`` (requests wait there while
+        the running batch or the KV pool has no room). Call right before ``engine.submit``."""
         if self.shutting_down:
-            raise ServiceUnavailable("the server is shutting down")
+            raise ServiceUnavailable("the server is shutting down", retry_after=SHUTDOWN_RETRY_AFTER_S)
+        failure = engine_failure(self.engine)
+        if failure is not None:
+            raise ServiceUnavailable(f"the engine has failed: {failure}", retry_after=SHUTDOWN_RETRY_AFTER_S)
         limit = self.args.max_queued_requests
         waiting = self.engine.num_waiting()
         if limit is not None and waiting + num_reqs > limit:
             raise ServiceUnavailable(f"the request queue is full ({waiting} waiting, --max-queued-requests {limit}); "
-                                     "retry later")
+                                     "retry later", retry_after=QUEUE_FULL_RETRY_AFTER_S)
 
     def submit(self, reqs: list[Req]) -> None:
         """Admission check, then hand the requests to the engine."""
         self.check_admission(len(reqs))
         self.engine.submit(reqs)
+
+
+def engine_failure(engine: object) -> str | None:
+    """Why the engine can no longer serve (a watchdog trip, a dead scheduler loop or rank), or None."""
+    if getattr(engine, "healthy", True):
+        return None
+    return str(getattr(engine, "fatal_error", None) or "the engine has stopped")
 
 
 def build_state(engine: AsyncEngine, args: ServerArgs) -> ServerState:

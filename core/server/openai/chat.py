@@ -152,6 +152,7 @@ def render_chat(state: Any, r: ChatCompletionRequest, hide_tools: bool | None = 
         raise InvalidRequest(f"the chat template could not render these messages: {e}", param="messages") from None
     if not isinstance(text, str):
         raise ApiError(500, "the chat template did not produce a string")
+    text = state.prefit_text(text, "messages")  # a prompt that cannot fit: 400 before tokenizing it
     return tok.encode(text, add_special_tokens=False)
 
 

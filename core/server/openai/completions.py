@@ -69,7 +69,7 @@ def prepare_completion(state: Any, r: CompletionRequest, rid: str | None = None)
     texts = []
     for p, prompt in enumerate(prompts):
         try:
-            ids = engine.tokenize(prompt, None) if isinstance(prompt, str) else engine.tokenize(None, prompt)
+            ids = state.tokenize(prompt, None, "prompt") if isinstance(prompt, str) else engine.tokenize(None, prompt)
         except InvalidRequest as e:
             raise engine_error(e) from None
         full = len(ids)

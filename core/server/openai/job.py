@@ -15,13 +15,12 @@ import structlog
 from core.engine.sampling_params import SamplingParams
 from core.errors import InvalidRequest
 from core.server.http import SSE_DONE, ApiError, sse_error
+from core.server.limits import MAX_N, MAX_SEQUENCES, check_sampling_limits  # noqa: F401 (MAX_SEQUENCES: re-exported)
 from core.server.openai.logprobs import vocab_of
 from core.server.openai.protocol import PromptTokensDetails, UsageInfo
 
 log = structlog.get_logger("core.server.openai")
 
-MAX_N = 128
-MAX_SEQUENCES = 4096
 MAX_TOP_LOGPROBS = 20
 MAX_TEMPERATURE = 2.0
 
@@ -75,7 +74,7 @@ def common_checks(r: Any) -> tuple[int, dict[str, str]]:
 
 def sampling_params(r: Any, max_new: int, n: int, constraint: dict[str, str]) -> SamplingParams:
     stop = [r.stop] if isinstance(r.stop, str) else list(r.stop or [])
-    return SamplingParams(
+    params = SamplingParams(
         max_new_tokens=max_new,
         min_new_tokens=min(r.min_tokens or 0, max_new),
         temperature=1.0 if r.temperature is None else r.temperature,
@@ -95,6 +94,8 @@ def sampling_params(r: Any, max_new: int, n: int, constraint: dict[str, str]) ->
         seed=r.seed,
         **constraint,
     )
+    check_sampling_limits(params)
+    return params
 
 
 def fit_context(state: Any, ids: list[int], max_tokens: int | None, param: str) -> tuple[list[int], int]:

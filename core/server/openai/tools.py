@@ -42,6 +42,26 @@ def _tool_names(tools: list[dict] | None) -> list[str]:
     return [(t.get("function") or {}).get("name") for t in tools or [] if isinstance(t, dict)]
 
 
+def check_parameters_schema(fn: dict, i: int) -> None:
+    """A function's ``parameters`` must be a valid JSON Schema (checked against the 2020-12
+    metaschema, as SGLang does): a 400 naming the tool, before the template or a grammar sees it."""
+    params = fn.get("parameters")
+    if params is None:
+        return
+    from jsonschema import Draft202012Validator, SchemaError
+
+    name = fn["name"]
+    if not isinstance(params, dict):
+        raise InvalidRequest(f"tool {name!r} (tools[{i}]): function.parameters must be a JSON Schema object, got "
+                             f"{type(params).__name__}", param=f"tools[{i}].function.parameters")
+    try:
+        Draft202012Validator.check_schema(params)
+    except SchemaError as e:
+        where = "/".join(map(str, e.path))
+        raise InvalidRequest(f"tool {name!r} (tools[{i}]): function.parameters is not a valid JSON Schema: {e.message}"
+                             + (f" (at {where})" if where else ""), param=f"tools[{i}].function.parameters") from None
+
+
 def tool_mode(r: Any) -> tuple[str, str | None]:
     """("none" | "auto" | "required" | "named", the named function). Validates tools / tool_choice."""
     tools, tc = r.tools, r.tool_choice
@@ -52,6 +72,7 @@ def tool_mode(r: Any) -> tuple[str, str | None]:
             _check(isinstance(t, dict) and t.get("type", "function") == "function" and isinstance(fn, dict)
                    and isinstance(fn.get("name"), str), f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}",
                    f"tools[{i}]")
+            check_parameters_schema(fn, i)
     if tc is None:
         return ("auto" if tools else "none"), None
     if isinstance(tc, str):
