@@ -28,6 +28,7 @@ from core.server.http import (
     sse_event,
     state_of,
 )
+from core.server.limits import check_sampling_limits, check_sequences
 from core.server.metrics import CONTENT_TYPE
 from core.server.state import ServerState
 
@@ -90,11 +91,15 @@ def _per_item(value: Any, n: int, name: str, default: Any) -> list:
 
 def _sampling_params(d: dict | None) -> tuple[SamplingParams, int | None]:
     """SamplingParams from a request dict (None values mean 'default'), plus a per-request stream_interval."""
+    if d is not None and not isinstance(d, dict):
+        raise InvalidRequest("sampling_params must be an object", param="sampling_params")
     d = {k: v for k, v in (d or {}).items() if v is not None}
     interval = d.pop("stream_interval", None)
     if interval is not None and (not isinstance(interval, int) or isinstance(interval, bool) or interval < 1):
         raise InvalidRequest("stream_interval must be an integer >= 1", param="stream_interval")
-    return SamplingParams.from_dict(d), interval
+    params = SamplingParams.from_dict(d)
+    check_sampling_limits(params)
+    return params, interval
 
 
 def build_generate_requests(state: ServerState, obj: GenerateReqInput) -> tuple[list[Req], bool, int | None]:
@@ -138,12 +143,14 @@ def build_generate_requests(state: ServerState, obj: GenerateReqInput) -> tuple[
     starts = _per_item(obj.logprob_start_len, n, "logprob_start_len", -1)
     tops = _per_item(obj.top_logprobs_num, n, "top_logprobs_num", 0)
     prios = _per_item(obj.priority, n, "priority", None)
+    parsed = [_sampling_params(sp) for sp in sps]
+    check_sequences(sum(params.n if isinstance(params.n, int) else 1 for params, _ in parsed), "text")
     reqs: list[Req] = []
     interval = None
     for i, p in enumerate(prompts):
-        params, iv = _sampling_params(sps[i])
+        params, iv = parsed[i]
         interval = iv if iv is not None else interval
-        token_ids = engine.tokenize(None if is_ids else p, p if is_ids else None)
+        token_ids = state.tokenize(None if is_ids else p, p if is_ids else None, "text")
         token_ids = state.fit_prompt(token_ids)
         rid = rids[i]
         if rid is not None and (engine.has_request(rid) or any(r.rid == rid for r in reqs)):
@@ -294,8 +301,10 @@ async def generate(request: Request) -> Response:
 
 # ---------------------------------------------------------------------------- other native endpoints
 async def health(request: Request) -> Response:
+    """200 while serving; 503 before the warm-up, while draining and once the engine has failed
+    (a watchdog trip), so a load balancer stops sending requests. Never waits on the engine."""
     state = state_of(request)
-    ok = state.ready and not state.shutting_down
+    ok = state.ready and not state.shutting_down and state.healthy
     replicas = getattr(state.engine, "replica_loads", None)
     if replicas is not None:  # --dp-size > 1: which replicas serve (a dead one is out of rotation, with why)
         keys = ("dp_rank", "alive", "pid", "error")
@@ -306,7 +315,7 @@ async def health(request: Request) -> Response:
 
 async def health_generate(request: Request) -> Response:
     state = state_of(request)
-    if not state.ready or state.shutting_down:
+    if not state.ready or state.shutting_down or not state.healthy:
         return Response(status_code=503)
     ok = await run_internal_generate(state, "HEALTH_CHECK_", max_new_tokens=1, timeout=HEALTH_GENERATE_TIMEOUT_S)
     return Response(status_code=200 if ok else 503)
