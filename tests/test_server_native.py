@@ -522,10 +522,18 @@ def _parse(*argv: str):
     return build_parser().parse_args(["serve", *argv])
 
 
+def test_parallel_flags_parse_with_sglangs_spellings() -> None:
+    ns = _parse("--tp", "2", "--dp", "2", "--load-balance-method", "prefix", "--nnodes", "2", "--node-rank", "1",
+                "--dist-init-addr", "10.0.0.1:5000")  # --tp / --dp: SGLang's documented abbreviations
+    assert (ns.tp_size, ns.dp_size, ns.load_balance_method, ns.nnodes, ns.node_rank, ns.dist_init_addr) == (
+        2, 2, "prefix", 2, 1, "10.0.0.1:5000")
+    assert _parse("--tensor-parallel-size", "4").tp_size == 4 and _parse("--data-parallel-size", "3").dp_size == 3
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--schedule-conservativeness", "0"], "--schedule-conservativeness must be > 0"),
-    (["--tp-size", "2"], "--tp-size 2 is not supported yet"),
-    (["--dp", "2"], "--dp-size 2 is not supported yet"),  # SGLang's documented abbreviation
+    (["--pp-size", "2"], "--pp-size 2 is not supported yet"),
+    (["--ep", "2"], "--ep-size 2 is not supported yet"),
     (["--enable-lora"], "--enable-lora is not supported yet"),
     (["--speculative-algorithm", "EAGLE"], "--speculative-algorithm EAGLE is not supported yet"),
 ])

@@ -8,28 +8,30 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import threading
 import time
-import uuid
-from typing import Any, AsyncIterator, Callable, Iterator
+from typing import Any, Callable
 
 import attrs
 import structlog
 import torch
 
+from core.engine.collectives import KVSpec
 from core.engine.device import pick_device
-from core.engine.config import EngineArgs, engine_args_from_kwargs
-from core.errors import CoreError, InvalidRequest, ModelLoadError, UnknownNameError
-from core.interfaces import AttentionConfig, ModelContext
+from core.engine.distributed import RankFailure, start_tensor_parallel
+from core.engine.config import EngineArgs
+from core.errors import CoreError, InvalidRequest, ModelLoadError, Unavailable
+from core.interfaces import AttentionConfig
+from core.layers import local_heads
+from core.engine.frontend import RequestFrontEnd
 from core.engine.kv_cache import PageAllocator, ReqToTokenTable, allocate_kv_cache, kv_bytes_per_token, kv_cache_dtype
-from core.engine.loader import ModelConfig, build_quant_method, checkpoint_weights, finish_loading, load_model_config
+from core.engine.loader import ModelConfig, load_model_config
 from core.engine.grammar import GrammarManager
+from core.engine.model_build import build_model
 from core.engine.model_runner import ModelRunner
 from core.plugins import PluginManager, load_plugins
 from core.engine.radix_cache import RadixCache
 from core.engine.request import Req
 from core.engine.sampler import Sampler
-from core.engine.sampling_params import SamplingParams
 from core.engine.scheduler import ScheduledBatch, Scheduler
 
 log = structlog.get_logger("core.engine")
@@ -37,7 +39,7 @@ log = structlog.get_logger("core.engine")
 DEFAULT_CPU_CHUNKED_PREFILL_SIZE = 2048
 
 
-class AsyncEngine:
+class AsyncEngine(RequestFrontEnd):
     """Owns the model, the KV pool and the scheduler; requests go in with ``make_requests`` +
     ``submit`` (or ``generate``) and come out through ``stream``. Every method but the forward
     runs on the caller's event loop; servers ask it about load (``num_waiting``, ``has_work``,
@@ -54,11 +56,24 @@ class AsyncEngine:
         )
         mc = self.model_config
         self.tokenizer = None if args.skip_tokenizer_init else self._load_tokenizer()
-        self.model = self._load_model()
-        self.vocab_size = mc.hf_config.vocab_size
-        self._build_kv_pool()
+        self.fatal_error: str | None = None  # set once when a tensor-parallel rank fails: the engine has stopped
+        self.fatal_listeners: list[Callable[[str], None]] = []  # called on the loop thread with the message
+        self._loop_ref: asyncio.AbstractEventLoop | None = None
+        self._stopped = False
+        self.tp_group = start_tensor_parallel(args, self.device)  # None unless --tp-size > 1
+        try:
+            self.model = self.tp_group.load(self._load_model) if self.tp_group else self._load_model()
+            self.vocab_size = mc.hf_config.vocab_size
+            self._build_kv_pool()
+        except BaseException:
+            if self.tp_group is not None:
+                self.tp_group.stop()
+            raise
         self.sampler = Sampler(self.vocab_size, self.device, seed=args.random_seed or 0)
         self.runner = ModelRunner(self.model, self.attn_backend, self.table, self.sampler, mc.eos_ids, self.device)
+        if self.tp_group is not None:
+            self.runner.tp = self.tp_group
+            self.tp_group.on_failure = self._on_rank_failure
         self.grammar = GrammarManager(self.plugins, args.grammar_backend, self.tokenizer, self.vocab_size, mc.eos_ids)
         self.runner.grammar = self.grammar
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="core-forward")
@@ -81,31 +96,15 @@ class AsyncEngine:
             raise ModelLoadError(f"cannot load tokenizer from {path}: {e}") from e
 
     def _load_model(self, mc: ModelConfig | None = None, load_format: str | None = None) -> torch.nn.Module:
-        mc = mc or self.model_config
-        try:
-            factory = self.plugins.resolve("model", mc.architecture)
-        except UnknownNameError as e:
-            raise ModelLoadError(f"architecture {mc.architecture!r} is not supported: {e}") from None
-        load_format = load_format or self.args.load_format
-        quant = build_quant_method(self.plugins, self.args.quantization, getattr(self.args, "torchao_config", None), mc,
-                                   self.device, load_format)
-        with torch.device(self.device):
-            model = factory(mc.hf_config, ModelContext(mc.dtype, self.device, quant))
-        for name, p in model.named_parameters():
-            if p.dtype.is_floating_point and p.dtype != mc.dtype and not getattr(p, "keep_dtype", False):
-                p.data = p.data.to(mc.dtype)
-        if load_format == "dummy":
-            _init_dummy_weights(model, self.args.random_seed or 0)
-        else:
-            model.load_weights(checkpoint_weights(mc, model, quant))
-        finish_loading(model, quant)
-        return model.eval()
+        return build_model(self.plugins, self.args, mc or self.model_config, self.device, load_format)
 
     def _build_kv_pool(self) -> None:
         args, mc, cfg = self.args, self.model_config, self.model_config.hf_config
         heads = cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        if self.tp_group is not None:  # this rank's heads: the KV pool is sharded like the model
+            heads, kv_heads = local_heads(heads, kv_heads, self.tp_group.tp)
         kv_dtype = kv_cache_dtype(args.kv_cache_dtype, mc.dtype)
         per_token = kv_bytes_per_token(cfg.num_hidden_layers, kv_heads, head_dim, kv_dtype)
         if args.max_total_tokens:
@@ -163,6 +162,8 @@ class AsyncEngine:
         self.attn_backend = self.plugins.resolve("attention_backend", backend_name)(
             AttentionConfig(cfg.num_hidden_layers, heads, kv_heads, head_dim, mc.dtype, self.device, self.kv_cache)
         )
+        if self.tp_group is not None:
+            self.tp_group.setup_kv(KVSpec(num_pages, ps, kv_dtype, backend_name))
         log.info("engine.ready", model=mc.source, architecture=mc.architecture, dtype=str(mc.dtype), device=str(self.device),
                  kv_tokens=self.max_total_tokens, page_size=ps, max_running_requests=max_running,
                  radix_cache=self.tree_cache is not None, chunked_prefill_size=self.chunked_prefill_size,
@@ -170,67 +171,6 @@ class AsyncEngine:
                  attention_backend=backend_name, threads=torch.get_num_threads())
 
     # ------------------------------------------------------------------ requests
-    def tokenize(self, prompt: str | None, input_ids: list[int] | None) -> list[int]:
-        if input_ids is not None:
-            if not isinstance(input_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in input_ids):
-                raise InvalidRequest("input_ids must be a list of integers", param="input_ids")
-            bad = [t for t in input_ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise InvalidRequest(f"input_ids contains token id {bad[0]} outside the vocabulary [0, {self.vocab_size})", param="input_ids")
-            return list(input_ids)
-        if not isinstance(prompt, str):
-            raise InvalidRequest("either a text prompt or input_ids is required", param="text")
-        if self.tokenizer is None:
-            raise InvalidRequest("the tokenizer is disabled (--skip-tokenizer-init): send input_ids", param="text")
-        return self.tokenizer.encode(prompt, add_special_tokens=True)
-
-    def make_requests(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None,
-                      return_logprob: bool = False, logprob_start_len: int = -1, top_logprobs_num: int = 0,
-                      priority: int | None = None) -> list[Req]:
-        """Validate and build the sequences of one prompt (n of them); raises InvalidRequest."""
-        params.validate(self.vocab_size)
-        if (c := params.constraint()) is not None and not self.grammar.enabled:
-            raise InvalidRequest(f"{c[0]} constraints need a grammar backend, but the server runs with --grammar-backend none"
-                                 if self.tokenizer is not None else f"{c[0]} constraints need the tokenizer", param=c[0])
-        if not prompt_ids:
-            raise InvalidRequest("the prompt is empty", param="prompt")
-        ctx = self.model_config.context_len
-        if len(prompt_ids) >= ctx:
-            raise InvalidRequest(f"the prompt has {len(prompt_ids)} tokens, but the context length is {ctx}", param="prompt")
-        if not isinstance(top_logprobs_num, int) or not 0 <= top_logprobs_num <= 20:
-            raise InvalidRequest("top_logprobs_num must be an integer in [0, 20]", param="top_logprobs_num")
-        if priority is not None and (not isinstance(priority, int) or isinstance(priority, bool)):
-            raise InvalidRequest("priority must be an integer", param="priority")
-        if not isinstance(logprob_start_len, int) or not -1 <= logprob_start_len < len(prompt_ids):
-            raise InvalidRequest(f"logprob_start_len must be -1 or in [0, {len(prompt_ids)})", param="logprob_start_len")
-        params = SamplingParams(**{**_asdict(params), "max_new_tokens": min(params.max_new_tokens, ctx - len(prompt_ids))})
-        if self.allocator.pages_for(len(prompt_ids) + params.max_new_tokens) > self.allocator.capacity:
-            raise InvalidRequest(
-                f"the request needs {len(prompt_ids) + params.max_new_tokens} tokens of KV cache but the pool holds "
-                f"{self.max_total_tokens}; lower max_new_tokens or raise --max-total-tokens", param="max_new_tokens")
-        rid = rid or uuid.uuid4().hex
-        reqs = []
-        for i in range(params.n):
-            seed = None if params.seed is None else params.seed + i
-            gen = None if seed is None else torch.Generator().manual_seed(seed)
-            detok = None
-            if self.tokenizer is not None:
-                from core.engine.detokenizer import IncrementalDetokenizer
-
-                detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens,
-                                               spaces_between_special_tokens=params.spaces_between_special_tokens,
-                                               stop=params.stop, no_stop_trim=params.no_stop_trim)
-            reqs.append(Req(rid if params.n == 1 else f"{rid}-{i}", prompt_ids, params, return_logprob, top_logprobs_num,
-                            logprob_start_len, gen, detok, asyncio.Queue(), priority=priority))
-        return reqs
-
-    async def prepare_grammars(self, reqs: list[Req]) -> None:
-        """Compile (off the loop, cached) and attach each constrained request's matcher;
-        raises InvalidRequest with the backend's message for an invalid spec."""
-        for r in reqs:
-            if r.constraint is not None and r.grammar is None:
-                r.grammar = await self.grammar.compile(*r.constraint)
-
     def submit(self, reqs: list[Req]) -> None:
         self._ensure_running()
         if any(r.grammar is None and r.constraint is not None for r in reqs):
@@ -318,101 +258,11 @@ class AsyncEngine:
             "cache_hit_rate": tree.hit_rate if tree is not None else 0.0,
         }
 
-    async def stream(self, req: Req) -> AsyncIterator[dict]:
-        """Yield the request's cumulative output after each step until it finishes;
-        an abandoned consumer (cancelled task, closed generator) aborts the request."""
-        try:
-            while True:
-                await req.queue.get()
-                while not req.queue.empty():  # coalesce steps the consumer fell behind on
-                    req.queue.get_nowait()
-                done = req.finished  # read before yielding: it may finish while the consumer is away
-                yield self.output(req)
-                if done:
-                    return
-        finally:
-            if not req.finished:
-                self.abort(req.rid)
-
-    @staticmethod
-    def output(req: Req) -> dict:
-        return {"text": req.text, "output_ids": list(req.output_ids), "meta_info": req.meta_info()}
-
-    async def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
-                       input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool = False,
-                       logprob_start_len: int = -1, top_logprobs_num: int = 0, stream: bool = False,
-                       rid: str | None = None) -> Any:
-        """SGLang's generate: one prompt -> dict (a list when n > 1); a batch -> list.
-        With ``stream`` an async iterator of cumulative outputs (batch chunks carry ``index``)."""
-        batch = isinstance(prompt, list) or (isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], list))
-        prompts: list = (prompt if isinstance(prompt, list) else input_ids) if batch else [input_ids if input_ids is not None else prompt]
-        is_ids = input_ids is not None
-        sps = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
-        if len(sps) != len(prompts):
-            raise InvalidRequest("sampling_params list must match the number of prompts", param="sampling_params")
-        groups = []
-        for i, (p, sp) in enumerate(zip(prompts, sps)):
-            params = sp if isinstance(sp, SamplingParams) else SamplingParams.from_dict(sp)
-            ids = self.tokenize(None if is_ids else p, p if is_ids else None)
-            groups.append(self.make_requests(ids, params, None if rid is None else (rid if not batch else f"{rid}-{i}"),
-                                             return_logprob, logprob_start_len, top_logprobs_num))
-        reqs = [r for g in groups for r in g]
-        await self.prepare_grammars(reqs)
-        self.submit(reqs)
-        if stream:
-            return self._stream_many(reqs)
-        try:
-            await asyncio.gather(*(self.drain(r) for r in reqs))
-        finally:
-            for r in reqs:
-                if not r.finished:
-                    self.abort(r.rid)
-        outs = [self.output(r) for r in reqs]
-        return outs if batch or len(outs) > 1 else outs[0]
-
-    async def drain(self, req: Req) -> None:
-        """Wait until the request finishes (aborting it if the wait is cancelled)."""
-        async for _ in self.stream(req):
-            pass
-
-    async def _stream_many(self, reqs: list[Req]) -> AsyncIterator[dict]:
-        async for i, out in self.stream_many(reqs):
-            yield out if len(reqs) == 1 else {**out, "index": i}
-
-    async def stream_many(self, reqs: list[Req]) -> AsyncIterator[tuple[int, dict]]:
-        """(index, cumulative output) as each request advances, until all finish;
-        closing the iterator early aborts the unfinished ones."""
-        if len(reqs) == 1:
-            async for out in self.stream(reqs[0]):
-                yield 0, out
-            return
-        merged: asyncio.Queue = asyncio.Queue()
-
-        async def pump(i: int, r: Req) -> None:
-            try:
-                async for out in self.stream(r):
-                    merged.put_nowait((i, out))
-            finally:
-                merged.put_nowait((i, None))
-
-        tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(reqs)]
-        try:
-            left = len(tasks)
-            while left:
-                i, out = await merged.get()
-                if out is None:
-                    left -= 1
-                else:
-                    yield i, out
-        finally:
-            for t in tasks:
-                t.cancel()
-            for r in reqs:
-                if not r.finished:
-                    self.abort(r.rid)
-
     # ------------------------------------------------------------------ scheduler loop
     def _ensure_running(self) -> None:
+        if self.fatal_error is not None:
+            raise Unavailable(f"the engine has stopped: {self.fatal_error}")
+        self._loop_ref = asyncio.get_running_loop()
         if self._task is None or self._task.done():
             self._wake = asyncio.Event()
             self._task = asyncio.get_running_loop().create_task(self._loop())
@@ -431,6 +281,9 @@ class AsyncEngine:
             t0 = time.perf_counter()
             try:
                 result = await loop.run_in_executor(self._executor, self.runner.run, batch)
+            except RankFailure as e:  # tensor parallelism: the ranks cannot step together any more
+                self._fatal(str(e))
+                return
             except Exception as e:  # a failing forward fails its batch, not the engine
                 log.exception("engine.forward_failed", rids=[r.rid for r in batch.reqs])
                 self.scheduler.fail(batch.reqs, f"internal error: {type(e).__name__}: {e}")
@@ -443,6 +296,32 @@ class AsyncEngine:
                 req.queue.put_nowait(True)
                 if req.finished:
                     self._finished(req, notify=False)
+
+    def _on_rank_failure(self, message: str) -> None:
+        """The tensor-parallel group failed (called from its watcher or the forward thread)."""
+        loop = self._loop_ref
+        if loop is None or loop.is_closed():
+            self.fatal_error = self.fatal_error or message  # nothing running: the next submit raises
+        else:
+            loop.call_soon_threadsafe(self._fatal, message)
+
+    def _fatal(self, message: str) -> None:
+        """Stop for good: fail every queued and running request with ``message``, tell the
+        ``fatal_listeners`` (``core serve`` exits non-zero). Runs on the loop thread."""
+        if self._stopped:
+            return
+        self._stopped, self.fatal_error = True, message
+        log.error("engine.stopped", error=message)
+        task, self._task = self._task, None
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
+        pending = [*self.scheduler.waiting, *self.scheduler.running]
+        self.scheduler.waiting.clear()
+        self.scheduler.fail(pending, message)
+        for req in pending:
+            self._finished(req)
+        for listener in self.fatal_listeners:
+            listener(message)
 
     def _finished(self, req: Req, notify: bool = True) -> None:
         if notify:
@@ -514,7 +393,9 @@ class AsyncEngine:
             return False, f"Failed to update weights: the new config differs in {', '.join(diff)}"
         new = attrs.evolve(new, context_len=old.context_len, served_name=old.served_name, dtype=old.dtype)
         try:
-            model = self._load_model(new, "auto")  # a fresh module: a failure half-way leaves the served one intact
+            # a fresh module: a failure half-way leaves the served one intact (on every rank)
+            load = lambda: self._load_model(new, "auto")  # noqa: E731
+            model = load() if self.tp_group is None else self.tp_group.reload(model_path, load)
         except Exception as e:
             log.warning("engine.update_weights_failed", model_path=model_path, error=str(e))
             return False, f"Failed to update weights: {type(e).__name__}: {e}"
@@ -538,6 +419,8 @@ class AsyncEngine:
         for req in pending:
             self._finished(req)
         self._executor.shutdown(wait=True)
+        if self.tp_group is not None:
+            self.tp_group.stop()
         self.grammar.shutdown()
         self.plugins.pm.hook.on_shutdown(engine=self)
 
@@ -571,20 +454,3 @@ def _pooling_config(path) -> tuple[str, bool]:
             elif cfg.get("pooling_mode_lasttoken"):
                 pooling = "last"
     return pooling, normalize
-
-
-def _init_dummy_weights(model: torch.nn.Module, seed: int, low: float = -1e-3, high: float = 1e-3) -> None:
-    """``--load-format dummy``: every parameter uniform in [low, high] (SGLang's dummy
-    loader), so a model shape runs from its config.json alone, e.g. for benchmarks."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    for p in model.parameters():
-        if p.dtype.is_floating_point:
-            p.data.copy_(torch.rand(p.shape, generator=gen, dtype=torch.float32).mul_(high - low).add_(low).to(p.dtype))
-        else:
-            p.data.zero_()
-
-
-def _asdict(params: SamplingParams) -> dict:
-    import attrs
-
-    return attrs.asdict(params, recurse=False)

@@ -27,11 +27,13 @@ FLAG = "core.flag"  # attrs metadata key
 MODEL = "Model and tokenizer"
 MEMORY = "Memory and scheduling"
 BACKENDS = "Kernel backends and plugins"
+PARALLEL = "Parallelism and multi-node serving"
 LOGGING = "Logging"
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "prefix")  # core.engine.dp_router
 
 
 @attrs.frozen
@@ -109,6 +111,20 @@ class EngineArgs:
     plugins: str | list[str] | None = _arg(None, BACKENDS, "comma-separated plugins to load "
                                                            "(default: $CORE_PLUGINS or all installed)")
     strict_plugins: bool = _arg(False, BACKENDS, "a plugin that fails to load stops start-up")
+    # ---- parallelism (core.engine.distributed, core.engine.data_parallel)
+    tp_size: int = _arg(1, PARALLEL, "tensor parallelism: ranks (processes) the model's heads and features are split "
+                                     "over", aliases=("--tensor-parallel-size",))
+    dp_size: int = _arg(1, PARALLEL, "data parallelism: engine replicas (processes, each --tp-size ranks) behind one "
+                                     "front end", aliases=("--data-parallel-size",))
+    load_balance_method: str = _arg("round_robin", PARALLEL, "how --dp-size replicas share requests (prefix: to the "
+                                                             "replica that served the longest shared prompt prefix)",
+                                    choices=LOAD_BALANCE_METHODS)
+    dist_init_addr: str | None = _arg(None, PARALLEL, "HOST:PORT where the tensor-parallel ranks meet (rank 0 listens; "
+                                                      "default: a free local port; required with --nnodes > 1)")
+    nnodes: int = _arg(1, PARALLEL, "machines the tensor-parallel ranks span (--tp-size / --nnodes ranks each)")
+    node_rank: int = _arg(0, PARALLEL, "this machine's index among --nnodes (0 serves HTTP, the others only run ranks)")
+    dist_timeout: float | None = _arg(None, PARALLEL, "seconds a collective or the ranks' rendezvous may wait before "
+                                                      "the engine fails its requests and stops (default 300)")
     # ---- logging
     log_level: str = _arg("info", LOGGING, None, choices=LOG_LEVELS)
     # plugin-defined options (their flags come from the add_cli_options hook); no flag of its own
@@ -164,7 +180,7 @@ def engine_args_from_namespace(ns: argparse.Namespace, plugin_dests: Sequence[st
 
 # SGLang server flags whose features this engine does not have yet: passing one is an error, never silently ignored.
 UNSUPPORTED_SGLANG_ARGS = (
-    "tp_size", "dp_size", "pp_size", "ep_size", "enable_lora", "lora_paths", "speculative_algorithm",
+    "pp_size", "ep_size", "enable_lora", "lora_paths", "speculative_algorithm",
     "disaggregation_mode", "enable_dp_attention", "cuda_graph_max_bs", "enable_torch_compile",
 )
 

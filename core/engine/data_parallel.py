@@ -54,6 +54,7 @@ class Replica:
     inflight: dict[str, Req] = attrs.field(factory=dict)  # rid -> unfinished request it runs
     alive: bool = True
     error: str | None = None  # why it is out of rotation
+    routed: int = 0  # requests sent to it so far
 
 
 @attrs.define
@@ -150,6 +151,7 @@ class DataParallelEngine(RequestFrontEnd):
         for req in reqs:
             i = self.router.pick(req.prompt_ids, [len(r.inflight) for r in self.replicas])
             self.replicas[i].inflight[req.rid] = req
+            self.replicas[i].routed += 1
             spec = ReqSpec(req.rid, req.prompt_ids, attrs.evolve(req.params, n=1, seed=_copy_seed(req)),
                            req.return_logprob, req.logprob_start_len, req.top_logprobs_num, req.priority)
             batches.setdefault(i, []).append(spec)
@@ -190,6 +192,11 @@ class DataParallelEngine(RequestFrontEnd):
         return True
 
     # ------------------------------------------------------------------ load queries
+    @property
+    def healthy(self) -> bool:
+        """False once no replica is left (``fatal_error`` says so); a dead replica alone is not fatal."""
+        return self.fatal_error is None
+
     def _live(self) -> list[Replica]:
         return [r for r in self.replicas if r.alive]
 
@@ -218,10 +225,11 @@ class DataParallelEngine(RequestFrontEnd):
         return total
 
     def replica_loads(self) -> list[dict[str, Any]]:
-        """Each replica's latest load report, with ``dp_rank``, ``alive`` and, for a dead one, ``error``."""
+        """Each replica's latest load report, with ``dp_rank``, ``alive``, ``pid``, ``routed_requests``
+        (sent to it so far) and, for a dead one, ``error``."""
         out = []
         for r in self.replicas:
-            item = {"dp_rank": r.index, "alive": r.alive, **r.load}
+            item = {"dp_rank": r.index, "alive": r.alive, "pid": r.info.get("pid"), "routed_requests": r.routed, **r.load}
             if r.error:
                 item["error"] = r.error
             out.append(item)

@@ -7,6 +7,10 @@ asked for prompt logprobs.
 
 from __future__ import annotations
 
+import itertools
+from typing import Any
+
+import attrs
 import torch
 
 from core.interfaces import ForwardBatch
@@ -15,40 +19,88 @@ from core.engine.sampler import SampleOutput, Sampler, SamplingRow
 from core.engine.scheduler import ScheduledBatch, StepResult
 
 
+@attrs.define
+class StepInputs:
+    """What one forward needs beyond the weights and the KV pool, as plain data: what rank 0
+    broadcasts to the other tensor-parallel ranks each step (``core.engine.distributed``), so
+    that every rank runs the same forward and the same ``compute_logits`` calls."""
+
+    input_ids: list[int]
+    positions: list[int] | torch.Tensor  # [T]
+    out_cache_loc: list[int] | torch.Tensor  # [T]
+    seq_lens: list[int]
+    extend_lens: list[int]
+    kv_indices: torch.Tensor  # [B, max(seq_lens)]
+    logit_rows: list[Any]  # per compute_logits call, in order: a list of hidden-state rows or a (start, stop) range
+
+
+def forward_step(model: torch.nn.Module, attn_backend, inputs: StepInputs, device: torch.device
+                 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The model forward over ``inputs`` and one ``compute_logits`` per entry of ``logit_rows``:
+    (hidden states, logits). The same on every tensor-parallel rank (their collectives pair up)."""
+    fb = ForwardBatch(
+        input_ids=torch.tensor(inputs.input_ids, dtype=torch.int64, device=device),
+        positions=torch.as_tensor(inputs.positions, dtype=torch.int64, device=device),
+        out_cache_loc=torch.as_tensor(inputs.out_cache_loc, dtype=torch.int64, device=device),
+        seq_lens=torch.tensor(inputs.seq_lens, device=device),
+        extend_lens=torch.tensor(inputs.extend_lens, device=device),
+        kv_indices=inputs.kv_indices.to(device),
+        seq_lens_cpu=inputs.seq_lens,
+        extend_lens_cpu=inputs.extend_lens,
+        attn_backend=attn_backend,
+    )
+    attn_backend.prepare(fb)
+    hidden = model(fb)
+    logits = []
+    for rows in inputs.logit_rows:
+        sel = hidden[rows[0] : rows[1]] if isinstance(rows, tuple) else hidden[torch.tensor(rows, device=device)]
+        logits.append(model.compute_logits(sel))
+    return hidden, logits
+
+
 class ModelRunner:
     grammar = None  # core.engine.grammar.GrammarManager, set by the engine
+    tp = None  # core.engine.distributed.TensorParallelGroup on rank 0 of a --tp-size > 1 engine, set by the engine
+
     def __init__(self, model: torch.nn.Module, attn_backend, table: ReqToTokenTable, sampler: Sampler,
                  eos_ids: tuple[int, ...], device: torch.device) -> None:
         self.model, self.attn_backend, self.table = model, attn_backend, table
         self.sampler, self.eos_ids, self.device = sampler, eos_ids, device
 
+    def step_inputs(self, batch: ScheduledBatch) -> tuple[StepInputs, list[int], dict[int, int]]:
+        """(the forward's inputs, the batch indices that sample a token, batch index -> position
+        in ``logit_rows`` of its prompt-logprob rows, -1 when it has none to compute)."""
+        reqs, table = batch.reqs, self.table.table
+        seq_lens = [r.kv_len for r in reqs]
+        rows = torch.tensor([r.row for r in reqs], device=table.device)
+        ends = [n - 1 for n in itertools.accumulate(batch.extend_lens)]
+        live = [i for i, r in enumerate(reqs) if r.kv_len >= r.seq_len]  # a non-final prefill chunk samples nothing
+        logit_rows: list[Any] = [[ends[i] for i in live]] if live else []
+        prompt_rows: dict[int, int] = {}
+        if batch.is_prefill:
+            for i, r in enumerate(reqs):
+                # only a prefill from position 0 (prompt-logprob requests never use a cached prefix or chunks)
+                if r.return_logprob and r.logprob_start_len >= 0 and r.kv_len == batch.extend_lens[i]:
+                    start, first, n = ends[i] - batch.extend_lens[i] + 1, max(r.logprob_start_len, 1), len(r.prompt_ids)
+                    prompt_rows[i] = len(logit_rows) if first < n else -1
+                    if first < n:
+                        logit_rows.append((start + first - 1, start + n - 1))
+        inputs = StepInputs(batch.input_ids, batch.positions, batch.out_cache_loc, seq_lens, batch.extend_lens,
+                            table[rows, : max(seq_lens)], logit_rows)
+        return inputs, live, prompt_rows
+
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> StepResult:
-        dev = self.device
-        reqs = batch.reqs
-        seq_lens_cpu = [r.kv_len for r in reqs]
-        seq_lens = torch.tensor(seq_lens_cpu, device=dev)
-        rows = torch.tensor([r.row for r in reqs], device=dev)
-        fb = ForwardBatch(
-            input_ids=torch.tensor(batch.input_ids, dtype=torch.int64, device=dev),
-            positions=batch.positions.to(dev),
-            out_cache_loc=batch.out_cache_loc.to(dev),
-            seq_lens=seq_lens,
-            extend_lens=torch.tensor(batch.extend_lens, device=dev),
-            kv_indices=self.table.table[rows, : max(seq_lens_cpu)],
-            seq_lens_cpu=seq_lens_cpu,
-            extend_lens_cpu=batch.extend_lens,
-            attn_backend=self.attn_backend,
-        )
-        self.attn_backend.prepare(fb)
-        hidden = self.model(fb)
-        ends = torch.cumsum(fb.extend_lens, 0) - 1
-        all_reqs = reqs
-        live = [i for i, r in enumerate(reqs) if r.kv_len >= r.seq_len]  # a non-final prefill chunk samples nothing
+        inputs, live, prompt_rows = self.step_inputs(batch)
+        if self.tp is not None:  # every rank runs this forward; their collectives pair up
+            hidden, all_logits = self.tp.forward(inputs, lambda: forward_step(self.model, self.attn_backend, inputs, self.device))
+        else:
+            hidden, all_logits = forward_step(self.model, self.attn_backend, inputs, self.device)
+        reqs = all_reqs = batch.reqs
         if len(live) < len(reqs):
             reqs = [reqs[i] for i in live]
         if reqs:
-            logits = self.model.compute_logits(hidden[ends if reqs is all_reqs else ends[live]])
+            logits = all_logits[0]
             rows_ = [
                 SamplingRow(r.params, r.prompt_ids, r.output_ids, r.generator, self.eos_ids, r.return_logprob, r.top_logprobs_num)
                 for r in reqs
@@ -63,23 +115,20 @@ class ModelRunner:
             result = StepResult(SampleOutput([], None, None))
         if reqs is not all_reqs:
             result.sample = _scatter(result.sample, live, len(all_reqs))
-        if batch.is_prefill:
-            starts = (ends - fb.extend_lens + 1).tolist()
-            for i, r in enumerate(all_reqs):
-                # only a prefill from position 0 (prompt-logprob requests never use a cached prefix or chunks)
-                if r.return_logprob and r.logprob_start_len >= 0 and r.kv_len == batch.extend_lens[i]:
-                    result.input_logprobs[i] = self._prompt_logprobs(hidden, starts[i], r)
+        for i, k in prompt_rows.items():
+            result.input_logprobs[i] = self._prompt_logprobs(all_logits[k] if k >= 0 else None, all_reqs[i])
         return result
 
-    def _prompt_logprobs(self, hidden: torch.Tensor, start: int, req) -> tuple[list, list]:
-        """Logprob of each prompt token from ``logprob_start_len`` given its prefix;
-        the first prompt token has none (None), as in SGLang."""
+    def _prompt_logprobs(self, logits: torch.Tensor | None, req) -> tuple[list, list]:
+        """Logprob of each prompt token from ``logprob_start_len`` given its prefix (``logits``:
+        of the positions before them; None when there are none); the first prompt token has
+        none (None), as in SGLang."""
         n = len(req.prompt_ids)
         first = max(req.logprob_start_len, 1)
         vals: list[float | None] = [None] if req.logprob_start_len == 0 else []
         tops: list[list[tuple[int, float]]] = [[]] if req.logprob_start_len == 0 else []
         if first < n:
-            lp = torch.log_softmax(self.model.compute_logits(hidden[start + first - 1 : start + n - 1]), -1)
+            lp = torch.log_softmax(logits, -1)
             targets = torch.tensor(req.prompt_ids[first:n], device=lp.device)
             vals += lp.gather(1, targets[:, None]).squeeze(1).tolist()
             if req.top_logprobs_num:

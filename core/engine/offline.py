@@ -7,8 +7,8 @@ import asyncio
 import threading
 from typing import Any, AsyncIterator, Iterator
 
-from core.engine.async_engine import AsyncEngine
 from core.engine.config import engine_args_from_kwargs
+from core.engine.data_parallel import create_engine
 
 
 class Engine:
@@ -20,7 +20,7 @@ class Engine:
         self._thread = threading.Thread(target=self._loop.run_forever, name="core-engine-loop", daemon=True)
         self._thread.start()
         try:
-            self.engine = AsyncEngine(args)
+            self.engine = create_engine(args)  # an AsyncEngine, or replicas with dp_size > 1
         except BaseException:
             self._loop.call_soon_threadsafe(self._loop.stop)
             raise

@@ -51,6 +51,7 @@ _ENGINE_GROUP_MAP = {
     "Model and tokenizer": "Model and tokenizer",
     "Memory and scheduling": "Memory and scheduling",
     "Kernel backends and plugins": "Kernel backends (attention, sampling, grammar, GEMM)",
+    "Parallelism and multi-node serving": "Runtime options",
     "Logging": "Logging",
 }
 _FLAG_SECTION = {
@@ -65,6 +66,13 @@ _FLAG_SECTION = {
     "--watchdog-timeout": "Runtime options",
     "--json-model-override-args": "Model override args",
     "--plugins": "Plugins",
+    "--tp-size": "Runtime options",
+    "--dp-size": "Data parallelism",
+    "--load-balance-method": "Data parallelism",
+    "--dist-init-addr": "Multi-node distributed serving",
+    "--nnodes": "Multi-node distributed serving",
+    "--node-rank": "Multi-node distributed serving",
+    "--dist-timeout": "Multi-node distributed serving",
     "--strict-plugins": "Plugins",
 }
 
@@ -80,11 +88,8 @@ def _off(*ok: Any) -> Callable[[Any], bool]:
 
 NOT_SUPPORTED_YET: dict[str, tuple[Callable[[Any], bool], str]] = {
     # dest: (is the value acceptable, what is supported)
-    "tp_size": (_off(1), "only 1 is supported"),
     "pp_size": (_off(1), "only 1 is supported"),
-    "dp_size": (_off(1), "only 1 is supported"),
     "ep_size": (_off(1), "only 1 is supported"),
-    "nnodes": (_off(1), "only 1 is supported"),
     "enable_dp_attention": (_off(), ""),
     "enable_lora": (_off(), ""),
     "lora_paths": (_off(), ""),
@@ -294,7 +299,6 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="requests allowed to wait for admission; more get HTTP 503 (default: unlimited)")
 
     g = s("Runtime options")
-    g.add_argument("--tensor-parallel-size", "--tp-size", dest="tp_size", type=int, default=1, help="only 1 is supported")
     g.add_argument("--pipeline-parallel-size", "--pp-size", dest="pp_size", type=int, default=1, help="only 1 is supported")
     g.add_argument("--stream-interval", type=int, default=1,
                    help="send a streaming chunk every this many tokens (default 1)")
@@ -321,12 +325,6 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="a prompt longer than the context keeps its first context-length - 1 tokens (the tail is "
                         "dropped, as SGLang does) instead of being rejected; max tokens are cut to what fits. "
                         "Same rule on /generate, /v1/completions and /v1/chat/completions")
-
-    g = s("Data parallelism")
-    g.add_argument("--data-parallel-size", "--dp-size", dest="dp_size", type=int, default=1, help="only 1 is supported")
-
-    g = s("Multi-node distributed serving")
-    g.add_argument("--nnodes", type=int, default=1, help="only 1 is supported")
 
     g = s("LoRA")
     g.add_argument("--enable-lora", action="store_true", default=None, help="not supported yet")

@@ -21,7 +21,7 @@ import structlog
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from core.errors import CoreError, InvalidRequest
+from core.errors import CoreError, InvalidRequest, Unavailable
 from core.server.limits import DEFAULT_MAX_BODY_BYTES, check_json_depth
 from core.server.state import ServerState, ServiceUnavailable
 
@@ -83,6 +83,8 @@ def api_error(exc: BaseException) -> ApiError:
         return ApiError(400, exc.message, param=exc.param)
     if isinstance(exc, ServiceUnavailable):
         return ApiError(503, str(exc), headers={"Retry-After": str(exc.retry_after)})
+    if isinstance(exc, Unavailable):  # the engine stopped: a tensor-parallel rank died, no replica is left
+        return ApiError(503, str(exc))
     if isinstance(exc, msgspec.ValidationError):
         return api_error(_validation_error(exc))
     if isinstance(exc, msgspec.DecodeError):

@@ -36,6 +36,11 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
 
 def cmd_serve(ns: argparse.Namespace) -> int:
     validate_serve_args(ns)
+    if getattr(ns, "node_rank", 0):  # another machine of a multi-node tensor-parallel group: ranks only, no HTTP
+        from core.engine.config import engine_args_from_namespace
+        from core.engine.distributed import serve_node
+
+        return serve_node(engine_args_from_namespace(ns, getattr(ns, "_plugin_dests", ())))
     return run_server(ns)
 
 
@@ -67,8 +72,8 @@ async def _serve(ns: argparse.Namespace) -> int:
     from hypercorn.asyncio import serve
     from hypercorn.config import Config
 
-    from core.engine.async_engine import AsyncEngine
     from core.engine.config import engine_args_from_namespace
+    from core.engine.data_parallel import create_engine
     from core.server.app import create_app
     from core.server.native import run_internal_generate
     from core.server.openai.batches import shutdown_batches
@@ -77,8 +82,8 @@ async def _serve(ns: argparse.Namespace) -> int:
     args = ServerArgs.from_namespace(ns)
     loop = asyncio.get_running_loop()
     _check_bind(args.host, args.port)  # fail before the model loads
-    engine = AsyncEngine(engine_args_from_namespace(ns, getattr(ns, "_plugin_dests", ())),
-                         plugins=getattr(ns, "_plugin_manager", None))
+    engine = create_engine(engine_args_from_namespace(ns, getattr(ns, "_plugin_dests", ())),
+                           plugins=getattr(ns, "_plugin_manager", None))
     state = build_state(engine, args)
     app = create_app(state)
 
@@ -108,6 +113,16 @@ async def _serve(ns: argparse.Namespace) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal, sig.name)
+
+    def on_fatal(message: str) -> None:
+        """The engine stopped for good (a tensor-parallel rank or every data-parallel replica died):
+        its requests already failed with ``message``; stop serving and exit non-zero."""
+        nonlocal exit_code
+        exit_code, state.ready = 1, False
+        log.error("server.engine_failed", error=message)
+        stop.set()
+
+    engine.fatal_listeners.append(on_fatal)
 
     async def warmup() -> None:
         nonlocal exit_code

@@ -1,0 +1,173 @@
+"""Data parallelism on CPU: the router's policies, two replicas behind the offline engine
+(round robin spreads requests and gives one engine's greedy outputs, a killed replica leaves
+the other serving), prefix-aware routing visible in ``cached_tokens``, and ``core serve
+--dp-size 2`` over HTTP (/health per replica, aggregated /metrics, /get_server_info, /v1/loads).
+
+Replicas are processes from the engine's fork server (the first start pays its imports)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import time
+
+import pytest
+
+from tests.conftest import greedy
+
+ENGINE = dict(dtype="float32", max_total_tokens=1024, cpu_threads=1, device="cpu", log_level="warning")
+SHARED = "You are a careful assistant. Answer briefly and exactly. " * 2  # 112 chars: 7 router blocks
+
+
+# --------------------------------------------------------------------------- the router
+
+
+def test_round_robin_skips_a_removed_replica():
+    from core.engine.dp_router import Router
+
+    r = Router(3, "round_robin")
+    assert [r.pick([1], [0, 0, 0]) for _ in range(4)] == [0, 1, 2, 0]
+    r.remove(1)
+    assert [r.pick([1], [0, 0, 0]) for _ in range(3)] == [2, 0, 2]
+
+
+def test_shortest_queue_takes_the_least_loaded_and_rotates_ties():
+    from core.engine.dp_router import Router
+
+    r = Router(2, "shortest_queue")
+    assert r.pick([1], [3, 1]) == 1 and r.pick([1], [0, 2]) == 0
+    assert [r.pick([1], [0, 0]) for _ in range(2)] == [1, 0]
+
+
+def test_prefix_routes_shared_prefixes_together_unless_loads_diverge():
+    from core.engine.dp_router import BALANCE_ABS, PREFIX_BLOCK, Router
+
+    r = Router(2, "prefix")
+    shared = list(range(100, 100 + 3 * PREFIX_BLOCK))
+    first = r.pick(shared + [1, 2], [0, 0])
+    assert r.pick(shared + [7, 8, 9], [1, 0]) == first  # a longer shared prefix beats the shorter queue
+    assert r.pick(list(range(500, 540)), [2, 0]) != first  # nothing in common: the shortest queue
+    assert r.pick(shared[:PREFIX_BLOCK - 1], [2, 0]) != first  # under one block: no match
+    loads = [BALANCE_ABS + 10, 0] if first == 0 else [0, BALANCE_ABS + 10]
+    assert r.pick(shared + [3], loads) != first  # too unbalanced: the shortest queue wins
+
+
+def test_unknown_method_is_refused():
+    from core.engine.dp_router import Router
+    from core.errors import CoreError
+
+    with pytest.raises(CoreError, match="--load-balance-method 'random' is not one of round_robin"):
+        Router(2, "random")
+
+
+# --------------------------------------------------------------------------- two replicas, offline engine
+
+
+@pytest.fixture(scope="module")
+def model_path(tiny_llama):
+    return tiny_llama("gqa")[0]
+
+
+def _routed(eng) -> list[int]:
+    return [r["routed_requests"] for r in eng.engine.replica_loads()]
+
+
+def test_round_robin_spreads_and_matches_one_engine(model_path):
+    import core
+
+    prompts = ["The capital of France", "abc def", "Hello there", "1, 2, 3,"]
+    with core.Engine(model_path=str(model_path), **ENGINE) as one:
+        want = one.generate(prompts, greedy(6))
+    with core.Engine(model_path=str(model_path), **ENGINE, dp_size=2) as eng:
+        got = eng.generate(prompts, greedy(6))
+        assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
+        assert [o["text"] for o in got] == [o["text"] for o in want]
+        assert _routed(eng) == [2, 2]
+        chunks = list(eng.generate(prompts[0], greedy(6), stream=True))  # streaming through a replica
+        assert chunks[-1]["text"] == want[0]["text"] and len(chunks) > 1
+        # round robin ignores prefixes: the same prompt twice lands on both replicas, the second uncached
+        a = eng.generate(SHARED + "one", greedy(2))
+        b = eng.generate(SHARED + "two", greedy(2))
+        assert a["meta_info"]["cached_tokens"] == 0 and b["meta_info"]["cached_tokens"] == 0
+        load = eng.engine.load()
+        assert load["max_total_num_tokens"] == 2 * eng.engine.max_total_tokens and load["num_running_reqs"] == 0
+        ok, msg = eng._call(eng.engine.update_weights_from_disk(str(model_path)))  # every replica reloads
+        assert ok, msg
+        assert eng.generate(prompts[1], greedy(6))["output_ids"] == want[1]["output_ids"]
+
+
+def test_prefix_aware_routing_reuses_one_replicas_cache(model_path):
+    import core
+
+    with core.Engine(model_path=str(model_path), **ENGINE, dp_size=2, load_balance_method="prefix") as eng:
+        outs = [eng.generate(SHARED + tail, greedy(2)) for tail in ("one", "two", "three")]
+        cached = [o["meta_info"]["cached_tokens"] for o in outs]
+        assert cached[0] == 0 and all(c >= len(SHARED) - 1 for c in cached[1:]), cached
+        assert sorted(_routed(eng)) == [0, 3]
+        eng.generate("zzz unrelated", greedy(2))  # no shared block: the idle replica
+        assert sorted(_routed(eng)) == [1, 3]
+
+
+def test_killed_replica_fails_its_requests_and_the_other_keeps_serving(model_path):
+    import core
+
+    with core.Engine(model_path=str(model_path), **ENGINE, dp_size=2) as eng:
+        fe = eng.engine
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(eng.generate, [f"story {i}:" for i in range(4)], greedy(150))
+            deadline = time.monotonic() + 30
+            while not all(r.inflight for r in fe.replicas):
+                assert time.monotonic() < deadline and not fut.done()
+                time.sleep(0.005)
+            victim = fe.replicas[1]
+            os.kill(victim.process.pid, signal.SIGKILL)
+            outs = fut.result(timeout=30)
+        reasons = [o["meta_info"]["finish_reason"] for o in outs]
+        assert [r["type"] for r in reasons] == ["length", "abort", "length", "abort"], reasons
+        assert "data-parallel replica 1 died (exit code -9)" in reasons[1]["message"]
+        assert all(len(o["output_ids"]) == 150 for o in outs[::2])
+        loads = fe.replica_loads()
+        assert [r["alive"] for r in loads] == [True, False] and "died" in loads[1]["error"]
+        again = eng.generate(["after 1", "after 2"], greedy(3))
+        assert all(len(o["output_ids"]) == 3 for o in again)
+        assert _routed(eng)[0] == 4 and fe.fatal_error is None
+
+
+# --------------------------------------------------------------------------- core serve --dp-size 2
+
+
+def test_server_aggregates_replicas_and_survives_one_dying(model_path):
+    import httpx
+
+    from tests.server_utils import launch, stop
+
+    server = launch("--model-path", str(model_path), "--dtype", "float32", "--dp-size", "2", "--enable-metrics",
+                    "--load-balance-method", "shortest_queue")
+    url = server.base_url
+
+    def generate(n: int) -> None:
+        with concurrent.futures.ThreadPoolExecutor(n) as pool:
+            rs = list(pool.map(lambda i: httpx.post(url + "/generate", json={
+                "text": f"prompt {i}", "sampling_params": {"temperature": 0, "max_new_tokens": 4}}, timeout=60), range(n)))
+        assert all(r.status_code == 200 and len(r.json()["output_ids"]) == 4 for r in rs), [r.text for r in rs]
+
+    try:
+        health = httpx.get(url + "/health")
+        assert health.status_code == 200 and [r["alive"] for r in health.json()["dp_replicas"]] == [True, True]
+        generate(4)
+        metrics = httpx.get(url + "/metrics").text
+        assert any(line.startswith("sglang:num_requests_total") and line.endswith(" 4.0") for line in metrics.splitlines())
+        info = httpx.get(url + "/get_server_info").json()
+        assert [s["dp_rank"] for s in info["internal_states"]] == [0, 1] and info["dp_size"] == 2
+        loads = httpx.get(url + "/v1/loads").json()
+        assert len(loads["loads"]) == 2 and loads["aggregate"]["max_total_num_tokens"] == 2 * 16384
+        os.kill(health.json()["dp_replicas"][1]["pid"], signal.SIGKILL)
+        deadline = time.monotonic() + 20
+        while (h := httpx.get(url + "/health")).json()["dp_replicas"][1]["alive"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert h.status_code == 200 and "died" in h.json()["dp_replicas"][1]["error"]
+        generate(3)
+    finally:
+        stop(server)
