@@ -140,8 +140,9 @@ def choose_attention_backend(device: Any, model_config: Any, available: list[str
     backend name, or ``(name, reason)`` to say why in the start-up log and in
     ``core plugins``; return ``None`` to let the next plugin answer. The first answer
     wins: plugins are asked in pluggy's order (the most recently loaded first), and
-    the built-in policy (flashinfer on CUDA when it works, else triton; torch_native
-    elsewhere) is marked ``trylast``, so any installed plugin that answers comes first.
+    the built-in policy (flashinfer on CUDA when it works, else triton; cpu on CPU when
+    its C++ kernel builds; torch_native elsewhere) is marked ``trylast``, so any
+    installed plugin that answers comes first.
 
     Example::
 

@@ -100,7 +100,7 @@ class EngineArgs:
                                                    "every in-flight request and marks the engine failed (core serve "
                                                    "then exits non-zero for a supervisor to restart it); 0 disables")
     # ---- kernel backends and plugins
-    attention_backend: str | None = _arg(None, BACKENDS, "attention backend (default: chosen for the device by the choose_attention_backend hook: flashinfer or triton on CUDA, torch_native on CPU; `core plugins` shows the choice)")
+    attention_backend: str | None = _arg(None, BACKENDS, "attention backend (default: chosen for the device by the choose_attention_backend hook: flashinfer or triton on CUDA, cpu on CPU where its C++ kernel builds, else torch_native; `core plugins` shows the choice)")
     quantization: str | None = _arg(None, BACKENDS, "quantization method (any registered; default: the checkpoint's "
                                                     "quantization_config, gguf for a .gguf model on CPU in bf16/fp16, "
                                                     "else none)")
