@@ -50,7 +50,9 @@ class Served:
         self.client: httpx.AsyncClient = self.run(self._client())
 
     async def _client(self) -> httpx.AsyncClient:
-        return httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), base_url="http://t", timeout=120)
+        # a 500 comes back as a response (what a client sees), not as the app's exception
+        transport = httpx.ASGITransport(app=self.app, raise_app_exceptions=False)
+        return httpx.AsyncClient(transport=transport, base_url="http://t", timeout=120)
 
     def run(self, coro: Any, timeout: float = 120) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)

@@ -64,6 +64,7 @@ from core.server.http import (
 from core.server.openai.chat import chat_response, chat_stream, prepare_chat
 from core.server.openai.completions import completion_response, completion_stream, prepare_completion
 from core.server.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from core.server.openai.tools import check_tools
 
 _STARTED = int(time.time())
 
@@ -148,6 +149,7 @@ async def parse_function_call(request: Request) -> Response:
     text, tools = body.get("text"), body.get("tools") or []
     if not isinstance(text, str):
         raise InvalidRequest("text must be a string", param="text")
+    check_tools(tools)
     state = state_of(request)
     name = _parser_name(state, "tool_parser", body.get("tool_call_parser"), state.args.tool_call_parser,
                         "tool_call_parser")

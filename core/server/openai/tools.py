@@ -62,17 +62,23 @@ def check_parameters_schema(fn: dict, i: int) -> None:
                              + (f" (at {where})" if where else ""), param=f"tools[{i}].function.parameters") from None
 
 
+def check_tools(tools: Any) -> None:
+    """``tools`` is a list of ``{"type": "function", "function": {"name": str, "parameters": JSON Schema}}``;
+    a 400 naming the first bad one."""
+    _check(isinstance(tools, list), "tools must be a list", "tools")
+    for i, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        _check(isinstance(t, dict) and t.get("type", "function") == "function" and isinstance(fn, dict)
+               and isinstance(fn.get("name"), str), f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}",
+               f"tools[{i}]")
+        check_parameters_schema(fn, i)
+
+
 def tool_mode(r: Any) -> tuple[str, str | None]:
     """("none" | "auto" | "required" | "named", the named function). Validates tools / tool_choice."""
     tools, tc = r.tools, r.tool_choice
     if tools is not None:
-        _check(isinstance(tools, list), "tools must be a list", "tools")
-        for i, t in enumerate(tools):
-            fn = t.get("function") if isinstance(t, dict) else None
-            _check(isinstance(t, dict) and t.get("type", "function") == "function" and isinstance(fn, dict)
-                   and isinstance(fn.get("name"), str), f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ...}}}}",
-                   f"tools[{i}]")
-            check_parameters_schema(fn, i)
+        check_tools(tools)
     if tc is None:
         return ("auto" if tools else "none"), None
     if isinstance(tc, str):
