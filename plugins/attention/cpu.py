@@ -44,11 +44,22 @@ def _flags() -> list[str]:
     return flags
 
 
+def _cpu_id() -> str:
+    """What -march=native compiles for, so that a build folder shared between machines is never
+    loaded by a CPU it was not built for."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            isa = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        isa = platform.processor()
+    return f"{torch.backends.cpu.get_cpu_capability()} {isa}"
+
+
 def _build_dir() -> Path:
-    """``<torch extensions folder>/core_cpu_attention_<hash>``: a new source or flags, a new build."""
+    """``<torch extensions folder>/core_cpu_attention_<hash>``: a new source, flags or CPU, a new build."""
     from torch.utils.cpp_extension import get_default_build_root
 
-    key = "\n".join([SOURCE.read_text(), *_flags(), torch.__version__, os.environ.get("CXX", "c++")])
+    key = "\n".join([SOURCE.read_text(), *_flags(), _cpu_id(), torch.__version__, os.environ.get("CXX", "c++")])
     name = "core_cpu_attention_" + hashlib.sha256(key.encode()).hexdigest()[:12]
     return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / name
 
