@@ -16,7 +16,7 @@ from typing import Any, Iterable, Protocol, runtime_checkable
 import attrs
 import torch
 
-PLUGIN_API_VERSION = "1.0"
+PLUGIN_API_VERSION = "1.1"  # 1.1: the optional CUDA-graph capture hooks of attention backends
 
 
 # --------------------------------------------------------------------------- batches
@@ -71,8 +71,9 @@ class AttentionLayerSpec:
 class KVCache:
     """The paged KV pool: one K and one V buffer per layer, ``[num_slots, Hkv, D]``.
 
-    Slot 0 is a zeroed padding slot that is never handed out, so padded gathers are
-    finite. A page is ``page_size`` consecutive slots.
+    Slot 0 is the padding slot, never handed out: padded gathers read it and the padding rows
+    of a CUDA-graph batch write it, so it holds finite values (zeros until a graph runs). A
+    page is ``page_size`` consecutive slots.
 
     The buffers' dtype may be narrower than the model's (``--kv-cache-dtype fp8_e4m3``):
     a backend then stores ``k / k_scale`` (clamped to the dtype's range) and reads
@@ -108,6 +109,11 @@ class AttentionBackend(Protocol):
 
     Constructed once as ``backend(config: AttentionConfig)``. Per forward, core calls
     ``prepare(batch)`` once, then the model calls ``forward`` once per layer.
+
+    Optional since plugin API 1.1 (not protocol members, so a 1.0 backend still satisfies
+    this protocol; it then runs without CUDA graphs): the capture hooks of
+    :class:`CudaGraphBackend`. Core captures decode steps in CUDA graphs only with a backend
+    that defines all three.
     """
 
     def prepare(self, batch: ForwardBatch) -> None:
@@ -121,6 +127,40 @@ class AttentionBackend(Protocol):
         then attend ``q`` (``[T, H, D]``) causally over each sequence's cached keys
         (honouring ``layer.sliding_window`` and ``layer.logit_cap``).
         Returns ``[T, H, D]`` in ``q.dtype``."""
+
+
+@runtime_checkable
+class CudaGraphBackend(Protocol):
+    """The capture hooks of an attention backend whose decode steps can be captured in CUDA
+    graphs (plugin API 1.1). Core captures one graph per batch size ``bs`` (1, 2, 4, 8, then
+    every 16 up to ``--cuda-graph-max-bs``) and replays it for batches of up to ``bs``
+    sequences, the rest padding rows: token 0 at position 0, KV length 1, ``kv_indices`` row
+    all slot 0 and ``out_cache_loc`` slot 0 (the padding slot, so they write nowhere real).
+
+    In a captured forward, ``input_ids``, ``positions``, ``out_cache_loc``, ``seq_lens`` and
+    ``extend_lens`` are static buffers core refills before each replay; ``forward`` must read
+    everything else from ``batch.attn_metadata`` as set by ``prepare_capture`` (static buffers
+    of the backend, at fixed addresses), never keep per-step state beyond the call, and never
+    sync with the host. ``prepare`` is not called for a replayed step."""
+
+    def init_cuda_graph(self, max_bs: int, max_len: int) -> None:
+        """Once, before any capture: allocate the static metadata for batches of up to ``max_bs``
+        sequences of up to ``max_len`` tokens each."""
+
+    def prepare_capture(self, bs: int, batch: ForwardBatch) -> None:
+        """Before capturing size ``bs``: set ``batch.attn_metadata`` to views of the static
+        buffers (any valid content, e.g. every sequence of length 1). Launch parameters fixed here
+        (grid sizes, KV splits) hold for every replay of this size."""
+
+    def prepare_replay(self, bs: int, batch: ForwardBatch) -> None:
+        """Before each replay of size ``bs``: refill the static buffers in place from ``batch``
+        (``bs`` rows, padding included; ``kv_indices``, ``seq_lens``, ``seq_lens_cpu`` are this
+        step's). Runs outside the graph: it may allocate, but must not move the buffers."""
+
+
+def cuda_graph_capable(backend: object) -> bool:
+    """Whether ``backend`` defines all three capture hooks of :class:`CudaGraphBackend`."""
+    return all(callable(getattr(backend, name, None)) for name in ("init_cuda_graph", "prepare_capture", "prepare_replay"))
 
 
 # --------------------------------------------------------------------------- quantization

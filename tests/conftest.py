@@ -114,12 +114,29 @@ def make_engine(path: Path | str, **kwargs: Any):
     return core.Engine(**opts)
 
 
+# Every device the engine can run on here: the CPU always, CUDA when present (those runs carry
+# the ``gpu`` marker), so the same engine tests run on a GPU machine.
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def device_params() -> list:
+    return [pytest.param(d, id=d, marks=() if d == "cpu" else pytest.mark.gpu) for d in DEVICES]
+
+
+@pytest.fixture(scope="module", params=device_params())
+def device(request) -> str:
+    """Each available device in turn (``cpu``; ``cuda`` when present)."""
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def engine_factory():
-    """``engine_factory(path, **kwargs) -> Engine``; every engine made is shut down with the module."""
+def engine_factory(device):
+    """``engine_factory(path, **kwargs) -> Engine`` on each available device (``device=`` to pin
+    one); every engine made is shut down with the module."""
     made = []
 
     def make(path: Path | str, **kwargs: Any):
+        kwargs.setdefault("device", device)
         eng = make_engine(path, **kwargs)
         made.append(eng)
         return eng

@@ -144,9 +144,10 @@ def test_cached_prefix_is_not_recomputed():
     b = Req("b", list(range(10, 30)) + [5, 6], SamplingParams(max_new_tokens=1))
     s.add(b)
     batch, _ = s.schedule()
-    assert batch.extend_lens == [2] and batch.positions.tolist() == [20, 21] and b.cached_tokens == 20
-    # the cached slots are the ones a wrote
-    assert s.table.table[b.row, :20].tolist() == list(range(1, 21))
+    assert batch.extend_lens == [2] and batch.positions == [20, 21] and b.cached_tokens == 20
+    # the cached slots (the ones a wrote) are recorded in b's table row along with its new tokens'
+    entries = {p: slot for r, p, slot in zip(*batch.table_writes) if r == b.row}
+    assert entries == {**{p: p + 1 for p in range(20)}, 20: batch.out_cache_loc[0], 21: batch.out_cache_loc[1]}
 
 
 # --------------------------------------------------------------------------- engine: cache on == cache off

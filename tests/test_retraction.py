@@ -83,7 +83,7 @@ def test_resume_reprefills_prompt_and_output_minus_the_cached_prefix():
     s.check_accounting()
     batch, _ = s.schedule()
     # 13 tokens were cached on retraction; the last generated token is recomputed for its logits
-    assert batch.is_prefill and batch.extend_lens == [1] and batch.positions.tolist() == [13]
+    assert batch.is_prefill and batch.extend_lens == [1] and batch.positions == [13]
     assert batch.input_ids == [7]
     s.process(batch, StepResult(SampleOutput([8], None, None)))
     assert r.output_ids == [7] * 4 + [8]

@@ -301,3 +301,69 @@ def test_rows_are_not_mutated() -> None:
     out = Sampler(10).sample(torch.randn(1, 10), rows)
     assert isinstance(out, SampleOutput)
     assert (rows[0].params, rows[0].prompt_ids, rows[0].output_ids, rows[0].eos_ids) == snapshot
+
+
+# --- penalty state kept across steps ----------------------------------------------------------
+
+
+def test_kept_penalty_state_matches_rebuilding_it_every_step() -> None:
+    """A sampler with per-slot state penalises exactly as one that rebuilds the counts from the
+    rows' lists each step, while requests come and go: a slot reused by a new request, a request
+    that comes back in another slot with its output (as after a retraction), unpenalised rows
+    in between (so only some rows are penalised)."""
+    vocab, steps = 40, 14
+    gen = torch.Generator().manual_seed(5)
+    kept, fresh = Sampler(vocab, num_slots=4), Sampler(vocab)
+    kinds = {"a": dict(repetition_penalty=1.5), "b": dict(frequency_penalty=0.7), "c": dict(presence_penalty=0.9),
+             "d": dict(), "e": dict(repetition_penalty=0.8, frequency_penalty=0.2)}
+    prompts = {k: torch.randint(0, vocab, (6,), generator=gen).tolist() for k in kinds}
+    outputs: dict[str, list[int]] = {k: [] for k in kinds}  # one list per request, kept like Req.output_ids
+    slots = {"a": 0, "b": 1, "c": 2, "d": 3}
+    for t in range(steps):
+        if t == 5:  # c finishes; e takes its slot
+            del slots["c"]
+            slots["e"] = 2
+        if t == 9:  # a is retracted and comes back in d's slot, d having finished
+            del slots["d"]
+            slots["a"] = 3
+        names = sorted(slots)
+        mk = lambda name, slot: SamplingRow(SamplingParams(temperature=0.0, **kinds[name]), prompts[name],  # noqa: E731
+                                            outputs[name], slot=slot)
+        logits = torch.randn(len(names), vocab, generator=gen)
+        a, b = logits.clone(), logits.clone()
+        got = kept.sample(a, [mk(n, slots[n]) for n in names]).token_ids
+        want = fresh.sample(b, [mk(n, -1) for n in names]).token_ids
+        assert got == want, t
+        assert torch.equal(a, b), t  # the penalised logits themselves agree
+        for n, tok in zip(names, got):
+            outputs[n].append(tok)
+    assert kept.penalties.counts is not None and kept.penalties.prompt is not None
+
+
+def test_kept_state_rebuilds_when_the_output_is_not_what_it_counted() -> None:
+    s = Sampler(10, num_slots=2)
+    out: list[int] = [3, 3]
+    r = SamplingRow(SamplingParams(temperature=0.0, frequency_penalty=1.0), [], out, slot=1)
+    logits = torch.zeros(1, 10)
+    logits[0, 3] = 2.5  # 2.5 - 2 * 1.0 = 0.5 still wins over 0
+    assert s.sample(logits.clone(), [r]).token_ids == [3]
+    out.extend([4, 4])  # not the token it sampled (counted 3 threes): rebuilt from the list
+    assert s.sample(logits.clone(), [r]).token_ids == [3]  # 2.5 - 2 * 1.0 > 0 again, not 2.5 - 3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_sampling_on_the_gpu_matches_the_cpu_and_seeds_hold() -> None:
+    vocab = 300
+    logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(2))
+    rows = lambda: [row(output=[1, 2], temperature=0.0, repetition_penalty=1.4),  # noqa: E731
+                    row(output=[5], temperature=0.0, min_new_tokens=3, eos_ids=(int(logits[1].argmax()),)),
+                    row(temperature=0.0, frequency_penalty=0.5, output=[7, 7]),
+                    row(temperature=0.0), row(top_k=1), row(temperature=0.0, presence_penalty=2.0, output=[9])]
+    cpu = Sampler(vocab).sample(logits.clone(), rows()).token_ids
+    gpu = Sampler(vocab, "cuda").sample(logits.clone().cuda(), rows()).token_ids
+    assert cpu == gpu
+    seeded = lambda: row(seed=7, temperature=0.8, top_p=0.9)  # noqa: E731
+    alone = Sampler(vocab, "cuda").sample(logits[:1].clone().cuda(), [seeded()]).token_ids
+    mixed = Sampler(vocab, "cuda", seed=3).sample(logits[[1, 0]].clone().cuda(), [row(), seeded()]).token_ids
+    assert alone[0] == mixed[1]

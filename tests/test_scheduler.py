@@ -33,6 +33,11 @@ def step(s: Scheduler, tokens: dict[str, int] | int = 7):
     return batch, aborted
 
 
+def table_entries(batch, row: int) -> dict[int, int]:
+    """Position -> slot entries the batch asks the runner to record in table row ``row``."""
+    return {p: slot for r, p, slot in zip(*batch.table_writes) if r == row}
+
+
 def assert_all_free(s: Scheduler) -> None:
     assert not s.running and not s.waiting
     assert s.allocator.num_free == s.allocator.capacity
@@ -124,16 +129,17 @@ def test_batch_positions_slots_and_table_with_pages():
     s.add(b)
     batch, _ = s.schedule()
     assert batch.input_ids == a.prompt_ids + b.prompt_ids
-    assert batch.positions.tolist() == [0, 1, 2, 3, 4, 5, 0, 1]
+    assert batch.positions == [0, 1, 2, 3, 4, 5, 0, 1]
     assert a.pages == [1, 2] and b.pages == [3]
-    assert batch.out_cache_loc.tolist() == [4, 5, 6, 7, 8, 9, 12, 13]
-    assert s.table.table[a.row, :6].tolist() == [4, 5, 6, 7, 8, 9]
-    assert s.table.table[b.row, :2].tolist() == [12, 13]
+    assert batch.out_cache_loc == [4, 5, 6, 7, 8, 9, 12, 13]
+    assert table_entries(batch, a.row) == {0: 4, 1: 5, 2: 6, 3: 7, 4: 8, 5: 9}
+    assert table_entries(batch, b.row) == {0: 12, 1: 13}
     assert s.allocator.num_free == 8 - 3
     s.process(batch, StepResult(SampleOutput([40, 41], None, None)))
     batch, _ = s.schedule()
-    assert batch.input_ids == [40, 41] and batch.positions.tolist() == [6, 2]
-    assert batch.out_cache_loc.tolist() == [10, 14]
+    assert batch.input_ids == [40, 41] and batch.positions == [6, 2]
+    assert batch.out_cache_loc == [10, 14]
+    assert table_entries(batch, a.row) == {6: 10} and table_entries(batch, b.row) == {2: 14}
     assert a.kv_len == 7 and b.kv_len == 3
 
 

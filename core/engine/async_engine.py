@@ -27,6 +27,7 @@ from core.engine.kv_cache import PageAllocator, ReqToTokenTable, allocate_kv_cac
 from core.engine.loader import ModelConfig, load_model_config
 from core.engine.grammar import GrammarManager
 from core.engine.model_build import build_model
+from core.engine.cuda_graph import DEFAULT_MAX_BS, CudaGraphRunner, why_no_cuda_graph
 from core.engine.model_runner import ModelRunner
 from core.plugins import PluginManager, load_plugins
 from core.engine.radix_cache import RadixCache
@@ -69,13 +70,14 @@ class AsyncEngine(RequestFrontEnd):
             if self.tp_group is not None:
                 self.tp_group.stop()
             raise
-        self.sampler = Sampler(self.vocab_size, self.device, seed=args.random_seed or 0)
+        self.sampler = Sampler(self.vocab_size, self.device, seed=args.random_seed or 0, num_slots=self.table.table.shape[0])
         self.runner = ModelRunner(self.model, self.attn_backend, self.table, self.sampler, mc.eos_ids, self.device)
         if self.tp_group is not None:
             self.runner.tp = self.tp_group
             self.tp_group.on_failure = self._on_rank_failure
         self.grammar = GrammarManager(self.plugins, args.grammar_backend, self.tokenizer, self.vocab_size, mc.eos_ids)
         self.runner.grammar = self.grammar
+        self.runner.graphs = self._capture_cuda_graphs()
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="core-forward")
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
@@ -190,7 +192,12 @@ class AsyncEngine(RequestFrontEnd):
                 r.finish_time = time.perf_counter()
                 self._finished(r)
             return
-        self.submit(reqs)
+        try:
+            self.submit(reqs)
+        except CoreError as e:  # the engine stopped while compiling: nobody else will finish them
+            for r in reqs:
+                r.finish_reason, r.finish_time = {"type": "abort", "message": str(e)}, time.perf_counter()
+                self._finished(r)
 
     def flush_cache(self) -> bool:
         """Empty the radix prefix cache; False (nothing done) while requests are queued or running."""
@@ -268,34 +275,74 @@ class AsyncEngine(RequestFrontEnd):
             self._task = asyncio.get_running_loop().create_task(self._loop())
 
     async def _loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
+        """Step until cancelled. Each step contains its own failures (``_step``); if the loop
+        itself dies, the engine stops for good (``healthy`` False, every request failed)."""
+        try:
+            while True:
+                await self._step()
+        except asyncio.CancelledError:
+            raise
+        except RankFailure as e:  # tensor parallelism: the ranks cannot step together any more
+            self._fatal(str(e))
+        except BaseException as e:
+            log.critical("engine.loop_died", exc_info=True)
+            self._fatal(f"the scheduler loop died: {type(e).__name__}: {e}")
+            if not isinstance(e, Exception):
+                raise
+
+    async def _step(self) -> None:
+        """Schedule, run and process one batch. Whatever raises fails the requests concerned with
+        a message naming the stage, and the loop goes on: a failing ``schedule()`` fails every
+        queued and running request (the scheduler's state is no longer trusted, so it is reset);
+        a failing forward or result processing fails that batch."""
+        try:
             batch, aborted = self.scheduler.schedule()
-            for req in aborted:
-                self._finished(req)
-            if batch is None:
-                self._wake.clear()
-                if not self.scheduler.has_work:
-                    await self._wake.wait()
-                continue
-            t0 = time.perf_counter()
+        except Exception as e:
+            self._contain("scheduling", e, None)
+            return
+        for req in aborted:
+            self._finished(req)
+        if batch is None:
+            self._wake.clear()
+            if not self.scheduler.has_work:
+                await self._wake.wait()
+            return
+        t0 = time.perf_counter()
+        try:
+            result = await asyncio.get_running_loop().run_in_executor(self._executor, self.runner.run, batch)
+        except RankFailure:
+            raise
+        except Exception as e:  # a failing forward fails its batch, not the engine
+            self._contain("forward", e, batch.reqs)
+            return
+        for listener in self.step_listeners:
+            _call_guarded(listener, batch, time.perf_counter() - t0)
+        try:
+            updates = self.scheduler.process(batch, result)
+        except Exception as e:
+            self._contain("result processing", e, batch.reqs)
+            return
+        for req, _ in updates:
+            req.queue.put_nowait(True)
+            if req.finished:
+                self._finished(req, notify=False)
+
+    def _contain(self, stage: str, error: Exception, reqs: list[Req] | None) -> None:
+        """Fail ``reqs`` (None: everything the scheduler holds) after ``error`` in ``stage``."""
+        message = f"internal error ({stage}): {type(error).__name__}: {error}"
+        log.error("engine.step_failed", stage=stage, rids=None if reqs is None else [r.rid for r in reqs],
+                  exc_info=error)
+        if reqs is None:
+            failed = self.scheduler.fail_all(message)
+        else:
             try:
-                result = await loop.run_in_executor(self._executor, self.runner.run, batch)
-            except RankFailure as e:  # tensor parallelism: the ranks cannot step together any more
-                self._fatal(str(e))
-                return
-            except Exception as e:  # a failing forward fails its batch, not the engine
-                log.exception("engine.forward_failed", rids=[r.rid for r in batch.reqs])
-                self.scheduler.fail(batch.reqs, f"internal error: {type(e).__name__}: {e}")
-                for req in batch.reqs:
-                    self._finished(req)
-                continue
-            for listener in self.step_listeners:
-                listener(batch, time.perf_counter() - t0)
-            for req, _ in self.scheduler.process(batch, result):
-                req.queue.put_nowait(True)
-                if req.finished:
-                    self._finished(req, notify=False)
+                self.scheduler.fail(reqs, message)
+                failed = reqs
+            except Exception:  # the batch cannot be unwound on its own: reset the scheduler
+                log.exception("engine.fail_batch_failed", stage=stage)
+                failed = list({id(r): r for r in [*reqs, *self.scheduler.fail_all(message)]}.values())
+        for req in failed:
+            self._finished(req)
 
     def _on_rank_failure(self, message: str) -> None:
         """The tensor-parallel group failed (called from its watcher or the forward thread)."""
@@ -315,23 +362,41 @@ class AsyncEngine(RequestFrontEnd):
         task, self._task = self._task, None
         if task is not None and task is not asyncio.current_task():
             task.cancel()
-        pending = [*self.scheduler.waiting, *self.scheduler.running]
-        self.scheduler.waiting.clear()
-        self.scheduler.fail(pending, message)
-        for req in pending:
+        for req in self.scheduler.fail_all(message):
             self._finished(req)
         for listener in self.fatal_listeners:
-            listener(message)
+            _call_guarded(listener, message)
 
     def _finished(self, req: Req, notify: bool = True) -> None:
-        if notify:
+        if notify and req.queue is not None:
             req.queue.put_nowait(True)
         ttft = None if req.first_token_time is None else req.first_token_time - req.arrival
         log.info("request.finished", rid=req.rid, prompt_tokens=len(req.prompt_ids), completion_tokens=len(req.output_ids),
                  ttft=None if ttft is None else round(ttft, 4), latency=round((req.finish_time or time.perf_counter()) - req.arrival, 4),
                  finish_reason=req.finish_reason)
         for listener in self.finish_listeners:
-            listener(req)
+            _call_guarded(listener, req)
+
+    @property
+    def healthy(self) -> bool:
+        """False once the engine has stopped for good: its scheduler loop died or a
+        tensor-parallel rank failed (``fatal_error`` says why). What ``/health`` reports."""
+        return self.fatal_error is None
+
+    def _capture_cuda_graphs(self) -> CudaGraphRunner | None:
+        """Decode CUDA graphs for this model and backend, or None (eager) with the reason logged."""
+        args = self.args
+        why = why_no_cuda_graph(self.device, self.attn_backend, self.attention_backend_name, args.disable_cuda_graph,
+                                self.tp_group is not None)
+        if why is not None:
+            log.info("cuda_graph.off", reason=why)
+            return None
+        max_bs = min(args.cuda_graph_max_bs or DEFAULT_MAX_BS, self.scheduler.max_running)
+        try:
+            return CudaGraphRunner(self.model, self.attn_backend, max_bs, self.table.table.shape[1], self.device).capture()
+        except Exception as e:  # e.g. a model that syncs with the host in its forward: run it eagerly
+            log.warning("cuda_graph.capture_failed", error=f"{type(e).__name__}: {e}", exc_info=True)
+            return None
 
     # ------------------------------------------------------------------ embeddings and classification
     @property
@@ -402,6 +467,8 @@ class AsyncEngine(RequestFrontEnd):
         self.model = model
         self.runner.model = model
         self.model_config = new
+        if self.runner.graphs is not None:  # the captured graphs read the old weights
+            self.runner.graphs = self._capture_cuda_graphs()
         log.info("engine.weights_updated", model_path=model_path)
         return True, "Succeeded to update model weights."
 
@@ -454,3 +521,11 @@ def _pooling_config(path) -> tuple[str, bool]:
             elif cfg.get("pooling_mode_lasttoken"):
                 pooling = "last"
     return pooling, normalize
+
+
+def _call_guarded(listener: Callable[..., Any], *args: Any) -> None:
+    """Observers must never raise; one that does is logged, and serving goes on."""
+    try:
+        listener(*args)
+    except Exception:
+        log.exception("engine.listener_failed", listener=getattr(listener, "__qualname__", repr(listener)))

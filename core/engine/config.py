@@ -96,9 +96,6 @@ class EngineArgs:
     random_seed: int | None = _arg(None, MEMORY, "random seed (sampling, the random schedule policy, dummy weights)")
     cpu_threads: int | None = _arg(None, MEMORY, "torch intra-op threads on CPU (default: torch's choice, all cores; "
                                                  "OMP_NUM_THREADS also applies)")
-    watchdog_timeout: float = _arg(300.0, MEMORY, "seconds one forward or scheduling step may take; a longer one fails "
-                                                   "every in-flight request and marks the engine failed (core serve "
-                                                   "then exits non-zero for a supervisor to restart it); 0 disables")
     # ---- kernel backends and plugins
     attention_backend: str | None = _arg(None, BACKENDS, "attention backend (default: chosen for the device by the choose_attention_backend hook: flashinfer or triton on CUDA, cpu on CPU where its C++ kernel builds, else torch_native; `core plugins` shows the choice)")
     quantization: str | None = _arg(None, BACKENDS, "quantization method (any registered; default: the checkpoint's "
@@ -106,6 +103,10 @@ class EngineArgs:
                                                     "else none)")
     torchao_config: str | None = _arg(None, BACKENDS, "quantize a dense checkpoint at load, weight-only (SGLang's "
                                                       "names): int8wo, int4wo-32, int4wo-64, int4wo-128, int4wo-256")
+    cuda_graph_max_bs: int | None = _arg(None, BACKENDS, "largest decode batch captured in a CUDA graph (sizes 1, 2, 4, "
+                                                         "8, then every 16; default: 256, at most "
+                                                         "--max-running-requests)")
+    disable_cuda_graph: bool = _arg(False, BACKENDS, "run decode steps without CUDA graphs")
     grammar_backend: str | None = _arg(None, BACKENDS, "constrained decoding backend: xgrammar (default), llguidance, "
                                                        "or none to disable")
     plugins: str | list[str] | None = _arg(None, BACKENDS, "comma-separated plugins to load "
@@ -181,7 +182,7 @@ def engine_args_from_namespace(ns: argparse.Namespace, plugin_dests: Sequence[st
 # SGLang server flags whose features this engine does not have yet: passing one is an error, never silently ignored.
 UNSUPPORTED_SGLANG_ARGS = (
     "pp_size", "ep_size", "enable_lora", "lora_paths", "speculative_algorithm",
-    "disaggregation_mode", "enable_dp_attention", "cuda_graph_max_bs", "enable_torch_compile",
+    "disaggregation_mode", "enable_dp_attention", "enable_torch_compile",
 )
 
 

@@ -15,7 +15,8 @@ import torch
 
 from core.interfaces import ForwardBatch
 from core.engine.kv_cache import ReqToTokenTable
-from core.engine.sampler import SampleOutput, Sampler, SamplingRow
+from core.engine.cuda_graph import CudaGraphRunner
+from core.engine.sampler import SampleOutput, Sampler, SamplingRow, upload
 from core.engine.scheduler import ScheduledBatch, StepResult
 
 
@@ -34,33 +35,51 @@ class StepInputs:
     logit_rows: list[Any]  # per compute_logits call, in order: a list of hidden-state rows or a (start, stop) range
 
 
-def forward_step(model: torch.nn.Module, attn_backend, inputs: StepInputs, device: torch.device
-                 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def _ints(x: list[int] | torch.Tensor) -> list[int]:
+    return x.tolist() if isinstance(x, torch.Tensor) else x
+
+
+def forward_step(model: torch.nn.Module, attn_backend, inputs: StepInputs, device: torch.device,
+                 graphs: CudaGraphRunner | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The model forward over ``inputs`` and one ``compute_logits`` per entry of ``logit_rows``:
-    (hidden states, logits). The same on every tensor-parallel rank (their collectives pair up)."""
+    (hidden states, logits). The same on every tensor-parallel rank (their collectives pair up).
+
+    The per-token and per-sequence lists reach the device in one copy (pinned, non-blocking on a
+    GPU); a decode step that ``graphs`` captured replays its CUDA graph instead of the eager forward."""
+    t, b = len(inputs.input_ids), len(inputs.seq_lens)
+    packed = upload(inputs.input_ids + _ints(inputs.positions) + _ints(inputs.out_cache_loc) + inputs.seq_lens
+                    + inputs.extend_lens, torch.int64, device)
+    input_ids, positions, out_cache_loc, seq_lens, extend_lens = packed.split([t, t, t, b, b])
     fb = ForwardBatch(
-        input_ids=torch.tensor(inputs.input_ids, dtype=torch.int64, device=device),
-        positions=torch.as_tensor(inputs.positions, dtype=torch.int64, device=device),
-        out_cache_loc=torch.as_tensor(inputs.out_cache_loc, dtype=torch.int64, device=device),
-        seq_lens=torch.tensor(inputs.seq_lens, device=device),
-        extend_lens=torch.tensor(inputs.extend_lens, device=device),
-        kv_indices=inputs.kv_indices.to(device),
-        seq_lens_cpu=inputs.seq_lens,
-        extend_lens_cpu=inputs.extend_lens,
-        attn_backend=attn_backend,
+        input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc, seq_lens=seq_lens,
+        extend_lens=extend_lens, kv_indices=inputs.kv_indices.to(device), seq_lens_cpu=inputs.seq_lens,
+        extend_lens_cpu=inputs.extend_lens, attn_backend=attn_backend,
     )
-    attn_backend.prepare(fb)
-    hidden = model(fb)
+    if graphs is not None and graphs.can_run(fb):
+        hidden = graphs.replay(fb)
+    else:
+        attn_backend.prepare(fb)
+        hidden = model(fb)
     logits = []
     for rows in inputs.logit_rows:
-        sel = hidden[rows[0] : rows[1]] if isinstance(rows, tuple) else hidden[torch.tensor(rows, device=device)]
+        if isinstance(rows, tuple):
+            sel = hidden[rows[0] : rows[1]]
+        elif len(rows) == hidden.shape[0] and rows[0] == 0 and rows[-1] == len(rows) - 1:
+            sel = hidden  # every token samples (a decode step): no gather
+        else:
+            sel = hidden.index_select(0, upload(rows, torch.int64, device))
         logits.append(model.compute_logits(sel))
     return hidden, logits
 
 
 class ModelRunner:
+    """Owns every device tensor of a step: it writes the scheduler's table entries, builds the
+    forward's inputs from the batch's lists, runs the forward (or its CUDA graph) and samples.
+    The one host sync of a step is the sampled token ids coming back."""
+
     grammar = None  # core.engine.grammar.GrammarManager, set by the engine
     tp = None  # core.engine.distributed.TensorParallelGroup on rank 0 of a --tp-size > 1 engine, set by the engine
+    graphs: CudaGraphRunner | None = None  # decode CUDA graphs, set by the engine when captured
 
     def __init__(self, model: torch.nn.Module, attn_backend, table: ReqToTokenTable, sampler: Sampler,
                  eos_ids: tuple[int, ...], device: torch.device) -> None:
@@ -69,24 +88,34 @@ class ModelRunner:
 
     def step_inputs(self, batch: ScheduledBatch) -> tuple[StepInputs, list[int], dict[int, int]]:
         """(the forward's inputs, the batch indices that sample a token, batch index -> position
-        in ``logit_rows`` of its prompt-logprob rows, -1 when it has none to compute)."""
+        in ``logit_rows`` of its prompt-logprob rows, -1 when it has none to compute).
+
+        Records the batch's slots in the request -> token table first (one copy of the
+        entries and the batch's rows, then a scatter on the table's device)."""
         reqs, table = batch.reqs, self.table.table
+        w_rows, w_cols, w_slots = batch.table_writes
+        w, b = len(w_rows), len(reqs)
+        packed = upload(w_rows + w_cols + w_slots + [r.row for r in reqs], torch.int64, table.device)
+        if w:
+            table[packed[:w], packed[w : 2 * w]] = packed[2 * w : 3 * w]
         seq_lens = [r.kv_len for r in reqs]
-        rows = torch.tensor([r.row for r in reqs], device=table.device)
+        kv_indices = table[packed[3 * w :], : max(seq_lens)]
+        if not batch.is_prefill:  # decode: every request samples, no prompt logprobs
+            return StepInputs(batch.input_ids, batch.positions, batch.out_cache_loc, seq_lens, batch.extend_lens,
+                              kv_indices, [(0, b)]), list(range(b)), {}
         ends = [n - 1 for n in itertools.accumulate(batch.extend_lens)]
         live = [i for i, r in enumerate(reqs) if r.kv_len >= r.seq_len]  # a non-final prefill chunk samples nothing
         logit_rows: list[Any] = [[ends[i] for i in live]] if live else []
         prompt_rows: dict[int, int] = {}
-        if batch.is_prefill:
-            for i, r in enumerate(reqs):
-                # only a prefill from position 0 (prompt-logprob requests never use a cached prefix or chunks)
-                if r.return_logprob and r.logprob_start_len >= 0 and r.kv_len == batch.extend_lens[i]:
-                    start, first, n = ends[i] - batch.extend_lens[i] + 1, max(r.logprob_start_len, 1), len(r.prompt_ids)
-                    prompt_rows[i] = len(logit_rows) if first < n else -1
-                    if first < n:
-                        logit_rows.append((start + first - 1, start + n - 1))
+        for i, r in enumerate(reqs):
+            # only a prefill from position 0 (prompt-logprob requests never use a cached prefix or chunks)
+            if r.return_logprob and r.logprob_start_len >= 0 and r.kv_len == batch.extend_lens[i]:
+                start, first, n = ends[i] - batch.extend_lens[i] + 1, max(r.logprob_start_len, 1), len(r.prompt_ids)
+                prompt_rows[i] = len(logit_rows) if first < n else -1
+                if first < n:
+                    logit_rows.append((start + first - 1, start + n - 1))
         inputs = StepInputs(batch.input_ids, batch.positions, batch.out_cache_loc, seq_lens, batch.extend_lens,
-                            table[rows, : max(seq_lens)], logit_rows)
+                            kv_indices, logit_rows)
         return inputs, live, prompt_rows
 
     @torch.inference_mode()
@@ -95,16 +124,15 @@ class ModelRunner:
         if self.tp is not None:  # every rank runs this forward; their collectives pair up
             hidden, all_logits = self.tp.forward(inputs, lambda: forward_step(self.model, self.attn_backend, inputs, self.device))
         else:
-            hidden, all_logits = forward_step(self.model, self.attn_backend, inputs, self.device)
+            hidden, all_logits = forward_step(self.model, self.attn_backend, inputs, self.device, self.graphs)
         reqs = all_reqs = batch.reqs
         if len(live) < len(reqs):
             reqs = [reqs[i] for i in live]
         if reqs:
             logits = all_logits[0]
-            rows_ = [
-                SamplingRow(r.params, r.prompt_ids, r.output_ids, r.generator, self.eos_ids, r.return_logprob, r.top_logprobs_num)
-                for r in reqs
-            ]
+            eos = self.eos_ids
+            rows_ = [SamplingRow(r.params, r.prompt_ids, r.output_ids, r.generator, eos, r.return_logprob,
+                                 r.top_logprobs_num, r.row) for r in reqs]
             grammar = self.grammar if self.grammar is not None and any(r.grammar is not None for r in reqs) else None
             if grammar is not None:  # one [B, V/32] bitmask for the batch, applied before sampling
                 grammar.apply(logits, reqs)

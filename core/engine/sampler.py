@@ -1,9 +1,17 @@
-"""Batched next-token sampling: penalties, min-token EOS blocking, temperature,
-top-k / top-p / min-p, per-request seeded draws and logprobs.
+"""Batched next-token sampling on the logits' device: penalties, min-token EOS blocking,
+temperature, top-k / top-p / min-p, per-request seeded draws and logprobs.
 
-Everything runs as a few [B, V] tensor ops; the only per-row Python work is
-turning request lists into tensors and drawing one uniform number per seeded
-row, so that a seeded request's tokens never depend on what it is batched with.
+Everything runs as a few [B, V] tensor ops on the device the logits live on. The per-row
+Python work is one pass over the rows to read their parameters (packed into one small
+tensor, copied to the device once) and one uniform number drawn per seeded row on the host,
+so that a seeded request's tokens never depend on what it is batched with. The sampled ids
+come back to the host in one transfer: the step's only sync. An all-greedy batch with
+nothing to penalise is a single argmax.
+
+Penalties need each request's token counts. With ``num_slots`` the sampler keeps them on the
+device, one row per engine slot (the request's table row): built once when a request first
+needs them, then advanced by the tokens it samples, instead of being rebuilt from every
+request's whole output each step.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ class SamplingRow:
     eos_ids: tuple[int, ...] = ()  # blocked while len(output_ids) < min_new_tokens
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    slot: int = -1  # the sequence's engine slot (table row) for the kept penalty state; -1: none
 
 
 @attrs.define
@@ -36,46 +45,65 @@ class SampleOutput:
     top_logprobs: list[list[tuple[int, float]]] | None  # desc by logprob; [] where 0 asked
 
 
+def upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor of ``values`` on ``device``; to a GPU through pinned memory without blocking."""
+    if device.type == "cpu":
+        return torch.tensor(values, dtype=dtype)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 def _token_counts(lists: list[list[int]], shape: tuple[int, int], device: torch.device) -> torch.Tensor:
     """Per-row token counts [B, V] (float32) from ragged id lists, in one accumulate.
 
     Ids outside [0, V) are ignored rather than raising, since they cannot be sampled anyway.
     """
     counts = torch.zeros(shape, dtype=torch.float32, device=device)
-    lengths = torch.tensor([len(x) for x in lists], device=device)
-    if int(lengths.sum()) == 0:
+    lengths = [len(x) for x in lists]
+    total = sum(lengths)
+    if total == 0:
         return counts
-    ids = torch.tensor(list(chain.from_iterable(lists)), dtype=torch.long, device=device)
-    rows = torch.repeat_interleave(torch.arange(len(lists), device=device), lengths)
+    ids = upload(list(chain.from_iterable(lists)), torch.long, device)
+    rows = torch.repeat_interleave(torch.arange(len(lists), device=device), upload(lengths, torch.long, device),
+                                   output_size=total)
     ok = (ids >= 0) & (ids < shape[1])
-    counts.index_put_((rows[ok], ids[ok]), torch.ones_like(ids[ok], dtype=torch.float32), accumulate=True)
+    counts.index_put_((rows, ids.clamp(0, shape[1] - 1)), ok.float(), accumulate=True)
     return counts
 
 
-def _col(values: list[float], logits: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(values, dtype=logits.dtype, device=logits.device).unsqueeze(1)
+def _penalise(logits: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor | None, params: torch.Tensor) -> None:
+    """In place: repetition (where ``seen``), then frequency/presence from ``counts``; ``params``
+    ``[B, 3]`` holds (repetition, frequency, presence) per row."""
+    if seen is not None:
+        p = params[:, 0:1]
+        logits.copy_(torch.where(seen, torch.where(logits > 0, logits / p, logits * p), logits))
+    logits.sub_(params[:, 1:2] * counts + params[:, 2:3] * (counts > 0))
+
+
+def _penalty_params(rows: list[SamplingRow], device: torch.device) -> tuple[torch.Tensor, bool]:
+    vals = [(r.params.repetition_penalty, r.params.frequency_penalty, r.params.presence_penalty) for r in rows]
+    return upload(vals, torch.float32, device), any(v[0] != 1.0 for v in vals)
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Apply repetition, then frequency/presence penalties in place (vLLM order); returns logits.
 
     Repetition (CTRL/HF) covers prompt and output tokens; frequency/presence only output tokens,
-    as in OpenAI. Nothing is built when every row uses the defaults.
+    as in OpenAI. Nothing is built when every row uses the defaults. Stateless: the counts are
+    built from the rows' lists (the ``Sampler`` keeps them across steps instead).
     """
-    rep = [r.params.repetition_penalty for r in rows]
-    freq = [r.params.frequency_penalty for r in rows]
-    pres = [r.params.presence_penalty for r in rows]
-    need_rep = any(p != 1.0 for p in rep)
-    if not need_rep and not any(freq) and not any(pres):
+    if not any(_penalised(r.params) for r in rows):
         return logits
+    params, need_rep = _penalty_params(rows, logits.device)
     counts = _token_counts([r.output_ids for r in rows], logits.shape, logits.device)
+    seen = None
     if need_rep:
         seen = (counts > 0) | (_token_counts([r.prompt_ids for r in rows], logits.shape, logits.device) > 0)
-        p = _col(rep, logits)
-        penalised = torch.where(logits > 0, logits / p, logits * p)
-        logits.copy_(torch.where(seen, penalised, logits))
-    logits.sub_(_col(freq, logits) * counts + _col(pres, logits) * (counts > 0))
+    _penalise(logits, counts, seen, params)
     return logits
+
+
+def _penalised(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or bool(p.frequency_penalty) or bool(p.presence_penalty)
 
 
 def apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -89,28 +117,81 @@ def apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
                     r_idx.append(i)
                     c_idx.append(t)
     if r_idx:
-        logits[torch.tensor(r_idx, device=logits.device), torch.tensor(c_idx, device=logits.device)] = float("-inf")
+        idx = upload([r_idx, c_idx], torch.long, logits.device)
+        logits[idx[0], idx[1]] = float("-inf")
     return logits
 
 
-class Sampler:
-    """Turns a batch of logits into next tokens; holds the RNG for unseeded requests."""
+class PenaltyState:
+    """Output-token counts ``[num_slots, V]`` (and prompt-token presence for repetition) per
+    engine slot, on the device. A slot's row is rebuilt from the request's lists when a new
+    request takes the slot (or its output no longer matches what was counted), and otherwise
+    only advanced by the token the request sampled."""
 
-    def __init__(self, vocab_size: int, device: torch.device | str = "cpu", seed: int = 0) -> None:
+    def __init__(self, num_slots: int, vocab_size: int, device: torch.device) -> None:
+        self.num_slots, self.vocab_size, self.device = num_slots, vocab_size, device
+        self.counts: torch.Tensor | None = None  # allocated when a penalty is first used
+        self.prompt: torch.Tensor | None = None
+        self._owner: list[list[int] | None] = [None] * num_slots  # the output list each slot counts
+        self._counted = [0] * num_slots  # output tokens counted in each slot
+        self._has_prompt = [False] * num_slots
+
+    def gather(self, rows: list[SamplingRow], need_rep: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """(counts ``[P, V]``, prompt-or-output presence ``[P, V]`` or None, slot index ``[P]``) of ``rows``."""
+        shape = (self.num_slots, self.vocab_size)
+        if self.counts is None:
+            self.counts = torch.zeros(shape, dtype=torch.float32, device=self.device)
+        if need_rep and self.prompt is None:
+            self.prompt = torch.zeros(shape, dtype=torch.bool, device=self.device)
+        stale = [r for r in rows if self._owner[r.slot] is not r.output_ids or self._counted[r.slot] != len(r.output_ids)]
+        if stale:
+            self._rebuild(stale, self.counts, lambda r: r.output_ids)
+            for r in stale:
+                self._owner[r.slot], self._counted[r.slot], self._has_prompt[r.slot] = r.output_ids, len(r.output_ids), False
+        if need_rep:
+            missing = [r for r in rows if not self._has_prompt[r.slot] and r.params.repetition_penalty != 1.0]
+            if missing:
+                self._rebuild(missing, self.prompt, lambda r: r.prompt_ids)
+                for r in missing:
+                    self._has_prompt[r.slot] = True
+        slots = upload([r.slot for r in rows], torch.long, self.device)
+        counts = self.counts.index_select(0, slots)
+        seen = (self.prompt.index_select(0, slots) | (counts > 0)) if need_rep else None
+        return counts, seen, slots
+
+    def _rebuild(self, rows: list[SamplingRow], dest: torch.Tensor, ids_of) -> None:
+        slots = upload([r.slot for r in rows], torch.long, self.device)
+        fresh = _token_counts([ids_of(r) for r in rows], (len(rows), self.vocab_size), self.device)
+        dest.index_copy_(0, slots, fresh if dest.dtype == fresh.dtype else fresh > 0)
+
+    def advance(self, rows: list[SamplingRow], slots: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Count each row's sampled token (on the device; the host only moves its tallies)."""
+        self.counts.index_put_((slots, tokens), torch.ones_like(tokens, dtype=torch.float32), accumulate=True)
+        for r in rows:
+            self._counted[r.slot] += 1
+
+
+class Sampler:
+    """Turns a batch of logits into next tokens; holds the RNG for unseeded requests and, with
+    ``num_slots``, the per-slot penalty state."""
+
+    def __init__(self, vocab_size: int, device: torch.device | str = "cpu", seed: int = 0, num_slots: int = 0) -> None:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
+        self.penalties = PenaltyState(num_slots, vocab_size, self.device) if num_slots > 0 else None
 
-    def _uniforms(self, rows: list[SamplingRow], device: torch.device) -> torch.Tensor:
-        """One U[0,1) per row: from the row's own generator if it has one, else in one shared call."""
+    def _uniforms(self, rows: list[SamplingRow]) -> list[float]:
+        """One U[0,1) per row: from the row's own generator if it has one, else in one shared draw."""
         shared = [i for i, r in enumerate(rows) if r.generator is None]
-        u = torch.empty(len(rows), dtype=torch.float32)
+        u = [0.0] * len(rows)
         if shared:
-            u[shared] = torch.rand(len(shared), generator=self.generator)
+            for i, x in zip(shared, torch.rand(len(shared), generator=self.generator).tolist()):
+                u[i] = x
         for i, r in enumerate(rows):
             if r.generator is not None:
-                u[i] = torch.rand(1, generator=r.generator)[0]
-        return u.to(device)
+                u[i] = torch.rand(1, generator=r.generator).item()
+        return u
 
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SampleOutput:
         """Pick one token per row; may modify ``logits`` in place, never ``rows``.
@@ -119,24 +200,62 @@ class Sampler:
         Logprobs are log_softmax of the *raw* logits (before penalties, temperature and
         filters), matching SGLang's default: they describe the model, not the sampler.
         """
-        logits = logits[:, : self.vocab_size]
+        if logits.shape[1] != self.vocab_size:
+            logits = logits[:, : self.vocab_size]
         if logits.dtype != torch.float32:
             logits = logits.float()
-        want_lp = any(r.return_logprob or r.top_logprobs_num > 0 for r in rows)
+        greedy, want_lp, penalised, short = True, False, [], False
+        for i, r in enumerate(rows):  # one pass: what this batch needs at all
+            p = r.params
+            greedy = greedy and p.is_greedy
+            want_lp = want_lp or r.return_logprob or r.top_logprobs_num > 0
+            if _penalised(p):
+                penalised.append(i)
+            short = short or len(r.output_ids) < p.min_new_tokens
         raw_lp = torch.log_softmax(logits, dim=-1) if want_lp else None
-        raw_argmax = logits.argmax(dim=-1)
+        if greedy and not penalised and not short:
+            return self._output(logits.argmax(dim=-1), rows, raw_lp)
 
-        apply_penalties(logits, rows)
-        apply_min_tokens(logits, rows)
+        raw_argmax = logits.argmax(dim=-1)
+        advance = self._apply_penalties(logits, rows, penalised) if penalised else None
+        if short:
+            apply_min_tokens(logits, rows)
         best, tokens = logits.max(dim=-1)
         # A row whose every token is now -inf falls back to the model's own argmax.
         tokens = torch.where(best == float("-inf"), raw_argmax, tokens)
 
         sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy]
-        if sampled:  # all-greedy batches skip the sort entirely
-            idx = torch.tensor(sampled, device=logits.device)
+        if len(sampled) == len(rows):
+            tokens = self._sample_rows(logits, rows, tokens)
+        elif sampled:  # all-greedy batches skip the sort entirely
+            idx = upload(sampled, torch.long, logits.device)
             tokens[idx] = self._sample_rows(logits[idx], [rows[i] for i in sampled], tokens[idx])
+        if advance is not None:
+            advance(tokens)
         return self._output(tokens, rows, raw_lp)
+
+    def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow], which: list[int]):
+        """Penalise rows ``which`` in place; returns what counts their sampled tokens afterwards
+        (with the kept state), or None."""
+        sub_rows = [rows[i] for i in which]
+        state = self.penalties
+        if state is None or any(r.slot < 0 for r in sub_rows):
+            if len(which) == len(rows):
+                apply_penalties(logits, rows)
+            else:
+                idx = upload(which, torch.long, logits.device)
+                logits[idx] = apply_penalties(logits[idx], sub_rows)
+            return None
+        params, need_rep = _penalty_params(sub_rows, logits.device)
+        counts, seen, slots = state.gather(sub_rows, need_rep)
+        if len(which) == len(rows):
+            _penalise(logits, counts, seen, params)
+            return lambda tokens: state.advance(sub_rows, slots, tokens)
+        idx = upload(which, torch.long, logits.device)
+        sub = logits[idx]
+        _penalise(sub, counts, seen, params)
+        logits[idx] = sub
+        return lambda tokens: state.advance(sub_rows, slots, tokens[idx])
 
     def _sample_rows(self, logits: torch.Tensor, rows: list[SamplingRow], fallback: torch.Tensor) -> torch.Tensor:
         """Temperature, then top-k/top-p/min-p on one sorted copy, then inverse-CDF sampling.
@@ -147,22 +266,23 @@ class Sampler:
         not finite (e.g. all -inf, or overflow at a tiny temperature) keep ``fallback``.
         """
         vocab = logits.shape[1]
+        u = self._uniforms(rows)
+        cols = upload([(r.params.temperature, r.params.top_k if r.params.top_k > 0 else vocab, r.params.top_p,
+                        r.params.min_p, x) for r, x in zip(rows, u)], torch.float32, logits.device)
+        temp, top_k, top_p, min_p, target = cols.unbind(1)
         ar = torch.arange(vocab, device=logits.device).unsqueeze(0)
-        temp = _col([r.params.temperature for r in rows], logits)
-        top_k = _col([r.params.top_k if r.params.top_k > 0 else vocab for r in rows], logits)
-        top_p = _col([r.params.top_p for r in rows], logits)
-        min_p = _col([r.params.min_p for r in rows], logits)
 
-        probs = torch.softmax(logits / temp, dim=-1)
+        probs = torch.softmax(logits / temp.unsqueeze(1), dim=-1)
         probs, order = probs.sort(dim=-1, descending=True)
         exclusive = probs.cumsum(dim=-1) - probs
-        drop = (ar >= top_k) | ((exclusive >= top_p) & (top_p < 1.0)) | (probs < probs[:, :1] * min_p)
+        top_p = top_p.unsqueeze(1)
+        drop = (ar >= top_k.unsqueeze(1)) | ((exclusive >= top_p) & (top_p < 1.0)) | (probs < probs[:, :1] * min_p.unsqueeze(1))
         drop[:, 0] = False  # the best token always survives
         probs = probs.masked_fill(drop, 0.0)
 
         cdf = probs.cumsum(dim=-1)
         total = cdf[:, -1:]
-        target = self._uniforms(rows, logits.device).unsqueeze(1) * total
+        target = target.unsqueeze(1) * total
         # First index whose cdf exceeds u*total, capped at the last token with mass (rounding guard).
         pos = torch.minimum((cdf <= target).sum(-1), (cdf < total).sum(-1)).clamp_(max=vocab - 1)
         chosen = order.gather(1, pos.unsqueeze(1)).squeeze(1)
@@ -171,14 +291,13 @@ class Sampler:
 
     def _output(self, tokens: torch.Tensor, rows: list[SamplingRow], raw_lp: torch.Tensor | None) -> SampleOutput:
         """Gather the chosen token's logprob and the requested top-k, converting to lists once."""
-        token_ids = tokens.tolist()
         if raw_lp is None:
-            return SampleOutput(token_ids, None, None)
-        logprobs = raw_lp.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
+            return SampleOutput(tokens.tolist(), None, None)
         k = min(max(r.top_logprobs_num for r in rows), raw_lp.shape[1])
+        chosen = raw_lp.gather(1, tokens.unsqueeze(1)).squeeze(1)
         if k <= 0:
-            return SampleOutput(token_ids, logprobs, None)
+            return SampleOutput(tokens.tolist(), chosen.tolist(), None)
         vals, ids = raw_lp.topk(k, dim=-1)
-        vals_l, ids_l = vals.tolist(), ids.tolist()
+        token_ids, logprobs, vals_l, ids_l = tokens.tolist(), chosen.tolist(), vals.tolist(), ids.tolist()
         top = [list(zip(ids_l[i][: r.top_logprobs_num], vals_l[i][: r.top_logprobs_num])) for i, r in enumerate(rows)]
         return SampleOutput(token_ids, logprobs, top)

@@ -24,7 +24,6 @@ from collections import deque
 
 import attrs
 import structlog
-import torch
 
 from core.engine.kv_cache import PageAllocator, ReqToTokenTable
 from core.engine.radix_cache import RadixCache
@@ -37,12 +36,18 @@ log = structlog.get_logger("core.engine.scheduler")
 
 @attrs.define
 class ScheduledBatch:
+    """One forward's worth of work, as plain Python data: the model runner owns every device
+    tensor and builds them from these lists (the scheduler never touches the device)."""
+
     reqs: list[Req]
     extend_lens: list[int]
-    input_ids: list[int]  # flattened new tokens
-    positions: torch.Tensor  # [T]
-    out_cache_loc: torch.Tensor  # [T]
+    input_ids: list[int]  # [T] flattened new tokens
+    positions: list[int]  # [T] absolute position of each new token
+    out_cache_loc: list[int]  # [T] KV slot of each new token
     is_prefill: bool
+    # (table rows, positions, slots) the runner records in the request -> token table before the
+    # forward: the new tokens' slots plus any cached-prefix slots of these requests not yet written
+    table_writes: tuple[list[int], list[int], list[int]] = ([], [], [])
 
 
 @attrs.define
@@ -98,6 +103,8 @@ class Scheduler:
         self.chunked_req: Req | None = None  # the request whose prompt is being prefilled in chunks
         self._chunk_ran_last = False
         self.num_retracted = 0  # requests retracted so far (a request may count more than once)
+        # table row -> (positions, slots) not yet in the device table: written by the row's next batch
+        self._table_pending: dict[int, tuple[list[int], list[int]]] = {}
         self.prefill_tokens = 0  # tokens computed by prefill forwards (cached prefixes excluded)
 
     # ------------------------------------------------------------------ queue
@@ -150,10 +157,12 @@ class Scheduler:
         return self.allocator.allocate(pages)
 
     def _write_row(self, req: Req, start: int, end: int) -> None:
+        """Queue table entries [start, end) of a request's row; they travel with its next batch."""
         if end > start:
             ps = self.ps
-            locs = [req.pages[p // ps] * ps + p % ps for p in range(start, end)]
-            self.table.table[req.row, start:end] = torch.tensor(locs)
+            cols, slots = self._table_pending.setdefault(req.row, ([], []))
+            cols.extend(range(start, end))
+            slots.extend(req.pages[p // ps] * ps + p % ps for p in range(start, end))
 
     def _match(self, req: Req) -> tuple[list[int], object]:
         """Cached prefix of a waiting request: at least its last token is always recomputed (for logits)."""
@@ -352,32 +361,44 @@ class Scheduler:
         if req is self.chunked_req:
             self.chunked_req = None
         self._release_kv(req)
+        self._table_pending.pop(req.row, None)
         self.table.free_row(req.row)
         req.row, req.kv_len = -1, 0
         req.num_retractions += 1
         self.running.remove(req)
 
     def _build(self, reqs: list[Req], extend_lens: list[int], prefill: bool) -> ScheduledBatch:
-        """Take pages for the new tokens and record their slots in the request table."""
+        """Take pages for the new tokens and list their slots (and the table entries to write)."""
         ps = self.ps
         input_ids: list[int] = []
         rows: list[int] = []
         positions: list[int] = []
         locs: list[int] = []
+        pending = self._table_pending
+        extra: tuple[list[int], list[int], list[int]] = ([], [], [])
         for req, n in zip(reqs, extend_lens):
-            start = req.kv_len
-            more = self.allocator.pages_for(start + n) - len(req.pages)
-            if more > 0:
-                req.pages += self._alloc(more)
-            pages, span = req.pages, range(start, start + n)
-            positions.extend(span)
-            locs.extend(pages[p // ps] * ps + p % ps for p in span)
-            rows.extend([req.row] * n)
-            input_ids.extend(req.token_at(p) for p in span)
-            req.kv_len = start + n
-        pos_t, loc_t = torch.tensor(positions), torch.tensor(locs)
-        self.table.table[torch.tensor(rows), pos_t] = loc_t
-        return ScheduledBatch(reqs, extend_lens, input_ids, pos_t, loc_t, prefill)
+            if pending and (queued := pending.pop(req.row, None)) is not None:
+                extra[0].extend([req.row] * len(queued[0]))
+                extra[1].extend(queued[0])
+                extra[2].extend(queued[1])
+            start = end = req.kv_len
+            end += n
+            if self.allocator.pages_for(end) > len(req.pages):
+                req.pages += self._alloc(self.allocator.pages_for(end) - len(req.pages))
+            pages = req.pages
+            if n == 1:  # decode: the common case, kept short
+                positions.append(start)
+                locs.append(pages[start // ps] * ps + start % ps)
+                rows.append(req.row)
+                input_ids.append(req.token_at(start))
+            else:
+                positions.extend(range(start, end))
+                locs.extend(pages[start:end] if ps == 1 else (pages[p // ps] * ps + p % ps for p in range(start, end)))
+                rows.extend([req.row] * n)
+                input_ids.extend(_tokens(req, start, end))
+            req.kv_len = end
+        writes = (rows, positions, locs) if not extra[0] else (extra[0] + rows, extra[1] + positions, extra[2] + locs)
+        return ScheduledBatch(reqs, extend_lens, input_ids, positions, locs, prefill, writes)
 
     # ------------------------------------------------------------------ results
     def process(self, batch: ScheduledBatch, result: StepResult) -> list[tuple[Req, str]]:
@@ -448,6 +469,41 @@ class Scheduler:
             elif req in self.waiting:
                 self.waiting.remove(req)
 
+    def fail_all(self, message: str) -> list[Req]:
+        """Finish every queued and running request with ``message`` and return them: the
+        containment for a scheduling bug, after which no request's state can be trusted.
+        Afterwards nothing is queued or running and the pool is consistent; if freeing the
+        requests one by one cannot restore that, the prefix cache is dropped and every page
+        and table row is given back wholesale."""
+        reqs = [*self.waiting, *self.running]
+        self.waiting.clear()
+        try:
+            self.fail(reqs, message)
+            self.check_accounting()
+            assert self.table.num_free == self.table.table.shape[0], "table rows leaked"
+        except Exception:
+            log.exception("scheduler.reset_after_failure")
+            self._reset_pool(reqs, message)
+        return reqs
+
+    def _reset_pool(self, reqs: list[Req], message: str) -> None:
+        """A fresh scheduler's state: nothing queued or running, the prefix cache empty (its locks
+        may be wrong), every page and table row free; ``reqs`` finished with ``message``."""
+        now = time.perf_counter()
+        for req in reqs:
+            if not req.finished:
+                req.finish_reason, req.finish_time = {"type": "abort", "message": message}, now
+            req.row, req.pages, req.tree_pages, req.last_node = -1, [], 0, None
+        self.waiting.clear()
+        self.running.clear()
+        self.chunked_req, self._chunk_ran_last = None, False
+        self._table_pending.clear()
+        if self.tree_cache is not None:
+            self.tree_cache.protected_pages = 0
+            self.tree_cache.reset()
+        self.allocator._free = list(range(self.allocator.num_pages - 1, 0, -1))
+        self.table._free_rows = list(range(self.table.table.shape[0] - 1, -1, -1))
+
     def _reap_aborted(self) -> list[Req]:
         gone = [r for r in self.waiting if r.aborted] + [r for r in self.running if r.aborted and not r.finished]
         if not gone:
@@ -465,6 +521,17 @@ class Scheduler:
         if req is self.chunked_req:
             self.chunked_req = None
         self._release_kv(req, cache)
+        self._table_pending.pop(req.row, None)
         self.table.free_row(req.row)
         req.row = -1
         self.running.remove(req)
+
+
+def _tokens(req: Req, start: int, end: int) -> list[int]:
+    """``req.fill_ids()[start:end]`` without building the whole list."""
+    n = len(req.prompt_ids)
+    if end <= n:
+        return req.prompt_ids[start:end]
+    if start >= n:
+        return req.output_ids[start - n : end - n]
+    return req.prompt_ids[start:] + req.output_ids[: end - n]

@@ -96,7 +96,6 @@ NOT_SUPPORTED_YET: dict[str, tuple[Callable[[Any], bool], str]] = {
     "speculative_algorithm": (_off(), ""),
     "disaggregation_mode": (_off("null"), ""),
     "enable_torch_compile": (_off(), ""),
-    "cuda_graph_max_bs": (_off(), ""),
     "enable_multimodal": (_off(), ""),
     "trust_remote_code": (_off(), "custom model code is never executed"),
     "tokenizer_mode": (_off("auto"), "only 'auto' is supported"),
@@ -339,7 +338,6 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
     g = s("Optimization/debug options")
     g.add_argument("--enable-torch-compile", action="store_true", help="not supported yet")
-    g.add_argument("--cuda-graph-max-bs", type=int, default=None, help="not supported yet")
     g.add_argument("--enable-dp-attention", action="store_true", help="not supported yet")
 
     g = s("PD disaggregation")
