@@ -91,7 +91,7 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|")
     for dp, threads in ((1, 2), (2, 1)):
         r = run_config(args, dp, threads)
-        print(f"| --dp-size {dp}, {threads} thread{'s' if threads > 1 else ''} each | {r['tok_s']:.1f} | "
+        print(f"| --dp-size {dp}, --cpu-threads {threads} | {r['tok_s']:.1f} | "
               f"{r['p50']:.2f} | {r['p90']:.2f} | {r['wall']:.1f} |", flush=True)
 
 
