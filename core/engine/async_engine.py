@@ -34,6 +34,7 @@ from core.engine.radix_cache import RadixCache
 from core.engine.request import Req
 from core.engine.sampler import Sampler
 from core.engine.scheduler import ScheduledBatch, Scheduler
+from core.engine.watchdog import Watchdog
 
 log = structlog.get_logger("core.engine")
 
@@ -79,6 +80,8 @@ class AsyncEngine(RequestFrontEnd):
         self.runner.grammar = self.grammar
         self.runner.graphs = self._capture_cuda_graphs()
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="core-forward")
+        # a step past --watchdog-timeout stops the engine for good, through the same thread-safe path as a failed rank
+        self.watchdog = Watchdog(args.watchdog_timeout, self._on_rank_failure)
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self.log = log
@@ -295,6 +298,7 @@ class AsyncEngine(RequestFrontEnd):
         a message naming the stage, and the loop goes on: a failing ``schedule()`` fails every
         queued and running request (the scheduler's state is no longer trusted, so it is reset);
         a failing forward or result processing fails that batch."""
+        self.watchdog.begin()
         try:
             batch, aborted = self.scheduler.schedule()
         except Exception as e:
@@ -305,10 +309,12 @@ class AsyncEngine(RequestFrontEnd):
         if batch is None:
             self._wake.clear()
             if not self.scheduler.has_work:
+                self.watchdog.idle()
                 await self._wake.wait()
             return
         t0 = time.perf_counter()
         try:
+            self.watchdog.running(batch)
             result = await asyncio.get_running_loop().run_in_executor(self._executor, self.runner.run, batch)
         except RankFailure:
             raise
@@ -358,6 +364,7 @@ class AsyncEngine(RequestFrontEnd):
         if self._stopped:
             return
         self._stopped, self.fatal_error = True, message
+        self.watchdog.stop()
         log.error("engine.stopped", error=message)
         task, self._task = self._task, None
         if task is not None and task is not asyncio.current_task():
@@ -474,6 +481,7 @@ class AsyncEngine(RequestFrontEnd):
 
     async def shutdown(self) -> None:
         """Abort whatever is queued or running, stop the scheduler and the worker thread."""
+        self.watchdog.stop()
         if self._task is not None and not self._task.done():
             self._task.cancel()
             try:
