@@ -134,6 +134,23 @@ def test_heads_that_do_not_split_are_refused():
         local_heads(6, 2, TensorParallel(0, 3, None))
 
 
+def test_quant_methods_loading_their_own_weights_are_refused():
+    from core.errors import ModelLoadError
+    from core.layers import ColumnParallelLinear, RowParallelLinear
+    from core_plugins.quant.unquantized import Unquantized
+
+    class OwnLoader(Unquantized):  # e.g. a pre-quantized checkpoint format with a packed layout
+        def create_weights(self, layer, *args):
+            super().create_weights(layer, *args)
+            layer.weight.weight_loader = lambda param, loaded, shard=None: None
+
+    for cls in (ColumnParallelLinear, RowParallelLinear):
+        with building(TensorParallel(0, 2, None)):
+            with pytest.raises(ModelLoadError, match="OwnLoader loads its own weights and does not support tensor"):
+                cls(8, 4, False, OwnLoader(), torch.float32)
+        cls(8, 4, False, OwnLoader(), torch.float32)  # one rank: fine
+
+
 # --------------------------------------------------------------------------- flags and failure
 
 
