@@ -15,8 +15,9 @@ from core.errors import InvalidRequest
 from core.server.http import ApiError, json_response, read_body, state_of
 
 
-def input_ids_of(engine: Any, inp: Any, param: str = "input") -> tuple[list[list[int]], bool]:
-    """(token id lists, was it a batch) from a string, list of strings, token ids or list of token id lists."""
+def input_ids_of(state: Any, inp: Any, param: str = "input") -> tuple[list[list[int]], bool]:
+    """(token id lists, was it a batch) from a string, list of strings, token ids or list of token id lists;
+    a text that cannot fit the context is refused before it is tokenized (``ServerState.tokenize``)."""
     def is_ids(x: Any) -> bool:
         return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
@@ -30,7 +31,9 @@ def input_ids_of(engine: Any, inp: Any, param: str = "input") -> tuple[list[list
         raise InvalidRequest(f"{param} must be a string, a list of strings, a list of token ids or a list of token id lists",
                              param=param)
     try:
-        ids = [engine.tokenize(x, None) if isinstance(x, str) else engine.tokenize(None, x) for x in items]
+        ctx = state.context_len
+        ids = [state.tokenize(x, None, param, ctx) if isinstance(x, str) else state.engine.tokenize(None, x)
+               for x in items]
     except InvalidRequest as e:
         raise InvalidRequest(e.message, param=param) from None
     return ids, batch
@@ -52,7 +55,7 @@ async def openai_embeddings(request: Request) -> Response:
     fmt = obj.get("encoding_format") or "float"
     if fmt not in ("float", "base64"):
         raise InvalidRequest("encoding_format must be 'float' or 'base64'", param="encoding_format")
-    ids, _ = input_ids_of(engine, obj["input"])
+    ids, _ = input_ids_of(state, obj["input"])
     ids = [state.fit_prompt(i, engine.model_config.context_len) for i in ids]
     embs = await engine.encode(ids)
     data = [{"object": "embedding", "index": i,
@@ -72,7 +75,7 @@ async def _native(request: Request, classify: bool) -> Response:
     if classify and not engine.is_classifier:
         raise InvalidRequest("the served model has no classification head")
     key = "input_ids" if obj.get("input_ids") is not None else "text"
-    ids, batch = input_ids_of(engine, obj.get(key), key)
+    ids, batch = input_ids_of(state, obj.get(key), key)
     ids = [state.fit_prompt(i, engine.model_config.context_len) for i in ids]
     embs = await engine.encode(ids)
     outs = [{"embedding": e, "meta_info": {"prompt_tokens": len(i), "finish_reason": {"type": "length", "length": 0}}}
