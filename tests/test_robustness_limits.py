@@ -319,3 +319,14 @@ def test_health_stays_fast_under_full_load(served: Served) -> None:
     waits = served.run(scenario())
     assert waits, "the load finished before /health was asked"
     assert max(waits) < 1.0, waits
+
+
+def test_batch_file_lines_nested_too_deeply_are_line_errors() -> None:
+    from core.server.openai.batches import parse_batch_input
+
+    deep = '{"custom_id": "a", "body": ' + "[" * 5000 + "]" * 5000 + "}"  # past Python's recursion limit
+    mid = '{"custom_id": "b", "body": {"x": ' + "[" * 100 + "]" * 100 + "}}"
+    ok = '{"custom_id": "c", "body": {"messages": []}}'
+    lines, errors = parse_batch_input("\n".join([deep, mid, ok]).encode(), "/v1/chat/completions")
+    assert [item["custom_id"] for item in lines] == ["c"]
+    assert [(e["line"], "nests deeper than 64" in e["message"]) for e in errors] == [(1, True), (2, True)]

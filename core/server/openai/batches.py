@@ -31,6 +31,7 @@ from starlette.responses import Response
 
 from core.errors import InvalidRequest
 from core.server.http import ApiError, api_error, json_response, read_body, state_of
+from core.server.limits import check_json_depth
 from core.server.openai.files import Storage, get_storage, not_found
 from core.server.openai.protocol import BatchObject, BatchRequest, ListObject, RequestCounts
 from core.server.openai.routes import run_request
@@ -58,8 +59,12 @@ def parse_batch_input(raw: bytes, endpoint: str) -> tuple[list[dict], list[dict]
         if not text.strip():
             continue
         try:
+            check_json_depth(text.encode())  # as for a request body: deep nesting is refused, never a crash
             item = json.loads(text)
-        except ValueError as e:
+        except InvalidRequest as e:
+            errors.append(_line_error(k, f"line {k + 1}: {e.message}"))
+            continue
+        except (ValueError, RecursionError) as e:
             errors.append(_line_error(k, f"line {k + 1} is not valid JSON: {e}"))
             continue
         if not isinstance(item, dict):
