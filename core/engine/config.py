@@ -96,6 +96,9 @@ class EngineArgs:
     random_seed: int | None = _arg(None, MEMORY, "random seed (sampling, the random schedule policy, dummy weights)")
     cpu_threads: int | None = _arg(None, MEMORY, "torch intra-op threads on CPU (default: torch's choice, all cores; "
                                                  "OMP_NUM_THREADS also applies)")
+    watchdog_timeout: float = _arg(300.0, MEMORY, "seconds one forward or scheduling step may take; a longer one fails "
+                                                   "every in-flight request and marks the engine failed (core serve "
+                                                   "then exits non-zero for a supervisor to restart it); 0 disables")
     # ---- kernel backends and plugins
     attention_backend: str | None = _arg(None, BACKENDS, "attention backend (default: chosen for the device by the choose_attention_backend hook: flashinfer or triton on CUDA, cpu on CPU where its C++ kernel builds, else torch_native; `core plugins` shows the choice)")
     quantization: str | None = _arg(None, BACKENDS, "quantization method (any registered; default: the checkpoint's "
