@@ -344,8 +344,12 @@ class GrammarBackend(Protocol):
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     """Set ``logits[b, t]`` to -inf where bit ``t % 32`` of ``bitmask[b, t // 32]`` is 0, in place
     (``logits`` ``[B, V]``, ``bitmask`` ``[B, ceil(V/32)]`` int32; tokens past the mask are
-    disallowed). A portable ``GrammarBackend.apply_bitmask`` for backends without a kernel."""
-    bitmask = bitmask.to(logits.device)
+    disallowed). A portable ``GrammarBackend.apply_bitmask`` for backends without a kernel; the
+    mask reaches a GPU through pinned memory without blocking, and is expanded there."""
+    if bitmask.device != logits.device:
+        if logits.device.type == "cuda" and not bitmask.is_pinned():
+            bitmask = bitmask.pin_memory()
+        bitmask = bitmask.to(logits.device, non_blocking=True)
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
     allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().reshape(bitmask.shape[0], -1)
     v = logits.shape[1]
