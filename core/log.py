@@ -10,6 +10,17 @@ import structlog
 LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
+class _CurrentStderr:
+    """Writes to whatever ``sys.stderr`` is now: a stream captured at configure time may be
+    closed later (pytest's capture, a redirected CLI run), and logging must never raise."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure_logging(level: str = "info", json: bool = False) -> None:
     """Route structlog through a level filter to stderr (JSON lines when ``json``)."""
     if level not in LEVELS:
@@ -23,6 +34,6 @@ def configure_logging(level: str = "info", json: bool = False) -> None:
             structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=False),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()),
         cache_logger_on_first_use=False,
     )
