@@ -16,6 +16,7 @@ When none is left the engine stops (``fatal_listeners``: ``core serve`` exits no
 from __future__ import annotations
 
 import asyncio
+import atexit
 import itertools
 import threading
 import time
@@ -115,6 +116,7 @@ class DataParallelEngine(RequestFrontEnd):
             p.start()
             theirs.close()
             replicas.append(Replica(i, p, mine))
+            _STARTED.append((p, mine))
         try:
             for r in replicas:
                 r.info = self._wait_ready(r)
@@ -388,6 +390,21 @@ def _load_tokenizer(args: EngineArgs, path):
         return AutoTokenizer.from_pretrained(args.tokenizer_path or path)
     except Exception as e:
         raise ModelLoadError(f"cannot load tokenizer from {args.tokenizer_path or path}: {e}") from e
+
+
+# Replica processes are not daemons, so multiprocessing joins them at interpreter exit; an engine
+# never shut down (a failed test, an exception in the caller) would then hang the exit forever.
+_STARTED: list[tuple[Any, Any]] = []
+
+
+@atexit.register
+def _reap_replicas() -> None:
+    """Runs before multiprocessing's own exit join (atexit is last-in, first-out)."""
+    for process, conn in _STARTED:
+        conn.close()
+        if process.is_alive():
+            process.join(2)
+        _kill(process)
 
 
 def _kill(process) -> None:
