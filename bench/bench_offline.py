@@ -55,7 +55,8 @@ def weight_bytes(model: torch.nn.Module) -> int:
     total = 0
     embeds = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding) or type(m).__name__ == "VocabEmbedding"}
     tied = bool(getattr(model, "tied", False))  # the LM head reads the embedding matrix whole
-    for t in list(model.parameters()) + list(model.buffers()):
+    buffers = [t for name, t in model.named_buffers() if not name.endswith("dense_weight")]  # CPU copies for big GEMMs
+    for t in list(model.parameters()) + buffers:
         if id(t) in seen or (id(t) in embeds and not tied) or t.dtype in (torch.int64,):
             continue
         seen.add(id(t))

@@ -12,6 +12,15 @@ from core.errors import CoreError
 from core.plugins import load_plugins
 from core.testing import check_plugin, quant_method_conformance
 
+
+@pytest.fixture(autouse=True)
+def _packed_kernels_only(monkeypatch):
+    """These tests check the packed kernels: no dense copy for GEMMs of many rows (see packed.DENSE_MIN_ROWS)."""
+    from core_plugins.quant import packed
+
+    monkeypatch.setattr(packed, "DENSE_MIN_ROWS", None)
+
+
 pytest_plugins = ["core.testing.pytest_plugin"]
 
 

@@ -15,6 +15,15 @@ from core.engine import loader
 from tests.test_quant_kernels import BF16_REL, rel_err
 from tests.test_quant_models import MIN_AGREEMENT, agreement_and_kl, teacher_forced_logits
 
+
+@pytest.fixture(autouse=True)
+def _packed_kernels_only(monkeypatch):
+    """These tests check the packed kernels: no dense copy for GEMMs of many rows (see packed.DENSE_MIN_ROWS)."""
+    from core_plugins.quant import packed
+
+    monkeypatch.setattr(packed, "DENSE_MIN_ROWS", None)
+
+
 pytestmark = pytest.mark.slow
 
 TEXT = ("The quick brown fox jumps over the lazy dog. Paris is the capital of France, and Berlin is the capital "

@@ -18,6 +18,15 @@ from core_plugins.quant.gptq import GPTQ
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as T  # noqa: E402
 
+
+@pytest.fixture(autouse=True)
+def _packed_kernels_only(monkeypatch):
+    """These tests check the packed kernels: no dense copy for GEMMs of many rows (see packed.DENSE_MIN_ROWS)."""
+    from core_plugins.quant import packed
+
+    monkeypatch.setattr(packed, "DENSE_MIN_ROWS", None)
+
+
 BF16_REL = 2 ** -7  # one bf16 rounding of a scale/zero or an output, relative
 
 
@@ -329,3 +338,29 @@ def test_fp8_checkpoint_blocks_fold_into_per_channel_scales():
     # per-token activation scaling against the dequantized weight
     x = torch.randn(5, 96, generator=g).bfloat16()
     assert rel_err(layer(x), x.float() @ method.dequantize(layer).T) < 2 ** -4
+
+
+def test_cpu_dense_copy_serves_many_rows_and_packed_serves_few(monkeypatch):
+    """On CPU a packed layer keeps a bf16 copy: GEMMs of DENSE_MIN_ROWS rows or more use it (faster
+    there), fewer rows use the packed kernel; both compute the same product."""
+    monkeypatch.setattr(packed, "DENSE_MIN_ROWS", 16)
+    torch.manual_seed(0)
+    w = torch.randn(64, 128)
+    layer = torch.nn.Module()
+    layer.bias = None
+    q, scale, zero = packed.quantize_int4(w, 32)
+    packed.set_int4(layer, q, scale, zero, torch.bfloat16)
+    assert layer.dense_weight.dtype == torch.bfloat16 and layer.dense_weight.shape == (64, 128)
+    ref_w = packed.dequantize_int4(q, scale, zero)
+    calls = []
+    real = torch._weight_int4pack_mm_for_cpu
+    monkeypatch.setattr(torch, "_weight_int4pack_mm_for_cpu", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    for rows in (1, 15, 16, 40):
+        x = torch.randn(rows, 128, dtype=torch.bfloat16)
+        assert rel_err(packed.packed_linear(layer, x), x.float() @ ref_w.T) < 2 * BF16_REL
+    assert calls == [1, 15]  # 16 and 40 rows went to the dense copy
+    monkeypatch.setattr(packed, "DENSE_MIN_ROWS", None)
+    bare = torch.nn.Module()
+    bare.bias = None
+    packed.set_int4(bare, q, scale, zero, torch.bfloat16)
+    assert not hasattr(bare, "dense_weight")  # disabled: no copy is kept

@@ -27,6 +27,15 @@ from core_plugins.attention.torch_native import TorchNativeBackend
 from tests.conftest import make_engine
 from tests.test_quant_kernels import pack_awq, pack_gptq_cols, pack_gptq_rows, quantize_zero_point
 
+
+@pytest.fixture(autouse=True)
+def _packed_kernels_only(monkeypatch):
+    """These tests check the packed kernels: no dense copy for GEMMs of many rows (see packed.DENSE_MIN_ROWS)."""
+    from core_plugins.quant import packed
+
+    monkeypatch.setattr(packed, "DENSE_MIN_ROWS", None)
+
+
 MIN_AGREEMENT = 0.9
 LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

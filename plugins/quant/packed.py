@@ -25,6 +25,14 @@ import torch
 import torch.nn.functional as F
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)
+
+# On CPU the packed kernels win while a GEMM is a few rows (decode: they read 4-8x fewer bytes)
+# and lose from about 16 rows on (prefill, many streams: bf16 GEMMs are compute-bound and oneDNN's
+# are 1.5-2x faster; measured on the 2-core AVX-512 VM at SmolLM2 shapes). So on CPU a layer also
+# keeps its weight in the activation dtype, within a memory budget, and GEMMs of DENSE_MIN_ROWS
+# rows or more use it. None disables the copy (the tests of the packed kernels do).
+DENSE_MIN_ROWS: int | None = 16
+DENSE_COPY_RAM_FRACTION = 0.2
 FORMATS = ("int4", "int8", "dense")  # narrowest first: a packed layer takes its widest shard's
 
 
@@ -75,6 +83,33 @@ def set_dense(layer: torch.nn.Module, w: torch.Tensor, dtype: torch.dtype) -> No
     layer.weight = torch.nn.Parameter(w.to(device=device, dtype=dtype).contiguous(), requires_grad=False)
 
 
+class _DenseBudget:
+    """Bytes of dense copies this process may still keep (a share of physical memory)."""
+
+    def __init__(self) -> None:
+        self.left: int | None = None
+
+    def take(self, nbytes: int) -> bool:
+        if self.left is None:
+            import psutil
+
+            self.left = int(psutil.virtual_memory().total * DENSE_COPY_RAM_FRACTION)
+        if nbytes > self.left:
+            return False
+        self.left -= nbytes
+        return True
+
+
+_BUDGET = _DenseBudget()
+
+
+def _keep_dense_copy(layer: torch.nn.Module, dense: torch.Tensor, dtype: torch.dtype, device: torch.device) -> None:
+    """See DENSE_MIN_ROWS: the weight in the activation dtype beside the packed one, on CPU only."""
+    if (DENSE_MIN_ROWS and device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
+            and _BUDGET.take(dense.numel() * torch.finfo(dtype).bits // 8)):
+        layer.register_buffer("dense_weight", dense.to(device=device, dtype=dtype).contiguous(), persistent=False)
+
+
 def set_int8(layer: torch.nn.Module, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
              device: torch.device | None = None) -> None:
     """Per-channel int8; falls back to dense (exact dequantized values) where the kernel cannot run."""
@@ -85,6 +120,7 @@ def set_int8(layer: torch.nn.Module, q: torch.Tensor, scale: torch.Tensor, dtype
     layer.quant_format = "int8"
     layer.register_buffer("qweight_int8", q.to(device).contiguous())
     layer.register_buffer("qscale", scale.to(device=device, dtype=dtype))
+    _keep_dense_copy(layer, q.float() * scale.float()[:, None], dtype, device)
 
 
 def int4_supported(out_features: int, in_features: int, group: int) -> bool:
@@ -110,6 +146,8 @@ def set_int4(layer: torch.nn.Module, q: torch.Tensor, scale: torch.Tensor, zero:
     layer.register_buffer("qweight_int4", packed)
     sz = torch.stack([scale.float(), zero.float()], -1).transpose(0, 1).contiguous()  # [K/group, N, 2]
     layer.register_buffer("qscale_zero", sz.to(device=device, dtype=dtype))
+    if DENSE_MIN_ROWS and device.type == "cpu":
+        _keep_dense_copy(layer, dequantize_int4(q.cpu(), scale, zero), dtype, device)
 
 
 def _device(layer: torch.nn.Module) -> torch.device:
@@ -128,6 +166,9 @@ def packed_linear(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, layer.weight, layer.bias)
     shape = x.shape
     x2 = x.reshape(-1, shape[-1]).contiguous()
+    dense = getattr(layer, "dense_weight", None)
+    if dense is not None and DENSE_MIN_ROWS and x2.shape[0] >= DENSE_MIN_ROWS:
+        return F.linear(x, dense, layer.bias)
     if fmt == "int4":
         if x2.is_cuda:
             y = torch._weight_int4pack_mm(x2, layer.qweight_int4, layer.group_size, layer.qscale_zero)
@@ -179,6 +220,10 @@ class PackedHead(torch.nn.Module):
         self.bias = None
         q, scale = quantize_int8(weight)
         set_int8(self, q, scale, weight.dtype, weight.device)
+        if hasattr(self, "dense_weight"):  # the table is kept anyway: share it rather than copy it
+            del self.dense_weight
+            _BUDGET.left = (_BUDGET.left or 0) + weight.numel() * 2
+            self.__dict__["dense_weight"] = weight  # a plain reference, not a second registered parameter
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return packed_linear(self, x)
