@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import platform
 import statistics
 import time
 
 import torch
+
+from core.engine.device import cpu_model_name
 
 
 def measure_bandwidth(device: torch.device, nbytes: int = 256 << 20, reps: int = 5) -> float:
@@ -231,7 +232,7 @@ def main() -> None:
     limit = bw / wbytes
     if dev.type == "cpu":
         native, why = cpu_native_bf16()
-        cpu = f"{_cpu_model()}; torch capability {torch.backends.cpu.get_cpu_capability()}; native bf16: {native} ({why})"
+        cpu = f"{cpu_model_name()}; torch capability {torch.backends.cpu.get_cpu_capability()}; native bf16: {native} ({why})"
     else:
         cpu = torch.cuda.get_device_name(dev)
     print(f"# {cpu}")
@@ -246,16 +247,6 @@ def main() -> None:
     for c, sp in splits.items():
         print(f"# decode step at {c} streams: {sp['step']:.1f} ms = GEMMs {sp['gemm']:.1f} + attention "
               f"{sp['attention']:.1f} + other (Python, norms, rotary, sampling) {sp['other']:.1f}")
-
-
-def _cpu_model() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 if __name__ == "__main__":

@@ -16,11 +16,12 @@ first token). Engines are built one at a time, measured, and shut down.
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import time
 
 import torch
+
+from core.engine.device import cpu_model_name
 
 MODES = {
     "dense": {"quantization": "none"},
@@ -28,16 +29,6 @@ MODES = {
     "int4": {},  # GGUF kept quantized: the engine's default for the embedded model on CPU
     "int4wo-32": {"torchao_config": "int4wo-32"},
 }
-
-
-def cpu_model() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def run_once(engine, prompt: list[int], out_len: int) -> tuple[float, float]:
@@ -73,7 +64,7 @@ def main() -> None:
 
     configure_logging("warning")
     native, why = cpu_native_bf16()
-    print(f"# {cpu_model()}; torch {torch.__version__}, capability {torch.backends.cpu.get_cpu_capability()}; "
+    print(f"# {cpu_model_name()}; torch {torch.__version__}, capability {torch.backends.cpu.get_cpu_capability()}; "
           f"native bf16: {native} ({why}); threads {args.cpu_threads or torch.get_num_threads()}")
     prompt = torch.randint(100, 49000, (args.input_len,), generator=torch.Generator().manual_seed(0)).tolist()
     engines = {}

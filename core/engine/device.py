@@ -34,6 +34,19 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+def cpu_model_name() -> str:
+    """The CPU's model name as Linux reports it (for benchmark headers and logs)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
 def cpu_native_bf16(flags: frozenset[str] | None = None) -> tuple[bool, str]:
     """(native bf16 math?, the reason in words) for this CPU."""
     flags = cpu_flags() if flags is None else flags
