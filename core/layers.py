@@ -74,12 +74,23 @@ class Linear(nn.Module):
             if not hasattr(p, "weight_loader"):
                 p.weight_loader = self._load_shard  # type: ignore[attr-defined]
 
+    def shard_index(self, shard: object) -> int:
+        """Which part of a fused layer a checkpoint shard (a name in ``shard_names`` or an index) is;
+        0 when ``shard`` is None. Quant methods' weight loaders use it too."""
+        if shard is None:
+            return 0
+        return self.shard_names.index(shard) if isinstance(shard, str) else int(shard)
+
+    def shard_span(self, shard: object) -> tuple[int, int]:
+        """(first output row, rows) of ``shard``'s part of this layer's output."""
+        idx = self.shard_index(shard)
+        return sum(self.output_sizes[:idx]), self.output_sizes[idx]
+
     def _load_shard(self, param: torch.Tensor, loaded: torch.Tensor, shard: object = None) -> None:
         if shard is None:
             return default_weight_loader(param, loaded)
-        idx = self.shard_names.index(shard) if isinstance(shard, str) else int(shard)
-        start = sum(self.output_sizes[:idx])
-        default_weight_loader(param.data.narrow(0, start, self.output_sizes[idx]), loaded)
+        start, size = self.shard_span(shard)
+        default_weight_loader(param.data.narrow(0, start, size), loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.quant_method.apply(self, x)
@@ -126,7 +137,7 @@ class ColumnParallelLinear(Linear):
             for i, part in enumerate(loaded.split(self.global_sizes, dim=0)):
                 self._load_shard(param, part, i)
             return
-        idx = 0 if shard is None else self.shard_names.index(shard) if isinstance(shard, str) else int(shard)
+        idx = self.shard_index(shard)
         if loaded.shape[0] != self.global_sizes[idx]:
             raise ValueError(f"shape mismatch: checkpoint rows {loaded.shape[0]} vs {self.global_sizes[idx]} expected")
         n = self.output_sizes[idx]

@@ -59,8 +59,7 @@ def shard_loader(layer: torch.nn.Module, dim: int, pack: int):
         if shard is None:
             target = param.data
         else:
-            idx = layer.shard_names.index(shard) if isinstance(shard, str) else int(shard)
-            start, size = sum(layer.output_sizes[:idx]), layer.output_sizes[idx]
+            start, size = layer.shard_span(shard)
             target = param.data.narrow(dim, start // pack, size // pack)
         if target.shape != loaded.shape:
             raise ValueError(f"shape mismatch: parameter slice {tuple(target.shape)} vs checkpoint {tuple(loaded.shape)}")

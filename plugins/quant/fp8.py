@@ -135,8 +135,7 @@ def _rows_loader(layer: torch.nn.Module, rows_per_entry: int):
         if shard is None:
             target = param.data
         else:
-            idx = layer.shard_names.index(shard) if isinstance(shard, str) else int(shard)
-            start, size = sum(layer.output_sizes[:idx]), layer.output_sizes[idx]
+            start, size = layer.shard_span(shard)
             target = param.data.narrow(0, start // rows_per_entry, -(-size // rows_per_entry))
         if loaded.numel() == 1:  # per tensor
             loaded = loaded.reshape(()).expand(target.shape)

@@ -88,14 +88,8 @@ class GGUFQuant(packed.PackedMethod):
         return packed.PackedHead(embedding.weight.data) if self.quantize_lm_head else None
 
 
-def _shard_index(layer: torch.nn.Module, shard: object) -> int:
-    if shard is None:
-        return 0
-    return layer.shard_names.index(shard) if isinstance(shard, str) else int(shard)
-
-
 def _stash(layer: torch.nn.Module, raw: torch.Tensor, shard: object) -> None:
-    i = _shard_index(layer, shard)
+    i = layer.shard_index(shard)
     rows = layer.output_sizes[i]
     if raw.dim() != 2 or raw.shape[0] != rows:
         raise ValueError(f"GGUF rows {tuple(raw.shape)} do not match the layer's {rows} output rows")
@@ -103,7 +97,7 @@ def _stash(layer: torch.nn.Module, raw: torch.Tensor, shard: object) -> None:
 
 
 def _set_type(layer: torch.nn.Module, loaded: torch.Tensor, shard: object) -> None:
-    layer.qweight_type.data[_shard_index(layer, shard)] = int(loaded.reshape(-1)[0])
+    layer.qweight_type.data[layer.shard_index(shard)] = int(loaded.reshape(-1)[0])
 
 
 # --------------------------------------------------------------------------- raw blocks -> formats
