@@ -157,7 +157,8 @@ def test_fp8_kv_cache_tracks_the_bf16_pool(tiny, reference, engine_factory):
     assert (pool.k_scale, pool.v_scale) == (1.0, 1.0)
     check_close(ref, forced(eng), 0.005)
     assert_follows_rule(eng, ids)
-    assert pool.k[0][1:20].float().abs().sum() > 0, "the engine wrote K into the fp8 pool"
+    # slots never written hold whatever the allocation held (possibly fp8 NaN bytes): look for a written value
+    assert (pool.k[0][1:20].float().abs() > 0).any(), "the engine wrote K into the fp8 pool"
 
 
 def test_fp8_pool_holds_twice_the_tokens_of_bf16_at_the_same_memory():
