@@ -205,16 +205,21 @@ def tool_streaming_agreement(s: ToolParserSubject) -> None:
 
 def tool_streaming_hypothesis(s: ToolParserSubject) -> None:
     """hypothesis searches the splits of each sample for a disagreement, and shrinks what it finds."""
-    given, settings, st = _hypothesis()
     _need_samples(s)
-    for i, smp in enumerate(s.samples):
+    _search_splits(s.samples, lambda smp, cut, where: _agree(s, smp, cut, where))
+
+
+def _search_splits(samples: Any, agree: Any) -> None:
+    """Run ``agree(sample, cut points, case name)`` over the splits hypothesis draws for each sample."""
+    given, settings, st = _hypothesis()
+    for i, smp in enumerate(samples):
         if len(smp.text) < 2:
             continue
 
         @settings(max_examples=HYPOTHESIS_EXAMPLES, deadline=None, derandomize=True, database=None)
         @given(st.sets(st.integers(1, len(smp.text) - 1), max_size=12))
         def prop(cuts: set[int]) -> None:
-            _agree(s, smp, sorted(cuts), f"streaming_hypothesis[{i}]")
+            agree(smp, sorted(cuts), f"streaming_hypothesis[{i}]")
 
         prop()
 
@@ -332,17 +337,7 @@ def reasoning_streaming_agreement(s: ReasoningParserSubject) -> None:
 
 def reasoning_streaming_hypothesis(s: ReasoningParserSubject) -> None:
     """hypothesis searches the splits of each sample for a disagreement, and shrinks what it finds."""
-    given, settings, st = _hypothesis()
-    for i, smp in enumerate(s.samples):
-        if len(smp.text) < 2:
-            continue
-
-        @settings(max_examples=HYPOTHESIS_EXAMPLES, deadline=None, derandomize=True, database=None)
-        @given(st.sets(st.integers(1, len(smp.text) - 1), max_size=12))
-        def prop(cuts: set[int]) -> None:
-            _reason_agree(s, smp.text, sorted(cuts), f"streaming_hypothesis[{i}]")
-
-        prop()
+    _search_splits(s.samples, lambda smp, cut, where: _reason_agree(s, smp.text, cut, where))
 
 
 def reasoning_malformed_never_raises(s: ReasoningParserSubject) -> None:
