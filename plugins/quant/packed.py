@@ -103,15 +103,19 @@ class _DenseBudget:
 _BUDGET = _DenseBudget()
 
 
+def _dense_wanted(device: torch.device, dtype: torch.dtype) -> bool:
+    """See DENSE_MIN_ROWS: big GEMMs go dense on CPU, for activations the CPU multiplies natively."""
+    return bool(DENSE_MIN_ROWS) and device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
+
+
 def _keep_dense_copy(layer: torch.nn.Module, dense: torch.Tensor, dtype: torch.dtype, device: torch.device) -> None:
-    """See DENSE_MIN_ROWS: the weight in the activation dtype beside the packed one, on CPU only."""
-    if (DENSE_MIN_ROWS and device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
-            and _BUDGET.take(dense.numel() * torch.finfo(dtype).bits // 8)):
+    """The weight in the activation dtype beside the packed one, within the memory budget."""
+    if _dense_wanted(device, dtype) and _BUDGET.take(dense.numel() * torch.finfo(dtype).bits // 8):
         layer.register_buffer("dense_weight", dense.to(device=device, dtype=dtype).contiguous(), persistent=False)
 
 
 def set_int8(layer: torch.nn.Module, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
-             device: torch.device | None = None) -> None:
+             device: torch.device | None = None, dense_copy: bool = True) -> None:
     """Per-channel int8; falls back to dense (exact dequantized values) where the kernel cannot run."""
     if q.shape[1] % 16:
         return set_dense(layer, q.float() * scale.float()[:, None], dtype)
@@ -120,7 +124,8 @@ def set_int8(layer: torch.nn.Module, q: torch.Tensor, scale: torch.Tensor, dtype
     layer.quant_format = "int8"
     layer.register_buffer("qweight_int8", q.to(device).contiguous())
     layer.register_buffer("qscale", scale.to(device=device, dtype=dtype))
-    _keep_dense_copy(layer, q.float() * scale.float()[:, None], dtype, device)
+    if dense_copy and _dense_wanted(device, dtype):
+        _keep_dense_copy(layer, q.float() * scale.float()[:, None], dtype, device)
 
 
 def int4_supported(out_features: int, in_features: int, group: int) -> bool:
@@ -146,7 +151,7 @@ def set_int4(layer: torch.nn.Module, q: torch.Tensor, scale: torch.Tensor, zero:
     layer.register_buffer("qweight_int4", packed)
     sz = torch.stack([scale.float(), zero.float()], -1).transpose(0, 1).contiguous()  # [K/group, N, 2]
     layer.register_buffer("qscale_zero", sz.to(device=device, dtype=dtype))
-    if DENSE_MIN_ROWS and device.type == "cpu":
+    if _dense_wanted(device, dtype):
         _keep_dense_copy(layer, dequantize_int4(q.cpu(), scale, zero), dtype, device)
 
 
@@ -219,11 +224,10 @@ class PackedHead(torch.nn.Module):
         super().__init__()
         self.bias = None
         q, scale = quantize_int8(weight)
-        set_int8(self, q, scale, weight.dtype, weight.device)
-        if hasattr(self, "dense_weight"):  # the table is kept anyway: share it rather than copy it
-            del self.dense_weight
-            _BUDGET.left = (_BUDGET.left or 0) + weight.numel() * 2
-            self.__dict__["dense_weight"] = weight  # a plain reference, not a second registered parameter
+        set_int8(self, q, scale, weight.dtype, weight.device, dense_copy=False)
+        if self.quant_format == "int8" and _dense_wanted(weight.device, weight.dtype):
+            # the table is kept anyway: big GEMMs use it directly (a plain reference, not a parameter)
+            self.__dict__["dense_weight"] = weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return packed_linear(self, x)
