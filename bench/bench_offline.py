@@ -218,7 +218,8 @@ def main() -> None:
         if args.load_format == "dummy":
             from transformers import AutoConfig
 
-            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), **hf_kwargs)
+            with torch.device(dev):  # random init where it runs: 8B of it on a CPU takes minutes
+                model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path), **hf_kwargs)
         else:
             model = AutoModelForCausalLM.from_pretrained(path, **hf_kwargs)
         model = model.to(dev).eval()

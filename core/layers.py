@@ -14,6 +14,8 @@ sharded at load with no code of its own; with one rank they are the plain layers
 
 from __future__ import annotations
 
+import functools
+import os
 from typing import Callable, Iterable, Mapping
 
 import attrs
@@ -24,6 +26,25 @@ from torch import nn
 from core.errors import ModelLoadError
 from core.interfaces import AttentionLayerSpec, ForwardBatch, QuantMethod
 from core.parallel import TensorParallel, current as current_tp
+
+
+@functools.cache
+def _fused_ops():
+    """``core_kernels.fused_ops`` (one Triton launch per norm, rotary or gated activation) where it
+    can run, else None; ``CORE_FUSED_OPS=0`` keeps the torch ops (to compare). Asked only for CUDA
+    tensors, so CPU runs never import triton."""
+    if os.environ.get("CORE_FUSED_OPS", "1") == "0":
+        return None
+    try:
+        from core_kernels import fused_ops
+    except Exception:  # no triton: the torch ops
+        return None
+    return fused_ops
+
+
+def fused(x: torch.Tensor):
+    """The fused-op kernels for ``x``'s device, or None (CPU: the torch ops are the fast path there)."""
+    return _fused_ops() if x.is_cuda else None
 
 
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard: object = None) -> None:
@@ -43,6 +64,8 @@ class RMSNorm(nn.Module):
         self.eps, self.offset = eps, offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (k := fused(x)) is not None:
+            return k.rms_norm(x, self.weight, self.eps, self.offset)
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -245,6 +268,8 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, H, D], k: [T, Hkv, D]."""
+        if (kern := fused(q)) is not None:
+            return kern.rotary(positions, q, k, self.cos, self.sin, self.rotary_dim)
         cos = self.cos[positions].to(q.dtype).unsqueeze(1)
         sin = self.sin[positions].to(q.dtype).unsqueeze(1)
         return _rope(q, cos, sin, self.rotary_dim), _rope(k, cos, sin, self.rotary_dim)
@@ -285,6 +310,17 @@ class Attention(nn.Module):
         return out.reshape(-1, s.num_heads * s.head_dim)
 
 
+# the fused kernel's name for each activation (core_kernels.fused_ops.gated_act)
+FUSED_ACT = {"silu": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh"}
+
+
+def gated_act(act: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``ACTIVATIONS[act](gate) * up``, one launch on a GPU."""
+    if (k := fused(gate)) is not None and gate.dim() == 2:
+        return k.gated_act(gate, up, FUSED_ACT[act])
+    return ACTIVATIONS[act](gate) * up
+
+
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "gelu": F.gelu,
@@ -303,13 +339,13 @@ class GatedMLP(nn.Module):
         super().__init__()
         if act not in ACTIVATIONS:
             raise ValueError(f"unsupported activation {act!r}; known: {', '.join(ACTIVATIONS)}")
-        self.act = ACTIVATIONS[act]
+        self.act = act
         self.gate_proj = ColumnParallelLinear(hidden, intermediate, bias, quant, dtype)
         self.up_proj = ColumnParallelLinear(hidden, intermediate, bias, quant, dtype)
         self.down_proj = RowParallelLinear(intermediate, hidden, bias, quant, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(gated_act(self.act, self.gate_proj(x), self.up_proj(x)))
 
 
 class VocabEmbedding(nn.Module):

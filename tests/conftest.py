@@ -195,7 +195,7 @@ def assert_greedy_matches(model, prompt_ids: list[int], got: list[int], n: int |
 def hf_logprobs(model, ids: list[int]) -> torch.Tensor:
     """[len(ids), V] log-softmax of transformers' logits over the whole sequence."""
     with torch.no_grad():
-        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+        return torch.log_softmax(model(torch.tensor([ids], device=model.device)).logits[0].float(), -1).cpu()
 
 
 # --------------------------------------------------------------------------- invariants

@@ -126,21 +126,56 @@ def test_core_plugins_shows_the_choice():
     assert f"default attention backend on {device}: " in proc.stdout and "chosen by attention_default" in proc.stdout
 
 
+def greedy_is_reference_best(ref, prompt: list[int], out: list[int], tol: float = 3e-2) -> None:
+    """Each token of ``out`` (greedy, another backend) is the reference engine's best next token
+    given the same prefix, up to ``tol`` nats: robust to bf16 near-ties, unlike equal token lists."""
+    o = ref.generate(input_ids=prompt + out, sampling_params={"max_new_tokens": 1, "temperature": 0},
+                     return_logprob=True, logprob_start_len=len(prompt), top_logprobs_num=1)
+    got = [lp for lp, _ in o["meta_info"]["input_token_logprobs"]]
+    best = [top[0][1] for top in o["meta_info"]["input_top_logprobs"]]
+    assert len(got) == len(out)
+    assert all(g >= b - tol for g, b in zip(got, best)), list(zip(got, best))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not fi_plugin.flashinfer_status()[0], reason="needs a CUDA GPU with flashinfer installed")
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_flashinfer_matches_torch_native_on_gpu(tiny_llama, page_size):
-    path, _ = tiny_llama()
-    prompts = ["hello world", "abcabcabc", "hello there, a longer prompt"]
+def test_flashinfer_matches_torch_native_on_gpu(tiny_llama, page_size, graphs):
+    """bf16 (FlashInfer has no float32 kernels): decode, with and without CUDA graphs, and a
+    prefix-hit prefill, scored token by token by the torch_native engine. Head dim 64: FlashInfer
+    builds kernels for 64, 128 and 256."""
+    path, _ = tiny_llama("gqa", head_dim=64)
+    prompts = [[1, 5, 6, 7, 8, 9, 10], [1, 9, 3], [1, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14]]  # the third hits the first's prefix
     params = {"max_new_tokens": 12, "temperature": 0}
-    outs = {}
-    for backend in ("torch_native", "flashinfer"):
-        eng = make_engine(path, device="cuda", attention_backend=backend, page_size=page_size)
-        try:
-            first = [o["output_ids"] for o in eng.generate(prompts, params)]
-            # the shared prefix is now cached: a prefix-hit prefill
-            again = [o["output_ids"] for o in eng.generate([p + " more" for p in prompts], params)]
-            outs[backend] = (first, again)
-        finally:
-            eng.shutdown()
-    assert outs["flashinfer"] == outs["torch_native"]
+    fi = make_engine(path, device="cuda", dtype="bfloat16", attention_backend="flashinfer", page_size=page_size,
+                     disable_cuda_graph=not graphs, skip_tokenizer_init=True)
+    try:
+        assert (fi.engine.runner.graphs is not None) == graphs
+        outs = [o["output_ids"] for o in fi.generate(input_ids=prompts[:2], sampling_params=params)]
+        outs += [fi.generate(input_ids=prompts[2], sampling_params=params)["output_ids"]]
+        assert fi.generate(input_ids=prompts[2], sampling_params=params)["meta_info"]["cached_tokens"] > 0
+    finally:
+        fi.shutdown()
+    ref = make_engine(path, device="cuda", dtype="bfloat16", attention_backend="torch_native", skip_tokenizer_init=True)
+    try:
+        for p, out in zip(prompts, outs):
+            assert len(out) == 12
+            greedy_is_reference_best(ref, p, out)
+    finally:
+        ref.shutdown()
+
+
+def test_flashinfer_refuses_float32(monkeypatch):
+    """FlashInfer has no float32 kernels: a clear start-up error (checked before importing it)."""
+    monkeypatch.setattr(fi_plugin, "flashinfer_status", lambda: (True, "pretend"))
+    cfg = types.SimpleNamespace(device=torch.device("cuda"), dtype=torch.float32)
+    with pytest.raises(CoreError, match="flashinfer runs in float16 or bfloat16, not float32"):
+        fi_plugin.FlashInferBackend(cfg)
+
+
+def test_cuda_policy_skips_flashinfer_for_float32(monkeypatch):
+    monkeypatch.setattr(fi_plugin, "flashinfer_status", lambda: (True, "pretend"))
+    choice = builtin_choice.choose_attention_backend(CUDA, types.SimpleNamespace(dtype=torch.float32),
+                                                     ["torch_native", "triton", "flashinfer"])
+    assert choice[0] == "triton"

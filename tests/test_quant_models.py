@@ -89,13 +89,14 @@ def teacher_forced_logits(eng, ids: list[int], prefill: int = 16) -> torch.Tenso
                                                  ae.device, kv))
     out = []
     for start, end in [(0, prefill)] + [(t, t + 1) for t in range(prefill, len(ids))]:
+        dev = ae.device
         fb = ForwardBatch(
-            input_ids=torch.tensor(ids[start:end]), positions=torch.arange(start, end),
-            out_cache_loc=torch.arange(start + 1, end + 1), seq_lens=torch.tensor([end]),
-            extend_lens=torch.tensor([end - start]), kv_indices=torch.arange(1, end + 1)[None],
+            input_ids=torch.tensor(ids[start:end], device=dev), positions=torch.arange(start, end, device=dev),
+            out_cache_loc=torch.arange(start + 1, end + 1, device=dev), seq_lens=torch.tensor([end], device=dev),
+            extend_lens=torch.tensor([end - start], device=dev), kv_indices=torch.arange(1, end + 1, device=dev)[None],
             seq_lens_cpu=[end], extend_lens_cpu=[end - start], attn_backend=backend)
         backend.prepare(fb)
-        out.append(ae.model.compute_logits(ae.model(fb)).float())
+        out.append(ae.model.compute_logits(ae.model(fb)).float().cpu())
     return torch.cat(out)
 
 

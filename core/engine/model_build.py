@@ -41,9 +41,14 @@ def build_model(plugins, args: EngineArgs, mc: ModelConfig, device: torch.device
 def init_dummy_weights(model: torch.nn.Module, seed: int, low: float = -1e-3, high: float = 1e-3) -> None:
     """``--load-format dummy``: every parameter uniform in [low, high] (SGLang's dummy
     loader), so a model shape runs from its config.json alone, e.g. for benchmarks."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    gens: dict[torch.device, torch.Generator] = {}
     for p in model.parameters():
         if p.dtype.is_floating_point:
-            p.data.copy_(torch.rand(p.shape, generator=gen, dtype=torch.float32).mul_(high - low).add_(low).to(p.dtype))
+            # drawn where the parameter lives: 8B random floats on the CPU take minutes
+            gen = gens.setdefault(p.device, torch.Generator(device=p.device).manual_seed(seed))
+            if p.dtype in (torch.float32, torch.bfloat16, torch.float16):
+                p.data.uniform_(low, high, generator=gen)
+            else:  # fp8 scales and weights: drawn in float32, then cast
+                p.data.copy_(torch.empty(p.shape, device=p.device).uniform_(low, high, generator=gen).to(p.dtype))
         else:
             p.data.zero_()

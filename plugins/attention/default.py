@@ -6,13 +6,16 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from core import hookimpl
 
 
 @hookimpl(trylast=True)
 def choose_attention_backend(device: Any, model_config: Any, available: list[str]) -> tuple[str, str] | None:
     if device.type == "cuda":
-        if "flashinfer" in available:
+        dtype = getattr(model_config, "dtype", None)
+        if "flashinfer" in available and dtype in (None, torch.float16, torch.bfloat16):
             from core_plugins.attention.flashinfer import flashinfer_status
 
             ok, why = flashinfer_status()

@@ -9,7 +9,7 @@ from torch import nn
 
 from core import hookimpl
 from core.interfaces import ModelContext
-from core.layers import ACTIVATIONS, ColumnParallelLinear, RowParallelLinear
+from core.layers import ACTIVATIONS, ColumnParallelLinear, RowParallelLinear, gated_act
 from core_plugins.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 
@@ -17,13 +17,15 @@ class Phi3MLP(nn.Module):
     def __init__(self, config, ctx: ModelContext) -> None:
         super().__init__()
         i = config.intermediate_size
-        self.act = ACTIVATIONS[config.hidden_act]
+        if config.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"unsupported activation {config.hidden_act!r}; known: {', '.join(ACTIVATIONS)}")
+        self.act = config.hidden_act
         self.gate_up_proj = ColumnParallelLinear(config.hidden_size, [i, i], False, ctx.quant_method, ctx.dtype, ("gate", "up"))
         self.down_proj = RowParallelLinear(i, config.hidden_size, False, ctx.quant_method, ctx.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(gated_act(self.act, gate, up))
 
 
 class Phi3DecoderLayer(LlamaDecoderLayer):

@@ -145,7 +145,9 @@ def set_int4(layer: torch.nn.Module, q: torch.Tensor, scale: torch.Tensor, zero:
     layer.group_size = group
     q = q.to(device)
     if device.type == "cuda":
-        packed = torch._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8), 8)
+        # tinygemm's CUDA layout tiles K by inner_k_tiles * 16: the largest tiling this K allows
+        tiles = next(t for t in (8, 4, 2) if k % (t * 16) == 0)
+        packed = torch._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8), tiles)
     else:
         packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 2)
     layer.register_buffer("qweight_int4", packed)

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The GPU machine's side of a run (recipe: ../shared/GPU.md; carry .whl, and .fi for FlashInfer).
+# From the repo root there:
+#   bench/gpu_run.sh fi             # install the FlashInfer wheel carried in .fi (it travels alone)
+#   bench/gpu_run.sh tests [ARGS]   # the gpu-marked tests, then the kernel / graph test files, on CUDA
+#   bench/gpu_run.sh bench ARGS     # bench/bench_offline.py ARGS (dummy weights of real shapes: bench/shapes/)
+# Logs land in $OUT (default ./gpu_out). FlashInfer's JIT cache goes to /tmp/fiws; `fisave`
+# packs its built kernels into $OUT/fi_jit.tgz, and a carried .fijit/fi_jit.tgz is unpacked
+# before a run, so a fresh machine skips the minutes of nvcc.
+set -u
+OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 FLASHINFER_WORKSPACE_BASE=/tmp/fiws
+mode=$1; shift
+if [ "$mode" = fi ]; then
+  exec python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/fi .fi/*.whl
+fi
+if [ ! -d /tmp/site/core ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+fi
+[ -f .fijit/fi_jit.tgz ] && [ ! -d /tmp/fiws/.cache ] && tar xzf .fijit/fi_jit.tgz -C /
+export PYTHONPATH=/tmp/site:/tmp/fi
+case $mode in
+  tests)
+    python3 -m pytest -q -p no:cacheprovider --timeout 200 -m gpu "$@" tests 2>&1 | tee -a "$OUT/gpu_tests.log" | tail -25 ;;
+  files)
+    python3 -m pytest -q -p no:cacheprovider --timeout 100 -m "not gpu" "$@" 2>&1 | tee -a "$OUT/gpu_files.log" | tail -8 ;;
+  bench)
+    python3 bench/bench_offline.py "$@" 2>&1 | tee -a "$OUT/bench.log" | grep -v -i warn ;;
+  profile)
+    python3 gpu_scratch/profile_step.py "$@" 2>&1 | tee -a "$OUT/profile.log" | grep -v -i warn | cut -c1-220 ;;
+  fisave)
+    find /tmp/fiws -name '*.so' | tar czf "$OUT/fi_jit.tgz" -T - && ls -la "$OUT/fi_jit.tgz" ;;
+esac
