@@ -32,7 +32,7 @@ def build_kv_indices(
     """(``kv_indptr`` int32 ``[B + 1]``, ``kv_indices`` int32 ``[max(total, 1)]``) for the sequences in
     table rows ``rows`` ``[B]`` with lengths ``lens`` ``[B]``; entries past ``sum(lens)`` are left unset."""
     b = rows.shape[0]
-    if lens.shape != (b,) or table.dim() != 2 or table.stride(1) != 1:
+    if lens.shape != (b,) or table.dim() != 2 or (table.stride(1) != 1 and table.shape[1] > 1):
         raise ValueError(f"build_kv_indices: table {tuple(table.shape)}, rows {tuple(rows.shape)}, lens {tuple(lens.shape)}")
     indptr = torch.zeros(b + 1, dtype=torch.int32, device=table.device)
     indptr[1:] = torch.cumsum(lens, 0)

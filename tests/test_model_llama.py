@@ -273,7 +273,9 @@ def test_bfloat16_engine_stays_close_to_float32(gqa, engine_factory):
     idx = (torch.arange(19), torch.tensor(p[1:]))
     got = torch.tensor([lp for lp, _ in out["meta_info"]["input_token_logprobs"][1:]])
     # same numerics as transformers in bfloat16, and within bfloat16 error of float32
-    torch.testing.assert_close(got, hf_logprobs(hf_bf16, p)[idx], atol=2e-2, rtol=0)
+    # (a GPU's bf16 GEMMs pick shape-dependent algorithms: there the two differ by a few more ulps)
+    near = 2e-2 if eng.engine.device.type == "cpu" else 8e-2
+    torch.testing.assert_close(got, hf_logprobs(hf_bf16, p)[idx], atol=near, rtol=0)
     torch.testing.assert_close(got, hf_logprobs(hf, p)[idx], atol=0.5, rtol=0)
     assert len(out["output_ids"]) == 4
     assert_pool_free(eng)

@@ -1,5 +1,10 @@
 """The built-in choice of attention backend per device (the ``choose_attention_backend`` hook).
 
+On CUDA: triton, then flashinfer where it works, then torch_native. Triton came out ahead
+of FlashInfer on an H100 at most batch sizes (docs/benchmarks.md) and needs no minutes of
+nvcc on first use; ``--attention-backend flashinfer`` selects FlashInfer. On CPU: the cpu
+kernel where it builds, else torch_native.
+
 Marked ``trylast`` so that any installed plugin that answers for its hardware wins."""
 
 from __future__ import annotations
@@ -14,17 +19,15 @@ from core import hookimpl
 @hookimpl(trylast=True)
 def choose_attention_backend(device: Any, model_config: Any, available: list[str]) -> tuple[str, str] | None:
     if device.type == "cuda":
+        if "triton" in available:
+            return "triton", "CUDA: the Triton kernels with CUDA graphs (faster than flashinfer in our H100 runs)"
         dtype = getattr(model_config, "dtype", None)
         if "flashinfer" in available and dtype in (None, torch.float16, torch.bfloat16):
             from core_plugins.attention.flashinfer import flashinfer_status
 
             ok, why = flashinfer_status()
             if ok:
-                return "flashinfer", "CUDA, and FlashInfer works here"
-            if "triton" in available:
-                return "triton", f"CUDA; flashinfer not usable ({why})"
-        if "triton" in available:
-            return "triton", "CUDA"
+                return "flashinfer", "CUDA, no triton backend installed, and FlashInfer works here"
     if device.type == "cpu" and "cpu" in available:
         from core_plugins.attention.cpu import kernel_status
 

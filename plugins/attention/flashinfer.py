@@ -30,6 +30,7 @@ from core.errors import CoreError
 from core.interfaces import AttentionConfig, AttentionLayerSpec, ForwardBatch
 
 WORKSPACE_BYTES = 128 << 20
+HEAD_DIMS = (64, 128, 256)  # what FlashInfer's decode, prefill and merge kernels are built for
 
 
 def flashinfer_status() -> tuple[bool, str]:
@@ -70,6 +71,9 @@ class FlashInferBackend:
         if config.dtype not in (torch.float16, torch.bfloat16):
             raise CoreError(f"--attention-backend flashinfer runs in float16 or bfloat16, not {str(config.dtype).removeprefix('torch.')}: "
                             "use --dtype bfloat16, or --attention-backend triton")
+        if config.head_dim not in HEAD_DIMS:
+            raise CoreError(f"--attention-backend flashinfer has kernels for head dims {', '.join(map(str, HEAD_DIMS))}, "
+                            f"not {config.head_dim}: use --attention-backend triton")
         try:
             import flashinfer
         except Exception as e:  # a broken install: report it, never a traceback at start-up

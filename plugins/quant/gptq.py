@@ -125,7 +125,7 @@ def _load_g_idx(layer: torch.nn.Module, param: torch.Tensor, loaded: torch.Tenso
     """Every shard of a fused layer sees the same input, so their g_idx must agree."""
     if loaded.shape != param.shape:
         raise ValueError(f"shape mismatch: g_idx {tuple(param.shape)} vs checkpoint {tuple(loaded.shape)}")
-    if layer.g_idx_loaded and not torch.equal(param.data, loaded):
+    if layer.g_idx_loaded and not torch.equal(param.data, loaded.to(param.device)):
         raise ValueError("the shards of a fused layer have different g_idx (act-order); they cannot share one GEMM")
     param.data.copy_(loaded)
     layer.g_idx_loaded = True
