@@ -4,6 +4,7 @@
 #   bench/gpu_run.sh fi             # install the FlashInfer wheel carried in .fi (it travels alone)
 #   bench/gpu_run.sh tests [ARGS]   # the gpu-marked tests, then the kernel / graph test files, on CUDA
 #   bench/gpu_run.sh bench ARGS     # bench/bench_offline.py ARGS (dummy weights of real shapes: bench/shapes/)
+#   bench/gpu_run.sh profile ARGS   # bench/profile_step.py ARGS
 # Logs land in $OUT (default ./gpu_out). FlashInfer's JIT cache goes to /tmp/fiws; `fisave`
 # packs its built kernels into $OUT/fi_jit.tgz, and a carried .fijit/fi_jit.tgz is unpacked
 # before a run, so a fresh machine skips the minutes of nvcc.
@@ -28,7 +29,7 @@ case $mode in
   bench)
     python3 bench/bench_offline.py "$@" 2>&1 | tee -a "$OUT/bench.log" | grep -v -i warn ;;
   profile)
-    python3 gpu_scratch/profile_step.py "$@" 2>&1 | tee -a "$OUT/profile.log" | grep -v -i warn | cut -c1-220 ;;
+    python3 bench/profile_step.py "$@" 2>&1 | tee -a "$OUT/profile.log" | grep -v -i warn | cut -c1-220 ;;
   fisave)
     find /tmp/fiws -name '*.so' | tar czf "$OUT/fi_jit.tgz" -T - && ls -la "$OUT/fi_jit.tgz" ;;
 esac
