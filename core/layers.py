@@ -29,22 +29,30 @@ from core.parallel import TensorParallel, current as current_tp
 
 
 @functools.cache
-def _fused_ops():
-    """``core_kernels.fused_ops`` (one Triton launch per norm, rotary or gated activation) where it
-    can run, else None; ``CORE_FUSED_OPS=0`` keeps the torch ops (to compare). Asked only for CUDA
-    tensors, so CPU runs never import triton."""
+def _fused_ops(device_type: str):
+    """The fused-op kernels for a device type, or None: ``core_kernels.fused_ops`` (Triton: norm,
+    rotary, gated activation) for CUDA, ``core_kernels.cpu_ops`` (C++ compiled once per machine:
+    norm, rotary) for the CPU. ``CORE_FUSED_OPS=0`` keeps the torch ops (to
+    compare); so does a machine where the kernels cannot be built. The torch ops are the reference."""
     if os.environ.get("CORE_FUSED_OPS", "1") == "0":
         return None
     try:
-        from core_kernels import fused_ops
-    except Exception:  # no triton: the torch ops
+        if device_type == "cuda":
+            from core_kernels import fused_ops
+
+            return fused_ops
+        if device_type == "cpu":
+            from core_kernels import cpu_ops
+
+            return cpu_ops if cpu_ops.available() else None
+    except Exception:  # no triton, or no toolchain: the torch ops
         return None
-    return fused_ops
+    return None
 
 
 def fused(x: torch.Tensor):
-    """The fused-op kernels for ``x``'s device, or None (CPU: the torch ops are the fast path there)."""
-    return _fused_ops() if x.is_cuda else None
+    """The fused-op kernels for ``x``'s device, or None (use the torch ops)."""
+    return _fused_ops(x.device.type)
 
 
 def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor, shard: object = None) -> None:
@@ -316,7 +324,7 @@ FUSED_ACT = {"silu": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "
 
 def gated_act(act: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``ACTIVATIONS[act](gate) * up``, one launch on a GPU."""
-    if (k := fused(gate)) is not None and gate.dim() == 2:
+    if (k := fused(gate)) is not None and gate.dim() == 2 and hasattr(k, "gated_act"):  # CUDA: one launch
         return k.gated_act(gate, up, FUSED_ACT[act])
     return ACTIVATIONS[act](gate) * up
 

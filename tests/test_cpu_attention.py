@@ -23,6 +23,7 @@ from core.plugins import load_plugins
 from core import testing as kit
 from core.testing import AttentionCase
 from core.testing.attention import AttentionSubject, check_case
+from core_kernels import cpp_build
 from core_plugins.attention import cpu as cpu_plugin
 from core_plugins.attention import default as builtin_choice
 from core_plugins.attention.cpu import CpuBackend
@@ -34,7 +35,7 @@ CPU = torch.device("cpu")
 
 @pytest.fixture(scope="session")
 def kernel():
-    if problem := cpu_plugin._toolchain_problem():
+    if problem := cpp_build.toolchain_problem():
         pytest.skip(f"the cpu attention kernel cannot be built here: {problem}")
     return cpu_plugin.load_kernel()
 
@@ -161,7 +162,7 @@ def test_policy_falls_back_to_torch_native_when_the_kernel_is_unusable(monkeypat
 
 def test_listing_plugins_never_compiles(monkeypatch):
     """`core plugins` asks without a model: with a toolchain but no build yet it answers cpu, compiling nothing."""
-    monkeypatch.setattr(cpu_plugin, "_toolchain_problem", lambda: None)
+    monkeypatch.setattr(cpp_build, "toolchain_problem", lambda: None)
     monkeypatch.setattr(cpu_plugin, "is_built", lambda: False)
     monkeypatch.setattr(cpu_plugin, "load_kernel", lambda: pytest.fail("compiled while listing plugins"))
     cpu_plugin.kernel_status.cache_clear()
@@ -191,13 +192,13 @@ def test_no_compiler_is_a_core_error_naming_it(monkeypatch, fresh_kernel_cache):
 
 
 def test_a_compile_error_is_a_core_error_with_the_compiler_message(tmp_path, monkeypatch, fresh_kernel_cache):
-    if cpu_plugin._toolchain_problem():
+    if cpp_build.toolchain_problem():
         pytest.skip("needs a C++ toolchain")
     broken = tmp_path / "cpu_attention.cpp"
     broken.write_text("#error deliberately broken kernel\n")
     monkeypatch.setattr(cpu_plugin, "SOURCE", broken)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
-    with pytest.raises(CoreError, match=r"compiling its C\+\+ kernel failed .*deliberately broken kernel"):
+    with pytest.raises(CoreError, match=r"cannot be built: compiling failed: .*deliberately broken kernel"):
         cpu_plugin.load_kernel()
 
 
@@ -209,8 +210,9 @@ def test_an_avx2_only_build_passes_too(kernel):
         pytest.skip("this CPU has no AVX2")
     script = textwrap.dedent("""
         import torch
+        from core_kernels import cpp_build
         from core_plugins.attention import cpu
-        cpu._flags = lambda: ["-O3", "-fopenmp", "-march=haswell"]
+        cpp_build.flags = lambda: ["-O3", "-fopenmp", "-march=haswell"]
         from core.testing import ATTENTION_CASES
         from core.testing.attention import AttentionSubject, check_case
         for dtype in (torch.float32, torch.bfloat16):

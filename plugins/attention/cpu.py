@@ -3,9 +3,9 @@
 torch_native gathers every sequence's whole K/V into a padded block per layer per step;
 this backend's C++/OpenMP kernel (``cpu_attention.cpp``) walks each sequence's slot row
 instead, all query heads of a KV head together, with an online softmax in fp32. The
-kernel is compiled once per machine through ``torch.utils.cpp_extension`` (``-O3
--march=native``) and cached under the torch extensions folder, keyed by a hash of the
-source, flags and torch version, so later starts only load it. Prefill and extend use
+kernel is compiled once per machine (``core_kernels.cpp_build``: ``-O3 -march=native``,
+cached under the torch extensions folder by a hash of source, flags, CPU and torch version),
+so later starts only load it. Prefill and extend use
 the same kernel (several query tokens per task, causal over prefix + new tokens): on this
 engine's shapes it beats torch_native's masked SDPA at 512 and 2k-token prompts too.
 A pool the kernel does not read (fp8, ``--kv-cache-dtype fp8_e4m3``) is left to torch_native.
@@ -14,10 +14,6 @@ A pool the kernel does not read (fp8, ``--kv-cache-dtype fp8_e4m3``) is left to 
 from __future__ import annotations
 
 import functools
-import hashlib
-import os
-import platform
-import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -28,84 +24,36 @@ import torch
 from core import hookimpl
 from core.errors import CoreError
 from core.interfaces import AttentionConfig, AttentionLayerSpec, ForwardBatch
+from core_kernels import cpp_build
 from core_plugins.attention.torch_native import TorchNativeBackend
 
 log = structlog.get_logger(__name__)
 SOURCE = Path(__file__).with_name("cpu_attention.cpp")
+PREFIX = "core_cpu_attention"
 POOL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the kernel reads
-
-
-def _flags() -> list[str]:
-    flags = ["-O3", "-fopenmp"]
-    if platform.machine().lower() in ("x86_64", "amd64"):
-        flags.append("-march=native")
-        if torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
-            flags.append("-mprefer-vector-width=512")
-    return flags
-
-
-def _cpu_id() -> str:
-    """What -march=native compiles for, so that a build folder shared between machines is never
-    loaded by a CPU it was not built for."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            isa = next((line for line in f if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        isa = platform.processor()
-    return f"{torch.backends.cpu.get_cpu_capability()} {isa}"
-
-
-def _build_dir() -> Path:
-    """``<torch extensions folder>/core_cpu_attention_<hash>``: a new source, flags or CPU, a new build."""
-    from torch.utils.cpp_extension import get_default_build_root
-
-    key = "\n".join([SOURCE.read_text(), *_flags(), _cpu_id(), torch.__version__, os.environ.get("CXX", "c++")])
-    name = "core_cpu_attention_" + hashlib.sha256(key.encode()).hexdigest()[:12]
-    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / name
-
-
-def _toolchain_problem() -> str | None:
-    from torch.utils.cpp_extension import is_ninja_available
-
-    cxx = os.environ.get("CXX", "c++")
-    if shutil.which(cxx) is None:
-        return f"no C++ compiler: '{cxx}' is not on PATH (install g++, or set CXX)"
-    if not is_ninja_available():
-        return "the 'ninja' package is missing (pip install ninja)"
-    return None
 
 
 def is_built() -> bool:
     """Whether the kernel is compiled already (loading it is then quick)."""
-    d = _build_dir()
-    return (d / f"{d.name}.so").exists()
+    return cpp_build.is_built(PREFIX, SOURCE)
 
 
 @functools.cache
 def load_kernel() -> Any:
     """The compiled ``torch.ops.core_cpu.paged_attention`` (built on first use); CoreError naming the problem."""
-    if problem := _toolchain_problem():
-        raise CoreError(f"attention backend 'cpu' cannot be built: {problem}; use --attention-backend torch_native")
-    from torch.utils.cpp_extension import load
-
-    d = _build_dir()
-    d.mkdir(parents=True, exist_ok=True)
-    t0, built = time.perf_counter(), is_built()
+    t0 = time.perf_counter()
     try:
-        load(d.name, [str(SOURCE)], extra_cflags=_flags(), extra_ldflags=["-fopenmp"], build_directory=str(d),
-             is_python_module=False, verbose=False)
-    except Exception as e:  # a compiler error: its last lines say what went wrong
-        tail = " ".join(str(e).strip().splitlines()[-3:])
-        raise CoreError(f"attention backend 'cpu': compiling its C++ kernel failed ({tail}); "
-                        "use --attention-backend torch_native") from None
-    log.info("cpu_attention.kernel", loaded_from=str(d), compiled=not built, seconds=round(time.perf_counter() - t0, 1))
+        d, compiled = cpp_build.load(PREFIX, SOURCE)
+    except RuntimeError as e:  # no toolchain, or a compiler error (its last lines say what went wrong)
+        raise CoreError(f"attention backend 'cpu' cannot be built: {e}; use --attention-backend torch_native") from None
+    log.info("cpu_attention.kernel", loaded_from=str(d), compiled=compiled, seconds=round(time.perf_counter() - t0, 1))
     return torch.ops.core_cpu.paged_attention.default
 
 
 @functools.cache
 def kernel_status(build: bool = True) -> tuple[bool, str]:
     """(usable, why) for the built-in policy; ``build=False`` never compiles (``core plugins``)."""
-    if problem := _toolchain_problem():
+    if problem := cpp_build.toolchain_problem():
         return False, problem
     if not build and not is_built():
         return True, "C++ compiler found; the kernel compiles at the first engine start"

@@ -1,0 +1,82 @@
+"""Compile a C++ source of torch operators once per machine and load it (``torch.utils.cpp_extension``).
+
+Used by the CPU kernels (``kernels/cpu_ops.cpp`` and the ``cpu`` attention backend's kernel).
+A build is cached under the torch extensions folder in a directory named by a hash of the source,
+the flags, the CPU's instruction set and the torch version, so a changed source, another CPU
+sharing the folder, or a new torch build never loads a stale library; later starts only load it.
+Importing this module does not compile anything.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+from pathlib import Path
+
+import torch
+
+
+def flags() -> list[str]:
+    out = ["-O3", "-fopenmp"]
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        out.append("-march=native")
+        if torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+            out.append("-mprefer-vector-width=512")
+    return out
+
+
+def cpu_id() -> str:
+    """What -march=native compiles for, so that a build folder shared between machines is never
+    loaded by a CPU it was not built for."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            isa = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        isa = platform.processor()
+    return f"{torch.backends.cpu.get_cpu_capability()} {isa}"
+
+
+def build_dir(prefix: str, source: Path) -> Path:
+    """``<torch extensions folder>/<prefix>_<hash>``."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    key = "\n".join([source.read_text(), *flags(), cpu_id(), torch.__version__, os.environ.get("CXX", "c++")])
+    name = prefix + "_" + hashlib.sha256(key.encode()).hexdigest()[:12]
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / name
+
+
+def toolchain_problem() -> str | None:
+    """What is missing to compile here, or None."""
+    from torch.utils.cpp_extension import is_ninja_available
+
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        return f"no C++ compiler: '{cxx}' is not on PATH (install g++, or set CXX)"
+    if not is_ninja_available():
+        return "the 'ninja' package is missing (pip install ninja)"
+    return None
+
+
+def is_built(prefix: str, source: Path) -> bool:
+    d = build_dir(prefix, source)
+    return (d / f"{d.name}.so").exists()
+
+
+def load(prefix: str, source: Path) -> tuple[Path, bool]:
+    """Compile (if needed) and load ``source``, registering its ``TORCH_LIBRARY`` operators;
+    (build folder, compiled now). Raises RuntimeError with the compiler's last lines."""
+    from torch.utils.cpp_extension import load as cpp_load
+
+    if problem := toolchain_problem():
+        raise RuntimeError(problem)
+    d = build_dir(prefix, source)
+    d.mkdir(parents=True, exist_ok=True)
+    built = is_built(prefix, source)
+    try:
+        cpp_load(d.name, [str(source)], extra_cflags=flags(), extra_ldflags=["-fopenmp"], build_directory=str(d),
+                 is_python_module=False, verbose=False)
+    except Exception as e:
+        raise RuntimeError("compiling failed: " + " ".join(str(e).strip().splitlines()[-3:])) from None
+    return d, not built

@@ -1,0 +1,106 @@
+// Two small per-layer ops of a decoder as one C++ loop each on the CPU: RMS norm and the rotary
+// embedding of q and k. In eager torch they are 8 and 14 tensor ops, and at decode sizes the
+// per-op dispatch costs more than the arithmetic. (The gated activation stays two torch ops here:
+// torch's vectorised silu and mul beat a scalar loop.) Each loop rounds intermediates to the
+// activation dtype where the torch code in core/layers.py does, so greedy outputs do not move.
+// Built by kernels/cpu_ops.py through torch.utils.cpp_extension (-O3 -march=native).
+
+#include <torch/extension.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <tuple>
+
+namespace {
+
+template <typename T>
+inline float rnd(float x) {  // store in T and read back: the rounding torch applies to a T intermediate
+  return static_cast<float>(static_cast<T>(x));
+}
+
+template <typename T>
+void rms_norm_rows(const T* x, int64_t sx, const T* w, T* out, int64_t rows, int64_t n, float eps, float offset) {
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const T* xi = x + i * sx;
+      T* oi = out + i * n;
+      float ss = 0.f;
+      for (int64_t j = 0; j < n; ++j) {
+        float v = static_cast<float>(xi[j]);
+        ss += v * v;
+      }
+      const float r = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+      if (offset != 0.f) {  // Gemma: (x * r) * (offset + w), rounded once
+        for (int64_t j = 0; j < n; ++j) oi[j] = static_cast<T>(static_cast<float>(xi[j]) * r * (offset + static_cast<float>(w[j])));
+      } else {  // w * round(x * r)
+        for (int64_t j = 0; j < n; ++j) oi[j] = static_cast<T>(static_cast<float>(w[j]) * rnd<T>(static_cast<float>(xi[j]) * r));
+      }
+    }
+  });
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, double offset) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && w.dim() == 1 && w.size(0) == x.size(1) && w.is_contiguous(),
+              "rms_norm: x [rows, n] with unit column stride, w [n]");
+  TORCH_CHECK(w.scalar_type() == x.scalar_type(), "rms_norm: x and w dtypes differ");
+  auto out = at::empty({x.size(0), x.size(1)}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    rms_norm_rows<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), w.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+                            x.size(0), x.size(1), static_cast<float>(eps), static_cast<float>(offset));
+  });
+  return out;
+}
+
+template <typename T>
+void rotate_head(const T* src, T* dst, const float* cs, const float* sn, int64_t half, int64_t d) {
+  for (int64_t i = 0; i < half; ++i) {  // x * cos + rotate_half(x) * sin, each product rounded to T
+    const float c = rnd<T>(cs[i]), s = rnd<T>(sn[i]);
+    const float x1 = static_cast<float>(src[i]), x2 = static_cast<float>(src[half + i]);
+    dst[i] = static_cast<T>(rnd<T>(x1 * c) + rnd<T>(-x2 * s));
+    dst[half + i] = static_cast<T>(rnd<T>(x2 * c) + rnd<T>(x1 * s));
+  }
+  for (int64_t i = 2 * half; i < d; ++i) dst[i] = src[i];  // partial rotary: the rest passes through
+}
+
+std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& pos, const at::Tensor& q, const at::Tensor& k,
+                                          const at::Tensor& cos, const at::Tensor& sin, int64_t rotary_dim) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && q.size(0) == k.size(0) && q.size(2) == k.size(2) && q.stride(2) == 1 &&
+                  k.stride(2) == 1 && q.scalar_type() == k.scalar_type(),
+              "rotary: q [T, H, D], k [T, Hkv, D], unit stride on D, one dtype");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.size(1) == rotary_dim && rotary_dim % 2 == 0 && rotary_dim <= q.size(2),
+              "rotary: float32 caches [max_pos, rotary_dim]");
+  TORCH_CHECK(pos.scalar_type() == at::kLong && pos.dim() == 1 && pos.size(0) == q.size(0) && pos.is_contiguous(),
+              "rotary: int64 positions [T]");
+  const int64_t t = q.size(0), h = q.size(1), hkv = k.size(1), d = q.size(2), half = rotary_dim / 2;
+  auto q_out = at::empty({t, h, d}, q.options());
+  auto k_out = at::empty({t, hkv, d}, k.options());
+  const int64_t* p = pos.data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "rotary", [&] {
+    const scalar_t *qs = q.data_ptr<scalar_t>(), *ks = k.data_ptr<scalar_t>();
+    scalar_t *qo = q_out.data_ptr<scalar_t>(), *ko = k_out.data_ptr<scalar_t>();
+    const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+    at::parallel_for(0, t, 4, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const float* cs = cp + p[i] * rotary_dim;
+        const float* sn = sp + p[i] * rotary_dim;
+        for (int64_t j = 0; j < h; ++j) rotate_head<scalar_t>(qs + i * q.stride(0) + j * q.stride(1), qo + (i * h + j) * d, cs, sn, half, d);
+        for (int64_t j = 0; j < hkv; ++j) rotate_head<scalar_t>(ks + i * k.stride(0) + j * k.stride(1), ko + (i * hkv + j) * d, cs, sn, half, d);
+      }
+    });
+  });
+  return {q_out, k_out};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(core_cpu_ops, m) {
+  m.def("rms_norm(Tensor x, Tensor w, float eps, float offset) -> Tensor");
+  m.def("rotary(Tensor pos, Tensor q, Tensor k, Tensor cos, Tensor sin, int rotary_dim) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(core_cpu_ops, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("rotary", &rotary);
+}
