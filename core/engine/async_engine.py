@@ -21,7 +21,7 @@ from core.engine.distributed import RankFailure, start_tensor_parallel
 from core.engine.config import EngineArgs
 from core.errors import CoreError, InvalidRequest, ModelLoadError, Unavailable
 from core.interfaces import AttentionConfig
-from core.layers import local_heads
+from core.layers import fused, local_heads
 from core.engine.frontend import RequestFrontEnd
 from core.engine.kv_cache import PageAllocator, ReqToTokenTable, allocate_kv_cache, kv_bytes_per_token, kv_cache_dtype
 from core.engine.loader import ModelConfig, load_model_config
@@ -65,6 +65,7 @@ class AsyncEngine(RequestFrontEnd):
         self.tp_group = start_tensor_parallel(args, self.device)  # None unless --tp-size > 1
         try:
             self.model = self.tp_group.load(self._load_model) if self.tp_group else self._load_model()
+            fused(torch.empty(0, device=self.device))  # compile the fused-op kernels now, not in the first (watched) step
             self.vocab_size = mc.hf_config.vocab_size
             self._build_kv_pool()
         except BaseException:

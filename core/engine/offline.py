@@ -55,14 +55,53 @@ class Engine:
         return self._iter_async(result) if stream else result
 
     async def _iter_async(self, agen) -> AsyncIterator[dict]:
+        """The engine loop's stream, re-yielded on the caller's loop. A pump task on the engine
+        loop hands each chunk over with one ``call_soon_threadsafe`` (at 256 streams, two futures
+        per chunk cost more than the forward of a small model); chunks that pile up while the
+        caller is busy are coalesced to the newest per request (they are cumulative). Leaving early
+        cancels the pump, which closes the stream and aborts what is unfinished."""
+        caller = asyncio.get_running_loop()
+        inbox: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def pump() -> None:
+            try:
+                async for chunk in agen:
+                    caller.call_soon_threadsafe(inbox.put_nowait, chunk)
+            except BaseException as e:  # an engine error reaches the caller; a cancel ends the pump
+                if not isinstance(e, asyncio.CancelledError):
+                    caller.call_soon_threadsafe(inbox.put_nowait, e)
+                raise
+            finally:
+                await agen.aclose()  # an unfinished request is aborted
+            caller.call_soon_threadsafe(inbox.put_nowait, done)
+
+        fut = asyncio.run_coroutine_threadsafe(pump(), self._loop)
         try:
             while True:
-                try:
-                    yield await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(agen.__anext__(), self._loop))
-                except StopAsyncIteration:
+                pending = {}  # request index -> newest chunk, in arrival order
+                item = await inbox.get()
+                while True:
+                    if item is done or isinstance(item, BaseException):
+                        break
+                    pending[item.get("index")] = item
+                    if inbox.empty():
+                        item = None
+                        break
+                    item = inbox.get_nowait()
+                for chunk in pending.values():
+                    yield chunk
+                if item is done:
                     return
+                if isinstance(item, BaseException):
+                    raise item
         finally:
-            await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(agen.aclose(), self._loop))
+            if not fut.done():
+                fut.cancel()
+                try:
+                    await asyncio.wrap_future(fut)
+                except BaseException:  # noqa: S110 - the pump's cancel (or its error, already raised)
+                    pass
 
     def encode(self, prompt: str | list[str] | None = None, input_ids: list[int] | list[list[int]] | None = None) -> Any:
         """SGLang's ``Engine.encode``: ``{"embedding": [...], "meta_info": ...}`` per prompt
