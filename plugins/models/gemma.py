@@ -47,7 +47,8 @@ class GemmaModel(nn.Module):
         from core.layers import VocabEmbedding
 
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, ctx.dtype)
-        self.normalizer = config.hidden_size**0.5
+        # sqrt(hidden) rounded to the model dtype, as in transformers; a buffer on the model's device
+        self.register_buffer("normalizer", torch.tensor(config.hidden_size**0.5, dtype=ctx.dtype), persistent=False)
         rotaries = _rotaries(config)
         types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
         opts = dict(scaling=config.query_pre_attn_scalar**-0.5, logit_cap=getattr(config, "attn_logit_softcapping", None) or 0.0,
@@ -60,7 +61,7 @@ class GemmaModel(nn.Module):
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         x = self.embed_tokens(batch.input_ids)
-        x = x * torch.tensor(self.normalizer, dtype=x.dtype)  # rounded to the model dtype, as in transformers
+        x = x * self.normalizer
         for layer in self.layers:
             x = layer(x, batch)
         return self.norm(x)
