@@ -6,9 +6,11 @@
 // keys at slots kv_indices[b, 0 .. pos] (the last `window` of them when window > 0). A task is
 // (sequence, KV head, a few query tokens): the query heads sharing that KV head go together, so
 // every key row read from the pool serves all of them. Keys stream in blocks with an online
-// softmax; all arithmetic is fp32. Loops are plain C++ that -O3 -march=native vectorises (AVX2
-// or AVX-512 alike); exp is a polynomial so that it vectorises too. Tasks run on torch's OpenMP
-// pool, dynamically scheduled (sequences differ in length), with torch.get_num_threads() threads.
+// softmax in fp32; on CPUs with AVX512-BF16, q . k of a bf16 pool multiplies the bf16 rows
+// directly (exact products summed in fp32; the keys are never converted). Loops are plain C++
+// that -O3 -march=native vectorises (AVX2 or AVX-512 alike); exp is a polynomial so that it
+// vectorises too. Tasks run on torch's OpenMP pool, dynamically scheduled (sequences differ in
+// length), with torch.get_num_threads() threads.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -22,6 +24,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -111,6 +114,21 @@ inline float dot(const float* __restrict a, const float* __restrict b, int d) {
   return acc;
 }
 
+// Where the CPU has AVX512-BF16: q . k straight from bf16 rows (products exact, sums in fp32), so
+// the keys of a bf16 pool are never converted, and half the multiply instructions.
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define CORE_BF16_DOT 1
+template <int D>
+inline float dot_bf16(const c10::BFloat16* __restrict a, const c10::BFloat16* __restrict b) {
+  __m512 x = _mm512_setzero_ps(), y = _mm512_setzero_ps();
+  for (int c = 0; c < D; c += 64) {
+    x = _mm512_dpbf16_ps(x, (__m512bh)_mm512_loadu_si512(a + c), (__m512bh)_mm512_loadu_si512(b + c));
+    if (c + 32 < D) y = _mm512_dpbf16_ps(y, (__m512bh)_mm512_loadu_si512(a + c + 32), (__m512bh)_mm512_loadu_si512(b + c + 32));
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(x, y));
+}
+#endif
+
 // acc += sum_j p[j] * v[j] over the rows j in [a, z) of v (D floats each); acc stays in registers.
 template <int D>
 inline void accumulate(float* __restrict acc, const float* __restrict p, const float* __restrict v, int a, int z,
@@ -169,9 +187,10 @@ struct Params {
 struct Scratch {
   std::vector<float> q, acc, s, kv, m, l;
   std::vector<int> lo, hi, a, z;
+  std::vector<const void*> qsrc;  // each query vector's row in q (the bf16 dot reads it there)
   Scratch(int rows, int nr, int D)
       : q(rows * D), acc(rows * D), s(rows * kBlock), kv(kBlock * D), m(rows), l(rows),
-        lo(nr), hi(nr), a(nr), z(nr) {}
+        lo(nr), hi(nr), a(nr), z(nr), qsrc(rows) {}
 };
 
 template <typename T, int DC>
@@ -191,6 +210,7 @@ void run_task(const Params& p, const Task& t, const T* q, const T* kc, const T* 
     w.lo[r] = p.window > 0 ? static_cast<int>(std::max<int64_t>(0, pos - p.window + 1)) : 0;
     for (int g = 0; g < G; ++g) {
       const T* src = q + (p.q_start[t.b] + t.r0 + r) * p.q_stride + (t.kvh * G + g) * D;
+      w.qsrc[r * G + g] = src;
       float* dst = qb + (r * G + g) * D;
       load_row(src, dst, D);
       for (int i = 0; i < D; ++i) dst[i] *= p.scale;
@@ -202,7 +222,14 @@ void run_task(const Params& p, const Task& t, const T* q, const T* kc, const T* 
   for (int j0 = jlo; j0 <= jhi; j0 += kBlock) {
     const int n = std::min(kBlock, jhi - j0 + 1);
     prefetch_rows(kc, vc, idx, j0 + kBlock, std::min(j0 + 2 * kBlock, jhi + 1), p.slot_stride, head, D);
-    for (int j = 0; j < n; ++j) load_row(kc + idx[j0 + j] * p.slot_stride + head, kv + j * D, D);
+#ifdef CORE_BF16_DOT
+    constexpr bool bf16_dot = std::is_same_v<T, c10::BFloat16> && (DC == 64 || DC == 128);
+#else
+    constexpr bool bf16_dot = false;
+#endif
+    if constexpr (!bf16_dot) {
+      for (int j = 0; j < n; ++j) load_row(kc + idx[j0 + j] * p.slot_stride + head, kv + j * D, D);
+    }
     for (int r = 0; r < t.nr; ++r) {  // scores, then the online-softmax update, per query vector
       w.a[r] = std::max(w.lo[r] - j0, 0);
       w.z[r] = std::min(w.hi[r] - j0 + 1, n);
@@ -214,7 +241,17 @@ void run_task(const Params& p, const Task& t, const T* q, const T* kc, const T* 
         const float* qr = qb + row * D;
         float bmax = kNegInf;
         for (int j = a; j < z; ++j) {
-          float x = dot<DC>(qr, kv + j * D, D);
+          float x;
+#ifdef CORE_BF16_DOT
+          if constexpr (bf16_dot) {
+            x = p.scale * dot_bf16<DC>(static_cast<const c10::BFloat16*>(w.qsrc[row]),
+                                       reinterpret_cast<const c10::BFloat16*>(kc + idx[j0 + j] * p.slot_stride + head));
+          } else {
+            x = dot<DC>(qr, kv + j * D, D);
+          }
+#else
+          x = dot<DC>(qr, kv + j * D, D);
+#endif
           if (p.cap > 0.0f) x = p.cap * std::tanh(x / p.cap);
           sr[j] = x;
           bmax = std::max(bmax, x);
