@@ -9,10 +9,12 @@ Importing this module does not compile anything.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import platform
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -64,19 +66,36 @@ def is_built(prefix: str, source: Path) -> bool:
     return (d / f"{d.name}.so").exists()
 
 
+STALE_LOCK_SECONDS = 600  # a build lock older than this was left by a process that died mid-build
+
+
 def load(prefix: str, source: Path) -> tuple[Path, bool]:
     """Compile (if needed) and load ``source``, registering its ``TORCH_LIBRARY`` operators;
-    (build folder, compiled now). Raises RuntimeError with the compiler's last lines."""
+    (build folder, compiled now). Raises RuntimeError with the compiler's last lines.
+
+    A library built already is loaded directly: torch's build path takes a lock file first, and a
+    process killed while holding it (a tensor-parallel rank stopped mid-start, say) would leave
+    every later start waiting on it forever."""
+    d = build_dir(prefix, source)
+    so = d / f"{d.name}.so"
+    if so.exists():
+        try:
+            torch.ops.load_library(str(so))
+            return d, False
+        except OSError:  # a build cut off mid-link: build again
+            so.unlink(missing_ok=True)
     from torch.utils.cpp_extension import load as cpp_load
 
     if problem := toolchain_problem():
         raise RuntimeError(problem)
-    d = build_dir(prefix, source)
     d.mkdir(parents=True, exist_ok=True)
-    built = is_built(prefix, source)
+    lock = d / "lock"
+    with contextlib.suppress(OSError):
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS:
+            lock.unlink()
     try:
         cpp_load(d.name, [str(source)], extra_cflags=flags(), extra_ldflags=["-fopenmp"], build_directory=str(d),
                  is_python_module=False, verbose=False)
     except Exception as e:
         raise RuntimeError("compiling failed: " + " ".join(str(e).strip().splitlines()[-3:])) from None
-    return d, not built
+    return d, True

@@ -223,3 +223,17 @@ def test_an_avx2_only_build_passes_too(kernel):
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]
+
+
+def test_a_built_kernel_loads_past_a_lock_left_by_a_killed_build(kernel, monkeypatch, fresh_kernel_cache):
+    """torch's build path waits on a lock file; a process killed while holding it must not leave
+    every later start waiting: a built library is loaded without touching the lock."""
+    d = cpp_build.build_dir(cpu_plugin.PREFIX, cpu_plugin.SOURCE)
+    lock = d / "lock"
+    lock.touch()
+    try:
+        proc = subprocess.run([sys.executable, "-c", "from core_plugins.attention import cpu; cpu.load_kernel(); print('ok')"],
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]
+    finally:
+        lock.unlink(missing_ok=True)
