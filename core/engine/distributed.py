@@ -36,6 +36,9 @@ from core.errors import CoreError, ModelLoadError
 from core.parallel import TensorParallel, building
 
 log = structlog.get_logger("core.engine.distributed")
+# how long a failure waits for a dead rank's exit code, so that the error names it: the forkserver
+# that reaps the rank is slow to report under load (1 s was sometimes too short in the test suite)
+REAP_WAIT_S = 5.0
 
 DEFAULT_DIST_TIMEOUT_S = 300.0
 STOP_GRACE_S = 10.0
@@ -150,7 +153,7 @@ class TensorParallelGroup:
         try:
             bad = [(r, m) for r, m in enumerate(agree(self.control, error)) if m]
         except Exception as e:
-            why = self._dead_message(1.0) or f"lost contact with the other ranks ({describe(e)})"
+            why = self._dead_message(REAP_WAIT_S) or f"lost contact with the other ranks ({describe(e)})"
             self.stop()
             if error is None:
                 raise ModelLoadError(f"tensor-parallel ranks could not {what}: {why}") from None
@@ -169,7 +172,7 @@ class TensorParallelGroup:
             broadcast(self.control, ("step", _portable(inputs)))
             return run()
         except Exception as e:
-            message = self._dead_message(1.0) or f"a tensor-parallel step failed: {describe(e)}"
+            message = self._dead_message(REAP_WAIT_S) or f"a tensor-parallel step failed: {describe(e)}"
             self._fail(message)
             raise RankFailure(self.failure or message) from e
 
@@ -207,7 +210,7 @@ class TensorParallelGroup:
         while sentinels and not self._stopped:
             ready = multiprocessing.connection.wait(list(sentinels), timeout=0.5)
             if ready and not self._stopped:
-                self._fail(self._dead_message(1.0) or f"tensor-parallel rank {sentinels[ready[0]]} exited")
+                self._fail(self._dead_message(REAP_WAIT_S) or f"tensor-parallel rank {sentinels[ready[0]]} exited")
                 return
 
     def _fail(self, message: str) -> None:
