@@ -3,9 +3,9 @@ one C++ loop each (``cpu_ops.cpp``) for RMS norm and for rotary of q and k. No `
 torch's vectorised silu and mul are faster on the CPU than a scalar loop.
 
 On the CPU the torch ops' cost is dispatch, not arithmetic: norms and rotary took ~1.9 ms of a
-10 ms SmolLM2 decode step at batch 1, ~1.1 ms as these loops. The library compiles once per machine at first use (``core_kernels.cpp_build``);
-:func:`available` is False, with the reason logged once, where it cannot be built, and callers
-then keep the torch ops.
+10 ms SmolLM2 decode step at batch 1, ~1.1 ms as these loops. The library compiles once per
+machine at first use (``core_kernels.cpp_build``); :func:`available` is False, with the reason
+logged once, where it cannot be built, and callers then keep the torch ops.
 """
 
 from __future__ import annotations

@@ -33,9 +33,10 @@ def test_cuda_policy_prefers_triton_then_working_flashinfer(monkeypatch, works):
     monkeypatch.setattr(fi_plugin, "flashinfer_status", lambda: (works, "ok" if works else "no nvcc"))
     name, why = builtin_choice.choose_attention_backend(CUDA, None, ["torch_native", "triton", "flashinfer"])
     assert name == "triton" and "CUDA" in why
-    # without the triton backend: flashinfer where it works, else the reference
-    name, _ = builtin_choice.choose_attention_backend(CUDA, None, ["torch_native", "flashinfer"])
+    # without the triton backend: flashinfer where it works, else the reference, saying why
+    name, why = builtin_choice.choose_attention_backend(CUDA, None, ["torch_native", "flashinfer"])
     assert name == ("flashinfer" if works else "torch_native")
+    assert works or "no nvcc" in why  # the reason flashinfer was passed over is reported
 
 
 def test_cuda_policy_without_gpu_backends_falls_back_to_torch_native():

@@ -28,6 +28,8 @@ def choose_attention_backend(device: Any, model_config: Any, available: list[str
             ok, why = flashinfer_status()
             if ok:
                 return "flashinfer", "CUDA, no triton backend installed, and FlashInfer works here"
+            if "torch_native" in available:
+                return "torch_native", f"cuda: the torch-native reference backend (flashinfer is not usable: {why})"
     if device.type == "cpu" and "cpu" in available:
         from core_plugins.attention.cpu import kernel_status
 
