@@ -16,7 +16,7 @@ import structlog
 import torch
 
 from core.engine.collectives import KVSpec
-from core.engine.device import pick_device
+from core.engine.device import configure_cpu_runtime, pick_device
 from core.engine.distributed import RankFailure, start_tensor_parallel
 from core.engine.config import EngineArgs
 from core.errors import CoreError, InvalidRequest, ModelLoadError, Unavailable
@@ -49,8 +49,7 @@ class AsyncEngine(RequestFrontEnd):
 
     def __init__(self, args: EngineArgs, plugins: PluginManager | None = None) -> None:
         self.args = args
-        if args.cpu_threads:
-            torch.set_num_threads(args.cpu_threads)
+        configure_cpu_runtime(args.cpu_threads)
         self.plugins = plugins or load_plugins(args.plugins, strict=args.strict_plugins)
         self.device = pick_device(args.device)
         self.model_config: ModelConfig = load_model_config(

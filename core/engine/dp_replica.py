@@ -17,9 +17,9 @@ from typing import Any
 
 import attrs
 import structlog
-import torch
 
 from core.engine.config import EngineArgs
+from core.engine.device import configure_cpu_runtime
 from core.engine.request import Req
 from core.engine.sampling_params import SamplingParams
 
@@ -59,8 +59,7 @@ def replica_main(index: int, args: EngineArgs, conn) -> None:
     from core.log import configure_logging
 
     configure_logging(args.log_level)
-    if args.cpu_threads:
-        torch.set_num_threads(args.cpu_threads)
+    configure_cpu_runtime(args.cpu_threads)
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
     try:

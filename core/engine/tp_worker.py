@@ -22,6 +22,7 @@ import torch
 
 from core.engine.config import EngineArgs
 from core.engine.collectives import DistPlan, KVSpec, agree, broadcast, describe, init_rank, rank_device
+from core.engine.device import configure_cpu_runtime
 from core.engine.kv_cache import allocate_kv_cache
 from core.engine.loader import load_model_config
 from core.engine.model_build import build_model
@@ -38,8 +39,7 @@ def rank_main(rank: int, args: EngineArgs, plan: DistPlan) -> None:
     from core.log import configure_logging
 
     configure_logging(args.log_level)
-    if args.cpu_threads:
-        torch.set_num_threads(args.cpu_threads)
+    configure_cpu_runtime(args.cpu_threads)
     _exit_with_parent()
     try:
         code = _serve(rank, args, plan)
