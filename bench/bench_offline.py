@@ -50,15 +50,23 @@ def _sync(device: torch.device) -> None:
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes a decode step reads: every parameter and buffer once, except the input embedding
-    (one row per token), unless the LM head shares it."""
-    seen: set[int] = set()
-    total = 0
-    embeds = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding) or type(m).__name__ == "VocabEmbedding"}
-    tied = bool(getattr(model, "tied", False))  # the LM head reads the embedding matrix whole
-    buffers = [t for name, t in model.named_buffers() if not name.endswith("dense_weight")]  # CPU copies for big GEMMs
+    """Bytes a decode step reads: every parameter and buffer once, except tables read a row per
+    token (embeddings, rotary cos/sin) and the CPU's dense copies (big GEMMs only); plus the LM
+    head as its GEMM reads it: its packed form (e.g. int8) when the quant method built one, else
+    the table."""
+    tables = [m for m in model.modules() if isinstance(m, torch.nn.Embedding) or type(m).__name__ == "VocabEmbedding"]
+    tied = bool(getattr(model, "tied", False))
+    head = tables[0] if tied and tables else getattr(model, "lm_head", None)
+    packed_head = getattr(head, "packed_head", None)
+    head_tensors = list(packed_head.buffers()) if packed_head is not None else []
+    total = sum(t.numel() * t.element_size() for t in head_tensors)
+    if not total and head is not None:
+        total = head.weight.numel() * head.weight.element_size()
+    seen = {id(m.weight) for m in tables} | {id(t) for t in head_tensors}
+    seen |= {id(t) for m in model.modules() if "Rotary" in type(m).__name__ for t in m.buffers()}
+    buffers = [t for name, t in model.named_buffers() if not name.endswith("dense_weight")]
     for t in list(model.parameters()) + buffers:
-        if id(t) in seen or (id(t) in embeds and not tied) or t.dtype in (torch.int64,):
+        if id(t) in seen or t.dtype == torch.int64:
             continue
         seen.add(id(t))
         total += t.numel() * t.element_size()

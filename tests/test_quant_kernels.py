@@ -364,3 +364,67 @@ def test_cpu_dense_copy_serves_many_rows_and_packed_serves_few(monkeypatch):
     bare.bias = None
     packed.set_int4(bare, q, scale, zero, torch.bfloat16)
     assert not hasattr(bare, "dense_weight")  # disabled: no copy is kept
+
+
+# --------------------------------------------------------------------------- oneDNN-packed dense GEMMs
+
+needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+
+
+@needs_onednn
+@pytest.mark.parametrize("shape", [(1, 96), (7, 96), (2, 3, 96)])
+def test_onednn_packed_linear_equals_f_linear(shape):
+    from core_plugins.quant import onednn
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 96, generator=g).bfloat16()
+    b = torch.randn(48, generator=g).bfloat16()
+    p = onednn.prepack(w)
+    assert p.is_mkldnn and tuple(p.shape) == (48, 96)
+    x = torch.randn(*shape, generator=g).bfloat16()
+    for bias in (None, b):
+        got = onednn.linear(x, p, bias)
+        assert got.shape == (*shape[:-1], 48) and got.dtype == torch.bfloat16
+        assert rel_err(got, torch.nn.functional.linear(x, w, bias)) < BF16_REL
+    assert torch.equal(onednn.linear(x, w, b), torch.nn.functional.linear(x, w, b))  # a plain weight passes through
+
+
+@needs_onednn
+def test_unquantized_cpu_bf16_packs_layers_and_head(monkeypatch):
+    from core_plugins.quant import onednn
+    from core_plugins.quant.unquantized import Unquantized
+
+    method = Unquantized()
+    layer = torch.nn.Module()
+    method.create_weights(layer, 64, 32, True, torch.bfloat16)
+    torch.manual_seed(0)
+    layer.weight.data.normal_()
+    layer.bias.data.normal_()
+    method.process_weights_after_loading(layer)
+    assert layer.onednn_weight.is_mkldnn
+    x = torch.randn(5, 64).bfloat16()
+    want = torch.nn.functional.linear(x, layer.weight, layer.bias)
+    assert rel_err(method.apply(layer, x), want) < BF16_REL
+    table = torch.nn.Module()
+    table.weight = torch.nn.Parameter(torch.randn(40, 64).bfloat16(), requires_grad=False)
+    head = method.pack_lm_head(table)
+    assert rel_err(head(x), x.float() @ table.weight.float().T) < 2 * BF16_REL
+    # float32, or packing switched off: the plain GEMM, no copy
+    assert not onednn.wanted(torch.zeros(4, 4))
+    monkeypatch.setenv("CORE_ONEDNN_PREPACK", "0")
+    method.process_weights_after_loading(layer)
+    assert "onednn_weight" not in layer.__dict__ and method.pack_lm_head(table) is None
+    assert torch.equal(method.apply(layer, x), want)
+
+
+@needs_onednn
+def test_cpu_dense_copy_of_a_packed_layer_is_onednn_packed(monkeypatch):
+    monkeypatch.setattr(packed, "DENSE_MIN_ROWS", 4)
+    torch.manual_seed(0)
+    q, scale, zero = packed.quantize_int4(torch.randn(64, 128), 32)
+    layer = torch.nn.Module()
+    layer.bias = None
+    packed.set_int4(layer, q, scale, zero, torch.bfloat16)
+    assert layer.dense_weight.is_mkldnn
+    x = torch.randn(6, 128, dtype=torch.bfloat16)
+    assert rel_err(packed.packed_linear(layer, x), x.float() @ packed.dequantize_int4(q, scale, zero).T) < 2 * BF16_REL

@@ -24,14 +24,19 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from core_plugins.quant import onednn
+
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 
-# On CPU the packed kernels win while a GEMM is a few rows (decode: they read 4-8x fewer bytes)
-# and lose from about 16 rows on (prefill, many streams: bf16 GEMMs are compute-bound and oneDNN's
-# are 1.5-2x faster; measured on the 2-core AVX-512 VM at SmolLM2 shapes). So on CPU a layer also
-# keeps its weight in the activation dtype, within a memory budget, and GEMMs of DENSE_MIN_ROWS
-# rows or more use it. None disables the copy (the tests of the packed kernels do).
-DENSE_MIN_ROWS: int | None = 16
+# On CPU the packed kernels win while a GEMM is a few rows (decode: they read 4-8x fewer bytes),
+# but their time grows with the rows while oneDNN's bf16 GEMM barely does: against a bf16 weight
+# packed in oneDNN's layout (``onednn.py``) they lose from 4 rows on (SmolLM2 layer shapes, one
+# thread, 2-core AVX-512 VM: 170 against 144 us at 4 rows, 335 against 205 at 8), against a plain
+# weight from about 16. So on CPU a layer also keeps its weight in the activation dtype, within a
+# memory budget, and GEMMs of DENSE_MIN_ROWS rows or more (PLAIN_DENSE_MIN_ROWS for an unpacked
+# copy) use it. None disables the copy (the tests of the packed kernels do).
+DENSE_MIN_ROWS: int | None = 4
+PLAIN_DENSE_MIN_ROWS = 16
 DENSE_COPY_RAM_FRACTION = 0.2
 FORMATS = ("int4", "int8", "dense")  # narrowest first: a packed layer takes its widest shard's
 
@@ -100,7 +105,7 @@ class _DenseBudget:
         return True
 
 
-_BUDGET = _DenseBudget()
+DENSE_BUDGET = _DenseBudget()
 
 
 def _dense_wanted(device: torch.device, dtype: torch.dtype) -> bool:
@@ -109,9 +114,11 @@ def _dense_wanted(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def _keep_dense_copy(layer: torch.nn.Module, dense: torch.Tensor, dtype: torch.dtype, device: torch.device) -> None:
-    """The weight in the activation dtype beside the packed one, within the memory budget."""
-    if _dense_wanted(device, dtype) and _BUDGET.take(dense.numel() * torch.finfo(dtype).bits // 8):
-        layer.register_buffer("dense_weight", dense.to(device=device, dtype=dtype).contiguous(), persistent=False)
+    """The weight in the activation dtype beside the packed one, within the memory budget (a plain
+    attribute, not a buffer: in bf16 it is oneDNN's opaque packed tensor, see ``onednn.py``)."""
+    if _dense_wanted(device, dtype) and DENSE_BUDGET.take(dense.numel() * torch.finfo(dtype).bits // 8):
+        w = dense.to(device=device, dtype=dtype).contiguous()
+        layer.__dict__["dense_weight"] = onednn.prepack(w) if onednn.wanted(w) else w
 
 
 def set_int8(layer: torch.nn.Module, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
@@ -174,8 +181,9 @@ def packed_linear(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     shape = x.shape
     x2 = x.reshape(-1, shape[-1]).contiguous()
     dense = getattr(layer, "dense_weight", None)
-    if dense is not None and DENSE_MIN_ROWS and x2.shape[0] >= DENSE_MIN_ROWS:
-        return F.linear(x, dense, layer.bias)
+    if (dense is not None and DENSE_MIN_ROWS
+            and x2.shape[0] >= (DENSE_MIN_ROWS if dense.is_mkldnn else max(DENSE_MIN_ROWS, PLAIN_DENSE_MIN_ROWS))):
+        return onednn.linear(x, dense, layer.bias)
     if fmt == "int4":
         if x2.is_cuda:
             y = torch._weight_int4pack_mm(x2, layer.qweight_int4, layer.group_size, layer.qscale_zero)
@@ -228,8 +236,10 @@ class PackedHead(torch.nn.Module):
         q, scale = quantize_int8(weight)
         set_int8(self, q, scale, weight.dtype, weight.device, dense_copy=False)
         if self.quant_format == "int8" and _dense_wanted(weight.device, weight.dtype):
-            # the table is kept anyway: big GEMMs use it directly (a plain reference, not a parameter)
-            self.__dict__["dense_weight"] = weight
+            # the table is kept anyway: big GEMMs use it directly (a plain reference, not a parameter),
+            # or its oneDNN-packed copy within the budget
+            packs = onednn.wanted(weight) and DENSE_BUDGET.take(weight.numel() * weight.element_size())
+            self.__dict__["dense_weight"] = onednn.prepack(weight) if packs else weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return packed_linear(self, x)

@@ -1,4 +1,8 @@
-"""The default quantization method: plain dense weights in the serving dtype."""
+"""The default quantization method: plain dense weights in the serving dtype.
+
+On CPU in bf16 each weight (and the LM head) is also packed once into oneDNN's layout, within the
+dense-copy memory budget, because that GEMM runs up to 2.6x faster at decode batch sizes
+(``onednn.py``)."""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from core import hookimpl
+from core_plugins.quant import onednn, packed
 
 
 class Unquantized:
@@ -18,10 +23,34 @@ class Unquantized:
         layer.bias = torch.nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, layer.weight, layer.bias)
+        w = layer.__dict__.get("onednn_weight")
+        return F.linear(x, layer.weight, layer.bias) if w is None else onednn.linear(x, w, layer.bias)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        return None
+        layer.__dict__.pop("onednn_weight", None)
+        if (w := _packed_copy(layer.weight)) is not None:
+            layer.__dict__["onednn_weight"] = w
+
+    def pack_lm_head(self, embedding: torch.nn.Module) -> torch.nn.Module | None:
+        w = _packed_copy(embedding.weight)
+        return None if w is None else PackedDenseHead(w)
+
+
+class PackedDenseHead(torch.nn.Module):
+    """The LM head over the oneDNN-packed copy of the embedding table."""
+
+    def __init__(self, w: torch.Tensor) -> None:
+        super().__init__()
+        self.__dict__["onednn_weight"] = w
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return onednn.linear(x, self.__dict__["onednn_weight"], None)
+
+
+def _packed_copy(w: torch.Tensor) -> torch.Tensor | None:
+    if onednn.wanted(w) and packed.DENSE_BUDGET.take(w.numel() * w.element_size()):
+        return onednn.prepack(w)
+    return None
 
 
 @hookimpl
