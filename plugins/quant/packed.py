@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from core_kernels import cpu_int4
 from core_plugins.quant import onednn
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)
@@ -151,6 +152,14 @@ def set_int4(layer: torch.nn.Module, q: torch.Tensor, scale: torch.Tensor, zero:
     layer.quant_format = "int4"
     layer.group_size = group
     q = q.to(device)
+    if device.type == "cpu" and dtype == torch.bfloat16 and cpu_int4.shape_ok(n, k, group) and cpu_int4.available():
+        # this machine's AVX512-BF16 kernel: ~2x torch's at one row (``kernels/cpu_int4.py``)
+        qw, sz = cpu_int4.pack(q, scale.to(dtype), zero.to(dtype))
+        layer.register_buffer("qweight_int4_bf16", qw)
+        layer.register_buffer("qscale_zero_bf16", sz)
+        if _dense_wanted(device, dtype):
+            _keep_dense_copy(layer, dequantize_int4(q, scale, zero), dtype, device)
+        return None
     if device.type == "cuda":
         # tinygemm's CUDA layout tiles K by inner_k_tiles * 16: the largest tiling this K allows
         tiles = next(t for t in (8, 4, 2) if k % (t * 16) == 0)
@@ -185,7 +194,9 @@ def packed_linear(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
             and x2.shape[0] >= (DENSE_MIN_ROWS if dense.is_mkldnn else max(DENSE_MIN_ROWS, PLAIN_DENSE_MIN_ROWS))):
         return onednn.linear(x, dense, layer.bias)
     if fmt == "int4":
-        if x2.is_cuda:
+        if (qw := getattr(layer, "qweight_int4_bf16", None)) is not None:
+            y = cpu_int4.mm(x2.to(torch.bfloat16), qw, layer.qscale_zero_bf16).to(x2.dtype)
+        elif x2.is_cuda:
             y = torch._weight_int4pack_mm(x2, layer.qweight_int4, layer.group_size, layer.qscale_zero)
         else:
             y = torch._weight_int4pack_mm_for_cpu(x2, layer.qweight_int4, layer.group_size, layer.qscale_zero)
@@ -207,6 +218,8 @@ def dequantize(layer: torch.nn.Module) -> torch.Tensor:
         return layer.weight.float()
     if fmt == "int8":
         return layer.qweight_int8.float() * layer.qscale.float()[:, None]
+    if (qw := getattr(layer, "qweight_int4_bf16", None)) is not None:
+        return cpu_int4.unpack(qw, layer.qscale_zero_bf16)
     sz = layer.qscale_zero
     eye = torch.eye(sz.shape[0] * layer.group_size, dtype=sz.dtype, device=sz.device)
     if eye.is_cuda:

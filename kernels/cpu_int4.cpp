@@ -1,0 +1,170 @@
+// Group-wise int4 weight times a few bf16 activation rows, on CPUs with AVX512-BF16.
+//
+// Decode multiplies one to three activation rows by every weight, so the GEMM is a matrix-vector
+// product that should run at memory speed. Layout (packed by cpu_int4.py): rows in blocks of 16,
+// and for each block and each pair of input columns (k, k+1) 16 bytes, byte i holding row i's two
+// 4-bit codes (k in the low nibble); per block and group, the 16 rows' bf16 scales then zeros. Sixteen output rows then sit in the sixteen fp32 lanes of one
+// register: each byte widens to a 32-bit lane, its nibbles become the bf16 pair (128 + q_k,
+// 128 + q_k+1) by an OR with 0x43004300 (bf16 holds 128..255 exactly), and one vdpbf16ps
+// multiplies the pair by the broadcast (x_k, x_k+1), exactly, summing in fp32. With
+// w = (q - 8) * s + z per group (torch's tinygemm convention),
+//   sum_k w_k x_k = s * sum_k (128 + q_k) x_k + (z - 136 s) * sum_k x_k,
+// so a group costs its dot products plus two FMAs, with the per-group sums of x computed once.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define CORE_INT4_BF16 1
+#endif
+
+namespace {
+
+bool supported() {
+#ifdef CORE_INT4_BF16
+  return true;
+#else
+  return false;
+#endif
+}
+
+#ifdef CORE_INT4_BF16
+// Byte indices for expand4: byte j of pair block u to bytes 4j..4j+3 of w[u] (only the even ones are kept).
+struct ExpandIndex {
+  alignas(64) uint8_t idx[4][64];
+  ExpandIndex() {
+    for (int u = 0; u < 4; ++u)
+      for (int b = 0; b < 64; ++b) idx[u][b] = static_cast<uint8_t>(16 * u + b / 4);
+  }
+};
+const ExpandIndex kExpand;
+
+// Four k-pairs of one row block (64 bytes) -> four registers of 16 bf16 pairs (128 + q_k, 128 + q_k+1).
+inline void expand4(const uint8_t* src, __m512i w[4]) {
+  const __m512i v = _mm512_loadu_si512(src);
+#ifdef __AVX512VBMI__
+  // each byte to the low bytes of both halves of its 32-bit lane, the high half shifted right by 4,
+  // then (t & 0x000F000F) | 0x43004300 in one ternary-logic op
+  const __m512i counts = _mm512_set1_epi32(0x00040000);
+  const __m512i lo = _mm512_set1_epi32(0x000F000F), bias = _mm512_set1_epi32(0x43004300);
+  for (int u = 0; u < 4; ++u) {
+    const __m512i t = _mm512_srlv_epi16(
+        _mm512_maskz_permutexvar_epi8(0x5555555555555555ULL, _mm512_load_si512(kExpand.idx[u]), v), counts);
+    w[u] = _mm512_ternarylogic_epi32(t, lo, bias, 0xEA);  // (A & B) | C
+  }
+#else
+  const __m512i lo_mask = _mm512_set1_epi32(0x0F), hi_mask = _mm512_set1_epi32(0xF0);
+  const __m512i bias = _mm512_set1_epi32(0x43004300);
+  for (int u = 0; u < 4; ++u) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(v, u));
+    w[u] = _mm512_or_si512(_mm512_or_si512(_mm512_and_si512(b, lo_mask), _mm512_slli_epi32(_mm512_and_si512(b, hi_mask), 12)), bias);
+  }
+#endif
+}
+
+inline __m512 bf16_lanes(const uint16_t* p) {  // 16 bf16 -> 16 fp32
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+// Rows [m0, m0 + M) of x times row block nb: out[m, nb*16 .. nb*16+16).
+template <int M>
+inline void block(const uint8_t* __restrict qw, const uint16_t* __restrict sz, const uint16_t* __restrict x,
+                  const float* __restrict xs, uint16_t* __restrict out, int64_t K, int64_t G, int64_t N, int64_t nb) {
+  constexpr int C = M == 1 ? 4 : 2;  // independent dot chains per row: enough to hide vdpbf16ps latency
+  const int64_t pairs_per_group = K / G / 2, pairs = K / 2;
+  const uint8_t* q = qw + nb * pairs * 16;
+  const __m512 k136 = _mm512_set1_ps(136.0f);
+  __m512 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 a[M][C];
+    for (int m = 0; m < M; ++m)
+      for (int c = 0; c < C; ++c) a[m][c] = _mm512_setzero_ps();
+    const int64_t p0 = g * pairs_per_group;
+    for (int64_t p = 0; p < pairs_per_group; p += 4) {
+      __m512i w[4];
+      expand4(q + (p0 + p) * 16, w);
+      for (int u = 0; u < 4; ++u)
+        for (int m = 0; m < M; ++m) {
+          int32_t xp;
+          std::memcpy(&xp, x + m * K + 2 * (p0 + p + u), sizeof xp);
+          a[m][u % C] = _mm512_dpbf16_ps(a[m][u % C], (__m512bh)w[u], (__m512bh)_mm512_set1_epi32(xp));
+        }
+    }
+    const uint16_t* sg = sz + (nb * G + g) * 32;
+    const __m512 s = bf16_lanes(sg), c = _mm512_fnmadd_ps(k136, s, bf16_lanes(sg + 16));  // z - 136 s
+    for (int m = 0; m < M; ++m) {
+      __m512 t = a[m][0];
+      for (int j = 1; j < C; ++j) t = _mm512_add_ps(t, a[m][j]);
+      acc[m] = _mm512_fmadd_ps(t, s, acc[m]);
+      acc[m] = _mm512_fmadd_ps(c, _mm512_set1_ps(xs[m * G + g]), acc[m]);
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    const __m256i r = (__m256i)_mm512_cvtneps_pbh(acc[m]);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * N + nb * 16), r);
+  }
+}
+#endif
+
+// x [M, K] bf16; qw [N/16, K/2, 16] uint8; sz [N/16, G, 2, 16] bf16 (scales, then zeros) -> [M, N] bf16.
+at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& sz) {
+  TORCH_CHECK(supported(), "int4_mm: this build has no AVX512-BF16");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "int4_mm: x [M, K] contiguous bf16");
+  TORCH_CHECK(qw.dim() == 3 && qw.scalar_type() == at::kByte && qw.size(2) == 16 && qw.is_contiguous(),
+              "int4_mm: qw [N/16, K/2, 16] uint8");
+  const int64_t M = x.size(0), K = x.size(1), NB = qw.size(0), N = NB * 16, G = sz.size(1);
+  TORCH_CHECK(qw.size(1) * 2 == K, "int4_mm: x has ", K, " columns, the weight ", qw.size(1) * 2);
+  TORCH_CHECK(sz.dim() == 4 && sz.size(0) == NB && sz.size(2) == 2 && sz.size(3) == 16 && G > 0 && K % G == 0 &&
+                  (K / G) % 8 == 0 && sz.scalar_type() == at::kBFloat16 && sz.is_contiguous(),
+              "int4_mm: sz [N/16, G, 2, 16] bfloat16, groups of a multiple of 8 columns");
+  auto out = at::empty({M, N}, x.options());
+#ifdef CORE_INT4_BF16
+  // per-group sums of each row of x, in fp32
+  auto xs = at::zeros({M, G}, x.options().dtype(at::kFloat));
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.const_data_ptr());
+  float* xsp = xs.data_ptr<float>();
+  const int64_t gs = K / G;
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < G; ++g) {
+      float s = 0.0f;
+      for (int64_t i = 0; i < gs; ++i) {
+        uint32_t bits = static_cast<uint32_t>(xp[m * K + g * gs + i]) << 16;
+        float f;
+        std::memcpy(&f, &bits, sizeof f);
+        s += f;
+      }
+      xsp[m * G + g] = s;
+    }
+  const uint8_t* q = qw.const_data_ptr<uint8_t>();
+  const uint16_t* szp = reinterpret_cast<const uint16_t*>(sz.const_data_ptr());
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  at::parallel_for(0, NB, 8, [&](int64_t b0, int64_t b1) {
+    for (int64_t nb = b0; nb < b1; ++nb) {
+      int64_t m = 0;
+      for (; m + 3 <= M; m += 3) block<3>(q, szp, xp + m * K, xsp + m * G, op + m * N, K, G, N, nb);
+      if (M - m == 2) block<2>(q, szp, xp + m * K, xsp + m * G, op + m * N, K, G, N, nb);
+      if (M - m == 1) block<1>(q, szp, xp + m * K, xsp + m * G, op + m * N, K, G, N, nb);
+    }
+  });
+#endif
+  return out;
+}
+
+bool int4_supported() { return supported(); }
+
+}  // namespace
+
+TORCH_LIBRARY(core_cpu_int4, m) {
+  m.def("int4_mm(Tensor x, Tensor qw, Tensor sz) -> Tensor");
+  m.def("supported() -> bool", &int4_supported);
+}
+
+TORCH_LIBRARY_IMPL(core_cpu_int4, CPU, m) { m.impl("int4_mm", &int4_mm); }

@@ -1,0 +1,103 @@
+"""The AVX512-BF16 int4 GEMM for few rows (``kernels/cpu_int4.cpp``) against the dequantized weight."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from core_kernels import cpp_build, cpu_int4
+from core_plugins.quant import packed
+
+pytestmark = pytest.mark.skipif(not cpu_int4.available(), reason="this CPU has no AVX512-BF16 (or no C++ compiler): "
+                                "int4 layers use torch's kernel here")
+
+
+def quantized(n: int, k: int, group: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q, scale, zero = packed.quantize_int4(torch.randn(n, k, generator=g), group)
+    return q, scale.bfloat16(), zero.bfloat16()
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want).abs().max() / want.abs().max()).item()
+
+
+@pytest.mark.parametrize("n,k,group", [(16, 64, 32), (48, 256, 128), (960, 576, 32), (64, 384, 64), (32, 512, 256)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7])
+def test_matches_the_dequantized_weight(n, k, group, rows):
+    q, scale, zero = quantized(n, k, group)
+    qw, sz = cpu_int4.pack(q, scale, zero)
+    w = cpu_int4.unpack(qw, sz)
+    assert torch.equal(w, packed.dequantize_int4(q, scale, zero))
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1)).bfloat16()
+    out = cpu_int4.mm(x, qw, sz)
+    assert out.shape == (rows, n) and out.dtype == torch.bfloat16
+    assert rel_err(out, x.float() @ w.T) < 2 ** -7  # the bf16 rounding of the output
+
+
+def test_rows_are_independent_and_a_strided_input_is_fine():
+    q, scale, zero = quantized(64, 128, 32)
+    qw, sz = cpu_int4.pack(q, scale, zero)
+    x = torch.randn(5, 256).bfloat16()[:, ::2]
+    full = cpu_int4.mm(x, qw, sz)
+    assert torch.equal(full[3:4], cpu_int4.mm(x[3:4], qw, sz))
+
+
+def test_bad_inputs_are_clear_errors():
+    q, scale, zero = quantized(32, 64, 32)
+    qw, sz = cpu_int4.pack(q, scale, zero)
+    with pytest.raises(RuntimeError, match="bf16"):
+        cpu_int4.mm(torch.randn(1, 64), qw, sz)
+    with pytest.raises(RuntimeError, match="columns"):
+        cpu_int4.mm(torch.randn(1, 96).bfloat16(), qw, sz)
+
+
+def test_bf16_int4_layers_use_it():
+    q, scale, zero = quantized(64, 128, 32)
+    layer = torch.nn.Module()
+    layer.bias = None
+    packed.set_int4(layer, q, scale, zero, torch.bfloat16)
+    assert hasattr(layer, "qweight_int4_bf16") and not hasattr(layer, "qweight_int4")
+    assert torch.equal(packed.dequantize(layer), packed.dequantize_int4(q, scale, zero))
+    x = torch.randn(2, 128).bfloat16()
+    assert rel_err(packed.packed_linear(layer, x), x.float() @ packed.dequantize(layer).T) < 2 ** -7
+
+
+BUILD_WITH = textwrap.dedent("""
+    import sys, torch
+    from core_kernels import cpp_build, cpu_int4
+    from core_plugins.quant import packed
+    cpp_build.flags = lambda: ["-O3", "-fopenmp", *sys.argv[1:]]
+    cpp_build.load(cpu_int4.PREFIX, cpu_int4.SOURCE)
+    if not torch.ops.core_cpu_int4.supported():
+        try:
+            torch.ops.core_cpu_int4.int4_mm(torch.zeros(1, 64).bfloat16(), torch.zeros(2, 32, 16, dtype=torch.uint8),
+                                             torch.zeros(2, 2, 2, 16).bfloat16())
+        except RuntimeError as e:
+            print("unsupported:", str(e).splitlines()[0])
+        sys.exit(0)
+    g = torch.Generator().manual_seed(0)
+    q, s, z = packed.quantize_int4(torch.randn(96, 256, generator=g), 32)
+    qw, sz = cpu_int4.pack(q, s, z)
+    x = torch.randn(3, 256, generator=g).bfloat16()
+    want = x.float() @ cpu_int4.unpack(qw, sz).T
+    err = ((cpu_int4.mm(x, qw, sz).float() - want).abs().max() / want.abs().max()).item()
+    print("err", err)
+""")
+
+
+@pytest.mark.parametrize("flags,expect", [(["-march=native", "-mno-avx512vbmi"], "err"),
+                                          (["-march=haswell"], "unsupported: int4_mm: this build has no AVX512-BF16")],
+                         ids=["without_vbmi", "avx2_only"])
+def test_other_instruction_sets_build(flags, expect):
+    """The nibble expansion without AVX512-VBMI computes the same; an AVX2 build compiles and refuses."""
+    proc = subprocess.run([sys.executable, "-c", BUILD_WITH, *flags], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout.strip().splitlines()[-1]
+    assert out.startswith(expect), out
+    if expect == "err":
+        assert float(out.split()[1]) < 2 ** -7
