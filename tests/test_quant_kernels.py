@@ -353,9 +353,9 @@ def test_cpu_dense_copy_serves_many_rows_and_packed_serves_few(monkeypatch):
     assert layer.dense_weight.dtype == torch.bfloat16 and layer.dense_weight.shape == (64, 128)
     ref_w = packed.dequantize_int4(q, scale, zero)
     calls = []  # rows given to a packed int4 kernel: torch's, or this machine's AVX512-BF16 one
-    real, ours = torch._weight_int4pack_mm_for_cpu, packed.cpu_int4.mm
+    real, ours = torch._weight_int4pack_mm_for_cpu, packed.cpu_gemv.mm
     monkeypatch.setattr(torch, "_weight_int4pack_mm_for_cpu", lambda *a: calls.append(a[0].shape[0]) or real(*a))
-    monkeypatch.setattr(packed.cpu_int4, "mm", lambda *a: calls.append(a[0].shape[0]) or ours(*a))
+    monkeypatch.setattr(packed.cpu_gemv, "mm", lambda *a: calls.append(a[0].shape[0]) or ours(*a))
     for rows in (1, 15, 16, 40):
         x = torch.randn(rows, 128, dtype=torch.bfloat16)
         assert rel_err(packed.packed_linear(layer, x), x.float() @ ref_w.T) < 2 * BF16_REL

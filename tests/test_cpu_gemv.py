@@ -1,4 +1,4 @@
-"""The AVX512-BF16 int4 GEMM for few rows (``kernels/cpu_int4.cpp``) against the dequantized weight."""
+"""The AVX512-BF16 int4 / int8 GEMMs for few rows (``kernels/cpu_gemv.cpp``) against the dequantized weight."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import textwrap
 import pytest
 import torch
 
-from core_kernels import cpp_build, cpu_int4
+from core_kernels import cpp_build, cpu_gemv
 from core_plugins.quant import packed
 
-pytestmark = pytest.mark.skipif(not cpu_int4.available(), reason="this CPU has no AVX512-BF16 (or no C++ compiler): "
+pytestmark = pytest.mark.skipif(not cpu_gemv.available(), reason="this CPU has no AVX512-BF16 (or no C++ compiler): "
                                 "int4 layers use torch's kernel here")
 
 
@@ -30,30 +30,62 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 7])
 def test_matches_the_dequantized_weight(n, k, group, rows):
     q, scale, zero = quantized(n, k, group)
-    qw, sz = cpu_int4.pack(q, scale, zero)
-    w = cpu_int4.unpack(qw, sz)
+    qw, sz = cpu_gemv.pack(q, scale, zero)
+    w = cpu_gemv.unpack(qw, sz)
     assert torch.equal(w, packed.dequantize_int4(q, scale, zero))
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1)).bfloat16()
-    out = cpu_int4.mm(x, qw, sz)
+    out = cpu_gemv.mm(x, qw, sz)
     assert out.shape == (rows, n) and out.dtype == torch.bfloat16
     assert rel_err(out, x.float() @ w.T) < 2 ** -7  # the bf16 rounding of the output
 
 
+@pytest.mark.parametrize("n,k", [(16, 64), (48, 68), (960, 576), (64, 1536)])  # K % 8 == 4 takes the tail loop
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7])
+def test_int8_matches_the_dequantized_weight(n, k, rows):
+    g = torch.Generator().manual_seed(n + k)
+    q, scale = packed.quantize_int8(torch.randn(n, k, generator=g))
+    scale = scale.bfloat16()
+    qw = cpu_gemv.pack_int8(q)
+    assert torch.equal(cpu_gemv.unpack_int8(qw), q)
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    out = cpu_gemv.mm_int8(x, qw, scale)
+    assert out.shape == (rows, n) and out.dtype == torch.bfloat16
+    assert rel_err(out, x.float() @ (q.float() * scale.float()[:, None]).T) < 2 ** -7
+
+
 def test_rows_are_independent_and_a_strided_input_is_fine():
     q, scale, zero = quantized(64, 128, 32)
-    qw, sz = cpu_int4.pack(q, scale, zero)
+    qw, sz = cpu_gemv.pack(q, scale, zero)
     x = torch.randn(5, 256).bfloat16()[:, ::2]
-    full = cpu_int4.mm(x, qw, sz)
-    assert torch.equal(full[3:4], cpu_int4.mm(x[3:4], qw, sz))
+    full = cpu_gemv.mm(x, qw, sz)
+    assert torch.equal(full[3:4], cpu_gemv.mm(x[3:4], qw, sz))
 
 
 def test_bad_inputs_are_clear_errors():
     q, scale, zero = quantized(32, 64, 32)
-    qw, sz = cpu_int4.pack(q, scale, zero)
+    qw, sz = cpu_gemv.pack(q, scale, zero)
     with pytest.raises(RuntimeError, match="bf16"):
-        cpu_int4.mm(torch.randn(1, 64), qw, sz)
+        cpu_gemv.mm(torch.randn(1, 64), qw, sz)
     with pytest.raises(RuntimeError, match="columns"):
-        cpu_int4.mm(torch.randn(1, 96).bfloat16(), qw, sz)
+        cpu_gemv.mm(torch.randn(1, 96).bfloat16(), qw, sz)
+    q8 = cpu_gemv.pack_int8(packed.quantize_int8(torch.randn(32, 64))[0])
+    with pytest.raises(RuntimeError, match="bf16"):
+        cpu_gemv.mm_int8(torch.randn(1, 64), q8, torch.ones(32).bfloat16())
+    with pytest.raises(RuntimeError, match="scale"):
+        cpu_gemv.mm_int8(torch.randn(1, 64).bfloat16(), q8, torch.ones(16).bfloat16())
+
+
+def test_bf16_int8_layers_and_heads_use_it():
+    q, scale = packed.quantize_int8(torch.randn(64, 128))
+    layer = torch.nn.Module()
+    layer.bias = None
+    packed.set_int8(layer, q, scale, torch.bfloat16, torch.device("cpu"))
+    assert hasattr(layer, "qweight_int8_bf16") and not hasattr(layer, "qweight_int8")
+    assert torch.equal(packed.dequantize(layer), q.float() * scale.bfloat16().float()[:, None])
+    x = torch.randn(3, 128).bfloat16()
+    assert rel_err(packed.packed_linear(layer, x), x.float() @ packed.dequantize(layer).T) < 2 ** -7
+    head = packed.PackedHead(torch.randn(96, 128).bfloat16())
+    assert hasattr(head, "qweight_int8_bf16")
 
 
 def test_bf16_int4_layers_use_it():
@@ -69,24 +101,28 @@ def test_bf16_int4_layers_use_it():
 
 BUILD_WITH = textwrap.dedent("""
     import sys, torch
-    from core_kernels import cpp_build, cpu_int4
+    from core_kernels import cpp_build, cpu_gemv
     from core_plugins.quant import packed
     cpp_build.flags = lambda: ["-O3", "-fopenmp", *sys.argv[1:]]
-    cpp_build.load(cpu_int4.PREFIX, cpu_int4.SOURCE)
-    if not torch.ops.core_cpu_int4.supported():
+    cpp_build.load(cpu_gemv.PREFIX, cpu_gemv.SOURCE)
+    if not torch.ops.core_cpu_gemv.supported():
         try:
-            torch.ops.core_cpu_int4.int4_mm(torch.zeros(1, 64).bfloat16(), torch.zeros(2, 32, 16, dtype=torch.uint8),
+            torch.ops.core_cpu_gemv.int4_mm(torch.zeros(1, 64).bfloat16(), torch.zeros(2, 32, 16, dtype=torch.uint8),
                                              torch.zeros(2, 2, 2, 16).bfloat16())
         except RuntimeError as e:
             print("unsupported:", str(e).splitlines()[0])
         sys.exit(0)
     g = torch.Generator().manual_seed(0)
     q, s, z = packed.quantize_int4(torch.randn(96, 256, generator=g), 32)
-    qw, sz = cpu_int4.pack(q, s, z)
+    qw, sz = cpu_gemv.pack(q, s, z)
     x = torch.randn(3, 256, generator=g).bfloat16()
-    want = x.float() @ cpu_int4.unpack(qw, sz).T
-    err = ((cpu_int4.mm(x, qw, sz).float() - want).abs().max() / want.abs().max()).item()
-    print("err", err)
+    want = x.float() @ cpu_gemv.unpack(qw, sz).T
+    err = ((cpu_gemv.mm(x, qw, sz).float() - want).abs().max() / want.abs().max()).item()
+    q8, s8 = packed.quantize_int8(torch.randn(96, 256, generator=g))
+    s8 = s8.bfloat16()
+    want = x.float() @ (q8.float() * s8.float()[:, None]).T
+    err8 = ((cpu_gemv.mm_int8(x, cpu_gemv.pack_int8(q8), s8).float() - want).abs().max() / want.abs().max()).item()
+    print("err", max(err, err8))
 """)
 
 

@@ -1,7 +1,8 @@
-// Group-wise int4 weight times a few bf16 activation rows, on CPUs with AVX512-BF16.
+// Packed int4 (group-wise) and int8 (per-channel) weights times a few bf16 activation rows, on
+// CPUs with AVX512-BF16.
 //
 // Decode multiplies one to three activation rows by every weight, so the GEMM is a matrix-vector
-// product that should run at memory speed. Layout (packed by cpu_int4.py): rows in blocks of 16,
+// product that should run at memory speed. Layout (packed by cpu_gemv.py): rows in blocks of 16,
 // and for each block and each pair of input columns (k, k+1) 16 bytes, byte i holding row i's two
 // 4-bit codes (k in the low nibble); per block and group, the 16 rows' bf16 scales then zeros. Sixteen output rows then sit in the sixteen fp32 lanes of one
 // register: each byte widens to a 32-bit lane, its nibbles become the bf16 pair (128 + q_k,
@@ -10,6 +11,9 @@
 // w = (q - 8) * s + z per group (torch's tinygemm convention),
 //   sum_k w_k x_k = s * sum_k (128 + q_k) x_k + (z - 136 s) * sum_k x_k,
 // so a group costs its dot products plus two FMAs, with the per-group sums of x computed once.
+// int8 (w = q * s per row) goes the same way in two nibbles: with u = q + 128 = 16 h + l,
+//   sum_k q_k x_k = 16 * sum_k (128 + h_k) x_k + sum_k (128 + l_k) x_k - 2304 * sum_k x_k,
+// its layout per block and k-pair being 16 rows x 2 bytes (u_k, u_k+1).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -22,20 +26,20 @@
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
-#define CORE_INT4_BF16 1
+#define CORE_GEMV_BF16 1
 #endif
 
 namespace {
 
 bool supported() {
-#ifdef CORE_INT4_BF16
+#ifdef CORE_GEMV_BF16
   return true;
 #else
   return false;
 #endif
 }
 
-#ifdef CORE_INT4_BF16
+#ifdef CORE_GEMV_BF16
 // Byte indices for expand4: byte j of pair block u to bytes 4j..4j+3 of w[u] (only the even ones are kept).
 struct ExpandIndex {
   alignas(64) uint8_t idx[4][64];
@@ -54,6 +58,7 @@ inline void expand4(const uint8_t* src, __m512i w[4]) {
   // then (t & 0x000F000F) | 0x43004300 in one ternary-logic op
   const __m512i counts = _mm512_set1_epi32(0x00040000);
   const __m512i lo = _mm512_set1_epi32(0x000F000F), bias = _mm512_set1_epi32(0x43004300);
+#pragma GCC unroll 4
   for (int u = 0; u < 4; ++u) {
     const __m512i t = _mm512_srlv_epi16(
         _mm512_maskz_permutexvar_epi8(0x5555555555555555ULL, _mm512_load_si512(kExpand.idx[u]), v), counts);
@@ -91,6 +96,7 @@ inline void block(const uint8_t* __restrict qw, const uint16_t* __restrict sz, c
     for (int64_t p = 0; p < pairs_per_group; p += 4) {
       __m512i w[4];
       expand4(q + (p0 + p) * 16, w);
+#pragma GCC unroll 4
       for (int u = 0; u < 4; ++u)
         for (int m = 0; m < M; ++m) {
           int32_t xp;
@@ -112,6 +118,84 @@ inline void block(const uint8_t* __restrict qw, const uint16_t* __restrict sz, c
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * N + nb * 16), r);
   }
 }
+
+// Byte indices for int8 expansion: row i of pair block u (bytes 32u + 2i, 32u + 2i + 1) to bytes 4i, 4i + 2.
+struct Expand8Index {
+  alignas(64) uint8_t idx[2][64];
+  Expand8Index() {
+    for (int u = 0; u < 2; ++u)
+      for (int b = 0; b < 64; ++b) idx[u][b] = static_cast<uint8_t>(32 * u + 2 * (b / 4) + (b % 4 >= 2 ? 1 : 0));
+  }
+};
+const Expand8Index kExpand8;
+
+// Two k-pairs of one row block (64 bytes) -> the bf16 pairs (128 + l, ...) and (128 + h, ...) of each.
+inline void expand8(const uint8_t* src, __m512i wl[2], __m512i wh[2]) {
+  const __m512i v = _mm512_loadu_si512(src);
+  const __m512i lo = _mm512_set1_epi32(0x000F000F), bias = _mm512_set1_epi32(0x43004300);
+#pragma GCC unroll 2
+  for (int u = 0; u < 2; ++u) {
+#ifdef __AVX512VBMI__
+    const __m512i t = _mm512_maskz_permutexvar_epi8(0x5555555555555555ULL, _mm512_load_si512(kExpand8.idx[u]), v);
+#else
+    const __m512i b = _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, u));
+    const __m512i t = _mm512_or_si512(_mm512_and_si512(b, _mm512_set1_epi32(0xFF)),
+                                      _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0xFF00)), 8));
+#endif
+    wl[u] = _mm512_ternarylogic_epi32(t, lo, bias, 0xEA);  // (A & B) | C
+    wh[u] = _mm512_or_si512(_mm512_srli_epi16(t, 4), bias);
+  }
+}
+
+template <int M>
+inline void block8(const uint8_t* __restrict qw, const uint16_t* __restrict sc, const uint16_t* __restrict x,
+                   const float* __restrict xs, uint16_t* __restrict out, int64_t K, int64_t N, int64_t nb) {
+  constexpr int P = M == 1 ? 4 : 2;  // k-pairs per step: one row needs more independent dot chains
+  const int64_t pairs = K / 2;
+  const uint8_t* q = qw + nb * pairs * 32;
+  __m512 al[M][P], ah[M][P];
+  for (int m = 0; m < M; ++m)
+    for (int u = 0; u < P; ++u) al[m][u] = ah[m][u] = _mm512_setzero_ps();
+  int64_t p = 0;
+  for (; p + P <= pairs; p += P) {
+    __m512i wl[P], wh[P];
+#pragma GCC unroll 4
+    for (int h = 0; h < P; h += 2) expand8(q + (p + h) * 32, wl + h, wh + h);
+#pragma GCC unroll 4
+    for (int u = 0; u < P; ++u)
+      for (int m = 0; m < M; ++m) {
+        int32_t xp;
+        std::memcpy(&xp, x + m * K + 2 * (p + u), sizeof xp);
+        const __m512bh xb = (__m512bh)_mm512_set1_epi32(xp);
+        al[m][u] = _mm512_dpbf16_ps(al[m][u], (__m512bh)wl[u], xb);
+        ah[m][u] = _mm512_dpbf16_ps(ah[m][u], (__m512bh)wh[u], xb);
+      }
+  }
+  for (; p < pairs; p += 2) {  // K % 8 == 4 with P = 4: the last two pairs
+    __m512i wl[2], wh[2];
+    expand8(q + p * 32, wl, wh);
+    for (int u = 0; u < 2; ++u)
+      for (int m = 0; m < M; ++m) {
+        int32_t xp;
+        std::memcpy(&xp, x + m * K + 2 * (p + u), sizeof xp);
+        const __m512bh xb = (__m512bh)_mm512_set1_epi32(xp);
+        al[m][u] = _mm512_dpbf16_ps(al[m][u], (__m512bh)wl[u], xb);
+        ah[m][u] = _mm512_dpbf16_ps(ah[m][u], (__m512bh)wh[u], xb);
+      }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int u = 2; u < P; ++u) {
+      al[m][u % 2] = _mm512_add_ps(al[m][u % 2], al[m][u]);
+      ah[m][u % 2] = _mm512_add_ps(ah[m][u % 2], ah[m][u]);
+    }
+  const __m512 s = bf16_lanes(sc + nb * 16);
+  for (int m = 0; m < M; ++m) {
+    __m512 t = _mm512_fmadd_ps(_mm512_add_ps(ah[m][0], ah[m][1]), _mm512_set1_ps(16.0f), _mm512_add_ps(al[m][0], al[m][1]));
+    t = _mm512_fnmadd_ps(_mm512_set1_ps(2304.0f), _mm512_set1_ps(xs[m]), t);
+    const __m256i r = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(t, s));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * N + nb * 16), r);
+  }
+}
 #endif
 
 // x [M, K] bf16; qw [N/16, K/2, 16] uint8; sz [N/16, G, 2, 16] bf16 (scales, then zeros) -> [M, N] bf16.
@@ -126,7 +210,7 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& 
                   (K / G) % 8 == 0 && sz.scalar_type() == at::kBFloat16 && sz.is_contiguous(),
               "int4_mm: sz [N/16, G, 2, 16] bfloat16, groups of a multiple of 8 columns");
   auto out = at::empty({M, N}, x.options());
-#ifdef CORE_INT4_BF16
+#ifdef CORE_GEMV_BF16
   // per-group sums of each row of x, in fp32
   auto xs = at::zeros({M, G}, x.options().dtype(at::kFloat));
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.const_data_ptr());
@@ -158,13 +242,48 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& 
   return out;
 }
 
-bool int4_supported() { return supported(); }
+// x [M, K] bf16; qw [N/16, K/2, 16, 2] uint8 (q + 128); scale [N] bf16 -> [M, N] bf16.
+at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& scale) {
+  TORCH_CHECK(supported(), "int8_mm: this build has no AVX512-BF16");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "int8_mm: x [M, K] contiguous bf16");
+  TORCH_CHECK(qw.dim() == 4 && qw.scalar_type() == at::kByte && qw.size(2) == 16 && qw.size(3) == 2 && qw.is_contiguous(),
+              "int8_mm: qw [N/16, K/2, 16, 2] uint8");
+  const int64_t M = x.size(0), K = x.size(1), NB = qw.size(0), N = NB * 16;
+  TORCH_CHECK(qw.size(1) * 2 == K && K % 4 == 0, "int8_mm: x has ", K, " columns, the weight ", qw.size(1) * 2,
+              " (a multiple of 4)");
+  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == N && scale.scalar_type() == at::kBFloat16 && scale.is_contiguous(),
+              "int8_mm: scale [N] bfloat16");
+  auto out = at::empty({M, N}, x.options());
+#ifdef CORE_GEMV_BF16
+  auto xs = x.to(at::kFloat).sum(1).contiguous();
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.const_data_ptr());
+  const float* xsp = xs.const_data_ptr<float>();
+  const uint8_t* q = qw.const_data_ptr<uint8_t>();
+  const uint16_t* sc = reinterpret_cast<const uint16_t*>(scale.const_data_ptr());
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  at::parallel_for(0, NB, 8, [&](int64_t b0, int64_t b1) {
+    for (int64_t nb = b0; nb < b1; ++nb) {
+      int64_t m = 0;
+      for (; m + 3 <= M; m += 3) block8<3>(q, sc, xp + m * K, xsp + m, op + m * N, K, N, nb);
+      if (M - m == 2) block8<2>(q, sc, xp + m * K, xsp + m, op + m * N, K, N, nb);
+      if (M - m == 1) block8<1>(q, sc, xp + m * K, xsp + m, op + m * N, K, N, nb);
+    }
+  });
+#endif
+  return out;
+}
+
+bool gemv_supported() { return supported(); }
 
 }  // namespace
 
-TORCH_LIBRARY(core_cpu_int4, m) {
+TORCH_LIBRARY(core_cpu_gemv, m) {
   m.def("int4_mm(Tensor x, Tensor qw, Tensor sz) -> Tensor");
-  m.def("supported() -> bool", &int4_supported);
+  m.def("int8_mm(Tensor x, Tensor qw, Tensor scale) -> Tensor");
+  m.def("supported() -> bool", &gemv_supported);
 }
 
-TORCH_LIBRARY_IMPL(core_cpu_int4, CPU, m) { m.impl("int4_mm", &int4_mm); }
+TORCH_LIBRARY_IMPL(core_cpu_gemv, CPU, m) {
+  m.impl("int4_mm", &int4_mm);
+  m.impl("int8_mm", &int8_mm);
+}

@@ -1,0 +1,98 @@
+"""Group-wise int4 and per-channel int8 weights times a few bf16 rows on CPUs with AVX512-BF16
+(``cpu_gemv.cpp``).
+
+torch's ``_weight_int4pack_mm_for_cpu`` / ``_weight_int8pack_mm`` read SmolLM2's layers and LM
+head at ~15-22 GB/s on one core of the dev VM, under half of what the core can stream, and their
+time grows with every activation row. These kernels keep sixteen output rows in the lanes of one
+register and multiply exact bf16 codes with ``vdpbf16ps``, so the weight is read once for up to
+three rows: 34-46 GB/s at one row (int4 layers, int8 head). They need AVX512-BF16 (compiled with
+``-march=native``); :func:`available` says whether this machine has it and the library builds,
+and callers keep torch's kernels otherwise.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from pathlib import Path
+
+import structlog
+import torch
+
+from core_kernels import cpp_build
+
+log = structlog.get_logger(__name__)
+SOURCE = Path(__file__).with_name("cpu_gemv.cpp")
+PREFIX = "core_cpu_gemv"
+
+
+@functools.cache
+def available() -> bool:
+    """Build (first time on this machine) and load the library; whether its kernel runs here."""
+    from core.engine.device import cpu_flags
+
+    if "avx512_bf16" not in cpu_flags():
+        return False
+    t0 = time.perf_counter()
+    try:
+        d, compiled = cpp_build.load(PREFIX, SOURCE)
+    except RuntimeError as e:
+        log.warning("cpu_gemv.unavailable", reason=str(e), fallback="torch's int4 kernel")
+        return False
+    ok = bool(torch.ops.core_cpu_gemv.supported())
+    log.info("cpu_gemv.loaded", loaded_from=str(d), compiled=compiled, usable=ok, seconds=round(time.perf_counter() - t0, 1))
+    return ok
+
+
+def shape_ok(n: int, k: int, group: int) -> bool:
+    """int4: N a multiple of 16 and groups of a multiple of 8 columns."""
+    return n % 16 == 0 and k % group == 0 and group % 8 == 0
+
+
+def shape_ok_int8(n: int, k: int) -> bool:
+    return n % 16 == 0 and k % 4 == 0
+
+
+def pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q [N, K]`` codes 0..15 with ``scale``/``zero`` ``[N, K/group]`` (tinygemm convention:
+    ``w = (q - 8) * scale + zero``) -> ``(qw [N/16, K/2, 16] uint8, sz [N/16, K/group, 2, 16]
+    bf16)``: each 16-row block's code pairs, then its scales and zeros per group."""
+    n, k = q.shape
+    q = q.to(torch.uint8)
+    qw = (q[:, 0::2] | (q[:, 1::2] << 4)).view(n // 16, 16, k // 2).permute(0, 2, 1).contiguous()
+    sz = torch.stack([scale, zero]).to(torch.bfloat16).view(2, n // 16, 16, -1).permute(1, 3, 0, 2).contiguous()
+    return qw, sz
+
+
+def unpack(qw: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
+    """The float32 ``[N, K]`` weight the kernel multiplies by."""
+    nb, half, _ = qw.shape
+    pairs = qw.permute(0, 2, 1).reshape(nb * 16, half)
+    q = torch.stack([pairs & 15, pairs >> 4], -1).reshape(nb * 16, 2 * half).float()
+    s, z = sz.float().permute(2, 0, 3, 1).reshape(2, nb * 16, -1)
+    g = s.shape[1]
+    return ((q.view(nb * 16, g, -1) - 8) * s[..., None] + z[..., None]).view(nb * 16, 2 * half)
+
+
+def mm(x: torch.Tensor, qw: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
+    """``x [M, K]`` bf16 times the packed weight -> ``[M, N]`` bf16."""
+    return torch.ops.core_cpu_gemv.int4_mm(x.contiguous(), qw, sz)
+
+
+def pack_int8(q: torch.Tensor) -> torch.Tensor:
+    """``q [N, K]`` int8 -> ``[N/16, K/2, 16, 2]`` uint8 ``q + 128``: per 16-row block and column pair,
+    each row's two bytes."""
+    n, k = q.shape
+    u = (q.to(torch.int16) + 128).to(torch.uint8)
+    return u.view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def unpack_int8(qw: torch.Tensor) -> torch.Tensor:
+    """The int8 ``[N, K]`` codes of :func:`pack_int8`."""
+    nb, half = qw.shape[:2]
+    return (qw.permute(0, 2, 1, 3).reshape(nb * 16, 2 * half).to(torch.int16) - 128).to(torch.int8)
+
+
+def mm_int8(x: torch.Tensor, qw: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x [M, K]`` bf16 times ``q * scale[:, None]`` -> ``[M, N]`` bf16 (``scale`` ``[N]`` bf16)."""
+    return torch.ops.core_cpu_gemv.int8_mm(x.contiguous(), qw, scale)
