@@ -241,8 +241,114 @@ struct Scratch {
         lo(nr), hi(nr), a(nr), z(nr), qsrc(rows) {}
 };
 
+#ifdef CORE_BF16_DOT
+// e^x for x <= 0 on 16 lanes, the polynomial of exp_neg.
+inline __m512 vexp_neg(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 y = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+  y = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-06f), y);
+  __m512 r = _mm512_set1_ps(1.0f / 720);
+  r = _mm512_fmadd_ps(r, y, _mm512_set1_ps(1.0f / 120));
+  r = _mm512_fmadd_ps(r, y, _mm512_set1_ps(1.0f / 24));
+  r = _mm512_fmadd_ps(r, y, _mm512_set1_ps(1.0f / 6));
+  r = _mm512_fmadd_ps(r, y, _mm512_set1_ps(0.5f));
+  r = _mm512_fmadd_ps(r, y, _mm512_set1_ps(1.0f));
+  r = _mm512_fmadd_ps(r, y, _mm512_set1_ps(1.0f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(r, _mm512_castsi512_ps(e));
+}
+
+// One decode task (one query token, the G query heads of a KV head, no soft cap) over a bf16
+// pool, 16 keys at a time kept in registers: scores by hsum16, the online softmax on the vector,
+// then each V row converted once and added into all G accumulators.
+template <int D>
+void decode_bf16(const Params& p, const Task& t, const c10::BFloat16* q, const c10::BFloat16* kc,
+                 const c10::BFloat16* vc, c10::BFloat16* out, Scratch& w) {
+  constexpr int N = D / 16;
+  const int G = static_cast<int>(p.G);
+  const int64_t pos = p.seq_lens[t.b] - 1;
+  const int64_t* idx = p.idx + t.b * p.idx_stride;
+  const int64_t head = t.kvh * D;
+  const int jlo = p.window > 0 ? static_cast<int>(std::max<int64_t>(0, pos - p.window + 1)) : 0;
+  const int jhi = static_cast<int>(pos);
+  float* acc = w.acc.data();
+  std::fill(acc, acc + G * D, 0.0f);
+  const c10::BFloat16* qrow = q + p.q_start[t.b] * p.q_stride + t.kvh * G * D;
+  alignas(64) float pr[16];
+  for (int g = 0; g < G; ++g) {
+    w.m[g] = -87.0f;  // finite: exp of (old max - new max) then never meets inf - inf
+    w.l[g] = 0.0f;
+  }
+  prefetch_rows(kc, vc, idx, jlo, std::min(jlo + 16, jhi + 1), p.slot_stride, head, D);
+  for (int j0 = jlo; j0 <= jhi; j0 += 16) {
+    const int n = std::min(16, jhi - j0 + 1);
+    const __mmask16 live = static_cast<__mmask16>((1u << n) - 1);
+    prefetch_rows(kc, vc, idx, j0 + 16, std::min(j0 + 32, jhi + 1), p.slot_stride, head, D);
+    __m512 prob[16];  // per query head of the group (G <= 16)
+    for (int g = 0; g < G; ++g) {
+      float sc[16];
+      scores_bf16<D>(qrow + g * D, kc, idx + j0, n, p.slot_stride, head, p.scale, sc);
+      const __m512 s = _mm512_mask_loadu_ps(_mm512_set1_ps(-1e30f), live, sc);
+      const float mnew = std::max(w.m[g], _mm512_reduce_max_ps(s));
+      const float alpha = std::exp(w.m[g] - mnew);
+      const __m512 e = _mm512_maskz_mov_ps(live, vexp_neg(_mm512_sub_ps(s, _mm512_set1_ps(mnew))));
+      w.l[g] = w.l[g] * alpha + _mm512_reduce_add_ps(e);
+      w.m[g] = mnew;
+      prob[g] = e;
+      if (alpha != 1.0f) {
+        const __m512 a = _mm512_set1_ps(alpha);
+        for (int c = 0; c < N; ++c) _mm512_storeu_ps(acc + g * D + 16 * c, _mm512_mul_ps(a, _mm512_loadu_ps(acc + g * D + 16 * c)));
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      _mm512_store_ps(pr, prob[g]);
+      __m512 a0[N], a1[N];
+      for (int c = 0; c < N; ++c) {
+        a0[c] = _mm512_loadu_ps(acc + g * D + 16 * c);
+        a1[c] = _mm512_setzero_ps();
+      }
+      int j = 0;
+      for (; j + 1 < n; j += 2) {
+        const uint16_t* v0 = reinterpret_cast<const uint16_t*>(vc + idx[j0 + j] * p.slot_stride + head);
+        const uint16_t* v1 = reinterpret_cast<const uint16_t*>(vc + idx[j0 + j + 1] * p.slot_stride + head);
+        const __m512 w0 = _mm512_set1_ps(pr[j]), w1 = _mm512_set1_ps(pr[j + 1]);
+#pragma GCC unroll 8
+        for (int c = 0; c < N; ++c) {
+          const __m512 x0 = _mm512_castsi512_ps(_mm512_slli_epi32(
+              _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + 16 * c))), 16));
+          const __m512 x1 = _mm512_castsi512_ps(_mm512_slli_epi32(
+              _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v1 + 16 * c))), 16));
+          a0[c] = _mm512_fmadd_ps(w0, x0, a0[c]);
+          a1[c] = _mm512_fmadd_ps(w1, x1, a1[c]);
+        }
+      }
+      if (j < n) {
+        const uint16_t* v0 = reinterpret_cast<const uint16_t*>(vc + idx[j0 + j] * p.slot_stride + head);
+        const __m512 w0 = _mm512_set1_ps(pr[j]);
+        for (int c = 0; c < N; ++c)
+          a0[c] = _mm512_fmadd_ps(w0, _mm512_castsi512_ps(_mm512_slli_epi32(
+              _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + 16 * c))), 16)), a0[c]);
+      }
+      for (int c = 0; c < N; ++c) _mm512_storeu_ps(acc + g * D + 16 * c, _mm512_add_ps(a0[c], a1[c]));
+    }
+  }
+  c10::BFloat16* dst = out + p.q_start[t.b] * p.out_stride + t.kvh * G * D;
+  for (int g = 0; g < G; ++g) {
+    const float inv = 1.0f / w.l[g];
+    for (int i = 0; i < D; ++i) dst[g * D + i] = static_cast<c10::BFloat16>(acc[g * D + i] * inv);
+  }
+}
+#endif
+
 template <typename T, int DC>
 void run_task(const Params& p, const Task& t, const T* q, const T* kc, const T* vc, T* out, Scratch& w) {
+#ifdef CORE_BF16_DOT
+  if constexpr (std::is_same_v<T, c10::BFloat16> && (DC == 64 || DC == 128)) {
+    if (t.nr == 1 && p.ext[t.b] == 1 && p.cap == 0.0f && p.G <= 16)
+      return decode_bf16<DC>(p, t, q, kc, vc, out, w);
+  }
+#endif
   const int D = DC > 0 ? DC : static_cast<int>(p.D), G = static_cast<int>(p.G);
   const int rows = t.nr * G;
   const int64_t first = p.seq_lens[t.b] - p.ext[t.b] + t.r0;  // position of the task's first query
