@@ -10,13 +10,20 @@ modes take turns for ``--repeats`` rounds so a noisy machine hurts them alike, a
 and best of each are printed: output tok/s over the whole request and decode tok/s (after the
 first token). Engines are built one at a time, measured, and shut down.
 
-    python bench/bench_quant.py --cpu-threads 2
+With ``--llama-cpp-python PY`` (a Python that has ``llama-cpp-python``, see
+``../shared/bench/README.md``), llama.cpp runs the same GGUF file in the same rounds, as the mode
+``llama.cpp``: the same prompt evaluated, then exactly ``--output-len`` greedy tokens, each
+sampled and evaluated one at a time, with ``--cpu-threads`` threads; a subprocess per round.
+
+    python bench/bench_quant.py --cpu-threads 2 [--llama-cpp-python /tmp/llama-venv/bin/python]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import subprocess
 import time
 
 import torch
@@ -45,6 +52,35 @@ def run_once(engine, prompt: list[int], out_len: int) -> tuple[float, float]:
     return n / wall, (n - 1) / (t0 + wall - first)
 
 
+LLAMA_CPP = """
+import json, sys, time
+from llama_cpp import Llama
+path, threads, out_len = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+prompt = json.loads(sys.argv[4])
+llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=512, verbose=False)
+t0 = time.perf_counter()
+llm.eval(prompt)
+tok = llm.sample(temp=0.0)
+first = time.perf_counter()
+for _ in range(out_len - 1):
+    llm.eval([tok])
+    tok = llm.sample(temp=0.0)
+end = time.perf_counter()
+print(json.dumps([out_len / (end - t0), (out_len - 1) / (end - first)]))
+"""
+
+
+def run_llama_cpp(python: str, threads: int, prompt: list[int], out_len: int) -> tuple[float, float]:
+    from core.engine.loader import default_model_path
+
+    proc = subprocess.run([python, "-c", LLAMA_CPP, str(default_model_path()), str(threads), str(out_len), json.dumps(prompt)],
+                          capture_output=True, text=True, timeout=600)
+    if proc.returncode:
+        raise SystemExit(f"llama.cpp run failed: {proc.stderr[-2000:]}")
+    out, dec = json.loads(proc.stdout.strip().splitlines()[-1])
+    return out, dec
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--modes", default="dense,int8wo,int4", help=f"comma-separated, of {', '.join(MODES)}")
@@ -53,6 +89,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cpu-threads", type=int, default=None)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--llama-cpp-python", default=None, help="a Python with llama-cpp-python: adds llama.cpp as a mode")
     args = ap.parse_args()
     modes = args.modes.split(",")
     if unknown := [m for m in modes if m not in MODES]:
@@ -74,10 +111,15 @@ def main() -> None:
                                disable_radix_cache=True, **MODES[mode])
         run_once(engines[mode], prompt, 8)  # warm-up (and the packed LM head is built on first use)
     results: dict[str, list[tuple[float, float]]] = {m: [] for m in modes}
+    if args.llama_cpp_python:
+        results["llama.cpp"] = []
+    threads = args.cpu_threads or torch.get_num_threads()
     try:
         for _ in range(args.repeats):
             for mode in modes:
                 results[mode].append(run_once(engines[mode], prompt, args.output_len))
+            if args.llama_cpp_python:
+                results["llama.cpp"].append(run_llama_cpp(args.llama_cpp_python, threads, prompt, args.output_len))
     finally:
         for e in engines.values():
             e.shutdown()
@@ -87,7 +129,7 @@ def main() -> None:
     print("| mode | output tok/s (median / best) | decode tok/s (median / best) | vs dense |")
     print("|---|---:|---:|---:|")
     base = statistics.median(d for _, d in results[modes[0]])
-    for mode in modes:
+    for mode in results:
         out = [o for o, _ in results[mode]]
         dec = [d for _, d in results[mode]]
         print(f"| {mode} | {statistics.median(out):.1f} / {max(out):.1f} | {statistics.median(dec):.1f} / "
