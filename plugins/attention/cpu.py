@@ -75,6 +75,11 @@ class CpuBackend:
             log.info("cpu_attention.torch_native", reason=f"the kernel does not read a {dtype} KV pool")
             self._native = TorchNativeBackend(config)
 
+    def decode_caches(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The layer's K and V pools, for a caller that runs this backend's kernel itself
+        (``kernels/cpu_decode``); None where the kernel does not read them."""
+        return None if self._native is not None else (self.kv.k[layer_id], self.kv.v[layer_id])
+
     def prepare(self, batch: ForwardBatch) -> None:
         """Nothing to precompute: the kernel reads the batch's slot rows and lengths directly."""
         if self._native is not None:

@@ -246,6 +246,17 @@ class PackedMethod:
     def apply(self, layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         return packed_linear(layer, x)
 
+    def gemv_args(self, layer: torch.nn.Module) -> tuple[int, torch.Tensor, torch.Tensor, int] | None:
+        """For C++ callers of ``kernels/cpu_gemv`` (``kernels/cpu_decode``): ``(kind, a, b,
+        max_rows)``, kind 0 = int4 (codes, scales/zeros), 1 = int8 (codes, scales), for GEMMs of
+        fewer than ``max_rows`` rows (more go to the dense copy); None where the layer has neither."""
+        big = DENSE_MIN_ROWS if DENSE_MIN_ROWS and getattr(layer, "dense_weight", None) is not None else 1 << 30
+        if (qw := getattr(layer, "qweight_int4_bf16", None)) is not None:
+            return 0, qw, layer.qscale_zero_bf16, big
+        if (qw := getattr(layer, "qweight_int8_bf16", None)) is not None:
+            return 1, qw, layer.qscale, big
+        return None
+
     def dequantize(self, layer: torch.nn.Module) -> torch.Tensor:
         return dequantize(layer)
 

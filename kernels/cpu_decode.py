@@ -1,0 +1,90 @@
+"""A Llama-style decoder layer for a few rows as one C++ op (``cpu_decode.cpp``).
+
+At batch 1 most of a CPU decode step was the ~20 torch calls per layer between the kernels, not
+the kernels. :func:`plan` looks at a layer once: where everything it calls has a C++ kernel
+here (the ``cpu`` attention backend's, and ``kernels/cpu_gemv`` for every linear, which the quant
+method describes through ``gemv_args``), it returns the layer's static arguments; the model then
+sends few-row forwards through :func:`run`, which calls the same kernels in the same order, so
+the result is the same. Anything else (other backends, dense or fp32 layers, q/k norms, soft
+caps, tensor parallelism) keeps the Python path. ``CORE_FUSED_OPS=0`` turns it off too.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+
+from core_kernels import cpp_build
+
+log = structlog.get_logger(__name__)
+SOURCE = Path(__file__).with_name("cpu_decode.cpp")
+PREFIX = "core_cpu_decode"
+
+
+@functools.cache
+def available() -> bool:
+    """The op and every kernel it calls are loaded (built the first time on this machine)."""
+    from core_kernels import cpu_gemv, cpu_ops
+
+    if os.environ.get("CORE_FUSED_OPS", "1") == "0" or not (cpu_ops.available() and cpu_gemv.available()):
+        return False
+    t0 = time.perf_counter()
+    try:
+        d, compiled = cpp_build.load(PREFIX, SOURCE)
+    except RuntimeError as e:
+        log.warning("cpu_decode.unavailable", reason=str(e), fallback="the layer's Python forward")
+        return False
+    log.info("cpu_decode.loaded", loaded_from=str(d), compiled=compiled, seconds=round(time.perf_counter() - t0, 1))
+    return True
+
+
+def _linear(layer: torch.nn.Module) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, int] | None:
+    args = getattr(layer.quant_method, "gemv_args", lambda _: None)(layer)
+    if args is None or getattr(layer, "tp", None) is not None and layer.tp.size > 1:
+        return None
+    kind, a, b, max_rows = args
+    bias = layer.bias if layer.bias is not None else torch.empty(0, dtype=torch.bfloat16)
+    return kind, a, b, bias, max_rows
+
+
+def plan(layer: torch.nn.Module, backend: Any) -> dict[str, Any] | None:
+    """The static arguments of ``layer`` (a ``LlamaDecoderLayer``) for :func:`run`, or None."""
+    attn, mlp = layer.self_attn, layer.mlp
+    spec = attn.attn.spec
+    caches = getattr(backend, "decode_caches", lambda _: None)(spec.layer_id)
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    if (caches is None or caches[0].dtype != torch.bfloat16 or attn.qk_norm or spec.logit_cap
+            or not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj"))
+            or getattr(mlp, "act", None) != "silu" or any(n.offset or n.eps != norms[0].eps for n in norms)
+            or not hasattr(attn.rotary, "cos") or not available()):
+        return None
+    linears = [_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)]
+    if any(lin is None for lin in linears):
+        return None
+    return {
+        "norms": [n.weight.detach().to(torch.bfloat16).contiguous() for n in norms],
+        "eps": norms[0].eps,
+        "lin": [t for lin in linears for t in lin[1:4]],
+        "kinds": [lin[0] for lin in linears],
+        "max_rows": min(lin[4] for lin in linears),
+        "rotary": (attn.rotary.cos, attn.rotary.sin, attn.rotary.rotary_dim),
+        "heads": (spec.num_heads, spec.num_kv_heads, spec.head_dim),
+        "caches": caches,
+        "attn": (spec.scaling, spec.sliding_window or 0, 0.0),
+    }
+
+
+def run(p: dict[str, Any], x: torch.Tensor, batch: Any) -> torch.Tensor:
+    """The layer's output for ``x [rows, hidden]`` (rows < ``p["max_rows"]``)."""
+    cos, sin, rot = p["rotary"]
+    scale, window, cap = p["attn"]
+    return torch.ops.core_cpu_decode.decode_layer(
+        x.contiguous(), p["norms"][0], p["norms"][1], p["eps"], p["lin"], p["kinds"], batch.positions, cos, sin, rot,
+        *p["heads"], *p["caches"], batch.out_cache_loc, batch.kv_indices, batch.seq_lens, batch.extend_lens,
+        scale, window, cap)
