@@ -50,13 +50,18 @@ def test_other_backends_and_dense_layers_keep_the_python_forward(tiny_llama, mon
 
 
 def test_only_few_rows_take_it(tiny_llama, monkeypatch):
-    """GEMMs of 4+ rows use the layers' dense copies, so those batches keep the Python forward."""
+    """GEMMs of more rows use the layers' dense copies, so those batches keep the Python forward."""
+    from core_plugins.quant import packed
+
     path, _ = tiny_llama()
     calls = []
     monkeypatch.setattr(cpu_decode, "run", lambda *a: calls.append(a[1].shape[0]) or REAL_RUN(*a))
     eng = make_engine(path, dtype="bfloat16", torchao_config="int4wo-32", attention_backend="cpu")
     try:
-        eng.generate(PROMPTS, [greedy(n) for n in (3, 6, 9, 12)])  # 4 rows, then 3, 2, 1
+        layer = eng.engine.model.model.layers[0]
+        limit = packed._dense_from(layer.mlp.down_proj, layer.mlp.down_proj.dense_weight)
+        prompts = [chr(97 + i) * (i + 1) for i in range(limit + 2)]
+        eng.generate(prompts, [greedy(2 * i + 2) for i in range(len(prompts))])  # limit + 2 rows, down to 1
     finally:
         eng.shutdown()
-    assert set(calls) == {1, 2, 3}
+    assert set(calls) == set(range(1, limit))

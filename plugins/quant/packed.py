@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from core.engine.device import cpu_flags
 from core_kernels import cpu_gemv
 from core_plugins.quant import onednn
 
@@ -40,7 +41,12 @@ INT4_GROUP_SIZES = (32, 64, 128, 256)
 # weight from about 16. So on CPU a layer also keeps its weight in the activation dtype, within a
 # memory budget, and GEMMs of DENSE_MIN_ROWS rows or more (PLAIN_DENSE_MIN_ROWS for an unpacked
 # copy) use it. None disables the copy (the tests of the packed kernels do).
+# With this machine's own kernels (``kernels/cpu_gemv``, AVX512-BF16 without AMX) the packed
+# layers keep up with oneDNN longer: at two threads int4 took 145 against 151 us at 8 rows, 197
+# against 178 at 12, so layers go dense from 9 rows there; with AMX oneDNN's bf16 GEMMs are several
+# times faster, so from 4. The int8 LM head loses from ~6 rows (1.4 against 1.0 ms at 8), so it keeps 4.
 DENSE_MIN_ROWS: int | None = 4
+GEMV_DENSE_MIN_ROWS = 9  # layers on kernels/cpu_gemv, CPUs without AMX (set on the layer when packed)
 PLAIN_DENSE_MIN_ROWS = 16
 DENSE_COPY_RAM_FRACTION = 0.2
 FORMATS = ("int4", "int8", "dense")  # narrowest first: a packed layer takes its widest shard's
@@ -137,6 +143,7 @@ def set_int8(layer: torch.nn.Module, q: torch.Tensor, scale: torch.Tensor, dtype
     n, k = q.shape
     if device.type == "cpu" and dtype == torch.bfloat16 and cpu_gemv.shape_ok_int8(n, k) and cpu_gemv.available():
         layer.register_buffer("qweight_int8_bf16", cpu_gemv.pack_int8(q))  # this machine's AVX512-BF16 kernel
+        layer.dense_min_rows = _gemv_dense_min_rows()
     else:
         layer.register_buffer("qweight_int8", q.to(device).contiguous())
     layer.register_buffer("qscale", scale.to(device=device, dtype=dtype))
@@ -165,6 +172,7 @@ def set_int4(layer: torch.nn.Module, q: torch.Tensor, scale: torch.Tensor, zero:
         qw, sz = cpu_gemv.pack(q, scale.to(dtype), zero.to(dtype))
         layer.register_buffer("qweight_int4_bf16", qw)
         layer.register_buffer("qscale_zero_bf16", sz)
+        layer.dense_min_rows = _gemv_dense_min_rows()
         if _dense_wanted(device, dtype):
             _keep_dense_copy(layer, dequantize_int4(q, scale, zero), dtype, device)
         return None
@@ -190,6 +198,18 @@ def _device(layer: torch.nn.Module) -> torch.device:
 # --------------------------------------------------------------------------- GEMMs
 
 
+def _dense_from(layer: torch.nn.Module, dense: torch.Tensor) -> int | None:
+    """Rows from which this layer's GEMM uses its dense copy (None: never)."""
+    if not DENSE_MIN_ROWS:
+        return None
+    lo = max(DENSE_MIN_ROWS, getattr(layer, "dense_min_rows", 0))
+    return lo if dense.is_mkldnn else max(lo, PLAIN_DENSE_MIN_ROWS)
+
+
+def _gemv_dense_min_rows() -> int:
+    return 0 if "amx_bf16" in cpu_flags() else GEMV_DENSE_MIN_ROWS
+
+
 def packed_linear(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``x [..., K] @ W^T (+ bias)`` in ``x.dtype`` for whichever format the layer holds."""
     fmt = layer.quant_format
@@ -198,8 +218,7 @@ def packed_linear(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     shape = x.shape
     x2 = x.reshape(-1, shape[-1]).contiguous()
     dense = getattr(layer, "dense_weight", None)
-    if (dense is not None and DENSE_MIN_ROWS
-            and x2.shape[0] >= (DENSE_MIN_ROWS if dense.is_mkldnn else max(DENSE_MIN_ROWS, PLAIN_DENSE_MIN_ROWS))):
+    if dense is not None and (lo := _dense_from(layer, dense)) and x2.shape[0] >= lo:
         return onednn.linear(x, dense, layer.bias)
     if fmt == "int4":
         if (qw := getattr(layer, "qweight_int4_bf16", None)) is not None:
@@ -250,7 +269,8 @@ class PackedMethod:
         """For C++ callers of ``kernels/cpu_gemv`` (``kernels/cpu_decode``): ``(kind, a, b,
         max_rows)``, kind 0 = int4 (codes, scales/zeros), 1 = int8 (codes, scales), for GEMMs of
         fewer than ``max_rows`` rows (more go to the dense copy); None where the layer has neither."""
-        big = DENSE_MIN_ROWS if DENSE_MIN_ROWS and getattr(layer, "dense_weight", None) is not None else 1 << 30
+        dense = getattr(layer, "dense_weight", None)
+        big = (dense is not None and _dense_from(layer, dense)) or 1 << 30
         if (qw := getattr(layer, "qweight_int4_bf16", None)) is not None:
             return 0, qw, layer.qscale_zero_bf16, big
         if (qw := getattr(layer, "qweight_int8_bf16", None)) is not None:
@@ -270,6 +290,7 @@ class PackedHead(torch.nn.Module):
         self.bias = None
         q, scale = quantize_int8(weight)
         set_int8(self, q, scale, weight.dtype, weight.device, dense_copy=False)
+        self.dense_min_rows = 0  # the int8 head loses to oneDNN from ~6 rows even on cpu_gemv (1.4 vs 1.0 ms at 8)
         if self.quant_format == "int8" and _dense_wanted(weight.device, weight.dtype):
             # the table is kept anyway: big GEMMs use it directly (a plain reference, not a parameter),
             # or its oneDNN-packed copy within the budget
