@@ -75,9 +75,10 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 def step_split(engine, prompts: list[list[int]], steps: int = 8) -> dict[str, float]:
     """Mean milliseconds of one decode step at ``len(prompts)`` streams, split into GEMMs
-    (every ``Linear`` and the LM head), attention (the backend's per-layer call) and the rest."""
+    (every ``Linear`` and the LM head), attention (the backend's per-layer call), decoder layers
+    that ran as one C++ op (``kernels/cpu_decode``: their GEMMs and attention are inside) and the rest."""
     core = engine.engine
-    timers = {"gemm": 0.0, "attention": 0.0}
+    timers = {"gemm": 0.0, "attention": 0.0, "fused": 0.0}
     dev = core.device
     handles = []
 
@@ -98,6 +99,20 @@ def step_split(engine, prompts: list[list[int]], steps: int = 8) -> dict[str, fl
         if kind:
             pre, post = timed(kind)
             handles += [m.register_forward_pre_hook(pre), m.register_forward_hook(post)]
+
+    def layer_pre(mod, args):  # a decoder layer that ran as one C++ op (kernels/cpu_decode) fires no inner hook
+        _sync(dev)
+        mod._split0 = (time.perf_counter(), timers["gemm"], timers["attention"])
+
+    def layer_post(mod, args, out):
+        _sync(dev)
+        t0, g0, a0 = mod._split0
+        if timers["gemm"] == g0 and timers["attention"] == a0:
+            timers["fused"] += time.perf_counter() - t0
+
+    for m in core.model.modules():
+        if hasattr(m, "_cpu_decode"):
+            handles += [m.register_forward_pre_hook(layer_pre), m.register_forward_hook(layer_post)]
     logits_fn = core.model.compute_logits
 
     def compute_logits(hidden):  # the LM head GEMM
@@ -133,6 +148,7 @@ def step_split(engine, prompts: list[list[int]], steps: int = 8) -> dict[str, fl
     n = len(walls)
     gemm = (timers["gemm"] - before[0]["gemm"]) / n
     attn = (timers["attention"] - before[0]["attention"]) / n
+    fused = (timers["fused"] - before[0]["fused"]) / n
     # the step's wall again without the timing hooks (at batch 1 they cost as much as the GEMMs)
     walls.clear()
     try:
@@ -140,7 +156,8 @@ def step_split(engine, prompts: list[list[int]], steps: int = 8) -> dict[str, fl
     finally:
         runner.run = orig
     wall = sum(walls) / len(walls)
-    return {"step": wall * 1e3, "gemm": gemm * 1e3, "attention": attn * 1e3, "other": (wall - gemm - attn) * 1e3}
+    return {"step": wall * 1e3, "gemm": gemm * 1e3, "attention": attn * 1e3, "fused": fused * 1e3,
+            "other": (wall - gemm - attn - fused) * 1e3}
 
 
 def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -259,8 +276,9 @@ def main() -> None:
         frac = f"{tps / limit:>9.0%}" if c == 1 else ""
         print(f"{name:<14}{c:>12}{tps:>14.1f}{ttft:>14.3f}{wall:>10.2f}{frac:>10}")
     for c, sp in splits.items():
+        fused = f" + layers as one C++ op {sp['fused']:.1f}" if sp["fused"] else ""
         print(f"# decode step at {c} streams: {sp['step']:.1f} ms = GEMMs {sp['gemm']:.1f} + attention "
-              f"{sp['attention']:.1f} + other (Python, norms, rotary, sampling) {sp['other']:.1f}")
+              f"{sp['attention']:.1f}{fused} + other (Python, norms, rotary, sampling) {sp['other']:.1f}")
 
 
 if __name__ == "__main__":
