@@ -107,26 +107,6 @@ def test_thread_count_and_strided_q_do_not_change_the_result(kernel):
     assert torch.equal(one, _one_step(torch.bfloat16, 2, q_view=True))  # q rows strided inside a wider tensor
 
 
-LONG_FRESH_CASES = [  # with SDPA_MIN_TOKENS lowered to 40: the first goes to SDPA, the others to the kernel
-    (AttentionCase("fresh_prompt", (0,), ((60,), (1,)), num_heads=9, num_kv_heads=3), True),
-    (AttentionCase("fresh_prompt_window_inside", (0,), ((60,), (1,)), num_heads=9, num_kv_heads=3, sliding_window=30), False),
-    (AttentionCase("fresh_prompt_soft_cap", (0,), ((60,), (1,)), num_heads=4, num_kv_heads=2, logit_cap=5.0), False),
-    (AttentionCase("prompt_after_prefix", (20,), ((60,), (1,))), False),
-    (AttentionCase("two_prompts", (0, 0), ((60, 50), (1, 1))), False),
-]
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("case,to_sdpa", LONG_FRESH_CASES, ids=lambda c: getattr(c, "name", str(c)))
-def test_long_fresh_prompts_go_to_sdpa_and_agree_with_torch_native(kernel, monkeypatch, case, to_sdpa, dtype):
-    monkeypatch.setattr(cpu_plugin, "SDPA_MIN_TOKENS", 40)
-    calls = []
-    real = cpu_plugin._causal_sdpa
-    monkeypatch.setattr(cpu_plugin, "_causal_sdpa", lambda *a: calls.append(1) or real(*a))
-    check_case(AttentionSubject.build(CpuBackend, device="cpu", dtype=dtype), case)
-    assert bool(calls) == to_sdpa  # once per layer of the prompt's step, or never
-
-
 # --------------------------------------------------------------------------- engine
 
 
