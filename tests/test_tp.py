@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import re
 import signal
 import time
 
@@ -210,7 +211,10 @@ def test_killed_rank_fails_in_flight_requests_within_the_timeout(tiny_llama_path
         assert elapsed < timeout
         for out in outs:
             reason = out["meta_info"]["finish_reason"]
-            assert reason["type"] == "abort" and "tensor-parallel rank 1 exited with code -9" in reason["message"], reason
+            # -9 (SIGKILL); multiprocessing's forkserver reports 255 when it loses the status of a
+            # child killed this way (seen in 1 of ~10 full-suite runs), which still names the rank
+            assert reason["type"] == "abort", reason
+            assert re.search(r"tensor-parallel rank 1 exited with code (-9|255)\b", reason["message"]), reason
             assert len(out["output_ids"]) < 200
         assert "rank 1" in eng.engine.fatal_error
         with pytest.raises(Unavailable, match="the engine has stopped: tensor-parallel rank 1"):
