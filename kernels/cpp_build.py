@@ -99,3 +99,19 @@ def load(prefix: str, source: Path) -> tuple[Path, bool]:
     except Exception as e:
         raise RuntimeError("compiling failed: " + " ".join(str(e).strip().splitlines()[-3:])) from None
     return d, True
+
+
+def try_load(prefix: str, source: Path, name: str, fallback: str) -> bool:
+    """:func:`load`, logged as ``<name>.loaded`` (where from, whether compiled now, seconds) or, when it
+    cannot be built here, ``<name>.unavailable`` with the reason and what callers use instead."""
+    import structlog
+
+    log = structlog.get_logger(f"core_kernels.{name}")
+    t0 = time.perf_counter()
+    try:
+        d, compiled = load(prefix, source)
+    except RuntimeError as e:
+        log.warning(f"{name}.unavailable", reason=str(e), fallback=fallback)
+        return False
+    log.info(f"{name}.loaded", loaded_from=str(d), compiled=compiled, seconds=round(time.perf_counter() - t0, 1))
+    return True

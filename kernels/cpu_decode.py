@@ -13,16 +13,13 @@ from __future__ import annotations
 
 import functools
 import os
-import time
 from pathlib import Path
 from typing import Any
 
-import structlog
 import torch
 
 from core_kernels import cpp_build
 
-log = structlog.get_logger(__name__)
 SOURCE = Path(__file__).with_name("cpu_decode.cpp")
 PREFIX = "core_cpu_decode"
 
@@ -34,14 +31,7 @@ def available() -> bool:
 
     if os.environ.get("CORE_FUSED_OPS", "1") == "0" or not (cpu_ops.available() and cpu_gemv.available()):
         return False
-    t0 = time.perf_counter()
-    try:
-        d, compiled = cpp_build.load(PREFIX, SOURCE)
-    except RuntimeError as e:
-        log.warning("cpu_decode.unavailable", reason=str(e), fallback="the layer's Python forward")
-        return False
-    log.info("cpu_decode.loaded", loaded_from=str(d), compiled=compiled, seconds=round(time.perf_counter() - t0, 1))
-    return True
+    return cpp_build.try_load(PREFIX, SOURCE, "cpu_decode", fallback="the layer's Python forward")
 
 
 def _linear(layer: torch.nn.Module) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, int] | None:

@@ -156,25 +156,12 @@ inline void block8(const uint8_t* __restrict qw, const uint16_t* __restrict sc, 
   __m512 al[M][P], ah[M][P];
   for (int m = 0; m < M; ++m)
     for (int u = 0; u < P; ++u) al[m][u] = ah[m][u] = _mm512_setzero_ps();
-  int64_t p = 0;
-  for (; p + P <= pairs; p += P) {
+  for (int64_t p = 0; p < pairs; p += P) {  // K % 8 == 0: whole steps
     __m512i wl[P], wh[P];
 #pragma GCC unroll 4
     for (int h = 0; h < P; h += 2) expand8(q + (p + h) * 32, wl + h, wh + h);
 #pragma GCC unroll 4
     for (int u = 0; u < P; ++u)
-      for (int m = 0; m < M; ++m) {
-        int32_t xp;
-        std::memcpy(&xp, x + m * K + 2 * (p + u), sizeof xp);
-        const __m512bh xb = (__m512bh)_mm512_set1_epi32(xp);
-        al[m][u] = _mm512_dpbf16_ps(al[m][u], (__m512bh)wl[u], xb);
-        ah[m][u] = _mm512_dpbf16_ps(ah[m][u], (__m512bh)wh[u], xb);
-      }
-  }
-  for (; p < pairs; p += 2) {  // K % 8 == 4 with P = 4: the last two pairs
-    __m512i wl[2], wh[2];
-    expand8(q + p * 32, wl, wh);
-    for (int u = 0; u < 2; ++u)
       for (int m = 0; m < M; ++m) {
         int32_t xp;
         std::memcpy(&xp, x + m * K + 2 * (p + u), sizeof xp);
@@ -249,8 +236,8 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& 
   TORCH_CHECK(qw.dim() == 4 && qw.scalar_type() == at::kByte && qw.size(2) == 16 && qw.size(3) == 2 && qw.is_contiguous(),
               "int8_mm: qw [N/16, K/2, 16, 2] uint8");
   const int64_t M = x.size(0), K = x.size(1), NB = qw.size(0), N = NB * 16;
-  TORCH_CHECK(qw.size(1) * 2 == K && K % 4 == 0, "int8_mm: x has ", K, " columns, the weight ", qw.size(1) * 2,
-              " (a multiple of 4)");
+  TORCH_CHECK(qw.size(1) * 2 == K && K % 8 == 0, "int8_mm: x has ", K, " columns, the weight ", qw.size(1) * 2,
+              " (a multiple of 8)");
   TORCH_CHECK(scale.dim() == 1 && scale.size(0) == N && scale.scalar_type() == at::kBFloat16 && scale.is_contiguous(),
               "int8_mm: scale [N] bfloat16");
   auto out = at::empty({M, N}, x.options());

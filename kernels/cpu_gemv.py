@@ -13,35 +13,25 @@ and callers keep torch's kernels otherwise.
 from __future__ import annotations
 
 import functools
-import time
 from pathlib import Path
 
-import structlog
 import torch
 
 from core_kernels import cpp_build
 
-log = structlog.get_logger(__name__)
 SOURCE = Path(__file__).with_name("cpu_gemv.cpp")
 PREFIX = "core_cpu_gemv"
 
 
 @functools.cache
 def available() -> bool:
-    """Build (first time on this machine) and load the library; whether its kernel runs here."""
+    """Build (first time on this machine) and load the library; whether its kernels run here."""
     from core.engine.device import cpu_flags
 
     if "avx512_bf16" not in cpu_flags():
         return False
-    t0 = time.perf_counter()
-    try:
-        d, compiled = cpp_build.load(PREFIX, SOURCE)
-    except RuntimeError as e:
-        log.warning("cpu_gemv.unavailable", reason=str(e), fallback="torch's int4 kernel")
-        return False
-    ok = bool(torch.ops.core_cpu_gemv.supported())
-    log.info("cpu_gemv.loaded", loaded_from=str(d), compiled=compiled, usable=ok, seconds=round(time.perf_counter() - t0, 1))
-    return ok
+    return cpp_build.try_load(PREFIX, SOURCE, "cpu_gemv", fallback="torch's kernels") and bool(
+        torch.ops.core_cpu_gemv.supported())
 
 
 def shape_ok(n: int, k: int, group: int) -> bool:
@@ -50,7 +40,7 @@ def shape_ok(n: int, k: int, group: int) -> bool:
 
 
 def shape_ok_int8(n: int, k: int) -> bool:
-    return n % 16 == 0 and k % 4 == 0
+    return n % 16 == 0 and k % 8 == 0
 
 
 def pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,15 +11,12 @@ logged once, where it cannot be built, and callers then keep the torch ops.
 from __future__ import annotations
 
 import functools
-import time
 from pathlib import Path
 
-import structlog
 import torch
 
 from core_kernels import cpp_build
 
-log = structlog.get_logger(__name__)
 SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 PREFIX = "core_cpu_ops"
 
@@ -27,14 +24,7 @@ PREFIX = "core_cpu_ops"
 @functools.cache
 def available() -> bool:
     """Build (first time on this machine) and load the library; False where that fails."""
-    t0 = time.perf_counter()
-    try:
-        d, compiled = cpp_build.load(PREFIX, SOURCE)
-    except RuntimeError as e:
-        log.warning("cpu_ops.unavailable", reason=str(e), fallback="torch ops")
-        return False
-    log.info("cpu_ops.loaded", loaded_from=str(d), compiled=compiled, seconds=round(time.perf_counter() - t0, 1))
-    return True
+    return cpp_build.try_load(PREFIX, SOURCE, "cpu_ops", fallback="torch ops")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
