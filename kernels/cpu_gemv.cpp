@@ -23,6 +23,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
@@ -183,6 +184,20 @@ inline void block8(const uint8_t* __restrict qw, const uint16_t* __restrict sc, 
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * N + nb * 16), r);
   }
 }
+
+// Every 16-row block of the weight (split over threads) times the M rows of x, three rows at a
+// time and the last one or two together: f(rows as a compile-time constant, first row, block).
+template <typename F>
+void for_blocks(int64_t NB, int64_t M, F&& f) {
+  at::parallel_for(0, NB, 8, [&](int64_t b0, int64_t b1) {
+    for (int64_t nb = b0; nb < b1; ++nb) {
+      int64_t m = 0;
+      for (; m + 3 <= M; m += 3) f(std::integral_constant<int, 3>{}, m, nb);
+      if (M - m == 2) f(std::integral_constant<int, 2>{}, m, nb);
+      if (M - m == 1) f(std::integral_constant<int, 1>{}, m, nb);
+    }
+  });
+}
 #endif
 
 // x [M, K] bf16; qw [N/16, K/2, 16] uint8; sz [N/16, G, 2, 16] bf16 (scales, then zeros) -> [M, N] bf16.
@@ -217,13 +232,8 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& 
   const uint8_t* q = qw.const_data_ptr<uint8_t>();
   const uint16_t* szp = reinterpret_cast<const uint16_t*>(sz.const_data_ptr());
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
-  at::parallel_for(0, NB, 8, [&](int64_t b0, int64_t b1) {
-    for (int64_t nb = b0; nb < b1; ++nb) {
-      int64_t m = 0;
-      for (; m + 3 <= M; m += 3) block<3>(q, szp, xp + m * K, xsp + m * G, op + m * N, K, G, N, nb);
-      if (M - m == 2) block<2>(q, szp, xp + m * K, xsp + m * G, op + m * N, K, G, N, nb);
-      if (M - m == 1) block<1>(q, szp, xp + m * K, xsp + m * G, op + m * N, K, G, N, nb);
-    }
+  for_blocks(NB, M, [&](auto rows, int64_t m, int64_t nb) {
+    block<rows.value>(q, szp, xp + m * K, xsp + m * G, op + m * N, K, G, N, nb);
   });
 #endif
   return out;
@@ -248,13 +258,8 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& 
   const uint8_t* q = qw.const_data_ptr<uint8_t>();
   const uint16_t* sc = reinterpret_cast<const uint16_t*>(scale.const_data_ptr());
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
-  at::parallel_for(0, NB, 8, [&](int64_t b0, int64_t b1) {
-    for (int64_t nb = b0; nb < b1; ++nb) {
-      int64_t m = 0;
-      for (; m + 3 <= M; m += 3) block8<3>(q, sc, xp + m * K, xsp + m, op + m * N, K, N, nb);
-      if (M - m == 2) block8<2>(q, sc, xp + m * K, xsp + m, op + m * N, K, N, nb);
-      if (M - m == 1) block8<1>(q, sc, xp + m * K, xsp + m, op + m * N, K, N, nb);
-    }
+  for_blocks(NB, M, [&](auto rows, int64_t m, int64_t nb) {
+    block8<rows.value>(q, sc, xp + m * K, xsp + m, op + m * N, K, N, nb);
   });
 #endif
   return out;
