@@ -118,15 +118,6 @@ inline float dot(const float* __restrict a, const float* __restrict b, int d) {
 // the keys of a bf16 pool are never converted, and half the multiply instructions.
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define CORE_BF16_DOT 1
-template <int D>
-inline float dot_bf16(const c10::BFloat16* __restrict a, const c10::BFloat16* __restrict b) {
-  __m512 x = _mm512_setzero_ps(), y = _mm512_setzero_ps();
-  for (int c = 0; c < D; c += 64) {
-    x = _mm512_dpbf16_ps(x, (__m512bh)_mm512_loadu_si512(a + c), (__m512bh)_mm512_loadu_si512(b + c));
-    if (c + 32 < D) y = _mm512_dpbf16_ps(y, (__m512bh)_mm512_loadu_si512(a + c + 32), (__m512bh)_mm512_loadu_si512(b + c + 32));
-  }
-  return _mm512_reduce_add_ps(_mm512_add_ps(x, y));
-}
 
 // Lane j of the result = the sum of the 16 lanes of v[j]: a transposing tree of 45 shuffles and
 // adds for 16 sums, against ~8 operations for each one reduced alone.
