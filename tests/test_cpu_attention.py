@@ -100,6 +100,36 @@ def _one_step(dtype: torch.dtype, threads: int, q_view: bool = False) -> torch.T
         torch.set_num_threads(before)
 
 
+def test_decode_with_only_very_negative_scores(kernel):
+    """Every score of a decode far below zero (here -400 to -300): the softmax over them is still
+    the softmax, not uniform weights (a decode path that starts its running max at a finite
+    floor would flatten them)."""
+    from core.interfaces import AttentionLayerSpec
+    from core.testing.paged import PagedPool, Seq, make_batch
+    from core_plugins.attention.torch_native import TorchNativeBackend
+
+    dtype, n = torch.bfloat16, 40
+    pool = PagedPool(1, 1, 64, dtype, CPU, 1, 64)
+    seq = Seq()
+    pool.grow(seq, n)
+    direction = torch.zeros(64)
+    direction[0] = 1.0
+    keys = torch.linspace(300.0, 400.0, n)[:, None] * direction  # score = (q . k) * 0.125 = -key[0]
+    slots = torch.tensor(seq.slots)
+    pool.kv.k[0][slots] = keys[:, None, :].to(dtype)
+    pool.kv.v[0][slots] = torch.randn(n, 1, 64, generator=torch.Generator().manual_seed(0)).to(dtype)
+    q = (-8.0 * direction)[None, None, :].expand(1, 3, 64).to(dtype).contiguous()
+    spec = AttentionLayerSpec(0, 3, 1, 64, 0.125)
+    outs = []
+    for backend_cls in (CpuBackend, TorchNativeBackend):
+        backend = backend_cls(AttentionConfig(1, 3, 1, 64, dtype, CPU, pool.kv))
+        batch = make_batch([seq], [1], backend, CPU)
+        backend.prepare(batch)
+        outs.append(backend.forward(q, pool.kv.k[0][slots[-1:]], pool.kv.v[0][slots[-1:]], spec, batch).float())
+    got, want = outs
+    assert torch.allclose(got, want, atol=2e-2, rtol=2e-2), (got - want).abs().max()
+
+
 def test_thread_count_and_strided_q_do_not_change_the_result(kernel):
     """Each (sequence, KV head, tokens) task runs whole on one thread, so the sums are the same."""
     one = _one_step(torch.bfloat16, 1)

@@ -268,7 +268,7 @@ void decode_bf16(const Params& p, const Task& t, const c10::BFloat16* q, const c
   const c10::BFloat16* qrow = q + p.q_start[t.b] * p.q_stride + t.kvh * G * D;
   alignas(64) float pr[16];
   for (int g = 0; g < G; ++g) {
-    w.m[g] = -87.0f;  // finite: exp of (old max - new max) then never meets inf - inf
+    w.m[g] = kNegInf;  // the first block's max replaces it: every block has a live (finite) score
     w.l[g] = 0.0f;
   }
   prefetch_rows(kc, vc, idx, jlo, std::min(jlo + 16, jhi + 1), p.slot_stride, head, D);
