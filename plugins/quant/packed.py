@@ -124,6 +124,13 @@ def _dense_wanted(device: torch.device, dtype: torch.dtype) -> bool:
     return bool(DENSE_MIN_ROWS) and device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
 
 
+def onednn_copy(w: torch.Tensor) -> torch.Tensor | None:
+    """``w`` packed in oneDNN's layout, within the dense-copy budget; None where it is not packed."""
+    if onednn.wanted(w) and DENSE_BUDGET.take(w.numel() * w.element_size()):
+        return onednn.prepack(w)
+    return None
+
+
 def _keep_dense_copy(layer: torch.nn.Module, dense: torch.Tensor, dtype: torch.dtype, device: torch.device) -> None:
     """The weight in the activation dtype beside the packed one, within the memory budget (a plain
     attribute, not a buffer: in bf16 it is oneDNN's opaque packed tensor, see ``onednn.py``)."""
@@ -294,8 +301,8 @@ class PackedHead(torch.nn.Module):
         if self.quant_format == "int8" and _dense_wanted(weight.device, weight.dtype):
             # the table is kept anyway: big GEMMs use it directly (a plain reference, not a parameter),
             # or its oneDNN-packed copy within the budget
-            packs = onednn.wanted(weight) and DENSE_BUDGET.take(weight.numel() * weight.element_size())
-            self.__dict__["dense_weight"] = onednn.prepack(weight) if packs else weight
+            copy = onednn_copy(weight)
+            self.__dict__["dense_weight"] = weight if copy is None else copy
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return packed_linear(self, x)

@@ -28,11 +28,11 @@ class Unquantized:
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         layer.__dict__.pop("onednn_weight", None)
-        if (w := _packed_copy(layer.weight)) is not None:
+        if (w := packed.onednn_copy(layer.weight)) is not None:
             layer.__dict__["onednn_weight"] = w
 
     def pack_lm_head(self, embedding: torch.nn.Module) -> torch.nn.Module | None:
-        w = _packed_copy(embedding.weight)
+        w = packed.onednn_copy(embedding.weight)
         return None if w is None else PackedDenseHead(w)
 
 
@@ -45,12 +45,6 @@ class PackedDenseHead(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return onednn.linear(x, self.__dict__["onednn_weight"], None)
-
-
-def _packed_copy(w: torch.Tensor) -> torch.Tensor | None:
-    if onednn.wanted(w) and packed.DENSE_BUDGET.take(w.numel() * w.element_size()):
-        return onednn.prepack(w)
-    return None
 
 
 @hookimpl
