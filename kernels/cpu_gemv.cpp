@@ -18,7 +18,6 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <cstdint>
@@ -200,6 +199,26 @@ void for_blocks(int64_t NB, int64_t M, F&& f) {
 }
 #endif
 
+// [M, G] fp32: the sums of each row of x [M, K] bf16 over G equal groups of columns.
+at::Tensor group_sums(const at::Tensor& x, int64_t G) {
+  const int64_t M = x.size(0), K = x.size(1), gs = K / G;
+  auto xs = at::empty({M, G}, x.options().dtype(at::kFloat));
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.const_data_ptr());
+  float* out = xs.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t g = 0; g < G; ++g) {
+      float s = 0.0f;
+      for (int64_t i = 0; i < gs; ++i) {
+        const uint32_t bits = static_cast<uint32_t>(xp[m * K + g * gs + i]) << 16;
+        float f;
+        std::memcpy(&f, &bits, sizeof f);
+        s += f;
+      }
+      out[m * G + g] = s;
+    }
+  return xs;
+}
+
 // x [M, K] bf16; qw [N/16, K/2, 16] uint8; sz [N/16, G, 2, 16] bf16 (scales, then zeros) -> [M, N] bf16.
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& sz) {
   TORCH_CHECK(supported(), "int4_mm: this build has no AVX512-BF16");
@@ -213,22 +232,9 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& 
               "int4_mm: sz [N/16, G, 2, 16] bfloat16, groups of a multiple of 8 columns");
   auto out = at::empty({M, N}, x.options());
 #ifdef CORE_GEMV_BF16
-  // per-group sums of each row of x, in fp32
-  auto xs = at::zeros({M, G}, x.options().dtype(at::kFloat));
+  const at::Tensor xs = group_sums(x, G);
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.const_data_ptr());
-  float* xsp = xs.data_ptr<float>();
-  const int64_t gs = K / G;
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t g = 0; g < G; ++g) {
-      float s = 0.0f;
-      for (int64_t i = 0; i < gs; ++i) {
-        uint32_t bits = static_cast<uint32_t>(xp[m * K + g * gs + i]) << 16;
-        float f;
-        std::memcpy(&f, &bits, sizeof f);
-        s += f;
-      }
-      xsp[m * G + g] = s;
-    }
+  const float* xsp = xs.const_data_ptr<float>();
   const uint8_t* q = qw.const_data_ptr<uint8_t>();
   const uint16_t* szp = reinterpret_cast<const uint16_t*>(sz.const_data_ptr());
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
@@ -252,7 +258,7 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& 
               "int8_mm: scale [N] bfloat16");
   auto out = at::empty({M, N}, x.options());
 #ifdef CORE_GEMV_BF16
-  auto xs = x.to(at::kFloat).sum(1).contiguous();
+  const at::Tensor xs = group_sums(x, 1);
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.const_data_ptr());
   const float* xsp = xs.const_data_ptr<float>();
   const uint8_t* q = qw.const_data_ptr<uint8_t>();
