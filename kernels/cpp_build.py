@@ -1,6 +1,6 @@
 """Compile a C++ source of torch operators once per machine and load it (``torch.utils.cpp_extension``).
 
-Used by the CPU kernels (``kernels/cpu_ops.cpp`` and the ``cpu`` attention backend's kernel).
+Used by the CPU kernels (``kernels/cpu_ops``, ``cpu_gemv``, ``cpu_decode`` and the ``cpu`` attention backend's kernel).
 A build is cached under the torch extensions folder in a directory named by a hash of the source,
 the flags, the CPU's instruction set and the torch version, so a changed source, another CPU
 sharing the folder, or a new torch build never loads a stale library; later starts only load it.

