@@ -7,7 +7,6 @@ dense-copy memory budget, because that GEMM runs up to 2.6x faster at decode bat
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from core import hookimpl
 from core_plugins.quant import onednn, packed
@@ -23,8 +22,7 @@ class Unquantized:
         layer.bias = torch.nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-        w = layer.__dict__.get("onednn_weight")
-        return F.linear(x, layer.weight, layer.bias) if w is None else onednn.linear(x, w, layer.bias)
+        return onednn.linear(x, layer.__dict__.get("onednn_weight", layer.weight), layer.bias)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         layer.__dict__.pop("onednn_weight", None)
