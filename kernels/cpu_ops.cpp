@@ -10,6 +10,8 @@
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <tuple>
 
 namespace {
@@ -40,6 +42,47 @@ void rms_norm_rows(const T* x, int64_t sx, const T* w, T* out, int64_t rows, int
   });
 }
 
+// bf16 as raw bits, so that the loops below vectorise (c10's conversions branch on NaN):
+// widening is a shift, narrowing rounds to nearest even as c10 does (NaN stays a quiet NaN).
+inline float bf16_f(uint16_t b) {
+  uint32_t u = static_cast<uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+inline uint16_t f_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  const uint16_t r = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  return (u & 0x7FFFFFFFu) > 0x7F800000u ? static_cast<uint16_t>(0x7FC0) : r;
+}
+inline float rnd_bf16(float x) { return bf16_f(f_bf16(x)); }
+
+template <>
+void rms_norm_rows<c10::BFloat16>(const c10::BFloat16* x16, int64_t sx, const c10::BFloat16* w16, c10::BFloat16* out16,
+                                  int64_t rows, int64_t n, float eps, float offset) {
+  const uint16_t* x = reinterpret_cast<const uint16_t*>(x16);
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(w16);
+  uint16_t* out = reinterpret_cast<uint16_t*>(out16);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const uint16_t* xi = x + i * sx;
+      uint16_t* oi = out + i * n;
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t j = 0; j < n; ++j) ss += bf16_f(xi[j]) * bf16_f(xi[j]);
+      const float r = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+      if (offset != 0.f) {
+#pragma omp simd
+        for (int64_t j = 0; j < n; ++j) oi[j] = f_bf16(bf16_f(xi[j]) * r * (offset + bf16_f(w[j])));
+      } else {
+#pragma omp simd
+        for (int64_t j = 0; j < n; ++j) oi[j] = f_bf16(bf16_f(w[j]) * rnd_bf16(bf16_f(xi[j]) * r));
+      }
+    }
+  });
+}
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, double offset) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && w.dim() == 1 && w.size(0) == x.size(1) && w.is_contiguous(),
               "rms_norm: x [rows, n] with unit column stride, w [n]");
@@ -61,6 +104,21 @@ void rotate_head(const T* src, T* dst, const float* cs, const float* sn, int64_t
     dst[half + i] = static_cast<T>(rnd<T>(x2 * c) + rnd<T>(x1 * s));
   }
   for (int64_t i = 2 * half; i < d; ++i) dst[i] = src[i];  // partial rotary: the rest passes through
+}
+
+template <>
+void rotate_head<c10::BFloat16>(const c10::BFloat16* src16, c10::BFloat16* dst16, const float* cs, const float* sn,
+                                int64_t half, int64_t d) {
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(src16);
+  uint16_t* dst = reinterpret_cast<uint16_t*>(dst16);
+#pragma omp simd
+  for (int64_t i = 0; i < half; ++i) {
+    const float c = rnd_bf16(cs[i]), s = rnd_bf16(sn[i]);
+    const float x1 = bf16_f(src[i]), x2 = bf16_f(src[half + i]);
+    dst[i] = f_bf16(rnd_bf16(x1 * c) + rnd_bf16(-x2 * s));
+    dst[half + i] = f_bf16(rnd_bf16(x2 * c) + rnd_bf16(x1 * s));
+  }
+  for (int64_t i = 2 * half; i < d; ++i) dst[i] = src[i];
 }
 
 std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& pos, const at::Tensor& q, const at::Tensor& k,

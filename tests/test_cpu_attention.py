@@ -54,7 +54,8 @@ TestCpuConformance = kit.attention_backend_conformance  # every case of the kit,
 
 # Shapes the kit's cases do not reach: 9 query heads on 3 KV heads (SmolLM2), extends longer than one
 # task (16 tokens at 3 heads per KV head), windows and soft caps over several 32-key blocks, head dims
-# without a specialised kernel (16, 96), and one step mixing a long decode with a prefix-hit extend.
+# without a specialised kernel (16, 96), one step mixing a long decode with a prefix-hit extend, and
+# decodes over several 256-key chunks.
 EXTRA_CASES = [
     AttentionCase("smollm2_prefill_prefix", (0, 37), ((70, 45), (1, 1)), num_heads=9, num_kv_heads=3, page_size=16),
     AttentionCase("smollm2_page_1", (5, 90), ((33, 1), (1, 1)), num_heads=9, num_kv_heads=3, page_size=1),
@@ -64,6 +65,9 @@ EXTRA_CASES = [
     AttentionCase("head_dim_96_mha", (40, 3), ((1, 29),), num_heads=3, num_kv_heads=3, head_dim=96, page_size=1),
     AttentionCase("mixed_long", (260, 0, 40), ((1, 20, 17), (1, 1, 1)), num_heads=9, num_kv_heads=3),
     AttentionCase("head_dim_128_gqa", (50, 9), ((1, 40),), num_heads=16, num_kv_heads=4, head_dim=128, page_size=16),
+    # bf16 decodes walk keys in chunks of 256 with an online softmax between chunks
+    AttentionCase("decode_chunks", (600, 255), ((1, 1), (1, 1)), num_heads=9, num_kv_heads=3),
+    AttentionCase("window_chunks", (700,), ((1,), (1,)), num_heads=4, num_kv_heads=2, sliding_window=300),
 ]
 
 

@@ -31,6 +31,7 @@ namespace {
 
 constexpr int kBlock = 32;        // keys per block
 constexpr int kRowTarget = 48;    // query vectors (tokens x heads of a group) per extend task
+constexpr int kChunk = 256;       // keys per chunk of a bf16 decode task
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 inline float to_f(float x) { return x; }
@@ -224,11 +225,11 @@ struct Params {
 
 // Scratch of one thread, sized for the largest task.
 struct Scratch {
-  std::vector<float> q, acc, s, kv, m, l;
+  std::vector<float> q, acc, s, kv, m, l, ps;
   std::vector<int> lo, hi, a, z;
   std::vector<const void*> qsrc;  // each query vector's row in q (the bf16 dot reads it there)
-  Scratch(int rows, int nr, int D)
-      : q(rows * D), acc(rows * D), s(rows * kBlock), kv(kBlock * D), m(rows), l(rows),
+  Scratch(int rows, int nr, int D, int G)
+      : q(rows * D), acc(rows * D), s(rows * kBlock), kv(kBlock * D), m(rows), l(rows), ps(G * kChunk),
         lo(nr), hi(nr), a(nr), z(nr), qsrc(rows) {}
 };
 
@@ -256,8 +257,10 @@ inline __m512 vexp_neg(__m512 x) {
 }
 
 // One decode task (one query token, the G query heads of a KV head, no soft cap) over a bf16
-// pool, 16 keys at a time kept in registers: scores by hsum16, the online softmax on the vector,
-// then each V row converted once and added into all G accumulators.
+// pool, in chunks of up to kChunk keys: first every score of the chunk for each head (hsum16 per
+// 16 keys), then one max, exp and sum per head over the whole chunk (vector loops, no reduction
+// per 16 keys), then the V rows weighted into each head's accumulators held in registers. Online
+// softmax only between chunks, so a long sequence needs no more scratch than kChunk keys.
 template <int D>
 void decode_bf16(const Params& p, const Task& t, const c10::BFloat16* q, const c10::BFloat16* kc,
                  const c10::BFloat16* vc, c10::BFloat16* out, Scratch& w) {
@@ -269,45 +272,55 @@ void decode_bf16(const Params& p, const Task& t, const c10::BFloat16* q, const c
   const int jlo = p.window > 0 ? static_cast<int>(std::max<int64_t>(0, pos - p.window + 1)) : 0;
   const int jhi = static_cast<int>(pos);
   float* acc = w.acc.data();
+  float* sc = w.ps.data();  // [G, kChunk] scores, then probabilities
   std::fill(acc, acc + G * D, 0.0f);
   const c10::BFloat16* qrow = q + p.q_start[t.b] * p.q_stride + t.kvh * G * D;
-  alignas(64) float pr[16];
   for (int g = 0; g < G; ++g) {
-    w.m[g] = kNegInf;  // the first block's max replaces it: every block has a live (finite) score
+    w.m[g] = kNegInf;  // the first chunk's max replaces it: every chunk has a live (finite) score
     w.l[g] = 0.0f;
   }
-  prefetch_rows(kc, vc, idx, jlo, std::min(jlo + 16, jhi + 1), p.slot_stride, head, D);
-  for (int j0 = jlo; j0 <= jhi; j0 += 16) {
-    const int n = std::min(16, jhi - j0 + 1);
-    const __mmask16 live = static_cast<__mmask16>((1u << n) - 1);
-    prefetch_rows(kc, vc, idx, j0 + 16, std::min(j0 + 32, jhi + 1), p.slot_stride, head, D);
-    __m512 prob[16];  // per query head of the group (G <= 16)
-    for (int g = 0; g < G; ++g) {
-      float sc[16];
-      scores_bf16<D>(qrow + g * D, kc, idx + j0, n, p.slot_stride, head, p.scale, sc);
-      const __m512 s = _mm512_mask_loadu_ps(_mm512_set1_ps(-1e30f), live, sc);
-      const float mnew = std::max(w.m[g], _mm512_reduce_max_ps(s));
-      const float alpha = std::exp(w.m[g] - mnew);
-      const __m512 e = _mm512_maskz_mov_ps(live, vexp_neg(_mm512_sub_ps(s, _mm512_set1_ps(mnew))));
-      w.l[g] = w.l[g] * alpha + _mm512_reduce_add_ps(e);
-      w.m[g] = mnew;
-      prob[g] = e;
-      if (alpha != 1.0f) {
-        const __m512 a = _mm512_set1_ps(alpha);
-        for (int c = 0; c < N; ++c) _mm512_storeu_ps(acc + g * D + 16 * c, _mm512_mul_ps(a, _mm512_loadu_ps(acc + g * D + 16 * c)));
-      }
+  for (int c0 = jlo; c0 <= jhi; c0 += kChunk) {
+    const int n = std::min(kChunk, jhi - c0 + 1);
+    for (int j0 = 0; j0 < n; j0 += 16) {  // K rows, prefetched 16 keys ahead (V rows with them)
+      prefetch_rows(kc, vc, idx, c0 + j0 + 16, std::min(c0 + j0 + 32, jhi + 1), p.slot_stride, head, D);
+      for (int g = 0; g < G; ++g)
+        scores_bf16<D>(qrow + g * D, kc, idx + c0 + j0, std::min(16, n - j0), p.slot_stride, head, p.scale,
+                       sc + g * kChunk + j0);
     }
+    const int nv = n & ~15;  // whole vectors; the tail is masked
+    const __mmask16 tail = static_cast<__mmask16>((1u << (n - nv)) - 1);
     for (int g = 0; g < G; ++g) {
-      _mm512_store_ps(pr, prob[g]);
+      float* s = sc + g * kChunk;
+      __m512 mx = _mm512_set1_ps(kNegInf);
+      for (int j = 0; j < nv; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + j));
+      if (tail) mx = _mm512_mask_max_ps(mx, tail, mx, _mm512_maskz_loadu_ps(tail, s + nv));
+      const float mnew = std::max(w.m[g], _mm512_reduce_max_ps(mx));
+      const float alpha = std::exp(w.m[g] - mnew);
+      const __m512 mv = _mm512_set1_ps(mnew);
+      __m512 sum = _mm512_setzero_ps();
+      for (int j = 0; j < nv; j += 16) {
+        const __m512 e = vexp_neg(_mm512_sub_ps(_mm512_loadu_ps(s + j), mv));
+        _mm512_storeu_ps(s + j, e);
+        sum = _mm512_add_ps(sum, e);
+      }
+      if (tail) {
+        const __m512 e = _mm512_maskz_mov_ps(tail, vexp_neg(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + nv), mv)));
+        _mm512_mask_storeu_ps(s + nv, tail, e);
+        sum = _mm512_add_ps(sum, e);
+      }
+      w.l[g] = w.l[g] * alpha + _mm512_reduce_add_ps(sum);
+      w.m[g] = mnew;
+      const float* pr = s;
       __m512 a0[N], a1[N];
+      const __m512 av = _mm512_set1_ps(alpha);
       for (int c = 0; c < N; ++c) {
-        a0[c] = _mm512_loadu_ps(acc + g * D + 16 * c);
+        a0[c] = _mm512_mul_ps(av, _mm512_loadu_ps(acc + g * D + 16 * c));
         a1[c] = _mm512_setzero_ps();
       }
       int j = 0;
       for (; j + 1 < n; j += 2) {
-        const uint16_t* v0 = reinterpret_cast<const uint16_t*>(vc + idx[j0 + j] * p.slot_stride + head);
-        const uint16_t* v1 = reinterpret_cast<const uint16_t*>(vc + idx[j0 + j + 1] * p.slot_stride + head);
+        const uint16_t* v0 = reinterpret_cast<const uint16_t*>(vc + idx[c0 + j] * p.slot_stride + head);
+        const uint16_t* v1 = reinterpret_cast<const uint16_t*>(vc + idx[c0 + j + 1] * p.slot_stride + head);
         const __m512 w0 = _mm512_set1_ps(pr[j]), w1 = _mm512_set1_ps(pr[j + 1]);
 #pragma GCC unroll 8
         for (int c = 0; c < N; ++c) {
@@ -316,7 +329,7 @@ void decode_bf16(const Params& p, const Task& t, const c10::BFloat16* q, const c
         }
       }
       if (j < n) {
-        const uint16_t* v0 = reinterpret_cast<const uint16_t*>(vc + idx[j0 + j] * p.slot_stride + head);
+        const uint16_t* v0 = reinterpret_cast<const uint16_t*>(vc + idx[c0 + j] * p.slot_stride + head);
         const __m512 w0 = _mm512_set1_ps(pr[j]);
         for (int c = 0; c < N; ++c) a0[c] = _mm512_fmadd_ps(w0, bf16x16(v0 + 16 * c), a0[c]);
       }
@@ -445,7 +458,7 @@ void run_all(const Params& p, const std::vector<Task>& tasks, int max_nr, const 
   const int nt = static_cast<int>(std::min<int64_t>(at::get_num_threads(), ntasks));
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {
-    Scratch w(max_nr * static_cast<int>(p.G), max_nr, static_cast<int>(p.D));
+    Scratch w(max_nr * static_cast<int>(p.G), max_nr, static_cast<int>(p.D), static_cast<int>(p.G));
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < ntasks; ++i) run_task<T, DC>(p, tasks[i], qp, kp, vp, op, w);
   }
