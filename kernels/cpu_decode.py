@@ -1,12 +1,13 @@
-"""A Llama-style decoder layer for a few rows as one C++ op (``cpu_decode.cpp``).
+"""A Llama-style decoder layer as one C++ op (``cpu_decode.cpp``).
 
 At batch 1 most of a CPU decode step was the ~20 torch calls per layer between the kernels, not
-the kernels. :func:`plan` looks at a layer once: where everything it calls has a C++ kernel
-here (the ``cpu`` attention backend's, and ``kernels/cpu_gemv`` for every linear, which the quant
-method describes through ``gemv_args``), it returns the layer's static arguments; the model then
-sends few-row forwards through :func:`run`, which calls the same kernels in the same order, so
-the result is the same. Anything else (other backends, dense or fp32 layers, q/k norms, soft
-caps, tensor parallelism) keeps the Python path. ``CORE_FUSED_OPS=0`` turns it off too.
+the kernels; at 64 rows they were still ~5 % of it. :func:`plan` looks at a layer once: where
+everything it calls has a C++ kernel here (the ``cpu`` attention backend's; for every linear,
+``kernels/cpu_gemv`` and/or a dense GEMM, as the quant method describes through
+``cpu_linear_args``), it returns the layer's static arguments; the model then sends its forwards
+through :func:`run`, which calls the same kernels in the same order, so the result is the same.
+Anything else (other backends, fp16 or fp8 pools, q/k norms, soft caps, tensor parallelism)
+keeps the Python path. ``CORE_FUSED_OPS=0`` turns it off too.
 """
 
 from __future__ import annotations
@@ -22,25 +23,28 @@ from core_kernels import cpp_build
 
 SOURCE = Path(__file__).with_name("cpu_decode.cpp")
 PREFIX = "core_cpu_decode"
+_EMPTY = torch.empty(0)
 
 
 @functools.cache
 def available() -> bool:
-    """The op and every kernel it calls are loaded (built the first time on this machine)."""
-    from core_kernels import cpu_gemv, cpu_ops
+    """The op and the kernels it always calls are loaded (built the first time on this machine);
+    the gemv kernels are only called for layers whose quant method holds them."""
+    from core_kernels import cpu_ops
 
-    if os.environ.get("CORE_FUSED_OPS", "1") == "0" or not (cpu_ops.available() and cpu_gemv.available()):
+    if os.environ.get("CORE_FUSED_OPS", "1") == "0" or not cpu_ops.available():
         return False
     return cpp_build.try_load(PREFIX, SOURCE, "cpu_decode", fallback="the layer's Python forward")
 
 
-def _linear(layer: torch.nn.Module) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, int] | None:
-    args = getattr(layer.quant_method, "gemv_args", lambda _: None)(layer)
+def _linear(layer: torch.nn.Module) -> tuple[int, int, list[torch.Tensor]] | None:
+    """(kind, max_rows, [a, b, bias, dense]) from the quant method's ``cpu_linear_args``."""
+    args = getattr(layer.quant_method, "cpu_linear_args", lambda _: None)(layer)
     if args is None or getattr(layer, "tp", None) is not None and layer.tp.size > 1:
         return None
-    kind, a, b, max_rows = args
-    bias = layer.bias if layer.bias is not None else torch.empty(0, dtype=torch.bfloat16)
-    return kind, a, b, bias, max_rows
+    kind, a, b, max_rows, dense = args
+    bias = layer.bias if layer.bias is not None else _EMPTY
+    return kind, max_rows, [a, b, bias, _EMPTY if dense is None else dense]
 
 
 def plan(layer: torch.nn.Module, backend: Any) -> dict[str, Any] | None:
@@ -49,20 +53,20 @@ def plan(layer: torch.nn.Module, backend: Any) -> dict[str, Any] | None:
     spec = attn.attn.spec
     caches = getattr(backend, "decode_caches", lambda _: None)(spec.layer_id)
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
-    if (caches is None or caches[0].dtype != torch.bfloat16 or attn.qk_norm or spec.logit_cap
+    if (caches is None or caches[0].dtype not in (torch.bfloat16, torch.float32) or attn.qk_norm or spec.logit_cap
             or not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj"))
             or getattr(mlp, "act", None) != "silu" or any(n.offset or n.eps != norms[0].eps for n in norms)
             or not hasattr(attn.rotary, "cos") or not available()):
         return None
     linears = [_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)]
-    if any(lin is None for lin in linears):
+    if any(lin is None or lin[2][3].numel() and lin[2][3].dtype != caches[0].dtype for lin in linears):
         return None
     return {
-        "norms": [n.weight.detach().to(torch.bfloat16).contiguous() for n in norms],
+        "norms": [n.weight.detach().to(caches[0].dtype).contiguous() for n in norms],
         "eps": norms[0].eps,
-        "lin": [t for lin in linears for t in lin[1:4]],
+        "lin": [t for lin in linears for t in lin[2]],
         "kinds": [lin[0] for lin in linears],
-        "max_rows": min(lin[4] for lin in linears),
+        "max_rows": [lin[1] for lin in linears],
         "rotary": (attn.rotary.cos, attn.rotary.sin, attn.rotary.rotary_dim),
         "heads": (spec.num_heads, spec.num_kv_heads, spec.head_dim),
         "caches": caches,
@@ -71,10 +75,10 @@ def plan(layer: torch.nn.Module, backend: Any) -> dict[str, Any] | None:
 
 
 def run(p: dict[str, Any], x: torch.Tensor, batch: Any) -> torch.Tensor:
-    """The layer's output for ``x [rows, hidden]`` (rows < ``p["max_rows"]``)."""
+    """The layer's output for ``x [rows, hidden]``."""
     cos, sin, rot = p["rotary"]
     scale, window, cap = p["attn"]
     return torch.ops.core_cpu_decode.decode_layer(
-        x.contiguous(), p["norms"][0], p["norms"][1], p["eps"], p["lin"], p["kinds"], batch.positions, cos, sin, rot,
+        x.contiguous(), p["norms"][0], p["norms"][1], p["eps"], p["lin"], p["kinds"], p["max_rows"], batch.positions, cos, sin, rot,
         *p["heads"], *p["caches"], batch.out_cache_loc, batch.kv_indices, batch.seq_lens, batch.extend_lens,
         scale, window, cap)

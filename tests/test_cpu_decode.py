@@ -1,67 +1,81 @@
-"""A Llama decoder layer as one C++ op for few rows (``kernels/cpu_decode``): same tokens as the
-Python forward it replaces, taken only where every piece has its C++ kernel."""
+"""A Llama decoder layer as one C++ op (``kernels/cpu_decode``): same tokens as the Python forward
+it replaces, at every batch size, taken only where every piece has its C++ kernel."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from core_kernels import cpu_decode
+from core_kernels import cpu_decode, cpu_gemv
 from tests.conftest import greedy, make_engine
 
-pytestmark = pytest.mark.skipif(not cpu_decode.available(), reason="needs the C++ CPU kernels and AVX512-BF16 "
-                                "(kernels/cpu_gemv); elsewhere layers keep their Python forward")
+pytestmark = pytest.mark.skipif(not cpu_decode.available(), reason="needs the C++ CPU kernels (a C++ compiler); "
+                                "elsewhere layers keep their Python forward")
+needs_gemv = pytest.mark.skipif(not cpu_gemv.available(), reason="int4/int8 layers take the op through kernels/cpu_gemv, "
+                                "which needs AVX512-BF16")
 
 PROMPTS = ["a", "hello world", "abc abc abc abc", "xy"]
 REAL_RUN, REAL_PLAN = cpu_decode.run, cpu_decode.plan
 
 
-def generate(path, monkeypatch, fast: bool, **opts) -> tuple[list[list[int]], int]:
-    """Greedy tokens of PROMPTS (batch sizes 4 down to 1 as requests finish, then one at a time),
-    and how many layer forwards the C++ op ran."""
+def generate(path, monkeypatch, fast: bool, prompts: list[str] = PROMPTS, dtype: str = "bfloat16",
+             **opts) -> tuple[list[list[int]], list[int]]:
+    """Greedy tokens of ``prompts`` (all together, batch sizes shrinking as requests finish, then
+    the first two alone), and the row counts of the layer forwards the C++ op ran."""
     calls = []
     monkeypatch.setattr(cpu_decode, "run", lambda *a: calls.append(a[1].shape[0]) or REAL_RUN(*a))
     monkeypatch.setattr(cpu_decode, "plan", REAL_PLAN if fast else (lambda *a: None))
-    eng = make_engine(path, dtype="bfloat16", **opts)
+    eng = make_engine(path, dtype=dtype, **opts)
     try:
-        together = [o["output_ids"] for o in eng.generate(PROMPTS, [greedy(n) for n in (6, 9, 12, 15)])]
-        alone = [eng.generate(p, greedy(8))["output_ids"] for p in PROMPTS[:2]]
+        together = [o["output_ids"] for o in eng.generate(prompts, [greedy(6 + 3 * (i % 4)) for i in range(len(prompts))])]
+        alone = [eng.generate(p, greedy(8))["output_ids"] for p in prompts[:2]]
     finally:
         eng.shutdown()
-    return together + alone, len(calls)
+    return together + alone, calls
 
 
-@pytest.mark.parametrize("quant,variant", [("int4wo-32", {}), ("int8wo", {}), ("int4wo-32", {"attention_bias": True})],
-                         ids=["int4", "int8", "int4_with_biases"])
+@pytest.mark.parametrize("quant,variant", [
+    pytest.param("int4wo-32", {}, marks=needs_gemv), pytest.param("int8wo", {}, marks=needs_gemv),
+    pytest.param("int4wo-32", {"attention_bias": True}, marks=needs_gemv), (None, {}), (None, {"attention_bias": True})],
+                         ids=["int4", "int8", "int4_with_biases", "unquantized", "unquantized_with_biases"])
 def test_same_tokens_as_the_python_forward(tiny_llama, monkeypatch, quant, variant):
     path, _ = tiny_llama(**variant)
-    want, none = generate(path, monkeypatch, False, torchao_config=quant, attention_backend="cpu")
-    got, used = generate(path, monkeypatch, True, torchao_config=quant, attention_backend="cpu")
-    assert none == 0 and used > 0
+    opts = {"torchao_config": quant} if quant else {}
+    want, none = generate(path, monkeypatch, False, attention_backend="cpu", **opts)
+    got, used = generate(path, monkeypatch, True, attention_backend="cpu", **opts)
+    assert not none and used
     assert got == want
 
 
-def test_other_backends_and_dense_layers_keep_the_python_forward(tiny_llama, monkeypatch):
-    path, _ = tiny_llama()
-    _, used = generate(path, monkeypatch, True, torchao_config="int4wo-32", attention_backend="torch_native")
-    assert used == 0
-    _, used = generate(path, monkeypatch, True, attention_backend="cpu")  # unquantized: oneDNN's GEMMs
-    assert used == 0
-
-
-def test_only_few_rows_take_it(tiny_llama, monkeypatch):
-    """GEMMs of more rows use the layers' dense copies, so those batches keep the Python forward."""
+@needs_gemv
+def test_many_rows_use_the_dense_gemm_inside_the_op(tiny_llama, monkeypatch):
+    """Batches past the gemv kernels' row limit (and prefills) run the layers' dense GEMMs from the
+    op; the tokens stay those of the Python forward."""
     from core_plugins.quant import packed
 
     path, _ = tiny_llama()
-    calls = []
-    monkeypatch.setattr(cpu_decode, "run", lambda *a: calls.append(a[1].shape[0]) or REAL_RUN(*a))
-    eng = make_engine(path, dtype="bfloat16", torchao_config="int4wo-32", attention_backend="cpu")
+    probe = make_engine(path, dtype="bfloat16", torchao_config="int4wo-32", attention_backend="cpu")
     try:
-        layer = eng.engine.model.model.layers[0]
-        limit = packed._dense_from(layer.mlp.down_proj, layer.mlp.down_proj.dense_weight)
-        prompts = [chr(97 + i) * (i + 1) for i in range(limit + 2)]
-        eng.generate(prompts, [greedy(2 * i + 2) for i in range(len(prompts))])  # limit + 2 rows, down to 1
+        down = probe.engine.model.model.layers[0].mlp.down_proj
+        limit = packed._dense_from(down, down.dense_weight)
     finally:
-        eng.shutdown()
-    assert set(calls) == set(range(1, limit))
+        probe.shutdown()
+    prompts = [chr(97 + i) * (i + 1) for i in range(limit + 3)]
+    want, _ = generate(path, monkeypatch, False, prompts, torchao_config="int4wo-32", attention_backend="cpu")
+    got, rows = generate(path, monkeypatch, True, prompts, torchao_config="int4wo-32", attention_backend="cpu")
+    assert got == want
+    assert max(rows) > limit and min(rows) < limit  # both sides of the gemv limit ran in the op
+
+
+def test_float32_layers_take_it_too(tiny_llama, monkeypatch):
+    path, _ = tiny_llama()
+    want, _ = generate(path, monkeypatch, False, dtype="float32", attention_backend="cpu")
+    got, used = generate(path, monkeypatch, True, dtype="float32", attention_backend="cpu")
+    assert used and got == want
+
+
+@needs_gemv
+def test_other_backends_keep_the_python_forward(tiny_llama, monkeypatch):
+    path, _ = tiny_llama()
+    _, used = generate(path, monkeypatch, True, torchao_config="int4wo-32", attention_backend="torch_native")
+    assert not used

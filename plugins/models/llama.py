@@ -78,13 +78,13 @@ class LlamaDecoderLayer(nn.Module):
                         bias=getattr(config, "mlp_bias", False))
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        if x.device.type == "cpu" and (fast := self._cpu_decode(batch)) is not None and x.shape[0] < fast["max_rows"]:
+        if x.device.type == "cpu" and (fast := self._cpu_decode(batch)) is not None:
             return cpu_decode.run(fast, x, batch)
         x = x + self.self_attn(self.input_layernorm(x), batch)
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def _cpu_decode(self, batch: ForwardBatch) -> dict[str, Any] | None:
-        """This layer as one C++ op for few rows (``kernels/cpu_decode``), planned once per backend."""
+        """This layer as one C++ op (``kernels/cpu_decode``), planned once per backend."""
         cached = self.__dict__.get("_cpu_plan")
         if cached is None or cached[0] is not batch.attn_backend:
             plan = cpu_decode.plan(self, batch.attn_backend) if type(self).forward is LlamaDecoderLayer.forward else None

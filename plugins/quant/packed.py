@@ -217,6 +217,9 @@ def _gemv_dense_min_rows() -> int:
     return 0 if "amx_bf16" in cpu_flags() else GEMV_DENSE_MIN_ROWS
 
 
+_EMPTY = torch.empty(0)
+
+
 def packed_linear(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``x [..., K] @ W^T (+ bias)`` in ``x.dtype`` for whichever format the layer holds."""
     fmt = layer.quant_format
@@ -272,16 +275,20 @@ class PackedMethod:
     def apply(self, layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         return packed_linear(layer, x)
 
-    def gemv_args(self, layer: torch.nn.Module) -> tuple[int, torch.Tensor, torch.Tensor, int] | None:
-        """For C++ callers of ``kernels/cpu_gemv`` (``kernels/cpu_decode``): ``(kind, a, b,
-        max_rows)``, kind 0 = int4 (codes, scales/zeros), 1 = int8 (codes, scales), for GEMMs of
-        fewer than ``max_rows`` rows (more go to the dense copy); None where the layer has neither."""
+    def cpu_linear_args(self, layer: torch.nn.Module) -> tuple[int, torch.Tensor, torch.Tensor, int, torch.Tensor | None] | None:
+        """For C++ callers (``kernels/cpu_decode``): ``(kind, a, b, max_rows, dense)``. GEMMs of
+        fewer than ``max_rows`` rows run ``kernels/cpu_gemv`` (kind 0 = int4: a = codes, b =
+        scales/zeros; 1 = int8: a = codes, b = scales), larger ones ``dense`` (oneDNN-packed or
+        plain; None: gemv for every size); kind 2 = dense only. None where neither applies."""
+        if layer.quant_format == "dense":
+            return 2, _EMPTY, _EMPTY, 0, layer.weight
         dense = getattr(layer, "dense_weight", None)
-        big = (dense is not None and _dense_from(layer, dense)) or 1 << 30
+        lo = _dense_from(layer, dense) if dense is not None else None
+        big, dense = (lo, dense) if lo else (1 << 30, None)
         if (qw := getattr(layer, "qweight_int4_bf16", None)) is not None:
-            return 0, qw, layer.qscale_zero_bf16, big
+            return 0, qw, layer.qscale_zero_bf16, big, dense
         if (qw := getattr(layer, "qweight_int8_bf16", None)) is not None:
-            return 1, qw, layer.qscale, big
+            return 1, qw, layer.qscale, big, dense
         return None
 
     def dequantize(self, layer: torch.nn.Module) -> torch.Tensor:
