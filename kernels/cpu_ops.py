@@ -1,6 +1,6 @@
 """Two of the fused per-layer ops of ``kernels/fused_ops.py`` for CPU tensors, same signatures:
 one C++ loop each (``cpu_ops.cpp``) for RMS norm and for rotary of q and k. No ``gated_act``:
-torch's vectorised silu and mul are faster on the CPU than a scalar loop.
+torch's vectorised silu and mul are as fast on the CPU. Also the sampler's greedy ``argmax``.
 
 On the CPU the torch ops' cost is dispatch, not arithmetic: norms and rotary took ~1.9 ms of a
 10 ms SmolLM2 decode step at batch 1, ~1.1 ms as these loops. The library compiles once per
@@ -36,6 +36,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 
     if weight.dtype != x.dtype:
         weight = weight.to(x.dtype)
     return torch.ops.core_cpu_ops.rms_norm(x2, weight.contiguous(), eps, offset).view(x.shape)
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(-1)`` for float32 ``[rows, n]``: the first index of each row's maximum (NaN first)."""
+    return torch.ops.core_cpu_ops.argmax(x if x.stride(-1) == 1 else x.contiguous())
 
 
 def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

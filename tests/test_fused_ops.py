@@ -153,3 +153,35 @@ def test_rotary_refuses_mismatched_shapes(impl):
     with pytest.raises(ValueError, match="rotary"):
         mod.rotary(torch.zeros(2, dtype=torch.int64, device=dev), q, k, torch.zeros(8, 16, device=dev),
                    torch.zeros(8, 16, device=dev), 16)
+
+
+@pytest.mark.skipif(not cpu_ops.available(), reason="needs the C++ CPU ops (a C++ compiler)")
+@pytest.mark.parametrize("n", [1, 15, 256, 1000, 49152])
+def test_cpu_argmax_is_torchs_first_index_of_the_maximum(n):
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(9, n, generator=g)
+    x[1] = 0.0  # all tied: index 0
+    x[2, n // 3] = x[2, n - 1] = 50.0  # a tie between two: the first
+    x[3] = float("-inf")
+    x[4, n // 2] = float("inf")
+    x[5, n - 1] = float("nan")  # NaN counts as the maximum, as in torch
+    x[6, n // 4] = float("nan")
+    x[6, n - 1] = float("inf")
+    want = x.argmax(-1)
+    assert torch.equal(cpu_ops.argmax(x), want)
+    wide = torch.zeros(9, n + 5)
+    wide[:, 5:] = x
+    assert torch.equal(cpu_ops.argmax(wide[:, 5:]), want)  # rows strided inside a wider tensor
+
+
+def test_greedy_sampling_uses_the_cpu_argmax(monkeypatch):
+    from core.engine import sampler
+
+    if not cpu_ops.available():
+        pytest.skip("needs the C++ CPU ops (a C++ compiler)")
+    seen = []
+    monkeypatch.setattr(cpu_ops, "argmax", lambda x: seen.append(x.shape) or x.argmax(-1))
+    assert sampler.argmax(torch.tensor([[0.0, 3.0, 1.0]])).tolist() == [1]
+    assert seen == [(1, 3)]
+    assert sampler.argmax(torch.tensor([[0.0, 3.0, 1.0]], dtype=torch.bfloat16)).tolist() == [1]  # torch's
+    assert seen == [(1, 3)]

@@ -22,6 +22,7 @@ import attrs
 import torch
 
 from core.engine.sampling_params import SamplingParams
+from core.layers import fused
 
 
 @attrs.define
@@ -43,6 +44,15 @@ class SampleOutput:
     token_ids: list[int]
     logprobs: list[float] | None  # chosen token's logprob per row; None if no row asked
     top_logprobs: list[list[tuple[int, float]]] | None  # desc by logprob; [] where 0 asked
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(-1)`` (first index of each row's maximum); on the CPU through a vectorised
+    C++ loop where the fused ops are built (torch's: 0.9 ms for 64 x 49152, the loop's 0.07)."""
+    k = fused(logits)
+    if k is not None and hasattr(k, "argmax") and logits.dim() == 2 and logits.dtype == torch.float32:
+        return k.argmax(logits)
+    return logits.argmax(dim=-1)
 
 
 def upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -214,9 +224,9 @@ class Sampler:
             short = short or len(r.output_ids) < p.min_new_tokens
         raw_lp = torch.log_softmax(logits, dim=-1) if want_lp else None
         if greedy and not penalised and not short:
-            return self._output(logits.argmax(dim=-1), rows, raw_lp)
+            return self._output(argmax(logits), rows, raw_lp)
 
-        raw_argmax = logits.argmax(dim=-1)
+        raw_argmax = argmax(logits)
         advance = self._apply_penalties(logits, rows, penalised) if penalised else None
         if short:
             apply_min_tokens(logits, rows)
