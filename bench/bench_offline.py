@@ -74,56 +74,14 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 
 def step_split(engine, prompts: list[list[int]], steps: int = 8) -> dict[str, float]:
-    """Mean milliseconds of one decode step at ``len(prompts)`` streams, split into GEMMs
-    (every ``Linear`` and the LM head), attention (the backend's per-layer call), decoder layers
-    that ran as one C++ op (``kernels/cpu_decode``: their GEMMs and attention are inside) and the rest."""
+    """Mean milliseconds of one decode step at ``len(prompts)`` streams as the engine runs it, and
+    the split of the same step with each decoder layer's Python forward (where layers run as one
+    C++ op, ``kernels/cpu_decode``, no hook sees inside them) into GEMMs (every ``Linear`` and the
+    LM head), attention (the backend's per-layer call) and the rest."""
     core = engine.engine
-    timers = {"gemm": 0.0, "attention": 0.0, "fused": 0.0}
+    timers = {"gemm": 0.0, "attention": 0.0}
     dev = core.device
     handles = []
-
-    def timed(kind: str):
-        def pre(mod, args):
-            _sync(dev)
-            mod._t0 = time.perf_counter()
-
-        def post(mod, args, out):
-            _sync(dev)
-            timers[kind] += time.perf_counter() - mod._t0
-        return pre, post
-
-    from core.layers import Attention, Linear
-
-    for m in core.model.modules():
-        kind = "gemm" if isinstance(m, Linear) else "attention" if isinstance(m, Attention) else None
-        if kind:
-            pre, post = timed(kind)
-            handles += [m.register_forward_pre_hook(pre), m.register_forward_hook(post)]
-
-    def layer_pre(mod, args):  # a decoder layer that ran as one C++ op (kernels/cpu_decode) fires no inner hook
-        _sync(dev)
-        mod._split0 = (time.perf_counter(), timers["gemm"], timers["attention"])
-
-    def layer_post(mod, args, out):
-        _sync(dev)
-        t0, g0, a0 = mod._split0
-        if timers["gemm"] == g0 and timers["attention"] == a0:
-            timers["fused"] += time.perf_counter() - t0
-
-    for m in core.model.modules():
-        if hasattr(m, "_cpu_decode"):
-            handles += [m.register_forward_pre_hook(layer_pre), m.register_forward_hook(layer_post)]
-    logits_fn = core.model.compute_logits
-
-    def compute_logits(hidden):  # the LM head GEMM
-        _sync(dev)
-        t = time.perf_counter()
-        out = logits_fn(hidden)
-        _sync(dev)
-        timers["gemm"] += time.perf_counter() - t
-        return out
-
-    core.model.compute_logits = compute_logits
     runner, orig = core.runner, core.runner.run
     walls: list[float] = []
     before: list[dict[str, float]] = []
@@ -137,27 +95,64 @@ def step_split(engine, prompts: list[list[int]], steps: int = 8) -> dict[str, fl
         walls.append(time.perf_counter() - t)
         return out
 
-    runner.run = run
-    params = {"temperature": 0, "max_new_tokens": steps + 2, "ignore_eos": True}
-    try:
+    def decode() -> float:
+        walls.clear()
+        before.clear()
         engine.generate(input_ids=prompts, sampling_params=[params] * len(prompts))
-    finally:
-        del core.model.compute_logits
+        return sum(walls) / len(walls)
+
+    params = {"temperature": 0, "max_new_tokens": steps + 2, "ignore_eos": True}
+    runner.run = run
+    try:
+        step = decode()  # as served, no hooks (at batch 1 they would cost as much as the GEMMs)
+
+        def timed(kind: str):
+            def pre(mod, args):
+                _sync(dev)
+                mod._t0 = time.perf_counter()
+
+            def post(mod, args, out):
+                _sync(dev)
+                timers[kind] += time.perf_counter() - mod._t0
+            return pre, post
+
+        from core.layers import Attention, Linear
+
+        python_layers = [m for m in core.model.modules() if hasattr(m, "_cpu_decode")]
+        for m in python_layers:
+            m._cpu_decode = lambda batch: None  # the Python forward, so that the hooks below fire
+        for m in core.model.modules():
+            kind = "gemm" if isinstance(m, Linear) else "attention" if isinstance(m, Attention) else None
+            if kind:
+                pre, post = timed(kind)
+                handles += [m.register_forward_pre_hook(pre), m.register_forward_hook(post)]
+        logits_fn = core.model.compute_logits
+
+        def compute_logits(hidden):  # the LM head GEMM
+            _sync(dev)
+            t = time.perf_counter()
+            out = logits_fn(hidden)
+            _sync(dev)
+            timers["gemm"] += time.perf_counter() - t
+            return out
+
+        core.model.compute_logits = compute_logits
+        decode()
+        n = len(walls)
+        gemm = (timers["gemm"] - before[0]["gemm"]) / n
+        attn = (timers["attention"] - before[0]["attention"]) / n
         for h in handles:
             h.remove()
-    n = len(walls)
-    gemm = (timers["gemm"] - before[0]["gemm"]) / n
-    attn = (timers["attention"] - before[0]["attention"]) / n
-    fused = (timers["fused"] - before[0]["fused"]) / n
-    # the step's wall again without the timing hooks (at batch 1 they cost as much as the GEMMs)
-    walls.clear()
-    try:
-        engine.generate(input_ids=prompts, sampling_params=[params] * len(prompts))
+        python_step = decode()
     finally:
         runner.run = orig
-    wall = sum(walls) / len(walls)
-    return {"step": wall * 1e3, "gemm": gemm * 1e3, "attention": attn * 1e3, "fused": fused * 1e3,
-            "other": (wall - gemm - attn - fused) * 1e3}
+        core.model.__dict__.pop("compute_logits", None)
+        for h in handles:
+            h.remove()
+        for m in core.model.modules():
+            m.__dict__.pop("_cpu_decode", None)
+    return {"step": step * 1e3, "python_step": python_step * 1e3, "gemm": gemm * 1e3, "attention": attn * 1e3,
+            "other": (python_step - gemm - attn) * 1e3}
 
 
 def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -276,9 +271,9 @@ def main() -> None:
         frac = f"{tps / limit:>9.0%}" if c == 1 else ""
         print(f"{name:<14}{c:>12}{tps:>14.1f}{ttft:>14.3f}{wall:>10.2f}{frac:>10}")
     for c, sp in splits.items():
-        fused = f" + layers as one C++ op {sp['fused']:.1f}" if sp["fused"] else ""
-        print(f"# decode step at {c} streams: {sp['step']:.1f} ms = GEMMs {sp['gemm']:.1f} + attention "
-              f"{sp['attention']:.1f}{fused} + other (Python, norms, rotary, sampling) {sp['other']:.1f}")
+        print(f"# decode step at {c} streams: {sp['step']:.1f} ms; with the layers' Python forward "
+              f"{sp['python_step']:.1f} ms = GEMMs {sp['gemm']:.1f} + attention {sp['attention']:.1f} "
+              f"+ other (Python, norms, rotary, sampling) {sp['other']:.1f}")
 
 
 if __name__ == "__main__":
