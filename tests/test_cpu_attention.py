@@ -68,6 +68,10 @@ EXTRA_CASES = [
     # bf16 decodes walk keys in chunks of 256 with an online softmax between chunks
     AttentionCase("decode_chunks", (600, 255), ((1, 1), (1, 1)), num_heads=9, num_kv_heads=3),
     AttentionCase("window_chunks", (700,), ((1,), (1,)), num_heads=4, num_kv_heads=2, sliding_window=300),
+    # group sizes with and without every head's V accumulators in registers
+    AttentionCase("mha_decode", (90, 31), ((1, 1),), num_heads=4, num_kv_heads=4),
+    AttentionCase("group_of_5", (90, 31), ((1, 1),), num_heads=10, num_kv_heads=2),
+    AttentionCase("group_of_2_d128", (90, 31), ((1, 1),), num_heads=4, num_kv_heads=2, head_dim=128),
 ]
 
 

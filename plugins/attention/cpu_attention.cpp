@@ -256,6 +256,48 @@ inline __m512 vexp_neg(__m512 x) {
   return _mm512_mul_ps(r, _mm512_castsi512_ps(e));
 }
 
+// acc[g] += sum_j p[g][j] * v_j for GC heads at once (p: [GC, kChunk] probabilities, v_j the bf16
+// row at slot idx[j]): each V row is widened to fp32 once and serves every head's accumulators,
+// which stay in registers (GC * D / 16 of them).
+template <int D, int GC>
+inline void weigh_v(const uint16_t* vrows, const int64_t* idx, int n, int64_t slot_stride, const float* p,
+                    float* acc) {
+  constexpr int N = D / 16;
+  constexpr int S = GC * N < 8 ? 2 : 1;  // accumulator sets (even and odd keys) so that 8+ FMAs are in flight
+  __m512 a[S][GC][N];
+  for (int g = 0; g < GC; ++g)
+    for (int c = 0; c < N; ++c) {
+      a[0][g][c] = _mm512_loadu_ps(acc + g * D + 16 * c);
+      if constexpr (S == 2) a[S - 1][g][c] = _mm512_setzero_ps();
+    }
+  int j = 0;
+  for (; j + S <= n; j += S) {
+#pragma GCC unroll 2
+    for (int u = 0; u < S; ++u) {
+      const uint16_t* v = vrows + idx[j + u] * slot_stride;
+      __m512 x[N];
+#pragma GCC unroll 8
+      for (int c = 0; c < N; ++c) x[c] = bf16x16(v + 16 * c);
+#pragma GCC unroll 4
+      for (int g = 0; g < GC; ++g) {
+        const __m512 w = _mm512_set1_ps(p[g * kChunk + j + u]);
+#pragma GCC unroll 8
+        for (int c = 0; c < N; ++c) a[u][g][c] = _mm512_fmadd_ps(w, x[c], a[u][g][c]);
+      }
+    }
+  }
+  for (; j < n; ++j) {
+    const uint16_t* v = vrows + idx[j] * slot_stride;
+    for (int g = 0; g < GC; ++g) {
+      const __m512 w = _mm512_set1_ps(p[g * kChunk + j]);
+      for (int c = 0; c < N; ++c) a[0][g][c] = _mm512_fmadd_ps(w, bf16x16(v + 16 * c), a[0][g][c]);
+    }
+  }
+  for (int g = 0; g < GC; ++g)
+    for (int c = 0; c < N; ++c)
+      _mm512_storeu_ps(acc + g * D + 16 * c, S == 2 ? _mm512_add_ps(a[0][g][c], a[S - 1][g][c]) : a[0][g][c]);
+}
+
 // One decode task (one query token, the G query heads of a KV head, no soft cap) over a bf16
 // pool, in chunks of up to kChunk keys: first every score of the chunk for each head (hsum16 per
 // 16 keys), then one max, exp and sum per head over the whole chunk (vector loops, no reduction
@@ -310,30 +352,19 @@ void decode_bf16(const Params& p, const Task& t, const c10::BFloat16* q, const c
       }
       w.l[g] = w.l[g] * alpha + _mm512_reduce_add_ps(sum);
       w.m[g] = mnew;
-      const float* pr = s;
-      __m512 a0[N], a1[N];
       const __m512 av = _mm512_set1_ps(alpha);
-      for (int c = 0; c < N; ++c) {
-        a0[c] = _mm512_mul_ps(av, _mm512_loadu_ps(acc + g * D + 16 * c));
-        a1[c] = _mm512_setzero_ps();
-      }
-      int j = 0;
-      for (; j + 1 < n; j += 2) {
-        const uint16_t* v0 = reinterpret_cast<const uint16_t*>(vc + idx[c0 + j] * p.slot_stride + head);
-        const uint16_t* v1 = reinterpret_cast<const uint16_t*>(vc + idx[c0 + j + 1] * p.slot_stride + head);
-        const __m512 w0 = _mm512_set1_ps(pr[j]), w1 = _mm512_set1_ps(pr[j + 1]);
-#pragma GCC unroll 8
-        for (int c = 0; c < N; ++c) {
-          a0[c] = _mm512_fmadd_ps(w0, bf16x16(v0 + 16 * c), a0[c]);
-          a1[c] = _mm512_fmadd_ps(w1, bf16x16(v1 + 16 * c), a1[c]);
-        }
-      }
-      if (j < n) {
-        const uint16_t* v0 = reinterpret_cast<const uint16_t*>(vc + idx[c0 + j] * p.slot_stride + head);
-        const __m512 w0 = _mm512_set1_ps(pr[j]);
-        for (int c = 0; c < N; ++c) a0[c] = _mm512_fmadd_ps(w0, bf16x16(v0 + 16 * c), a0[c]);
-      }
-      for (int c = 0; c < N; ++c) _mm512_storeu_ps(acc + g * D + 16 * c, _mm512_add_ps(a0[c], a1[c]));
+      for (int c = 0; c < N; ++c) _mm512_storeu_ps(acc + g * D + 16 * c, _mm512_mul_ps(av, _mm512_loadu_ps(acc + g * D + 16 * c)));
+    }
+    const uint16_t* vrows = reinterpret_cast<const uint16_t*>(vc + head);
+    switch (D == 64 ? G : D == 128 ? G + 8 : 0) {  // all G heads' accumulators fit in registers
+      case 1: weigh_v<D, 1>(vrows, idx + c0, n, p.slot_stride, sc, acc); break;
+      case 2: weigh_v<D, 2>(vrows, idx + c0, n, p.slot_stride, sc, acc); break;
+      case 3: weigh_v<D, 3>(vrows, idx + c0, n, p.slot_stride, sc, acc); break;
+      case 4: weigh_v<D, 4>(vrows, idx + c0, n, p.slot_stride, sc, acc); break;
+      case 9: weigh_v<D, 1>(vrows, idx + c0, n, p.slot_stride, sc, acc); break;
+      case 10: weigh_v<D, 2>(vrows, idx + c0, n, p.slot_stride, sc, acc); break;
+      default:
+        for (int g = 0; g < G; ++g) weigh_v<D, 1>(vrows, idx + c0, n, p.slot_stride, sc + g * kChunk, acc + g * D);
     }
   }
   c10::BFloat16* dst = out + p.q_start[t.b] * p.out_stride + t.kvh * G * D;
