@@ -72,6 +72,11 @@ EXTRA_CASES = [
     AttentionCase("mha_decode", (90, 31), ((1, 1),), num_heads=4, num_kv_heads=4),
     AttentionCase("group_of_5", (90, 31), ((1, 1),), num_heads=10, num_kv_heads=2),
     AttentionCase("group_of_2_d128", (90, 31), ((1, 1),), num_heads=4, num_kv_heads=2, head_dim=128),
+    # enough decodes for one task per sequence (all KV heads together)
+    AttentionCase("many_decodes", tuple(7 + 29 * i for i in range(20)), ((1,) * 20, (1,) * 20), num_heads=9,
+                  num_kv_heads=3),
+    AttentionCase("many_decodes_window", tuple(11 + 31 * i for i in range(20)), ((1,) * 20,), num_heads=4,
+                  num_kv_heads=2, head_dim=128, sliding_window=200),
 ]
 
 

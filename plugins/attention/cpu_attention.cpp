@@ -5,7 +5,9 @@
 // positions seq_lens[b] - extend_lens[b] ... seq_lens[b] - 1, and each attends causally to the
 // keys at slots kv_indices[b, 0 .. pos] (the last `window` of them when window > 0). A task is
 // (sequence, KV head, a few query tokens): the query heads sharing that KV head go together, so
-// every key row read from the pool serves all of them. Keys stream in blocks with an online
+// every key row read from the pool serves all of them. Decodes of a bf16 pool, when there are
+// enough sequences to keep the threads busy, take all KV heads of a sequence in one task, so
+// that each slot's whole K and V rows are read at once. Keys stream in blocks with an online
 // softmax in fp32; on CPUs with AVX512-BF16, q . k of a bf16 pool multiplies the bf16 rows
 // directly (exact products summed in fp32; the keys are never converted). Loops are plain C++
 // that -O3 -march=native vectorises (AVX2 or AVX-512 alike); exp is a polynomial so that it
@@ -228,8 +230,9 @@ struct Scratch {
   std::vector<float> q, acc, s, kv, m, l, ps;
   std::vector<int> lo, hi, a, z;
   std::vector<const void*> qsrc;  // each query vector's row in q (the bf16 dot reads it there)
-  Scratch(int rows, int nr, int D, int G)
-      : q(rows * D), acc(rows * D), s(rows * kBlock), kv(kBlock * D), m(rows), l(rows), ps(G * kChunk),
+  Scratch(int rows, int nr, int D, int H)  // H: query heads of a whole-sequence decode task
+      : q(rows * D), acc(std::max(rows, H) * D), s(rows * kBlock), kv(kBlock * D), m(std::max(rows, H)),
+        l(std::max(rows, H)), ps(H * kChunk),
         lo(nr), hi(nr), a(nr), z(nr), qsrc(rows) {}
 };
 
@@ -308,30 +311,31 @@ void decode_bf16(const Params& p, const Task& t, const c10::BFloat16* q, const c
                  const c10::BFloat16* vc, c10::BFloat16* out, Scratch& w) {
   constexpr int N = D / 16;
   const int G = static_cast<int>(p.G);
+  const int h0 = t.kvh < 0 ? 0 : t.kvh, nh = t.kvh < 0 ? static_cast<int>(p.Hkv) : 1;  // the task's KV heads
+  const int QH = nh * G;  // and query heads
   const int64_t pos = p.seq_lens[t.b] - 1;
   const int64_t* idx = p.idx + t.b * p.idx_stride;
-  const int64_t head = t.kvh * D;
   const int jlo = p.window > 0 ? static_cast<int>(std::max<int64_t>(0, pos - p.window + 1)) : 0;
   const int jhi = static_cast<int>(pos);
   float* acc = w.acc.data();
-  float* sc = w.ps.data();  // [G, kChunk] scores, then probabilities
-  std::fill(acc, acc + G * D, 0.0f);
-  const c10::BFloat16* qrow = q + p.q_start[t.b] * p.q_stride + t.kvh * G * D;
-  for (int g = 0; g < G; ++g) {
+  float* sc = w.ps.data();  // [QH, kChunk] scores, then probabilities
+  std::fill(acc, acc + QH * D, 0.0f);
+  const c10::BFloat16* qrow = q + p.q_start[t.b] * p.q_stride + h0 * G * D;
+  for (int g = 0; g < QH; ++g) {
     w.m[g] = kNegInf;  // the first chunk's max replaces it: every chunk has a live (finite) score
     w.l[g] = 0.0f;
   }
   for (int c0 = jlo; c0 <= jhi; c0 += kChunk) {
     const int n = std::min(kChunk, jhi - c0 + 1);
     for (int j0 = 0; j0 < n; j0 += 16) {  // K rows, prefetched 16 keys ahead (V rows with them)
-      prefetch_rows(kc, vc, idx, c0 + j0 + 16, std::min(c0 + j0 + 32, jhi + 1), p.slot_stride, head, D);
-      for (int g = 0; g < G; ++g)
-        scores_bf16<D>(qrow + g * D, kc, idx + c0 + j0, std::min(16, n - j0), p.slot_stride, head, p.scale,
-                       sc + g * kChunk + j0);
+      prefetch_rows(kc, vc, idx, c0 + j0 + 16, std::min(c0 + j0 + 32, jhi + 1), p.slot_stride, h0 * D, nh * D);
+      for (int g = 0; g < QH; ++g)
+        scores_bf16<D>(qrow + g * D, kc, idx + c0 + j0, std::min(16, n - j0), p.slot_stride, (h0 + g / G) * D,
+                       p.scale, sc + g * kChunk + j0);
     }
     const int nv = n & ~15;  // whole vectors; the tail is masked
     const __mmask16 tail = static_cast<__mmask16>((1u << (n - nv)) - 1);
-    for (int g = 0; g < G; ++g) {
+    for (int g = 0; g < QH; ++g) {
       float* s = sc + g * kChunk;
       __m512 mx = _mm512_set1_ps(kNegInf);
       for (int j = 0; j < nv; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + j));
@@ -355,20 +359,24 @@ void decode_bf16(const Params& p, const Task& t, const c10::BFloat16* q, const c
       const __m512 av = _mm512_set1_ps(alpha);
       for (int c = 0; c < N; ++c) _mm512_storeu_ps(acc + g * D + 16 * c, _mm512_mul_ps(av, _mm512_loadu_ps(acc + g * D + 16 * c)));
     }
-    const uint16_t* vrows = reinterpret_cast<const uint16_t*>(vc + head);
-    switch (D == 64 ? G : D == 128 ? G + 8 : 0) {  // all G heads' accumulators fit in registers
-      case 1: weigh_v<D, 1>(vrows, idx + c0, n, p.slot_stride, sc, acc); break;
-      case 2: weigh_v<D, 2>(vrows, idx + c0, n, p.slot_stride, sc, acc); break;
-      case 3: weigh_v<D, 3>(vrows, idx + c0, n, p.slot_stride, sc, acc); break;
-      case 4: weigh_v<D, 4>(vrows, idx + c0, n, p.slot_stride, sc, acc); break;
-      case 9: weigh_v<D, 1>(vrows, idx + c0, n, p.slot_stride, sc, acc); break;
-      case 10: weigh_v<D, 2>(vrows, idx + c0, n, p.slot_stride, sc, acc); break;
-      default:
-        for (int g = 0; g < G; ++g) weigh_v<D, 1>(vrows, idx + c0, n, p.slot_stride, sc + g * kChunk, acc + g * D);
+    for (int h = 0; h < nh; ++h) {
+      const uint16_t* vrows = reinterpret_cast<const uint16_t*>(vc + (h0 + h) * D);
+      float *ph = sc + h * G * kChunk, *ah = acc + h * G * D;
+      switch (D == 64 ? G : D == 128 ? G + 8 : 0) {  // all G heads' accumulators fit in registers
+        case 1: weigh_v<D, 1>(vrows, idx + c0, n, p.slot_stride, ph, ah); break;
+        case 2: weigh_v<D, 2>(vrows, idx + c0, n, p.slot_stride, ph, ah); break;
+        case 3: weigh_v<D, 3>(vrows, idx + c0, n, p.slot_stride, ph, ah); break;
+        case 4: weigh_v<D, 4>(vrows, idx + c0, n, p.slot_stride, ph, ah); break;
+        case 9: weigh_v<D, 1>(vrows, idx + c0, n, p.slot_stride, ph, ah); break;
+        case 10: weigh_v<D, 2>(vrows, idx + c0, n, p.slot_stride, ph, ah); break;
+        default:
+          for (int g = 0; g < G; ++g)
+            weigh_v<D, 1>(vrows, idx + c0, n, p.slot_stride, ph + g * kChunk, ah + g * D);
+      }
     }
   }
-  c10::BFloat16* dst = out + p.q_start[t.b] * p.out_stride + t.kvh * G * D;
-  for (int g = 0; g < G; ++g) {
+  c10::BFloat16* dst = out + p.q_start[t.b] * p.out_stride + h0 * G * D;
+  for (int g = 0; g < QH; ++g) {
     const float inv = 1.0f / w.l[g];
     for (int i = 0; i < D; ++i) dst[g * D + i] = static_cast<c10::BFloat16>(acc[g * D + i] * inv);
   }
@@ -489,7 +497,7 @@ void run_all(const Params& p, const std::vector<Task>& tasks, int max_nr, const 
   const int nt = static_cast<int>(std::min<int64_t>(at::get_num_threads(), ntasks));
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {
-    Scratch w(max_nr * static_cast<int>(p.G), max_nr, static_cast<int>(p.D), static_cast<int>(p.G));
+    Scratch w(max_nr * static_cast<int>(p.G), max_nr, static_cast<int>(p.D), static_cast<int>(p.H));
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < ntasks; ++i) run_task<T, DC>(p, tasks[i], qp, kp, vp, op, w);
   }
@@ -504,6 +512,12 @@ void dispatch_dim(const Params& p, const std::vector<Task>& tasks, int max_nr, c
     default: return run_all<T, 0>(p, tasks, max_nr, q, kc, vc, out);
   }
 }
+
+#ifdef CORE_BF16_DOT
+constexpr bool kDecodeBf16 = true;  // decode_bf16 exists (it takes whole-sequence tasks)
+#else
+constexpr bool kDecodeBf16 = false;
+#endif
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& kv_indices, const at::Tensor& seq_lens, const at::Tensor& extend_lens,
@@ -534,6 +548,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   }
   TORCH_CHECK(total == q.size(0), "q has ", q.size(0), " rows, extend_lens sum to ", total);
   const int rows_per_task = static_cast<int>(std::max<int64_t>(1, kRowTarget / G));
+  // Decodes of a bf16 pool run one task per sequence when there are enough of them for the threads:
+  // reading a slot's K (V) rows of all heads together streams ~30 % faster than one head's rows.
+  const bool whole_seqs = q.scalar_type() == at::kBFloat16 && cap == 0.0 && (D == 64 || D == 128) && G <= 16 &&
+                          B >= 4 * at::get_num_threads() && kDecodeBf16;
   std::vector<Task> tasks;
   int max_nr = 1;
   for (int64_t b = 0; b < B; ++b) {
@@ -542,6 +560,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
       const int64_t last = sl[b] - el[b] + r0 + nr;  // keys the task reads, at most
       const int64_t keys = window > 0 ? std::min<int64_t>(last, window + nr) : last;
       max_nr = std::max(max_nr, nr);
+      if (whole_seqs && el[b] == 1) {  // one task reads whole slot rows (every KV head) of its sequence
+        tasks.push_back({int(b), -1, int(r0), nr, keys * Hkv});
+        continue;
+      }
       for (int64_t h = 0; h < Hkv; ++h) tasks.push_back({int(b), int(h), int(r0), nr, keys * nr});
     }
   }
