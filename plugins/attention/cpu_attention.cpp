@@ -327,11 +327,15 @@ void decode_bf16(const Params& p, const Task& t, const c10::BFloat16* q, const c
   }
   for (int c0 = jlo; c0 <= jhi; c0 += kChunk) {
     const int n = std::min(kChunk, jhi - c0 + 1);
-    for (int j0 = 0; j0 < n; j0 += 16) {  // K rows, prefetched 16 keys ahead (V rows with them)
-      prefetch_rows(kc, vc, idx, c0 + j0 + 16, std::min(c0 + j0 + 32, jhi + 1), p.slot_stride, h0 * D, nh * D);
-      for (int g = 0; g < QH; ++g)
+    const int per = (16 + QH - 1) / QH;  // keys prefetched per head's scores: a steady stream, not a burst
+    for (int j0 = 0; j0 < n; j0 += 16) {  // K rows 16 keys ahead (V rows with them)
+      for (int g = 0; g < QH; ++g) {
+        const int f = c0 + j0 + 16 + g * per;
+        prefetch_rows(kc, vc, idx, std::min(f, jhi + 1), std::min({f + per, c0 + j0 + 32, jhi + 1}), p.slot_stride,
+                      h0 * D, nh * D);
         scores_bf16<D>(qrow + g * D, kc, idx + c0 + j0, std::min(16, n - j0), p.slot_stride, (h0 + g / G) * D,
                        p.scale, sc + g * kChunk + j0);
+      }
     }
     const int nv = n & ~15;  // whole vectors; the tail is masked
     const __mmask16 tail = static_cast<__mmask16>((1u << (n - nv)) - 1);
