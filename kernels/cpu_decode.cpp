@@ -5,7 +5,7 @@
 // At 64 rows those calls still cost ~2-3 ms of a ~48 ms step. This op runs the same sequence from
 // C++: the kernels it calls are the ones the Python path calls (core_cpu_ops rms_norm / rotary,
 // core_cpu_gemv int4 / int8 or oneDNN's packed GEMM, core_cpu paged_attention, found through the
-// dispatcher) and the glue is the same ATen ops (index_copy_, add, silu, mul), so every
+// dispatcher) and the glue is the same (core_cpu_ops store_kv, ATen add, silu, mul), so every
 // intermediate is rounded where the Python path rounds it and the outputs are equal.
 //
 //   h = rms_norm(x, in_norm); q, k, v = split(qkv(h)); q, k = rotary(q, k)
@@ -42,6 +42,9 @@ c10::TypedOperatorHandle<F> op(const char* name) {
 struct Ops {
   c10::TypedOperatorHandle<Rms> rms = op<Rms>("core_cpu_ops::rms_norm");
   c10::TypedOperatorHandle<Rot> rot = op<Rot>("core_cpu_ops::rotary");
+  c10::TypedOperatorHandle<void(at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&)>
+      store = op<void(at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&)>(
+          "core_cpu_ops::store_kv");
   c10::TypedOperatorHandle<Attn> attn = op<Attn>("core_cpu::paged_attention");
   c10::TypedOperatorHandle<Lin> onednn = op<Lin>("mkldnn::_linear_pointwise");
 };
@@ -89,8 +92,8 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& in_norm, const at
   const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({m, num_kv_heads, head_dim});
   const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({m, num_kv_heads, head_dim});
   auto [qr, kr] = o.rot.call(positions, q, k, cos, sin, rotary_dim);
-  k_cache.index_copy_(0, out_loc, kr);
-  v_cache.index_copy_(0, out_loc, v);
+  at::Tensor kc = k_cache, vc = v_cache;
+  o.store.call(kc, vc, out_loc, kr, v);
   const at::Tensor a = o.attn.call(qr, k_cache, v_cache, kv_indices, seq_lens, extend_lens, scale, window, cap);
   const at::Tensor x1 = x.add(linear(o, a.view({m, q_size}), lin, 1, kinds[1], max_rows[1]));
   const at::Tensor h1 = o.rms.call(x1, post_norm, eps, 0.0);

@@ -38,6 +38,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 
     return torch.ops.core_cpu_ops.rms_norm(x2, weight.contiguous(), eps, offset).view(x.shape)
 
 
+def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """``k_cache[loc] = k; v_cache[loc] = v`` (rows of the caches' row shape; dtypes converted)."""
+    k = k.to(k_cache.dtype).reshape(k.shape[0], *k_cache.shape[1:])
+    v = v.to(v_cache.dtype).reshape(v.shape[0], *v_cache.shape[1:])
+    torch.ops.core_cpu_ops.store_kv(k_cache, v_cache, loc, k, v)
+
+
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """``x.argmax(-1)`` for float32 ``[rows, n]``: the first index of each row's maximum (NaN first)."""
     return torch.ops.core_cpu_ops.argmax(x if x.stride(-1) == 1 else x.contiguous())

@@ -186,3 +186,19 @@ def test_greedy_sampling_uses_the_cpu_argmax(monkeypatch):
     assert seen == [(1, 3)]
     assert sampler.argmax(torch.tensor([[0.0, 3.0, 1.0]], dtype=torch.bfloat16)).tolist() == [1]  # torch's
     assert seen == [(1, 3)]
+
+
+@pytest.mark.skipif(not cpu_ops.available(), reason="needs the C++ CPU ops (a C++ compiler)")
+def test_cpu_store_kv_writes_rows_as_index_copy_does():
+    g = torch.Generator().manual_seed(0)
+    kc, vc = torch.zeros(20, 3, 8, dtype=torch.bfloat16), torch.zeros(20, 3, 8, dtype=torch.bfloat16)
+    qkv = torch.randn(4, 9 * 8, generator=g)  # k and v: row-strided views of a fused projection, float32
+    k, v = qkv[:, 3 * 8 : 6 * 8].view(4, 3, 8), qkv[:, 6 * 8 :].view(4, 3, 8)
+    loc = torch.tensor([7, 0, 19, 3])
+    want_k, want_v = kc.clone().index_copy_(0, loc, k.bfloat16()), vc.clone().index_copy_(0, loc, v.bfloat16())
+    cpu_ops.store_kv(kc, vc, loc, k, v)
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        cpu_ops.store_kv(kc, vc, torch.tensor([1, 2, 20, 3]), k, v)
+    with pytest.raises(RuntimeError, match="store_kv"):
+        torch.ops.core_cpu_ops.store_kv(kc, vc, loc[:3], k.bfloat16(), v.bfloat16())  # one slot short

@@ -25,7 +25,7 @@ import torch
 from core import hookimpl
 from core.errors import CoreError
 from core.interfaces import AttentionConfig, AttentionLayerSpec, ForwardBatch
-from core_kernels import cpp_build
+from core_kernels import cpp_build, cpu_ops
 from core_plugins.attention.torch_native import TorchNativeBackend
 
 log = structlog.get_logger(__name__)
@@ -92,8 +92,11 @@ class CpuBackend:
         if self._native is not None:
             return self._native.forward(q, k, v, layer, batch)
         kc, vc = self.kv.k[layer.layer_id], self.kv.v[layer.layer_id]
-        kc.index_copy_(0, batch.out_cache_loc, k.to(kc.dtype))
-        vc.index_copy_(0, batch.out_cache_loc, v.to(vc.dtype))
+        if cpu_ops.available():  # one memcpy per row (as the one-op decoder layer stores them)
+            cpu_ops.store_kv(kc, vc, batch.out_cache_loc, k, v)
+        else:
+            kc.index_copy_(0, batch.out_cache_loc, k.to(kc.dtype))
+            vc.index_copy_(0, batch.out_cache_loc, v.to(vc.dtype))
         qc = q if q.dtype == kc.dtype and q.stride(1) == q.shape[2] and q.stride(2) == 1 else q.to(kc.dtype).contiguous()
         out = self._op(qc, kc, vc, batch.kv_indices, batch.seq_lens, batch.extend_lens, layer.scaling,
                        layer.sliding_window or 0, layer.logit_cap)
