@@ -9,7 +9,9 @@
 // enough sequences to keep the threads busy, take all KV heads of a sequence in one task, so
 // that each slot's whole K and V rows are read at once. Keys stream in blocks with an online
 // softmax in fp32; on CPUs with AVX512-BF16, q . k of a bf16 pool multiplies the bf16 rows
-// directly (exact products summed in fp32; the keys are never converted). Loops are plain C++
+// directly (exact products summed in fp32; the keys are never converted), and every query token
+// of a bf16 pool (decode or extend, no soft cap) runs decode_bf16: all its scores over a chunk
+// of up to 256 keys, one softmax over them, then the V rows. The generic loops are plain C++
 // that -O3 -march=native vectorises (AVX2 or AVX-512 alike); exp is a polynomial so that it
 // vectorises too. Tasks run on torch's OpenMP pool, dynamically scheduled (sequences differ in
 // length), with torch.get_num_threads() threads.
@@ -308,19 +310,18 @@ inline void weigh_v(const uint16_t* vrows, const int64_t* idx, int n, int64_t sl
 // softmax only between chunks, so a long sequence needs no more scratch than kChunk keys.
 template <int D>
 void decode_bf16(const Params& p, const Task& t, const c10::BFloat16* q, const c10::BFloat16* kc,
-                 const c10::BFloat16* vc, c10::BFloat16* out, Scratch& w) {
+                 const c10::BFloat16* vc, c10::BFloat16* out, Scratch& w, int64_t pos, int64_t qi) {
   constexpr int N = D / 16;
   const int G = static_cast<int>(p.G);
   const int h0 = t.kvh < 0 ? 0 : t.kvh, nh = t.kvh < 0 ? static_cast<int>(p.Hkv) : 1;  // the task's KV heads
   const int QH = nh * G;  // and query heads
-  const int64_t pos = p.seq_lens[t.b] - 1;
   const int64_t* idx = p.idx + t.b * p.idx_stride;
   const int jlo = p.window > 0 ? static_cast<int>(std::max<int64_t>(0, pos - p.window + 1)) : 0;
   const int jhi = static_cast<int>(pos);
   float* acc = w.acc.data();
   float* sc = w.ps.data();  // [QH, kChunk] scores, then probabilities
   std::fill(acc, acc + QH * D, 0.0f);
-  const c10::BFloat16* qrow = q + p.q_start[t.b] * p.q_stride + h0 * G * D;
+  const c10::BFloat16* qrow = q + qi * p.q_stride + h0 * G * D;
   for (int g = 0; g < QH; ++g) {
     w.m[g] = kNegInf;  // the first chunk's max replaces it: every chunk has a live (finite) score
     w.l[g] = 0.0f;
@@ -379,7 +380,7 @@ void decode_bf16(const Params& p, const Task& t, const c10::BFloat16* q, const c
       }
     }
   }
-  c10::BFloat16* dst = out + p.q_start[t.b] * p.out_stride + h0 * G * D;
+  c10::BFloat16* dst = out + qi * p.out_stride + h0 * G * D;
   for (int g = 0; g < QH; ++g) {
     const float inv = 1.0f / w.l[g];
     for (int i = 0; i < D; ++i) dst[g * D + i] = static_cast<c10::BFloat16>(acc[g * D + i] * inv);
@@ -391,8 +392,11 @@ template <typename T, int DC>
 void run_task(const Params& p, const Task& t, const T* q, const T* kc, const T* vc, T* out, Scratch& w) {
 #ifdef CORE_BF16_DOT
   if constexpr (std::is_same_v<T, c10::BFloat16> && (DC == 64 || DC == 128)) {
-    if (t.nr == 1 && p.ext[t.b] == 1 && p.cap == 0.0f && p.G <= 16)
-      return decode_bf16<DC>(p, t, q, kc, vc, out, w);
+    if (p.cap == 0.0f && p.G <= 16) {  // each query token on its own (the task's keys stay in cache)
+      const int64_t first = p.seq_lens[t.b] - p.ext[t.b] + t.r0;
+      for (int r = 0; r < t.nr; ++r) decode_bf16<DC>(p, t, q, kc, vc, out, w, first + r, p.q_start[t.b] + t.r0 + r);
+      return;
+    }
   }
 #endif
   const int D = DC > 0 ? DC : static_cast<int>(p.D), G = static_cast<int>(p.G);
