@@ -5,7 +5,7 @@
 // At 64 rows those calls still cost ~2-3 ms of a ~48 ms step. This op runs the same sequence from
 // C++: the kernels it calls are the ones the Python path calls (core_cpu_ops rms_norm / rotary,
 // core_cpu_gemv int4 / int8 or oneDNN's packed GEMM, core_cpu paged_attention, found through the
-// dispatcher) and the glue is the same (core_cpu_ops store_kv, ATen add, silu, mul), so every
+// dispatcher) and the glue is the same (core_cpu_ops store_kv and add_rms_norm, ATen add, silu, mul), so every
 // intermediate is rounded where the Python path rounds it and the outputs are equal.
 //
 //   h = rms_norm(x, in_norm); q, k, v = split(qkv(h)); q, k = rotary(q, k)
@@ -42,6 +42,10 @@ c10::TypedOperatorHandle<F> op(const char* name) {
 struct Ops {
   c10::TypedOperatorHandle<Rms> rms = op<Rms>("core_cpu_ops::rms_norm");
   c10::TypedOperatorHandle<Rot> rot = op<Rot>("core_cpu_ops::rotary");
+  c10::TypedOperatorHandle<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                              double, double)>
+      add_rms = op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
+                                                      double)>("core_cpu_ops::add_rms_norm");
   c10::TypedOperatorHandle<void(at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&)>
       store = op<void(at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&)>(
           "core_cpu_ops::store_kv");
@@ -95,8 +99,7 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& in_norm, const at
   at::Tensor kc = k_cache, vc = v_cache;
   o.store.call(kc, vc, out_loc, kr, v);
   const at::Tensor a = o.attn.call(qr, k_cache, v_cache, kv_indices, seq_lens, extend_lens, scale, window, cap);
-  const at::Tensor x1 = x.add(linear(o, a.view({m, q_size}), lin, 1, kinds[1], max_rows[1]));
-  const at::Tensor h1 = o.rms.call(x1, post_norm, eps, 0.0);
+  auto [x1, h1] = o.add_rms.call(x, linear(o, a.view({m, q_size}), lin, 1, kinds[1], max_rows[1]), post_norm, eps, 0.0);
   const at::Tensor act = at::silu(linear(o, h1, lin, 2, kinds[2], max_rows[2])).mul_(linear(o, h1, lin, 3, kinds[3], max_rows[3]));
   return x1.add(linear(o, act, lin, 4, kinds[4], max_rows[4]));
 }

@@ -27,27 +27,6 @@ inline float rnd(float x) {  // store in T and read back: the rounding torch app
   return static_cast<float>(static_cast<T>(x));
 }
 
-template <typename T>
-void rms_norm_rows(const T* x, int64_t sx, const T* w, T* out, int64_t rows, int64_t n, float eps, float offset) {
-  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const T* xi = x + i * sx;
-      T* oi = out + i * n;
-      float ss = 0.f;
-      for (int64_t j = 0; j < n; ++j) {
-        float v = static_cast<float>(xi[j]);
-        ss += v * v;
-      }
-      const float r = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
-      if (offset != 0.f) {  // Gemma: (x * r) * (offset + w), rounded once
-        for (int64_t j = 0; j < n; ++j) oi[j] = static_cast<T>(static_cast<float>(xi[j]) * r * (offset + static_cast<float>(w[j])));
-      } else {  // w * round(x * r)
-        for (int64_t j = 0; j < n; ++j) oi[j] = static_cast<T>(static_cast<float>(w[j]) * rnd<T>(static_cast<float>(xi[j]) * r));
-      }
-    }
-  });
-}
-
 // bf16 as raw bits, so that the loops below vectorise (c10's conversions branch on NaN):
 // widening is a shift, narrowing rounds to nearest even as c10 does (NaN stays a quiet NaN).
 inline float bf16_f(uint16_t b) {
@@ -64,28 +43,59 @@ inline uint16_t f_bf16(float f) {
 }
 inline float rnd_bf16(float x) { return bf16_f(f_bf16(x)); }
 
+// One row of RMS norm: w * round(x * r), or Gemma's (x * r) * (offset + w) rounded once.
+template <typename T>
+void norm_row(const T* xi, const T* w, T* oi, int64_t n, float eps, float offset) {
+  float ss = 0.f;
+  for (int64_t j = 0; j < n; ++j) {
+    float v = static_cast<float>(xi[j]);
+    ss += v * v;
+  }
+  const float r = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+  if (offset != 0.f) {
+    for (int64_t j = 0; j < n; ++j) oi[j] = static_cast<T>(static_cast<float>(xi[j]) * r * (offset + static_cast<float>(w[j])));
+  } else {
+    for (int64_t j = 0; j < n; ++j) oi[j] = static_cast<T>(static_cast<float>(w[j]) * rnd<T>(static_cast<float>(xi[j]) * r));
+  }
+}
+
 template <>
-void rms_norm_rows<c10::BFloat16>(const c10::BFloat16* x16, int64_t sx, const c10::BFloat16* w16, c10::BFloat16* out16,
-                                  int64_t rows, int64_t n, float eps, float offset) {
-  const uint16_t* x = reinterpret_cast<const uint16_t*>(x16);
+void norm_row<c10::BFloat16>(const c10::BFloat16* x16, const c10::BFloat16* w16, c10::BFloat16* o16, int64_t n,
+                             float eps, float offset) {
+  const uint16_t* xi = reinterpret_cast<const uint16_t*>(x16);
   const uint16_t* w = reinterpret_cast<const uint16_t*>(w16);
-  uint16_t* out = reinterpret_cast<uint16_t*>(out16);
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const uint16_t* xi = x + i * sx;
-      uint16_t* oi = out + i * n;
-      float ss = 0.f;
+  uint16_t* oi = reinterpret_cast<uint16_t*>(o16);
+  float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
-      for (int64_t j = 0; j < n; ++j) ss += bf16_f(xi[j]) * bf16_f(xi[j]);
-      const float r = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
-      if (offset != 0.f) {
+  for (int64_t j = 0; j < n; ++j) ss += bf16_f(xi[j]) * bf16_f(xi[j]);
+  const float r = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+  if (offset != 0.f) {
 #pragma omp simd
-        for (int64_t j = 0; j < n; ++j) oi[j] = f_bf16(bf16_f(xi[j]) * r * (offset + bf16_f(w[j])));
-      } else {
+    for (int64_t j = 0; j < n; ++j) oi[j] = f_bf16(bf16_f(xi[j]) * r * (offset + bf16_f(w[j])));
+  } else {
 #pragma omp simd
-        for (int64_t j = 0; j < n; ++j) oi[j] = f_bf16(bf16_f(w[j]) * rnd_bf16(bf16_f(xi[j]) * r));
-      }
-    }
+    for (int64_t j = 0; j < n; ++j) oi[j] = f_bf16(bf16_f(w[j]) * rnd_bf16(bf16_f(xi[j]) * r));
+  }
+}
+
+// s = a + b for one row, rounded to T as torch's add rounds.
+template <typename T>
+void add_row(const T* a, const T* b, T* s, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) s[j] = static_cast<T>(static_cast<float>(a[j]) + static_cast<float>(b[j]));
+}
+
+template <>
+void add_row<c10::BFloat16>(const c10::BFloat16* a16, const c10::BFloat16* b16, c10::BFloat16* s16, int64_t n) {
+  const uint16_t *a = reinterpret_cast<const uint16_t*>(a16), *b = reinterpret_cast<const uint16_t*>(b16);
+  uint16_t* s = reinterpret_cast<uint16_t*>(s16);
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) s[j] = f_bf16(bf16_f(a[j]) + bf16_f(b[j]));
+}
+
+template <typename T>
+void rms_norm_rows(const T* x, int64_t sx, const T* w, T* out, int64_t rows, int64_t n, float eps, float offset) {
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) norm_row<T>(x + i * sx, w, out + i * n, n, eps, offset);
   });
 }
 
@@ -99,6 +109,29 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, double
                             x.size(0), x.size(1), static_cast<float>(eps), static_cast<float>(offset));
   });
   return out;
+}
+
+// (x + r, rms_norm(x + r)): a residual add and the next norm in one pass over the rows, rounded
+// as the two ops round (the sum to the dtype, then the norm of the rounded sum).
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& r, const at::Tensor& w,
+                                                double eps, double offset) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && r.is_contiguous() && r.sizes() == x.sizes() && w.dim() == 1 &&
+                  w.size(0) == x.size(1) && w.is_contiguous() && r.scalar_type() == x.scalar_type() &&
+                  w.scalar_type() == x.scalar_type(),
+              "add_rms_norm: contiguous x and r [rows, n], w [n], one dtype");
+  auto sum = at::empty_like(x), out = at::empty_like(x);
+  const int64_t n = x.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
+    const scalar_t *xp = x.data_ptr<scalar_t>(), *rp = r.data_ptr<scalar_t>(), *wp = w.data_ptr<scalar_t>();
+    scalar_t *sp = sum.data_ptr<scalar_t>(), *op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, x.size(0), 16, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        add_row<scalar_t>(xp + i * n, rp + i * n, sp + i * n, n);
+        norm_row<scalar_t>(sp + i * n, wp, op + i * n, n, static_cast<float>(eps), static_cast<float>(offset));
+      }
+    });
+  });
+  return {sum, out};
 }
 
 template <typename T>
@@ -257,6 +290,7 @@ TORCH_LIBRARY(core_cpu_ops, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps, float offset) -> Tensor");
   m.def("argmax(Tensor x) -> Tensor");
   m.def("store_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor loc, Tensor k, Tensor v) -> ()");
+  m.def("add_rms_norm(Tensor x, Tensor r, Tensor w, float eps, float offset) -> (Tensor, Tensor)");
   m.def("rotary(Tensor pos, Tensor q, Tensor k, Tensor cos, Tensor sin, int rotary_dim) -> (Tensor, Tensor)");
 }
 
@@ -264,5 +298,6 @@ TORCH_LIBRARY_IMPL(core_cpu_ops, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("rotary", &rotary);
   m.impl("argmax", &argmax);
+  m.impl("add_rms_norm", &add_rms_norm);
   m.impl("store_kv", &store_kv);
 }

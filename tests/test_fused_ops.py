@@ -202,3 +202,17 @@ def test_cpu_store_kv_writes_rows_as_index_copy_does():
         cpu_ops.store_kv(kc, vc, torch.tensor([1, 2, 20, 3]), k, v)
     with pytest.raises(RuntimeError, match="store_kv"):
         torch.ops.core_cpu_ops.store_kv(kc, vc, loc[:3], k.bfloat16(), v.bfloat16())  # one slot short
+
+
+@pytest.mark.skipif(not cpu_ops.available(), reason="needs the C++ CPU ops (a C++ compiler)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_cpu_add_rms_norm_is_the_add_then_the_norm(dtype, offset):
+    g = torch.Generator().manual_seed(2)
+    x, r = (torch.randn(2, 37, 96, generator=g) * 3).to(dtype)
+    w = (torch.randn(96, generator=g) * 0.5 + 1).to(dtype)
+    total, normed = torch.ops.core_cpu_ops.add_rms_norm(x, r, w, 1e-5, offset)
+    assert torch.equal(total, x + r)
+    assert torch.equal(normed, cpu_ops.rms_norm(x + r, w, 1e-5, offset))
+    with pytest.raises(RuntimeError, match="add_rms_norm"):
+        torch.ops.core_cpu_ops.add_rms_norm(x, r[:5], w, 1e-5, offset)
