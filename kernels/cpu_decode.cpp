@@ -8,9 +8,12 @@
 // dispatcher) and the glue is the same (core_cpu_ops store_kv and add_rms_norm, ATen add, silu, mul), so every
 // intermediate is rounded where the Python path rounds it and the outputs are equal.
 //
-//   h = rms_norm(x, in_norm); q, k, v = split(qkv(h)); q, k = rotary(q, k)
+//   x = x + residual; h = rms_norm(x, in_norm); q, k, v = split(qkv(h)); q, k = rotary(q, k)
 //   k_cache[loc] = k; v_cache[loc] = v; a = paged_attention(q, ...)
-//   x = x + o(a); h = rms_norm(x, post_norm); x = x + down(silu(gate(h)) * up(h))
+//   x = x + o(a); h = rms_norm(x, post_norm); return x, down(silu(gate(h)) * up(h))
+//
+// The layer's output is the sum of the two; the model hands it to the next layer as its residual
+// (added in the same pass as that layer's first norm) instead of adding it here.
 //
 // Each linear is (a, b, bias, dense) with a kind and a row threshold: below max_rows, kind 0 = int4
 // (a = codes, b = scales/zeros) and 1 = int8 (a = codes, b = per-row scales) run the gemv kernels;
@@ -80,17 +83,23 @@ at::Tensor linear(const Ops& o, const at::Tensor& x, const at::TensorList& lin, 
   return at::linear(x, dense, opt_bias);
 }
 
-at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& in_norm, const at::Tensor& post_norm, double eps,
+std::tuple<at::Tensor, at::Tensor> decode_layer(const at::Tensor& x, const std::optional<at::Tensor>& residual, const at::Tensor& in_norm, const at::Tensor& post_norm, double eps,
                         at::TensorList lin, at::IntArrayRef kinds, at::IntArrayRef max_rows, const at::Tensor& positions, const at::Tensor& cos,
                         const at::Tensor& sin, int64_t rotary_dim, int64_t num_heads, int64_t num_kv_heads,
                         int64_t head_dim, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& out_loc, const at::Tensor& kv_indices, const at::Tensor& seq_lens,
                         const at::Tensor& extend_lens, double scale, int64_t window, double cap) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "decode_layer: x [rows, hidden] contiguous");
+  TORCH_CHECK(!residual || residual->sizes() == x.sizes(), "decode_layer: residual [rows, hidden]");
   TORCH_CHECK(lin.size() == 20 && kinds.size() == 5 && max_rows.size() == 5, "decode_layer: five linears (qkv, o, gate, up, down)");
   const Ops& o = ops();
   const int64_t m = x.size(0), q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
-  const at::Tensor h = o.rms.call(x, in_norm, eps, 0.0);
+  at::Tensor x0 = x, h;  // the layer's input (x + residual, the previous layer's deferred add) and its norm
+  if (residual) {
+    std::tie(x0, h) = o.add_rms.call(x, residual->contiguous(), in_norm, eps, 0.0);
+  } else {
+    h = o.rms.call(x, in_norm, eps, 0.0);
+  }
   const at::Tensor qkv = linear(o, h, lin, 0, kinds[0], max_rows[0]);
   const at::Tensor q = qkv.narrow(1, 0, q_size).view({m, num_heads, head_dim});
   const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({m, num_kv_heads, head_dim});
@@ -99,18 +108,18 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& in_norm, const at
   at::Tensor kc = k_cache, vc = v_cache;
   o.store.call(kc, vc, out_loc, kr, v);
   const at::Tensor a = o.attn.call(qr, k_cache, v_cache, kv_indices, seq_lens, extend_lens, scale, window, cap);
-  auto [x1, h1] = o.add_rms.call(x, linear(o, a.view({m, q_size}), lin, 1, kinds[1], max_rows[1]), post_norm, eps, 0.0);
+  auto [x1, h1] = o.add_rms.call(x0, linear(o, a.view({m, q_size}), lin, 1, kinds[1], max_rows[1]), post_norm, eps, 0.0);
   const at::Tensor act = at::silu(linear(o, h1, lin, 2, kinds[2], max_rows[2])).mul_(linear(o, h1, lin, 3, kinds[3], max_rows[3]));
-  return x1.add(linear(o, act, lin, 4, kinds[4], max_rows[4]));
+  return {x1, linear(o, act, lin, 4, kinds[4], max_rows[4])};
 }
 
 }  // namespace
 
 TORCH_LIBRARY(core_cpu_decode, m) {
-  m.def("decode_layer(Tensor x, Tensor in_norm, Tensor post_norm, float eps, Tensor[] lin, int[] kinds, int[] max_rows, "
+  m.def("decode_layer(Tensor x, Tensor? residual, Tensor in_norm, Tensor post_norm, float eps, Tensor[] lin, int[] kinds, int[] max_rows, "
         "Tensor positions, Tensor cos, Tensor sin, int rotary_dim, int num_heads, int num_kv_heads, int head_dim, "
         "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor out_loc, Tensor kv_indices, Tensor seq_lens, "
-        "Tensor extend_lens, float scale, int window, float cap) -> Tensor");
+        "Tensor extend_lens, float scale, int window, float cap) -> (Tensor, Tensor)");
 }
 
 // CompositeExplicitAutograd: the oneDNN-packed weights among the arguments carry another dispatch key

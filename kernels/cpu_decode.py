@@ -74,11 +74,14 @@ def plan(layer: torch.nn.Module, backend: Any) -> dict[str, Any] | None:
     }
 
 
-def run(p: dict[str, Any], x: torch.Tensor, batch: Any) -> torch.Tensor:
-    """The layer's output for ``x [rows, hidden]``."""
+def run(p: dict[str, Any], x: torch.Tensor, batch: Any,
+        residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer on ``x + residual`` (``x [rows, hidden]``; no residual: ``x``) as ``(h, mlp_out)``,
+    whose sum is the layer's output: the caller adds it, or passes ``mlp_out`` on as the next
+    layer's ``residual``, which that layer adds in the pass of its first norm."""
     cos, sin, rot = p["rotary"]
     scale, window, cap = p["attn"]
     return torch.ops.core_cpu_decode.decode_layer(
-        x.contiguous(), p["norms"][0], p["norms"][1], p["eps"], p["lin"], p["kinds"], p["max_rows"], batch.positions, cos, sin, rot,
-        *p["heads"], *p["caches"], batch.out_cache_loc, batch.kv_indices, batch.seq_lens, batch.extend_lens,
-        scale, window, cap)
+        x.contiguous(), residual, p["norms"][0], p["norms"][1], p["eps"], p["lin"], p["kinds"], p["max_rows"],
+        batch.positions, cos, sin, rot, *p["heads"], *p["caches"], batch.out_cache_loc, batch.kv_indices,
+        batch.seq_lens, batch.extend_lens, scale, window, cap)

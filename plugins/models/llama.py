@@ -79,7 +79,8 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         if x.device.type == "cpu" and (fast := self._cpu_decode(batch)) is not None:
-            return cpu_decode.run(fast, x, batch)
+            h, mlp_out = cpu_decode.run(fast, x, batch)
+            return h + mlp_out
         x = x + self.self_attn(self.input_layernorm(x), batch)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -98,15 +99,22 @@ class LlamaModel(nn.Module):
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, ctx.dtype)
         rotary = RotaryEmbedding(config, head_dim_of(config), config.max_position_embeddings)
         self.layers = nn.ModuleList(layer_cls(config, i, ctx, rotary, **attn_options) for i in range(config.num_hidden_layers))
-        if ctx.device.type == "cpu" and ctx.dtype == torch.bfloat16:
+        if ctx.device.type == "cpu":
             cpu_decode.available()  # build the one-op layer now (once per machine), not in the first, watched step
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         x = self.embed_tokens(batch.input_ids)
+        pending = None  # a one-op layer's MLP output, added by the next one-op layer with its first norm
         for layer in self.layers:
+            plan = getattr(layer, "_cpu_decode", None)
+            if x.device.type == "cpu" and plan is not None and (fast := plan(batch)) is not None:
+                x, pending = cpu_decode.run(fast, x, batch, pending)
+                continue
+            if pending is not None:
+                x, pending = x + pending, None
             x = layer(x, batch)
-        return self.norm(x)
+        return self.norm(x if pending is None else x + pending)
 
 
 class LlamaForCausalLM(nn.Module):
