@@ -3,6 +3,11 @@ it replaces, at every batch size, taken only where every piece has its C++ kerne
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -79,3 +84,37 @@ def test_other_backends_keep_the_python_forward(tiny_llama, monkeypatch):
     path, _ = tiny_llama()
     _, used = generate(path, monkeypatch, True, torchao_config="int4wo-32", attention_backend="torch_native")
     assert not used
+
+
+def test_an_avx2_only_build_takes_it_in_float32(tiny_llama):
+    """What an AVX2-only CPU runs by default (fp32): every C++ library built for -march=haswell (no
+    AVX-512 paths, no gemv), the one-op layers taken, the same tokens as the Python forward."""
+    if "avx2" not in open("/proc/cpuinfo").read():
+        pytest.skip("this CPU has no AVX2")
+    path, _ = tiny_llama()
+    script = textwrap.dedent("""
+        import sys
+        from core_kernels import cpp_build
+        cpp_build.flags = lambda: ["-O3", "-fopenmp", "-march=haswell"]
+        from core_kernels import cpu_decode
+        from tests.conftest import greedy, make_engine
+
+        runs, real_run = [], cpu_decode.run
+        cpu_decode.run = lambda *a: runs.append(1) or real_run(*a)
+
+        def tokens():
+            eng = make_engine(sys.argv[1], attention_backend="cpu", cpu_threads=2)
+            try:
+                return [o["output_ids"] for o in eng.generate(["a", "hello world", "abc abc"], [greedy(8)] * 3)]
+            finally:
+                eng.shutdown()
+
+        fast, used = tokens(), len(runs)
+        cpu_decode.plan = lambda *a: None
+        slow = tokens()
+        assert used and fast == slow, (used, fast, slow)
+        print("ok")
+    """)
+    proc = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, timeout=600,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
