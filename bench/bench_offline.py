@@ -25,6 +25,7 @@ import asyncio
 import statistics
 import time
 
+import core  # noqa: F401  (before torch: its OpenMP wait policy, see core/__init__.py)
 import torch
 
 from core.engine.device import cpu_model_name

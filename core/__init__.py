@@ -1,7 +1,38 @@
 """core: a small asyncio LLM serving engine whose variable parts are pluggy plugins."""
 
-from core.hookspecs import hookimpl
-from core.interfaces import PLUGIN_API_VERSION
+import os
+from pathlib import Path
+
+
+def _openmp_wait_policy() -> None:
+    """Let torch's OpenMP threads (libgomp) spin a little between parallel regions.
+
+    An engine thread and the main thread each own a team, so libgomp sees more threads than CPUs
+    and puts its workers to sleep after ~1,000 spins: every parallel region of a small decode step
+    (~180 per SmolLM2 step) then waits on a futex wake-up. ACTIVE with a bounded spin count keeps
+    them spinning ~30,000 times, then sleeping: batch-1 decode +15-20 %, 8 streams +10 % on a
+    2-vCPU EPYC. libgomp reads both once, as torch loads it, so this runs before torch is
+    imported; a value the user exported wins, and Intel's OpenMP (where ACTIVE never sleeps) is
+    left alone."""
+    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
+        return
+    try:
+        import importlib.util
+
+        spec = importlib.util.find_spec("torch")
+        lib = Path(next(iter(spec.submodule_search_locations or []))) / "lib" if spec else None
+    except (ImportError, ValueError, StopIteration):
+        return
+    if lib is None or any(lib.glob("libiomp*")):
+        return
+    os.environ["OMP_WAIT_POLICY"] = "ACTIVE"
+    os.environ["GOMP_SPINCOUNT"] = "30000"
+
+
+_openmp_wait_policy()
+
+from core.hookspecs import hookimpl  # noqa: E402
+from core.interfaces import PLUGIN_API_VERSION  # noqa: E402
 
 __all__ = ["hookimpl", "PLUGIN_API_VERSION", "Engine", "SamplingParams"]
 

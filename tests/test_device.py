@@ -39,3 +39,40 @@ def test_gemms_of_many_shapes_keep_memory_bounded():
                          timeout=120, check=True)
     grown_mib = float(out.stdout.strip())
     assert grown_mib < 100, f"RSS grew {grown_mib:.0f} MiB over 400 GEMM shapes"
+
+
+def _env_after_import(env: dict[str, str]) -> tuple[str | None, str | None]:
+    import json
+
+    code = "import json, os, core; print(json.dumps([os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT')]))"
+    base = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    out = subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return tuple(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def test_importing_core_lets_libgomp_threads_spin_unless_the_user_chose():
+    assert _env_after_import({}) == ("ACTIVE", "30000")
+    assert _env_after_import({"OMP_WAIT_POLICY": "PASSIVE"}) == ("PASSIVE", None)
+    assert _env_after_import({"GOMP_SPINCOUNT": "5"}) == (None, "5")
+
+
+def test_intel_openmp_is_left_alone(tmp_path, monkeypatch):
+    """Under Intel's OpenMP, ACTIVE means never sleeping: no wait policy is set there."""
+    import importlib.machinery
+    import importlib.util
+
+    import core
+
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "libiomp5.so").touch()
+    spec = importlib.machinery.ModuleSpec("torch", None, is_package=True)
+    spec.submodule_search_locations = [str(tmp_path)]
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: spec)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    core._openmp_wait_policy()
+    assert "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ
+    (tmp_path / "lib" / "libiomp5.so").unlink()
+    core._openmp_wait_policy()
+    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
