@@ -68,6 +68,14 @@ const c10::TypedOperatorHandle<Mm>& gemv(int64_t kind) {
   return kind == 0 ? int4 : int8;
 }
 
+using Pair = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                const at::Tensor&, const at::Tensor&);
+const c10::TypedOperatorHandle<Pair>& gemv_pair(int64_t kind) {
+  static const auto int4 = op<Pair>("core_cpu_gemv::int4_mm_pair");
+  static const auto int8 = op<Pair>("core_cpu_gemv::int8_mm_pair");
+  return kind == 0 ? int4 : int8;
+}
+
 at::Tensor linear(const Ops& o, const at::Tensor& x, const at::TensorList& lin, int64_t i, int64_t kind, int64_t max_rows) {
   const at::Tensor& a = lin[4 * i];
   const at::Tensor& b = lin[4 * i + 1];
@@ -109,7 +117,16 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(const at::Tensor& x, const std::
   o.store.call(kc, vc, out_loc, kr, v);
   const at::Tensor a = o.attn.call(qr, k_cache, v_cache, kv_indices, seq_lens, extend_lens, scale, window, cap);
   auto [x1, h1] = o.add_rms.call(x0, linear(o, a.view({m, q_size}), lin, 1, kinds[1], max_rows[1]), post_norm, eps, 0.0);
-  const at::Tensor act = at::silu(linear(o, h1, lin, 2, kinds[2], max_rows[2])).mul_(linear(o, h1, lin, 3, kinds[3], max_rows[3]));
+  at::Tensor gate, up;
+  const bool bias = (lin[4 * 2 + 2].defined() && lin[4 * 2 + 2].numel()) || (lin[4 * 3 + 2].defined() && lin[4 * 3 + 2].numel());
+  if (kinds[2] == kinds[3] && kinds[2] < 2 && m < max_rows[2] && m < max_rows[3] && !bias &&
+      (kinds[2] == 1 || lin[4 * 2 + 1].size(1) == lin[4 * 3 + 1].size(1))) {  // one gemv pass for both (same kernel, same results)
+    std::tie(gate, up) = gemv_pair(kinds[2]).call(h1, lin[4 * 2], lin[4 * 2 + 1], lin[4 * 3], lin[4 * 3 + 1]);
+  } else {
+    gate = linear(o, h1, lin, 2, kinds[2], max_rows[2]);
+    up = linear(o, h1, lin, 3, kinds[3], max_rows[3]);
+  }
+  const at::Tensor act = at::silu(gate).mul_(up);
   return {x1, linear(o, act, lin, 4, kinds[4], max_rows[4])};
 }
 

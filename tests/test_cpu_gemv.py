@@ -53,6 +53,22 @@ def test_int8_matches_the_dequantized_weight(n, k, rows):
     assert rel_err(out, x.float() @ (q.float() * scale.float()[:, None]).T) < 2 ** -7
 
 
+@pytest.mark.parametrize("rows", [1, 2, 5])
+def test_a_pair_of_weights_in_one_pass_equals_two_calls(rows):
+    """The one-op layer's gate and up projections: one parallel pass, the same output bits."""
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    (qa, sa), (qb, sb) = (cpu_gemv.pack(*quantized(n, 256, 32, seed=n)) for n in (96, 48))
+    a, b = torch.ops.core_cpu_gemv.int4_mm_pair(x, qa, sa, qb, sb)
+    assert torch.equal(a, cpu_gemv.mm(x, qa, sa)) and torch.equal(b, cpu_gemv.mm(x, qb, sb))
+    (ia, ca), (ib, cb) = (packed.quantize_int8(torch.randn(n, 256, generator=torch.Generator().manual_seed(n)))
+                          for n in (32, 80))
+    ia, ib, ca, cb = cpu_gemv.pack_int8(ia), cpu_gemv.pack_int8(ib), ca.bfloat16(), cb.bfloat16()
+    a, b = torch.ops.core_cpu_gemv.int8_mm_pair(x, ia, ca, ib, cb)
+    assert torch.equal(a, cpu_gemv.mm_int8(x, ia, ca)) and torch.equal(b, cpu_gemv.mm_int8(x, ib, cb))
+    with pytest.raises(RuntimeError, match="int4_mm_pair"):
+        torch.ops.core_cpu_gemv.int4_mm_pair(x, qa, sa, *cpu_gemv.pack(*quantized(16, 256, 128)))  # other group size
+
+
 def test_rows_are_independent_and_a_strided_input_is_fine():
     q, scale, zero = quantized(64, 128, 32)
     qw, sz = cpu_gemv.pack(q, scale, zero)
