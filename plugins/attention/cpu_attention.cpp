@@ -303,11 +303,13 @@ inline void weigh_v(const uint16_t* vrows, const int64_t* idx, int n, int64_t sl
       _mm512_storeu_ps(acc + g * D + 16 * c, S == 2 ? _mm512_add_ps(a[0][g][c], a[S - 1][g][c]) : a[0][g][c]);
 }
 
-// One decode task (one query token, the G query heads of a KV head, no soft cap) over a bf16
-// pool, in chunks of up to kChunk keys: first every score of the chunk for each head (hsum16 per
-// 16 keys), then one max, exp and sum per head over the whole chunk (vector loops, no reduction
-// per 16 keys), then the V rows weighted into each head's accumulators held in registers. Online
-// softmax only between chunks, so a long sequence needs no more scratch than kChunk keys.
+// One query token (row qi of q, at position pos) over a bf16 pool, no soft cap, for the G query
+// heads of the task's KV head, or of every KV head when t.kvh < 0 (whole slot rows read together).
+// Decodes run it once; extend tasks once per token, their keys staying in cache. In chunks of up
+// to kChunk keys: first every score of the chunk for each head (hsum16 per 16 keys), then one max,
+// exp and sum per head over the whole chunk (vector loops, no reduction per 16 keys), then the V
+// rows weighted into each head's accumulators held in registers. Online softmax only between
+// chunks, so a long sequence needs no more scratch than kChunk keys.
 template <int D>
 void decode_bf16(const Params& p, const Task& t, const c10::BFloat16* q, const c10::BFloat16* kc,
                  const c10::BFloat16* vc, c10::BFloat16* out, Scratch& w, int64_t pos, int64_t qi) {
