@@ -1,6 +1,8 @@
 """Two of the fused per-layer ops of ``kernels/fused_ops.py`` for CPU tensors, same signatures:
 one C++ loop each (``cpu_ops.cpp``) for RMS norm and for rotary of q and k. No ``gated_act``:
-torch's vectorised silu and mul are as fast on the CPU. Also the sampler's greedy ``argmax``.
+torch's vectorised silu and mul are as fast on the CPU. Also the KV store (``store_kv``, for the
+``cpu`` attention backend) and the sampler's greedy ``argmax``; ``add_rms_norm`` (a residual add
+and the next norm in one pass) is called from the one-op layer (``kernels/cpu_decode``).
 
 On the CPU the torch ops' cost is dispatch, not arithmetic: norms and rotary took ~1.9 ms of a
 10 ms SmolLM2 decode step at batch 1, ~1.1 ms as these loops. The library compiles once per

@@ -21,8 +21,8 @@ from itertools import chain
 import attrs
 import torch
 
-from core.engine.sampling_params import SamplingParams
 from core import layers
+from core.engine.sampling_params import SamplingParams
 
 
 @attrs.define
