@@ -77,6 +77,12 @@ EXTRA_CASES = [
                   num_kv_heads=3),
     AttentionCase("many_decodes_window", tuple(11 + 31 * i for i in range(20)), ((1,) * 20,), num_heads=4,
                   num_kv_heads=2, head_dim=128, sliding_window=200),
+    # few decodes over long contexts: each one's keys split over tasks, then merged
+    AttentionCase("one_long_decode", (1300,), ((1,), (1,)), num_heads=4, num_kv_heads=1),
+    AttentionCase("two_long_decodes", (700, 1030), ((1, 1),), num_heads=9, num_kv_heads=3),
+    AttentionCase("long_decode_window", (1500,), ((1,),), num_heads=8, num_kv_heads=2, head_dim=128,
+                  sliding_window=600),
+    AttentionCase("long_decode_and_extend", (900, 40), ((1, 9),), num_heads=4, num_kv_heads=1),
 ]
 
 

@@ -7,7 +7,8 @@
 // (sequence, KV head, a few query tokens): the query heads sharing that KV head go together, so
 // every key row read from the pool serves all of them. Decodes of a bf16 pool, when there are
 // enough sequences to keep the threads busy, take all KV heads of a sequence in one task, so
-// that each slot's whole K and V rows are read at once. Keys stream in blocks with an online
+// that each slot's whole K and V rows are read at once; with too few (fewer than two tasks per
+// thread), each decode's keys split into parts of whole 256-key chunks, merged afterwards. Keys stream in blocks with an online
 // softmax in fp32; on CPUs with AVX512-BF16, q . k of a bf16 pool multiplies the bf16 rows
 // directly (exact products summed in fp32; the keys are never converted), and every query token
 // of a bf16 pool (decode or extend, no soft cap) runs decode_bf16: all its scores over a chunk
@@ -215,6 +216,7 @@ inline void prefetch_rows(const T* kc, const T* vc, const int64_t* idx, int from
 struct Task {
   int b, kvh, r0, nr;
   int64_t cost;
+  int part = 0, parts = 1;  // a decode's keys split over `parts` tasks (few sequences, long contexts)
 };
 
 struct Params {
@@ -225,6 +227,8 @@ struct Params {
   const int64_t* seq_lens;
   const int64_t* q_start;
   const int64_t* ext;
+  float* partial = nullptr;  // [B, Hkv, parts, G, 2 + D]: each split part's max, sum and unnormalised output
+  int parts = 1;
 };
 
 // Scratch of one thread, sized for the largest task.
@@ -318,8 +322,13 @@ void decode_bf16(const Params& p, const Task& t, const c10::BFloat16* q, const c
   const int h0 = t.kvh < 0 ? 0 : t.kvh, nh = t.kvh < 0 ? static_cast<int>(p.Hkv) : 1;  // the task's KV heads
   const int QH = nh * G;  // and query heads
   const int64_t* idx = p.idx + t.b * p.idx_stride;
-  const int jlo = p.window > 0 ? static_cast<int>(std::max<int64_t>(0, pos - p.window + 1)) : 0;
-  const int jhi = static_cast<int>(pos);
+  int jlo = p.window > 0 ? static_cast<int>(std::max<int64_t>(0, pos - p.window + 1)) : 0;
+  int jhi = static_cast<int>(pos);
+  if (t.parts > 1) {  // this part's whole chunks of the keys
+    const int span = (((jhi - jlo + 1) + kChunk - 1) / kChunk + t.parts - 1) / t.parts * kChunk;
+    jlo += t.part * span;
+    jhi = std::min(jhi, jlo + span - 1);
+  }
   float* acc = w.acc.data();
   float* sc = w.ps.data();  // [QH, kChunk] scores, then probabilities
   std::fill(acc, acc + QH * D, 0.0f);
@@ -381,6 +390,15 @@ void decode_bf16(const Params& p, const Task& t, const c10::BFloat16* q, const c
             weigh_v<D, 1>(vrows, idx + c0, n, p.slot_stride, ph + g * kChunk, ah + g * D);
       }
     }
+  }
+  if (t.parts > 1) {  // merged with the other parts after all tasks ran (merge_parts)
+    float* dstp = p.partial + ((t.b * p.Hkv + h0) * p.parts + t.part) * G * (2 + D);
+    for (int g = 0; g < QH; ++g) {
+      dstp[g * (2 + D)] = w.m[g];
+      dstp[g * (2 + D) + 1] = w.l[g];
+      std::copy(acc + g * D, acc + (g + 1) * D, dstp + g * (2 + D) + 2);
+    }
+    return;
   }
   c10::BFloat16* dst = out + qi * p.out_stride + h0 * G * D;
   for (int g = 0; g < QH; ++g) {
@@ -496,6 +514,32 @@ void run_task(const Params& p, const Task& t, const T* q, const T* kc, const T* 
   }
 }
 
+// out for the decodes whose keys were split: the parts' outputs weighted by e^(m_part - m) and
+// divided by the parts' summed softmax denominators (a part with no keys has m = -inf, l = 0).
+template <typename T>
+void merge_parts(const Params& p, const std::vector<Task>& tasks, T* out) {
+  const int G = static_cast<int>(p.G), D = static_cast<int>(p.D);
+  std::vector<float> acc(D);
+  for (const Task& t : tasks) {
+    if (t.parts <= 1 || t.part != 0) continue;
+    const float* base = p.partial + (t.b * p.Hkv + t.kvh) * p.parts * G * (2 + D);
+    T* dst = out + p.q_start[t.b] * p.out_stride + t.kvh * G * D;
+    for (int g = 0; g < G; ++g) {
+      float m = kNegInf, l = 0.0f;
+      for (int k = 0; k < t.parts; ++k) m = std::max(m, base[(k * G + g) * (2 + D)]);
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int k = 0; k < t.parts; ++k) {
+        const float* r = base + (k * G + g) * (2 + D);
+        if (r[1] == 0.0f) continue;
+        const float f = std::exp(r[0] - m);
+        l += r[1] * f;
+        for (int i = 0; i < D; ++i) acc[i] += r[2 + i] * f;
+      }
+      for (int i = 0; i < D; ++i) dst[g * D + i] = static_cast<T>(acc[i] / l);
+    }
+  }
+}
+
 template <typename T, int DC>
 void run_all(const Params& p, const std::vector<Task>& tasks, int max_nr, const at::Tensor& q, const at::Tensor& kc,
              const at::Tensor& vc, at::Tensor& out) {
@@ -511,6 +555,7 @@ void run_all(const Params& p, const std::vector<Task>& tasks, int max_nr, const 
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < ntasks; ++i) run_task<T, DC>(p, tasks[i], qp, kp, vp, op, w);
   }
+  if (p.parts > 1) merge_parts<T>(p, tasks, op);
 }
 
 template <typename T>
@@ -560,8 +605,12 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   const int rows_per_task = static_cast<int>(std::max<int64_t>(1, kRowTarget / G));
   // Decodes of a bf16 pool run one task per sequence when there are enough of them for the threads:
   // reading a slot's K (V) rows of all heads together streams ~30 % faster than one head's rows.
-  const bool whole_seqs = q.scalar_type() == at::kBFloat16 && cap == 0.0 && (D == 64 || D == 128) && G <= 16 &&
-                          B >= 4 * at::get_num_threads() && kDecodeBf16;
+  const bool bf16_path = q.scalar_type() == at::kBFloat16 && cap == 0.0 && (D == 64 || D == 128) && G <= 16 && kDecodeBf16;
+  const bool whole_seqs = bf16_path && B >= 4 * at::get_num_threads();
+  // With fewer decode tasks than two per thread (a few sequences), each decode's keys split into up
+  // to this many parts of whole 256-key chunks, merged afterwards, so that every thread has work.
+  const int64_t nthreads = at::get_num_threads();
+  const int64_t split = bf16_path && B * Hkv < 2 * nthreads ? (2 * nthreads + B * Hkv - 1) / (B * Hkv) : 1;
   std::vector<Task> tasks;
   int max_nr = 1;
   for (int64_t b = 0; b < B; ++b) {
@@ -574,13 +623,18 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
         tasks.push_back({int(b), -1, int(r0), nr, keys * Hkv});
         continue;
       }
-      for (int64_t h = 0; h < Hkv; ++h) tasks.push_back({int(b), int(h), int(r0), nr, keys * nr});
+      const int parts = el[b] == 1 ? static_cast<int>(std::min<int64_t>(split, (keys + kChunk - 1) / kChunk)) : 1;
+      for (int64_t h = 0; h < Hkv; ++h)
+        for (int k = 0; k < parts; ++k) tasks.push_back({int(b), int(h), int(r0), nr, keys * nr / parts, k, parts});
     }
   }
   // longest first, so that dynamic scheduling ends with short tasks
   std::stable_sort(tasks.begin(), tasks.end(), [](const Task& x, const Task& y) { return x.cost > y.cost; });
   Params p{H, Hkv, G, D, q.stride(0), H * D, Hkv * D, kv_indices.stride(0), static_cast<float>(scale),
            static_cast<float>(cap), window, kv_indices.const_data_ptr<int64_t>(), sl, q_start.data(), el};
+  std::vector<float> partial(split > 1 ? B * Hkv * split * G * (2 + D) : 0);
+  p.partial = partial.data();
+  p.parts = static_cast<int>(split);
   at::Tensor out = at::empty({q.size(0), H, D}, q.options());
   switch (q.scalar_type()) {
     case at::kFloat: dispatch_dim<float>(p, tasks, max_nr, q, k_cache, v_cache, out); break;
