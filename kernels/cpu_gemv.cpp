@@ -275,29 +275,39 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& 
 // Two weights times the same x (a gate and an up projection) in one pass over threads: one parallel
 // region and one set of group sums instead of two (a fork and a join cost ~4 us at decode sizes).
 // Each output block is computed as int4_mm / int8_mm computes it, so the results are the same.
+#ifdef CORE_GEMV_BF16
+// [M, NA * 16] and [M, NB * 16] outputs; f(rows, m, nb, out of that block's weight, its block index).
+template <typename F>
+std::tuple<at::Tensor, at::Tensor> pair_blocks(const at::Tensor& x, int64_t NA, int64_t NB, F&& f) {
+  auto oa = at::empty({x.size(0), NA * 16}, x.options()), ob = at::empty({x.size(0), NB * 16}, x.options());
+  uint16_t *opa = reinterpret_cast<uint16_t*>(oa.data_ptr()), *opb = reinterpret_cast<uint16_t*>(ob.data_ptr());
+  for_blocks(NA + NB, x.size(0), [&](auto rows, int64_t m, int64_t nb) {
+    if (nb < NA)
+      f(rows, m, 0, opa + m * NA * 16, NA * 16, nb);
+    else
+      f(rows, m, 1, opb + m * NB * 16, NB * 16, nb - NA);
+  });
+  return {oa, ob};
+}
+#endif
+
 std::tuple<at::Tensor, at::Tensor> int4_mm_pair(const at::Tensor& x, const at::Tensor& qa, const at::Tensor& sa,
                                                 const at::Tensor& qb, const at::Tensor& sb) {
-  TORCH_CHECK(sa.size(1) == sb.size(1) && qa.size(1) == qb.size(1), "int4_mm_pair: both weights need one K and group size");
-#ifdef CORE_GEMV_BF16
-  const int64_t M = x.size(0), K = x.size(1), NA = qa.size(0), NB = qb.size(0), G = sa.size(1);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && qa.is_contiguous() &&
-                  qb.is_contiguous() && sa.is_contiguous() && sb.is_contiguous() && qa.size(1) * 2 == K &&
-                  K % G == 0 && (K / G) % 8 == 0,
-              "int4_mm_pair: as int4_mm for each weight");
-  auto oa = at::empty({M, NA * 16}, x.options()), ob = at::empty({M, NB * 16}, x.options());
+                  qb.is_contiguous() && sa.is_contiguous() && sb.is_contiguous() && qa.size(1) == qb.size(1) &&
+                  sa.size(1) == sb.size(1) && qa.size(1) * 2 == x.size(1) && x.size(1) % sa.size(1) == 0 &&
+                  (x.size(1) / sa.size(1)) % 8 == 0,
+              "int4_mm_pair: as int4_mm for each weight, both of one K and group size");
+#ifdef CORE_GEMV_BF16
+  const int64_t K = x.size(1), G = sa.size(1);
   const at::Tensor xs = group_sums(x, G);
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.const_data_ptr());
   const float* xsp = xs.const_data_ptr<float>();
-  const uint8_t *pa = qa.const_data_ptr<uint8_t>(), *pb = qb.const_data_ptr<uint8_t>();
-  const uint16_t *za = reinterpret_cast<const uint16_t*>(sa.const_data_ptr()), *zb = reinterpret_cast<const uint16_t*>(sb.const_data_ptr());
-  uint16_t *opa = reinterpret_cast<uint16_t*>(oa.data_ptr()), *opb = reinterpret_cast<uint16_t*>(ob.data_ptr());
-  for_blocks(NA + NB, M, [&](auto rows, int64_t m, int64_t nb) {
-    if (nb < NA)
-      block<rows.value>(pa, za, xp + m * K, xsp + m * G, opa + m * NA * 16, K, G, NA * 16, nb);
-    else
-      block<rows.value>(pb, zb, xp + m * K, xsp + m * G, opb + m * NB * 16, K, G, NB * 16, nb - NA);
+  const uint8_t* q[2] = {qa.const_data_ptr<uint8_t>(), qb.const_data_ptr<uint8_t>()};
+  const uint16_t* z[2] = {reinterpret_cast<const uint16_t*>(sa.const_data_ptr()), reinterpret_cast<const uint16_t*>(sb.const_data_ptr())};
+  return pair_blocks(x, qa.size(0), qb.size(0), [&](auto rows, int64_t m, int w, uint16_t* out, int64_t N, int64_t nb) {
+    block<rows.value>(q[w], z[w], xp + m * K, xsp + m * G, out, K, G, N, nb);
   });
-  return {oa, ob};
 #else
   TORCH_CHECK(false, "int4_mm_pair: this build has no AVX512-BF16");
 #endif
@@ -305,26 +315,21 @@ std::tuple<at::Tensor, at::Tensor> int4_mm_pair(const at::Tensor& x, const at::T
 
 std::tuple<at::Tensor, at::Tensor> int8_mm_pair(const at::Tensor& x, const at::Tensor& qa, const at::Tensor& sa,
                                                 const at::Tensor& qb, const at::Tensor& sb) {
-#ifdef CORE_GEMV_BF16
-  const int64_t M = x.size(0), K = x.size(1), NA = qa.size(0), NB = qb.size(0);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && qa.is_contiguous() &&
-                  qb.is_contiguous() && sa.is_contiguous() && sb.is_contiguous() && qa.size(1) * 2 == K &&
-                  qb.size(1) * 2 == K && K % 8 == 0 && sa.size(0) == NA * 16 && sb.size(0) == NB * 16,
+                  qb.is_contiguous() && sa.is_contiguous() && sb.is_contiguous() && qa.size(1) * 2 == x.size(1) &&
+                  qb.size(1) * 2 == x.size(1) && x.size(1) % 8 == 0 && sa.size(0) == qa.size(0) * 16 &&
+                  sb.size(0) == qb.size(0) * 16,
               "int8_mm_pair: as int8_mm for each weight");
-  auto oa = at::empty({M, NA * 16}, x.options()), ob = at::empty({M, NB * 16}, x.options());
+#ifdef CORE_GEMV_BF16
+  const int64_t K = x.size(1);
   const at::Tensor xs = group_sums(x, 1);
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.const_data_ptr());
   const float* xsp = xs.const_data_ptr<float>();
-  const uint8_t *pa = qa.const_data_ptr<uint8_t>(), *pb = qb.const_data_ptr<uint8_t>();
-  const uint16_t *ca = reinterpret_cast<const uint16_t*>(sa.const_data_ptr()), *cb = reinterpret_cast<const uint16_t*>(sb.const_data_ptr());
-  uint16_t *opa = reinterpret_cast<uint16_t*>(oa.data_ptr()), *opb = reinterpret_cast<uint16_t*>(ob.data_ptr());
-  for_blocks(NA + NB, M, [&](auto rows, int64_t m, int64_t nb) {
-    if (nb < NA)
-      block8<rows.value>(pa, ca, xp + m * K, xsp + m, opa + m * NA * 16, K, NA * 16, nb);
-    else
-      block8<rows.value>(pb, cb, xp + m * K, xsp + m, opb + m * NB * 16, K, NB * 16, nb - NA);
+  const uint8_t* q[2] = {qa.const_data_ptr<uint8_t>(), qb.const_data_ptr<uint8_t>()};
+  const uint16_t* c[2] = {reinterpret_cast<const uint16_t*>(sa.const_data_ptr()), reinterpret_cast<const uint16_t*>(sb.const_data_ptr())};
+  return pair_blocks(x, qa.size(0), qb.size(0), [&](auto rows, int64_t m, int w, uint16_t* out, int64_t N, int64_t nb) {
+    block8<rows.value>(q[w], c[w], xp + m * K, xsp + m, out, K, N, nb);
   });
-  return {oa, ob};
 #else
   TORCH_CHECK(false, "int8_mm_pair: this build has no AVX512-BF16");
 #endif
