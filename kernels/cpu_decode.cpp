@@ -34,6 +34,8 @@ using Rot = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tens
 using Mm = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&);
 using Lin = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, c10::string_view,
                        c10::List<std::optional<at::Scalar>>, std::optional<c10::string_view>);
+using AddRms = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&, double, double);
+using Store = void(at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&);
 using Attn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                         const at::Tensor&, double, int64_t, double);
 
@@ -45,13 +47,8 @@ c10::TypedOperatorHandle<F> op(const char* name) {
 struct Ops {
   c10::TypedOperatorHandle<Rms> rms = op<Rms>("core_cpu_ops::rms_norm");
   c10::TypedOperatorHandle<Rot> rot = op<Rot>("core_cpu_ops::rotary");
-  c10::TypedOperatorHandle<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                              double, double)>
-      add_rms = op<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
-                                                      double)>("core_cpu_ops::add_rms_norm");
-  c10::TypedOperatorHandle<void(at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&)>
-      store = op<void(at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&)>(
-          "core_cpu_ops::store_kv");
+  c10::TypedOperatorHandle<AddRms> add_rms = op<AddRms>("core_cpu_ops::add_rms_norm");
+  c10::TypedOperatorHandle<Store> store = op<Store>("core_cpu_ops::store_kv");
   c10::TypedOperatorHandle<Attn> attn = op<Attn>("core_cpu::paged_attention");
   c10::TypedOperatorHandle<Lin> onednn = op<Lin>("mkldnn::_linear_pointwise");
 };
@@ -76,17 +73,21 @@ const c10::TypedOperatorHandle<Pair>& gemv_pair(int64_t kind) {
   return kind == 0 ? int4 : int8;
 }
 
+bool has_bias(const at::TensorList& lin, int64_t i) {
+  const at::Tensor& bias = lin[4 * i + 2];
+  return bias.defined() && bias.numel();
+}
+
 at::Tensor linear(const Ops& o, const at::Tensor& x, const at::TensorList& lin, int64_t i, int64_t kind, int64_t max_rows) {
   const at::Tensor& a = lin[4 * i];
   const at::Tensor& b = lin[4 * i + 1];
   const at::Tensor& bias = lin[4 * i + 2];
   const at::Tensor& dense = lin[4 * i + 3];
-  const bool has_bias = bias.defined() && bias.numel();
   if (kind < 2 && x.size(0) < max_rows) {
     at::Tensor y = gemv(kind).call(x, a, b);
-    return has_bias ? y.add(bias) : y;
+    return has_bias(lin, i) ? y.add(bias) : y;
   }
-  const std::optional<at::Tensor> opt_bias = has_bias ? std::optional<at::Tensor>(bias) : std::nullopt;
+  const std::optional<at::Tensor> opt_bias = has_bias(lin, i) ? std::optional<at::Tensor>(bias) : std::nullopt;
   if (dense.is_mkldnn()) return o.onednn.call(x.contiguous(), dense, opt_bias, "none", c10::List<std::optional<at::Scalar>>(), "");
   return at::linear(x, dense, opt_bias);
 }
@@ -118,8 +119,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(const at::Tensor& x, const std::
   const at::Tensor a = o.attn.call(qr, k_cache, v_cache, kv_indices, seq_lens, extend_lens, scale, window, cap);
   auto [x1, h1] = o.add_rms.call(x0, linear(o, a.view({m, q_size}), lin, 1, kinds[1], max_rows[1]), post_norm, eps, 0.0);
   at::Tensor gate, up;
-  const bool bias = (lin[4 * 2 + 2].defined() && lin[4 * 2 + 2].numel()) || (lin[4 * 3 + 2].defined() && lin[4 * 3 + 2].numel());
-  if (kinds[2] == kinds[3] && kinds[2] < 2 && m < max_rows[2] && m < max_rows[3] && !bias &&
+  if (kinds[2] == kinds[3] && kinds[2] < 2 && m < max_rows[2] && m < max_rows[3] && !has_bias(lin, 2) && !has_bias(lin, 3) &&
       (kinds[2] == 1 || lin[4 * 2 + 1].size(1) == lin[4 * 3 + 1].size(1))) {  // one gemv pass for both (same kernel, same results)
     std::tie(gate, up) = gemv_pair(kinds[2]).call(h1, lin[4 * 2], lin[4 * 2 + 1], lin[4 * 3], lin[4 * 3 + 1]);
   } else {

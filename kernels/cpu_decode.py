@@ -23,7 +23,7 @@ from core_kernels import cpp_build
 
 SOURCE = Path(__file__).with_name("cpu_decode.cpp")
 PREFIX = "core_cpu_decode"
-_EMPTY = torch.empty(0)
+_EMPTY = torch.empty(0)  # what the op receives for a tensor a layer does not have
 
 
 @functools.cache
@@ -43,8 +43,7 @@ def _linear(layer: torch.nn.Module) -> tuple[int, int, list[torch.Tensor]] | Non
     if args is None or getattr(layer, "tp", None) is not None and layer.tp.size > 1:
         return None
     kind, a, b, max_rows, dense = args
-    bias = layer.bias if layer.bias is not None else _EMPTY
-    return kind, max_rows, [a, b, bias, _EMPTY if dense is None else dense]
+    return kind, max_rows, [_EMPTY if t is None else t for t in (a, b, layer.bias, dense)]
 
 
 def plan(layer: torch.nn.Module, backend: Any) -> dict[str, Any] | None:

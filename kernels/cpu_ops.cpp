@@ -9,16 +9,16 @@
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <tuple>
+#include <vector>
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
-#include <cstring>
-#include <limits>
-#include <vector>
-#include <tuple>
 
 namespace {
 
@@ -246,8 +246,6 @@ at::Tensor argmax(const at::Tensor& x) {
   return out;
 }
 
-// k_cache[loc[i]] = k[i] and v_cache[loc[i]] = v[i]: a step's new keys and values into the pool,
-// one memcpy per row (index_copy_ twice costs ~15 us of dispatch and iterator setup per layer).
 bool rows_contiguous(const at::Tensor& x) {  // each x[i] is one contiguous block (the rows may be strided)
   int64_t expected = 1;
   for (int64_t d = x.dim() - 1; d >= 1; --d) {
@@ -257,6 +255,8 @@ bool rows_contiguous(const at::Tensor& x) {  // each x[i] is one contiguous bloc
   return true;
 }
 
+// k_cache[loc[i]] = k[i] and v_cache[loc[i]] = v[i]: a step's new keys and values into the pool,
+// one memcpy per row (index_copy_ twice costs ~15 us of dispatch and iterator setup per layer).
 void store_kv(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& loc, const at::Tensor& k,
               const at::Tensor& v) {
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k.dim() >= 1 && v.dim() >= 1 &&

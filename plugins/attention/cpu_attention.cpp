@@ -8,14 +8,14 @@
 // every key row read from the pool serves all of them. Decodes of a bf16 pool, when there are
 // enough sequences to keep the threads busy, take all KV heads of a sequence in one task, so
 // that each slot's whole K and V rows are read at once; with too few (fewer than two tasks per
-// thread), each decode's keys split into parts of whole 256-key chunks, merged afterwards. Keys stream in blocks with an online
-// softmax in fp32; on CPUs with AVX512-BF16, q . k of a bf16 pool multiplies the bf16 rows
-// directly (exact products summed in fp32; the keys are never converted), and every query token
-// of a bf16 pool (decode or extend, no soft cap) runs decode_bf16: all its scores over a chunk
-// of up to 256 keys, one softmax over them, then the V rows. The generic loops are plain C++
-// that -O3 -march=native vectorises (AVX2 or AVX-512 alike); exp is a polynomial so that it
-// vectorises too. Tasks run on torch's OpenMP pool, dynamically scheduled (sequences differ in
-// length), with torch.get_num_threads() threads.
+// thread), each decode's keys split into parts of whole 256-key chunks, merged afterwards.
+// Keys stream in blocks with an online softmax in fp32; on CPUs with AVX512-BF16, q . k of a
+// bf16 pool multiplies the bf16 rows directly (exact products summed in fp32; the keys are never
+// converted), and every query token of a bf16 pool (decode or extend, no soft cap) runs
+// decode_bf16: all its scores over a chunk of up to 256 keys, one softmax over them, then the V
+// rows. The generic loops are plain C++ that -O3 -march=native vectorises (AVX2 or AVX-512
+// alike); exp is a polynomial so that it vectorises too. Tasks run on torch's OpenMP pool,
+// dynamically scheduled (sequences differ in length), with torch.get_num_threads() threads.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

@@ -217,8 +217,6 @@ def _gemv_dense_min_rows() -> int:
     return 0 if "amx_bf16" in cpu_flags() else GEMV_DENSE_MIN_ROWS
 
 
-_EMPTY = torch.empty(0)
-
 
 def packed_linear(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``x [..., K] @ W^T (+ bias)`` in ``x.dtype`` for whichever format the layer holds."""
@@ -275,13 +273,13 @@ class PackedMethod:
     def apply(self, layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         return packed_linear(layer, x)
 
-    def cpu_linear_args(self, layer: torch.nn.Module) -> tuple[int, torch.Tensor, torch.Tensor, int, torch.Tensor | None] | None:
+    def cpu_linear_args(self, layer: torch.nn.Module) -> tuple[int, torch.Tensor | None, torch.Tensor | None, int, torch.Tensor | None] | None:
         """For C++ callers (``kernels/cpu_decode``): ``(kind, a, b, max_rows, dense)``. GEMMs of
         fewer than ``max_rows`` rows run ``kernels/cpu_gemv`` (kind 0 = int4: a = codes, b =
         scales/zeros; 1 = int8: a = codes, b = scales), larger ones ``dense`` (oneDNN-packed or
-        plain; None: gemv for every size); kind 2 = dense only. None where neither applies."""
+        plain; None: gemv for every size); kind 2 = dense only (a and b None). None where neither applies."""
         if layer.quant_format == "dense":
-            return 2, _EMPTY, _EMPTY, 0, layer.weight
+            return 2, None, None, 0, layer.weight
         dense = getattr(layer, "dense_weight", None)
         lo = _dense_from(layer, dense) if dense is not None else None
         big, dense = (lo, dense) if lo else (1 << 30, None)

@@ -11,8 +11,6 @@ import torch
 from core import hookimpl
 from core_plugins.quant import onednn, packed
 
-_EMPTY = torch.empty(0)
-
 
 class Unquantized:
     """Dense ``[out, in]`` weight, applied with one GEMM."""
@@ -31,9 +29,9 @@ class Unquantized:
         if (w := packed.onednn_copy(layer.weight)) is not None:
             layer.__dict__["onednn_weight"] = w
 
-    def cpu_linear_args(self, layer: torch.nn.Module) -> tuple[int, torch.Tensor, torch.Tensor, int, torch.Tensor]:
+    def cpu_linear_args(self, layer: torch.nn.Module) -> tuple[int, None, None, int, torch.Tensor]:
         """Dense only (kind 2), for ``kernels/cpu_decode``: see ``packed.PackedMethod.cpu_linear_args``."""
-        return 2, _EMPTY, _EMPTY, 0, layer.__dict__.get("onednn_weight", layer.weight)
+        return 2, None, None, 0, layer.__dict__.get("onednn_weight", layer.weight)
 
     def pack_lm_head(self, embedding: torch.nn.Module) -> torch.nn.Module | None:
         w = packed.onednn_copy(embedding.weight)
