@@ -1,7 +1,8 @@
 """Compile a C++ source of torch operators once per machine and load it (``torch.utils.cpp_extension``).
 
 Used by the CPU kernels (``kernels/cpu_ops``, ``cpu_gemv``, ``cpu_decode`` and the ``cpu`` attention backend's kernel).
-A build is cached under the torch extensions folder in a directory named by a hash of the source,
+A build is cached under the torch extensions folder in a directory named by a hash of the source
+(with the headers it includes from beside it, ``cpu_rows.h`` and ``cpu_gemv.h``),
 the flags, the CPU's instruction set and the torch version, so a changed source, another CPU
 sharing the folder, or a new torch build never loads a stale library; later starts only load it.
 Importing this module does not compile anything.
@@ -13,6 +14,7 @@ import contextlib
 import hashlib
 import os
 import platform
+import re
 import shutil
 import time
 from pathlib import Path
@@ -40,11 +42,27 @@ def cpu_id() -> str:
     return f"{torch.backends.cpu.get_cpu_capability()} {isa}"
 
 
+def source_text(source: Path) -> str:
+    """The source with the text of every header it includes with quotes (``#include "x.h"``, found
+    beside it, recursively): what a build depends on besides the flags."""
+    seen: set[Path] = set()
+
+    def expand(path: Path) -> str:
+        seen.add(path)
+        text = path.read_text()
+        for name in re.findall(r'^#include "([^"]+)"', text, re.M):
+            if (header := path.parent / name) not in seen:
+                text += "\n" + expand(header)
+        return text
+
+    return expand(source)
+
+
 def build_dir(prefix: str, source: Path) -> Path:
     """``<torch extensions folder>/<prefix>_<hash>``."""
     from torch.utils.cpp_extension import get_default_build_root
 
-    key = "\n".join([source.read_text(), *flags(), cpu_id(), torch.__version__, os.environ.get("CXX", "c++")])
+    key = "\n".join([source_text(source), *flags(), cpu_id(), torch.__version__, os.environ.get("CXX", "c++")])
     name = prefix + "_" + hashlib.sha256(key.encode()).hexdigest()[:12]
     return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()) / name
 
@@ -95,6 +113,7 @@ def load(prefix: str, source: Path) -> tuple[Path, bool]:
             lock.unlink()
     try:
         cpp_load(d.name, [str(source)], extra_cflags=flags(), extra_ldflags=["-fopenmp"], build_directory=str(d),
+                 extra_include_paths=[str(source.parent)],
                  is_python_module=False, verbose=False)
     except Exception as e:
         raise RuntimeError("compiling failed: " + " ".join(str(e).strip().splitlines()[-3:])) from None

@@ -20,11 +20,19 @@
 // otherwise (and always for kind 2) the GEMM multiplies by `dense`, oneDNN-packed or plain.
 // An empty bias is none.
 
+#include "cpu_gemv.h"
+#include "cpu_rows.h"
+
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <sleef.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cmath>
 #include <tuple>
+#include <vector>
 
 namespace {
 
@@ -130,6 +138,250 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(const at::Tensor& x, const std::
   return {x1, linear(o, act, lin, 4, kinds[4], max_rows[4])};
 }
 
+
+// ---- The whole decoder stack in one call, for a few rows of bf16 activations and packed weights ----
+//
+// With every linear on the gemv kernels (a few rows, int4 / int8 weights), a batch-1 step of
+// SmolLM2 spent about half its time outside the kernels: a Python call and ~10 dispatches per
+// layer, their allocations, five OpenMP forks and joins per layer (the worker sleeping between
+// them), and the one thread's serial parts. decode_stack runs every layer from here, in two
+// parallel regions per layer around the attention op: the threads share each weight's 16-row
+// blocks (the same block kernels, so the same bits), and the row loops between the GEMMs (norms,
+// rotary, the cache store, bias, the gated activation) run on one thread while the other waits
+// at the next barrier. Buffers are allocated once per call.
+
+#ifdef CORE_GEMV_BF16
+using namespace core_gemv;
+using namespace core_rows;
+using bf16 = c10::BFloat16;
+
+// One packed linear: kind 0 int4 (q codes, s scales and zeros of G groups), 1 int8 (s per-row
+// scales, G = 1); bias nullptr for none.
+struct Packed {
+  int64_t kind, N, K, G;
+  const uint8_t* q;
+  const uint16_t* s;
+  const bf16* bias;
+};
+
+Packed packed(const at::Tensor& a, const at::Tensor& b, const at::Tensor& bias, int64_t kind, int64_t N, int64_t K,
+              int64_t layer, const char* name) {
+  TORCH_CHECK(kind == 0 || kind == 1, "decode_stack: layer ", layer, " ", name, ": kind ", kind, " is not int4 (0) or int8 (1)");
+  TORCH_CHECK(a.scalar_type() == at::kByte && a.is_contiguous() && b.scalar_type() == at::kBFloat16 && b.is_contiguous(),
+              "decode_stack: layer ", layer, " ", name, ": uint8 codes and bf16 scales, contiguous");
+  int64_t G = 1;
+  if (kind == 0) {
+    TORCH_CHECK(a.dim() == 3 && a.size(0) * 16 == N && a.size(1) * 2 == K && a.size(2) == 16 && b.dim() == 4 &&
+                    b.size(0) == N / 16 && b.size(2) == 2 && b.size(3) == 16 && b.size(1) > 0 && K % b.size(1) == 0 &&
+                    (K / b.size(1)) % 8 == 0,
+                "decode_stack: layer ", layer, " ", name, ": int4 weight of ", N, " x ", K, " expected");
+    G = b.size(1);
+  } else {
+    TORCH_CHECK(a.dim() == 4 && a.size(0) * 16 == N && a.size(1) * 2 == K && a.size(2) == 16 && a.size(3) == 2 &&
+                    K % 8 == 0 && b.dim() == 1 && b.size(0) == N,
+                "decode_stack: layer ", layer, " ", name, ": int8 weight of ", N, " x ", K, " expected");
+  }
+  const bool has = bias.defined() && bias.numel();
+  TORCH_CHECK(!has || (bias.scalar_type() == at::kBFloat16 && bias.is_contiguous() && bias.numel() == N),
+              "decode_stack: layer ", layer, " ", name, ": bias of ", N, " bf16 expected");
+  return {kind, N, K, G, a.const_data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(b.const_data_ptr()),
+          has ? bias.const_data_ptr<bf16>() : nullptr};
+}
+
+inline const uint16_t* raw(const bf16* p) { return reinterpret_cast<const uint16_t*>(p); }
+
+// Block nb of w times the M rows of x (xs: their group sums for w.G) into out [M, w.N].
+inline void gemv_block(const Packed& w, const bf16* x, const float* xs, bf16* out, int64_t M, int64_t nb) {
+  uint16_t* o = reinterpret_cast<uint16_t*>(out);
+  for_rows(M, [&](auto rows, int64_t m) {
+    if (w.kind == 0)
+      block<rows.value>(w.q, w.s, raw(x) + m * w.K, xs + m * w.G, o + m * w.N, w.K, w.G, w.N, nb);
+    else
+      block8<rows.value>(w.q, w.s, raw(x) + m * w.K, xs + m, o + m * w.N, w.K, w.N, nb);
+  });
+}
+
+// Inside a parallel region, every thread: out = x w (and out2 = x w2 when w2 is given: one pass
+// over both weights' blocks, gate and up), the blocks shared among the threads. Ends in step.
+void gemv_shared(const Packed& w, const float* xs, bf16* out, const bf16* x, int64_t M, const Packed* w2 = nullptr,
+                 const float* xs2 = nullptr, bf16* out2 = nullptr) {
+  const int64_t na = w.N / 16, nb = w2 ? w2->N / 16 : 0;
+#pragma omp for schedule(static)
+  for (int64_t i = 0; i < na + nb; ++i) {
+    if (i < na)
+      gemv_block(w, x, xs, out, M, i);
+    else
+      gemv_block(*w2, x, xs2, out2, M, i - na);
+  }
+}
+
+void add_bias(const Packed& w, bf16* out, int64_t M) {  // rounded as torch's add rounds
+  if (w.bias)
+    for (int64_t m = 0; m < M; ++m) add_row<bf16>(out + m * w.N, w.bias, out + m * w.N, w.N);
+}
+
+void sums(const Packed& w, const bf16* x, int64_t M, float* xs) { group_sums(raw(x), M, w.K, w.G, xs); }
+
+// out = silu(g) * u over n elements, rounded as torch's silu and mul round them in bf16. torch's
+// silu, run in one chunk (as it is below its grain size), takes whole 64-element steps through
+// its vector loop, x / (1 + e^-x) with Sleef's exp, and the rest through the scalar formula.
+void silu_mul(const bf16* g, const bf16* u, bf16* out, int64_t n) {
+  const uint16_t *gr = raw(g), *ur = raw(u);
+  uint16_t* o = reinterpret_cast<uint16_t*>(out);
+  const int64_t nv = n / 64 * 64;
+  alignas(64) float s[16];
+  int64_t i = 0;
+  for (; i < nv; i += 16) {
+    const __m512 x = bf16_lanes(gr + i);
+    const __m512 e = Sleef_expf16_u10(_mm512_xor_ps(_mm512_set1_ps(-0.0f), x));
+    _mm512_store_ps(s, _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
+#pragma omp simd
+    for (int j = 0; j < 16; ++j) o[i + j] = f_bf16(rnd_bf16(s[j]) * bf16_f(ur[i + j]));
+  }
+  for (; i < n; ++i) {
+    const float x = bf16_f(gr[i]);
+    o[i] = f_bf16(rnd_bf16(x / (1.0f + std::exp(-x))) * bf16_f(ur[i]));
+  }
+}
+
+constexpr int kPerLayer = 17;  // in_norm, post_norm, then (a, b, bias) of qkv, o, gate, up, down
+#endif
+
+std::tuple<at::Tensor, at::Tensor> decode_stack(const at::Tensor& x, const std::optional<at::Tensor>& residual,
+                                                at::TensorList layers, at::IntArrayRef kinds, double eps,
+                                                const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
+                                                int64_t rotary_dim, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                                                at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& out_loc,
+                                                const at::Tensor& kv_indices, const at::Tensor& seq_lens,
+                                                const at::Tensor& extend_lens, double scale, int64_t window) {
+#ifdef CORE_GEMV_BF16
+  const int64_t L = static_cast<int64_t>(k_caches.size());
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16, "decode_stack: x [rows, hidden] contiguous bf16");
+  TORCH_CHECK(!residual || (residual->sizes() == x.sizes() && residual->scalar_type() == at::kBFloat16),
+              "decode_stack: residual [rows, hidden] bf16");
+  TORCH_CHECK(L > 0 && static_cast<int64_t>(v_caches.size()) == L && static_cast<int64_t>(layers.size()) == kPerLayer * L &&
+                  static_cast<int64_t>(kinds.size()) == 5 * L,
+              "decode_stack: per layer 17 tensors, 5 kinds, a K and a V cache");
+  const int64_t M = x.size(0), hid = x.size(1), H = num_heads, Hkv = num_kv_heads, D = head_dim;
+  const int64_t qs = H * D, kvs = Hkv * D, nqkv = qs + 2 * kvs, I = layers[2 + 3 * 2].size(0) * 16;
+  TORCH_CHECK(H > 0 && Hkv > 0 && H % Hkv == 0 && rotary_dim % 2 == 0 && rotary_dim <= D, "decode_stack: head shapes");
+  std::vector<Packed> lin;
+  lin.reserve(5 * L);
+  const int64_t shapes[5][2] = {{nqkv, hid}, {hid, qs}, {I, hid}, {I, hid}, {hid, I}};
+  const char* names[5] = {"qkv_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
+  const int64_t slots = k_caches[0].size(0);
+  for (int64_t l = 0; l < L; ++l) {
+    const at::Tensor* t = layers.data() + kPerLayer * l;
+    for (int i = 0; i < 2; ++i)
+      TORCH_CHECK(t[i].scalar_type() == at::kBFloat16 && t[i].is_contiguous() && t[i].numel() == hid,
+                  "decode_stack: layer ", l, ": norm weights of ", hid, " bf16");
+    for (int i = 0; i < 5; ++i)
+      lin.push_back(packed(t[2 + 3 * i], t[3 + 3 * i], t[4 + 3 * i], kinds[5 * l + i], shapes[i][0], shapes[i][1], l, names[i]));
+    for (const at::Tensor& c : {k_caches[l], v_caches[l]})
+      TORCH_CHECK(c.scalar_type() == at::kBFloat16 && c.is_contiguous() && c.dim() == 3 && c.size(0) == slots &&
+                      c.size(1) == Hkv && c.size(2) == D,
+                  "decode_stack: layer ", l, ": bf16 caches [", slots, ", ", Hkv, ", ", D, "]");
+  }
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == M &&
+                  out_loc.scalar_type() == at::kLong && out_loc.is_contiguous() && out_loc.numel() == M,
+              "decode_stack: int64 positions and out_loc, one per row");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.dim() == 2 && cos.size(1) == rotary_dim && sin.sizes() == cos.sizes(),
+              "decode_stack: float32 rotary caches [max_pos, rotary_dim]");
+  const int64_t* pos = positions.const_data_ptr<int64_t>();
+  const int64_t* loc = out_loc.const_data_ptr<int64_t>();
+  for (int64_t m = 0; m < M; ++m) {
+    TORCH_CHECK(pos[m] >= 0 && pos[m] < cos.size(0), "decode_stack: position ", pos[m], " outside the rotary cache");
+    TORCH_CHECK(loc[m] >= 0 && loc[m] < slots, "decode_stack: slot ", loc[m], " outside the pool");
+  }
+  const auto opt = x.options();
+  at::Tensor x0 = at::empty({M, hid}, opt), h = at::empty({M, hid}, opt), qkv = at::empty({M, nqkv}, opt);
+  at::Tensor qr = at::empty({M, H, D}, opt), kr = at::empty({M, Hkv, D}, opt), o = at::empty({M, hid}, opt);
+  at::Tensor x1 = at::empty({M, hid}, opt), gate = at::empty({M, I}, opt), up = at::empty({M, I}, opt);
+  at::Tensor act = at::empty({M, I}, opt), mlp = at::empty({M, hid}, opt);
+  std::vector<float> xs(M * (std::max({hid, qs, I}) / 8 + 1)), xs2(xs.size());
+  bf16 *px0 = x0.data_ptr<bf16>(), *ph = h.data_ptr<bf16>(), *pqkv = qkv.data_ptr<bf16>(), *pqr = qr.data_ptr<bf16>();
+  bf16 *pkr = kr.data_ptr<bf16>(), *po = o.data_ptr<bf16>(), *px1 = x1.data_ptr<bf16>(), *pg = gate.data_ptr<bf16>();
+  bf16 *pu = up.data_ptr<bf16>(), *pact = act.data_ptr<bf16>(), *pmlp = mlp.data_ptr<bf16>();
+  const bf16* pin = x.const_data_ptr<bf16>();  // the layer's input and the residual to add to it
+  const at::Tensor res = residual ? residual->contiguous() : at::Tensor();
+  const bf16* pres = residual ? res.const_data_ptr<bf16>() : nullptr;
+  const float *pcos = cos.const_data_ptr<float>(), *psin = sin.const_data_ptr<float>();
+  const float feps = static_cast<float>(eps);
+  const int nt = at::get_num_threads();
+  for (int64_t l = 0; l < L; ++l) {
+    const at::Tensor* t = layers.data() + kPerLayer * l;
+    const bf16 *in_norm = t[0].const_data_ptr<bf16>(), *post_norm = t[1].const_data_ptr<bf16>();
+    const Packed* w = lin.data() + 5 * l;
+    bf16* kc = k_caches[l].data_ptr<bf16>();
+    bf16* vc = v_caches[l].data_ptr<bf16>();
+#pragma omp parallel num_threads(nt)
+    {
+#pragma omp single
+      {
+        for (int64_t m = 0; m < M; ++m) {
+          if (pres)
+            add_row<bf16>(pin + m * hid, pres + m * hid, px0 + m * hid, hid);
+          else
+            std::copy(pin + m * hid, pin + (m + 1) * hid, px0 + m * hid);
+          norm_row<bf16>(px0 + m * hid, in_norm, ph + m * hid, hid, feps, 0.0f);
+        }
+        sums(w[0], ph, M, xs.data());
+      }
+      gemv_shared(w[0], xs.data(), pqkv, ph, M);
+#pragma omp single
+      {
+        add_bias(w[0], pqkv, M);
+        for (int64_t m = 0; m < M; ++m) {
+          const float* cs = pcos + pos[m] * rotary_dim;
+          const float* sn = psin + pos[m] * rotary_dim;
+          const bf16* row = pqkv + m * nqkv;
+          for (int64_t j = 0; j < H; ++j) rotate_head<bf16>(row + j * D, pqr + (m * H + j) * D, cs, sn, rotary_dim / 2, D);
+          for (int64_t j = 0; j < Hkv; ++j)
+            rotate_head<bf16>(row + qs + j * D, pkr + (m * Hkv + j) * D, cs, sn, rotary_dim / 2, D);
+          std::copy(pkr + m * kvs, pkr + (m + 1) * kvs, kc + loc[m] * kvs);
+          std::copy(row + qs + kvs, row + nqkv, vc + loc[m] * kvs);
+        }
+      }
+    }
+    const at::Tensor a = ops().attn.call(qr, k_caches[l], v_caches[l], kv_indices, seq_lens, extend_lens, scale, window, 0.0);
+    const bf16* pa = a.const_data_ptr<bf16>();
+#pragma omp parallel num_threads(nt)
+    {
+#pragma omp single
+      sums(w[1], pa, M, xs.data());
+      gemv_shared(w[1], xs.data(), po, pa, M);
+#pragma omp single
+      {
+        add_bias(w[1], po, M);
+        for (int64_t m = 0; m < M; ++m) {
+          add_row<bf16>(px0 + m * hid, po + m * hid, px1 + m * hid, hid);
+          norm_row<bf16>(px1 + m * hid, post_norm, ph + m * hid, hid, feps, 0.0f);
+        }
+        sums(w[2], ph, M, xs.data());
+        sums(w[3], ph, M, xs2.data());
+      }
+      gemv_shared(w[2], xs.data(), pg, ph, M, &w[3], xs2.data(), pu);
+#pragma omp single
+      {
+        add_bias(w[2], pg, M);
+        add_bias(w[3], pu, M);
+        silu_mul(pg, pu, pact, M * I);
+        sums(w[4], pact, M, xs.data());
+      }
+      gemv_shared(w[4], xs.data(), pmlp, pact, M);
+#pragma omp single
+      add_bias(w[4], pmlp, M);
+    }
+    pin = px1;
+    pres = pmlp;
+  }
+  return {x1, mlp};
+#else
+  TORCH_CHECK(false, "decode_stack: this build has no AVX512-BF16");
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY(core_cpu_decode, m) {
@@ -137,7 +389,14 @@ TORCH_LIBRARY(core_cpu_decode, m) {
         "Tensor positions, Tensor cos, Tensor sin, int rotary_dim, int num_heads, int num_kv_heads, int head_dim, "
         "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor out_loc, Tensor kv_indices, Tensor seq_lens, "
         "Tensor extend_lens, float scale, int window, float cap) -> (Tensor, Tensor)");
+  m.def("decode_stack(Tensor x, Tensor? residual, Tensor[] layers, int[] kinds, float eps, Tensor positions, Tensor cos, "
+        "Tensor sin, int rotary_dim, int num_heads, int num_kv_heads, int head_dim, Tensor(a!)[] k_caches, "
+        "Tensor(b!)[] v_caches, Tensor out_loc, Tensor kv_indices, Tensor seq_lens, Tensor extend_lens, float scale, "
+        "int window) -> (Tensor, Tensor)");
 }
 
 // CompositeExplicitAutograd: the oneDNN-packed weights among the arguments carry another dispatch key
-TORCH_LIBRARY_IMPL(core_cpu_decode, CompositeExplicitAutograd, m) { m.impl("decode_layer", &decode_layer); }
+TORCH_LIBRARY_IMPL(core_cpu_decode, CompositeExplicitAutograd, m) { 
+  m.impl("decode_layer", &decode_layer);
+  m.impl("decode_stack", &decode_stack);
+}

@@ -8,6 +8,10 @@ everything it calls has a C++ kernel here (the ``cpu`` attention backend's; for 
 through :func:`run`, which calls the same kernels in the same order, so the result is the same.
 Anything else (other backends, fp16 or fp8 pools, q/k norms, soft caps, tensor parallelism)
 keeps the Python path. ``CORE_FUSED_OPS=0`` turns it off too.
+
+Where every layer has a plan and every linear runs the gemv kernels (a few rows, int4 / int8
+weights), :func:`plan_stack` joins the plans and :func:`run_stack` runs the whole stack as one op:
+same kernels, same order, same bits, without a call, dispatches and thread wake-ups per layer.
 """
 
 from __future__ import annotations
@@ -84,3 +88,36 @@ def run(p: dict[str, Any], x: torch.Tensor, batch: Any,
         x.contiguous(), residual, p["norms"][0], p["norms"][1], p["eps"], p["lin"], p["kinds"], p["max_rows"],
         batch.positions, cos, sin, rot, *p["heads"], *p["caches"], batch.out_cache_loc, batch.kv_indices,
         batch.seq_lens, batch.extend_lens, scale, window, cap)
+
+
+def plan_stack(plans: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """The layers' plans joined for :func:`run_stack`, or None where some layer has none, some
+    linear is not int4 / int8 (kinds 0, 1), the pool is not bf16, or the layers differ in shape."""
+    if not plans or any(p is None for p in plans):
+        return None
+    first = plans[0]
+    same = ("eps", "heads", "attn")
+    if (first["caches"][0].dtype != torch.bfloat16 or any(k not in (0, 1) for p in plans for k in p["kinds"])
+            or any(p[k] != first[k] for p in plans for k in same)
+            or any(p["rotary"] is not first["rotary"] and p["rotary"] != first["rotary"] for p in plans)
+            or any(t.dtype != torch.bfloat16 for p in plans for t in p["norms"])):
+        return None
+    return {
+        "layers": [t for p in plans for t in (*p["norms"], *(p["lin"][4 * i + j] for i in range(5) for j in range(3)))],
+        "kinds": [k for p in plans for k in p["kinds"]],
+        "max_rows": min(r for p in plans for r in p["max_rows"]),
+        "k_caches": [p["caches"][0] for p in plans],
+        "v_caches": [p["caches"][1] for p in plans],
+        "eps": first["eps"], "rotary": first["rotary"], "heads": first["heads"], "attn": first["attn"],
+    }
+
+
+def run_stack(p: dict[str, Any], x: torch.Tensor, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every layer on ``x [rows, hidden]`` (fewer rows than ``p["max_rows"]``) as ``(h, mlp_out)`` of
+    the last layer, as a chain of :func:`run` calls returns them."""
+    cos, sin, rot = p["rotary"]
+    scale, window, _ = p["attn"]
+    return torch.ops.core_cpu_decode.decode_stack(
+        x.contiguous(), None, p["layers"], p["kinds"], p["eps"], batch.positions, cos, sin, rot, *p["heads"],
+        p["k_caches"], p["v_caches"], batch.out_cache_loc, batch.kv_indices, batch.seq_lens, batch.extend_lens,
+        scale, window)

@@ -20,16 +20,22 @@ needs_gemv = pytest.mark.skipif(not cpu_gemv.available(), reason="int4/int8 laye
                                 "which needs AVX512-BF16")
 
 PROMPTS = ["a", "hello world", "abc abc abc abc", "xy"]
-REAL_RUN, REAL_PLAN = cpu_decode.run, cpu_decode.plan
+REAL_RUN, REAL_PLAN, REAL_STACK, REAL_PLAN_STACK = cpu_decode.run, cpu_decode.plan, cpu_decode.run_stack, cpu_decode.plan_stack
+STACK_ROWS: list[int] = []  # the row counts of the last generate's stack ops
 
 
-def generate(path, monkeypatch, fast: bool, prompts: list[str] = PROMPTS, dtype: str = "bfloat16",
+def generate(path, monkeypatch, fast: bool, prompts: list[str] = PROMPTS, dtype: str = "bfloat16", stack: bool = True,
              **opts) -> tuple[list[list[int]], list[int]]:
     """Greedy tokens of ``prompts`` (all together, batch sizes shrinking as requests finish, then
-    the first two alone), and the row counts of the layer forwards the C++ op ran."""
+    the first two alone), and the row counts of the forwards the C++ ops ran (a stack's counted
+    once per layer); ``stack=False`` keeps the one-op layers from being joined into one op."""
     calls = []
+    STACK_ROWS.clear()
     monkeypatch.setattr(cpu_decode, "run", lambda *a: calls.append(a[1].shape[0]) or REAL_RUN(*a))
+    monkeypatch.setattr(cpu_decode, "run_stack", lambda p, x, b: STACK_ROWS.append(x.shape[0])
+                        or calls.extend([x.shape[0]] * len(p["k_caches"])) or REAL_STACK(p, x, b))
     monkeypatch.setattr(cpu_decode, "plan", REAL_PLAN if fast else (lambda *a: None))
+    monkeypatch.setattr(cpu_decode, "plan_stack", REAL_PLAN_STACK if stack else (lambda plans: None))
     eng = make_engine(path, dtype=dtype, **opts)
     try:
         together = [o["output_ids"] for o in eng.generate(prompts, [greedy(6 + 3 * (i % 4)) for i in range(len(prompts))])]
@@ -118,3 +124,128 @@ def test_an_avx2_only_build_takes_it_in_float32(tiny_llama):
     proc = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, timeout=600,
                           cwd=Path(__file__).resolve().parents[1])
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
+
+
+# ---- the whole stack as one op (cpu_decode.run_stack) ----
+
+def random_stack(layers: int, kinds: list[int], bias: bool, seed: int = 0, hid: int = 64, heads: int = 4, kv_heads: int = 2,
+                 head_dim: int = 16, inter: int = 80, group: int = 16) -> dict:
+    """Packed random layers (linear i of layer l of kind ``kinds[(5 * l + i) % len(kinds)]``) and the
+    arguments both ops share."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = [((heads + 2 * kv_heads) * head_dim, hid), (hid, heads * head_dim), (inter, hid), (inter, hid), (hid, inter)]
+    per_layer, stack, kind_list = [], [], []
+    for l in range(layers):
+        norms = [(1 + 0.1 * torch.randn(hid, generator=g)).bfloat16() for _ in range(2)]
+        lin, flat = [], [*norms]
+        for i, (n, k) in enumerate(shapes):
+            kind = kinds[(5 * l + i) % len(kinds)]
+            if kind == 0:
+                q = torch.randint(0, 16, (n, k), generator=g)
+                a, b = cpu_gemv.pack(q, 0.02 * torch.rand(n, k // group, generator=g), 0.01 * torch.randn(n, k // group, generator=g))
+            else:
+                a = cpu_gemv.pack_int8(torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8))
+                b = (0.001 + 0.002 * torch.rand(n, generator=g)).bfloat16()
+            bi = (0.1 * torch.randn(n, generator=g)).bfloat16() if bias and i in (0, 2) else cpu_decode._EMPTY
+            lin += [a, b, bi, cpu_decode._EMPTY]
+            flat += [a, b, bi]
+            kind_list.append(kind)
+        per_layer.append((norms, lin, kind_list[-5:]))
+        stack += flat
+    rot = head_dim // 2  # partial rotary: the rest of each head passes through
+    pos = torch.arange(64, dtype=torch.float32)[:, None] / (10000 ** (torch.arange(0, rot, 2) / rot))
+    cos, sin = torch.cat([pos.cos()] * 2, 1).contiguous(), torch.cat([pos.sin()] * 2, 1).contiguous()
+    return {"per_layer": per_layer, "stack": stack, "kinds": kind_list, "rotary": (cos, sin, rot),
+            "heads": (heads, kv_heads, head_dim), "hid": hid, "g": g}
+
+
+def run_both(s: dict, seq_lens: list[int], extend_lens: list[int], threads: int):
+    """(h, mlp_out, K caches, V caches) from a chain of decode_layer and from decode_stack, on one
+    batch of sequences over random, already filled caches."""
+    g, (heads, kv_heads, head_dim), hid = s["g"], s["heads"], s["hid"]
+    rows = sum(extend_lens)
+    slots = 128
+    caches = [torch.randn(slots, kv_heads, head_dim, generator=g).bfloat16() for _ in range(2 * len(s["per_layer"]))]
+    width = max(seq_lens)
+    kv_indices = torch.zeros(len(seq_lens), width, dtype=torch.long)
+    perm = torch.randperm(slots, generator=g)
+    used = 0
+    for b, n in enumerate(seq_lens):
+        kv_indices[b, :n] = perm[used:used + n]
+        used += n
+    positions = torch.cat([torch.arange(n - e, n) for n, e in zip(seq_lens, extend_lens)])
+    out_loc = torch.cat([kv_indices[b, n - e:n] for b, (n, e) in enumerate(zip(seq_lens, extend_lens))])
+    x = torch.randn(rows, hid, generator=g).bfloat16()
+    cos, sin, rot = s["rotary"]
+    sl, el = torch.tensor(seq_lens), torch.tensor(extend_lens)
+    attn = dict(kv_indices=kv_indices, seq_lens=sl, extend_lens=el, scale=head_dim ** -0.5, window=0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        ka, va = [c.clone() for c in caches[0::2]], [c.clone() for c in caches[1::2]]
+        h, res = x, None
+        for l, (norms, lin, kinds) in enumerate(s["per_layer"]):
+            h, res = torch.ops.core_cpu_decode.decode_layer(
+                h, res, norms[0], norms[1], 1e-5, lin, kinds, [1 << 30] * 5, positions, cos, sin, rot, heads, kv_heads,
+                head_dim, ka[l], va[l], out_loc, kv_indices, sl, el, attn["scale"], 0, 0.0)
+        kb, vb = [c.clone() for c in caches[0::2]], [c.clone() for c in caches[1::2]]
+        h2, res2 = torch.ops.core_cpu_decode.decode_stack(
+            x, None, s["stack"], s["kinds"], 1e-5, positions, cos, sin, rot, heads, kv_heads, head_dim, kb, vb, out_loc,
+            kv_indices, sl, el, attn["scale"], 0)
+    finally:
+        torch.set_num_threads(before)
+    return (h, res, ka, va), (h2, res2, kb, vb)
+
+
+@needs_gemv
+@pytest.mark.parametrize("quant", ["int4wo-32", "int8wo"])
+def test_the_stack_gives_the_tokens_of_the_layer_ops(tiny_llama, monkeypatch, quant):
+    """Batches of a few rows (decodes and short prefills) take the whole stack as one op, and the
+    tokens are those of the one-op layers."""
+    path, _ = tiny_llama()
+    want, rows = generate(path, monkeypatch, True, stack=False, attention_backend="cpu", torchao_config=quant, cpu_threads=2)
+    assert rows and not STACK_ROWS
+    got, _ = generate(path, monkeypatch, True, attention_backend="cpu", torchao_config=quant, cpu_threads=2)
+    assert got == want
+    assert 1 in STACK_ROWS and max(STACK_ROWS) > 1
+
+
+@needs_gemv
+@pytest.mark.parametrize("kinds,bias", [([0], False), ([1], False), ([0, 1, 1], True)], ids=["int4", "int8", "mixed_with_biases"])
+@pytest.mark.parametrize("batch", [([9], [1]), ([5, 30], [1, 1]), ([40, 7, 3], [1, 1, 1]), ([12, 6], [2, 1])],
+                         ids=["one_decode", "two_decodes", "three_decodes", "extend_and_decode"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_stack_op_equals_the_chain_of_layer_ops(kinds, bias, batch, threads):
+    """Bit for bit: the outputs and every layer's cache writes (MLP width 80, so the gated activation's
+    last 16 elements take torch's scalar path; partial rotary; groups of 16)."""
+    from core_plugins.attention import cpu
+
+    cpu.load_kernel()
+    want, got = run_both(random_stack(3, kinds, bias), *batch, threads)
+    assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+    for a, b in zip(want[2] + want[3], got[2] + got[3]):
+        assert torch.equal(a, b)
+
+
+@needs_gemv
+@pytest.mark.parametrize("change,message", [
+    (lambda a: a.update(kinds=[2] * len(a["kinds"])), r"kind 2 is not int4 \(0\)"),
+    (lambda a: a.update(stack=a["stack"][:-1]), "per layer 17 tensors"),
+    (lambda a: a.update(positions=a["positions"] + 1000), "outside the rotary cache"),
+    (lambda a: a.update(out_loc=a["out_loc"] + 1000), "outside the pool"),
+    (lambda a: a.update(x=a["x"].float()), "contiguous bf16"),
+], ids=["dense_kind", "missing_tensor", "position", "slot", "float32_rows"])
+def test_the_stack_op_refuses_bad_arguments(change, message):
+    from core_plugins.attention import cpu
+
+    cpu.load_kernel()
+    s = random_stack(2, [0], False)
+    cos, sin, rot = s["rotary"]
+    args = {"x": torch.randn(1, 64).bfloat16(), "stack": s["stack"], "kinds": s["kinds"], "positions": torch.tensor([3]),
+            "out_loc": torch.tensor([3]), "caches": [torch.zeros(16, 2, 16).bfloat16() for _ in range(4)]}
+    change(args)
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.core_cpu_decode.decode_stack(
+            args["x"], None, args["stack"], args["kinds"], 1e-5, args["positions"], cos, sin, rot, 4, 2, 16,
+            args["caches"][0::2], args["caches"][1::2], args["out_loc"], torch.arange(4).view(1, 4), torch.tensor([4]),
+            torch.tensor([1]), 0.25, 0)

@@ -105,6 +105,9 @@ class LlamaModel(nn.Module):
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         x = self.embed_tokens(batch.input_ids)
+        if x.device.type == "cpu" and (stack := self._cpu_stack(batch)) is not None and x.shape[0] < stack["max_rows"]:
+            h, mlp_out = cpu_decode.run_stack(stack, x, batch)
+            return self.norm(h + mlp_out)
         pending = None  # a one-op layer's MLP output, added by the next one-op layer with its first norm
         for layer in self.layers:
             plan = getattr(layer, "_cpu_decode", None)
@@ -115,6 +118,14 @@ class LlamaModel(nn.Module):
                 x, pending = x + pending, None
             x = layer(x, batch)
         return self.norm(x if pending is None else x + pending)
+
+    def _cpu_stack(self, batch: ForwardBatch) -> dict[str, Any] | None:
+        """Every layer as one C++ op (``kernels/cpu_decode.run_stack``), planned once per backend."""
+        cached = self.__dict__.get("_cpu_stack_plan")
+        if cached is None or cached[0] is not batch.attn_backend:
+            plans = [layer._cpu_decode(batch) if hasattr(layer, "_cpu_decode") else None for layer in self.layers]
+            cached = self.__dict__["_cpu_stack_plan"] = (batch.attn_backend, cpu_decode.plan_stack(plans))
+        return cached[1]
 
 
 class LlamaForCausalLM(nn.Module):
