@@ -201,17 +201,27 @@ inline void gemv_block(const Packed& w, const bf16* x, const float* xs, bf16* ou
   });
 }
 
-// Inside a parallel region, every thread: out = x w (and out2 = x w2 when w2 is given: one pass
-// over both weights' blocks, gate and up), the blocks shared among the threads. Ends in step.
-void gemv_shared(const Packed& w, const float* xs, bf16* out, const bf16* x, int64_t M, const Packed* w2 = nullptr,
-                 const float* xs2 = nullptr, bf16* out2 = nullptr) {
-  const int64_t na = w.N / 16, nb = w2 ? w2->N / 16 : 0;
+// A GEMM of the stack: out = x w, and out2 = x w2 when w2 is given (gate and up: one pass over both
+// weights' blocks); xs, xs2 the group sums of x for each.
+struct Job {
+  const Packed* w;
+  const float* xs;
+  bf16* out;
+  const Packed* w2 = nullptr;
+  const float* xs2 = nullptr;
+  bf16* out2 = nullptr;
+  int64_t blocks() const { return w->N / 16 + (w2 ? w2->N / 16 : 0); }
+};
+
+// Inside a parallel region, every thread: a share of the job's blocks; the threads leave in step.
+void gemv_shared(const Job& j, const bf16* x, int64_t M) {
+  const int64_t na = j.w->N / 16;
 #pragma omp for schedule(static)
-  for (int64_t i = 0; i < na + nb; ++i) {
+  for (int64_t i = 0; i < j.blocks(); ++i) {
     if (i < na)
-      gemv_block(w, x, xs, out, M, i);
+      gemv_block(*j.w, x, j.xs, j.out, M, i);
     else
-      gemv_block(*w2, x, xs2, out2, M, i - na);
+      gemv_block(*j.w2, x, j.xs2, j.out2, M, i - na);
   }
 }
 
@@ -315,6 +325,8 @@ std::tuple<at::Tensor, at::Tensor> decode_stack(const at::Tensor& x, const std::
     const Packed* w = lin.data() + 5 * l;
     bf16* kc = k_caches[l].data_ptr<bf16>();
     bf16* vc = v_caches[l].data_ptr<bf16>();
+    const Job qkv_job{&w[0], xs.data(), pqkv}, o_job{&w[1], xs.data(), po};
+    const Job mlp_job{&w[2], xs.data(), pg, &w[3], xs2.data(), pu}, down_job{&w[4], xs.data(), pmlp};
 #pragma omp parallel num_threads(nt)
     {
 #pragma omp single
@@ -328,7 +340,7 @@ std::tuple<at::Tensor, at::Tensor> decode_stack(const at::Tensor& x, const std::
         }
         sums(w[0], ph, M, xs.data());
       }
-      gemv_shared(w[0], xs.data(), pqkv, ph, M);
+      gemv_shared(qkv_job, ph, M);
 #pragma omp single
       {
         add_bias(w[0], pqkv, M);
@@ -350,7 +362,7 @@ std::tuple<at::Tensor, at::Tensor> decode_stack(const at::Tensor& x, const std::
     {
 #pragma omp single
       sums(w[1], pa, M, xs.data());
-      gemv_shared(w[1], xs.data(), po, pa, M);
+      gemv_shared(o_job, pa, M);
 #pragma omp single
       {
         add_bias(w[1], po, M);
@@ -359,9 +371,12 @@ std::tuple<at::Tensor, at::Tensor> decode_stack(const at::Tensor& x, const std::
           norm_row<bf16>(px1 + m * hid, post_norm, ph + m * hid, hid, feps, 0.0f);
         }
         sums(w[2], ph, M, xs.data());
-        sums(w[3], ph, M, xs2.data());
+        if (w[3].G == w[2].G)  // up's sums are gate's
+          std::copy(xs.begin(), xs.begin() + M * w[2].G, xs2.begin());
+        else
+          sums(w[3], ph, M, xs2.data());
       }
-      gemv_shared(w[2], xs.data(), pg, ph, M, &w[3], xs2.data(), pu);
+      gemv_shared(mlp_job, ph, M);
 #pragma omp single
       {
         add_bias(w[2], pg, M);
@@ -369,7 +384,7 @@ std::tuple<at::Tensor, at::Tensor> decode_stack(const at::Tensor& x, const std::
         silu_mul(pg, pu, pact, M * I);
         sums(w[4], pact, M, xs.data());
       }
-      gemv_shared(w[4], xs.data(), pmlp, pact, M);
+      gemv_shared(down_job, pact, M);
 #pragma omp single
       add_bias(w[4], pmlp, M);
     }

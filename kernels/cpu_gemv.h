@@ -193,6 +193,7 @@ inline void group_sums(const uint16_t* x, int64_t M, int64_t K, int64_t G, float
   for (int64_t m = 0; m < M; ++m)
     for (int64_t g = 0; g < G; ++g) {
       float s = 0.0f;
+#pragma omp simd reduction(+ : s)  // summed in lanes: a serial chain of adds cost ~4 us per layer at batch 1
       for (int64_t i = 0; i < gs; ++i) {
         const uint32_t bits = static_cast<uint32_t>(x[m * K + g * gs + i]) << 16;
         float f;

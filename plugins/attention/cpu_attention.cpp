@@ -231,15 +231,18 @@ struct Params {
   int parts = 1;
 };
 
-// Scratch of one thread, sized for the largest task.
+// Scratch of one thread, sized for the largest task. Each thread keeps its own between calls, as
+// between the tasks of a call (a decode step calls once per layer: ~12 allocations a thread each).
 struct Scratch {
   std::vector<float> q, acc, s, kv, m, l, ps;
   std::vector<int> lo, hi, a, z;
   std::vector<const void*> qsrc;  // each query vector's row in q (the bf16 dot reads it there)
-  Scratch(int rows, int nr, int D, int H)  // H: query heads of a whole-sequence decode task
-      : q(rows * D), acc(std::max(rows, H) * D), s(rows * kBlock), kv(kBlock * D), m(std::max(rows, H)),
-        l(std::max(rows, H)), ps(H * kChunk),
-        lo(nr), hi(nr), a(nr), z(nr), qsrc(rows) {}
+  void fit(int rows, int nr, int D, int H) {  // H: query heads of a whole-sequence decode task
+    const auto grow = [](auto& v, int n) { if (static_cast<int>(v.size()) < n) v.resize(n); };
+    grow(q, rows * D), grow(acc, std::max(rows, H) * D), grow(s, rows * kBlock), grow(kv, kBlock * D);
+    grow(m, std::max(rows, H)), grow(l, std::max(rows, H)), grow(ps, H * kChunk);
+    grow(lo, nr), grow(hi, nr), grow(a, nr), grow(z, nr), grow(qsrc, rows);
+  }
 };
 
 #ifdef CORE_BF16_DOT
@@ -551,7 +554,8 @@ void run_all(const Params& p, const std::vector<Task>& tasks, int max_nr, const 
   const int nt = static_cast<int>(std::min<int64_t>(at::get_num_threads(), ntasks));
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {
-    Scratch w(max_nr * static_cast<int>(p.G), max_nr, static_cast<int>(p.D), static_cast<int>(p.H));
+    thread_local Scratch w;
+    w.fit(max_nr * static_cast<int>(p.G), max_nr, static_cast<int>(p.D), static_cast<int>(p.H));
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < ntasks; ++i) run_task<T, DC>(p, tasks[i], qp, kp, vp, op, w);
   }
