@@ -77,7 +77,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
 def step_split(engine, prompts: list[list[int]], steps: int = 8) -> dict[str, float]:
     """Mean milliseconds of one decode step at ``len(prompts)`` streams as the engine runs it, and
     the split of the same step with each decoder layer's Python forward (where layers run as one
-    C++ op, ``kernels/cpu_decode``, no hook sees inside them) into GEMMs (every ``Linear`` and the
+    C++ op, or the whole stack as one, ``kernels/cpu_decode``, no hook sees inside them) into GEMMs (every ``Linear`` and the
     LM head), attention (the backend's per-layer call) and the rest."""
     core = engine.engine
     timers = {"gemm": 0.0, "attention": 0.0}
@@ -119,9 +119,10 @@ def step_split(engine, prompts: list[list[int]], steps: int = 8) -> dict[str, fl
 
         from core.layers import Attention, Linear
 
-        python_layers = [m for m in core.model.modules() if hasattr(m, "_cpu_decode")]
-        for m in python_layers:
-            m._cpu_decode = lambda batch: None  # the Python forward, so that the hooks below fire
+        for m in core.model.modules():  # the Python forward, so that the hooks below fire
+            for name in ("_cpu_decode", "_cpu_stack"):  # one-op layers, the one-op stack
+                if hasattr(m, name):
+                    setattr(m, name, lambda batch: None)
         for m in core.model.modules():
             kind = "gemm" if isinstance(m, Linear) else "attention" if isinstance(m, Attention) else None
             if kind:
@@ -152,6 +153,7 @@ def step_split(engine, prompts: list[list[int]], steps: int = 8) -> dict[str, fl
             h.remove()
         for m in core.model.modules():
             m.__dict__.pop("_cpu_decode", None)
+            m.__dict__.pop("_cpu_stack", None)
     return {"step": step * 1e3, "python_step": python_step * 1e3, "gemm": gemm * 1e3, "attention": attn * 1e3,
             "other": (python_step - gemm - attn) * 1e3}
 
