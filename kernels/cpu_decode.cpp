@@ -27,10 +27,12 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <sleef.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
+#include <omp.h>
 #include <tuple>
 #include <vector>
 
@@ -144,11 +146,14 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(const at::Tensor& x, const std::
 // With every linear on the gemv kernels (a few rows, int4 / int8 weights), a batch-1 step of
 // SmolLM2 spent about half its time outside the kernels: a Python call and ~10 dispatches per
 // layer, their allocations, five OpenMP forks and joins per layer (the worker sleeping between
-// them), and the one thread's serial parts. decode_stack runs every layer from here, in two
-// parallel regions per layer around the attention op: the threads share each weight's 16-row
-// blocks (the same block kernels, so the same bits), and the row loops between the GEMMs (norms,
-// rotary, the cache store, bias, the gated activation) run on one thread while the other waits
-// at the next barrier. Buffers are allocated once per call.
+// them), and the one thread's serial parts. DecodeStack runs every layer from here, in two
+// parallel regions per layer around the attention op. The threads share each weight's 16-row
+// blocks (the same block kernels, so the same bits; a bias is added to each block as it is
+// done), and each thread computes the row loops between the GEMMs (residual adds, norms, group
+// sums, the gated activation) itself, in its own buffers: a few microseconds of duplicated
+// arithmetic instead of a barrier and a waiting thread each. So a layer's threads meet only after
+// each GEMM (every thread needs all of its output) and once around the attention op (the
+// rotary embedding and the cache store, on one thread). Buffers are allocated once per call.
 
 #ifdef CORE_GEMV_BF16
 using namespace core_gemv;
@@ -190,7 +195,8 @@ Packed packed(const at::Tensor& a, const at::Tensor& b, const at::Tensor& bias, 
 
 inline const uint16_t* raw(const bf16* p) { return reinterpret_cast<const uint16_t*>(p); }
 
-// Block nb of w times the M rows of x (xs: their group sums for w.G) into out [M, w.N].
+// Block nb of w times the M rows of x (xs: their group sums for w.G) into out [M, w.N], plus the
+// bias of its 16 columns (rounded as torch's add rounds).
 inline void gemv_block(const Packed& w, const bf16* x, const float* xs, bf16* out, int64_t M, int64_t nb) {
   uint16_t* o = reinterpret_cast<uint16_t*>(out);
   for_rows(M, [&](auto rows, int64_t m) {
@@ -199,6 +205,8 @@ inline void gemv_block(const Packed& w, const bf16* x, const float* xs, bf16* ou
     else
       block8<rows.value>(w.q, w.s, raw(x) + m * w.K, xs + m, o + m * w.N, w.K, w.N, nb);
   });
+  if (w.bias)
+    for (int64_t m = 0; m < M; ++m) add_row<bf16>(out + m * w.N + nb * 16, w.bias + nb * 16, out + m * w.N + nb * 16, 16);
 }
 
 // A GEMM of the stack: out = x w, and out2 = x w2 when w2 is given (gate and up: one pass over both
@@ -223,11 +231,6 @@ void gemv_shared(const Job& j, const bf16* x, int64_t M) {
     else
       gemv_block(*j.w2, x, j.xs2, j.out2, M, i - na);
   }
-}
-
-void add_bias(const Packed& w, bf16* out, int64_t M) {  // rounded as torch's add rounds
-  if (w.bias)
-    for (int64_t m = 0; m < M; ++m) add_row<bf16>(out + m * w.N, w.bias, out + m * w.N, w.N);
 }
 
 void sums(const Packed& w, const bf16* x, int64_t M, float* xs) { group_sums(raw(x), M, w.K, w.G, xs); }
@@ -257,145 +260,155 @@ void silu_mul(const bf16* g, const bf16* u, bf16* out, int64_t n) {
 constexpr int kPerLayer = 17;  // in_norm, post_norm, then (a, b, bias) of qkv, o, gate, up, down
 #endif
 
-std::tuple<at::Tensor, at::Tensor> decode_stack(const at::Tensor& x, const std::optional<at::Tensor>& residual,
-                                                at::TensorList layers, at::IntArrayRef kinds, double eps,
-                                                const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
-                                                int64_t rotary_dim, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                                                at::TensorList k_caches, at::TensorList v_caches, const at::Tensor& out_loc,
-                                                const at::Tensor& kv_indices, const at::Tensor& seq_lens,
-                                                const at::Tensor& extend_lens, double scale, int64_t window) {
+// The stack's weights, norms and caches, checked once (torch.classes.core_cpu_decode.DecodeStack,
+// built when the model first plans it); run() is one decode or short-prefill forward.
+class DecodeStack : public torch::CustomClassHolder {
+ public:
+  DecodeStack(std::vector<at::Tensor> layers, std::vector<int64_t> kinds, double eps, at::Tensor cos, at::Tensor sin,
+              int64_t rotary_dim, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+              std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches, double scale, int64_t window)
+      : layers_(std::move(layers)), k_caches_(std::move(k_caches)), v_caches_(std::move(v_caches)), cos_(std::move(cos)),
+        sin_(std::move(sin)), eps_(eps), scale_(scale), window_(window), rot_(rotary_dim), H(num_heads),
+        Hkv(num_kv_heads), D(head_dim) {
 #ifdef CORE_GEMV_BF16
-  const int64_t L = static_cast<int64_t>(k_caches.size());
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16, "decode_stack: x [rows, hidden] contiguous bf16");
-  TORCH_CHECK(!residual || (residual->sizes() == x.sizes() && residual->scalar_type() == at::kBFloat16),
-              "decode_stack: residual [rows, hidden] bf16");
-  TORCH_CHECK(L > 0 && static_cast<int64_t>(v_caches.size()) == L && static_cast<int64_t>(layers.size()) == kPerLayer * L &&
-                  static_cast<int64_t>(kinds.size()) == 5 * L,
-              "decode_stack: per layer 17 tensors, 5 kinds, a K and a V cache");
-  const int64_t M = x.size(0), hid = x.size(1), H = num_heads, Hkv = num_kv_heads, D = head_dim;
-  const int64_t qs = H * D, kvs = Hkv * D, nqkv = qs + 2 * kvs, I = layers[2 + 3 * 2].size(0) * 16;
-  TORCH_CHECK(H > 0 && Hkv > 0 && H % Hkv == 0 && rotary_dim % 2 == 0 && rotary_dim <= D, "decode_stack: head shapes");
-  std::vector<Packed> lin;
-  lin.reserve(5 * L);
-  const int64_t shapes[5][2] = {{nqkv, hid}, {hid, qs}, {I, hid}, {I, hid}, {hid, I}};
-  const char* names[5] = {"qkv_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
-  const int64_t slots = k_caches[0].size(0);
-  for (int64_t l = 0; l < L; ++l) {
-    const at::Tensor* t = layers.data() + kPerLayer * l;
-    for (int i = 0; i < 2; ++i)
-      TORCH_CHECK(t[i].scalar_type() == at::kBFloat16 && t[i].is_contiguous() && t[i].numel() == hid,
-                  "decode_stack: layer ", l, ": norm weights of ", hid, " bf16");
-    for (int i = 0; i < 5; ++i)
-      lin.push_back(packed(t[2 + 3 * i], t[3 + 3 * i], t[4 + 3 * i], kinds[5 * l + i], shapes[i][0], shapes[i][1], l, names[i]));
-    for (const at::Tensor& c : {k_caches[l], v_caches[l]})
-      TORCH_CHECK(c.scalar_type() == at::kBFloat16 && c.is_contiguous() && c.dim() == 3 && c.size(0) == slots &&
-                      c.size(1) == Hkv && c.size(2) == D,
-                  "decode_stack: layer ", l, ": bf16 caches [", slots, ", ", Hkv, ", ", D, "]");
-  }
-  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == M &&
-                  out_loc.scalar_type() == at::kLong && out_loc.is_contiguous() && out_loc.numel() == M,
-              "decode_stack: int64 positions and out_loc, one per row");
-  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
-                  sin.is_contiguous() && cos.dim() == 2 && cos.size(1) == rotary_dim && sin.sizes() == cos.sizes(),
-              "decode_stack: float32 rotary caches [max_pos, rotary_dim]");
-  const int64_t* pos = positions.const_data_ptr<int64_t>();
-  const int64_t* loc = out_loc.const_data_ptr<int64_t>();
-  for (int64_t m = 0; m < M; ++m) {
-    TORCH_CHECK(pos[m] >= 0 && pos[m] < cos.size(0), "decode_stack: position ", pos[m], " outside the rotary cache");
-    TORCH_CHECK(loc[m] >= 0 && loc[m] < slots, "decode_stack: slot ", loc[m], " outside the pool");
-  }
-  const auto opt = x.options();
-  at::Tensor x0 = at::empty({M, hid}, opt), h = at::empty({M, hid}, opt), qkv = at::empty({M, nqkv}, opt);
-  at::Tensor qr = at::empty({M, H, D}, opt), kr = at::empty({M, Hkv, D}, opt), o = at::empty({M, hid}, opt);
-  at::Tensor x1 = at::empty({M, hid}, opt), gate = at::empty({M, I}, opt), up = at::empty({M, I}, opt);
-  at::Tensor act = at::empty({M, I}, opt), mlp = at::empty({M, hid}, opt);
-  std::vector<float> xs(M * (std::max({hid, qs, I}) / 8 + 1)), xs2(xs.size());
-  bf16 *px0 = x0.data_ptr<bf16>(), *ph = h.data_ptr<bf16>(), *pqkv = qkv.data_ptr<bf16>(), *pqr = qr.data_ptr<bf16>();
-  bf16 *pkr = kr.data_ptr<bf16>(), *po = o.data_ptr<bf16>(), *px1 = x1.data_ptr<bf16>(), *pg = gate.data_ptr<bf16>();
-  bf16 *pu = up.data_ptr<bf16>(), *pact = act.data_ptr<bf16>(), *pmlp = mlp.data_ptr<bf16>();
-  const bf16* pin = x.const_data_ptr<bf16>();  // the layer's input and the residual to add to it
-  const at::Tensor res = residual ? residual->contiguous() : at::Tensor();
-  const bf16* pres = residual ? res.const_data_ptr<bf16>() : nullptr;
-  const float *pcos = cos.const_data_ptr<float>(), *psin = sin.const_data_ptr<float>();
-  const float feps = static_cast<float>(eps);
-  const int nt = at::get_num_threads();
-  for (int64_t l = 0; l < L; ++l) {
-    const at::Tensor* t = layers.data() + kPerLayer * l;
-    const bf16 *in_norm = t[0].const_data_ptr<bf16>(), *post_norm = t[1].const_data_ptr<bf16>();
-    const Packed* w = lin.data() + 5 * l;
-    bf16* kc = k_caches[l].data_ptr<bf16>();
-    bf16* vc = v_caches[l].data_ptr<bf16>();
-    const Job qkv_job{&w[0], xs.data(), pqkv}, o_job{&w[1], xs.data(), po};
-    const Job mlp_job{&w[2], xs.data(), pg, &w[3], xs2.data(), pu}, down_job{&w[4], xs.data(), pmlp};
-#pragma omp parallel num_threads(nt)
-    {
-#pragma omp single
-      {
-        for (int64_t m = 0; m < M; ++m) {
-          if (pres)
-            add_row<bf16>(pin + m * hid, pres + m * hid, px0 + m * hid, hid);
-          else
-            std::copy(pin + m * hid, pin + (m + 1) * hid, px0 + m * hid);
-          norm_row<bf16>(px0 + m * hid, in_norm, ph + m * hid, hid, feps, 0.0f);
-        }
-        sums(w[0], ph, M, xs.data());
+    L = static_cast<int64_t>(k_caches_.size());
+    TORCH_CHECK(L > 0 && static_cast<int64_t>(v_caches_.size()) == L && static_cast<int64_t>(layers_.size()) == kPerLayer * L &&
+                    static_cast<int64_t>(kinds.size()) == 5 * L,
+                "DecodeStack: per layer 17 tensors, 5 kinds, a K and a V cache");
+    TORCH_CHECK(H > 0 && Hkv > 0 && H % Hkv == 0 && rot_ % 2 == 0 && rot_ <= D, "DecodeStack: head shapes");
+    TORCH_CHECK(cos_.scalar_type() == at::kFloat && sin_.scalar_type() == at::kFloat && cos_.is_contiguous() &&
+                    sin_.is_contiguous() && cos_.dim() == 2 && cos_.size(1) == rot_ && sin_.sizes() == cos_.sizes(),
+                "DecodeStack: float32 rotary caches [max_pos, rotary_dim]");
+    hid = layers_[0].numel();
+    qs = H * D, kvs = Hkv * D, nqkv = qs + 2 * kvs, I = layers_[2 + 3 * 2].size(0) * 16;
+    const int64_t shapes[5][2] = {{nqkv, hid}, {hid, qs}, {I, hid}, {I, hid}, {hid, I}};
+    const char* names[5] = {"qkv_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
+    slots = k_caches_[0].size(0);
+    for (int64_t l = 0; l < L; ++l) {
+      const at::Tensor* t = layers_.data() + kPerLayer * l;
+      for (int i = 0; i < 2; ++i) {
+        TORCH_CHECK(t[i].scalar_type() == at::kBFloat16 && t[i].is_contiguous() && t[i].numel() == hid,
+                    "DecodeStack: layer ", l, ": norm weights of ", hid, " bf16");
+        norms_.push_back(t[i].const_data_ptr<bf16>());
       }
-      gemv_shared(qkv_job, ph, M);
-#pragma omp single
+      for (int i = 0; i < 5; ++i)
+        lin_.push_back(packed(t[2 + 3 * i], t[3 + 3 * i], t[4 + 3 * i], kinds[5 * l + i], shapes[i][0], shapes[i][1], l, names[i]));
+      for (const at::Tensor& c : {k_caches_[l], v_caches_[l]})
+        TORCH_CHECK(c.scalar_type() == at::kBFloat16 && c.is_contiguous() && c.dim() == 3 && c.size(0) == slots &&
+                        c.size(1) == Hkv && c.size(2) == D,
+                    "DecodeStack: layer ", l, ": bf16 caches [", slots, ", ", Hkv, ", ", D, "]");
+    }
+#else
+    TORCH_CHECK(false, "DecodeStack: this build has no AVX512-BF16");
+#endif
+  }
+
+  // (h, mlp_out) of the last layer for x [rows, hidden] bf16, as a chain of decode_layer calls
+  // (the first without a residual) returns them; the cache rows of out_loc are written.
+  std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& out_loc,
+                                         const at::Tensor& kv_indices, const at::Tensor& seq_lens,
+                                         const at::Tensor& extend_lens) {
+#ifdef CORE_GEMV_BF16
+    TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16 && x.size(1) == hid,
+                "DecodeStack: x [rows, ", hid, "] contiguous bf16");
+    const int64_t M = x.size(0);
+    TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == M &&
+                    out_loc.scalar_type() == at::kLong && out_loc.is_contiguous() && out_loc.numel() == M,
+                "DecodeStack: int64 positions and out_loc, one per row");
+    const int64_t* pos = positions.const_data_ptr<int64_t>();
+    const int64_t* loc = out_loc.const_data_ptr<int64_t>();
+    for (int64_t m = 0; m < M; ++m) {
+      TORCH_CHECK(pos[m] >= 0 && pos[m] < cos_.size(0), "DecodeStack: position ", pos[m], " outside the rotary cache");
+      TORCH_CHECK(loc[m] >= 0 && loc[m] < slots, "DecodeStack: slot ", loc[m], " outside the pool");
+    }
+    const int nt = at::get_num_threads();
+    const auto opt = x.options();
+    // shared: the GEMM outputs, the rotated q and k; per thread (row t): the row loops' buffers
+    at::Tensor qkv = at::empty({M, nqkv}, opt), qr = at::empty({M, H, D}, opt), kr = at::empty({M, Hkv, D}, opt);
+    at::Tensor o = at::empty({M, hid}, opt), gate = at::empty({M, I}, opt), up = at::empty({M, I}, opt);
+    at::Tensor mlp = at::empty({M, hid}, opt);
+    at::Tensor x0 = at::empty({nt, M, hid}, opt), x1 = at::empty({nt, M, hid}, opt), h = at::empty({nt, M, std::max(hid, I)}, opt);
+    const int64_t gmax = M * (std::max({hid, qs, I}) / 8 + 1);
+    at::Tensor xs = at::empty({nt, 2, gmax}, opt.dtype(at::kFloat));
+    bf16 *pqkv = qkv.data_ptr<bf16>(), *pqr = qr.data_ptr<bf16>(), *pkr = kr.data_ptr<bf16>(), *po = o.data_ptr<bf16>();
+    bf16 *pg = gate.data_ptr<bf16>(), *pu = up.data_ptr<bf16>(), *pmlp = mlp.data_ptr<bf16>();
+    const float *pcos = cos_.const_data_ptr<float>(), *psin = sin_.const_data_ptr<float>();
+    const float feps = static_cast<float>(eps_);
+    for (int64_t l = 0; l < L; ++l) {
+      const bf16 *in_norm = norms_[2 * l], *post_norm = norms_[2 * l + 1];
+      const Packed* w = lin_.data() + 5 * l;
+      bf16* kc = k_caches_[l].data_ptr<bf16>();
+      bf16* vc = v_caches_[l].data_ptr<bf16>();
+  #pragma omp parallel num_threads(nt)
       {
-        add_bias(w[0], pqkv, M);
+        const int me = omp_get_thread_num();
+        bf16 *my_x0 = x0.data_ptr<bf16>() + me * M * hid, *my_h = h.data_ptr<bf16>() + me * h.size(1) * h.size(2);
+        float* my_xs = xs.data_ptr<float>() + me * 2 * gmax;
+        // the layer's input: x (+ residual) at the first layer, then this thread's x1 + the MLP's output
+        const bf16* in = l ? x1.data_ptr<bf16>() + me * M * hid : x.const_data_ptr<bf16>();
+        const bf16* add = l ? pmlp : nullptr;
         for (int64_t m = 0; m < M; ++m) {
-          const float* cs = pcos + pos[m] * rotary_dim;
-          const float* sn = psin + pos[m] * rotary_dim;
+          if (add)
+            add_row<bf16>(in + m * hid, add + m * hid, my_x0 + m * hid, hid);
+          else
+            std::copy(in + m * hid, in + (m + 1) * hid, my_x0 + m * hid);
+          norm_row<bf16>(my_x0 + m * hid, in_norm, my_h + m * hid, hid, feps, 0.0f);
+        }
+        sums(w[0], my_h, M, my_xs);
+        gemv_shared({&w[0], my_xs, pqkv}, my_h, M);
+  #pragma omp single nowait
+        for (int64_t m = 0; m < M; ++m) {
+          const float* cs = pcos + pos[m] * rot_;
+          const float* sn = psin + pos[m] * rot_;
           const bf16* row = pqkv + m * nqkv;
-          for (int64_t j = 0; j < H; ++j) rotate_head<bf16>(row + j * D, pqr + (m * H + j) * D, cs, sn, rotary_dim / 2, D);
+          for (int64_t j = 0; j < H; ++j) rotate_head<bf16>(row + j * D, pqr + (m * H + j) * D, cs, sn, rot_ / 2, D);
           for (int64_t j = 0; j < Hkv; ++j)
-            rotate_head<bf16>(row + qs + j * D, pkr + (m * Hkv + j) * D, cs, sn, rotary_dim / 2, D);
+            rotate_head<bf16>(row + qs + j * D, pkr + (m * Hkv + j) * D, cs, sn, rot_ / 2, D);
           std::copy(pkr + m * kvs, pkr + (m + 1) * kvs, kc + loc[m] * kvs);
           std::copy(row + qs + kvs, row + nqkv, vc + loc[m] * kvs);
         }
       }
-    }
-    const at::Tensor a = ops().attn.call(qr, k_caches[l], v_caches[l], kv_indices, seq_lens, extend_lens, scale, window, 0.0);
-    const bf16* pa = a.const_data_ptr<bf16>();
-#pragma omp parallel num_threads(nt)
-    {
-#pragma omp single
-      sums(w[1], pa, M, xs.data());
-      gemv_shared(o_job, pa, M);
-#pragma omp single
+      const at::Tensor a = ops().attn.call(qr, k_caches_[l], v_caches_[l], kv_indices, seq_lens, extend_lens, scale_, window_, 0.0);
+      const bf16* pa = a.const_data_ptr<bf16>();
+  #pragma omp parallel num_threads(nt)
       {
-        add_bias(w[1], po, M);
+        const int me = omp_get_thread_num();
+        bf16 *my_x0 = x0.data_ptr<bf16>() + me * M * hid, *my_x1 = x1.data_ptr<bf16>() + me * M * hid;
+        bf16* my_h = h.data_ptr<bf16>() + me * h.size(1) * h.size(2);
+        float *my_xs = xs.data_ptr<float>() + me * 2 * gmax, *my_xs2 = my_xs + gmax;
+        sums(w[1], pa, M, my_xs);
+        gemv_shared({&w[1], my_xs, po}, pa, M);
         for (int64_t m = 0; m < M; ++m) {
-          add_row<bf16>(px0 + m * hid, po + m * hid, px1 + m * hid, hid);
-          norm_row<bf16>(px1 + m * hid, post_norm, ph + m * hid, hid, feps, 0.0f);
+          add_row<bf16>(my_x0 + m * hid, po + m * hid, my_x1 + m * hid, hid);
+          norm_row<bf16>(my_x1 + m * hid, post_norm, my_h + m * hid, hid, feps, 0.0f);
         }
-        sums(w[2], ph, M, xs.data());
+        sums(w[2], my_h, M, my_xs);
         if (w[3].G == w[2].G)  // up's sums are gate's
-          std::copy(xs.begin(), xs.begin() + M * w[2].G, xs2.begin());
+          std::copy(my_xs, my_xs + M * w[2].G, my_xs2);
         else
-          sums(w[3], ph, M, xs2.data());
+          sums(w[3], my_h, M, my_xs2);
+        gemv_shared({&w[2], my_xs, pg, &w[3], my_xs2, pu}, my_h, M);
+        silu_mul(pg, pu, my_h, M * I);  // the activation (into this thread's h: the norm's rows are used)
+        sums(w[4], my_h, M, my_xs);
+        gemv_shared({&w[4], my_xs, pmlp}, my_h, M);
       }
-      gemv_shared(mlp_job, ph, M);
-#pragma omp single
-      {
-        add_bias(w[2], pg, M);
-        add_bias(w[3], pu, M);
-        silu_mul(pg, pu, pact, M * I);
-        sums(w[4], pact, M, xs.data());
-      }
-      gemv_shared(down_job, pact, M);
-#pragma omp single
-      add_bias(w[4], pmlp, M);
     }
-    pin = px1;
-    pres = pmlp;
-  }
-  return {x1, mlp};
+    return {x1[0], mlp};
 #else
-  TORCH_CHECK(false, "decode_stack: this build has no AVX512-BF16");
+    TORCH_CHECK(false, "DecodeStack: this build has no AVX512-BF16");
 #endif
-}
+  }
+
+ private:
+  std::vector<at::Tensor> layers_, k_caches_, v_caches_;  // kept: lin_ and norms_ point into them
+  at::Tensor cos_, sin_;
+  double eps_, scale_;
+  int64_t window_, rot_, H, Hkv, D, L = 0, hid = 0, qs = 0, kvs = 0, nqkv = 0, I = 0, slots = 0;
+#ifdef CORE_GEMV_BF16
+  std::vector<Packed> lin_;
+  std::vector<const bf16*> norms_;
+#endif
+};
 
 }  // namespace
 
@@ -404,14 +417,13 @@ TORCH_LIBRARY(core_cpu_decode, m) {
         "Tensor positions, Tensor cos, Tensor sin, int rotary_dim, int num_heads, int num_kv_heads, int head_dim, "
         "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor out_loc, Tensor kv_indices, Tensor seq_lens, "
         "Tensor extend_lens, float scale, int window, float cap) -> (Tensor, Tensor)");
-  m.def("decode_stack(Tensor x, Tensor? residual, Tensor[] layers, int[] kinds, float eps, Tensor positions, Tensor cos, "
-        "Tensor sin, int rotary_dim, int num_heads, int num_kv_heads, int head_dim, Tensor(a!)[] k_caches, "
-        "Tensor(b!)[] v_caches, Tensor out_loc, Tensor kv_indices, Tensor seq_lens, Tensor extend_lens, float scale, "
-        "int window) -> (Tensor, Tensor)");
+  m.class_<DecodeStack>("DecodeStack")
+      .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, double, at::Tensor, at::Tensor, int64_t, int64_t,
+                       int64_t, int64_t, std::vector<at::Tensor>, std::vector<at::Tensor>, double, int64_t>())
+      .def("run", &DecodeStack::run);
 }
 
 // CompositeExplicitAutograd: the oneDNN-packed weights among the arguments carry another dispatch key
 TORCH_LIBRARY_IMPL(core_cpu_decode, CompositeExplicitAutograd, m) { 
   m.impl("decode_layer", &decode_layer);
-  m.impl("decode_stack", &decode_stack);
 }

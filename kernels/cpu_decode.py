@@ -91,8 +91,9 @@ def run(p: dict[str, Any], x: torch.Tensor, batch: Any,
 
 
 def plan_stack(plans: list[dict[str, Any] | None]) -> dict[str, Any] | None:
-    """The layers' plans joined for :func:`run_stack`, or None where some layer has none, some
-    linear is not int4 / int8 (kinds 0, 1), the pool is not bf16, or the layers differ in shape."""
+    """The layers' plans joined into one ``DecodeStack`` (checked once, here) for :func:`run_stack`,
+    or None where some layer has none, some linear is not int4 / int8 (kinds 0, 1), the pool is
+    not bf16, or the layers differ in shape."""
     if not plans or any(p is None for p in plans):
         return None
     first = plans[0]
@@ -102,22 +103,17 @@ def plan_stack(plans: list[dict[str, Any] | None]) -> dict[str, Any] | None:
             or any(p["rotary"] is not first["rotary"] and p["rotary"] != first["rotary"] for p in plans)
             or any(t.dtype != torch.bfloat16 for p in plans for t in p["norms"])):
         return None
-    return {
-        "layers": [t for p in plans for t in (*p["norms"], *(p["lin"][4 * i + j] for i in range(5) for j in range(3)))],
-        "kinds": [k for p in plans for k in p["kinds"]],
-        "max_rows": min(r for p in plans for r in p["max_rows"]),
-        "k_caches": [p["caches"][0] for p in plans],
-        "v_caches": [p["caches"][1] for p in plans],
-        "eps": first["eps"], "rotary": first["rotary"], "heads": first["heads"], "attn": first["attn"],
-    }
+    cos, sin, rot = first["rotary"]
+    scale, window, _ = first["attn"]
+    stack = torch.classes.core_cpu_decode.DecodeStack(
+        [t for p in plans for t in (*p["norms"], *(p["lin"][4 * i + j] for i in range(5) for j in range(3)))],
+        [k for p in plans for k in p["kinds"]], first["eps"], cos, sin, rot, *first["heads"],
+        [p["caches"][0] for p in plans], [p["caches"][1] for p in plans], scale, window)
+    return {"stack": stack, "layers": len(plans), "max_rows": min(r for p in plans for r in p["max_rows"])}
 
 
 def run_stack(p: dict[str, Any], x: torch.Tensor, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """Every layer on ``x [rows, hidden]`` (fewer rows than ``p["max_rows"]``) as ``(h, mlp_out)`` of
     the last layer, as a chain of :func:`run` calls returns them."""
-    cos, sin, rot = p["rotary"]
-    scale, window, _ = p["attn"]
-    return torch.ops.core_cpu_decode.decode_stack(
-        x.contiguous(), None, p["layers"], p["kinds"], p["eps"], batch.positions, cos, sin, rot, *p["heads"],
-        p["k_caches"], p["v_caches"], batch.out_cache_loc, batch.kv_indices, batch.seq_lens, batch.extend_lens,
-        scale, window)
+    return p["stack"].run(x.contiguous(), batch.positions, batch.out_cache_loc, batch.kv_indices, batch.seq_lens,
+                          batch.extend_lens)

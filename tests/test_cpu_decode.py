@@ -33,7 +33,7 @@ def generate(path, monkeypatch, fast: bool, prompts: list[str] = PROMPTS, dtype:
     STACK_ROWS.clear()
     monkeypatch.setattr(cpu_decode, "run", lambda *a: calls.append(a[1].shape[0]) or REAL_RUN(*a))
     monkeypatch.setattr(cpu_decode, "run_stack", lambda p, x, b: STACK_ROWS.append(x.shape[0])
-                        or calls.extend([x.shape[0]] * len(p["k_caches"])) or REAL_STACK(p, x, b))
+                        or calls.extend([x.shape[0]] * p["layers"]) or REAL_STACK(p, x, b))
     monkeypatch.setattr(cpu_decode, "plan", REAL_PLAN if fast else (lambda *a: None))
     monkeypatch.setattr(cpu_decode, "plan_stack", REAL_PLAN_STACK if stack else (lambda plans: None))
     eng = make_engine(path, dtype=dtype, **opts)
@@ -189,9 +189,9 @@ def run_both(s: dict, seq_lens: list[int], extend_lens: list[int], threads: int)
                 h, res, norms[0], norms[1], 1e-5, lin, kinds, [1 << 30] * 5, positions, cos, sin, rot, heads, kv_heads,
                 head_dim, ka[l], va[l], out_loc, kv_indices, sl, el, attn["scale"], 0, 0.0)
         kb, vb = [c.clone() for c in caches[0::2]], [c.clone() for c in caches[1::2]]
-        h2, res2 = torch.ops.core_cpu_decode.decode_stack(
-            x, None, s["stack"], s["kinds"], 1e-5, positions, cos, sin, rot, heads, kv_heads, head_dim, kb, vb, out_loc,
-            kv_indices, sl, el, attn["scale"], 0)
+        stack = torch.classes.core_cpu_decode.DecodeStack(s["stack"], s["kinds"], 1e-5, cos, sin, rot, heads, kv_heads,
+                                                          head_dim, kb, vb, attn["scale"], 0)
+        h2, res2 = stack.run(x, positions, out_loc, kv_indices, sl, el)
     finally:
         torch.set_num_threads(before)
     return (h, res, ka, va), (h2, res2, kb, vb)
@@ -231,11 +231,14 @@ def test_the_stack_op_equals_the_chain_of_layer_ops(kinds, bias, batch, threads)
 @pytest.mark.parametrize("change,message", [
     (lambda a: a.update(kinds=[2] * len(a["kinds"])), r"kind 2 is not int4 \(0\)"),
     (lambda a: a.update(stack=a["stack"][:-1]), "per layer 17 tensors"),
+    (lambda a: a.update(caches=[c[:, :1] for c in a["caches"]]), "bf16 caches"),
     (lambda a: a.update(positions=a["positions"] + 1000), "outside the rotary cache"),
     (lambda a: a.update(out_loc=a["out_loc"] + 1000), "outside the pool"),
     (lambda a: a.update(x=a["x"].float()), "contiguous bf16"),
-], ids=["dense_kind", "missing_tensor", "position", "slot", "float32_rows"])
-def test_the_stack_op_refuses_bad_arguments(change, message):
+    (lambda a: a.update(x=a["x"][:, :32].contiguous()), "contiguous bf16"),
+], ids=["dense_kind", "missing_tensor", "cache_shape", "position", "slot", "float32_rows", "hidden_size"])
+def test_the_stack_refuses_bad_arguments(change, message):
+    """Bad layers when the stack is built, bad rows when it runs: an error naming the problem."""
     from core_plugins.attention import cpu
 
     cpu.load_kernel()
@@ -245,7 +248,7 @@ def test_the_stack_op_refuses_bad_arguments(change, message):
             "out_loc": torch.tensor([3]), "caches": [torch.zeros(16, 2, 16).bfloat16() for _ in range(4)]}
     change(args)
     with pytest.raises(RuntimeError, match=message):
-        torch.ops.core_cpu_decode.decode_stack(
-            args["x"], None, args["stack"], args["kinds"], 1e-5, args["positions"], cos, sin, rot, 4, 2, 16,
-            args["caches"][0::2], args["caches"][1::2], args["out_loc"], torch.arange(4).view(1, 4), torch.tensor([4]),
-            torch.tensor([1]), 0.25, 0)
+        stack = torch.classes.core_cpu_decode.DecodeStack(args["stack"], args["kinds"], 1e-5, cos, sin, rot, 4, 2, 16,
+                                                          args["caches"][0::2], args["caches"][1::2], 0.25, 0)
+        stack.run(args["x"], args["positions"], args["out_loc"], torch.arange(4).view(1, 4), torch.tensor([4]),
+                  torch.tensor([1]))
