@@ -2,7 +2,7 @@
 
 Used by the CPU kernels (``kernels/cpu_ops``, ``cpu_gemv``, ``cpu_decode`` and the ``cpu`` attention backend's kernel).
 A build is cached under the torch extensions folder in a directory named by a hash of the source
-(with the headers it includes from beside it, ``cpu_rows.h`` and ``cpu_gemv.h``),
+(with the headers it includes, ``kernels/*.h``),
 the flags, the CPU's instruction set and the torch version, so a changed source, another CPU
 sharing the folder, or a new torch build never loads a stale library; later starts only load it.
 Importing this module does not compile anything.
@@ -42,16 +42,26 @@ def cpu_id() -> str:
     return f"{torch.backends.cpu.get_cpu_capability()} {isa}"
 
 
+KERNELS = Path(__file__).parent  # the shared headers (cpu_rows.h, cpu_gemv.h, cpu_attention.h)
+
+
+def include_dirs(source: Path) -> list[Path]:
+    """Where ``#include "x.h"`` is looked for: beside the source, then in ``kernels/``."""
+    return [source.parent] + ([KERNELS] if source.parent != KERNELS else [])
+
+
 def source_text(source: Path) -> str:
-    """The source with the text of every header it includes with quotes (``#include "x.h"``, found
-    beside it, recursively): what a build depends on besides the flags."""
+    """The source with the text of every header it includes with quotes (``#include "x.h"``,
+    recursively, from :func:`include_dirs`): what a build depends on besides the flags."""
     seen: set[Path] = set()
+    dirs = include_dirs(source)
 
     def expand(path: Path) -> str:
         seen.add(path)
         text = path.read_text()
         for name in re.findall(r'^#include "([^"]+)"', text, re.M):
-            if (header := path.parent / name) not in seen:
+            header = next((d / name for d in dirs if (d / name).exists()), None)
+            if header is not None and header not in seen:
                 text += "\n" + expand(header)
         return text
 
@@ -113,7 +123,7 @@ def load(prefix: str, source: Path) -> tuple[Path, bool]:
             lock.unlink()
     try:
         cpp_load(d.name, [str(source)], extra_cflags=flags(), extra_ldflags=["-fopenmp"], build_directory=str(d),
-                 extra_include_paths=[str(source.parent)],
+                 extra_include_paths=[str(d) for d in include_dirs(source)],
                  is_python_module=False, verbose=False)
     except Exception as e:
         raise RuntimeError("compiling failed: " + " ".join(str(e).strip().splitlines()[-3:])) from None

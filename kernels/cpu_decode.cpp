@@ -20,6 +20,7 @@
 // otherwise (and always for kind 2) the GEMM multiplies by `dense`, oneDNN-packed or plain.
 // An empty bias is none.
 
+#include "cpu_attention.h"
 #include "cpu_gemv.h"
 #include "cpu_rows.h"
 
@@ -140,20 +141,20 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(const at::Tensor& x, const std::
   return {x1, linear(o, act, lin, 4, kinds[4], max_rows[4])};
 }
 
-
 // ---- The whole decoder stack in one call, for a few rows of bf16 activations and packed weights ----
 //
 // With every linear on the gemv kernels (a few rows, int4 / int8 weights), a batch-1 step of
 // SmolLM2 spent about half its time outside the kernels: a Python call and ~10 dispatches per
 // layer, their allocations, five OpenMP forks and joins per layer (the worker sleeping between
-// them), and the one thread's serial parts. DecodeStack runs every layer from here, in two
-// parallel regions per layer around the attention op. The threads share each weight's 16-row
-// blocks (the same block kernels, so the same bits; a bias is added to each block as it is
-// done), and each thread computes the row loops between the GEMMs (residual adds, norms, group
-// sums, the gated activation) itself, in its own buffers: a few microseconds of duplicated
-// arithmetic instead of a barrier and a waiting thread each. So a layer's threads meet only after
-// each GEMM (every thread needs all of its output) and once around the attention op (the
-// rotary embedding and the cache store, on one thread). Buffers are allocated once per call.
+// them), and the one thread's serial parts. DecodeStack runs every layer in one OpenMP parallel
+// region. The threads share each weight's 16-row blocks (the same block kernels, so the same
+// bits; a bias is added to each block as it is done) and the attention's tasks (the `cpu`
+// backend's kernel, kernels/cpu_attention.h, planned once for all layers), and each thread
+// computes the row loops between the GEMMs (residual adds, norms, group sums, the gated
+// activation) itself, in its own buffers: a few microseconds of duplicated arithmetic instead of
+// a barrier and a waiting thread each. So the threads meet only after each GEMM (every thread
+// needs all of its output), after the rotary embedding and the cache store (one thread), and
+// after the attention. Buffers are allocated once per call.
 
 #ifdef CORE_GEMV_BF16
 using namespace core_gemv;
@@ -171,24 +172,24 @@ struct Packed {
 
 Packed packed(const at::Tensor& a, const at::Tensor& b, const at::Tensor& bias, int64_t kind, int64_t N, int64_t K,
               int64_t layer, const char* name) {
-  TORCH_CHECK(kind == 0 || kind == 1, "decode_stack: layer ", layer, " ", name, ": kind ", kind, " is not int4 (0) or int8 (1)");
+  TORCH_CHECK(kind == 0 || kind == 1, "DecodeStack: layer ", layer, " ", name, ": kind ", kind, " is not int4 (0) or int8 (1)");
   TORCH_CHECK(a.scalar_type() == at::kByte && a.is_contiguous() && b.scalar_type() == at::kBFloat16 && b.is_contiguous(),
-              "decode_stack: layer ", layer, " ", name, ": uint8 codes and bf16 scales, contiguous");
+              "DecodeStack: layer ", layer, " ", name, ": uint8 codes and bf16 scales, contiguous");
   int64_t G = 1;
   if (kind == 0) {
     TORCH_CHECK(a.dim() == 3 && a.size(0) * 16 == N && a.size(1) * 2 == K && a.size(2) == 16 && b.dim() == 4 &&
                     b.size(0) == N / 16 && b.size(2) == 2 && b.size(3) == 16 && b.size(1) > 0 && K % b.size(1) == 0 &&
                     (K / b.size(1)) % 8 == 0,
-                "decode_stack: layer ", layer, " ", name, ": int4 weight of ", N, " x ", K, " expected");
+                "DecodeStack: layer ", layer, " ", name, ": int4 weight of ", N, " x ", K, " expected");
     G = b.size(1);
   } else {
     TORCH_CHECK(a.dim() == 4 && a.size(0) * 16 == N && a.size(1) * 2 == K && a.size(2) == 16 && a.size(3) == 2 &&
                     K % 8 == 0 && b.dim() == 1 && b.size(0) == N,
-                "decode_stack: layer ", layer, " ", name, ": int8 weight of ", N, " x ", K, " expected");
+                "DecodeStack: layer ", layer, " ", name, ": int8 weight of ", N, " x ", K, " expected");
   }
   const bool has = bias.defined() && bias.numel();
   TORCH_CHECK(!has || (bias.scalar_type() == at::kBFloat16 && bias.is_contiguous() && bias.numel() == N),
-              "decode_stack: layer ", layer, " ", name, ": bias of ", N, " bf16 expected");
+              "DecodeStack: layer ", layer, " ", name, ": bias of ", N, " bf16 expected");
   return {kind, N, K, G, a.const_data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(b.const_data_ptr()),
           has ? bias.const_data_ptr<bf16>() : nullptr};
 }
@@ -334,29 +335,45 @@ class DecodeStack : public torch::CustomClassHolder {
     bf16 *pg = gate.data_ptr<bf16>(), *pu = up.data_ptr<bf16>(), *pmlp = mlp.data_ptr<bf16>();
     const float *pcos = cos_.const_data_ptr<float>(), *psin = sin_.const_data_ptr<float>();
     const float feps = static_cast<float>(eps_);
-    for (int64_t l = 0; l < L; ++l) {
-      const bf16 *in_norm = norms_[2 * l], *post_norm = norms_[2 * l + 1];
-      const Packed* w = lin_.data() + 5 * l;
-      bf16* kc = k_caches_[l].data_ptr<bf16>();
-      bf16* vc = v_caches_[l].data_ptr<bf16>();
-  #pragma omp parallel num_threads(nt)
-      {
-        const int me = omp_get_thread_num();
-        bf16 *my_x0 = x0.data_ptr<bf16>() + me * M * hid, *my_h = h.data_ptr<bf16>() + me * h.size(1) * h.size(2);
-        float* my_xs = xs.data_ptr<float>() + me * 2 * gmax;
-        // the layer's input: x (+ residual) at the first layer, then this thread's x1 + the MLP's output
-        const bf16* in = l ? x1.data_ptr<bf16>() + me * M * hid : x.const_data_ptr<bf16>();
-        const bf16* add = l ? pmlp : nullptr;
+    // the attention's tasks, the same for every layer of this forward
+    TORCH_CHECK(kv_indices.dim() == 2 && kv_indices.stride(1) == 1 && kv_indices.scalar_type() == at::kLong &&
+                    seq_lens.is_contiguous() && extend_lens.is_contiguous() && seq_lens.scalar_type() == at::kLong &&
+                    extend_lens.scalar_type() == at::kLong && extend_lens.numel() == seq_lens.numel() &&
+                    kv_indices.size(0) == seq_lens.numel(),
+                "DecodeStack: int64 kv_indices [B, max_len] (contiguous rows), seq_lens and extend_lens [B]");
+    core_attention::Work work;
+    core_attention::plan(work, seq_lens.numel(), seq_lens.const_data_ptr<int64_t>(), extend_lens.const_data_ptr<int64_t>(),
+                         kv_indices.const_data_ptr<int64_t>(), kv_indices.stride(0), kv_indices.size(1), M, qs, H, Hkv, D,
+                         true, scale_, window_, 0.0, nt);
+    const auto attend = D == 64 ? &core_attention::run_tasks<bf16, 64>
+                        : D == 128 ? &core_attention::run_tasks<bf16, 128> : &core_attention::run_tasks<bf16, 0>;
+    at::Tensor attn = at::empty({M, H, D}, opt);
+    bf16* pa = attn.data_ptr<bf16>();
+    // One parallel region for the whole stack: the threads meet after each GEMM, after the rotary
+    // embedding and the cache store (one thread), and after the attention's tasks.
+#pragma omp parallel num_threads(nt)
+    {
+      const int me = omp_get_thread_num();
+      bf16 *my_x0 = x0.data_ptr<bf16>() + me * M * hid, *my_x1 = x1.data_ptr<bf16>() + me * M * hid;
+      bf16* my_h = h.data_ptr<bf16>() + me * h.size(1) * h.size(2);
+      float *my_xs = xs.data_ptr<float>() + me * 2 * gmax, *my_xs2 = my_xs + gmax;
+      for (int64_t l = 0; l < L; ++l) {
+        const bf16 *in_norm = norms_[2 * l], *post_norm = norms_[2 * l + 1];
+        const Packed* w = lin_.data() + 5 * l;
+        bf16* kc = k_caches_[l].data_ptr<bf16>();
+        bf16* vc = v_caches_[l].data_ptr<bf16>();
+        // the layer's input: x at the first layer, then this thread's x1 + the MLP's output
+        const bf16* in = l ? my_x1 : x.const_data_ptr<bf16>();
         for (int64_t m = 0; m < M; ++m) {
-          if (add)
-            add_row<bf16>(in + m * hid, add + m * hid, my_x0 + m * hid, hid);
+          if (l)
+            add_row<bf16>(in + m * hid, pmlp + m * hid, my_x0 + m * hid, hid);
           else
             std::copy(in + m * hid, in + (m + 1) * hid, my_x0 + m * hid);
           norm_row<bf16>(my_x0 + m * hid, in_norm, my_h + m * hid, hid, feps, 0.0f);
         }
         sums(w[0], my_h, M, my_xs);
         gemv_shared({&w[0], my_xs, pqkv}, my_h, M);
-  #pragma omp single nowait
+#pragma omp single
         for (int64_t m = 0; m < M; ++m) {
           const float* cs = pcos + pos[m] * rot_;
           const float* sn = psin + pos[m] * rot_;
@@ -367,15 +384,7 @@ class DecodeStack : public torch::CustomClassHolder {
           std::copy(pkr + m * kvs, pkr + (m + 1) * kvs, kc + loc[m] * kvs);
           std::copy(row + qs + kvs, row + nqkv, vc + loc[m] * kvs);
         }
-      }
-      const at::Tensor a = ops().attn.call(qr, k_caches_[l], v_caches_[l], kv_indices, seq_lens, extend_lens, scale_, window_, 0.0);
-      const bf16* pa = a.const_data_ptr<bf16>();
-  #pragma omp parallel num_threads(nt)
-      {
-        const int me = omp_get_thread_num();
-        bf16 *my_x0 = x0.data_ptr<bf16>() + me * M * hid, *my_x1 = x1.data_ptr<bf16>() + me * M * hid;
-        bf16* my_h = h.data_ptr<bf16>() + me * h.size(1) * h.size(2);
-        float *my_xs = xs.data_ptr<float>() + me * 2 * gmax, *my_xs2 = my_xs + gmax;
+        attend(work, pqr, kc, vc, pa);
         sums(w[1], pa, M, my_xs);
         gemv_shared({&w[1], my_xs, po}, pa, M);
         for (int64_t m = 0; m < M; ++m) {

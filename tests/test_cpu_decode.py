@@ -160,7 +160,7 @@ def random_stack(layers: int, kinds: list[int], bias: bool, seed: int = 0, hid: 
 
 
 def run_both(s: dict, seq_lens: list[int], extend_lens: list[int], threads: int):
-    """(h, mlp_out, K caches, V caches) from a chain of decode_layer and from decode_stack, on one
+    """(h, mlp_out, K caches, V caches) from a chain of decode_layer and from a DecodeStack, on one
     batch of sequences over random, already filled caches."""
     g, (heads, kv_heads, head_dim), hid = s["g"], s["heads"], s["hid"]
     rows = sum(extend_lens)

@@ -1,0 +1,614 @@
+// The paged-attention kernel of the `cpu` attention backend, shared by its op
+// (plugins/attention/cpu_attention.cpp, which says what it computes and how) and by the one-call
+// decoder stack (cpu_decode.cpp), which runs its tasks inside its own parallel region.
+
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+
+namespace core_attention {
+
+constexpr int kBlock = 32;        // keys per block
+constexpr int kRowTarget = 48;    // query vectors (tokens x heads of a group) per extend task
+constexpr int kChunk = 256;       // keys per chunk of a bf16 decode task
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+inline float to_f(float x) { return x; }
+inline float to_f(c10::Half x) { return static_cast<float>(x); }
+inline float to_f(c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+template <typename T>
+inline void load_row(const T* __restrict src, float* __restrict dst, int n) {
+#pragma omp simd
+  for (int i = 0; i < n; ++i) dst[i] = to_f(src[i]);
+}
+
+// e^x for x <= 0 (relative error ~2e-7), written so that the compiler vectorises it.
+inline float exp_neg(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  float n = (x * 1.44269504f + 12582912.0f) - 12582912.0f;  // round(x / ln 2)
+  float y = x - n * 0.693145752f - n * 1.42860677e-06f;    // Cody-Waite: |y| <= ln2 / 2
+  float p = 1.0f / 720;
+  p = p * y + 1.0f / 120;
+  p = p * y + 1.0f / 24;
+  p = p * y + 1.0f / 6;
+  p = p * y + 0.5f;
+  p = p * y + 1.0f;
+  p = p * y + 1.0f;
+  int32_t e = (static_cast<int32_t>(n) + 127) << 23;
+  float s;
+  std::memcpy(&s, &e, sizeof s);
+  return p * s;
+}
+
+// Vector helpers where the compiler targets AVX-512 or AVX2 (-march=native decides); elsewhere
+// the plain loops below them are used.
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define CORE_SIMD 16
+using vf = __m512;
+inline vf vzero() { return _mm512_setzero_ps(); }
+inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, vf x) { _mm512_storeu_ps(p, x); }
+inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline vf vset1(float x) { return _mm512_set1_ps(x); }
+inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+inline float vsum(vf x) { return _mm512_reduce_add_ps(x); }
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define CORE_SIMD 8
+using vf = __m256;
+inline vf vzero() { return _mm256_setzero_ps(); }
+inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, vf x) { _mm256_storeu_ps(p, x); }
+inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline vf vset1(float x) { return _mm256_set1_ps(x); }
+inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+inline float vsum(vf x) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
+
+template <int D>
+inline float dot(const float* __restrict a, const float* __restrict b, int d) {
+#ifdef CORE_SIMD
+  if constexpr (D > 0 && D % (2 * CORE_SIMD) == 0) {
+    vf x = vzero(), y = vzero();  // two chains, so FMA latency overlaps
+    for (int c = 0; c < D; c += 2 * CORE_SIMD) {
+      x = vfma(vload(a + c), vload(b + c), x);
+      y = vfma(vload(a + c + CORE_SIMD), vload(b + c + CORE_SIMD), y);
+    }
+    return vsum(vadd(x, y));
+  }
+#endif
+  float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+  for (int i = 0; i < d; ++i) acc += a[i] * b[i];
+  return acc;
+}
+
+// Where the CPU has AVX512-BF16: q . k straight from bf16 rows (products exact, sums in fp32), so
+// the keys of a bf16 pool are never converted, and half the multiply instructions.
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define CORE_BF16_DOT 1
+
+// Lane j of the result = the sum of the 16 lanes of v[j]: a transposing tree of 45 shuffles and
+// adds for 16 sums, against ~8 operations for each one reduced alone.
+inline __m512 hsum16(const __m512 v[16]) {
+  __m512 t[8], u[4];
+  for (int i = 0; i < 8; ++i)
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)
+    u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44), _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
+  const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+  const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
+}
+
+// out[j] = scale * (q . k_j) for the n keys at slots idx[0..n), 16 keys per hsum16.
+template <int D>
+inline void scores_bf16(const c10::BFloat16* __restrict q, const c10::BFloat16* __restrict kc, const int64_t* idx,
+                        int n, int64_t slot_stride, int64_t head, float scale, float* __restrict out) {
+  constexpr int C = D / 32;  // 512-bit chunks of a row
+  __m512bh qv[C];
+  for (int c = 0; c < C; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + 32 * c);
+  for (int j0 = 0; j0 < n; j0 += 16) {
+    const int m = std::min(16, n - j0);
+    __m512 v[16];
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; ++j) {
+      v[j] = _mm512_setzero_ps();
+      if (j < m) {
+        const c10::BFloat16* k = kc + idx[j0 + j] * slot_stride + head;
+#pragma GCC unroll 4
+        for (int c = 0; c < C; ++c) v[j] = _mm512_dpbf16_ps(v[j], qv[c], (__m512bh)_mm512_loadu_si512(k + 32 * c));
+      }
+    }
+    _mm512_mask_storeu_ps(out + j0, static_cast<__mmask16>((1u << m) - 1), _mm512_mul_ps(hsum16(v), _mm512_set1_ps(scale)));
+  }
+}
+#endif
+
+// acc += sum_j p[j] * v[j] over the rows j in [a, z) of v (D floats each); acc stays in registers.
+template <int D>
+inline void accumulate(float* __restrict acc, const float* __restrict p, const float* __restrict v, int a, int z,
+                       int d) {
+#ifdef CORE_SIMD
+  if constexpr (D > 0 && D % CORE_SIMD == 0) {
+    constexpr int N = D / CORE_SIMD;
+    vf t[N], u[N];  // two chains (even and odd keys), so consecutive FMAs do not wait on each other
+    for (int c = 0; c < N; ++c) {
+      t[c] = vload(acc + c * CORE_SIMD);
+      u[c] = vzero();
+    }
+    int j = a;
+    for (; j + 1 < z; j += 2) {
+      const vf w0 = vset1(p[j]), w1 = vset1(p[j + 1]);
+#pragma GCC unroll 8
+      for (int c = 0; c < N; ++c) {
+        t[c] = vfma(w0, vload(v + j * D + c * CORE_SIMD), t[c]);
+        u[c] = vfma(w1, vload(v + (j + 1) * D + c * CORE_SIMD), u[c]);
+      }
+    }
+    if (j < z) {
+      const vf w0 = vset1(p[j]);
+      for (int c = 0; c < N; ++c) t[c] = vfma(w0, vload(v + j * D + c * CORE_SIMD), t[c]);
+    }
+    for (int c = 0; c < N; ++c) vstore(acc + c * CORE_SIMD, vadd(t[c], u[c]));
+    return;
+  }
+#endif
+  for (int j = a; j < z; ++j) {
+    const float w = p[j];
+#pragma omp simd
+    for (int i = 0; i < d; ++i) acc[i] += w * v[j * d + i];
+  }
+}
+
+// Ask for the K and V rows of keys [from, to) ahead of use: the slots of a sequence are scattered
+// page by page, which the hardware prefetchers do not follow.
+template <typename T>
+inline void prefetch_rows(const T* kc, const T* vc, const int64_t* idx, int from, int to, int64_t slot_stride,
+                          int64_t head, int D) {
+  for (int j = from; j < to; ++j) {
+    const char* k = reinterpret_cast<const char*>(kc + idx[j] * slot_stride + head);
+    const char* v = reinterpret_cast<const char*>(vc + idx[j] * slot_stride + head);
+    for (int c = 0; c < D * static_cast<int>(sizeof(T)); c += 64) {
+      __builtin_prefetch(k + c);
+      __builtin_prefetch(v + c);
+    }
+  }
+}
+
+struct Task {
+  int b, kvh, r0, nr;
+  int64_t cost;
+  int part = 0, parts = 1;  // a decode's keys split over `parts` tasks (few sequences, long contexts)
+};
+
+struct Params {
+  int64_t H, Hkv, G, D, q_stride, out_stride, slot_stride, idx_stride;
+  float scale, cap;
+  int64_t window;
+  const int64_t* idx;
+  const int64_t* seq_lens;
+  const int64_t* q_start;
+  const int64_t* ext;
+  float* partial = nullptr;  // [B, Hkv, parts, G, 2 + D]: each split part's max, sum and unnormalised output
+  int parts = 1;
+};
+
+// Scratch of one thread, grown to fit the largest task (run_tasks keeps one per thread).
+struct Scratch {
+  std::vector<float> q, acc, s, kv, m, l, ps;
+  std::vector<int> lo, hi, a, z;
+  std::vector<const void*> qsrc;  // each query vector's row in q (the bf16 dot reads it there)
+  void fit(int rows, int nr, int D, int H) {  // H: query heads of a whole-sequence decode task
+    const auto grow = [](auto& v, int n) { if (static_cast<int>(v.size()) < n) v.resize(n); };
+    grow(q, rows * D), grow(acc, std::max(rows, H) * D), grow(s, rows * kBlock), grow(kv, kBlock * D);
+    grow(m, std::max(rows, H)), grow(l, std::max(rows, H)), grow(ps, H * kChunk);
+    grow(lo, nr), grow(hi, nr), grow(a, nr), grow(z, nr), grow(qsrc, rows);
+  }
+};
+
+#ifdef CORE_BF16_DOT
+// 16 bf16 (raw bits) -> 16 fp32.
+inline __m512 bf16x16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+// e^x for x <= 0 on 16 lanes, the polynomial of exp_neg.
+inline __m512 vexp_neg(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 y = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+  y = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-06f), y);
+  __m512 r = _mm512_set1_ps(1.0f / 720);
+  r = _mm512_fmadd_ps(r, y, _mm512_set1_ps(1.0f / 120));
+  r = _mm512_fmadd_ps(r, y, _mm512_set1_ps(1.0f / 24));
+  r = _mm512_fmadd_ps(r, y, _mm512_set1_ps(1.0f / 6));
+  r = _mm512_fmadd_ps(r, y, _mm512_set1_ps(0.5f));
+  r = _mm512_fmadd_ps(r, y, _mm512_set1_ps(1.0f));
+  r = _mm512_fmadd_ps(r, y, _mm512_set1_ps(1.0f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(r, _mm512_castsi512_ps(e));
+}
+
+// acc[g] += sum_j p[g][j] * v_j for GC heads at once (p: [GC, kChunk] probabilities, v_j the bf16
+// row at slot idx[j]): each V row is widened to fp32 once and serves every head's accumulators,
+// which stay in registers (GC * D / 16 of them).
+template <int D, int GC>
+inline void weigh_v(const uint16_t* vrows, const int64_t* idx, int n, int64_t slot_stride, const float* p,
+                    float* acc) {
+  constexpr int N = D / 16;
+  constexpr int S = GC * N < 8 ? 2 : 1;  // accumulator sets (even and odd keys) so that 8+ FMAs are in flight
+  __m512 a[S][GC][N];
+  for (int g = 0; g < GC; ++g)
+    for (int c = 0; c < N; ++c) {
+      a[0][g][c] = _mm512_loadu_ps(acc + g * D + 16 * c);
+      if constexpr (S == 2) a[S - 1][g][c] = _mm512_setzero_ps();
+    }
+  int j = 0;
+  for (; j + S <= n; j += S) {
+#pragma GCC unroll 2
+    for (int u = 0; u < S; ++u) {
+      const uint16_t* v = vrows + idx[j + u] * slot_stride;
+      __m512 x[N];
+#pragma GCC unroll 8
+      for (int c = 0; c < N; ++c) x[c] = bf16x16(v + 16 * c);
+#pragma GCC unroll 4
+      for (int g = 0; g < GC; ++g) {
+        const __m512 w = _mm512_set1_ps(p[g * kChunk + j + u]);
+#pragma GCC unroll 8
+        for (int c = 0; c < N; ++c) a[u][g][c] = _mm512_fmadd_ps(w, x[c], a[u][g][c]);
+      }
+    }
+  }
+  for (; j < n; ++j) {
+    const uint16_t* v = vrows + idx[j] * slot_stride;
+    for (int g = 0; g < GC; ++g) {
+      const __m512 w = _mm512_set1_ps(p[g * kChunk + j]);
+      for (int c = 0; c < N; ++c) a[0][g][c] = _mm512_fmadd_ps(w, bf16x16(v + 16 * c), a[0][g][c]);
+    }
+  }
+  for (int g = 0; g < GC; ++g)
+    for (int c = 0; c < N; ++c)
+      _mm512_storeu_ps(acc + g * D + 16 * c, S == 2 ? _mm512_add_ps(a[0][g][c], a[S - 1][g][c]) : a[0][g][c]);
+}
+
+// One query token (row qi of q, at position pos) over a bf16 pool, no soft cap, for the G query
+// heads of the task's KV head, or of every KV head when t.kvh < 0 (whole slot rows read together).
+// Decodes run it once; extend tasks once per token, their keys staying in cache. In chunks of up
+// to kChunk keys: first every score of the chunk for each head (hsum16 per 16 keys), then one max,
+// exp and sum per head over the whole chunk (vector loops, no reduction per 16 keys), then the V
+// rows weighted into each head's accumulators held in registers. Online softmax only between
+// chunks, so a long sequence needs no more scratch than kChunk keys.
+template <int D>
+void decode_bf16(const Params& p, const Task& t, const c10::BFloat16* q, const c10::BFloat16* kc,
+                 const c10::BFloat16* vc, c10::BFloat16* out, Scratch& w, int64_t pos, int64_t qi) {
+  constexpr int N = D / 16;
+  const int G = static_cast<int>(p.G);
+  const int h0 = t.kvh < 0 ? 0 : t.kvh, nh = t.kvh < 0 ? static_cast<int>(p.Hkv) : 1;  // the task's KV heads
+  const int QH = nh * G;  // and query heads
+  const int64_t* idx = p.idx + t.b * p.idx_stride;
+  int jlo = p.window > 0 ? static_cast<int>(std::max<int64_t>(0, pos - p.window + 1)) : 0;
+  int jhi = static_cast<int>(pos);
+  if (t.parts > 1) {  // this part's whole chunks of the keys
+    const int span = (((jhi - jlo + 1) + kChunk - 1) / kChunk + t.parts - 1) / t.parts * kChunk;
+    jlo += t.part * span;
+    jhi = std::min(jhi, jlo + span - 1);
+  }
+  float* acc = w.acc.data();
+  float* sc = w.ps.data();  // [QH, kChunk] scores, then probabilities
+  std::fill(acc, acc + QH * D, 0.0f);
+  const c10::BFloat16* qrow = q + qi * p.q_stride + h0 * G * D;
+  for (int g = 0; g < QH; ++g) {
+    w.m[g] = kNegInf;  // the first chunk's max replaces it: every chunk has a live (finite) score
+    w.l[g] = 0.0f;
+  }
+  for (int c0 = jlo; c0 <= jhi; c0 += kChunk) {
+    const int n = std::min(kChunk, jhi - c0 + 1);
+    const int per = (16 + QH - 1) / QH;  // keys prefetched per head's scores: a steady stream, not a burst
+    for (int j0 = 0; j0 < n; j0 += 16) {  // K rows 16 keys ahead (V rows with them)
+      for (int g = 0; g < QH; ++g) {
+        const int f = c0 + j0 + 16 + g * per;
+        prefetch_rows(kc, vc, idx, std::min(f, jhi + 1), std::min({f + per, c0 + j0 + 32, jhi + 1}), p.slot_stride,
+                      h0 * D, nh * D);
+        scores_bf16<D>(qrow + g * D, kc, idx + c0 + j0, std::min(16, n - j0), p.slot_stride, (h0 + g / G) * D,
+                       p.scale, sc + g * kChunk + j0);
+      }
+    }
+    const int nv = n & ~15;  // whole vectors; the tail is masked
+    const __mmask16 tail = static_cast<__mmask16>((1u << (n - nv)) - 1);
+    for (int g = 0; g < QH; ++g) {
+      float* s = sc + g * kChunk;
+      __m512 mx = _mm512_set1_ps(kNegInf);
+      for (int j = 0; j < nv; j += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + j));
+      if (tail) mx = _mm512_mask_max_ps(mx, tail, mx, _mm512_maskz_loadu_ps(tail, s + nv));
+      const float mnew = std::max(w.m[g], _mm512_reduce_max_ps(mx));
+      const float alpha = std::exp(w.m[g] - mnew);
+      const __m512 mv = _mm512_set1_ps(mnew);
+      __m512 sum = _mm512_setzero_ps();
+      for (int j = 0; j < nv; j += 16) {
+        const __m512 e = vexp_neg(_mm512_sub_ps(_mm512_loadu_ps(s + j), mv));
+        _mm512_storeu_ps(s + j, e);
+        sum = _mm512_add_ps(sum, e);
+      }
+      if (tail) {
+        const __m512 e = _mm512_maskz_mov_ps(tail, vexp_neg(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + nv), mv)));
+        _mm512_mask_storeu_ps(s + nv, tail, e);
+        sum = _mm512_add_ps(sum, e);
+      }
+      w.l[g] = w.l[g] * alpha + _mm512_reduce_add_ps(sum);
+      w.m[g] = mnew;
+      const __m512 av = _mm512_set1_ps(alpha);
+      for (int c = 0; c < N; ++c) _mm512_storeu_ps(acc + g * D + 16 * c, _mm512_mul_ps(av, _mm512_loadu_ps(acc + g * D + 16 * c)));
+    }
+    for (int h = 0; h < nh; ++h) {
+      const uint16_t* vrows = reinterpret_cast<const uint16_t*>(vc + (h0 + h) * D);
+      float *ph = sc + h * G * kChunk, *ah = acc + h * G * D;
+      switch (D == 64 ? G : D == 128 ? G + 8 : 0) {  // all G heads' accumulators fit in registers
+        case 1: weigh_v<D, 1>(vrows, idx + c0, n, p.slot_stride, ph, ah); break;
+        case 2: weigh_v<D, 2>(vrows, idx + c0, n, p.slot_stride, ph, ah); break;
+        case 3: weigh_v<D, 3>(vrows, idx + c0, n, p.slot_stride, ph, ah); break;
+        case 4: weigh_v<D, 4>(vrows, idx + c0, n, p.slot_stride, ph, ah); break;
+        case 9: weigh_v<D, 1>(vrows, idx + c0, n, p.slot_stride, ph, ah); break;
+        case 10: weigh_v<D, 2>(vrows, idx + c0, n, p.slot_stride, ph, ah); break;
+        default:
+          for (int g = 0; g < G; ++g)
+            weigh_v<D, 1>(vrows, idx + c0, n, p.slot_stride, ph + g * kChunk, ah + g * D);
+      }
+    }
+  }
+  if (t.parts > 1) {  // merged with the other parts after all tasks ran (merge_parts)
+    float* dstp = p.partial + ((t.b * p.Hkv + h0) * p.parts + t.part) * G * (2 + D);
+    for (int g = 0; g < QH; ++g) {
+      dstp[g * (2 + D)] = w.m[g];
+      dstp[g * (2 + D) + 1] = w.l[g];
+      std::copy(acc + g * D, acc + (g + 1) * D, dstp + g * (2 + D) + 2);
+    }
+    return;
+  }
+  c10::BFloat16* dst = out + qi * p.out_stride + h0 * G * D;
+  for (int g = 0; g < QH; ++g) {
+    const float inv = 1.0f / w.l[g];
+    for (int i = 0; i < D; ++i) dst[g * D + i] = static_cast<c10::BFloat16>(acc[g * D + i] * inv);
+  }
+}
+#endif
+
+template <typename T, int DC>
+void run_task(const Params& p, const Task& t, const T* q, const T* kc, const T* vc, T* out, Scratch& w) {
+#ifdef CORE_BF16_DOT
+  if constexpr (std::is_same_v<T, c10::BFloat16> && (DC == 64 || DC == 128)) {
+    if (p.cap == 0.0f && p.G <= 16) {  // each query token on its own (the task's keys stay in cache)
+      const int64_t first = p.seq_lens[t.b] - p.ext[t.b] + t.r0;
+      for (int r = 0; r < t.nr; ++r) decode_bf16<DC>(p, t, q, kc, vc, out, w, first + r, p.q_start[t.b] + t.r0 + r);
+      return;
+    }
+  }
+#endif
+  const int D = DC > 0 ? DC : static_cast<int>(p.D), G = static_cast<int>(p.G);
+  const int rows = t.nr * G;
+  const int64_t first = p.seq_lens[t.b] - p.ext[t.b] + t.r0;  // position of the task's first query
+  const int64_t* idx = p.idx + t.b * p.idx_stride;
+  const int64_t head = t.kvh * D;
+  const int jlo = p.window > 0 ? static_cast<int>(std::max<int64_t>(0, first - p.window + 1)) : 0;
+  const int jhi = static_cast<int>(first + t.nr - 1);
+  prefetch_rows(kc, vc, idx, jlo, std::min(jlo + kBlock, jhi + 1), p.slot_stride, head, D);
+  float *qb = w.q.data(), *acc = w.acc.data(), *s = w.s.data(), *kv = w.kv.data();
+  for (int r = 0; r < t.nr; ++r) {
+    const int64_t pos = first + r;
+    w.hi[r] = static_cast<int>(pos);
+    w.lo[r] = p.window > 0 ? static_cast<int>(std::max<int64_t>(0, pos - p.window + 1)) : 0;
+    for (int g = 0; g < G; ++g) {
+      const T* src = q + (p.q_start[t.b] + t.r0 + r) * p.q_stride + (t.kvh * G + g) * D;
+      w.qsrc[r * G + g] = src;
+      float* dst = qb + (r * G + g) * D;
+      load_row(src, dst, D);
+      for (int i = 0; i < D; ++i) dst[i] *= p.scale;
+    }
+  }
+  std::fill(acc, acc + rows * D, 0.0f);
+  std::fill(w.m.begin(), w.m.begin() + rows, kNegInf);
+  std::fill(w.l.begin(), w.l.begin() + rows, 0.0f);
+  for (int j0 = jlo; j0 <= jhi; j0 += kBlock) {
+    const int n = std::min(kBlock, jhi - j0 + 1);
+    prefetch_rows(kc, vc, idx, j0 + kBlock, std::min(j0 + 2 * kBlock, jhi + 1), p.slot_stride, head, D);
+#ifdef CORE_BF16_DOT
+    constexpr bool bf16_dot = std::is_same_v<T, c10::BFloat16> && (DC == 64 || DC == 128);
+#else
+    constexpr bool bf16_dot = false;
+#endif
+    if constexpr (!bf16_dot) {
+      for (int j = 0; j < n; ++j) load_row(kc + idx[j0 + j] * p.slot_stride + head, kv + j * D, D);
+    }
+    for (int r = 0; r < t.nr; ++r) {  // scores, then the online-softmax update, per query vector
+      w.a[r] = std::max(w.lo[r] - j0, 0);
+      w.z[r] = std::min(w.hi[r] - j0 + 1, n);
+      const int a = w.a[r], z = w.z[r];
+      if (a >= z) continue;
+      for (int g = 0; g < G; ++g) {
+        const int row = r * G + g;
+        float* sr = s + row * kBlock;
+        const float* qr = qb + row * D;
+        float bmax = kNegInf;
+#ifdef CORE_BF16_DOT
+        if constexpr (bf16_dot) {  // the row's scores [a, z) at once, 16 keys per reduction
+          scores_bf16<DC>(static_cast<const c10::BFloat16*>(w.qsrc[row]), reinterpret_cast<const c10::BFloat16*>(kc),
+                          idx + j0 + a, z - a, p.slot_stride, head, p.scale, sr + a);
+        }
+#endif
+        if constexpr (!bf16_dot) {
+          for (int j = a; j < z; ++j) sr[j] = dot<DC>(qr, kv + j * D, D);
+        }
+        if (p.cap > 0.0f) {
+          for (int j = a; j < z; ++j) sr[j] = p.cap * std::tanh(sr[j] / p.cap);
+        }
+#pragma omp simd reduction(max : bmax)
+        for (int j = a; j < z; ++j) bmax = std::max(bmax, sr[j]);
+        const float mnew = std::max(w.m[row], bmax);
+        const float alpha = w.m[row] == kNegInf ? 0.0f : exp_neg(w.m[row] - mnew);
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int j = a; j < z; ++j) {
+          sr[j] = exp_neg(sr[j] - mnew);
+          sum += sr[j];
+        }
+        w.l[row] = w.l[row] * alpha + sum;
+        w.m[row] = mnew;
+        if (alpha != 1.0f) {
+          float* ar = acc + row * D;
+          for (int i = 0; i < D; ++i) ar[i] *= alpha;
+        }
+      }
+    }
+    for (int j = 0; j < n; ++j) load_row(vc + idx[j0 + j] * p.slot_stride + head, kv + j * D, D);
+    for (int r = 0; r < t.nr; ++r) {
+      for (int g = 0; g < G; ++g) {
+        const int row = r * G + g;
+        const float* sr = s + row * kBlock;
+        float* ar = acc + row * D;
+        accumulate<DC>(ar, sr, kv, w.a[r], w.z[r], D);
+      }
+    }
+  }
+  for (int r = 0; r < t.nr; ++r) {
+    for (int g = 0; g < G; ++g) {
+      const int row = r * G + g;
+      const float inv = 1.0f / w.l[row];
+      T* dst = out + (p.q_start[t.b] + t.r0 + r) * p.out_stride + (t.kvh * G + g) * D;
+      for (int i = 0; i < D; ++i) dst[i] = static_cast<T>(acc[row * D + i] * inv);
+    }
+  }
+}
+
+// out for the decodes whose keys were split: the parts' outputs weighted by e^(m_part - m) and
+// divided by the parts' summed softmax denominators (a part with no keys has m = -inf, l = 0).
+template <typename T>
+void merge_parts(const Params& p, const std::vector<Task>& tasks, T* out) {
+  const int G = static_cast<int>(p.G), D = static_cast<int>(p.D);
+  std::vector<float> acc(D);
+  for (const Task& t : tasks) {
+    if (t.parts <= 1 || t.part != 0) continue;
+    const float* base = p.partial + (t.b * p.Hkv + t.kvh) * p.parts * G * (2 + D);
+    T* dst = out + p.q_start[t.b] * p.out_stride + t.kvh * G * D;
+    for (int g = 0; g < G; ++g) {
+      float m = kNegInf, l = 0.0f;
+      for (int k = 0; k < t.parts; ++k) m = std::max(m, base[(k * G + g) * (2 + D)]);
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int k = 0; k < t.parts; ++k) {
+        const float* r = base + (k * G + g) * (2 + D);
+        if (r[1] == 0.0f) continue;
+        const float f = std::exp(r[0] - m);
+        l += r[1] * f;
+        for (int i = 0; i < D; ++i) acc[i] += r[2 + i] * f;
+      }
+      for (int i = 0; i < D; ++i) dst[g * D + i] = static_cast<T>(acc[i] / l);
+    }
+  }
+}
+
+#ifdef CORE_BF16_DOT
+constexpr bool kDecodeBf16 = true;  // decode_bf16 exists (it takes whole-sequence tasks)
+#else
+constexpr bool kDecodeBf16 = false;
+#endif
+
+// One batch's tasks and what they read: planned once per batch (every layer of a step has the
+// same); the vectors own what the Params point to.
+struct Work {
+  Params p{};
+  std::vector<Task> tasks;
+  std::vector<int64_t> q_start;
+  std::vector<float> partial;
+  int max_nr = 1;
+};
+
+// Checks the batch's layout (B sequences: seq_lens sl, extend_lens el, slot rows idx of
+// idx_width slots at idx_stride; q of q_rows rows at q_stride) and plans its tasks for nthreads.
+inline void plan(Work& w, int64_t B, const int64_t* sl, const int64_t* el, const int64_t* idx, int64_t idx_stride,
+                 int64_t idx_width, int64_t q_rows, int64_t q_stride, int64_t H, int64_t Hkv, int64_t D, bool bf16,
+                 double scale, int64_t window, double cap, int64_t nthreads) {
+  const int64_t G = H / Hkv;
+  std::vector<int64_t>& q_start = w.q_start;
+  q_start.assign(B, 0);
+  int64_t total = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(el[b] >= 1 && el[b] <= sl[b] && sl[b] <= idx_width, "sequence ", b, ": extend_len ", el[b],
+                ", seq_len ", sl[b], " do not fit the slot table");
+    q_start[b] = total;
+    total += el[b];
+  }
+  TORCH_CHECK(total == q_rows, "q has ", q_rows, " rows, extend_lens sum to ", total);
+  const int rows_per_task = static_cast<int>(std::max<int64_t>(1, kRowTarget / G));
+  // Decodes of a bf16 pool run one task per sequence when there are enough of them for the threads:
+  // reading a slot's K (V) rows of all heads together streams ~30 % faster than one head's rows.
+  const bool bf16_path = bf16 && cap == 0.0 && (D == 64 || D == 128) && G <= 16 && kDecodeBf16;
+  const bool whole_seqs = bf16_path && B >= 4 * nthreads;
+  // With fewer decode tasks than two per thread (a few sequences), each decode's keys split into up
+  // to this many parts of whole 256-key chunks, merged afterwards, so that every thread has work.
+  const int64_t split = bf16_path && B * Hkv < 2 * nthreads ? (2 * nthreads + B * Hkv - 1) / (B * Hkv) : 1;
+  std::vector<Task>& tasks = w.tasks;
+  tasks.clear();
+  int max_nr = 1;
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t r0 = 0; r0 < el[b]; r0 += rows_per_task) {
+      const int nr = static_cast<int>(std::min<int64_t>(rows_per_task, el[b] - r0));
+      const int64_t last = sl[b] - el[b] + r0 + nr;  // keys the task reads, at most
+      const int64_t keys = window > 0 ? std::min<int64_t>(last, window + nr) : last;
+      max_nr = std::max(max_nr, nr);
+      if (whole_seqs && el[b] == 1) {  // one task reads whole slot rows (every KV head) of its sequence
+        tasks.push_back({int(b), -1, int(r0), nr, keys * Hkv});
+        continue;
+      }
+      const int parts = el[b] == 1 ? static_cast<int>(std::min<int64_t>(split, (keys + kChunk - 1) / kChunk)) : 1;
+      for (int64_t h = 0; h < Hkv; ++h)
+        for (int k = 0; k < parts; ++k) tasks.push_back({int(b), int(h), int(r0), nr, keys * nr / parts, k, parts});
+    }
+  }
+  // longest first, so that dynamic scheduling ends with short tasks
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& x, const Task& y) { return x.cost > y.cost; });
+  w.max_nr = max_nr;
+  w.partial.assign(split > 1 ? B * Hkv * split * G * (2 + D) : 0, 0.0f);
+  w.p = Params{H, Hkv, G, D, q_stride, H * D, Hkv * D, idx_stride, static_cast<float>(scale), static_cast<float>(cap),
+               window, idx, sl, q_start.data(), el};
+  w.p.partial = w.partial.data();
+  w.p.parts = static_cast<int>(split);
+}
+
+// Inside a parallel region, every thread: a share of the tasks (dynamically scheduled, longest
+// first), then, where decodes were split, one thread merging their parts; the threads leave in step.
+template <typename T, int DC>
+void run_tasks(const Work& w, const T* q, const T* kc, const T* vc, T* out) {
+  thread_local Scratch s;  // each thread keeps its own between calls, as between the tasks of a call
+  s.fit(w.max_nr * static_cast<int>(w.p.G), w.max_nr, static_cast<int>(w.p.D), static_cast<int>(w.p.H));
+  const int64_t n = static_cast<int64_t>(w.tasks.size());
+#pragma omp for schedule(dynamic, 1)
+  for (int64_t i = 0; i < n; ++i) run_task<T, DC>(w.p, w.tasks[i], q, kc, vc, out, s);
+  if (w.p.parts > 1) {
+#pragma omp single
+    merge_parts<T>(w.p, w.tasks, out);
+  }
+}
+
+}  // namespace core_attention
