@@ -2,9 +2,9 @@
 
 Each mode is its own engine over the embedded SmolLM2-135M-Instruct, all at ``--dtype auto``:
 ``dense`` (``--quantization none``: the GGUF dequantized), ``int8wo`` (``--torchao-config
-int8wo``: Linear layers per-channel int8, LM head dense, as SGLang's torchao filter), ``int4``
-(the default for a GGUF model on CPU: the file's Q4_1 blocks repacked to int4, its Q8_0 head as
-int8) and, with ``--modes``, ``int4wo-32`` (4-bit quantized at load, LM head dense). One request
+int8wo``: Linear layers and the LM head per-channel int8), ``int4`` (the default for a GGUF
+model on CPU: the file's Q4_1 blocks repacked to int4, its Q8_0 head as int8) and, with
+``--modes``, ``int4wo-32`` (4-bit quantized at load, the LM head int8). One request
 of ``--input-len`` random tokens generates exactly ``--output-len`` tokens (EOS ignored); the
 modes take turns for ``--repeats`` rounds so a noisy machine hurts them alike, and the median
 and best of each are printed: output tok/s over the whole request and decode tok/s (after the
