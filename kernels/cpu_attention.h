@@ -4,6 +4,8 @@
 
 #pragma once
 
+#include "cpu_rows.h"
+
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
@@ -27,12 +29,7 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 inline float to_f(float x) { return x; }
 inline float to_f(c10::Half x) { return static_cast<float>(x); }
-inline float to_f(c10::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
+inline float to_f(c10::BFloat16 x) { return core_rows::bf16_f(x.x); }  // c10's conversion branches on NaN
 
 template <typename T>
 inline void load_row(const T* __restrict src, float* __restrict dst, int n) {
