@@ -252,3 +252,19 @@ def test_the_stack_refuses_bad_arguments(change, message):
                                                           args["caches"][0::2], args["caches"][1::2], 0.25, 0)
         stack.run(args["x"], args["positions"], args["out_loc"], torch.arange(4).view(1, 4), torch.tensor([4]),
                   torch.tensor([1]))
+
+
+@needs_gemv
+def test_a_stack_it_cannot_build_leaves_the_layer_ops(tiny_llama, monkeypatch):
+    """Were DecodeStack to refuse the layers (a layout the Python checks let through), the
+    engine says so and keeps one op per layer, with the same tokens."""
+    path, _ = tiny_llama()
+    want, _ = generate(path, monkeypatch, True, stack=False, attention_backend="cpu", torchao_config="int4wo-32")
+
+    class Refusing:
+        def DecodeStack(self, *args):
+            raise RuntimeError("DecodeStack: layer 0 qkv_proj: int4 weight of 96 x 64 expected")
+
+    monkeypatch.setattr(torch, "classes", type("Classes", (), {"core_cpu_decode": Refusing()})())
+    got, rows = generate(path, monkeypatch, True, attention_backend="cpu", torchao_config="int4wo-32")
+    assert got == want and rows and not STACK_ROWS
