@@ -48,7 +48,7 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor, k:
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
-    """``x.argmax(-1)`` for float32 ``[rows, n]``: the first index of each row's maximum (NaN first)."""
+    """``x.argmax(-1)`` for float32 or bfloat16 ``[rows, n]``: the first index of each row's maximum (NaN first)."""
     return torch.ops.core_cpu_ops.argmax(x if x.stride(-1) == 1 else x.contiguous())
 
 

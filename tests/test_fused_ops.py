@@ -156,8 +156,10 @@ def test_rotary_refuses_mismatched_shapes(impl):
 
 
 @pytest.mark.skipif(not cpu_ops.available(), reason="needs the C++ CPU ops (a C++ compiler)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n", [1, 15, 256, 1000, 49152])
-def test_cpu_argmax_is_torchs_first_index_of_the_maximum(n):
+def test_cpu_argmax_is_torchs_first_index_of_the_maximum(n, dtype):
+    """bf16 rows give torch's argmax of their float32 values (what greedy sampling took before)."""
     g = torch.Generator().manual_seed(n)
     x = torch.randn(9, n, generator=g)
     x[1] = 0.0  # all tied: index 0
@@ -167,9 +169,10 @@ def test_cpu_argmax_is_torchs_first_index_of_the_maximum(n):
     x[5, n - 1] = float("nan")  # NaN counts as the maximum, as in torch
     x[6, n // 4] = float("nan")
     x[6, n - 1] = float("inf")
-    want = x.argmax(-1)
+    x = x.to(dtype)
+    want = x.float().argmax(-1)
     assert torch.equal(cpu_ops.argmax(x), want)
-    wide = torch.zeros(9, n + 5)
+    wide = torch.zeros(9, n + 5, dtype=dtype)
     wide[:, 5:] = x
     assert torch.equal(cpu_ops.argmax(wide[:, 5:]), want)  # rows strided inside a wider tensor
 
@@ -184,8 +187,10 @@ def test_greedy_sampling_uses_the_cpu_argmax(monkeypatch):
     monkeypatch.setattr(cpu_ops, "argmax", lambda x: seen.append(x.shape) or x.argmax(-1))
     assert sampler.argmax(torch.tensor([[0.0, 3.0, 1.0]])).tolist() == [1]
     assert seen == [(1, 3)]
-    assert sampler.argmax(torch.tensor([[0.0, 3.0, 1.0]], dtype=torch.bfloat16)).tolist() == [1]  # torch's
-    assert seen == [(1, 3)]
+    assert sampler.argmax(torch.tensor([[0.0, 3.0, 1.0]], dtype=torch.bfloat16)).tolist() == [1]
+    assert seen == [(1, 3), (1, 3)]
+    assert sampler.argmax(torch.tensor([[0.0, 3.0, 1.0]], dtype=torch.float16)).tolist() == [1]  # torch's
+    assert seen == [(1, 3), (1, 3)]
 
 
 @pytest.mark.skipif(not cpu_ops.available(), reason="needs the C++ CPU ops (a C++ compiler)")

@@ -50,6 +50,20 @@ def test_greedy_picks_argmax_for_temperature_zero_and_top_k_one() -> None:
     assert out.logprobs is None and out.top_logprobs is None
 
 
+def test_greedy_bf16_logits_pick_what_float32_logits_pick() -> None:
+    """A greedy batch of bf16 logits takes their argmax as is (no float32 copy), ties to the first
+    index; with logprobs asked, it goes through float32 as before. Same tokens either way."""
+    logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(2)).bfloat16()
+    logits[1, 7] = logits[1, 200] = 40.0  # a tie: the first
+    want = logits.float().argmax(-1).tolist()
+    out = Sampler(300).sample(logits.clone(), [row(temperature=0.0) for _ in range(5)])
+    assert out.token_ids == want and out.token_ids[1] == 7 and out.logprobs is None
+    with_lp = Sampler(300).sample(logits.clone(), [row(temperature=0.0, return_logprob=True) for _ in range(5)])
+    assert with_lp.token_ids == want
+    assert with_lp.logprobs == pytest.approx(torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(want)[:, None])
+                                             .squeeze(1).tolist())
+
+
 def test_greedy_consumes_no_randomness() -> None:
     s = Sampler(10, seed=3)
     before = s.generator.get_state()

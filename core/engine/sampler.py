@@ -50,7 +50,7 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     """``logits.argmax(-1)`` (first index of each row's maximum); on the CPU through a vectorised
     C++ loop where the fused ops are built (torch's: 0.9 ms for 64 x 49152, the loop's 0.07)."""
     k = layers.fused(logits)
-    if k is not None and hasattr(k, "argmax") and logits.dim() == 2 and logits.dtype == torch.float32:
+    if k is not None and hasattr(k, "argmax") and logits.dim() == 2 and logits.dtype in (torch.float32, torch.bfloat16):
         return k.argmax(logits)
     return logits.argmax(dim=-1)
 
@@ -212,8 +212,6 @@ class Sampler:
         """
         if logits.shape[1] != self.vocab_size:
             logits = logits[:, : self.vocab_size]
-        if logits.dtype != torch.float32:
-            logits = logits.float()
         greedy, want_lp, penalised, short = True, False, [], False
         for i, r in enumerate(rows):  # one pass: what this batch needs at all
             p = r.params
@@ -222,6 +220,10 @@ class Sampler:
             if _penalised(p):
                 penalised.append(i)
             short = short or len(r.output_ids) < p.min_new_tokens
+        if greedy and not penalised and not short and not want_lp and logits.dtype == torch.bfloat16:
+            return self._output(argmax(logits), rows, None)  # the same index as on float32 logits, without the copy
+        if logits.dtype != torch.float32:
+            logits = logits.float()
         raw_lp = torch.log_softmax(logits, dim=-1) if want_lp else None
         if greedy and not penalised and not short:
             return self._output(argmax(logits), rows, raw_lp)
