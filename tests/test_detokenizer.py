@@ -272,3 +272,23 @@ def test_decode_window_is_bounded(smol):
     det = IncrementalDetokenizer(Counting(), enc(smol, "prompt " * 50), stop=["zzz"])
     assert "".join(stream(det, ids)) == smol.decode(ids)
     assert len(ids) > 500 and max(sizes) <= 12 and len(sizes) <= 3 * len(ids)
+
+
+def test_stock_fast_tokenizers_decode_through_their_rust_backend(smol, bytefallback):
+    """The Rust decode is taken only where the tokenizer's decode is transformers' own (the
+    round-trip tests above check its text against ``tokenizer.decode``); an override is honoured."""
+    import copy
+
+    from core.engine.detokenizer import backend_decode
+
+    assert backend_decode(smol) is not None and backend_decode(bytefallback) is not None
+
+    class Custom(type(smol)):
+        def decode(self, ids, **kw):
+            return "<" + super().decode(ids, **kw) + ">"
+
+    custom = copy.copy(smol)
+    custom.__class__ = Custom
+    assert backend_decode(custom) is None
+    det = IncrementalDetokenizer(custom, [])
+    assert det.add(enc(smol, "hello")) + det.flush() == "<hello>"

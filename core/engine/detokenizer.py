@@ -20,6 +20,23 @@ from typing import Any
 _PROMPT_CONTEXT = 5
 
 
+def backend_decode(tokenizer: Any) -> Any:
+    """The Rust ``tokenizers`` decode behind a transformers fast tokenizer whose ``decode`` is the
+    stock one (what it returns with ``clean_up_tokenization_spaces=False``: 0.8 us a call against
+    2.5 us through transformers' wrapper, twice per token of every stream), else None."""
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return None
+    cls = type(tokenizer)
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if (backend is None or not isinstance(tokenizer, TokenizersBackend) or cls._decode is not TokenizersBackend._decode
+            or cls.decode is not PreTrainedTokenizerBase.decode):
+        return None
+    return backend.decode
+
+
 def special_token_ids(tokenizer: Any) -> frozenset[int]:
     """Ids that ``decode(..., skip_special_tokens=True)`` drops: the named specials plus added
     tokens flagged special (e.g. SmolLM2's ``<repo_name>`` is not in ``all_special_ids``)."""
@@ -44,6 +61,7 @@ class IncrementalDetokenizer:
         no_stop_trim: bool = False,
     ) -> None:
         self._tok = tokenizer
+        self._fast_decode = backend_decode(tokenizer)
         self._skip = skip_special_tokens
         self._special = special_token_ids(tokenizer)
         # Fast tokenizers ignore spaces_between_special_tokens, so emulate HF's slow behaviour by
@@ -71,6 +89,8 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         if not ids:
             return ""
+        if self._fast_decode is not None:
+            return self._fast_decode(ids, skip_special_tokens=self._skip)
         return self._tok.decode(ids, skip_special_tokens=self._skip, clean_up_tokenization_spaces=False)
 
     def _reset_window(self, ctx: list[int]) -> None:
