@@ -228,10 +228,7 @@ struct Scratch {
 };
 
 #ifdef CORE_BF16_DOT
-// 16 bf16 (raw bits) -> 16 fp32.
-inline __m512 bf16x16(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
+using core_rows::bf16x16;
 
 // e^x for x <= 0 on 16 lanes, the polynomial of exp_neg.
 inline __m512 vexp_neg(__m512 x) {

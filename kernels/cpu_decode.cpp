@@ -161,16 +161,8 @@ using namespace core_gemv;
 using namespace core_rows;
 using bf16 = c10::BFloat16;
 
-// One packed linear: kind 0 int4 (q codes, s scales and zeros of G groups), 1 int8 (s per-row
-// scales, G = 1); bias nullptr for none.
-struct Packed {
-  int64_t kind, N, K, G;
-  const uint8_t* q;
-  const uint16_t* s;
-  const bf16* bias;
-};
-
-Packed packed(const at::Tensor& a, const at::Tensor& b, const at::Tensor& bias, int64_t kind, int64_t N, int64_t K,
+// A layer's packed linear (kind 0 int4, 1 int8; cpu_gemv.h's Weight), checked.
+Weight packed(const at::Tensor& a, const at::Tensor& b, const at::Tensor& bias, int64_t kind, int64_t N, int64_t K,
               int64_t layer, const char* name) {
   TORCH_CHECK(kind == 0 || kind == 1, "DecodeStack: layer ", layer, " ", name, ": kind ", kind, " is not int4 (0) or int8 (1)");
   TORCH_CHECK(a.scalar_type() == at::kByte && a.is_contiguous() && b.scalar_type() == at::kBFloat16 && b.is_contiguous(),
@@ -191,32 +183,19 @@ Packed packed(const at::Tensor& a, const at::Tensor& b, const at::Tensor& bias, 
   TORCH_CHECK(!has || (bias.scalar_type() == at::kBFloat16 && bias.is_contiguous() && bias.numel() == N),
               "DecodeStack: layer ", layer, " ", name, ": bias of ", N, " bf16 expected");
   return {kind, N, K, G, a.const_data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(b.const_data_ptr()),
-          has ? bias.const_data_ptr<bf16>() : nullptr};
+          has ? reinterpret_cast<const uint16_t*>(bias.const_data_ptr()) : nullptr};
 }
 
 inline const uint16_t* raw(const bf16* p) { return reinterpret_cast<const uint16_t*>(p); }
-
-// Block nb of w times the M rows of x (xs: their group sums for w.G) into out [M, w.N], plus the
-// bias of its 16 columns (rounded as torch's add rounds).
-inline void gemv_block(const Packed& w, const bf16* x, const float* xs, bf16* out, int64_t M, int64_t nb) {
-  uint16_t* o = reinterpret_cast<uint16_t*>(out);
-  for_rows(M, [&](auto rows, int64_t m) {
-    if (w.kind == 0)
-      block<rows.value>(w.q, w.s, raw(x) + m * w.K, xs + m * w.G, o + m * w.N, w.K, w.G, w.N, nb);
-    else
-      block8<rows.value>(w.q, w.s, raw(x) + m * w.K, xs + m, o + m * w.N, w.K, w.N, nb);
-  });
-  if (w.bias)
-    for (int64_t m = 0; m < M; ++m) add_row<bf16>(out + m * w.N + nb * 16, w.bias + nb * 16, out + m * w.N + nb * 16, 16);
-}
+inline uint16_t* raw(bf16* p) { return reinterpret_cast<uint16_t*>(p); }
 
 // A GEMM of the stack: out = x w, and out2 = x w2 when w2 is given (gate and up: one pass over both
 // weights' blocks); xs, xs2 the group sums of x for each.
 struct Job {
-  const Packed* w;
+  const Weight* w;
   const float* xs;
   bf16* out;
-  const Packed* w2 = nullptr;
+  const Weight* w2 = nullptr;
   const float* xs2 = nullptr;
   bf16* out2 = nullptr;
   int64_t blocks() const { return w->N / 16 + (w2 ? w2->N / 16 : 0); }
@@ -228,13 +207,13 @@ void gemv_shared(const Job& j, const bf16* x, int64_t M) {
 #pragma omp for schedule(static)
   for (int64_t i = 0; i < j.blocks(); ++i) {
     if (i < na)
-      gemv_block(*j.w, x, j.xs, j.out, M, i);
+      weight_block(*j.w, raw(x), j.xs, raw(j.out), M, i);
     else
-      gemv_block(*j.w2, x, j.xs2, j.out2, M, i - na);
+      weight_block(*j.w2, raw(x), j.xs2, raw(j.out2), M, i - na);
   }
 }
 
-void sums(const Packed& w, const bf16* x, int64_t M, float* xs) { group_sums(raw(x), M, w.K, w.G, xs); }
+void sums(const Weight& w, const bf16* x, int64_t M, float* xs) { group_sums(raw(x), M, w.K, w.G, xs); }
 
 // out = silu(g) * u over n elements, rounded as torch's silu and mul round them in bf16. torch's
 // silu, run in one chunk (as it is below its grain size), takes whole 64-element steps through
@@ -246,7 +225,7 @@ void silu_mul(const bf16* g, const bf16* u, bf16* out, int64_t n) {
   alignas(64) float s[16];
   int64_t i = 0;
   for (; i < nv; i += 16) {
-    const __m512 x = bf16_lanes(gr + i);
+    const __m512 x = bf16x16(gr + i);
     const __m512 e = Sleef_expf16_u10(_mm512_xor_ps(_mm512_set1_ps(-0.0f), x));
     _mm512_store_ps(s, _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
 #pragma omp simd
@@ -324,14 +303,14 @@ class DecodeStack : public torch::CustomClassHolder {
     }
     const int nt = at::get_num_threads();
     const auto opt = x.options();
-    // shared: the GEMM outputs, the rotated q and k; per thread (row t): the row loops' buffers
-    at::Tensor qkv = at::empty({M, nqkv}, opt), qr = at::empty({M, H, D}, opt), kr = at::empty({M, Hkv, D}, opt);
+    // shared: the GEMM outputs and the rotated q; per thread (row t): the row loops' buffers
+    at::Tensor qkv = at::empty({M, nqkv}, opt), qr = at::empty({M, H, D}, opt);
     at::Tensor o = at::empty({M, hid}, opt), gate = at::empty({M, I}, opt), up = at::empty({M, I}, opt);
     at::Tensor mlp = at::empty({M, hid}, opt);
     at::Tensor x0 = at::empty({nt, M, hid}, opt), x1 = at::empty({nt, M, hid}, opt), h = at::empty({nt, M, std::max(hid, I)}, opt);
     const int64_t gmax = M * (std::max({hid, qs, I}) / 8 + 1);
     at::Tensor xs = at::empty({nt, 2, gmax}, opt.dtype(at::kFloat));
-    bf16 *pqkv = qkv.data_ptr<bf16>(), *pqr = qr.data_ptr<bf16>(), *pkr = kr.data_ptr<bf16>(), *po = o.data_ptr<bf16>();
+    bf16 *pqkv = qkv.data_ptr<bf16>(), *pqr = qr.data_ptr<bf16>(), *po = o.data_ptr<bf16>();
     bf16 *pg = gate.data_ptr<bf16>(), *pu = up.data_ptr<bf16>(), *pmlp = mlp.data_ptr<bf16>();
     const float *pcos = cos_.const_data_ptr<float>(), *psin = sin_.const_data_ptr<float>();
     const float feps = static_cast<float>(eps_);
@@ -359,7 +338,7 @@ class DecodeStack : public torch::CustomClassHolder {
       float *my_xs = xs.data_ptr<float>() + me * 2 * gmax, *my_xs2 = my_xs + gmax;
       for (int64_t l = 0; l < L; ++l) {
         const bf16 *in_norm = norms_[2 * l], *post_norm = norms_[2 * l + 1];
-        const Packed* w = lin_.data() + 5 * l;
+        const Weight* w = lin_.data() + 5 * l;
         bf16* kc = k_caches_[l].data_ptr<bf16>();
         bf16* vc = v_caches_[l].data_ptr<bf16>();
         // the layer's input: x at the first layer, then this thread's x1 + the MLP's output
@@ -379,9 +358,8 @@ class DecodeStack : public torch::CustomClassHolder {
           const float* sn = psin + pos[m] * rot_;
           const bf16* row = pqkv + m * nqkv;
           for (int64_t j = 0; j < H; ++j) rotate_head<bf16>(row + j * D, pqr + (m * H + j) * D, cs, sn, rot_ / 2, D);
-          for (int64_t j = 0; j < Hkv; ++j)
-            rotate_head<bf16>(row + qs + j * D, pkr + (m * Hkv + j) * D, cs, sn, rot_ / 2, D);
-          std::copy(pkr + m * kvs, pkr + (m + 1) * kvs, kc + loc[m] * kvs);
+          for (int64_t j = 0; j < Hkv; ++j)  // k rotated straight into its cache row
+            rotate_head<bf16>(row + qs + j * D, kc + loc[m] * kvs + j * D, cs, sn, rot_ / 2, D);
           std::copy(row + qs + kvs, row + nqkv, vc + loc[m] * kvs);
         }
         attend(work, pqr, kc, vc, pa);
@@ -392,11 +370,9 @@ class DecodeStack : public torch::CustomClassHolder {
           norm_row<bf16>(my_x1 + m * hid, post_norm, my_h + m * hid, hid, feps, 0.0f);
         }
         sums(w[2], my_h, M, my_xs);
-        if (w[3].G == w[2].G)  // up's sums are gate's
-          std::copy(my_xs, my_xs + M * w[2].G, my_xs2);
-        else
-          sums(w[3], my_h, M, my_xs2);
-        gemv_shared({&w[2], my_xs, pg, &w[3], my_xs2, pu}, my_h, M);
+        const float* up_xs = w[3].G == w[2].G ? my_xs : my_xs2;  // up's sums are gate's unless its groups differ
+        if (up_xs == my_xs2) sums(w[3], my_h, M, my_xs2);
+        gemv_shared({&w[2], my_xs, pg, &w[3], up_xs, pu}, my_h, M);
         silu_mul(pg, pu, my_h, M * I);  // the activation (into this thread's h: the norm's rows are used)
         sums(w[4], my_h, M, my_xs);
         gemv_shared({&w[4], my_xs, pmlp}, my_h, M);
@@ -414,7 +390,7 @@ class DecodeStack : public torch::CustomClassHolder {
   double eps_, scale_;
   int64_t window_, rot_, H, Hkv, D, L = 0, hid = 0, qs = 0, kvs = 0, nqkv = 0, I = 0, slots = 0;
 #ifdef CORE_GEMV_BF16
-  std::vector<Packed> lin_;
+  std::vector<Weight> lin_;
   std::vector<const bf16*> norms_;
 #endif
 };
@@ -433,6 +409,4 @@ TORCH_LIBRARY(core_cpu_decode, m) {
 }
 
 // CompositeExplicitAutograd: the oneDNN-packed weights among the arguments carry another dispatch key
-TORCH_LIBRARY_IMPL(core_cpu_decode, CompositeExplicitAutograd, m) { 
-  m.impl("decode_layer", &decode_layer);
-}
+TORCH_LIBRARY_IMPL(core_cpu_decode, CompositeExplicitAutograd, m) { m.impl("decode_layer", &decode_layer); }

@@ -101,7 +101,7 @@ def plan_stack(plans: list[dict[str, Any] | None]) -> dict[str, Any] | None:
     same = ("eps", "heads", "attn")
     if (first["caches"][0].dtype != torch.bfloat16 or any(k not in (0, 1) for p in plans for k in p["kinds"])
             or any(p[k] != first[k] for p in plans for k in same)
-            or any(p["rotary"] is not first["rotary"] and p["rotary"] != first["rotary"] for p in plans)
+            or any(p["rotary"][0] is not first["rotary"][0] for p in plans)  # one rotary table (one module)
             or any(t.dtype != torch.bfloat16 for p in plans for t in p["norms"])):
         return None
     cos, sin, rot = first["rotary"]

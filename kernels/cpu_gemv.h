@@ -19,6 +19,8 @@
 
 #pragma once
 
+#include "cpu_rows.h"
+
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -65,9 +67,7 @@ inline void expand4(const uint8_t* src, __m512i w[4]) {
 #endif
 }
 
-inline __m512 bf16_lanes(const uint16_t* p) {  // 16 bf16 -> 16 fp32
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
+using core_rows::bf16x16;
 
 // Rows [m0, m0 + M) of x times row block nb: out[m, nb*16 .. nb*16+16).
 template <int M>
@@ -96,7 +96,7 @@ inline void block(const uint8_t* __restrict qw, const uint16_t* __restrict sz, c
         }
     }
     const uint16_t* sg = sz + (nb * G + g) * 32;
-    const __m512 s = bf16_lanes(sg), c = _mm512_fnmadd_ps(k136, s, bf16_lanes(sg + 16));  // z - 136 s
+    const __m512 s = bf16x16(sg), c = _mm512_fnmadd_ps(k136, s, bf16x16(sg + 16));  // z - 136 s
     for (int m = 0; m < M; ++m) {
       __m512 t = a[m][0];
       for (int j = 1; j < C; ++j) t = _mm512_add_ps(t, a[m][j]);
@@ -166,7 +166,7 @@ inline void block8(const uint8_t* __restrict qw, const uint16_t* __restrict sc, 
       al[m][u % 2] = _mm512_add_ps(al[m][u % 2], al[m][u]);
       ah[m][u % 2] = _mm512_add_ps(ah[m][u % 2], ah[m][u]);
     }
-  const __m512 s = bf16_lanes(sc + nb * 16);
+  const __m512 s = bf16x16(sc + nb * 16);
   for (int m = 0; m < M; ++m) {
     __m512 t = _mm512_fmadd_ps(_mm512_add_ps(ah[m][0], ah[m][1]), _mm512_set1_ps(16.0f), _mm512_add_ps(al[m][0], al[m][1]));
     t = _mm512_fnmadd_ps(_mm512_set1_ps(2304.0f), _mm512_set1_ps(xs[m]), t);
@@ -184,6 +184,45 @@ inline void for_rows(int64_t M, F&& f) {
   for (; m + 3 <= M; m += 3) f(std::integral_constant<int, 3>{}, m);
   if (M - m == 2) f(std::integral_constant<int, 2>{}, m);
   if (M - m == 1) f(std::integral_constant<int, 1>{}, m);
+}
+
+// One packed weight [N, K]: kind 0 int4 (q codes, s scales then zeros of G groups per row), 1 int8
+// (s per-row scales, G = 1); bias (bf16 bits, N) nullptr for none.
+struct Weight {
+  int64_t kind, N, K, G;
+  const uint8_t* q;
+  const uint16_t* s;
+  const uint16_t* bias = nullptr;
+};
+
+// Block nb of w (its 16 output columns) times the M rows of x (xs: their group sums for w.G) into
+// out [M, w.N], plus the bias of those columns (rounded as torch's add rounds); Kind is w.kind.
+template <int Kind>
+inline void weight_block(const Weight& w, const uint16_t* x, const float* xs, uint16_t* out, int64_t M, int64_t nb) {
+  const int64_t K = w.K, G = w.G, N = w.N;  // locals: out's stores could alias w's fields
+  const uint8_t* q = w.q;
+  const uint16_t* s = w.s;
+  for_rows(M, [&](auto rows, int64_t m) {
+    if constexpr (Kind == 0)
+      block<rows.value>(q, s, x + m * K, xs + m * G, out + m * N, K, G, N, nb);
+    else
+      block8<rows.value>(q, s, x + m * K, xs + m, out + m * N, K, N, nb);
+  });
+  if (w.bias) {
+    using T = c10::BFloat16;
+    const T* b = reinterpret_cast<const T*>(w.bias) + nb * 16;
+    for (int64_t m = 0; m < M; ++m) {
+      T* o = reinterpret_cast<T*>(out + m * N + nb * 16);
+      core_rows::add_row<T>(o, b, o, 16);
+    }
+  }
+}
+
+inline void weight_block(const Weight& w, const uint16_t* x, const float* xs, uint16_t* out, int64_t M, int64_t nb) {
+  if (w.kind == 0)
+    weight_block<0>(w, x, xs, out, M, nb);
+  else
+    weight_block<1>(w, x, xs, out, M, nb);
 }
 #endif
 

@@ -107,14 +107,13 @@ inline float value(const float* r, int64_t j) { return r[j]; }
 inline float value(const uint16_t* r, int64_t j) { return bf16_f(r[j]); }
 #if defined(__AVX512F__)
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
+inline __m512 load16(const uint16_t* p) { return bf16x16(p); }
 #endif
+
+constexpr int64_t kB = 256;  // argmax's block
 
 template <typename E>
 int64_t argmax_row(const E* r, int64_t n, std::vector<float>& bmax) {
-  constexpr int64_t kB = 256;
   const int64_t nb = (n + kB - 1) / kB;
   bool nan = false;
   for (int64_t b = 0; b < nb; ++b) {
@@ -164,7 +163,7 @@ at::Tensor argmax(const at::Tensor& x) {
   const char* base = static_cast<const char*>(x.const_data_ptr());
   const int64_t row_bytes = x.stride(0) * x.element_size();
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> bmax((n + 255) / 256);
+    std::vector<float> bmax((n + kB - 1) / kB);
     for (int64_t i = begin; i < end; ++i)
       po[i] = f32 ? argmax_row(reinterpret_cast<const float*>(base + i * row_bytes), n, bmax)
                   : argmax_row(reinterpret_cast<const uint16_t*>(base + i * row_bytes), n, bmax);

@@ -10,6 +10,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace core_rows {
 
@@ -33,6 +36,13 @@ inline uint16_t f_bf16(float f) {
   return (u & 0x7FFFFFFFu) > 0x7F800000u ? static_cast<uint16_t>(0x7FC0) : r;
 }
 inline float rnd_bf16(float x) { return bf16_f(f_bf16(x)); }
+
+#if defined(__AVX512F__)
+// 16 bf16 (raw bits) -> 16 fp32, exactly.
+inline __m512 bf16x16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+#endif
 
 // One row of RMS norm: w * round(x * r), or Gemma's (x * r) * (offset + w) rounded once.
 template <typename T>

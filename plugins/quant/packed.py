@@ -217,7 +217,6 @@ def _gemv_dense_min_rows() -> int:
     return 0 if "amx_bf16" in cpu_flags() else GEMV_DENSE_MIN_ROWS
 
 
-
 def packed_linear(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``x [..., K] @ W^T (+ bias)`` in ``x.dtype`` for whichever format the layer holds."""
     fmt = layer.quant_format
