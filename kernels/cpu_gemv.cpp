@@ -24,46 +24,13 @@ bool supported() {
 #ifdef CORE_GEMV_BF16
 using namespace core_gemv;
 
-// Every 16-row block nb of a weight (split over threads): f(nb).
+// Every 16-row block of the weight (split over threads) times the M rows of x (for_rows):
+// f(rows as a compile-time constant, first row, block).
 template <typename F>
-void for_blocks(int64_t NB, F&& f) {
+void for_blocks(int64_t NB, int64_t M, F&& f) {
   at::parallel_for(0, NB, 8, [&](int64_t b0, int64_t b1) {
-    for (int64_t nb = b0; nb < b1; ++nb) f(nb);
+    for (int64_t nb = b0; nb < b1; ++nb) for_rows(M, [&](auto rows, int64_t m) { f(rows, m, nb); });
   });
-}
-
-inline const uint16_t* bits(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.const_data_ptr()); }
-
-// out [M, w.N] = x [M, K] w^T, with xs x's group sums for w.G.
-at::Tensor mm(const Weight& w, const at::Tensor& x, const at::Tensor& xs) {
-  auto out = at::empty({x.size(0), w.N}, x.options());
-  uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr());
-  const uint16_t* xp = bits(x);
-  const float* s = xs.const_data_ptr<float>();
-  const int64_t M = x.size(0);
-  if (w.kind == 0)  // the kind outside the loop: the int4 and int8 loops each stay one kernel
-    for_blocks(w.N / 16, [&](int64_t nb) { weight_block<0>(w, xp, s, o, M, nb); });
-  else
-    for_blocks(w.N / 16, [&](int64_t nb) { weight_block<1>(w, xp, s, o, M, nb); });
-  return out;
-}
-
-// Two weights times the same x (a gate and an up projection) in one pass over threads: one parallel
-// region and one set of group sums instead of two (a fork and a join cost ~4 us at decode sizes).
-// Each output block is computed as mm computes it, so the results are the same.
-std::tuple<at::Tensor, at::Tensor> mm_pair(const Weight& a, const Weight& b, const at::Tensor& x, const at::Tensor& xs) {
-  auto oa = at::empty({x.size(0), a.N}, x.options()), ob = at::empty({x.size(0), b.N}, x.options());
-  uint16_t *pa = reinterpret_cast<uint16_t*>(oa.data_ptr()), *pb = reinterpret_cast<uint16_t*>(ob.data_ptr());
-  const uint16_t* xp = bits(x);
-  const float* s = xs.const_data_ptr<float>();
-  const int64_t M = x.size(0), na = a.N / 16;
-  for_blocks(na + b.N / 16, [&](int64_t nb) {
-    if (nb < na)
-      weight_block(a, xp, s, pa, M, nb);
-    else
-      weight_block(b, xp, s, pb, M, nb - na);
-  });
-  return {oa, ob};
 }
 #endif
 
@@ -80,16 +47,24 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& 
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "int4_mm: x [M, K] contiguous bf16");
   TORCH_CHECK(qw.dim() == 3 && qw.scalar_type() == at::kByte && qw.size(2) == 16 && qw.is_contiguous(),
               "int4_mm: qw [N/16, K/2, 16] uint8");
-  const int64_t K = x.size(1), NB = qw.size(0), G = sz.size(1);
+  const int64_t M = x.size(0), K = x.size(1), NB = qw.size(0), N = NB * 16, G = sz.size(1);
   TORCH_CHECK(qw.size(1) * 2 == K, "int4_mm: x has ", K, " columns, the weight ", qw.size(1) * 2);
   TORCH_CHECK(sz.dim() == 4 && sz.size(0) == NB && sz.size(2) == 2 && sz.size(3) == 16 && G > 0 && K % G == 0 &&
                   (K / G) % 8 == 0 && sz.scalar_type() == at::kBFloat16 && sz.is_contiguous(),
               "int4_mm: sz [N/16, G, 2, 16] bfloat16, groups of a multiple of 8 columns");
+  auto out = at::empty({M, N}, x.options());
 #ifdef CORE_GEMV_BF16
-  return mm({0, NB * 16, K, G, qw.const_data_ptr<uint8_t>(), bits(sz)}, x, group_sums(x, G));
-#else
-  return at::empty({x.size(0), NB * 16}, x.options());
+  const at::Tensor xs = group_sums(x, G);
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.const_data_ptr());
+  const float* xsp = xs.const_data_ptr<float>();
+  const uint8_t* q = qw.const_data_ptr<uint8_t>();
+  const uint16_t* szp = reinterpret_cast<const uint16_t*>(sz.const_data_ptr());
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  for_blocks(NB, M, [&](auto rows, int64_t m, int64_t nb) {
+    block<rows.value>(q, szp, xp + m * K, xsp + m * G, op + m * N, K, G, N, nb);
+  });
 #endif
+  return out;
 }
 
 // x [M, K] bf16; qw [N/16, K/2, 16, 2] uint8 (q + 128); scale [N] bf16 -> [M, N] bf16.
@@ -98,17 +73,44 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& 
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "int8_mm: x [M, K] contiguous bf16");
   TORCH_CHECK(qw.dim() == 4 && qw.scalar_type() == at::kByte && qw.size(2) == 16 && qw.size(3) == 2 && qw.is_contiguous(),
               "int8_mm: qw [N/16, K/2, 16, 2] uint8");
-  const int64_t K = x.size(1), N = qw.size(0) * 16;
+  const int64_t M = x.size(0), K = x.size(1), NB = qw.size(0), N = NB * 16;
   TORCH_CHECK(qw.size(1) * 2 == K && K % 8 == 0, "int8_mm: x has ", K, " columns, the weight ", qw.size(1) * 2,
               " (a multiple of 8)");
   TORCH_CHECK(scale.dim() == 1 && scale.size(0) == N && scale.scalar_type() == at::kBFloat16 && scale.is_contiguous(),
               "int8_mm: scale [N] bfloat16");
+  auto out = at::empty({M, N}, x.options());
 #ifdef CORE_GEMV_BF16
-  return mm({1, N, K, 1, qw.const_data_ptr<uint8_t>(), bits(scale)}, x, group_sums(x, 1));
-#else
-  return at::empty({x.size(0), N}, x.options());
+  const at::Tensor xs = group_sums(x, 1);
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.const_data_ptr());
+  const float* xsp = xs.const_data_ptr<float>();
+  const uint8_t* q = qw.const_data_ptr<uint8_t>();
+  const uint16_t* sc = reinterpret_cast<const uint16_t*>(scale.const_data_ptr());
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  for_blocks(NB, M, [&](auto rows, int64_t m, int64_t nb) {
+    block8<rows.value>(q, sc, xp + m * K, xsp + m, op + m * N, K, N, nb);
+  });
 #endif
+  return out;
 }
+
+// Two weights times the same x (a gate and an up projection) in one pass over threads: one parallel
+// region and one set of group sums instead of two (a fork and a join cost ~4 us at decode sizes).
+// Each output block is computed as int4_mm / int8_mm computes it, so the results are the same.
+#ifdef CORE_GEMV_BF16
+// [M, NA * 16] and [M, NB * 16] outputs; f(rows, m, nb, out of that block's weight, its block index).
+template <typename F>
+std::tuple<at::Tensor, at::Tensor> pair_blocks(const at::Tensor& x, int64_t NA, int64_t NB, F&& f) {
+  auto oa = at::empty({x.size(0), NA * 16}, x.options()), ob = at::empty({x.size(0), NB * 16}, x.options());
+  uint16_t *opa = reinterpret_cast<uint16_t*>(oa.data_ptr()), *opb = reinterpret_cast<uint16_t*>(ob.data_ptr());
+  for_blocks(NA + NB, x.size(0), [&](auto rows, int64_t m, int64_t nb) {
+    if (nb < NA)
+      f(rows, m, 0, opa + m * NA * 16, NA * 16, nb);
+    else
+      f(rows, m, 1, opb + m * NB * 16, NB * 16, nb - NA);
+  });
+  return {oa, ob};
+}
+#endif
 
 std::tuple<at::Tensor, at::Tensor> int4_mm_pair(const at::Tensor& x, const at::Tensor& qa, const at::Tensor& sa,
                                                 const at::Tensor& qb, const at::Tensor& sb) {
@@ -119,8 +121,14 @@ std::tuple<at::Tensor, at::Tensor> int4_mm_pair(const at::Tensor& x, const at::T
               "int4_mm_pair: as int4_mm for each weight, both of one K and group size");
 #ifdef CORE_GEMV_BF16
   const int64_t K = x.size(1), G = sa.size(1);
-  return mm_pair({0, qa.size(0) * 16, K, G, qa.const_data_ptr<uint8_t>(), bits(sa)},
-                 {0, qb.size(0) * 16, K, G, qb.const_data_ptr<uint8_t>(), bits(sb)}, x, group_sums(x, G));
+  const at::Tensor xs = group_sums(x, G);
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.const_data_ptr());
+  const float* xsp = xs.const_data_ptr<float>();
+  const uint8_t* q[2] = {qa.const_data_ptr<uint8_t>(), qb.const_data_ptr<uint8_t>()};
+  const uint16_t* z[2] = {reinterpret_cast<const uint16_t*>(sa.const_data_ptr()), reinterpret_cast<const uint16_t*>(sb.const_data_ptr())};
+  return pair_blocks(x, qa.size(0), qb.size(0), [&](auto rows, int64_t m, int w, uint16_t* out, int64_t N, int64_t nb) {
+    block<rows.value>(q[w], z[w], xp + m * K, xsp + m * G, out, K, G, N, nb);
+  });
 #else
   TORCH_CHECK(false, "int4_mm_pair: this build has no AVX512-BF16");
 #endif
@@ -135,8 +143,14 @@ std::tuple<at::Tensor, at::Tensor> int8_mm_pair(const at::Tensor& x, const at::T
               "int8_mm_pair: as int8_mm for each weight");
 #ifdef CORE_GEMV_BF16
   const int64_t K = x.size(1);
-  return mm_pair({1, qa.size(0) * 16, K, 1, qa.const_data_ptr<uint8_t>(), bits(sa)},
-                 {1, qb.size(0) * 16, K, 1, qb.const_data_ptr<uint8_t>(), bits(sb)}, x, group_sums(x, 1));
+  const at::Tensor xs = group_sums(x, 1);
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.const_data_ptr());
+  const float* xsp = xs.const_data_ptr<float>();
+  const uint8_t* q[2] = {qa.const_data_ptr<uint8_t>(), qb.const_data_ptr<uint8_t>()};
+  const uint16_t* c[2] = {reinterpret_cast<const uint16_t*>(sa.const_data_ptr()), reinterpret_cast<const uint16_t*>(sb.const_data_ptr())};
+  return pair_blocks(x, qa.size(0), qb.size(0), [&](auto rows, int64_t m, int w, uint16_t* out, int64_t N, int64_t nb) {
+    block8<rows.value>(q[w], c[w], xp + m * K, xsp + m, out, K, N, nb);
+  });
 #else
   TORCH_CHECK(false, "int8_mm_pair: this build has no AVX512-BF16");
 #endif

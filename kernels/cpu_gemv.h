@@ -196,33 +196,24 @@ struct Weight {
 };
 
 // Block nb of w (its 16 output columns) times the M rows of x (xs: their group sums for w.G) into
-// out [M, w.N], plus the bias of those columns (rounded as torch's add rounds); Kind is w.kind.
-template <int Kind>
+// out [M, w.N], plus the bias of those columns (rounded as torch's add rounds). The stack's form
+// (kernels/cpu_decode.cpp); the ops in cpu_gemv.cpp call block / block8 directly, which measured a
+// few per cent faster for them than going through this.
 inline void weight_block(const Weight& w, const uint16_t* x, const float* xs, uint16_t* out, int64_t M, int64_t nb) {
-  const int64_t K = w.K, G = w.G, N = w.N;  // locals: out's stores could alias w's fields
-  const uint8_t* q = w.q;
-  const uint16_t* s = w.s;
   for_rows(M, [&](auto rows, int64_t m) {
-    if constexpr (Kind == 0)
-      block<rows.value>(q, s, x + m * K, xs + m * G, out + m * N, K, G, N, nb);
+    if (w.kind == 0)
+      block<rows.value>(w.q, w.s, x + m * w.K, xs + m * w.G, out + m * w.N, w.K, w.G, w.N, nb);
     else
-      block8<rows.value>(q, s, x + m * K, xs + m, out + m * N, K, N, nb);
+      block8<rows.value>(w.q, w.s, x + m * w.K, xs + m, out + m * w.N, w.K, w.N, nb);
   });
   if (w.bias) {
     using T = c10::BFloat16;
     const T* b = reinterpret_cast<const T*>(w.bias) + nb * 16;
     for (int64_t m = 0; m < M; ++m) {
-      T* o = reinterpret_cast<T*>(out + m * N + nb * 16);
+      T* o = reinterpret_cast<T*>(out + m * w.N + nb * 16);
       core_rows::add_row<T>(o, b, o, 16);
     }
   }
-}
-
-inline void weight_block(const Weight& w, const uint16_t* x, const float* xs, uint16_t* out, int64_t M, int64_t nb) {
-  if (w.kind == 0)
-    weight_block<0>(w, x, xs, out, M, nb);
-  else
-    weight_block<1>(w, x, xs, out, M, nb);
 }
 #endif
 
