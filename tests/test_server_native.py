@@ -312,6 +312,52 @@ def test_get_server_info_redacts_the_key(client: httpx.Client) -> None:
     assert isinstance(info["internal_states"], list) and "version" in info
 
 
+def test_tokenize_counts_what_generate_and_chat_send(client: httpx.Client) -> None:
+    text = "The capital of France is"
+    tok = client.post("/tokenize", json={"prompt": text}).json()
+    assert tok["count"] == len(tok["tokens"]) > 0 and tok["max_model_len"] == CTX
+    meta = gen(client, text=text, sampling_params=greedy(1)).json()["meta_info"]
+    assert meta["prompt_tokens"] == tok["count"]
+    assert client.post("/v1/tokenize", json={"prompt": text, "model": "x"}).json() == tok
+    assert client.post("/detokenize", json={"tokens": tok["tokens"]}).json() == {"text": text}
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    chat = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1}).json()
+    counted = client.post("/tokenize", json={"messages": messages}).json()
+    assert counted["count"] == chat["usage"]["prompt_tokens"]
+    no_prompt = client.post("/tokenize", json={"messages": messages, "add_generation_prompt": False}).json()
+    assert no_prompt["count"] < counted["count"] and counted["tokens"][:no_prompt["count"]] == no_prompt["tokens"]
+
+    batch = client.post("/tokenize", json={"prompt": [text, "Hi"], "return_token_strs": True}).json()
+    assert batch["tokens"][0] == tok["tokens"] and batch["count"] == [len(t) for t in batch["tokens"]]
+    assert [len(s) for s in batch["token_strs"]] == batch["count"] and all(isinstance(s, str) for s in batch["token_strs"][1])
+    texts = client.post("/v1/detokenize", json={"tokens": batch["tokens"]}).json()
+    assert texts == {"text": [text, "Hi"]}
+    assert client.post("/detokenize", json={"tokens": []}).json() == {"text": ""}
+
+    long = client.post("/tokenize", json={"prompt": "word " * 1000}).json()  # longer than the context: counted
+    assert long["count"] > CTX
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/tokenize", {}, "prompt"),
+    ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "prompt"),
+    ("/tokenize", {"prompt": 5}, "prompt"),
+    ("/tokenize", {"prompt": []}, "prompt"),
+    ("/tokenize", {"messages": []}, "messages"),
+    ("/tokenize", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ("/detokenize", {}, "tokens"),
+    ("/detokenize", {"tokens": "abc"}, "tokens"),
+    ("/detokenize", {"tokens": [-1]}, "tokens"),
+    ("/detokenize", {"tokens": [10**9]}, "tokens"),
+    ("/detokenize", {"tokens": [1, [2]]}, "tokens"),
+    ("/v1/detokenize", {"tokens": [[1], [True]]}, "tokens"),
+])
+def test_tokenize_bad_input_is_400(client: httpx.Client, path: str, body: dict, param: str) -> None:
+    assert_error(client.post(path, json=body), 400, param)
+    assert_error(client.get(path), 405, None)
+
+
 def test_loads_idle(client: httpx.Client) -> None:
     body = client.get("/v1/loads").json()
     l0 = body["loads"][0]

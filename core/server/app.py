@@ -19,7 +19,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from core.errors import CoreError
-from core.server import embeddings, native
+from core.server import embeddings, native, tokenize
 from core.server.http import ApiError, ApiKeyMiddleware, api_error
 from core.server.openai import batches, files, routes
 from core.server.state import ServerState
@@ -43,6 +43,10 @@ ROUTES = [
     Route("/abort_request", native.abort_request, methods=["POST"]),
     Route("/update_weights_from_disk", native.update_weights_from_disk, methods=["POST"]),
     Route("/metrics", native.metrics_endpoint, methods=["GET"]),  # 404 without --enable-metrics
+    Route("/tokenize", tokenize.tokenize, methods=["POST"]),
+    Route("/v1/tokenize", tokenize.tokenize, methods=["POST"]),
+    Route("/detokenize", tokenize.detokenize, methods=["POST"]),
+    Route("/v1/detokenize", tokenize.detokenize, methods=["POST"]),
     Route("/parse_function_call", routes.parse_function_call, methods=["POST"]),
     Route("/separate_reasoning", routes.separate_reasoning, methods=["POST"]),
     # OpenAI-compatible

@@ -125,9 +125,12 @@ def _template_tool_call(tc: Any) -> Any:
     return {**tc, "function": fn}
 
 
-def render_chat(state: Any, r: ChatCompletionRequest, hide_tools: bool | None = None) -> list[int]:
+def render_chat(state: Any, r: ChatCompletionRequest, hide_tools: bool | None = None, *,
+                add_generation_prompt: bool = True, fit: bool = True) -> list[int]:
     """Apply the chat template (``--chat-template`` overrides the tokenizer's) and tokenize.
-    ``hide_tools``: give the template no tools (default: when ``tool_choice`` is "none")."""
+    ``hide_tools``: give the template no tools (default: when ``tool_choice`` is "none").
+    ``fit``: refuse a text that cannot fit the context before tokenizing it (a generation's
+    prompt; /tokenize counts any length)."""
     tok = state.engine.tokenizer
     if tok is None:
         raise InvalidRequest("chat completions need the tokenizer, but the server runs with --skip-tokenizer-init")
@@ -146,13 +149,15 @@ def render_chat(state: Any, r: ChatCompletionRequest, hide_tools: bool | None = 
     cont = bool(r.continue_final_message) and messages[-1]["role"] == "assistant"
     try:
         text = tok.apply_chat_template(messages, tools=None if hide_tools else r.tools, documents=r.documents,
-                                       add_generation_prompt=not cont, continue_final_message=cont, tokenize=False,
+                                       add_generation_prompt=add_generation_prompt and not cont,
+                                       continue_final_message=cont, tokenize=False,
                                        **kwargs)
     except Exception as e:  # jinja2 TemplateError (raise_exception in templates), TypeError on odd messages
         raise InvalidRequest(f"the chat template could not render these messages: {e}", param="messages") from None
     if not isinstance(text, str):
         raise ApiError(500, "the chat template did not produce a string")
-    text = state.prefit_text(text, "messages")  # a prompt that cannot fit: 400 before tokenizing it
+    if fit:
+        text = state.prefit_text(text, "messages")  # a prompt that cannot fit: 400 before tokenizing it
     return tok.encode(text, add_special_tokens=False)
 
 

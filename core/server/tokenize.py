@@ -1,0 +1,108 @@
+"""/tokenize and /detokenize (also under /v1/), as SGLang and vLLM serve them.
+
+A client counts a prompt's tokens before paying to submit it, so /tokenize takes any length
+the body limit lets through (a prompt longer than the context is counted, not refused), and
+tokenizes in a worker thread: a multi-megabyte text never stalls the event loop that streams
+the running requests. ``messages`` go through the chat template as /v1/chat/completions
+renders them, so the count is the prompt a chat request would send.
+
+Request and response fields (SGLang's, plus vLLM's ``messages`` form and ``return_token_strs``):
+
+* ``POST /tokenize`` ``{"prompt": str | [str], "add_special_tokens": true}`` or
+  ``{"messages": [...], "add_generation_prompt": true, "tools": ..., "chat_template_kwargs": ...}``
+  -> ``{"tokens": [int] | [[int]], "count": int | [int], "max_model_len": int}``
+  (``max_model_len`` is the served context length; ``token_strs`` with ``return_token_strs``).
+* ``POST /detokenize`` ``{"tokens": [int] | [[int]], "skip_special_tokens": true}``
+  -> ``{"text": str | [str]}``. Ids outside the model's vocabulary are a 400.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from core.errors import InvalidRequest
+from core.server.http import convert_body, json_response, read_body, state_of
+from core.server.openai.chat import render_chat
+from core.server.openai.protocol import ChatCompletionRequest
+
+
+class TokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    prompt: str | list[str] | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool | None = None  # default: true for a prompt, false for messages (the template has them)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(msgspec.Struct, kw_only=True):
+    model: str | None = None
+    tokens: list[int | list[int]]  # msgspec takes one list type in a union: mixed lists are refused below
+    skip_special_tokens: bool = True
+
+
+def _tokenizer(state: Any) -> Any:
+    tok = state.engine.tokenizer
+    if tok is None:
+        raise InvalidRequest("the tokenizer is disabled (--skip-tokenizer-init)")
+    return tok
+
+
+def _token_ids(state: Any, r: TokenizeRequest) -> list[list[int]] | list[int]:
+    tok = _tokenizer(state)
+    if (r.prompt is None) == (r.messages is None):
+        raise InvalidRequest("give exactly one of prompt and messages", param="prompt")
+    if r.messages is not None:
+        if not r.messages:
+            raise InvalidRequest("messages must not be empty", param="messages")
+        chat = convert_body({"messages": r.messages, "tools": r.tools, "chat_template_kwargs": r.chat_template_kwargs,
+                             "continue_final_message": r.continue_final_message}, ChatCompletionRequest)
+        ids = render_chat(state, chat, hide_tools=False, add_generation_prompt=r.add_generation_prompt, fit=False)
+        if r.add_special_tokens:
+            ids = tok.build_inputs_with_special_tokens(ids)
+        return ids
+    special = r.add_special_tokens is not False
+    if isinstance(r.prompt, str):
+        return tok.encode(r.prompt, add_special_tokens=special)
+    if not r.prompt:
+        raise InvalidRequest("prompt must not be an empty list", param="prompt")
+    return [tok.encode(p, add_special_tokens=special) for p in r.prompt]
+
+
+async def tokenize(request: Request) -> Response:
+    state = state_of(request)
+    r = await read_body(request, TokenizeRequest)
+    ids = await asyncio.to_thread(_token_ids, state, r)
+    batch = bool(ids) and isinstance(ids[0], list)
+    out: dict[str, Any] = {"tokens": ids, "count": [len(x) for x in ids] if batch else len(ids),
+                           "max_model_len": state.context_len}
+    if r.return_token_strs:
+        tok = state.engine.tokenizer
+        out["token_strs"] = [tok.convert_ids_to_tokens(x) for x in ids] if batch else tok.convert_ids_to_tokens(ids)
+    return json_response(out)
+
+
+async def detokenize(request: Request) -> Response:
+    state = state_of(request)
+    r = await read_body(request, DetokenizeRequest)
+    tok = _tokenizer(state)
+    batch = bool(r.tokens) and isinstance(r.tokens[0], list)
+    if any(isinstance(t, list) != batch for t in r.tokens):
+        raise InvalidRequest("tokens must be a list of token ids or a list of token id lists", param="tokens")
+    lists: list[list[int]] = r.tokens if batch else [r.tokens]  # type: ignore[assignment, list-item]
+    vocab = state.engine.vocab_size
+    for ids in lists:
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {vocab})", param="tokens")
+    texts = await asyncio.to_thread(
+        lambda: [tok.decode(ids, skip_special_tokens=r.skip_special_tokens) for ids in lists])
+    return json_response({"text": texts if batch else texts[0]})
