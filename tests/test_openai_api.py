@@ -300,6 +300,137 @@ def test_non_stream_disconnect_aborts(base_url, http):
     _wait_idle(http)
 
 
+# ----------------------------------------------------------------------------- responses
+
+WEATHER = [{"type": "function", "name": "get_weather", "description": "The weather of a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
+
+
+def test_responses_answer_as_chat_does_and_continue_a_conversation(client, http):
+    # Each compared request starts from an empty prefix cache: a cached prefix changes the forward's
+    # shape (and so bf16 rounding), which can flip a near-tie in greedy decoding.
+    system, q1, q2 = "Answer briefly.", "What is the capital of France?", "And of Germany?"
+    assert http.post("/flush_cache").status_code == 200
+    r = client.responses.create(model="m", instructions=system, input=q1, max_output_tokens=20, **GREEDY)
+    assert http.post("/flush_cache").status_code == 200
+    chat = client.chat.completions.create(model="m", messages=[{"role": "system", "content": system},
+                                                               {"role": "user", "content": q1}], max_tokens=20, **GREEDY)
+    assert r.id.startswith("resp_") and r.object == "response" and r.status == "completed"
+    assert [o.type for o in r.output] == ["message"] and r.output_text == chat.choices[0].message.content
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (chat.usage.prompt_tokens, chat.usage.completion_tokens)
+    assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+
+    assert http.post("/flush_cache").status_code == 200
+    r2 = client.responses.create(model="m", input=q2, previous_response_id=r.id, max_output_tokens=20, **GREEDY)
+    history = [{"role": "user", "content": q1}, {"role": "assistant", "content": r.output_text},
+               {"role": "user", "content": q2}]  # instructions are not carried over, as OpenAI does
+    assert http.post("/flush_cache").status_code == 200
+    chat2 = client.chat.completions.create(model="m", messages=history, max_tokens=20, **GREEDY)
+    assert r2.output_text == chat2.choices[0].message.content and r2.previous_response_id == r.id
+    assert r2.usage.input_tokens == chat2.usage.prompt_tokens
+
+    assert client.responses.retrieve(r.id).output_text == r.output_text
+    items = client.responses.input_items.list(r2.id).data
+    assert [(i.type, i.role, i.content[0].text) for i in items] == [("message", "user", q2)]
+    client.responses.delete(r.id)
+    assert_error(http.get(f"/v1/responses/{r.id}"), 404, "response_id")
+    unstored = client.responses.create(model="m", input=q1, store=False, max_output_tokens=2, **GREEDY)
+    assert unstored.status == "incomplete" and unstored.incomplete_details.reason == "max_output_tokens"
+    assert_error(http.get(f"/v1/responses/{unstored.id}"), 404, "response_id")
+
+
+def test_responses_stream_events(client, http):
+    assert http.post("/flush_cache").status_code == 200  # both from a cold prefix cache (see above)
+    whole = client.responses.create(model="m", input="Hi", max_output_tokens=40, **GREEDY)
+    assert whole.status == "completed"
+    greedy_reply = whole.output_text
+    assert http.post("/flush_cache").status_code == 200
+    with client.responses.stream(model="m", input="Hi", max_output_tokens=40, **GREEDY) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    assert final.status == "completed" and final.output_text == greedy_reply
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    types = [e.type for e in events]
+    assert types[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert types[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.completed"]
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == greedy_reply
+    assert client.responses.retrieve(final.id).output_text == greedy_reply
+
+    cut = list(client.responses.create(model="m", input="Hi", max_output_tokens=3, stream=True, **GREEDY))
+    assert cut[-1].type == "response.incomplete" and cut[-1].response.status == "incomplete"
+    assert cut[-1].response.incomplete_details.reason == "max_output_tokens"
+
+
+def test_responses_function_call_round_trip(client):
+    r = client.responses.create(model="m", input="What's the weather in Paris?", tools=WEATHER, tool_choice="required",
+                                max_output_tokens=60, **GREEDY)
+    (call,) = [o for o in r.output if o.type == "function_call"]
+    assert call.name == "get_weather" and isinstance(json.loads(call.arguments)["city"], str)
+    assert call.call_id.startswith("call_") and r.status == "completed"
+    follow = client.responses.create(model="m", previous_response_id=r.id, tools=WEATHER, max_output_tokens=30,
+                                     input=[{"type": "function_call_output", "call_id": call.call_id,
+                                             "output": json.dumps({"temperature_c": 21})}], **GREEDY)
+    assert follow.status in ("completed", "incomplete") and follow.output_text
+
+    with client.responses.stream(model="m", input="Weather in Rome?", tools=WEATHER, max_output_tokens=60,
+                                 tool_choice={"type": "function", "name": "get_weather"}, **GREEDY) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    (item,) = final.output
+    assert item.type == "function_call" and item.name == "get_weather" and json.loads(item.arguments)
+    deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert deltas == item.arguments
+
+
+def test_responses_stream_abort_and_disconnect(base_url, http):
+    body = {"model": "m", "input": "Count to a thousand:", "max_output_tokens": 4000, "stream": True,
+            "ignore_eos": True}
+    events = []
+    with httpx.Client(base_url=base_url, timeout=60) as c:
+        with c.stream("POST", "/v1/responses", json=body) as resp:
+            assert resp.status_code == 200
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    events.append(json.loads(line[6:]))
+                if len(events) == 4:  # deltas are flowing: abort it from the server side
+                    rid = events[0]["response"]["id"]
+                    assert http.post("/abort_request", json={"rid": rid}).status_code == 200
+    assert events[-1]["type"] == "response.failed"
+    assert events[-1]["response"]["error"]["message"].startswith("the request was aborted")
+    _wait_idle(http)
+    with httpx.Client(base_url=base_url, timeout=60) as c:
+        with c.stream("POST", "/v1/responses", json=body) as resp:
+            for i, _ in enumerate(resp.iter_lines()):
+                if i >= 8:
+                    break
+    _wait_idle(http)  # 4000 tokens would take minutes: the client's leaving aborted the request
+
+
+@pytest.mark.parametrize("body,status,param", [
+    ({}, 400, "input"),
+    ({"input": []}, 400, "input"),
+    ({"input": [5]}, 400, "input"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]}, 400, "input"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, 400, "input"),
+    ({"input": [{"role": "bot", "content": "x"}]}, 400, "input"),
+    ({"input": [{"type": "function_call", "name": "f"}]}, 400, "input"),
+    ({"input": "hi", "tools": [{"type": "web_search"}]}, 400, "tools"),
+    ({"input": "hi", "background": True}, 400, "background"),
+    ({"input": "hi", "previous_response_id": "resp_missing"}, 404, "previous_response_id"),
+    ({"input": "hi", "max_output_tokens": -1}, 400, "max_output_tokens"),
+    ({"input": "hi", "text": {"format": {"type": "grammar"}}}, 400, "text"),
+    ({"input": "hi", "truncation": "auto"}, 400, "truncation"),
+    ({"input": "hi", "tool_choice": {"type": "function"}}, 400, "tool_choice"),
+    ({"input": "hi", "tool_choice": "required"}, 400, "tool_choice"),
+    ({"input": "hi", "temperature": 5}, 400, "temperature"),
+    ({"input": "hi " * 9000}, 400, "input"),
+])
+def test_responses_bad_requests(http, body, status, param):
+    assert_error(http.post("/v1/responses", json={"model": "m", **body}), status, param)
+
+
 # ----------------------------------------------------------------------------- completions
 
 

@@ -21,7 +21,7 @@ from starlette.routing import Route
 from core.errors import CoreError
 from core.server import embeddings, native, tokenize
 from core.server.http import ApiError, ApiKeyMiddleware, api_error
-from core.server.openai import batches, files, routes
+from core.server.openai import batches, files, responses, routes
 from core.server.state import ServerState
 
 log = structlog.get_logger("core.server.app")
@@ -54,6 +54,10 @@ ROUTES = [
     Route("/v1/completions", routes.completions, methods=["POST"]),
     Route("/v1/models", routes.list_models, methods=["GET"]),
     Route("/v1/models/{model_id:path}", routes.retrieve_model, methods=["GET"]),
+    Route("/v1/responses", responses.create_response, methods=["POST"]),
+    Route("/v1/responses/{response_id}", responses.retrieve_response, methods=["GET"]),
+    Route("/v1/responses/{response_id}", responses.delete_response, methods=["DELETE"]),
+    Route("/v1/responses/{response_id}/input_items", responses.list_input_items, methods=["GET"]),
     Route("/v1/embeddings", embeddings.openai_embeddings, methods=["POST"]),
     Route("/v1/files", files.create_file, methods=["POST"]),
     Route("/v1/files", files.list_files, methods=["GET"]),
