@@ -394,7 +394,7 @@ def test_load_queries_and_abort_all(tiny, engine_factory):
     finally:
         ae.step_listeners.remove(listener)
     assert (seen["waiting"], seen["running"], seen["busy"]) == (2, 1, True)
-    assert seen["known"] == (True, True, False, False)
+    assert seen["known"] == (True, True, True, False)  # "all" is the batch's group: an abort of it reaches all three
     load = seen["load"]
     assert (load["num_running_reqs"], load["num_waiting_reqs"], load["num_total_reqs"]) == (1, 2, 3)
     assert load["max_running_requests"] == ae.max_running_requests == 1

@@ -288,7 +288,8 @@ def valid_sampling_params(draw: Any) -> dict:
 
 
 INVALID: dict[str, Any] = {
-    "max_new_tokens": st.integers(max_value=-1) | st.just(1.5) | st.just("8") | st.just(True),
+    "max_new_tokens": (st.integers(max_value=-1) | st.just(1.5) | st.just("8") | st.just(True)
+                       | st.integers(min_value=CONTEXT - 4, max_value=10**12)),  # cannot fit beside the prompt
     "min_new_tokens": st.integers(max_value=-1) | st.just("x"),
     "temperature": st.floats(max_value=-1e-9, allow_infinity=False) | st.just("hot") | st.just(False),
     "top_p": st.just(0) | st.floats(min_value=1.0000001, allow_infinity=False) | st.floats(max_value=-1e-9, allow_infinity=False),
@@ -299,7 +300,12 @@ INVALID: dict[str, Any] = {
     "repetition_penalty": st.just(0) | st.floats(min_value=2.0000001, allow_infinity=False) | st.floats(max_value=0, allow_infinity=False),
     "n": st.integers(max_value=0) | st.integers(min_value=129, max_value=10**9) | st.just("2"),
     "seed": st.integers(max_value=-1) | st.integers(min_value=2**63, max_value=2**64 - 1) | st.just(1.5) | st.just("s"),
-    "stop": st.just([""]) | st.just([1, 2]) | st.lists(st.just("s"), min_size=65, max_size=70),
+    "stop": (st.just([""]) | st.just([1, 2]) | st.lists(st.just("s"), min_size=65, max_size=70) | st.just({"a": 1})
+             | st.just(5)),
+    "ignore_eos": st.just("false") | st.just(0) | st.just(None.__class__.__name__),
+    "skip_special_tokens": st.just(1) | st.just("x") | st.just([True]),
+    "spaces_between_special_tokens": st.just({"a": 1}) | st.just(1.0),
+    "no_stop_trim": st.just("yes") | st.just(0),
     "stop_token_ids": st.lists(st.integers(max_value=-1), min_size=1, max_size=2) | st.just([VOCAB]) | st.just(["a"]),
 }
 

@@ -225,6 +225,8 @@ BAD_CHAT = [
     ({"model": "m", "messages": CHAT, "frequency_penalty": 3}, "frequency_penalty"),
     ({"model": "m", "messages": CHAT, "stop_token_ids": [10**9]}, "stop_token_ids"),
     ({"model": "m", "messages": CHAT, "max_tokens": 9000}, "max_tokens"),
+    ({"model": "m", "messages": CHAT, "min_tokens": 10, "max_tokens": 4}, "min_tokens"),
+    ({"model": "m", "messages": CHAT, "min_tokens": 10, "max_completion_tokens": 4}, "min_tokens"),
     ({"model": "m", "messages": [{"role": "user", "content": "hello " * 9000}]}, "messages"),
 ]
 
@@ -503,6 +505,7 @@ def test_completion_stop(client):
 
 BAD_COMPLETION = [
     ({"model": "m"}, "prompt"),
+    ({"model": "m", "prompt": "Hi", "min_tokens": 20}, "min_tokens"),  # above the default max_tokens 16
     ({"model": "m", "prompt": []}, "prompt"),
     ({"model": "m", "prompt": [[]]}, "prompt"),
     ({"model": "m", "prompt": ["a", 1]}, "prompt"),

@@ -176,6 +176,18 @@ def test_repetition_penalty_changes_greedy_choice() -> None:
     assert s.sample(logits.clone(), [row(output=[0], temperature=0.0, repetition_penalty=2.0)]).token_ids == [1]
 
 
+def test_a_denormal_repetition_penalty_never_picks_a_masked_token() -> None:
+    """5e-324 is a valid (> 0) penalty but 0.0 in float32, and a masked (-inf) logit times 0 is NaN,
+    which argmax and sampling would pick: a grammar's mask was once broken this way."""
+    logits = torch.tensor([[-math.inf, 1.0, -math.inf, 0.5]])  # tokens 0 and 2 masked out
+    for temperature in (0.0, 1.0):
+        r = row(prompt=[0, 2], output=[1], repetition_penalty=5e-324, temperature=temperature)
+        out = Sampler(4).sample(logits.clone(), [r])
+        assert out.token_ids[0] in (1, 3)
+    penalised = apply_penalties(logits.clone(), [row(prompt=[0, 2], output=[1], repetition_penalty=5e-324)])
+    assert not penalised.isnan().any() and penalised[0, 0] == -math.inf
+
+
 # --- min_new_tokens ---------------------------------------------------------------------------
 
 

@@ -208,13 +208,19 @@ def test_abort_waiting_and_running_requests():
 
 
 def test_abort_matches_the_n_sequences_of_a_request():
+    """An abort reaches the exact rid and every sequence of the request group it names; a rid
+    that merely looks like a copy of it ("x-7", another client's request) is left alone."""
     s = make()
     seqs = [req(f"x-{i}", 2) for i in range(3)]
-    other = req("xy", 2)
-    for r in (*seqs, other):
+    for r in seqs:
+        r.group = "x"
+    lookalike, other = req("x-7", 2), req("xy", 2)
+    for r in (*seqs, lookalike, other):
         s.add(r)
     assert s.abort("x")
-    assert all(r.aborted for r in seqs) and not other.aborted
+    assert all(r.aborted for r in seqs) and not other.aborted and not lookalike.aborted
+    assert s.abort("x-7") and lookalike.aborted and not other.aborted
+    assert not s.abort("nobody")
 
 
 def test_abort_during_forward_drops_the_result():

@@ -276,13 +276,38 @@ def test_stream_interval(cfg_client: httpx.Client) -> None:
     ({"text": ["a", "b"], "sampling_params": [{}]}, "sampling_params"),
     ({"text": "hi", "return_logprob": True, "top_logprobs_num": 50}, "top_logprobs_num"),
     ({"text": "hi", "stream": "yes"}, "stream"),
+    # booleans and stop strings are type-checked (a truthy string once read as true)
+    ({"text": "hi", "sampling_params": {"skip_special_tokens": 0}}, "skip_special_tokens"),
+    ({"text": "hi", "sampling_params": {"ignore_eos": "false"}}, "ignore_eos"),
+    ({"text": "hi", "sampling_params": {"no_stop_trim": "x"}}, "no_stop_trim"),
+    ({"text": "hi", "sampling_params": {"spaces_between_special_tokens": [1]}}, "spaces_between_special_tokens"),
+    ({"text": "hi", "sampling_params": {"stop": {"a": 1}}}, "stop"),
+    ({"text": "hi", "sampling_params": {"stop": 5}}, "stop"),
+    # SGLang's rule: an explicit max_new_tokens that cannot fit beside the prompt is refused
+    ({"text": "hi", "sampling_params": {"max_new_tokens": CTX}}, "max_new_tokens"),
+    ({"text": "hi", "sampling_params": {"max_new_tokens": 10 ** 12}}, "max_new_tokens"),
+    # a grammar that no token can start
+    ({"text": "hi", "sampling_params": {"ebnf": "root ::= root"}}, "ebnf"),
+    ({"text": "hi", "sampling_params": {"ebnf": "root ::= a\na ::= b\nb ::= a"}}, "ebnf"),
 ])
 def test_generate_bad_input_is_400(client: httpx.Client, body: dict, param: str) -> None:
     assert_error(client.post("/generate", json=body), 400, param)
 
 
+def test_generate_max_new_tokens_omitted_or_fitting_is_served(client: httpx.Client) -> None:
+    prompt = gen(client, text="hi", sampling_params=greedy(1)).json()["meta_info"]["prompt_tokens"]
+    assert gen(client, text="hi", sampling_params=greedy(CTX - prompt - 1, ignore_eos=True)).status_code == 200
+    assert gen(client, text="hi", sampling_params={"temperature": 0}).status_code == 200
+
+
 def test_malformed_and_empty_bodies_are_400(client: httpx.Client) -> None:
     headers = {"content-type": "application/json"}
+    for path, body in (("/generate", b'{"text": "\xff\xfe"}'), ("/v1/chat/completions", b'{"messages": [{"role": '
+                       b'"user", "content": "\xff\x80"}]}'), ("/v1/batches", b'{"input_file_id": "\xff"}')):
+        assert "UTF-8" in assert_error(client.post(path, content=body, headers=headers), 400)["message"]
+    empty_type = {"content-type": ""}  # read as JSON, as FastAPI does
+    assert client.post("/generate", content=b'{"text": "ok", "sampling_params": {"max_new_tokens": 1}}',
+                       headers=empty_type).status_code == 200
     assert_error(client.post("/generate", content=b"{not json", headers=headers), 400)
     assert_error(client.post("/generate", content=b"", headers=headers), 400)
     assert_error(client.post("/generate", content=b"[1, 2]", headers=headers), 400)
@@ -379,16 +404,47 @@ def test_flush_cache_idle_and_busy(client: httpx.Client) -> None:
 
 def test_abort_request(client: httpx.Client) -> None:
     with client.stream("POST", "/generate", json={"text": "Write a long essay", "rid": "to-abort", "stream": True,
-                                                  "sampling_params": greedy(300, ignore_eos=True)}) as resp:
+                                                  "sampling_params": greedy(200, ignore_eos=True)}) as resp:
         it = resp.iter_lines()
         next(it)
         assert client.post("/abort_request", json={"rid": "to-abort"}).status_code == 200
         events = [json.loads(line[6:]) for line in it if line.startswith("data: {")]
     last = events[-1]
     assert last["meta_info"]["finish_reason"]["type"] == "abort"
-    assert last["meta_info"]["completion_tokens"] < 300
+    assert last["meta_info"]["completion_tokens"] < 200
     assert client.post("/abort_request", json={"rid": "no-such-rid"}).status_code == 200
     assert_error(client.post("/abort_request", json={}), 400, "rid")
+
+
+def test_request_ids_abort_their_own_group_only(client: httpx.Client) -> None:
+    long = greedy(200, ignore_eos=True)
+    with client.stream("POST", "/generate", json={"text": "Tell a story", "rid": "job-1", "stream": True,
+                                                  "sampling_params": long}) as resp:
+        it = resp.iter_lines()
+        next(it)
+        # "job" is another request's id, not a prefix: aborting it leaves "job-1" running
+        assert client.post("/abort_request", json={"rid": "job"}).status_code == 200
+        # a second request may not take an id that is running (its abort would reach the first)
+        assert_error(client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                               "rid": "job-1", "max_tokens": 2}), 400, "rid")
+        assert_error(gen(client, text="x", rid="job-1", sampling_params=greedy(2)), 400, "rid")
+        events = [json.loads(line[6:]) for line in it if line.startswith("data: {")]
+    assert events[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    assert events[-1]["meta_info"]["completion_tokens"] == 200
+    # every sequence of one API request answers to its id: n > 1 copies and batch items
+    with client.stream("POST", "/generate", json={"text": ["a", "b"], "rid": "grp", "stream": True,
+                                                  "sampling_params": {**long, "n": 2}}) as resp:
+        it = resp.iter_lines()
+        next(it)
+        assert client.post("/abort_request", json={"rid": "grp"}).status_code == 200
+        finals = {}
+        for line in it:
+            if line.startswith("data: {"):
+                e = json.loads(line[6:])
+                if e["meta_info"]["finish_reason"]:
+                    finals[e["index"]] = e["meta_info"]["finish_reason"]["type"]
+    assert finals == {0: "abort", 1: "abort", 2: "abort", 3: "abort"}
+    wait_for(lambda: load(client)["num_running_reqs"] == 0)
 
 
 def test_update_weights_from_disk(client: httpx.Client) -> None:
@@ -433,7 +489,7 @@ def test_metrics_change_after_a_request(client: httpx.Client) -> None:
 def test_client_disconnect_mid_stream_frees_everything(client: httpx.Client) -> None:
     aborted0 = metrics(client).get("sglang:num_aborted_requests_total", 0)
     with client.stream("POST", "/generate", json={"text": "Describe the ocean", "stream": True,
-                                                  "sampling_params": greedy(400, ignore_eos=True)}) as resp:
+                                                  "sampling_params": greedy(200, ignore_eos=True)}) as resp:
         it = resp.iter_lines()
         seen = 0
         for line in it:
@@ -538,6 +594,12 @@ def test_config_yaml_and_cli_precedence(cfg_client: httpx.Client) -> None:
     assert info["max_queued_requests"] == 1 and info["max_running_requests"] == 1
     assert info["stream_interval"] == 2 and info["enable_metrics"] is False
     assert info["api_key"] is None
+
+
+def test_more_sequences_than_the_queue_holds_is_400(cfg_client: httpx.Client) -> None:
+    resp = cfg_client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "n": 2,
+                                                         "max_tokens": 2})
+    assert "--max-queued-requests 1" in assert_error(resp, 400, "n")["message"]  # not a 503: a retry cannot help
 
 
 def test_queue_full_is_503(cfg_srv: ServerProcess, cfg_client: httpx.Client) -> None:
@@ -827,3 +889,21 @@ def test_auto_truncate_is_one_rule_on_every_endpoint() -> None:
             await engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_large_bodies_are_prepared_off_the_event_loop() -> None:
+    """A request whose body is large is validated and tokenized on a worker thread, so its
+    tokenizing never stalls the loop that streams the other requests; a small one stays."""
+    import asyncio
+    import threading
+    from types import SimpleNamespace
+
+    from core.server.http import OFF_LOOP_BODY_BYTES, prepare_off_loop
+
+    async def where(size: int) -> str:
+        request = SimpleNamespace(_body=b"x" * size)
+        return await prepare_off_loop(request, lambda: threading.current_thread().name)
+
+    main = threading.current_thread().name
+    assert asyncio.run(where(100)) == main
+    assert asyncio.run(where(OFF_LOOP_BODY_BYTES + 1)) != main

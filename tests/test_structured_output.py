@@ -258,3 +258,28 @@ def test_local_plugin_parsers_end_to_end():
             await engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_a_grammar_that_rejects_the_sampled_token_ends_its_request():
+    """Only a mask that left nothing allowed lets a rejected token through (a dead end of the
+    grammar, or non-finite logits): the request is ended with a reason, never continued unconstrained."""
+    from types import SimpleNamespace
+
+    from core.engine.grammar import GrammarManager
+
+    class DeadEnd:
+        def is_terminated(self) -> bool:
+            return False
+
+        def accept_token(self, tok: int) -> bool:
+            return False
+
+    gm = GrammarManager(None, "none", None, 32, (0,))
+    req = SimpleNamespace(grammar=DeadEnd(), finished=False, params=SimpleNamespace(max_new_tokens=4), rid="r",
+                          aborted=False, abort_message="request aborted")
+    free = SimpleNamespace(grammar=None, finished=False, params=SimpleNamespace(max_new_tokens=4), rid="f",
+                           aborted=False, abort_message="request aborted")
+    gm.accept([req, free], [7, 7])
+    assert req.aborted and req.abort_message == "the grammar allows no further token"
+    assert not free.aborted
+    gm.shutdown()

@@ -210,7 +210,8 @@ class AsyncEngine(RequestFrontEnd):
         return ok
 
     def abort(self, rid: str) -> bool:
-        """Abort a queued or running request (and its n > 1 copies ``rid-i``); False when none matched.
+        """Abort a queued or running request (every sequence of its group: n > 1 copies, batch items);
+        False when none matched.
         Its KV pages go back at the next step boundary."""
         found = self.scheduler.abort(rid)
         if found and self._wake is not None:
@@ -239,8 +240,9 @@ class AsyncEngine(RequestFrontEnd):
         return self.scheduler.has_work
 
     def has_request(self, rid: str) -> bool:
-        """True while a request with exactly this rid is queued or running (for duplicate-rid checks)."""
-        return any(r.rid == rid for r in (*self.scheduler.waiting, *self.scheduler.running))
+        """True while a sequence with this rid, or of the request group ``rid``, is queued or running
+        (for duplicate-rid checks)."""
+        return any(r.answers_to(rid) for r in (*self.scheduler.waiting, *self.scheduler.running))
 
     @property
     def max_running_requests(self) -> int:

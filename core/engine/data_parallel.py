@@ -170,11 +170,12 @@ class DataParallelEngine(RequestFrontEnd):
         self.submit(reqs)
 
     def abort(self, rid: str) -> bool:
-        """Abort a request (and its ``rid-i`` copies) on whichever replica runs it."""
+        """Abort a request (every sequence of its group) on whichever replica runs it; each replica
+        gets the exact rids of its sequences."""
         found = False
         for r in self.replicas:
-            if r.alive and any(k == rid or (k.startswith(rid + "-") and k[len(rid) + 1:].isdigit()) for k in r.inflight):
-                self._send(r, ("abort", rid))
+            for k in [k for k, req in r.inflight.items() if req.answers_to(rid)] if r.alive else []:
+                self._send(r, ("abort", k))
                 found = True
         return found
 
@@ -206,7 +207,7 @@ class DataParallelEngine(RequestFrontEnd):
         return any(r.inflight for r in self.replicas)
 
     def has_request(self, rid: str) -> bool:
-        return any(rid in r.inflight for r in self.replicas)
+        return any(req.answers_to(rid) for r in self.replicas for req in r.inflight.values())
 
     def num_running(self) -> int:
         return sum(min(r.load.get("num_running_reqs", 0), len(r.inflight)) for r in self._live())

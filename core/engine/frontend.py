@@ -39,8 +39,9 @@ class RequestFrontEnd:
 
     def make_requests(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None,
                       return_logprob: bool = False, logprob_start_len: int = -1, top_logprobs_num: int = 0,
-                      priority: int | None = None) -> list[Req]:
-        """Validate and build the sequences of one prompt (n of them); raises InvalidRequest."""
+                      priority: int | None = None, group: str | None = None) -> list[Req]:
+        """Validate and build the sequences of one prompt (n of them); raises InvalidRequest.
+        ``group``: the API request they belong to (default ``rid``), which an abort by id also reaches."""
         params.validate(self.vocab_size)
         if (c := params.constraint()) is not None and not self.grammar.enabled:
             raise InvalidRequest(f"{c[0]} constraints need a grammar backend, but the server runs with --grammar-backend none"
@@ -74,7 +75,7 @@ class RequestFrontEnd:
                                                spaces_between_special_tokens=params.spaces_between_special_tokens,
                                                stop=params.stop, no_stop_trim=params.no_stop_trim)
             reqs.append(Req(rid if params.n == 1 else f"{rid}-{i}", prompt_ids, params, return_logprob, top_logprobs_num,
-                            logprob_start_len, gen, detok, asyncio.Queue(), priority=priority))
+                            logprob_start_len, gen, detok, asyncio.Queue(), priority=priority, group=group or rid))
         return reqs
 
     async def prepare_grammars(self, reqs: list[Req]) -> None:
@@ -121,7 +122,7 @@ class RequestFrontEnd:
             params = sp if isinstance(sp, SamplingParams) else SamplingParams.from_dict(sp)
             ids = self.tokenize(None if is_ids else p, p if is_ids else None)
             groups.append(self.make_requests(ids, params, None if rid is None else (rid if not batch else f"{rid}-{i}"),
-                                             return_logprob, logprob_start_len, top_logprobs_num))
+                                             return_logprob, logprob_start_len, top_logprobs_num, group=rid))
         reqs = [r for g in groups for r in g]
         await self.prepare_grammars(reqs)
         self.submit(reqs)

@@ -11,7 +11,8 @@ The grammar backend itself is a plugin (``--grammar-backend``, default ``xgramma
   ``[B, ceil(V/32)]`` int32 bitmask for the whole batch (all-ones for unconstrained rows)
   and applies it to the logits in one vectorised op before sampling.
 * ``GrammarManager.accept(reqs, tokens)`` advances each constrained request's matcher with
-  its sampled token; the scheduler finishes a request whose grammar terminated.
+  its sampled token; the scheduler finishes a request whose grammar terminated, and aborts one
+  whose grammar rejected the token (a dead end: the mask allowed nothing).
 """
 
 from __future__ import annotations
@@ -61,11 +62,24 @@ class GrammarManager:
             if fut is not None:
                 self._cache.move_to_end(key)
                 return fut
-            fut = self._pool.submit(self.backend.compile, kind, spec)
+            fut = self._pool.submit(self._compile_checked, kind, spec)
             self._cache[key] = fut
             while len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
             return fut
+
+    def _compile_checked(self, kind: str, spec: str) -> Any:
+        """Compile, and refuse a grammar whose start allows no token at all (``root ::= root``):
+        decoding it could only emit tokens the grammar rejects."""
+        proto = self.backend.compile(kind, spec)
+        probe = proto.copy()
+        if not probe.is_terminated():
+            bitmask = self.backend.allocate_bitmask(1)
+            bitmask.zero_()
+            probe.fill_bitmask(bitmask, 0)
+            if not bool(bitmask.any()):
+                raise ValueError("the grammar accepts no output (no token can start it)")
+        return proto
 
     async def compile(self, kind: str, spec: str) -> Any:
         """A fresh matcher for (kind, spec); compilation runs off the loop and is cached.
@@ -98,5 +112,6 @@ class GrammarManager:
             g = r.grammar
             if g is None or g.is_terminated() or r.finished or r.params.max_new_tokens == 0:
                 continue
-            if not g.accept_token(tok):
+            if not g.accept_token(tok):  # the mask left nothing the grammar takes: end the request, say why
                 log.warning("grammar.token_rejected", rid=r.rid, token=tok)
+                r.aborted, r.abort_message = True, "the grammar allows no further token"

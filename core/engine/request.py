@@ -28,6 +28,9 @@ class Req:
     queue: asyncio.Queue | None = None  # receives ReqOutput snapshots; None when finished streams are not wanted
     priority: int | None = None  # with --enable-priority-scheduling (higher first unless --schedule-low-priority-values-first)
     grammar: Any = None  # core.interfaces.Grammar matcher of a constrained request (core.engine.grammar)
+    # the API request this sequence belongs to (its n > 1 copies and batch items share it): what an
+    # abort by id reaches besides the exact rid; "" for none
+    group: str = ""
     # (kind, spec) the sampling params constrain the output to, or None; derived once, here
     constraint: tuple[str, str] | None = attrs.field(init=False)
 
@@ -54,6 +57,10 @@ class Req:
     arrival: float = attrs.field(factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None
+
+    def answers_to(self, rid: str) -> bool:
+        """Whether an abort or a duplicate check for ``rid`` concerns this sequence."""
+        return self.rid == rid or self.group == rid
 
     @constraint.default
     def _constraint(self) -> tuple[str, str] | None:

@@ -89,8 +89,13 @@ def _penalise(logits: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor | N
     logits.sub_(params[:, 1:2] * counts + params[:, 2:3] * (counts > 0))
 
 
+MIN_REPETITION_PENALTY = 1e-6  # a smaller (valid, > 0) one acts as this: in float32 it could round to 0,
+# and a masked -inf logit times 0 is NaN, which sampling would pick
+
+
 def _penalty_params(rows: list[SamplingRow], device: torch.device) -> tuple[torch.Tensor, bool]:
-    vals = [(r.params.repetition_penalty, r.params.frequency_penalty, r.params.presence_penalty) for r in rows]
+    vals = [(max(r.params.repetition_penalty, MIN_REPETITION_PENALTY), r.params.frequency_penalty,
+             r.params.presence_penalty) for r in rows]
     return upload(vals, torch.float32, device), any(v[0] != 1.0 for v in vals)
 
 

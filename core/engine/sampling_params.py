@@ -24,7 +24,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    stop: list[str] = attrs.field(factory=list, converter=lambda s: [s] if isinstance(s, str) else list(s or []))
+    stop: list[str] = attrs.field(factory=list, converter=lambda s: [s] if isinstance(s, str) else list(s) if isinstance(s, (list, tuple)) else s or [])
     stop_token_ids: list[int] = attrs.field(factory=list, converter=lambda s: list(s or []))
     ignore_eos: bool = False
     skip_special_tokens: bool = True
@@ -94,7 +94,10 @@ class SamplingParams:
         check(0 < num("repetition_penalty", (int, float)) <= 2, "repetition_penalty", "must be in (0, 2]")
         check(num("n", (int,)) >= 1, "n", "must be >= 1")
         check(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)), "seed", "must be an integer")
-        check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
+        check(isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop), "stop",
+              "must be a non-empty string or a list of them")
+        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
+            check(isinstance(getattr(self, name), bool), name, "must be true or false")
         for name in CONSTRAINT_KINDS:
             v = getattr(self, name)
             if v is not None and not isinstance(v, (str, dict)):

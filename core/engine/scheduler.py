@@ -115,7 +115,7 @@ class Scheduler:
         """Mark a request aborted; its resources go back at the next step boundary."""
         found = False
         for req in (*self.waiting, *self.running):
-            if req.rid == rid or (req.rid.startswith(rid + "-") and req.rid[len(rid) + 1 :].isdigit()):  # n > 1 copies
+            if req.answers_to(rid):  # the exact rid, or every sequence of the API request ``rid``
                 req.aborted, found = True, True
         return found
 

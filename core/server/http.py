@@ -14,11 +14,11 @@ import asyncio
 import contextlib
 import hmac
 import re
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, TypeVar
 
 import msgspec
 import structlog
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 
 from core.errors import CoreError, InvalidRequest, Unavailable
@@ -149,6 +149,8 @@ def decode_body(body: bytes, typ: Any = Any) -> Any:
         raise _validation_error(e) from None
     except msgspec.DecodeError as e:
         raise InvalidRequest(f"the request body is not valid JSON: {e}") from None
+    except UnicodeDecodeError as e:  # msgspec decodes strings lazily: bad bytes inside one surface here
+        raise InvalidRequest(f"the request body is not valid UTF-8: {e.reason} at byte {e.start}") from None
     except RecursionError:
         raise InvalidRequest("the request body nests too deeply") from None
 
@@ -163,10 +165,10 @@ async def read_body(request: Request, typ: Any = Any) -> Any:
 
 def check_json_content_type(request: Request) -> None:
     """A JSON endpoint refuses a body declared as anything but JSON with a 400, SGLang's answer
-    (``application/json`` and ``application/*+json`` pass; a request without the header is
-    read as JSON, as FastAPI does)."""
+    (``application/json`` and ``application/*+json`` pass; a request without the header, or with
+    an empty one, is read as JSON, as FastAPI does)."""
     value = request.headers.get("content-type")
-    if value is None:
+    if value is None or not value.strip():
         return
     media = value.split(";", 1)[0].strip().lower()
     if media == "application/json" or (media.startswith("application/") and media.endswith("+json")):
@@ -188,14 +190,30 @@ async def read_limited(request: Request) -> bytes:
     if declared.isdigit() and int(declared) > limit:
         raise _too_large(int(declared), limit)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(size, limit, streamed=True)
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(size, limit, streamed=True)
+            chunks.append(chunk)
+    except ClientDisconnect:  # nobody is left to answer; not a server error (no traceback in the log)
+        raise ApiError(400, "the client disconnected while sending the request body") from None
     body = b"".join(chunks)
     request._body = body  # starlette's cache: a later request.body() gets the same bytes
     return body
+
+
+OFF_LOOP_BODY_BYTES = 64 * 1024
+_T = TypeVar("_T")
+
+
+async def prepare_off_loop(request: Request, fn: Callable[..., _T], *args: Any) -> _T:
+    """``fn(*args)`` (a request's validation, templating and tokenization), on a worker thread when
+    the body is large: a multi-megabyte prompt then never stalls the event loop that streams
+    everyone else's tokens. Small bodies stay on the loop (a thread hop costs more than them)."""
+    if len(getattr(request, "_body", b"") or b"") > OFF_LOOP_BODY_BYTES:
+        return await asyncio.to_thread(fn, *args)
+    return fn(*args)
 
 
 def _too_large(size: int, limit: int, streamed: bool = False) -> ApiError:

@@ -86,7 +86,7 @@ def check_sampling_limits(params: SamplingParams) -> None:
     """The bounds above on one request's sampling parameters (types are checked later by
     ``SamplingParams.validate``; only sizes here)."""
     check_n(params.n)
-    stop = params.stop
+    stop = params.stop if isinstance(params.stop, list) else []  # another type: validate's 400
     if len(stop) > MAX_STOP_STRINGS:
         raise InvalidRequest(f"stop has {len(stop)} strings; at most {MAX_STOP_STRINGS} are allowed", param="stop")
     for s in stop:

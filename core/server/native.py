@@ -23,6 +23,7 @@ from core.server.http import (
     SSE_DONE,
     abort_on_disconnect,
     json_response,
+    prepare_off_loop,
     read_body,
     sse_error,
     sse_event,
@@ -102,6 +103,19 @@ def _sampling_params(d: dict | None) -> tuple[SamplingParams, int | None]:
     return params, interval
 
 
+def _check_total(state: ServerState, ids: list[int], sp: Any) -> None:
+    """SGLang's rule: an explicit max_new_tokens that cannot fit beside the prompt is a 400 (an
+    omitted one is cut to what fits); with --allow-auto-truncate it is cut too."""
+    asked = sp.get("max_new_tokens") if isinstance(sp, dict) else None
+    ctx = state.context_len
+    if state.args.allow_auto_truncate or not isinstance(asked, int) or len(ids) >= ctx or len(ids) + asked < ctx:
+        return  # (a prompt that alone is too long gets the engine's own 400)
+    raise InvalidRequest(f"Requested token count exceeds the model's maximum context length of {ctx} tokens. You "
+                         f"requested a total of {len(ids) + asked} tokens: {len(ids)} tokens from the input messages "
+                         f"and {asked} tokens for the completion. Please reduce the number of tokens in the input "
+                         "messages or the completion to fit within the limit.", param="max_new_tokens")
+
+
 def build_generate_requests(state: ServerState, obj: GenerateReqInput) -> tuple[list[Req], bool, int | None]:
     """Validate a /generate body and build its engine requests (nothing is submitted)."""
     engine = state.engine
@@ -152,11 +166,13 @@ def build_generate_requests(state: ServerState, obj: GenerateReqInput) -> tuple[
         interval = iv if iv is not None else interval
         token_ids = state.tokenize(None if is_ids else p, p if is_ids else None, "text")
         token_ids = state.fit_prompt(token_ids)
+        _check_total(state, token_ids, sps[i])
         rid = rids[i]
         if rid is not None and (engine.has_request(rid) or any(r.rid == rid for r in reqs)):
             raise InvalidRequest(f"a request with rid {rid!r} is already running", param="rid")
+        group = obj.rid if batch and isinstance(obj.rid, str) else None  # /abort_request {rid} reaches every item
         reqs += engine.make_requests(token_ids, params, rid or uuid.uuid4().hex, bool(lps[i]), starts[i], tops[i],
-                                     priority=prios[i])
+                                     priority=prios[i], group=group)
     return reqs, batch, interval
 
 
@@ -249,7 +265,7 @@ def request_logger(state: ServerState) -> Callable[[Req], None]:
 async def generate(request: Request) -> Response:
     state = state_of(request)
     obj = await read_body(request, GenerateReqInput)
-    reqs, batch, req_interval = build_generate_requests(state, obj)
+    reqs, batch, req_interval = await prepare_off_loop(request, build_generate_requests, state, obj)
     await state.engine.prepare_grammars(reqs)  # constrained requests: compile off the loop (400 if invalid)
     state.submit(reqs)
     _log_received(state, reqs, obj)

@@ -107,14 +107,21 @@ class ServerState:
         if failure is not None:
             raise ServiceUnavailable(f"the engine has failed: {failure}", retry_after=SHUTDOWN_RETRY_AFTER_S)
         limit = self.args.max_queued_requests
+        if limit is not None and num_reqs > limit:  # never admissible: retrying cannot help
+            raise InvalidRequest(f"the request has {num_reqs} sequences, more than --max-queued-requests {limit} can "
+                                 "ever hold", param="n")
         waiting = self.engine.num_waiting()
         if limit is not None and waiting + num_reqs > limit:
             raise ServiceUnavailable(f"the request queue is full ({waiting} waiting, --max-queued-requests {limit}); "
                                      "retry later", retry_after=QUEUE_FULL_RETRY_AFTER_S)
 
     def submit(self, reqs: list[Req]) -> None:
-        """Admission check, then hand the requests to the engine."""
+        """Admission and duplicate-id checks, then hand the requests to the engine. Nothing awaits
+        between the checks and the hand-off, so two requests with one id cannot both pass."""
         self.check_admission(len(reqs))
+        for ident in dict.fromkeys(x for r in reqs for x in (r.rid, r.group) if x):
+            if self.engine.has_request(ident):  # an abort by this id would reach the running one too
+                raise InvalidRequest(f"a request with id {ident!r} is already running", param="rid")
         self.engine.submit(reqs)
 
 

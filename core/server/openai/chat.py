@@ -11,7 +11,16 @@ from msgspec import UNSET
 
 from core.errors import CoreError, InvalidRequest
 from core.server.http import ApiError, sse_event
-from core.server.openai.job import MAX_TOP_LOGPROBS, Job, check, common_checks, finish_of, fit_context, sampling_params
+from core.server.openai.job import (
+    MAX_TOP_LOGPROBS,
+    Job,
+    check,
+    check_min_tokens,
+    common_checks,
+    finish_of,
+    fit_context,
+    sampling_params,
+)
 from core.server.openai.logprobs import chat_logprobs
 from core.server.openai.protocol import (
     ChatChoice,
@@ -193,6 +202,7 @@ def prepare_chat(state: Any, r: ChatCompletionRequest, rid: str | None = None) -
     if max_tokens is not None and max_tokens < 0:
         name = "max_completion_tokens" if r.max_completion_tokens is not None else "max_tokens"
         raise InvalidRequest(f"{name} must be >= 0, got {max_tokens}", param=name)
+    check_min_tokens(r, max_tokens, "max_completion_tokens" if r.max_completion_tokens is not None else "max_tokens")
     ids = render_chat(state, r, hide_tools=plan.hides_tools)
     ids, max_new = fit_context(state, ids, max_tokens, "messages")
     job.add_prompt(ids, sampling_params(r, max_new, n, constraint), -1)

@@ -14,6 +14,7 @@ from core.server.openai.job import (
     MAX_TOP_LOGPROBS,
     Job,
     check,
+    check_min_tokens,
     common_checks,
     engine_error,
     finish_of,
@@ -61,6 +62,7 @@ def prepare_completion(state: Any, r: CompletionRequest, rid: str | None = None)
               "logprobs")
         job.logprobs, job.top = True, r.logprobs
     max_tokens = DEFAULT_MAX_TOKENS if r.max_tokens is UNSET else r.max_tokens
+    check_min_tokens(r, max_tokens)
     prompts = _split_prompt(r.prompt)
     check(len(prompts) * n <= MAX_SEQUENCES, f"a request may ask for at most {MAX_SEQUENCES} completions "
           f"(prompts x n), got {len(prompts) * n}", "prompt")

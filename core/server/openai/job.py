@@ -72,6 +72,12 @@ def common_checks(r: Any) -> tuple[int, dict[str, str]]:
     return n, constraint
 
 
+def check_min_tokens(r: Any, max_tokens: int | None, name: str = "max_tokens") -> None:
+    """min_tokens above an explicit max_tokens is a 400, as on /generate (vLLM and SGLang refuse it too)."""
+    if r.min_tokens is not None and max_tokens is not None:
+        check(r.min_tokens <= max_tokens, f"min_tokens must be <= {name}, got {r.min_tokens} > {max_tokens}", "min_tokens")
+
+
 def sampling_params(r: Any, max_new: int, n: int, constraint: dict[str, str]) -> SamplingParams:
     stop = [r.stop] if isinstance(r.stop, str) else list(r.stop or [])
     params = SamplingParams(
@@ -184,7 +190,7 @@ class Job:
         rid = self.id if p < 0 else f"{self.id}-{p}"
         try:
             self.reqs += self.engine.make_requests(ids, params, rid, self.logprobs, start_len, self.top,
-                                                   priority=self.r.priority)
+                                                   priority=self.r.priority, group=self.id)
         except InvalidRequest as e:
             raise engine_error(e) from None
 

@@ -41,6 +41,7 @@ from core.server.http import (
     convert_body,
     encoder,
     json_response,
+    prepare_off_loop,
     read_body,
     state_of,
 )
@@ -331,7 +332,8 @@ async def create_response(request: Request) -> Response:
         history = prev.conversation
     items = input_items(r.input)
     try:
-        job = prepare_chat(state, chat_request(r, history, items), r.request_id or _new_id("resp_"))
+        job = await prepare_off_loop(request, lambda: prepare_chat(state, chat_request(r, history, items),
+                                                                   r.request_id or _new_id("resp_")))
     except InvalidRequest as e:
         raise _responses_error(e) from None
     await job.start()

@@ -58,6 +58,7 @@ from core.server.http import (
     api_error,
     convert_body,
     json_response,
+    prepare_off_loop,
     read_body,
     state_of,
 )
@@ -71,7 +72,7 @@ _STARTED = int(time.time())
 
 async def chat_completions(request: Request) -> Response:
     state = state_of(request)
-    job = prepare_chat(state, await read_body(request, ChatCompletionRequest))
+    job = await prepare_off_loop(request, prepare_chat, state, await read_body(request, ChatCompletionRequest))
     await job.start()
     if job.stream:
         return EventStream(job.guarded(chat_stream(job)))
@@ -82,7 +83,7 @@ async def chat_completions(request: Request) -> Response:
 
 async def completions(request: Request) -> Response:
     state = state_of(request)
-    job = prepare_completion(state, await read_body(request, CompletionRequest))
+    job = await prepare_off_loop(request, prepare_completion, state, await read_body(request, CompletionRequest))
     await job.start()
     if job.stream:
         return EventStream(job.guarded(completion_stream(job)))
