@@ -60,6 +60,9 @@ def add_bench_serving_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("Output")
     g.add_argument("--output-file", default=None, help="append the result as one JSON line")
     g.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
+    g.add_argument("--profile", action="store_true",
+                   help="trace the run with the server's torch profiler (/start_profile, /stop_profile); the trace's "
+                        "file is printed (the server's $SGLANG_TORCH_PROFILER_DIR, else /tmp)")
 
 
 def add_bench_command(subparsers: argparse._SubParsersAction) -> None:
@@ -199,13 +202,23 @@ async def run_benchmark(ns: argparse.Namespace) -> dict[str, Any]:
             async with sem:
                 return await _send(client, ns, model, prompts[i], lengths[i][1])
 
+        if ns.profile:
+            (await client.post("/start_profile")).raise_for_status()
         tasks = []
         t0 = time.perf_counter()
         async for i in _arrivals(ns.num_prompts, ns.request_rate, ns.seed):
             tasks.append(asyncio.create_task(limited(i)))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - t0
-    return summarize(results, duration, ns)
+        trace = None
+        if ns.profile:
+            resp = await client.post("/stop_profile")
+            resp.raise_for_status()
+            trace = resp.json().get("trace")
+    out = summarize(results, duration, ns)
+    if trace is not None:
+        out["profile_trace"] = trace
+    return out
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -278,5 +291,7 @@ def format_report(r: dict[str, Any]) -> str:
     if r["errors"]:
         lines.append("{s:{c}^60}".format(s=" Errors ", c="-"))
         lines += [f"  {e}" for e in r["errors"]]
+    if r.get("profile_trace"):
+        lines.append(f"{'Profile trace':<20}{r['profile_trace']:>40}")
     lines.append("=" * 60)
     return "\n".join(lines)

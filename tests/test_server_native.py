@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -447,6 +448,42 @@ def test_request_ids_abort_their_own_group_only(client: httpx.Client) -> None:
     wait_for(lambda: load(client)["num_running_reqs"] == 0)
 
 
+def test_profile_traces_forward_steps(client: httpx.Client, tmp_path) -> None:
+    import gzip
+
+    assert_error(client.post("/stop_profile"), 400)  # nothing running
+    started = client.post("/start_profile", json={"output_dir": str(tmp_path), "profile_prefix": "t"})
+    assert started.status_code == 200, started.text
+    path = started.json()["trace"]
+    assert path.startswith(str(tmp_path)) and path.endswith(".trace.json.gz")
+    assert_error(client.post("/start_profile", json={"output_dir": str(tmp_path)}), 400)  # one at a time
+    assert gen(client, text="Profile me", sampling_params=greedy(3)).status_code == 200
+    stopped = client.post("/stop_profile")
+    assert stopped.status_code == 200 and stopped.json()["trace"] == path
+    events = json.loads(gzip.open(path).read())["traceEvents"]
+    assert any(e.get("name", "").startswith("aten::") for e in events)  # the forward's ops are in it
+
+    # num_steps: it stops by itself after that many forwards
+    auto = client.post("/start_profile", json={"output_dir": str(tmp_path / "auto"), "num_steps": 2}).json()["trace"]
+    assert gen(client, text="Two steps", sampling_params=greedy(4)).status_code == 200
+    wait_for(lambda: os.path.exists(auto), timeout=30)
+    assert_error(client.post("/stop_profile"), 400)  # already stopped
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"activities": ["TPU"]}, "activities"),
+    ({"activities": []}, "activities"),
+    ({"activities": ["GPU"]}, "activities"),  # the engine runs on the CPU
+    ({"num_steps": 0}, "num_steps"),
+    ({"start_step": 3}, "start_step"),
+    ({"output_dir": "/proc/no/such/dir"}, "output_dir"),
+    ({"unknown": 1}, "unknown"),
+])
+def test_profile_bad_options_are_400(client: httpx.Client, body: dict, param: str) -> None:
+    assert_error(client.post("/start_profile", json=body), 400, param)
+    assert_error(client.post("/stop_profile"), 400)  # and nothing was started
+
+
 def test_update_weights_from_disk(client: httpx.Client) -> None:
     from core.engine.loader import default_model_path
 
@@ -585,6 +622,14 @@ def test_bench_serving_against_the_server(srv: ServerProcess) -> None:
     assert 0 < result["p50_ttft_ms"] <= result["p99_ttft_ms"] and result["p50_itl_ms"] > 0
     report = format_report(result)
     assert "Output token throughput (tok/s)" in report and "P99 ITL (ms)" in report
+    assert "profile_trace" not in result
+
+    ns = root.parse_args(["bench", "serving", "--base-url", srv.base_url, "--api-key", KEY, "--num-prompts", "2",
+                          "--random-input-len", "8", "--random-output-len", "2", "--profile"])
+    result = asyncio.run(run_benchmark(ns))  # the trace lands where the server says (here /tmp)
+    assert result["completed"] == 2 and os.path.exists(result["profile_trace"])
+    assert result["profile_trace"] in format_report(result)
+    os.unlink(result["profile_trace"])
 
 
 # ---------------------------------------------------------------------------- config, queue limit, shutdown

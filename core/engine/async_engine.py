@@ -26,6 +26,7 @@ from core.engine.frontend import RequestFrontEnd
 from core.engine.kv_cache import PageAllocator, ReqToTokenTable, allocate_kv_cache, kv_bytes_per_token, kv_cache_dtype
 from core.engine.loader import ModelConfig, load_model_config
 from core.engine.grammar import GrammarManager
+from core.engine.profiler import StepProfiler
 from core.engine.model_build import build_model
 from core.engine.cuda_graph import DEFAULT_MAX_BS, CudaGraphRunner, why_no_cuda_graph
 from core.engine.model_runner import ModelRunner
@@ -88,6 +89,8 @@ class AsyncEngine(RequestFrontEnd):
         # Observers (metrics, request logs): called on the loop thread, must be cheap and never raise.
         self.step_listeners: list[Callable[[ScheduledBatch, float], None]] = []
         self.finish_listeners: list[Callable[[Req], None]] = []
+        self.profiler = StepProfiler(self._executor, self.device)  # /start_profile, /stop_profile
+        self.step_listeners.append(self.profiler.on_step)
         self.plugins.pm.hook.on_startup(engine=self)
 
     # ------------------------------------------------------------------ start-up
