@@ -433,6 +433,113 @@ def test_responses_bad_requests(http, body, status, param):
     assert_error(http.post("/v1/responses", json={"model": "m", **body}), status, param)
 
 
+# ----------------------------------------------------------------------------- Anthropic's Messages API
+
+GREEDY_BODY = {"extra_body": {"temperature": 0}}  # newer anthropic clients take sampling options only so
+
+
+@pytest.fixture(scope="module")
+def claude(base_url):
+    anthropic = pytest.importorskip("anthropic")
+    return anthropic.Anthropic(base_url=base_url, api_key="unused", max_retries=0, timeout=120)
+
+
+def test_messages_answer_as_chat_does(claude, client, http):
+    system, q = "Answer briefly.", "What is the capital of France?"
+    assert http.post("/flush_cache").status_code == 200  # both from a cold prefix cache (see the Responses tests)
+    m = claude.messages.create(model="m", max_tokens=20, system=system, messages=[{"role": "user", "content": q}],
+                               **GREEDY_BODY)
+    assert http.post("/flush_cache").status_code == 200
+    chat = client.chat.completions.create(model="m", messages=[{"role": "system", "content": system},
+                                                               {"role": "user", "content": q}], max_tokens=20, **GREEDY)
+    assert m.id.startswith("msg_") and m.type == "message" and m.role == "assistant"
+    assert [b.type for b in m.content] == ["text"] and m.content[0].text == chat.choices[0].message.content
+    assert m.stop_reason == ("end_turn" if chat.choices[0].finish_reason == "stop" else "max_tokens")
+    assert (m.usage.input_tokens, m.usage.output_tokens) == (chat.usage.prompt_tokens, chat.usage.completion_tokens)
+    counted = claude.messages.count_tokens(model="m", system=system, messages=[{"role": "user", "content": q}])
+    assert counted.input_tokens == m.usage.input_tokens
+
+    cut = claude.messages.create(model="m", max_tokens=2, messages=[{"role": "user", "content": q}], **GREEDY_BODY)
+    assert cut.stop_reason == "max_tokens" and cut.usage.output_tokens == 2
+    stop = claude.messages.create(model="m", max_tokens=30, stop_sequences=[" "],
+                                  messages=[{"role": "user", "content": q}], **GREEDY_BODY)
+    assert (stop.stop_reason, stop.stop_sequence) == ("stop_sequence", " ") and " " not in stop.content[0].text
+
+
+def test_messages_stream_events(claude, http):
+    body = dict(model="m", max_tokens=40, messages=[{"role": "user", "content": "Hi"}], **GREEDY_BODY)
+    assert http.post("/flush_cache").status_code == 200
+    whole = claude.messages.create(**body)
+    assert http.post("/flush_cache").status_code == 200
+    with claude.messages.stream(**body) as stream:
+        events = [e.type for e in stream]
+        final = stream.get_final_message()
+    assert final.content[0].text == whole.content[0].text and final.stop_reason == whole.stop_reason
+    assert final.usage.output_tokens == whole.usage.output_tokens
+    raw = [t for t in events if t in ("message_start", "content_block_start", "content_block_delta",
+                                      "content_block_stop", "message_delta", "message_stop")]
+    assert raw[:2] == ["message_start", "content_block_start"]
+    assert raw[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert set(raw[2:-3]) == {"content_block_delta"}
+
+
+def test_messages_tool_use_round_trip(claude):
+    tools = [{"name": "get_weather", "description": "The weather of a city",
+              "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
+    ask = [{"role": "user", "content": "What's the weather in Paris?"}]
+    m = claude.messages.create(model="m", max_tokens=60, messages=ask, tools=tools, tool_choice={"type": "any"},
+                               **GREEDY_BODY)
+    (use,) = [b for b in m.content if b.type == "tool_use"]
+    assert m.stop_reason == "tool_use" and use.name == "get_weather" and isinstance(use.input["city"], str)
+    follow = claude.messages.create(model="m", max_tokens=20, tools=tools, messages=[
+        *ask, {"role": "assistant", "content": m.content},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "21 C, sunny"}]}],
+        **GREEDY_BODY)
+    assert follow.content and follow.stop_reason in ("end_turn", "max_tokens")
+
+    with claude.messages.stream(model="m", max_tokens=60, messages=[{"role": "user", "content": "Weather in Rome?"}],
+                                tools=tools, tool_choice={"type": "tool", "name": "get_weather"}, **GREEDY_BODY) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    (block,) = final.content
+    assert block.type == "tool_use" and block.name == "get_weather" and isinstance(block.input, dict)
+    partial = "".join(e.delta.partial_json for e in events
+                      if e.type == "content_block_delta" and e.delta.type == "input_json_delta")
+    assert json.loads(partial) == block.input and final.stop_reason == "tool_use"
+
+
+@pytest.mark.parametrize("body,needle", [
+    ({"messages": [{"role": "user", "content": "hi"}]}, "max_tokens"),
+    ({"max_tokens": 0, "messages": [{"role": "user", "content": "hi"}]}, "max_tokens"),
+    ({"max_tokens": 4, "messages": []}, "messages"),
+    ({"max_tokens": 4, "messages": [{"role": "system", "content": "hi"}]}, "role"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "image"),
+    ({"max_tokens": 4, "messages": [{"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "t"}]}]},
+     "tool_result"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}],
+      "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "client tools"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "tool_choice": {"type": "bogus"}},
+     "tool_choice"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "output_config": {"format": {"type": "xml"}}},
+     "output_config"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "mcp_servers": [{"url": "x"}]}, "mcp_servers"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "temperature": 7}, "temperature"),
+])
+def test_messages_bad_requests_are_anthropic_errors(http, body, needle):
+    resp = http.post("/v1/messages", json={"model": "m", **body})
+    assert resp.status_code == 400, resp.text
+    err = resp.json()
+    assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
+    assert needle in err["error"]["message"], err
+
+
+def test_messages_json_output_format(claude):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    m = claude.messages.create(model="m", max_tokens=30, messages=[{"role": "user", "content": "Give a=1 as JSON"}],
+                               output_config={"format": {"type": "json_schema", "schema": schema}}, **GREEDY_BODY)
+    assert isinstance(json.loads(m.content[0].text)["a"], int)
+
+
 # ----------------------------------------------------------------------------- completions
 
 

@@ -143,6 +143,9 @@ def test_health_is_open_and_everything_else_needs_the_key(srv: ServerProcess) ->
     assert_error(httpx.get(url + "/get_model_info", headers={"Authorization": KEY}), 401)  # no scheme
     assert httpx.get(url + "/get_model_info", headers={"Authorization": f"bearer {KEY}"}).status_code == 200
     assert httpx.get(url + "/get_model_info", headers=AUTH).status_code == 200
+    # the anthropic client's header
+    assert httpx.get(url + "/get_model_info", headers={"x-api-key": KEY}).status_code == 200
+    assert_error(httpx.get(url + "/get_model_info", headers={"x-api-key": "wrong"}), 401)
 
 
 def test_no_key_server_is_open_and_metrics_off_is_404(cfg_client: httpx.Client) -> None:

@@ -19,7 +19,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from core.errors import CoreError
-from core.server import embeddings, native, tokenize
+from core.server import anthropic, embeddings, native, tokenize
 from core.server.http import ApiError, ApiKeyMiddleware, api_error
 from core.server.openai import batches, files, responses, routes
 from core.server.state import ServerState
@@ -60,6 +60,8 @@ ROUTES = [
     Route("/v1/responses/{response_id}", responses.retrieve_response, methods=["GET"]),
     Route("/v1/responses/{response_id}", responses.delete_response, methods=["DELETE"]),
     Route("/v1/responses/{response_id}/input_items", responses.list_input_items, methods=["GET"]),
+    Route("/v1/messages", anthropic.messages, methods=["POST"]),
+    Route("/v1/messages/count_tokens", anthropic.count_tokens, methods=["POST"]),
     Route("/v1/embeddings", embeddings.openai_embeddings, methods=["POST"]),
     Route("/v1/files", files.create_file, methods=["POST"]),
     Route("/v1/files", files.list_files, methods=["GET"]),

@@ -270,7 +270,8 @@ async def abort_on_disconnect(request: Request, abort: Callable[[], None]) -> As
 
 # ---------------------------------------------------------------------------- auth
 class ApiKeyMiddleware:
-    """``Authorization: Bearer <key>`` on every endpoint except /health; constant-time compare."""
+    """``Authorization: Bearer <key>`` (or ``x-api-key: <key>``, the anthropic client's header) on
+    every endpoint except /health; constant-time compare."""
 
     OPEN_PATHS = frozenset({"/health"})
 
@@ -280,12 +281,15 @@ class ApiKeyMiddleware:
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["method"] != "OPTIONS" and scope["path"] not in self.OPEN_PATHS:
-            auth = b""
+            auth, x_key = b"", None
             for name, value in scope["headers"]:
                 if name == b"authorization":
                     auth = value
+                elif name == b"x-api-key":
+                    x_key = value.strip()
             scheme, _, token = auth.strip().partition(b" ")
-            if not (hmac.compare_digest(token.strip(), self._key) and scheme.lower() == b"bearer"):
+            bearer = hmac.compare_digest(token.strip(), self._key) and scheme.lower() == b"bearer"
+            if not (bearer or (x_key is not None and hmac.compare_digest(x_key, self._key))):
                 resp = error_response(401, "Invalid or missing API key; send 'Authorization: Bearer <key>'.",
                                       code="invalid_api_key")
                 resp.headers["WWW-Authenticate"] = "Bearer"

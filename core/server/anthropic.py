@@ -1,0 +1,394 @@
+"""Anthropic's Messages API (``/v1/messages``, ``/v1/messages/count_tokens``) over the chat
+pipeline, as SGLang and vLLM serve it, so the ``anthropic`` client and tools built on it can
+talk to a local model.
+
+A Messages request becomes a chat request: ``system`` the system message; ``text``,
+``tool_use`` and ``tool_result`` blocks the messages, tool calls and tool turns; ``tools``
+(``input_schema``) the function tools; ``tool_choice`` ``auto`` / ``any`` / ``tool`` / ``none``
+the chat's auto / required / named / none; ``stop_sequences`` the stop strings. The output
+comes back as ``thinking`` (with ``--reasoning-parser``), ``text`` and ``tool_use`` blocks, with
+``stop_reason`` ``end_turn``, ``max_tokens``, ``stop_sequence`` or ``tool_use``.
+
+* Streaming sends Anthropic's events (``message_start``, ``content_block_start`` /
+  ``_delta`` / ``_stop``, ``message_delta``, ``message_stop``; an ``error`` event if the
+  request fails mid-stream).
+* Errors are Anthropic's shape, ``{"type": "error", "error": {"type", "message"}}``; the API key
+  may come as ``x-api-key`` (the client's header) or ``Authorization: Bearer``.
+* Refused with a 400 rather than ignored: image and document blocks (the models are
+  text-only), server tools (web search...), ``container`` and ``mcp_servers``.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any, AsyncIterator
+
+import structlog
+from msgspec import Struct
+from starlette.requests import Request
+from starlette.responses import Response
+
+from core.errors import InvalidRequest
+from core.server.http import (
+    ApiError,
+    EventStream,
+    abort_on_disconnect,
+    api_error,
+    convert_body,
+    encoder,
+    prepare_off_loop,
+    read_body,
+    state_of,
+)
+from core.server.openai.chat import ChatJob, prepare_chat, render_chat
+from core.server.openai.job import finish_of
+from core.server.openai.protocol import ChatCompletionRequest
+
+log = structlog.get_logger("core.server.anthropic")
+
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
+# chat-request field -> the Messages field a client sent (for error messages)
+_PARAMS = {"messages": "messages", "max_tokens": "max_tokens", "stop": "stop_sequences", "response_format": "output_config"}
+
+
+class MessagesRequest(Struct, kw_only=True):
+    model: str | None = None
+    messages: list[dict[str, Any]]
+    max_tokens: int | None = None
+    system: str | list[dict[str, Any]] | None = None
+    stop_sequences: list[str] | None = None
+    stream: bool | None = False
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None  # {format: {type: json_schema, schema}, effort}
+    metadata: dict[str, Any] | None = None
+    container: Any = None
+    mcp_servers: Any = None
+
+
+class CountTokensRequest(Struct, kw_only=True):
+    model: str | None = None
+    messages: list[dict[str, Any]]
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+
+
+def anthropic_error(e: BaseException) -> tuple[int, dict[str, Any]]:
+    err = api_error(e)
+    kind = _ERROR_TYPES.get(err.status, "api_error" if err.status >= 500 else "invalid_request_error")
+    return err.status, {"type": "error", "error": {"type": kind, "message": err.message}}
+
+
+def _json(obj: Any, status: int = 200) -> Response:
+    return Response(encoder.encode(obj), status_code=status, media_type="application/json")
+
+
+# ----------------------------------------------------------------------------- request -> chat
+
+
+def _text(content: Any, where: str) -> str:
+    """A string or a list of text blocks as one string."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidRequest(f"{where} must be a string or a list of text blocks", param="messages")
+    parts = []
+    for j, block in enumerate(content):
+        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
+            kind = block.get("type") if isinstance(block, dict) else block
+            raise InvalidRequest(f"{where}[{j}]: only text blocks are supported here, got {kind!r}", param="messages")
+        parts.append(block["text"])
+    return "\n".join(parts)
+
+
+def chat_messages(system: Any, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages-API turns -> chat messages (tool_use -> tool_calls, tool_result -> tool turns)."""
+    out: list[dict[str, Any]] = []
+    if system:
+        out.append({"role": "system", "content": _text(system, "system")})
+    if not messages:
+        raise InvalidRequest("messages must not be empty", param="messages")
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        role = m.get("role") if isinstance(m, dict) else None
+        if role not in ("user", "assistant"):
+            raise InvalidRequest(f"{where}.role must be user or assistant, got {role!r}", param="messages")
+        content = m.get("content")
+        if isinstance(content, str):
+            out.append({"role": role, "content": content})
+            continue
+        if not isinstance(content, list):
+            raise InvalidRequest(f"{where}.content must be a string or a list of content blocks", param="messages")
+        texts: list[str] = []
+        calls: list[dict[str, Any]] = []
+        for j, block in enumerate(content):
+            kind = block.get("type") if isinstance(block, dict) else None
+            at = f"{where}.content[{j}]"
+            if kind == "text" and isinstance(block.get("text"), str):
+                texts.append(block["text"])
+            elif kind == "tool_use" and role == "assistant":
+                if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str):
+                    raise InvalidRequest(f"{at}: a tool_use block needs id and name", param="messages")
+                calls.append({"id": block["id"], "type": "function",
+                              "function": {"name": block["name"], "arguments": json.dumps(block.get("input") or {})}})
+            elif kind == "tool_result" and role == "user":
+                if not isinstance(block.get("tool_use_id"), str):
+                    raise InvalidRequest(f"{at}: a tool_result block needs tool_use_id", param="messages")
+                result = block.get("content", "")
+                out.append({"role": "tool", "tool_call_id": block["tool_use_id"],
+                            "content": _text(result, f"{at}.content") if result is not None else ""})
+            elif kind in ("thinking", "redacted_thinking") and role == "assistant":
+                continue  # the templates drop earlier turns' reasoning
+            else:
+                raise InvalidRequest(f"{at}: {kind!r} blocks are not supported in {role} turns (the models are "
+                                     "text-only)", param="messages")
+        if texts or calls:
+            msg: dict[str, Any] = {"role": role, "content": "\n".join(texts)}
+            if calls:
+                msg["tool_calls"] = calls
+            out.append(msg)
+    return out
+
+
+def _chat_tools(tools: list[dict[str, Any]] | None, choice: dict[str, Any] | None) -> tuple[list | None, Any, bool | None]:
+    chat_tools = None
+    if tools is not None:
+        chat_tools = []
+        for i, t in enumerate(tools):
+            if not isinstance(t, dict) or not isinstance(t.get("name"), str) or (t.get("type") not in (None, "custom")):
+                kind = t.get("type") if isinstance(t, dict) else t
+                raise InvalidRequest(f"tools[{i}]: only client tools (name, input_schema) are supported, got {kind!r}",
+                                     param="tools")
+            fn = {"name": t["name"], "parameters": t.get("input_schema") or {"type": "object", "properties": {}}}
+            if isinstance(t.get("description"), str):
+                fn["description"] = t["description"]
+            chat_tools.append({"type": "function", "function": fn})
+    if choice is None:
+        return chat_tools, None, None
+    kind = choice.get("type")
+    parallel = False if choice.get("disable_parallel_tool_use") else None
+    if kind == "auto":
+        return chat_tools, "auto", parallel
+    if kind == "any":
+        return chat_tools, "required", parallel
+    if kind == "none":
+        return chat_tools, "none", parallel
+    if kind == "tool" and isinstance(choice.get("name"), str):
+        return chat_tools, {"type": "function", "function": {"name": choice["name"]}}, parallel
+    raise InvalidRequest("tool_choice must be {type: auto | any | none} or {type: tool, name}", param="tool_choice")
+
+
+def _thinking_kwargs(thinking: dict[str, Any] | None) -> dict[str, Any] | None:
+    kind = (thinking or {}).get("type")
+    if kind == "enabled":
+        return {"enable_thinking": True, "thinking": True}
+    if kind == "disabled":
+        return {"enable_thinking": False, "thinking": False}
+    return None
+
+
+def _output_config(config: dict[str, Any] | None, kwargs: dict[str, Any] | None) -> tuple[Any, Any]:
+    """(response_format, template kwargs) from ``output_config``: a JSON-schema format constrains
+    the output; ``effort`` reaches the chat template as ``reasoning_effort``."""
+    config = config or {}
+    fmt, effort = config.get("format"), config.get("effort")
+    response_format = None
+    if fmt is not None:
+        if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+            raise InvalidRequest("output_config.format must be {type: json_schema, schema: {...}}", param="output_config")
+        response_format = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
+    if isinstance(effort, str):
+        kwargs = {"reasoning_effort": effort, **(kwargs or {})}
+    return response_format, kwargs
+
+
+def chat_request(r: MessagesRequest) -> ChatCompletionRequest:
+    for name in ("container", "mcp_servers"):
+        if getattr(r, name):
+            raise InvalidRequest(f"{name} is not supported by this server", param=name)
+    if r.max_tokens is None:
+        raise InvalidRequest("max_tokens is required", param="max_tokens")
+    if r.max_tokens < 1:
+        raise InvalidRequest(f"max_tokens must be >= 1, got {r.max_tokens}", param="max_tokens")
+    tools, choice, parallel = _chat_tools(r.tools, r.tool_choice)
+    response_format, kwargs = _output_config(r.output_config, _thinking_kwargs(r.thinking))
+    body = {"model": r.model, "messages": chat_messages(r.system, r.messages), "max_tokens": r.max_tokens,
+            "stop": r.stop_sequences, "stream": bool(r.stream), "temperature": r.temperature, "top_p": r.top_p,
+            "top_k": r.top_k, "tools": tools, "tool_choice": choice, "parallel_tool_calls": parallel,
+            "response_format": response_format, "chat_template_kwargs": kwargs}
+    return convert_body({k: v for k, v in body.items() if v is not None}, ChatCompletionRequest)
+
+
+def _messages_error(e: InvalidRequest) -> InvalidRequest:
+    if e.param is None:
+        return e
+    head = e.param.split("[")[0].split(".")[0]
+    return InvalidRequest(e.message.replace("max_completion_tokens", "max_tokens"), param=_PARAMS.get(head, head))
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def _tool_use(call: dict[str, Any]) -> dict[str, Any]:
+    fn = call["function"]
+    try:
+        args = json.loads(fn.get("arguments") or "{}")
+    except ValueError:
+        args = {"_raw": fn.get("arguments")}  # the model wrote arguments that are not JSON
+    return {"type": "tool_use", "id": "toolu_" + uuid.uuid4().hex[:24], "name": fn.get("name", ""),
+            "input": args if isinstance(args, dict) else {"value": args}}
+
+
+def _stop(reason: str | None, matched: Any, r: MessagesRequest, has_calls: bool) -> tuple[str, str | None]:
+    if has_calls and reason in ("stop", "tool_calls"):
+        return "tool_use", None
+    if reason == "length":
+        return "max_tokens", None
+    if isinstance(matched, str) and matched in (r.stop_sequences or []):
+        return "stop_sequence", matched
+    return "end_turn", None
+
+
+def _usage(out: dict) -> dict[str, int]:
+    meta = out["meta_info"]
+    return {"input_tokens": meta["prompt_tokens"], "output_tokens": meta["completion_tokens"],
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": meta.get("cached_tokens", 0) or 0}
+
+
+def _message(job: ChatJob, content: list, stop_reason: str | None, stop_sequence: str | None,
+             usage: dict[str, int]) -> dict[str, Any]:
+    return {"id": job.id, "type": "message", "role": "assistant", "model": job.model, "content": content,
+            "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": usage}
+
+
+# ----------------------------------------------------------------------------- handlers
+
+
+async def messages(request: Request) -> Response:
+    try:
+        state = state_of(request)
+        r = await read_body(request, MessagesRequest)
+        try:
+            job = await prepare_off_loop(request, lambda: prepare_chat(state, chat_request(r), "msg_" + uuid.uuid4().hex))
+        except InvalidRequest as e:
+            raise _messages_error(e) from None
+        await job.start()
+        if r.stream:
+            return EventStream(_stream(job, r))
+        async with abort_on_disconnect(request, job.abort):
+            (out,) = await job.final_outputs()
+        reason, matched = finish_of(out)
+        reasoning, text, calls, _ = job.post().full(out["text"], reason)
+        content: list[dict[str, Any]] = [{"type": "thinking", "thinking": reasoning, "signature": ""}] if reasoning else []
+        if text:
+            content.append({"type": "text", "text": text})
+        content += [_tool_use(c) for c in calls or []]
+        stop_reason, stop_sequence = _stop(reason, matched, r, bool(calls))
+        return _json(_message(job, content, stop_reason, stop_sequence, _usage(out)))
+    except Exception as e:
+        status, body = anthropic_error(e)
+        if status >= 500 and not isinstance(e, ApiError):
+            log.exception("anthropic.request_failed")
+        return _json(body, status)
+
+
+async def count_tokens(request: Request) -> Response:
+    try:
+        state = state_of(request)
+        r = await read_body(request, CountTokensRequest)
+        tools, choice, _ = _chat_tools(r.tools, r.tool_choice)
+        body = {"messages": chat_messages(r.system, r.messages), "tools": tools, "tool_choice": choice,
+                "chat_template_kwargs": _thinking_kwargs(r.thinking)}
+        chat = convert_body({k: v for k, v in body.items() if v is not None}, ChatCompletionRequest)
+        ids = await prepare_off_loop(request, lambda: render_chat(state, chat, fit=False))
+        return _json({"input_tokens": len(ids)})
+    except Exception as e:
+        status, body = anthropic_error(e)
+        return _json(body, status)
+
+
+def _event(kind: str, **fields: Any) -> bytes:
+    return b"event: " + kind.encode() + b"\ndata: " + encoder.encode({"type": kind, **fields}) + b"\n\n"
+
+
+async def _stream(job: ChatJob, r: MessagesRequest) -> AsyncIterator[bytes]:
+    post, sent_text, sent_toks = job.post(), "", 0
+    blocks: list[str] = []  # the kind of each block opened so far
+    open_kind: str | None = None  # "thinking" or "text" while one is open
+    calls: dict[int, int] = {}  # tool-call index -> its block index
+    out: dict | None = None
+    reason = matched = None
+    yield _event("message_start", message=_message(job, [], None, None, {"input_tokens": len(job.reqs[0].prompt_ids),
+                                                                       "output_tokens": 0}))
+
+    def close_open() -> list[bytes]:
+        nonlocal open_kind
+        if open_kind is None:
+            return []
+        open_kind = None
+        return [_event("content_block_stop", index=len(blocks) - 1)]
+
+    def open_block(kind: str, block: dict[str, Any]) -> list[bytes]:
+        nonlocal open_kind
+        events = close_open()
+        blocks.append(kind)
+        if kind in ("thinking", "text"):
+            open_kind = kind
+        return events + [_event("content_block_start", index=len(blocks) - 1, content_block=block)]
+
+    try:
+        async for _, out in job.merged():
+            reason, matched = finish_of(out)
+            ntok = out["meta_info"]["completion_tokens"]
+            if reason is None and ntok - sent_toks < job.interval:
+                continue
+            delta = out["text"][len(sent_text):]
+            sent_text, sent_toks = out["text"], ntok
+            r_delta, c_delta, call_deltas = post.delta(delta, reason is not None)
+            if r_delta:
+                if open_kind != "thinking":
+                    for e in open_block("thinking", {"type": "thinking", "thinking": "", "signature": ""}):
+                        yield e
+                yield _event("content_block_delta", index=len(blocks) - 1,
+                             delta={"type": "thinking_delta", "thinking": r_delta})
+            if c_delta:
+                if open_kind != "text":
+                    for e in open_block("text", {"type": "text", "text": ""}):
+                        yield e
+                yield _event("content_block_delta", index=len(blocks) - 1, delta={"type": "text_delta", "text": c_delta})
+            for c in call_deltas:
+                if c.get("id"):
+                    block = _tool_use({"function": {"name": c["function"].get("name", ""), "arguments": "{}"}})
+                    for e in open_block("tool_use", {**block, "input": {}}):
+                        yield e
+                    calls[c["index"]] = len(blocks) - 1
+                args = c["function"].get("arguments", "")
+                if args and c["index"] in calls:
+                    yield _event("content_block_delta", index=calls[c["index"]],
+                                 delta={"type": "input_json_delta", "partial_json": args})
+        if out is None:
+            raise ApiError(500, "the request ended without output")
+        for e in close_open():
+            yield e
+        for index in calls.values():
+            yield _event("content_block_stop", index=index)
+        stop_reason, stop_sequence = _stop(reason, matched, r, bool(calls))
+        yield _event("message_delta", delta={"stop_reason": stop_reason, "stop_sequence": stop_sequence},
+                     usage={"output_tokens": out["meta_info"]["completion_tokens"]})
+        yield _event("message_stop")
+    except Exception as e:
+        if not isinstance(e, ApiError):
+            log.exception("anthropic.stream_failed", id=job.id)
+        _, body = anthropic_error(e)
+        yield _event("error", error=body["error"])
+    finally:
+        job.abort()
+
