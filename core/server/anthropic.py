@@ -41,7 +41,7 @@ from core.server.http import (
     read_body,
     state_of,
 )
-from core.server.openai.chat import ChatJob, prepare_chat, render_chat
+from core.server.openai.chat import ChatJob, joined_text, prepare_chat, render_chat
 from core.server.openai.job import finish_of
 from core.server.openai.protocol import ChatCompletionRequest
 
@@ -94,26 +94,11 @@ def _json(obj: Any, status: int = 200) -> Response:
 # ----------------------------------------------------------------------------- request -> chat
 
 
-def _text(content: Any, where: str) -> str:
-    """A string or a list of text blocks as one string."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise InvalidRequest(f"{where} must be a string or a list of text blocks", param="messages")
-    parts = []
-    for j, block in enumerate(content):
-        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
-            kind = block.get("type") if isinstance(block, dict) else block
-            raise InvalidRequest(f"{where}[{j}]: only text blocks are supported here, got {kind!r}", param="messages")
-        parts.append(block["text"])
-    return "\n".join(parts)
-
-
 def chat_messages(system: Any, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Messages-API turns -> chat messages (tool_use -> tool_calls, tool_result -> tool turns)."""
     out: list[dict[str, Any]] = []
     if system:
-        out.append({"role": "system", "content": _text(system, "system")})
+        out.append({"role": "system", "content": joined_text(system, "system", ("text",), "system")})
     if not messages:
         raise InvalidRequest("messages must not be empty", param="messages")
     for i, m in enumerate(messages):
@@ -142,9 +127,9 @@ def chat_messages(system: Any, messages: list[dict[str, Any]]) -> list[dict[str,
             elif kind == "tool_result" and role == "user":
                 if not isinstance(block.get("tool_use_id"), str):
                     raise InvalidRequest(f"{at}: a tool_result block needs tool_use_id", param="messages")
-                result = block.get("content", "")
-                out.append({"role": "tool", "tool_call_id": block["tool_use_id"],
-                            "content": _text(result, f"{at}.content") if result is not None else ""})
+                result = block.get("content")
+                text = "" if result is None else joined_text(result, f"{at}.content", ("text",), "messages")
+                out.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": text})
             elif kind in ("thinking", "redacted_thinking") and role == "assistant":
                 continue  # the templates drop earlier turns' reasoning
             else:

@@ -63,6 +63,23 @@ def load_chat_template(value: str) -> str:
     return hit
 
 
+def joined_text(content: Any, where: str, kinds: tuple[str, ...], param: str) -> str:
+    """A string, or a list of text parts of ``kinds`` (each ``{"type", "text"}``), as one string;
+    anything else is a 400 naming ``where`` (the Responses and Messages APIs' content)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidRequest(f"{where} must be a string or a list of text parts", param=param)
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in kinds or not isinstance(part.get("text"), str):
+            raise InvalidRequest(f"{where}[{j}]: only text parts ({', '.join(kinds)}) are supported, got {kind!r}; "
+                                 "the models are text-only", param=param)
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
 def _content_text(content: list, i: int) -> str:
     texts = []
     for j, part in enumerate(content):

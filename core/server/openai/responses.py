@@ -45,7 +45,7 @@ from core.server.http import (
     read_body,
     state_of,
 )
-from core.server.openai.chat import ChatJob, prepare_chat
+from core.server.openai.chat import ChatJob, joined_text, prepare_chat
 from core.server.openai.job import finish_of
 from core.server.openai.logprobs import chat_logprobs
 from core.server.openai.protocol import ChatCompletionRequest
@@ -53,7 +53,7 @@ from core.server.openai.protocol import ChatCompletionRequest
 log = structlog.get_logger("core.server.openai.responses")
 
 MAX_STORED = 1024
-_TEXT_PARTS = ("input_text", "output_text", "text", "refusal")
+_TEXT_PARTS = ("input_text", "output_text", "text")
 # chat-request field -> the Responses field a client sent (for error messages)
 _PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text"}
 
@@ -117,21 +117,6 @@ def _new_id(prefix: str) -> str:
 # ----------------------------------------------------------------------------- request -> chat
 
 
-def _part_text(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise InvalidRequest(f"{where}.content must be a string or a list of content parts", param="input")
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in _TEXT_PARTS or not isinstance(part.get("text", part.get("refusal")), str):
-            raise InvalidRequest(f"{where}.content[{j}]: only text parts are supported (input_text, output_text), got "
-                                 f"{kind!r}; the model is text-only", param="input")
-        texts.append(part.get("text", part.get("refusal")))
-    return "\n".join(texts)
-
-
 def input_items(inp: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The request's input as Responses items, each with an id (what ``input_items`` lists)."""
     if isinstance(inp, str):
@@ -158,7 +143,8 @@ def item_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
                 raise InvalidRequest(f"{where}.role must be user, assistant, system or developer, got {role!r}", param="input")
-            out.append({"role": role, "content": _part_text(item.get("content"), where)})
+            text = joined_text(item.get("content"), f"{where}.content", _TEXT_PARTS, "input")
+            out.append({"role": role, "content": text})
         elif kind == "function_call":
             name, args, call_id = item.get("name"), item.get("arguments", ""), item.get("call_id")
             if not isinstance(name, str) or not isinstance(args, str) or not isinstance(call_id, str):
@@ -172,7 +158,8 @@ def item_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
             output, call_id = item.get("output"), item.get("call_id")
             if not isinstance(call_id, str):
                 raise InvalidRequest(f"{where}: a function_call_output needs call_id (a string)", param="input")
-            out.append({"role": "tool", "tool_call_id": call_id, "content": _part_text(output, where)})
+            text = joined_text(output, f"{where}.output", _TEXT_PARTS, "input")
+            out.append({"role": "tool", "tool_call_id": call_id, "content": text})
         elif kind == "reasoning":
             continue  # the templates drop earlier turns' reasoning
         else:
