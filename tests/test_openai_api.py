@@ -365,6 +365,30 @@ def test_responses_stream_events(client, http):
     assert cut[-1].response.incomplete_details.reason == "max_output_tokens"
 
 
+def test_responses_input_items_pages(client, http):
+    r = client.responses.create(model="m", input=[{"role": "user", "content": t} for t in "abc"], max_output_tokens=1,
+                                **GREEDY)
+    path = f"/v1/responses/{r.id}/input_items"
+    texts = lambda body: [i["content"][0]["text"] if isinstance(i["content"], list) else i["content"]  # noqa: E731
+                          for i in body["data"]]
+    first = http.get(path, params={"limit": 1}).json()
+    assert texts(first) == ["c"] and first["has_more"] is True  # newest first by default
+    rest = http.get(path, params={"after": first["last_id"]}).json()
+    assert texts(rest) == ["b", "a"] and rest["has_more"] is False
+    assert texts(http.get(path, params={"order": "asc"}).json()) == ["a", "b", "c"]
+    for bad, param in (({"limit": 0}, "limit"), ({"limit": "x"}, "limit"), ({"order": "up"}, "order"),
+                       ({"after": "item_nope"}, "after")):
+        assert_error(http.get(path, params=bad), 400, param)
+
+
+def test_responses_stream_a_call_cut_off_by_max_tokens(client):
+    events = list(client.responses.create(model="m", input="What's the weather in Paris?", tools=WEATHER,
+                                          tool_choice="required", max_output_tokens=20, stream=True, **GREEDY))
+    final = events[-1].response
+    assert events[-1].type == "response.incomplete"
+    assert [(o.type, o.status) for o in final.output] == [("function_call", "incomplete")]  # no raw-text message
+
+
 def test_responses_function_call_round_trip(client):
     r = client.responses.create(model="m", input="What's the weather in Paris?", tools=WEATHER, tool_choice="required",
                                 max_output_tokens=60, **GREEDY)
@@ -428,6 +452,8 @@ def test_responses_stream_abort_and_disconnect(base_url, http):
     ({"input": "hi", "tool_choice": "required"}, 400, "tool_choice"),
     ({"input": "hi", "temperature": 5}, 400, "temperature"),
     ({"input": "hi " * 9000}, 400, "input"),
+    ({"input": "hi", "include": ["file_search_call.results"]}, 400, "include"),
+    ({"input": "hi", "tools": [{"type": "function", "parameters": {}}]}, 400, "tools"),
 ])
 def test_responses_bad_requests(http, body, status, param):
     assert_error(http.post("/v1/responses", json={"model": "m", **body}), status, param)
@@ -524,6 +550,9 @@ def test_messages_tool_use_round_trip(claude):
      "output_config"),
     ({"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "mcp_servers": [{"url": "x"}]}, "mcp_servers"),
     ({"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "temperature": 7}, "temperature"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "temperature": 1.5}, "temperature"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "thinking": {"type": "bogus"}}, "thinking"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "text"}]}]}, "text block needs text"),
 ])
 def test_messages_bad_requests_are_anthropic_errors(http, body, needle):
     resp = http.post("/v1/messages", json={"model": "m", **body})
@@ -531,6 +560,39 @@ def test_messages_bad_requests_are_anthropic_errors(http, body, needle):
     err = resp.json()
     assert err["type"] == "error" and err["error"]["type"] == "invalid_request_error"
     assert needle in err["error"]["message"], err
+
+
+def test_messages_continue_an_assistant_prefill(claude, client, http):
+    turns = [{"role": "user", "content": "What is the capital of France?"},
+             {"role": "assistant", "content": "The capital of France is"}]
+    assert http.post("/flush_cache").status_code == 200
+    m = claude.messages.create(model="m", max_tokens=8, messages=turns, **GREEDY_BODY)
+    assert http.post("/flush_cache").status_code == 200
+    chat = client.chat.completions.create(model="m", messages=turns, max_tokens=8, **GREEDY,
+                                          extra_body={"continue_final_message": True})
+    assert m.content[0].text == chat.choices[0].message.content  # the answer goes on from the prefill
+    assert not m.content[0].text.startswith("The capital")
+
+
+@pytest.mark.parametrize("body", [
+    {"tool_choice": {"type": "tool", "name": "nope"}, "tools": [{"name": "f", "input_schema": {"type": "object"}}]},
+    {"tool_choice": {"type": "any"}},
+    {"tools": [{"name": "f", "input_schema": "x"}]},
+    {"mcp_servers": [{"url": "x"}]},
+])
+def test_messages_count_tokens_checks_what_messages_checks(http, body):
+    req = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **body}
+    counted = http.post("/v1/messages/count_tokens", json=req)
+    sent = http.post("/v1/messages", json={**req, "max_tokens": 4})
+    assert counted.status_code == sent.status_code == 400, (counted.text, sent.text)
+    assert counted.json()["type"] == "error" and counted.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_messages_routing_errors_are_anthropic_shaped(http):
+    for resp, status, kind in ((http.get("/v1/messages"), 405, "invalid_request_error"),
+                               (http.post("/v1/messages/batches", json={}), 404, "not_found_error")):
+        assert resp.status_code == status
+        assert resp.json() == {"type": "error", "error": {"type": kind, "message": resp.json()["error"]["message"]}}
 
 
 def test_messages_json_output_format(claude):
@@ -857,3 +919,108 @@ def test_files_in_process_without_python_multipart(tmp_path, monkeypatch):
 
     asyncio.run(run())
     assert json.loads((tmp_path / "store" / "index.json").read_text())["files"] == []
+
+
+class _ScriptedJob:
+    """A ChatJob stand-in for the stream builders: each step's (reasoning, text, tool-call) deltas
+    are scripted, as a tool parser would give them."""
+
+    def __init__(self, steps, reason="stop"):
+        self.steps, self.reason = steps, reason
+        self.id, self.model, self.created, self.interval, self.logprobs, self.top = "id-1", "m", 0, 1, False, 0
+        self.reqs = [SimpleNamespace(prompt_ids=[1, 2, 3])]
+        self.engine = SimpleNamespace(tokenizer=None)
+        self.aborted = False
+
+    def post(self):
+        steps = iter(self.steps)
+        return SimpleNamespace(delta=lambda delta, finished: next(steps))
+
+    async def merged(self):
+        for k in range(len(self.steps)):
+            last = k == len(self.steps) - 1
+            yield 0, {"text": "x" * (k + 1), "meta_info": {"completion_tokens": k + 1, "prompt_tokens": 3,
+                                                          "finish_reason": {"type": self.reason} if last else None}}
+
+    def abort(self):
+        self.aborted = True
+
+
+def _call(i, name=None, args=""):
+    d = {"index": i, "function": {"arguments": args}}
+    if name:
+        d.update(id=f"call_{i}", type="function")
+        d["function"]["name"] = name
+    return d
+
+
+TWO_CALLS = [("", "", [_call(0, "f")]), ("", "", [_call(0, args='{"a": 1}')]), ("", "\n", []),
+             ("", "", [_call(1, "g", '{"b": 2}')]), ("", "\n", [])]
+
+
+def _sse(chunks):
+    events = []
+    for chunk in chunks:
+        for block in chunk.decode().split("\n\n"):
+            data = [line[6:] for line in block.splitlines() if line.startswith("data: ")]
+            if data:
+                events.append(json.loads(data[0]))
+    return events
+
+
+def test_messages_stream_blocks_open_and_stop_in_order():
+    """Each content block stops before the next starts; whitespace between tool calls is no block."""
+    import asyncio
+
+    from core.server.anthropic import MessagesRequest, _stream
+
+    async def run():
+        r = MessagesRequest(messages=[], max_tokens=9)
+        return _sse([c async for c in _stream(_ScriptedJob(TWO_CALLS), r)])
+
+    events = asyncio.run(run())
+    opened = []
+    for e in events:
+        if e["type"] == "content_block_start":
+            assert not opened or opened[-1][1], "a block started while another was open"
+            opened.append([e["index"], False])
+        elif e["type"] == "content_block_stop":
+            assert opened[-1] == [e["index"], False]
+            opened[-1][1] = True
+        elif e["type"] == "content_block_delta":
+            assert opened[-1] == [e["index"], False], "a delta for a block that is not the open one"
+    starts = [e["content_block"] for e in events if e["type"] == "content_block_start"]
+    assert [(b["type"], b["name"]) for b in starts] == [("tool_use", "f"), ("tool_use", "g")]
+    assert events[-2]["delta"]["stop_reason"] == "tool_use" and events[-1]["type"] == "message_stop"
+
+
+def test_responses_stream_items_open_and_close_in_order():
+    import asyncio
+
+    from core.server.openai.responses import ResponsesRequest, _stream
+
+    kept = []
+
+    async def run(steps, reason="stop"):
+        return _sse([c async for c in _stream(_ScriptedJob(steps, reason), ResponsesRequest(input="x"), kept.append)])
+
+    events = asyncio.run(run(TWO_CALLS))
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    open_idx = None
+    for e in events:
+        if e["type"] == "response.output_item.added":
+            assert open_idx is None, "an item was added while another was open"
+            open_idx = e["output_index"]
+        elif e["type"] == "response.output_item.done":
+            assert e["output_index"] == open_idx
+            open_idx = None
+    final = events[-1]["response"]
+    assert events[-1]["type"] == "response.completed" and kept[-1] == final
+    assert [(o["type"], o["name"], o["arguments"]) for o in final["output"]] == [
+        ("function_call", "f", '{"a": 1}'), ("function_call", "g", '{"b": 2}')]
+
+    # reasoning, then text; cut by max tokens while reasoning: one incomplete reasoning item, no empty message
+    events = asyncio.run(run([("Let me", "", []), (" think", "", [])], reason="length"))
+    final = events[-1]["response"]
+    assert events[-1]["type"] == "response.incomplete"
+    assert [(o["type"], o["status"]) for o in final["output"]] == [("reasoning", "incomplete")]

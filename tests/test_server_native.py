@@ -143,9 +143,12 @@ def test_health_is_open_and_everything_else_needs_the_key(srv: ServerProcess) ->
     assert_error(httpx.get(url + "/get_model_info", headers={"Authorization": KEY}), 401)  # no scheme
     assert httpx.get(url + "/get_model_info", headers={"Authorization": f"bearer {KEY}"}).status_code == 200
     assert httpx.get(url + "/get_model_info", headers=AUTH).status_code == 200
-    # the anthropic client's header
+    # the anthropic client's header; its routes answer in Anthropic's error shape
     assert httpx.get(url + "/get_model_info", headers={"x-api-key": KEY}).status_code == 200
     assert_error(httpx.get(url + "/get_model_info", headers={"x-api-key": "wrong"}), 401)
+    denied = httpx.post(url + "/v1/messages", headers={"x-api-key": "wrong"}, json={})
+    assert denied.status_code == 401 and denied.json()["error"]["type"] == "authentication_error"
+    assert denied.json()["type"] == "error"
 
 
 def test_no_key_server_is_open_and_metrics_off_is_404(cfg_client: httpx.Client) -> None:
@@ -366,6 +369,8 @@ def test_tokenize_counts_what_generate_and_chat_send(client: httpx.Client) -> No
 
     long = client.post("/tokenize", json={"prompt": "word " * 1000}).json()  # longer than the context: counted
     assert long["count"] > CTX
+    special = client.post("/tokenize", json={"messages": messages, "add_special_tokens": True})
+    assert special.status_code == 200 and special.json()["count"] >= counted["count"]
 
 
 @pytest.mark.parametrize("path,body,param", [
@@ -473,6 +478,20 @@ def test_profile_traces_forward_steps(client: httpx.Client, tmp_path) -> None:
     assert_error(client.post("/stop_profile"), 400)  # already stopped
 
 
+def test_concurrent_profile_starts_take_one(srv: ServerProcess, tmp_path) -> None:
+    async def race() -> list[int]:
+        async with httpx.AsyncClient(base_url=srv.base_url, headers=AUTH, timeout=60) as c:
+            resps = await asyncio.gather(*(c.post("/start_profile", json={"output_dir": str(tmp_path), "profile_prefix":
+                                                                         f"r{i}"}) for i in range(6)))
+            statuses = sorted(r.status_code for r in resps)
+            stopped = await c.post("/stop_profile")
+            assert stopped.status_code == 200 and os.path.exists(stopped.json()["trace"])
+            return statuses
+
+    assert asyncio.run(race()) == [200, 400, 400, 400, 400, 400]
+    assert len(os.listdir(tmp_path)) == 1  # the one that started wrote its trace; no other was promised
+
+
 @pytest.mark.parametrize("body,param", [
     ({"activities": ["TPU"]}, "activities"),
     ({"activities": []}, "activities"),
@@ -480,6 +499,10 @@ def test_profile_traces_forward_steps(client: httpx.Client, tmp_path) -> None:
     ({"num_steps": 0}, "num_steps"),
     ({"start_step": 3}, "start_step"),
     ({"output_dir": "/proc/no/such/dir"}, "output_dir"),
+    ({"output_dir": "/tmp/a\u0000b"}, "output_dir"),
+    ({"profile_prefix": "sub/dir/x"}, "profile_prefix"),
+    ({"profile_prefix": ".."}, "profile_prefix"),
+    ({"profile_prefix": "x" * 300}, "profile_prefix"),
     ({"unknown": 1}, "unknown"),
 ])
 def test_profile_bad_options_are_400(client: httpx.Client, body: dict, param: str) -> None:

@@ -42,13 +42,12 @@ from core.server.http import (
     state_of,
 )
 from core.server.openai.chat import ChatJob, joined_text, prepare_chat, render_chat
-from core.server.openai.job import finish_of
+from core.server.openai.job import common_checks, finish_of
+from core.server.openai.tools import plan_tools
 from core.server.openai.protocol import ChatCompletionRequest
 
 log = structlog.get_logger("core.server.anthropic")
 
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
 # chat-request field -> the Messages field a client sent (for error messages)
 _PARAMS = {"messages": "messages", "max_tokens": "max_tokens", "stop": "stop_sequences", "response_format": "output_config"}
 
@@ -79,12 +78,13 @@ class CountTokensRequest(Struct, kw_only=True):
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None
+    mcp_servers: Any = None
 
 
 def anthropic_error(e: BaseException) -> tuple[int, dict[str, Any]]:
     err = api_error(e)
-    kind = _ERROR_TYPES.get(err.status, "api_error" if err.status >= 500 else "invalid_request_error")
-    return err.status, {"type": "error", "error": {"type": kind, "message": err.message}}
+    return err.status, err.anthropic_body()
 
 
 def _json(obj: Any, status: int = 200) -> Response:
@@ -117,7 +117,9 @@ def chat_messages(system: Any, messages: list[dict[str, Any]]) -> list[dict[str,
         for j, block in enumerate(content):
             kind = block.get("type") if isinstance(block, dict) else None
             at = f"{where}.content[{j}]"
-            if kind == "text" and isinstance(block.get("text"), str):
+            if kind == "text":
+                if not isinstance(block.get("text"), str):
+                    raise InvalidRequest(f"{at}: a text block needs text (a string)", param="messages")
                 texts.append(block["text"])
             elif kind == "tool_use" and role == "assistant":
                 if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str):
@@ -173,10 +175,12 @@ def _chat_tools(tools: list[dict[str, Any]] | None, choice: dict[str, Any] | Non
 
 def _thinking_kwargs(thinking: dict[str, Any] | None) -> dict[str, Any] | None:
     kind = (thinking or {}).get("type")
-    if kind == "enabled":
+    if kind in ("enabled", "adaptive"):
         return {"enable_thinking": True, "thinking": True}
     if kind == "disabled":
         return {"enable_thinking": False, "thinking": False}
+    if thinking is not None:
+        raise InvalidRequest(f"thinking.type must be enabled, adaptive or disabled, got {kind!r}", param="thinking")
     return None
 
 
@@ -203,9 +207,14 @@ def chat_request(r: MessagesRequest) -> ChatCompletionRequest:
         raise InvalidRequest("max_tokens is required", param="max_tokens")
     if r.max_tokens < 1:
         raise InvalidRequest(f"max_tokens must be >= 1, got {r.max_tokens}", param="max_tokens")
+    if r.temperature is not None and not 0 <= r.temperature <= 1:
+        raise InvalidRequest(f"temperature must be between 0 and 1, got {r.temperature}", param="temperature")
     tools, choice, parallel = _chat_tools(r.tools, r.tool_choice)
     response_format, kwargs = _output_config(r.output_config, _thinking_kwargs(r.thinking))
-    body = {"model": r.model, "messages": chat_messages(r.system, r.messages), "max_tokens": r.max_tokens,
+    messages = chat_messages(r.system, r.messages)
+    # a final assistant turn is a prefill the answer continues, as Anthropic's API does
+    prefill = messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls")
+    body = {"model": r.model, "messages": messages, "max_tokens": r.max_tokens, "continue_final_message": prefill,
             "stop": r.stop_sequences, "stream": bool(r.stream), "temperature": r.temperature, "top_p": r.top_p,
             "top_k": r.top_k, "tools": tools, "tool_choice": choice, "parallel_tool_calls": parallel,
             "response_format": response_format, "chat_template_kwargs": kwargs}
@@ -213,10 +222,15 @@ def chat_request(r: MessagesRequest) -> ChatCompletionRequest:
 
 
 def _messages_error(e: InvalidRequest) -> InvalidRequest:
+    """A chat pipeline error in the Messages API's words."""
     if e.param is None:
         return e
     head = e.param.split("[")[0].split(".")[0]
-    return InvalidRequest(e.message.replace("max_completion_tokens", "max_tokens"), param=_PARAMS.get(head, head))
+    message = e.message
+    for chat_words, words in (("max_completion_tokens", "max_tokens"), ("tool_choice 'required'", "tool_choice any"),
+                              ("function.parameters", "input_schema"), (".function.", ".")):
+        message = message.replace(chat_words, words)
+    return InvalidRequest(message, param=_PARAMS.get(head, head))
 
 
 # ----------------------------------------------------------------------------- output
@@ -273,7 +287,7 @@ async def messages(request: Request) -> Response:
         reason, matched = finish_of(out)
         reasoning, text, calls, _ = job.post().full(out["text"], reason)
         content: list[dict[str, Any]] = [{"type": "thinking", "thinking": reasoning, "signature": ""}] if reasoning else []
-        if text:
+        if text and (text.strip() or not calls):  # whitespace around tool calls is not a text block
             content.append({"type": "text", "text": text})
         content += [_tool_use(c) for c in calls or []]
         stop_reason, stop_sequence = _stop(reason, matched, r, bool(calls))
@@ -289,12 +303,18 @@ async def count_tokens(request: Request) -> Response:
     try:
         state = state_of(request)
         r = await read_body(request, CountTokensRequest)
-        tools, choice, _ = _chat_tools(r.tools, r.tool_choice)
-        body = {"messages": chat_messages(r.system, r.messages), "tools": tools, "tool_choice": choice,
-                "chat_template_kwargs": _thinking_kwargs(r.thinking)}
-        chat = convert_body({k: v for k, v in body.items() if v is not None}, ChatCompletionRequest)
-        ids = await prepare_off_loop(request, lambda: render_chat(state, chat, fit=False))
-        return _json({"input_tokens": len(ids)})
+        fields = {k: getattr(r, k) for k in CountTokensRequest.__struct_fields__}
+        chat = chat_request(MessagesRequest(**fields, max_tokens=1))  # the same checks as /v1/messages
+
+        def count() -> int:
+            common_checks(chat)
+            plan = plan_tools(state, chat)  # tools and tool_choice are checked as a request's would be
+            return len(render_chat(state, chat, hide_tools=plan.hides_tools, fit=False))
+
+        try:
+            return _json({"input_tokens": await prepare_off_loop(request, count)})
+        except InvalidRequest as e:
+            raise _messages_error(e) from None
     except Exception as e:
         status, body = anthropic_error(e)
         return _json(body, status)
@@ -305,29 +325,26 @@ def _event(kind: str, **fields: Any) -> bytes:
 
 
 async def _stream(job: ChatJob, r: MessagesRequest) -> AsyncIterator[bytes]:
+    """Anthropic's events for one message: each content block stops before the next starts;
+    whitespace-only text is held until real text follows (around tool calls it is dropped, as
+    the whole answer drops it)."""
     post, sent_text, sent_toks = job.post(), "", 0
-    blocks: list[str] = []  # the kind of each block opened so far
-    open_kind: str | None = None  # "thinking" or "text" while one is open
+    kinds: list[str] = []  # the kind of each block started so far
+    open_kind: str | None = None  # the kind of the last block while it is open
     calls: dict[int, int] = {}  # tool-call index -> its block index
+    pending_ws = ""
     out: dict | None = None
     reason = matched = None
-    yield _event("message_start", message=_message(job, [], None, None, {"input_tokens": len(job.reqs[0].prompt_ids),
-                                                                       "output_tokens": 0}))
+    yield _event("message_start", message=_message(job, [], None, None, {
+        "input_tokens": len(job.reqs[0].prompt_ids), "output_tokens": 0, "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 0}))
 
-    def close_open() -> list[bytes]:
+    def start(kind: str, block: dict[str, Any]) -> list[bytes]:
         nonlocal open_kind
-        if open_kind is None:
-            return []
-        open_kind = None
-        return [_event("content_block_stop", index=len(blocks) - 1)]
-
-    def open_block(kind: str, block: dict[str, Any]) -> list[bytes]:
-        nonlocal open_kind
-        events = close_open()
-        blocks.append(kind)
-        if kind in ("thinking", "text"):
-            open_kind = kind
-        return events + [_event("content_block_start", index=len(blocks) - 1, content_block=block)]
+        events = [_event("content_block_stop", index=len(kinds) - 1)] if open_kind is not None else []
+        kinds.append(kind)
+        open_kind = kind
+        return events + [_event("content_block_start", index=len(kinds) - 1, content_block=block)]
 
     try:
         async for _, out in job.merged():
@@ -338,33 +355,42 @@ async def _stream(job: ChatJob, r: MessagesRequest) -> AsyncIterator[bytes]:
             delta = out["text"][len(sent_text):]
             sent_text, sent_toks = out["text"], ntok
             r_delta, c_delta, call_deltas = post.delta(delta, reason is not None)
+            if reason == "length" and open_kind == "tool_use":
+                c_delta = ""  # a call cut off mid-way: the parser's leftover is that call's raw text
             if r_delta:
                 if open_kind != "thinking":
-                    for e in open_block("thinking", {"type": "thinking", "thinking": "", "signature": ""}):
+                    for e in start("thinking", {"type": "thinking", "thinking": "", "signature": ""}):
                         yield e
-                yield _event("content_block_delta", index=len(blocks) - 1,
+                yield _event("content_block_delta", index=len(kinds) - 1,
                              delta={"type": "thinking_delta", "thinking": r_delta})
-            if c_delta:
+            if c_delta and open_kind != "text" and not (pending_ws + c_delta).strip():
+                pending_ws += c_delta  # whitespace: held until text follows
+            elif c_delta:
                 if open_kind != "text":
-                    for e in open_block("text", {"type": "text", "text": ""}):
+                    for e in start("text", {"type": "text", "text": ""}):
                         yield e
-                yield _event("content_block_delta", index=len(blocks) - 1, delta={"type": "text_delta", "text": c_delta})
+                yield _event("content_block_delta", index=len(kinds) - 1,
+                             delta={"type": "text_delta", "text": pending_ws + c_delta})
+                pending_ws = ""
             for c in call_deltas:
                 if c.get("id"):
+                    pending_ws = ""
                     block = _tool_use({"function": {"name": c["function"].get("name", ""), "arguments": "{}"}})
-                    for e in open_block("tool_use", {**block, "input": {}}):
+                    for e in start("tool_use", {**block, "input": {}}):
                         yield e
-                    calls[c["index"]] = len(blocks) - 1
+                    calls[c["index"]] = len(kinds) - 1
                 args = c["function"].get("arguments", "")
                 if args and c["index"] in calls:
                     yield _event("content_block_delta", index=calls[c["index"]],
                                  delta={"type": "input_json_delta", "partial_json": args})
         if out is None:
             raise ApiError(500, "the request ended without output")
-        for e in close_open():
-            yield e
-        for index in calls.values():
-            yield _event("content_block_stop", index=index)
+        if not kinds and pending_ws:  # nothing but whitespace: it is the answer
+            for e in start("text", {"type": "text", "text": ""}):
+                yield e
+            yield _event("content_block_delta", index=0, delta={"type": "text_delta", "text": pending_ws})
+        if open_kind is not None:
+            yield _event("content_block_stop", index=len(kinds) - 1)
         stop_reason, stop_sequence = _stop(reason, matched, r, bool(calls))
         yield _event("message_delta", delta={"stop_reason": stop_reason, "stop_sequence": stop_sequence},
                      usage={"output_tokens": out["meta_info"]["completion_tokens"]})
@@ -376,4 +402,3 @@ async def _stream(job: ChatJob, r: MessagesRequest) -> AsyncIterator[bytes]:
         yield _event("error", error=body["error"])
     finally:
         job.abort()
-

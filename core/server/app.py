@@ -82,7 +82,7 @@ async def _error(request: Request, exc: Exception) -> Response:
         # the traceback is logged by hypercorn (starlette re-raises after this response is sent)
         log.error("server.internal_error", method=request.method, path=request.url.path,
                   error=f"{type(exc).__name__}: {exc}")
-    return err.response()
+    return err.response(request.url.path)
 
 
 async def _http_exception(request: Request, exc: Exception) -> Response:
@@ -93,7 +93,7 @@ async def _http_exception(request: Request, exc: Exception) -> Response:
         msg = f"method {request.method} is not allowed on {request.url.path}"
     else:
         msg = str(exc.detail)
-    resp = ApiError(exc.status_code, msg).response()
+    resp = ApiError(exc.status_code, msg).response(request.url.path)
     for k, v in (exc.headers or {}).items():
         resp.headers[k] = v
     return resp

@@ -60,12 +60,25 @@ class ApiError(Exception):
     def to_dict(self) -> dict[str, Any]:
         return msgspec.to_builtins(self.body())
 
-    def response(self) -> Response:
-        resp = json_response(self.body(), self.status)
+    def anthropic_body(self) -> dict[str, Any]:
+        """Anthropic's error shape (the /v1/messages routes): ``{"type": "error", "error": {type, message}}``."""
+        kind = _ANTHROPIC_TYPES.get(self.status, "api_error" if self.status >= 500 else "invalid_request_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+    def response(self, path: str = "") -> Response:
+        """The error as a response; on Anthropic's routes (``path``) in Anthropic's shape."""
+        body = self.anthropic_body() if path.startswith(ANTHROPIC_PREFIX) else self.body()
+        resp = json_response(body, self.status)
         resp.headers.update(self.headers)
         if self.status == 503 and "Retry-After" not in self.headers:  # every refusal for load says when to retry
             resp.headers["Retry-After"] = str(DEFAULT_RETRY_AFTER_S)
         return resp
+
+
+ANTHROPIC_PREFIX = "/v1/messages"
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
+                    429: "rate_limit_error", 503: "overloaded_error"}
 
 
 def error_response(status: int, message: str, type_: str | None = None, param: str | None = None,
@@ -290,8 +303,8 @@ class ApiKeyMiddleware:
             scheme, _, token = auth.strip().partition(b" ")
             bearer = hmac.compare_digest(token.strip(), self._key) and scheme.lower() == b"bearer"
             if not (bearer or (x_key is not None and hmac.compare_digest(x_key, self._key))):
-                resp = error_response(401, "Invalid or missing API key; send 'Authorization: Bearer <key>'.",
-                                      code="invalid_api_key")
+                resp = ApiError(401, "Invalid or missing API key; send 'Authorization: Bearer <key>' (or "
+                                     "'x-api-key: <key>').", code="invalid_api_key").response(scope["path"])
                 resp.headers["WWW-Authenticate"] = "Bearer"
                 await resp(scope, receive, send)
                 return

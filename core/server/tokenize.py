@@ -65,10 +65,8 @@ def _token_ids(state: Any, r: TokenizeRequest) -> list[list[int]] | list[int]:
             raise InvalidRequest("messages must not be empty", param="messages")
         chat = convert_body({"messages": r.messages, "tools": r.tools, "chat_template_kwargs": r.chat_template_kwargs,
                              "continue_final_message": r.continue_final_message}, ChatCompletionRequest)
-        ids = render_chat(state, chat, hide_tools=False, add_generation_prompt=r.add_generation_prompt, fit=False)
-        if r.add_special_tokens:
-            ids = tok.build_inputs_with_special_tokens(ids)
-        return ids
+        return render_chat(state, chat, hide_tools=False, add_generation_prompt=r.add_generation_prompt, fit=False,
+                           add_special_tokens=bool(r.add_special_tokens))
     special = r.add_special_tokens is not False
     if isinstance(r.prompt, str):
         return tok.encode(r.prompt, add_special_tokens=special)

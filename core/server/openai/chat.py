@@ -152,7 +152,7 @@ def _template_tool_call(tc: Any) -> Any:
 
 
 def render_chat(state: Any, r: ChatCompletionRequest, hide_tools: bool | None = None, *,
-                add_generation_prompt: bool = True, fit: bool = True) -> list[int]:
+                add_generation_prompt: bool = True, fit: bool = True, add_special_tokens: bool = False) -> list[int]:
     """Apply the chat template (``--chat-template`` overrides the tokenizer's) and tokenize.
     ``hide_tools``: give the template no tools (default: when ``tool_choice`` is "none").
     ``fit``: refuse a text that cannot fit the context before tokenizing it (a generation's
@@ -184,7 +184,7 @@ def render_chat(state: Any, r: ChatCompletionRequest, hide_tools: bool | None = 
         raise ApiError(500, "the chat template did not produce a string")
     if fit:
         text = state.prefit_text(text, "messages")  # a prompt that cannot fit: 400 before tokenizing it
-    return tok.encode(text, add_special_tokens=False)
+    return tok.encode(text, add_special_tokens=add_special_tokens)
 
 
 # ----------------------------------------------------------------------------- the request

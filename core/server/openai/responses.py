@@ -17,7 +17,11 @@ messages, function tools in chat's shape, ``text.format`` the ``response_format`
   non-function tools (web search, file search...), image / file / audio input parts,
   ``truncation: auto``, and ``item_reference`` items.
 * Finishing on ``max_output_tokens`` gives status ``incomplete`` with
-  ``incomplete_details.reason`` ``max_output_tokens``.
+  ``incomplete_details.reason`` ``max_output_tokens``. A tool call cut off mid-way differs by
+  mode: streamed, the call was already announced, so it ends as an ``incomplete``
+  ``function_call``; whole, its unparsable text is the ``message`` (as chat completions does).
+* With a reasoning parser, ``output_text`` logprobs cover the text's own tokens (the reasoning's
+  are dropped), and whitespace-only text around tool calls is no message.
 """
 
 from __future__ import annotations
@@ -54,6 +58,7 @@ log = structlog.get_logger("core.server.openai.responses")
 
 MAX_STORED = 1024
 _TEXT_PARTS = ("input_text", "output_text", "text")
+_INCLUDES = ("message.output_text.logprobs", "reasoning.encrypted_content")  # the latter: there is none to include
 # chat-request field -> the Responses field a client sent (for error messages)
 _PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text"}
 
@@ -175,6 +180,8 @@ def _chat_tools(r: ResponsesRequest) -> tuple[list[dict] | None, Any]:
             if not isinstance(t, dict) or t.get("type") != "function":
                 kind = t.get("type") if isinstance(t, dict) else t
                 raise InvalidRequest(f"tools[{i}]: only function tools are supported, got {kind!r}", param="tools")
+            if not isinstance(t.get("name"), str) or not t["name"]:
+                raise InvalidRequest(f"tools[{i}].name is required (a non-empty string)", param="tools")
             fn = {k: t[k] for k in ("name", "description", "parameters", "strict") if k in t}
             tools.append({"type": "function", "function": fn})
     choice = r.tool_choice
@@ -212,6 +219,10 @@ def chat_request(r: ResponsesRequest, history: list[dict[str, Any]], items: list
         kwargs = {"thinking": False, "enable_thinking": False, **kwargs}
     elif isinstance(effort, str):
         kwargs.setdefault("reasoning_effort", effort)
+    unknown = [x for x in r.include or [] if x not in _INCLUDES]
+    if unknown:
+        raise InvalidRequest(f"include {unknown[0]!r} is not supported; supported: {', '.join(_INCLUDES)}",
+                             param="include")
     logprobs = "message.output_text.logprobs" in (r.include or []) or bool(r.top_logprobs)
     body = {"model": r.model, "messages": messages, "max_tokens": r.max_output_tokens, "temperature": r.temperature,
             "top_p": r.top_p, "tools": tools, "tool_choice": choice, "parallel_tool_calls": r.parallel_tool_calls,
@@ -249,6 +260,20 @@ def _usage(job: ChatJob, out: dict, reasoning: str | None) -> dict[str, Any]:
 def _logprob_entries(job: ChatJob, meta: dict, start: int) -> list[dict[str, Any]]:
     lp = chat_logprobs(job.vocab, meta, start, job.top)
     return msgspec.to_builtins(lp.content or [])
+
+
+def _content_logprobs(entries: list[dict[str, Any]], content: str) -> list[dict[str, Any]]:
+    """With a reasoning parser the output's first tokens were reasoning: keep the trailing entries
+    whose tokens spell ``content`` (plus a final EOS or stop token, which shows no text)."""
+    want = content.strip()
+    end = len(entries)
+    if end and not want.endswith(entries[-1]["token"].strip() or "\0"):
+        end -= 1
+    acc, i = "", end
+    while i > 0 and len(acc.strip()) < len(want):
+        i -= 1
+        acc = entries[i]["token"] + acc
+    return entries[i:]
 
 
 def _message_item(text: str, status: str, logprobs: list | None) -> dict[str, Any]:
@@ -338,12 +363,22 @@ async def create_response(request: Request) -> Response:
         (out,) = await job.final_outputs()
     reason, _ = finish_of(out)
     reasoning, content, calls, reason = job.post().full(out["text"], reason)
-    output = [_reasoning_item(reasoning)] if reasoning else []
-    if content or not calls:
-        output.append(_message_item(content or "", "incomplete" if reason == "length" else "completed",
-                                    _logprob_entries(job, out["meta_info"], 0) if job.logprobs else None))
+    status = _status(reason)
+    if calls and not (content or "").strip():
+        content = None  # whitespace around the calls is not a message
+    output = []
+    if reasoning:
+        item = _reasoning_item(reasoning)
+        item["status"] = "incomplete" if status == "incomplete" and not content and not calls else "completed"
+        output.append(item)
+    if content or not (calls or reasoning):  # an empty message only when there is nothing else
+        lp = None
+        if job.logprobs:
+            lp = _logprob_entries(job, out["meta_info"], 0)
+            lp = _content_logprobs(lp, content or "") if reasoning else lp
+        output.append(_message_item(content or "", status, lp))
     output += [_call_item(c) for c in calls or []]
-    response = _response(job, r, _status(reason), output, _usage(job, out, reasoning))
+    response = _response(job, r, status, output, _usage(job, out, reasoning))
     keep(response)
     return json_response(response)
 
@@ -361,14 +396,18 @@ class _Events:
 
 
 async def _stream(job: ChatJob, r: ResponsesRequest, keep: Any) -> AsyncIterator[bytes]:
+    """The typed events of one response. Items open and close in order (each is done before the
+    next is added); whitespace-only text is held until real text follows (around tool calls it
+    is dropped, as the whole answer drops it); logprobs go with the output_text they spell."""
     ev = _Events()
     yield ev("response.created", response=_response(job, r, "in_progress", [], None))
     yield ev("response.in_progress", response=_response(job, r, "in_progress", [], None))
     output: list[dict[str, Any]] = []
-    open_item: dict[str, Any] | None = None  # the reasoning or message item deltas go to
+    open_item: dict[str, Any] | None = None  # the item deltas go to
     calls: dict[int, dict[str, Any]] = {}  # tool-call index -> its item
     post, sent_text, sent_toks = job.post(), "", 0
-    reasoning_text = ""
+    reasoning_text, pending_ws = "", ""
+    pending_lp: list[dict[str, Any]] = []  # logprobs of tokens whose text has not shown yet
 
     def close(item: dict[str, Any], status: str = "completed") -> list[bytes]:
         idx = output.index(item)
@@ -390,16 +429,17 @@ async def _stream(job: ChatJob, r: ResponsesRequest, keep: Any) -> AsyncIterator
         nonlocal open_item
         events = close(open_item) if open_item is not None else []
         output.append(item)
-        idx = len(output) - 1
+        open_item, idx = item, len(output) - 1
         if item["type"] == "function_call":
-            open_item = None
             return events + [ev("response.output_item.added", output_index=idx,
                                 item={**item, "arguments": "", "status": "in_progress"})]
-        open_item = item
         part = item["content"][0]
         return events + [ev("response.output_item.added", output_index=idx, item={**item, "content": [], "status": "in_progress"}),
                          ev("response.content_part.added", item_id=item["id"], output_index=idx, content_index=0,
                             part={**part, "text": ""})]
+
+    def is_open(kind: str) -> bool:
+        return open_item is not None and open_item["type"] == kind
 
     out: dict | None = None
     reason = None
@@ -411,29 +451,40 @@ async def _stream(job: ChatJob, r: ResponsesRequest, keep: Any) -> AsyncIterator
             if reason is None and ntok - sent_toks < job.interval:
                 continue
             delta = out["text"][len(sent_text):]
-            lp = _logprob_entries(job, meta, sent_toks) if job.logprobs else None
+            if job.logprobs:
+                pending_lp += _logprob_entries(job, meta, sent_toks)
             sent_text, sent_toks = out["text"], ntok
             r_delta, c_delta, call_deltas = post.delta(delta, reason is not None)
+            if reason == "length" and is_open("function_call"):
+                c_delta = ""  # a call cut off mid-way: the parser's leftover is that call's raw text, not a message
             if r_delta:
-                if open_item is None or open_item["type"] != "reasoning":
+                pending_lp = []  # reasoning tokens: not output_text's
+                if not is_open("reasoning"):
                     for e in open_(_reasoning_item("")):
                         yield e
                 open_item["content"][0]["text"] += r_delta
                 reasoning_text += r_delta
                 yield ev("response.reasoning_text.delta", item_id=open_item["id"], output_index=output.index(open_item),
                          content_index=0, delta=r_delta)
-            if c_delta or (lp and not r_delta and not call_deltas):
-                if open_item is None or open_item["type"] != "message":
+            elif is_open("reasoning") and not c_delta:
+                pending_lp = []  # still reasoning (or its closing tag)
+            if c_delta and not is_open("message") and not (pending_ws + c_delta).strip():
+                pending_ws += c_delta  # whitespace: held until text follows
+            elif c_delta:
+                if not is_open("message"):
                     for e in open_(_message_item("", "in_progress", [] if job.logprobs else None)):
                         yield e
+                text, pending_ws = pending_ws + c_delta, ""
                 part = open_item["content"][0]
-                part["text"] += c_delta
-                if lp is not None:
-                    part["logprobs"] += lp
+                part["text"] += text
+                lps, pending_lp = pending_lp, []
+                if job.logprobs:
+                    part["logprobs"] += lps
                 yield ev("response.output_text.delta", item_id=open_item["id"], output_index=output.index(open_item),
-                         content_index=0, delta=c_delta, logprobs=lp or [])
+                         content_index=0, delta=text, logprobs=lps)
             for c in call_deltas:
                 if c.get("id"):
+                    pending_ws = ""
                     for e in open_(_call_item({**c, "function": {**c["function"], "arguments": ""}})):
                         yield e
                     calls[c["index"]] = output[-1]
@@ -446,15 +497,16 @@ async def _stream(job: ChatJob, r: ResponsesRequest, keep: Any) -> AsyncIterator
                          delta=args)
         if out is None:
             raise ApiError(500, "the request ended without output")
-        if not output:  # nothing was generated: still one (empty) message, as the non-streaming answer has
+        status = _status(reason)
+        if not output:  # nothing but whitespace, or nothing: one message, as the whole answer has
             for e in open_(_message_item("", "in_progress", [] if job.logprobs else None)):
                 yield e
-        status = _status(reason)
+            if pending_ws:
+                open_item["content"][0]["text"] = pending_ws
+                yield ev("response.output_text.delta", item_id=open_item["id"], output_index=0, content_index=0,
+                         delta=pending_ws, logprobs=[])
         if open_item is not None:
-            for e in close(open_item, "incomplete" if status == "incomplete" else "completed"):
-                yield e
-        for item in calls.values():
-            for e in close(item):
+            for e in close(open_item, status):
                 yield e
         response = _response(job, r, status, output, _usage(job, out, reasoning_text))
         keep(response)
@@ -489,6 +541,18 @@ async def list_input_items(request: Request) -> Response:
     stored = _store(request).get(ident)
     if stored is None:
         raise _not_found(ident)
-    data = list(reversed(stored.input_items)) if request.query_params.get("order", "desc") == "desc" else stored.input_items
+    q = request.query_params
+    order, limit, after = q.get("order", "desc"), q.get("limit", "20"), q.get("after")
+    if order not in ("asc", "desc"):
+        raise InvalidRequest(f"order must be asc or desc, got {order!r}", param="order")
+    if not limit.isdigit() or not 1 <= int(limit) <= 100:
+        raise InvalidRequest(f"limit must be an integer from 1 to 100, got {limit!r}", param="limit")
+    items = stored.input_items if order == "asc" else list(reversed(stored.input_items))
+    if after is not None:
+        ids = [it["id"] for it in items]
+        if after not in ids:
+            raise InvalidRequest(f"no input item {after!r} in response {ident!r}", param="after")
+        items = items[ids.index(after) + 1:]
+    data = items[: int(limit)]
     return json_response({"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
-                          "last_id": data[-1]["id"] if data else None, "has_more": False})
+                          "last_id": data[-1]["id"] if data else None, "has_more": len(items) > len(data)})
