@@ -453,6 +453,9 @@ def test_responses_stream_abort_and_disconnect(base_url, http):
     ({"input": "hi", "temperature": 5}, 400, "temperature"),
     ({"input": "hi " * 9000}, 400, "input"),
     ({"input": "hi", "include": ["file_search_call.results"]}, 400, "include"),
+    ({"input": "hi", "reasoning": {"effort": 5}}, 400, "reasoning"),
+    ({"input": "hi", "request_id": "a/b"}, 400, "request_id"),
+    ({"input": [{"type": "function_call_output", "call_id": "call_nope", "output": "1"}]}, 400, "input"),
     ({"input": "hi", "tools": [{"type": "function", "parameters": {}}]}, 400, "tools"),
 ])
 def test_responses_bad_requests(http, body, status, param):
@@ -553,6 +556,10 @@ def test_messages_tool_use_round_trip(claude):
     ({"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "temperature": 1.5}, "temperature"),
     ({"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "thinking": {"type": "bogus"}}, "thinking"),
     ({"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "text"}]}]}, "text block needs text"),
+    ({"max_tokens": 8, "messages": [{"role": "user", "content": "hi"}],
+      "thinking": {"type": "enabled", "budget_tokens": 1024}}, "budget_tokens"),
+    ({"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t", "name": "f", "input": [1]}]}]}, "input must be an object"),
 ])
 def test_messages_bad_requests_are_anthropic_errors(http, body, needle):
     resp = http.post("/v1/messages", json={"model": "m", **body})

@@ -124,6 +124,8 @@ def chat_messages(system: Any, messages: list[dict[str, Any]]) -> list[dict[str,
             elif kind == "tool_use" and role == "assistant":
                 if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str):
                     raise InvalidRequest(f"{at}: a tool_use block needs id and name", param="messages")
+                if not isinstance(block.get("input", {}), dict):
+                    raise InvalidRequest(f"{at}: a tool_use block's input must be an object", param="messages")
                 calls.append({"id": block["id"], "type": "function",
                               "function": {"name": block["name"], "arguments": json.dumps(block.get("input") or {})}})
             elif kind == "tool_result" and role == "user":
@@ -207,6 +209,10 @@ def chat_request(r: MessagesRequest) -> ChatCompletionRequest:
         raise InvalidRequest("max_tokens is required", param="max_tokens")
     if r.max_tokens < 1:
         raise InvalidRequest(f"max_tokens must be >= 1, got {r.max_tokens}", param="max_tokens")
+    budget = (r.thinking or {}).get("budget_tokens")
+    if budget is not None and (not isinstance(budget, int) or not 1 <= budget < r.max_tokens):
+        raise InvalidRequest(f"thinking.budget_tokens must be below max_tokens ({r.max_tokens}), got {budget!r}",
+                             param="thinking")
     if r.temperature is not None and not 0 <= r.temperature <= 1:
         raise InvalidRequest(f"temperature must be between 0 and 1, got {r.temperature}", param="temperature")
     tools, choice, parallel = _chat_tools(r.tools, r.tool_choice)
@@ -304,7 +310,7 @@ async def count_tokens(request: Request) -> Response:
         state = state_of(request)
         r = await read_body(request, CountTokensRequest)
         fields = {k: getattr(r, k) for k in CountTokensRequest.__struct_fields__}
-        chat = chat_request(MessagesRequest(**fields, max_tokens=1))  # the same checks as /v1/messages
+        chat = chat_request(MessagesRequest(**fields, max_tokens=1 << 30))  # the same checks as /v1/messages
 
         def count() -> int:
             common_checks(chat)

@@ -27,6 +27,7 @@ messages, function tools in chat's shape, ``text.format`` the ``response_format`
 from __future__ import annotations
 
 import collections
+import re
 import uuid
 from typing import Any, AsyncIterator
 
@@ -58,6 +59,8 @@ log = structlog.get_logger("core.server.openai.responses")
 
 MAX_STORED = 1024
 _TEXT_PARTS = ("input_text", "output_text", "text")
+_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+_ID_RE = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 _INCLUDES = ("message.output_text.logprobs", "reasoning.encrypted_content")  # the latter: there is none to include
 # chat-request field -> the Responses field a client sent (for error messages)
 _PARAMS = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text"}
@@ -211,10 +214,19 @@ def chat_request(r: ResponsesRequest, history: list[dict[str, Any]], items: list
             raise InvalidRequest(f"{name} is not supported by this server", param=name)
     if r.truncation not in (None, "disabled"):
         raise InvalidRequest("only truncation 'disabled' is supported", param="truncation")
+    effort = (r.reasoning or {}).get("effort")
+    if effort is not None and effort not in _EFFORTS:
+        raise InvalidRequest(f"reasoning.effort must be one of {', '.join(_EFFORTS)}, got {effort!r}", param="reasoning")
+    if r.request_id is not None and not _ID_RE.fullmatch(r.request_id):
+        raise InvalidRequest("request_id must be 1-128 letters, digits, '_', '-', '.' or ':'", param="request_id")
     messages = ([{"role": "system", "content": r.instructions}] if r.instructions else []) + history + item_messages(items)
+    called = {c["id"] for m in messages for c in m.get("tool_calls") or []}
+    for m in messages:
+        if m["role"] == "tool" and m["tool_call_id"] not in called:
+            raise InvalidRequest(f"no function call with call_id {m['tool_call_id']!r} for its function_call_output",
+                                 param="input")
     tools, choice = _chat_tools(r)
     kwargs = dict(r.chat_template_kwargs or {})
-    effort = (r.reasoning or {}).get("effort")
     if effort == "none":  # SGLang's mapping: templates that can turn thinking off
         kwargs = {"thinking": False, "enable_thinking": False, **kwargs}
     elif isinstance(effort, str):
