@@ -1031,3 +1031,13 @@ def test_responses_stream_items_open_and_close_in_order():
     final = events[-1]["response"]
     assert events[-1]["type"] == "response.incomplete"
     assert [(o["type"], o["status"]) for o in final["output"]] == [("reasoning", "incomplete")]
+
+
+def test_output_text_logprobs_leave_the_reasoning_tokens_out():
+    from core.server.openai.responses import _content_logprobs
+
+    tokens = ["<", "think", ">", "4", "+", "4", "</", "think", ">", "\n", "8", "<|im_end|>"]
+    entries = [{"token": t, "logprob": -0.1} for t in tokens]
+    assert [e["token"] for e in _content_logprobs(entries, "8")] == ["8", "<|im_end|>"]
+    assert [e["token"] for e in _content_logprobs(entries[:-1], " 8")] == ["8"]  # cut by max tokens: no EOS
+    assert [e["token"] for e in _content_logprobs(entries, "")] == ["<|im_end|>"]
