@@ -280,6 +280,7 @@ def valid_sampling_params(draw: Any) -> dict:
         "n": st.integers(1, 3),
         "seed": st.integers(0, 2**63 - 1),
         "regex": st.sampled_from(["[ab]+", "(yes|no)", "[0-9]{1,3}"]),
+        "logit_bias": st.dictionaries(st.integers(0, VOCAB - 1).map(str), st.floats(-100, 100), max_size=3),
     }))
     sp["max_new_tokens"] = max_new
     if draw(st.booleans()):
@@ -306,6 +307,8 @@ INVALID: dict[str, Any] = {
     "skip_special_tokens": st.just(1) | st.just("x") | st.just([True]),
     "spaces_between_special_tokens": st.just({"a": 1}) | st.just(1.0),
     "no_stop_trim": st.just("yes") | st.just(0),
+    "logit_bias": (st.just({"x": 1}) | st.just({str(VOCAB): 1}) | st.just({"1": 100.5}) | st.just({"1": "2"})
+                   | st.just([1])),
     "stop_token_ids": st.lists(st.integers(max_value=-1), min_size=1, max_size=2) | st.just([VOCAB]) | st.just(["a"]),
 }
 

@@ -167,6 +167,21 @@ def test_chat_logprobs(client):
     assert streamed == [e.token for e in content]
 
 
+def test_logit_bias_forces_and_bans_tokens(client, http):
+    forced = http.post("/tokenize", json={"prompt": " Paris", "add_special_tokens": False}).json()["tokens"][0]
+    r = client.chat.completions.create(model="m", messages=CHAT, max_tokens=3, logit_bias={str(forced): 100}, **GREEDY)
+    assert r.choices[0].message.content == http.post("/detokenize", json={"tokens": [forced] * 3}).json()["text"]
+    out = http.post("/generate", json={"text": "The capital of France is", "sampling_params": {
+        "max_new_tokens": 2, "temperature": 0, "logit_bias": {str(forced): 100}}}).json()
+    assert out["output_ids"] == [forced, forced]
+    plain = client.completions.create(model="m", prompt="The capital of France is", max_tokens=1, **GREEDY)
+    first = plain.choices[0].text
+    banned = http.post("/tokenize", json={"prompt": first, "add_special_tokens": False}).json()["tokens"]
+    other = client.completions.create(model="m", prompt="The capital of France is", max_tokens=1, **GREEDY,
+                                      logit_bias={str(t): -100 for t in banned})
+    assert other.choices[0].text != first
+
+
 def test_chat_message_forms(client, http):
     # developer role, text parts joined, assistant tool_calls and tool messages reach the template
     messages = [
@@ -217,7 +232,9 @@ BAD_CHAT = [
     ({"model": "m", "messages": CHAT, "stream": "yes"}, "stream"),
     ({"model": "m", "messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
     ({"model": "m", "messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ({"model": "m", "messages": CHAT, "logit_bias": {"1": 5}}, "logit_bias"),
+    ({"model": "m", "messages": CHAT, "logit_bias": {"1": 500}}, "logit_bias"),
+    ({"model": "m", "messages": CHAT, "logit_bias": {"token": 5}}, "logit_bias"),
+    ({"model": "m", "messages": CHAT, "logit_bias": {"100000000": 5}}, "logit_bias"),
     ({"model": "m", "messages": CHAT, "response_format": {"type": "xml"}}, "response_format"),
     ({"model": "m", "messages": CHAT, "regex": "((", "max_tokens": 4}, "regex"),
     ({"model": "m", "messages": CHAT, "regex": "a", "ebnf": "root ::= \"a\"", "max_tokens": 4}, "ebnf"),

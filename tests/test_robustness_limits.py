@@ -162,7 +162,8 @@ def test_deeply_nested_json_is_400_naming_the_field(served: Served) -> None:
     ({"stop_token_ids": list(range(3, 1100))}, "stop_token_ids"),
     ({"seed": -1}, "seed"),
     ({"seed": 2**64}, "seed"),
-    ({"logit_bias": {"1": 1.0}}, "logit_bias"),
+    ({"logit_bias": {str(i): 1.0 for i in range(1025)}}, "logit_bias"),
+    ({"logit_bias": {"1": 500}}, "logit_bias"),
 ])
 def test_generate_sampling_limits_are_400(served: Served, sp: dict, param: str) -> None:
     assert_error(served.post("/generate", json=gen(**sp)), 400, param)

@@ -188,6 +188,36 @@ def test_a_denormal_repetition_penalty_never_picks_a_masked_token() -> None:
     assert not penalised.isnan().any() and penalised[0, 0] == -math.inf
 
 
+# --- logit_bias -------------------------------------------------------------------------------
+
+
+def test_logit_bias_moves_greedy_and_sampled_choices_per_row() -> None:
+    logits = torch.tensor([[3.0, 2.0, 0.0, 1.0]]).repeat(3, 1)
+    rows = [row(temperature=0.0, logit_bias={"2": 5.0}),  # 0 + 5 beats 3
+            row(temperature=0.0, logit_bias={"0": -100}),  # the best is banned: the runner-up wins
+            row(temperature=0.0)]  # untouched in the same batch
+    assert Sampler(4).sample(logits.clone(), rows).token_ids == [2, 1, 0]
+    banned = [row(temperature=1.0, seed=s, logit_bias={"0": -100, "1": -100}) for s in range(200)]
+    tokens = Sampler(4).sample(torch.tensor([[3.0, 2.9, 0.0, 0.1]]).repeat(200, 1), banned).token_ids
+    assert set(tokens) <= {2, 3} and len(set(tokens)) == 2
+
+
+def test_logit_bias_adds_after_penalties_and_keeps_masked_tokens_out() -> None:
+    logits = torch.tensor([[2.0, -math.inf, 1.0]])
+    out = Sampler(3).sample(logits.clone(), [row(temperature=0.0, logit_bias={"1": 100, "2": 0.5},
+                                                 output=[0], repetition_penalty=2.0)])
+    assert out.token_ids == [2]  # 0: 2/2 = 1; 1: masked stays -inf; 2: 1 + 0.5
+
+
+@pytest.mark.parametrize("bias", [{"x": 1}, {"-1": 1}, {"4": 1}, {"1": 101}, {"1": "5"}, {"1": True}, [1]])
+def test_bad_logit_bias_is_an_invalid_request(bias) -> None:
+    from core.errors import InvalidRequest
+
+    with pytest.raises(InvalidRequest) as e:
+        SamplingParams(logit_bias=bias).validate(vocab_size=4)
+    assert e.value.param == "logit_bias"
+
+
 # --- min_new_tokens ---------------------------------------------------------------------------
 
 

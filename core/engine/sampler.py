@@ -121,6 +121,22 @@ def _penalised(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or bool(p.frequency_penalty) or bool(p.presence_penalty)
 
 
+def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Add each row's ``logit_bias`` to its logits in place (after penalties, as vLLM does; a
+    token the grammar masked stays at -inf)."""
+    r_idx, c_idx, vals = [], [], []
+    for i, r in enumerate(rows):
+        for tid, bias in r.params.bias_items():
+            if tid < logits.shape[1]:
+                r_idx.append(i)
+                c_idx.append(tid)
+                vals.append(bias)
+    if r_idx:
+        logits.index_put_((upload(r_idx, torch.long, logits.device), upload(c_idx, torch.long, logits.device)),
+                          upload(vals, torch.float32, logits.device), accumulate=True)
+    return logits
+
+
 def apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Set EOS and stop-token logits to -inf for rows still short of min_new_tokens."""
     r_idx: list[int] = []
@@ -217,7 +233,7 @@ class Sampler:
         """
         if logits.shape[1] != self.vocab_size:
             logits = logits[:, : self.vocab_size]
-        greedy, want_lp, penalised, short = True, False, [], False
+        greedy, want_lp, penalised, short, biased = True, False, [], False, False
         for i, r in enumerate(rows):  # one pass: what this batch needs at all
             p = r.params
             greedy = greedy and p.is_greedy
@@ -225,16 +241,20 @@ class Sampler:
             if _penalised(p):
                 penalised.append(i)
             short = short or len(r.output_ids) < p.min_new_tokens
-        if greedy and not penalised and not short and not want_lp and logits.dtype == torch.bfloat16:
+            biased = biased or bool(p.logit_bias)
+        plain = not penalised and not short and not biased
+        if greedy and plain and not want_lp and logits.dtype == torch.bfloat16:
             return self._output(argmax(logits), rows, None)  # the same index as on float32 logits, without the copy
         if logits.dtype != torch.float32:
             logits = logits.float()
         raw_lp = torch.log_softmax(logits, dim=-1) if want_lp else None
-        if greedy and not penalised and not short:
+        if greedy and plain:
             return self._output(argmax(logits), rows, raw_lp)
 
         raw_argmax = argmax(logits)
         advance = self._apply_penalties(logits, rows, penalised) if penalised else None
+        if biased:
+            apply_logit_bias(logits, rows)
         if short:
             apply_min_tokens(logits, rows)
         best, tokens = logits.max(dim=-1)

@@ -32,6 +32,8 @@ class SamplingParams:
     no_stop_trim: bool = False
     n: int = 1
     seed: int | None = None
+    # token id (a string, as JSON keys are) -> a value in [-100, 100] added to its logit (OpenAI's logit_bias)
+    logit_bias: dict[str, float] | None = None
     # constrained decoding (at most one, see constraint(); compiled by core.engine.grammar)
     json_schema: str | None = None
     regex: str | None = None
@@ -52,6 +54,24 @@ class SamplingParams:
             return cls(**d)
         except (TypeError, ValueError) as e:
             raise InvalidRequest(f"invalid sampling parameters: {e}") from None
+
+    def bias_items(self, vocab_size: int | None = None) -> list[tuple[int, float]]:
+        """``logit_bias`` as (token id, bias) pairs; a bad key or value is an InvalidRequest."""
+        bias = self.logit_bias
+        if bias is None:
+            return []
+        if not isinstance(bias, dict):
+            raise InvalidRequest(f"logit_bias must be an object of token id -> bias, got {bias!r}", param="logit_bias")
+        out = []
+        for key, value in bias.items():
+            tid = int(key) if isinstance(key, str) and key.lstrip("-").isdigit() else None
+            if tid is None or tid < 0 or (vocab_size is not None and tid >= vocab_size):
+                raise InvalidRequest(f"logit_bias key {key!r} is not a token id" + (
+                    f" in [0, {vocab_size})" if vocab_size is not None else ""), param="logit_bias")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+                raise InvalidRequest(f"logit_bias values must be numbers in [-100, 100], got {value!r}", param="logit_bias")
+            out.append((tid, float(value)))
+        return out
 
     @property
     def is_greedy(self) -> bool:
@@ -103,6 +123,8 @@ class SamplingParams:
             if v is not None and not isinstance(v, (str, dict)):
                 raise InvalidRequest(f"{name} must be a string, got {type(v).__name__}", param=name)
         self.constraint()  # more than one constraint: error
+        if self.logit_bias is not None:
+            self.bias_items(vocab_size)  # raises on a bad entry
         for t in self.stop_token_ids:
             if not isinstance(t, int) or isinstance(t, bool) or t < 0 or (vocab_size is not None and t >= vocab_size):
                 raise InvalidRequest(f"stop_token_ids contains an invalid token id {t!r}", param="stop_token_ids")

@@ -15,7 +15,7 @@ over ``--max-request-body-bytes`` is a 413, see ``core.server.http.read_body``).
   before it is tokenized (:func:`text_token_floor`), so a megabyte prompt costs a length check,
   not a tokenization.
 
-``logit_bias`` is refused whole (not supported), so its size needs no bound of its own.
+* ``logit_bias``: at most :data:`MAX_LOGIT_BIAS` entries (it is applied to the logits every step).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ MAX_SEQUENCES = 4096
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024
 MAX_SEED = 2**63
 # How many characters of text one token may stand for, at most, is the longest vocabulary entry
 # times this: Unicode normalizers (NFC, NFKC) can compose up to 3 characters into one.
@@ -96,6 +97,10 @@ def check_sampling_limits(params: SamplingParams) -> None:
     if len(params.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise InvalidRequest(f"stop_token_ids has {len(params.stop_token_ids)} entries; at most {MAX_STOP_TOKEN_IDS} "
                              "are allowed", param="stop_token_ids")
+    bias = params.logit_bias
+    if isinstance(bias, dict) and len(bias) > MAX_LOGIT_BIAS:
+        raise InvalidRequest(f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS} are allowed",
+                             param="logit_bias")
     seed = params.seed
     if isinstance(seed, int) and not isinstance(seed, bool) and not 0 <= seed < MAX_SEED:
         raise InvalidRequest(f"seed must be in [0, 2**63), got {seed}", param="seed")

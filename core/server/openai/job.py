@@ -65,7 +65,6 @@ def common_checks(r: Any) -> tuple[int, dict[str, str]]:
     if r.temperature is not None:
         check(0 <= r.temperature <= MAX_TEMPERATURE, f"temperature must be between 0 and {MAX_TEMPERATURE:g}, "
               f"got {r.temperature}", "temperature")
-    check(not r.logit_bias, "logit_bias is not supported by this server", "logit_bias")
     constraint = request_constraint(r)
     if r.min_tokens is not None:
         check(r.min_tokens >= 0, f"min_tokens must be >= 0, got {r.min_tokens}", "min_tokens")
@@ -98,6 +97,7 @@ def sampling_params(r: Any, max_new: int, n: int, constraint: dict[str, str]) ->
         no_stop_trim=bool(r.no_stop_trim),
         n=n,
         seed=r.seed,
+        logit_bias=r.logit_bias or None,
         **constraint,
     )
     check_sampling_limits(params)

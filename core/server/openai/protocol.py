@@ -3,7 +3,7 @@
 Unknown-field policy: request Structs **ignore unknown fields** (msgspec's default,
 ``forbid_unknown_fields=False``), as OpenAI-compatible servers such as SGLang and vLLM
 do, so newer clients that send fields this server does not know yet keep working.
-Fields that are known but whose feature this engine lacks (``logit_bias``, ``suffix``,
+Fields that are known but whose feature this engine lacks (``suffix``,
 ``best_of`` != ``n``) are declared here and rejected with a 400 by the chat and completions
 modules rather than silently ignored.
 

@@ -8,7 +8,8 @@ Policies (SGLang's behaviour unless noted):
   requested name (the served name when the request has none). ``GET /v1/models/{id}``
   answers 404 for any id but the served name.
 * Unknown request fields are ignored (see ``core.server.openai.protocol``); known but unsupported
-  ones (``logit_bias``, ``suffix``, ``best_of`` != ``n``) are a 400. Structured output
+  ones (``suffix``, ``best_of`` != ``n``) are a 400. ``logit_bias`` (token id -> -100..100) is
+  added to the logits after the penalties. Structured output
   (``response_format``, SGLang's ``regex`` / ``json_schema`` / ``ebnf``) goes to the grammar
   backend, at most one constraint per request.
 * Tools: ``tools`` reach the chat template; with ``--tool-call-parser`` the calls are parsed out
