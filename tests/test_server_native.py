@@ -437,6 +437,7 @@ def test_request_ids_abort_their_own_group_only(client: httpx.Client) -> None:
         assert_error(client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
                                                                "rid": "job-1", "max_tokens": 2}), 400, "rid")
         assert_error(gen(client, text="x", rid="job-1", sampling_params=greedy(2)), 400, "rid")
+        assert_error(gen(client, text=["x", "y"], rid=["twin", "twin"], sampling_params=greedy(2)), 400, "rid")
         events = [json.loads(line[6:]) for line in it if line.startswith("data: {")]
     assert events[-1]["meta_info"]["finish_reason"]["type"] == "length"
     assert events[-1]["meta_info"]["completion_tokens"] == 200
@@ -870,7 +871,10 @@ def test_api_key_middleware_in_process() -> None:
 
 
 def test_error_response_shape() -> None:
-    from core.server.http import error_response
+    from core.server.http import ApiError
+
+    def error_response(status: int, message: str, **kw: Any):
+        return ApiError(status, message, **kw).response()
 
     resp = error_response(422, "bad thing", param="x")
     assert resp.status_code == 422

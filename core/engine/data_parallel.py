@@ -173,8 +173,8 @@ class DataParallelEngine(RequestFrontEnd):
         """Abort a request (every sequence of its group) on whichever replica runs it; each replica
         gets the exact rids of its sequences."""
         found = False
-        for r in self.replicas:
-            for k in [k for k, req in r.inflight.items() if req.answers_to(rid)] if r.alive else []:
+        for r in self._live():
+            for k in [k for k, req in r.inflight.items() if req.answers_to(rid)]:
                 self._send(r, ("abort", k))
                 found = True
         return found

@@ -123,14 +123,14 @@ def _penalised(p: SamplingParams) -> bool:
 
 def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Add each row's ``logit_bias`` to its logits in place (after penalties, as vLLM does; a
-    token the grammar masked stays at -inf)."""
+    token the grammar masked stays at -inf). The entries were checked by ``SamplingParams.validate``."""
     r_idx, c_idx, vals = [], [], []
     for i, r in enumerate(rows):
-        for tid, bias in r.params.bias_items():
-            if tid < logits.shape[1]:
+        for key, bias in (r.params.logit_bias or {}).items():
+            if (tid := int(key)) < logits.shape[1]:
                 r_idx.append(i)
                 c_idx.append(tid)
-                vals.append(bias)
+                vals.append(float(bias))
     if r_idx:
         logits.index_put_((upload(r_idx, torch.long, logits.device), upload(c_idx, torch.long, logits.device)),
                           upload(vals, torch.float32, logits.device), accumulate=True)

@@ -37,11 +37,12 @@ from core.server.http import (
     api_error,
     convert_body,
     encoder,
+    json_response,
     prepare_off_loop,
     read_body,
     state_of,
 )
-from core.server.openai.chat import ChatJob, joined_text, prepare_chat, render_chat
+from core.server.openai.chat import ChatJob, choice_deltas, joined_text, prepare_chat, render_chat
 from core.server.openai.job import common_checks, finish_of
 from core.server.openai.tools import plan_tools
 from core.server.openai.protocol import ChatCompletionRequest
@@ -85,10 +86,6 @@ class CountTokensRequest(Struct, kw_only=True):
 def anthropic_error(e: BaseException) -> tuple[int, dict[str, Any]]:
     err = api_error(e)
     return err.status, err.anthropic_body()
-
-
-def _json(obj: Any, status: int = 200) -> Response:
-    return Response(encoder.encode(obj), status_code=status, media_type="application/json")
 
 
 # ----------------------------------------------------------------------------- request -> chat
@@ -297,12 +294,12 @@ async def messages(request: Request) -> Response:
             content.append({"type": "text", "text": text})
         content += [_tool_use(c) for c in calls or []]
         stop_reason, stop_sequence = _stop(reason, matched, r, bool(calls))
-        return _json(_message(job, content, stop_reason, stop_sequence, _usage(out)))
+        return json_response(_message(job, content, stop_reason, stop_sequence, _usage(out)))
     except Exception as e:
         status, body = anthropic_error(e)
         if status >= 500 and not isinstance(e, ApiError):
             log.exception("anthropic.request_failed")
-        return _json(body, status)
+        return json_response(body, status)
 
 
 async def count_tokens(request: Request) -> Response:
@@ -318,12 +315,12 @@ async def count_tokens(request: Request) -> Response:
             return len(render_chat(state, chat, hide_tools=plan.hides_tools, fit=False))
 
         try:
-            return _json({"input_tokens": await prepare_off_loop(request, count)})
+            return json_response({"input_tokens": await prepare_off_loop(request, count)})
         except InvalidRequest as e:
             raise _messages_error(e) from None
     except Exception as e:
         status, body = anthropic_error(e)
-        return _json(body, status)
+        return json_response(body, status)
 
 
 def _event(kind: str, **fields: Any) -> bytes:
@@ -334,7 +331,6 @@ async def _stream(job: ChatJob, r: MessagesRequest) -> AsyncIterator[bytes]:
     """Anthropic's events for one message: each content block stops before the next starts;
     whitespace-only text is held until real text follows (around tool calls it is dropped, as
     the whole answer drops it)."""
-    post, sent_text, sent_toks = job.post(), "", 0
     kinds: list[str] = []  # the kind of each block started so far
     open_kind: str | None = None  # the kind of the last block while it is open
     calls: dict[int, int] = {}  # tool-call index -> its block index
@@ -353,14 +349,8 @@ async def _stream(job: ChatJob, r: MessagesRequest) -> AsyncIterator[bytes]:
         return events + [_event("content_block_start", index=len(kinds) - 1, content_block=block)]
 
     try:
-        async for _, out in job.merged():
+        async for out, _, r_delta, c_delta, call_deltas in choice_deltas(job):
             reason, matched = finish_of(out)
-            ntok = out["meta_info"]["completion_tokens"]
-            if reason is None and ntok - sent_toks < job.interval:
-                continue
-            delta = out["text"][len(sent_text):]
-            sent_text, sent_toks = out["text"], ntok
-            r_delta, c_delta, call_deltas = post.delta(delta, reason is not None)
             if reason == "length" and open_kind == "tool_use":
                 c_delta = ""  # a call cut off mid-way: the parser's leftover is that call's raw text
             if r_delta:

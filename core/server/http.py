@@ -81,12 +81,6 @@ _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 4
                     429: "rate_limit_error", 503: "overloaded_error"}
 
 
-def error_response(status: int, message: str, type_: str | None = None, param: str | None = None,
-                   code: str | int | None = None) -> Response:
-    """OpenAI's error JSON with ``status``."""
-    return ApiError(status, message, type_, param, code).response()
-
-
 def api_error(exc: BaseException) -> ApiError:
     """The one mapping from an exception to the error a client sees: a bad request is a 400
     naming the field, a full queue or a shutdown a 503, anything unexpected a 500."""

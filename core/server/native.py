@@ -169,9 +169,7 @@ def build_generate_requests(state: ServerState, obj: GenerateReqInput) -> tuple[
         token_ids = state.tokenize(None if is_ids else p, p if is_ids else None, "text")
         token_ids = state.fit_prompt(token_ids)
         _check_total(state, token_ids, sps[i])
-        rid = rids[i]
-        if rid is not None and (engine.has_request(rid) or any(r.rid == rid for r in reqs)):
-            raise InvalidRequest(f"a request with rid {rid!r} is already running", param="rid")
+        rid = rids[i]  # a rid that is running, or given twice, is refused by ServerState.submit
         group = obj.rid if batch and isinstance(obj.rid, str) else None  # /abort_request {rid} reaches every item
         reqs += engine.make_requests(token_ids, params, rid or uuid.uuid4().hex, bool(lps[i]), starts[i], tops[i],
                                      priority=prios[i], group=group)

@@ -119,6 +119,10 @@ class ServerState:
         """Admission and duplicate-id checks, then hand the requests to the engine. Nothing awaits
         between the checks and the hand-off, so two requests with one id cannot both pass."""
         self.check_admission(len(reqs))
+        rids = [r.rid for r in reqs]
+        if len(set(rids)) < len(rids):
+            twice = next(x for x in rids if rids.count(x) > 1)
+            raise InvalidRequest(f"the rid {twice!r} is given to more than one prompt of this request", param="rid")
         for ident in dict.fromkeys(x for r in reqs for x in (r.rid, r.group) if x):
             if self.engine.has_request(ident):  # an abort by this id would reach the running one too
                 raise InvalidRequest(f"a request with id {ident!r} is already running", param="rid")

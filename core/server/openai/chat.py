@@ -200,6 +200,23 @@ class ChatJob(Job):
         return ChoicePost(self.plan, self.r)
 
 
+async def choice_deltas(job: ChatJob) -> AsyncIterator[tuple[dict, int, str, str, list[dict]]]:
+    """A one-choice job's output as it grows, every stream interval (and at its end): (the cumulative
+    output, how many tokens came before this step, reasoning delta, text delta, tool-call deltas),
+    through the job's reasoning / tool-call post-processor. The Responses and Messages streams
+    build their events from these."""
+    post, sent_text, sent_toks = job.post(), "", 0
+    async for _, out in job.merged():
+        reason, _ = finish_of(out)
+        ntok = out["meta_info"]["completion_tokens"]
+        if reason is None and ntok - sent_toks < job.interval:
+            continue
+        start, delta = sent_toks, out["text"][len(sent_text):]
+        sent_text, sent_toks = out["text"], ntok
+        r_delta, c_delta, call_deltas = post.delta(delta, reason is not None)
+        yield out, start, r_delta, c_delta, call_deltas
+
+
 def prepare_chat(state: Any, r: ChatCompletionRequest, rid: str | None = None) -> ChatJob:
     """Validate, render and build the engine requests of a chat request (nothing is submitted)."""
     n, constraint = common_checks(r)

@@ -50,7 +50,7 @@ from core.server.http import (
     read_body,
     state_of,
 )
-from core.server.openai.chat import ChatJob, joined_text, prepare_chat
+from core.server.openai.chat import ChatJob, choice_deltas, joined_text, prepare_chat
 from core.server.openai.job import finish_of
 from core.server.openai.logprobs import chat_logprobs
 from core.server.openai.protocol import ChatCompletionRequest
@@ -417,7 +417,6 @@ async def _stream(job: ChatJob, r: ResponsesRequest, keep: Any) -> AsyncIterator
     output: list[dict[str, Any]] = []
     open_item: dict[str, Any] | None = None  # the item deltas go to
     calls: dict[int, dict[str, Any]] = {}  # tool-call index -> its item
-    post, sent_text, sent_toks = job.post(), "", 0
     reasoning_text, pending_ws = "", ""
     pending_lp: list[dict[str, Any]] = []  # logprobs of tokens whose text has not shown yet
 
@@ -456,17 +455,10 @@ async def _stream(job: ChatJob, r: ResponsesRequest, keep: Any) -> AsyncIterator
     out: dict | None = None
     reason = None
     try:
-        async for _, out in job.merged():
+        async for out, start, r_delta, c_delta, call_deltas in choice_deltas(job):
             reason, _ = finish_of(out)
-            meta = out["meta_info"]
-            ntok = meta["completion_tokens"]
-            if reason is None and ntok - sent_toks < job.interval:
-                continue
-            delta = out["text"][len(sent_text):]
             if job.logprobs:
-                pending_lp += _logprob_entries(job, meta, sent_toks)
-            sent_text, sent_toks = out["text"], ntok
-            r_delta, c_delta, call_deltas = post.delta(delta, reason is not None)
+                pending_lp += _logprob_entries(job, out["meta_info"], start)
             if reason == "length" and is_open("function_call"):
                 c_delta = ""  # a call cut off mid-way: the parser's leftover is that call's raw text, not a message
             if r_delta:
