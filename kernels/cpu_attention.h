@@ -25,6 +25,7 @@ namespace core_attention {
 constexpr int kBlock = 32;        // keys per block
 constexpr int kRowTarget = 48;    // query vectors (tokens x heads of a group) per extend task
 constexpr int kChunk = 256;       // keys per chunk of a bf16 decode task
+constexpr int kMinPart = 64;      // keys per part, at least, of a decode split over threads
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 inline float to_f(float x) { return x; }
@@ -210,7 +211,7 @@ struct Params {
   const int64_t* seq_lens;
   const int64_t* q_start;
   const int64_t* ext;
-  float* partial = nullptr;  // [B, Hkv, parts, G, 2 + D]: each split part's max, sum and unnormalised output
+  float* partial = nullptr;  // [B, parts, H, 2 + D]: each split part's max, sum and unnormalised output
   int parts = 1;
 };
 
@@ -306,8 +307,8 @@ void decode_bf16(const Params& p, const Task& t, const c10::BFloat16* q, const c
   const int64_t* idx = p.idx + t.b * p.idx_stride;
   int jlo = p.window > 0 ? static_cast<int>(std::max<int64_t>(0, pos - p.window + 1)) : 0;
   int jhi = static_cast<int>(pos);
-  if (t.parts > 1) {  // this part's whole chunks of the keys
-    const int span = (((jhi - jlo + 1) + kChunk - 1) / kChunk + t.parts - 1) / t.parts * kChunk;
+  if (t.parts > 1) {  // this part's share of the keys, in whole runs of 16 (an empty part leaves l = 0)
+    const int span = (((jhi - jlo + 1) + 15) / 16 + t.parts - 1) / t.parts * 16;
     jlo += t.part * span;
     jhi = std::min(jhi, jlo + span - 1);
   }
@@ -374,7 +375,7 @@ void decode_bf16(const Params& p, const Task& t, const c10::BFloat16* q, const c
     }
   }
   if (t.parts > 1) {  // merged with the other parts after all tasks ran (merge_parts)
-    float* dstp = p.partial + ((t.b * p.Hkv + h0) * p.parts + t.part) * G * (2 + D);
+    float* dstp = p.partial + ((t.b * p.parts + t.part) * p.H + h0 * G) * (2 + D);
     for (int g = 0; g < QH; ++g) {
       dstp[g * (2 + D)] = w.m[g];
       dstp[g * (2 + D) + 1] = w.l[g];
@@ -500,24 +501,25 @@ void run_task(const Params& p, const Task& t, const T* q, const T* kc, const T* 
 // divided by the parts' summed softmax denominators (a part with no keys has m = -inf, l = 0).
 template <typename T>
 void merge_parts(const Params& p, const std::vector<Task>& tasks, T* out) {
-  const int G = static_cast<int>(p.G), D = static_cast<int>(p.D);
+  const int D = static_cast<int>(p.D);
   std::vector<float> acc(D);
   for (const Task& t : tasks) {
     if (t.parts <= 1 || t.part != 0) continue;
-    const float* base = p.partial + (t.b * p.Hkv + t.kvh) * p.parts * G * (2 + D);
-    T* dst = out + p.q_start[t.b] * p.out_stride + t.kvh * G * D;
-    for (int g = 0; g < G; ++g) {
+    const int64_t h0 = t.kvh < 0 ? 0 : t.kvh * p.G, nh = t.kvh < 0 ? p.H : p.G;  // the task's query heads
+    T* dst = out + p.q_start[t.b] * p.out_stride;
+    for (int64_t h = h0; h < h0 + nh; ++h) {
+      const auto part = [&](int k) { return p.partial + ((t.b * p.parts + k) * p.H + h) * (2 + D); };
       float m = kNegInf, l = 0.0f;
-      for (int k = 0; k < t.parts; ++k) m = std::max(m, base[(k * G + g) * (2 + D)]);
+      for (int k = 0; k < t.parts; ++k) m = std::max(m, part(k)[0]);
       std::fill(acc.begin(), acc.end(), 0.0f);
       for (int k = 0; k < t.parts; ++k) {
-        const float* r = base + (k * G + g) * (2 + D);
+        const float* r = part(k);
         if (r[1] == 0.0f) continue;
         const float f = std::exp(r[0] - m);
         l += r[1] * f;
         for (int i = 0; i < D; ++i) acc[i] += r[2 + i] * f;
       }
-      for (int i = 0; i < D; ++i) dst[g * D + i] = static_cast<T>(acc[i] / l);
+      for (int i = 0; i < D; ++i) dst[h * D + i] = static_cast<T>(acc[i] / l);
     }
   }
 }
@@ -559,9 +561,12 @@ inline void plan(Work& w, int64_t B, const int64_t* sl, const int64_t* el, const
   // reading a slot's K (V) rows of all heads together streams ~30 % faster than one head's rows.
   const bool bf16_path = bf16 && cap == 0.0 && (D == 64 || D == 128) && G <= 16 && kDecodeBf16;
   const bool whole_seqs = bf16_path && B >= 4 * nthreads;
-  // With fewer decode tasks than two per thread (a few sequences), each decode's keys split into up
-  // to this many parts of whole 256-key chunks, merged afterwards, so that every thread has work.
-  const int64_t split = bf16_path && B * Hkv < 2 * nthreads ? (2 * nthreads + B * Hkv - 1) / (B * Hkv) : 1;
+  // With fewer decode tasks than two per thread (a few sequences), each decode reads whole slot rows
+  // too, its keys split into up to this many parts of kMinPart keys or more, merged afterwards, so
+  // that every thread has work: at batch 1, SmolLM2's 3 KV heads as 3 tasks kept one of 2 threads
+  // waiting for a third of the attention's time.
+  const bool few = bf16_path && B * Hkv < 2 * nthreads;
+  const int64_t split = few ? (2 * nthreads + B - 1) / B : 1;
   std::vector<Task>& tasks = w.tasks;
   tasks.clear();
   int max_nr = 1;
@@ -571,19 +576,18 @@ inline void plan(Work& w, int64_t B, const int64_t* sl, const int64_t* el, const
       const int64_t last = sl[b] - el[b] + r0 + nr;  // keys the task reads, at most
       const int64_t keys = window > 0 ? std::min<int64_t>(last, window + nr) : last;
       max_nr = std::max(max_nr, nr);
-      if (whole_seqs && el[b] == 1) {  // one task reads whole slot rows (every KV head) of its sequence
-        tasks.push_back({int(b), -1, int(r0), nr, keys * Hkv});
+      if ((whole_seqs || few) && el[b] == 1) {  // tasks reading whole slot rows (every KV head) of its sequence
+        const int parts = static_cast<int>(std::clamp<int64_t>(keys / kMinPart, 1, split));
+        for (int k = 0; k < parts; ++k) tasks.push_back({int(b), -1, int(r0), nr, keys * Hkv / parts, k, parts});
         continue;
       }
-      const int parts = el[b] == 1 ? static_cast<int>(std::min<int64_t>(split, (keys + kChunk - 1) / kChunk)) : 1;
-      for (int64_t h = 0; h < Hkv; ++h)
-        for (int k = 0; k < parts; ++k) tasks.push_back({int(b), int(h), int(r0), nr, keys * nr / parts, k, parts});
+      for (int64_t h = 0; h < Hkv; ++h) tasks.push_back({int(b), int(h), int(r0), nr, keys * nr});
     }
   }
   // longest first, so that dynamic scheduling ends with short tasks
   std::stable_sort(tasks.begin(), tasks.end(), [](const Task& x, const Task& y) { return x.cost > y.cost; });
   w.max_nr = max_nr;
-  w.partial.assign(split > 1 ? B * Hkv * split * G * (2 + D) : 0, 0.0f);
+  w.partial.assign(split > 1 ? B * split * H * (2 + D) : 0, 0.0f);
   w.p = Params{H, Hkv, G, D, q_stride, H * D, Hkv * D, idx_stride, static_cast<float>(scale), static_cast<float>(cap),
                window, idx, sl, q_start.data(), el};
   w.p.partial = w.partial.data();

@@ -169,9 +169,9 @@ Weight packed(const at::Tensor& a, const at::Tensor& b, const at::Tensor& bias, 
               "DecodeStack: layer ", layer, " ", name, ": uint8 codes and bf16 scales, contiguous");
   int64_t G = 1;
   if (kind == 0) {
-    TORCH_CHECK(a.dim() == 3 && a.size(0) * 16 == N && a.size(1) * 2 == K && a.size(2) == 16 && b.dim() == 4 &&
-                    b.size(0) == N / 16 && b.size(2) == 2 && b.size(3) == 16 && b.size(1) > 0 && K % b.size(1) == 0 &&
-                    (K / b.size(1)) % 8 == 0,
+    TORCH_CHECK(a.dim() == 4 && a.size(0) * 16 == N && a.size(1) * 8 == K && a.size(2) == 16 && a.size(3) == 4 &&
+                    b.dim() == 4 && b.size(0) == N / 16 && b.size(2) == 2 && b.size(3) == 16 && b.size(1) > 0 &&
+                    K % b.size(1) == 0 && (K / b.size(1)) % 32 == 0,
                 "DecodeStack: layer ", layer, " ", name, ": int4 weight of ", N, " x ", K, " expected");
     G = b.size(1);
   } else {
@@ -190,30 +190,44 @@ inline const uint16_t* raw(const bf16* p) { return reinterpret_cast<const uint16
 inline uint16_t* raw(bf16* p) { return reinterpret_cast<uint16_t*>(p); }
 
 // A GEMM of the stack: out = x w, and out2 = x w2 when w2 is given (gate and up: one pass over both
-// weights' blocks); xs, xs2 the group sums of x for each.
+// weights' blocks); a, a2 x as each weight's kernel reads it.
 struct Job {
   const Weight* w;
-  const float* xs;
+  Act a;
   bf16* out;
   const Weight* w2 = nullptr;
-  const float* xs2 = nullptr;
+  Act a2 = {};
   bf16* out2 = nullptr;
   int64_t blocks() const { return w->N / 16 + (w2 ? w2->N / 16 : 0); }
 };
 
 // Inside a parallel region, every thread: a share of the job's blocks; the threads leave in step.
-void gemv_shared(const Job& j, const bf16* x, int64_t M) {
+void gemv_shared(const Job& j, int64_t M) {
   const int64_t na = j.w->N / 16;
 #pragma omp for schedule(static)
   for (int64_t i = 0; i < j.blocks(); ++i) {
     if (i < na)
-      weight_block(*j.w, raw(x), j.xs, raw(j.out), M, i);
+      weight_block(*j.w, j.a, raw(j.out), M, i);
     else
-      weight_block(*j.w2, raw(x), j.xs2, raw(j.out2), M, i - na);
+      weight_block(*j.w2, j.a2, raw(j.out2), M, i - na);
   }
 }
 
-void sums(const Weight& w, const bf16* x, int64_t M, float* xs) { group_sums(raw(x), M, w.K, w.G, xs); }
+// Per-thread scratch for x as the kernels read it (cpu_gemv.h's Act): group sums, int8 codes, scales.
+struct Scratch {
+  float* xs;
+  int8_t* xq;
+  float* dx;
+};
+
+// x [M, w.K] prepared for w in s.
+Act prep(const Weight& w, const bf16* x, int64_t M, const Scratch& s) {
+  if (w.kind == 0)
+    quantize_rows(raw(x), M, w.K, w.G, s.xq, s.dx, s.xs);
+  else
+    group_sums(raw(x), M, w.K, w.G, s.xs);
+  return {raw(x), s.xq, s.dx, s.xs};
+}
 
 // out = silu(g) * u over n elements, rounded as torch's silu and mul round them in bf16. torch's
 // silu, run in one chunk (as it is below its grain size), takes whole 64-element steps through
@@ -308,8 +322,9 @@ class DecodeStack : public torch::CustomClassHolder {
     at::Tensor o = at::empty({M, hid}, opt), gate = at::empty({M, I}, opt), up = at::empty({M, I}, opt);
     at::Tensor mlp = at::empty({M, hid}, opt);
     at::Tensor x0 = at::empty({nt, M, hid}, opt), x1 = at::empty({nt, M, hid}, opt), h = at::empty({nt, M, std::max(hid, I)}, opt);
-    const int64_t gmax = M * (std::max({hid, qs, I}) / 8 + 1);
-    at::Tensor xs = at::empty({nt, 2, gmax}, opt.dtype(at::kFloat));
+    const int64_t kmax = M * std::max({hid, qs, I});  // the most values a GEMM's input has
+    const int64_t nf = kmax / 8 + 1;  // floats for an input's group sums (groups of >= 8 columns) or scales
+    at::Tensor xf = at::empty({nt, 4, nf}, opt.dtype(at::kFloat)), xq = at::empty({nt, 2, kmax}, opt.dtype(at::kChar));
     bf16 *pqkv = qkv.data_ptr<bf16>(), *pqr = qr.data_ptr<bf16>(), *po = o.data_ptr<bf16>();
     bf16 *pg = gate.data_ptr<bf16>(), *pu = up.data_ptr<bf16>(), *pmlp = mlp.data_ptr<bf16>();
     const float *pcos = cos_.const_data_ptr<float>(), *psin = sin_.const_data_ptr<float>();
@@ -335,7 +350,10 @@ class DecodeStack : public torch::CustomClassHolder {
       const int me = omp_get_thread_num();
       bf16 *my_x0 = x0.data_ptr<bf16>() + me * M * hid, *my_x1 = x1.data_ptr<bf16>() + me * M * hid;
       bf16* my_h = h.data_ptr<bf16>() + me * h.size(1) * h.size(2);
-      float *my_xs = xs.data_ptr<float>() + me * 2 * gmax, *my_xs2 = my_xs + gmax;
+      float* my_f = xf.data_ptr<float>() + me * 4 * nf;
+      int8_t* my_q = xq.data_ptr<int8_t>() + me * 2 * kmax;
+      // two sets: gate and up need their own when their kinds or groups differ
+      const Scratch sc{my_f, my_q, my_f + nf}, sc2{my_f + 2 * nf, my_q + kmax, my_f + 3 * nf};
       for (int64_t l = 0; l < L; ++l) {
         const bf16 *in_norm = norms_[2 * l], *post_norm = norms_[2 * l + 1];
         const Weight* w = lin_.data() + 5 * l;
@@ -350,8 +368,7 @@ class DecodeStack : public torch::CustomClassHolder {
             std::copy(in + m * hid, in + (m + 1) * hid, my_x0 + m * hid);
           norm_row<bf16>(my_x0 + m * hid, in_norm, my_h + m * hid, hid, feps, 0.0f);
         }
-        sums(w[0], my_h, M, my_xs);
-        gemv_shared({&w[0], my_xs, pqkv}, my_h, M);
+        gemv_shared({&w[0], prep(w[0], my_h, M, sc), pqkv}, M);
 #pragma omp single
         for (int64_t m = 0; m < M; ++m) {
           const float* cs = pcos + pos[m] * rot_;
@@ -363,19 +380,16 @@ class DecodeStack : public torch::CustomClassHolder {
           std::copy(row + qs + kvs, row + nqkv, vc + loc[m] * kvs);
         }
         attend(work, pqr, kc, vc, pa);
-        sums(w[1], pa, M, my_xs);
-        gemv_shared({&w[1], my_xs, po}, pa, M);
+        gemv_shared({&w[1], prep(w[1], pa, M, sc), po}, M);
         for (int64_t m = 0; m < M; ++m) {
           add_row<bf16>(my_x0 + m * hid, po + m * hid, my_x1 + m * hid, hid);
           norm_row<bf16>(my_x1 + m * hid, post_norm, my_h + m * hid, hid, feps, 0.0f);
         }
-        sums(w[2], my_h, M, my_xs);
-        const float* up_xs = w[3].G == w[2].G ? my_xs : my_xs2;  // up's sums are gate's unless its groups differ
-        if (up_xs == my_xs2) sums(w[3], my_h, M, my_xs2);
-        gemv_shared({&w[2], my_xs, pg, &w[3], up_xs, pu}, my_h, M);
+        const Act ag = prep(w[2], my_h, M, sc);  // up reads x as gate does unless its kind or groups differ
+        const Act au = w[3].G == w[2].G && w[3].kind == w[2].kind ? ag : prep(w[3], my_h, M, sc2);
+        gemv_shared({&w[2], ag, pg, &w[3], au, pu}, M);
         silu_mul(pg, pu, my_h, M * I);  // the activation (into this thread's h: the norm's rows are used)
-        sums(w[4], my_h, M, my_xs);
-        gemv_shared({&w[4], my_xs, pmlp}, my_h, M);
+        gemv_shared({&w[4], prep(w[4], my_h, M, sc), pmlp}, M);
       }
     }
     return {x1[0], mlp};

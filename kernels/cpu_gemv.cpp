@@ -1,5 +1,5 @@
 // Packed int4 (group-wise) and int8 (per-channel) weights times a few bf16 activation rows, on
-// CPUs with AVX512-BF16: the ops around the kernels of cpu_gemv.h (its header comment says how they work).
+// CPUs with AVX512-BF16 and AVX512-VNNI: the ops around the kernels of cpu_gemv.h (its header comment says how they work).
 
 #include "cpu_gemv.h"
 
@@ -41,27 +41,42 @@ at::Tensor group_sums(const at::Tensor& x, int64_t G) {
   return xs;
 }
 
-// x [M, K] bf16; qw [N/16, K/2, 16] uint8; sz [N/16, G, 2, 16] bf16 (scales, then zeros) -> [M, N] bf16.
+#ifdef CORE_GEMV_BF16
+// x [M, K] bf16 as the int4 kernel reads it, for weights of G groups (the tensors own the memory
+// act points into).
+struct Prepared {
+  at::Tensor xq, f;
+  Act act;
+  Prepared(const at::Tensor& x, int64_t G)
+      : xq(at::empty(x.sizes(), x.options().dtype(at::kChar))),
+        f(at::empty({x.size(0) * (x.size(1) / 32 + G)}, x.options().dtype(at::kFloat))) {
+    const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.const_data_ptr());
+    float *dx = f.data_ptr<float>(), *xs = dx + x.size(0) * (x.size(1) / 32);
+    quantize_rows(xp, x.size(0), x.size(1), G, xq.data_ptr<int8_t>(), dx, xs);
+    act = {xp, xq.const_data_ptr<int8_t>(), dx, xs};
+  }
+};
+#endif
+
+// x [M, K] bf16; qw [N/16, K/8, 16, 4] uint8; sz [N/16, G, 2, 16] bf16 (scales, then zeros) -> [M, N] bf16.
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& sz) {
-  TORCH_CHECK(supported(), "int4_mm: this build has no AVX512-BF16");
+  TORCH_CHECK(supported(), "int4_mm: this build has no AVX512-BF16 and AVX512-VNNI");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "int4_mm: x [M, K] contiguous bf16");
-  TORCH_CHECK(qw.dim() == 3 && qw.scalar_type() == at::kByte && qw.size(2) == 16 && qw.is_contiguous(),
-              "int4_mm: qw [N/16, K/2, 16] uint8");
+  TORCH_CHECK(qw.dim() == 4 && qw.scalar_type() == at::kByte && qw.size(2) == 16 && qw.size(3) == 4 && qw.is_contiguous(),
+              "int4_mm: qw [N/16, K/8, 16, 4] uint8");
   const int64_t M = x.size(0), K = x.size(1), NB = qw.size(0), N = NB * 16, G = sz.size(1);
-  TORCH_CHECK(qw.size(1) * 2 == K, "int4_mm: x has ", K, " columns, the weight ", qw.size(1) * 2);
+  TORCH_CHECK(qw.size(1) * 8 == K, "int4_mm: x has ", K, " columns, the weight ", qw.size(1) * 8);
   TORCH_CHECK(sz.dim() == 4 && sz.size(0) == NB && sz.size(2) == 2 && sz.size(3) == 16 && G > 0 && K % G == 0 &&
-                  (K / G) % 8 == 0 && sz.scalar_type() == at::kBFloat16 && sz.is_contiguous(),
-              "int4_mm: sz [N/16, G, 2, 16] bfloat16, groups of a multiple of 8 columns");
+                  (K / G) % 32 == 0 && sz.scalar_type() == at::kBFloat16 && sz.is_contiguous(),
+              "int4_mm: sz [N/16, G, 2, 16] bfloat16, groups of a multiple of 32 columns");
   auto out = at::empty({M, N}, x.options());
 #ifdef CORE_GEMV_BF16
-  const at::Tensor xs = group_sums(x, G);
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.const_data_ptr());
-  const float* xsp = xs.const_data_ptr<float>();
+  const Prepared p(x, G);
   const uint8_t* q = qw.const_data_ptr<uint8_t>();
   const uint16_t* szp = reinterpret_cast<const uint16_t*>(sz.const_data_ptr());
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
   for_blocks(NB, M, [&](auto rows, int64_t m, int64_t nb) {
-    block<rows.value>(q, szp, xp + m * K, xsp + m * G, op + m * N, K, G, N, nb);
+    block<rows.value>(q, szp, p.act.xq + m * K, p.act.dx + m * (K / 32), p.act.xs + m * G, op + m * N, K, G, N, nb);
   });
 #endif
   return out;
@@ -69,7 +84,7 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& 
 
 // x [M, K] bf16; qw [N/16, K/2, 16, 2] uint8 (q + 128); scale [N] bf16 -> [M, N] bf16.
 at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& scale) {
-  TORCH_CHECK(supported(), "int8_mm: this build has no AVX512-BF16");
+  TORCH_CHECK(supported(), "int8_mm: this build has no AVX512-BF16 and AVX512-VNNI");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "int8_mm: x [M, K] contiguous bf16");
   TORCH_CHECK(qw.dim() == 4 && qw.scalar_type() == at::kByte && qw.size(2) == 16 && qw.size(3) == 2 && qw.is_contiguous(),
               "int8_mm: qw [N/16, K/2, 16, 2] uint8");
@@ -115,22 +130,20 @@ std::tuple<at::Tensor, at::Tensor> pair_blocks(const at::Tensor& x, int64_t NA, 
 std::tuple<at::Tensor, at::Tensor> int4_mm_pair(const at::Tensor& x, const at::Tensor& qa, const at::Tensor& sa,
                                                 const at::Tensor& qb, const at::Tensor& sb) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && qa.is_contiguous() &&
-                  qb.is_contiguous() && sa.is_contiguous() && sb.is_contiguous() && qa.size(1) == qb.size(1) &&
-                  sa.size(1) == sb.size(1) && qa.size(1) * 2 == x.size(1) && x.size(1) % sa.size(1) == 0 &&
-                  (x.size(1) / sa.size(1)) % 8 == 0,
+                  qb.is_contiguous() && sa.is_contiguous() && sb.is_contiguous() && qa.dim() == 4 && qb.dim() == 4 &&
+                  qa.size(1) == qb.size(1) && sa.size(1) == sb.size(1) && qa.size(1) * 8 == x.size(1) &&
+                  x.size(1) % sa.size(1) == 0 && (x.size(1) / sa.size(1)) % 32 == 0,
               "int4_mm_pair: as int4_mm for each weight, both of one K and group size");
 #ifdef CORE_GEMV_BF16
   const int64_t K = x.size(1), G = sa.size(1);
-  const at::Tensor xs = group_sums(x, G);
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.const_data_ptr());
-  const float* xsp = xs.const_data_ptr<float>();
+  const Prepared p(x, G);
   const uint8_t* q[2] = {qa.const_data_ptr<uint8_t>(), qb.const_data_ptr<uint8_t>()};
   const uint16_t* z[2] = {reinterpret_cast<const uint16_t*>(sa.const_data_ptr()), reinterpret_cast<const uint16_t*>(sb.const_data_ptr())};
   return pair_blocks(x, qa.size(0), qb.size(0), [&](auto rows, int64_t m, int w, uint16_t* out, int64_t N, int64_t nb) {
-    block<rows.value>(q[w], z[w], xp + m * K, xsp + m * G, out, K, G, N, nb);
+    block<rows.value>(q[w], z[w], p.act.xq + m * K, p.act.dx + m * (K / 32), p.act.xs + m * G, out, K, G, N, nb);
   });
 #else
-  TORCH_CHECK(false, "int4_mm_pair: this build has no AVX512-BF16");
+  TORCH_CHECK(false, "int4_mm_pair: this build has no AVX512-BF16 and AVX512-VNNI");
 #endif
 }
 
@@ -152,7 +165,7 @@ std::tuple<at::Tensor, at::Tensor> int8_mm_pair(const at::Tensor& x, const at::T
     block8<rows.value>(q[w], c[w], xp + m * K, xsp + m, out, K, N, nb);
   });
 #else
-  TORCH_CHECK(false, "int8_mm_pair: this build has no AVX512-BF16");
+  TORCH_CHECK(false, "int8_mm_pair: this build has no AVX512-BF16 and AVX512-VNNI");
 #endif
 }
 

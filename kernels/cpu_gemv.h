@@ -1,19 +1,29 @@
 // Packed int4 (group-wise) and int8 (per-channel) weights times a few bf16 activation rows, on
-// CPUs with AVX512-BF16.
+// CPUs with AVX512-BF16 and AVX512-VNNI (every CPU with the first has the second).
 //
 // Decode multiplies one to three activation rows by every weight, so the GEMM is a matrix-vector
-// product that should run at memory speed. Layout (packed by cpu_gemv.py): rows in blocks of 16,
-// and for each block and each pair of input columns (k, k+1) 16 bytes, byte i holding row i's two
-// 4-bit codes (k in the low nibble); per block and group, the 16 rows' bf16 scales then zeros. Sixteen output rows then sit in the sixteen fp32 lanes of one
-// register: each byte widens to a 32-bit lane, its nibbles become the bf16 pair (128 + q_k,
-// 128 + q_k+1) by an OR with 0x43004300 (bf16 holds 128..255 exactly), and one vdpbf16ps
-// multiplies the pair by the broadcast (x_k, x_k+1), exactly, summing in fp32. With
+// product that should run at memory speed. Sixteen output rows sit in the sixteen 32-bit lanes of
+// one register.
+//
+// int4, as llama.cpp multiplies its 4-bit blocks: the activation row is quantized to int8 per 32
+// columns (quantize_rows: codes and one fp32 scale each) and vpdpbusd multiplies 4 codes of a
+// weight row by 4 codes of x per lane, summing exactly in int32. Layout (packed by cpu_gemv.py):
+// rows in blocks of 16; per block and each 8 input columns 64 bytes, byte 4 i + j holding row i's
+// code of column j in its low nibble and of column j + 4 in its high one, so a mask and a shift
+// make the two operands; per block and group, the 16 rows' bf16 scales then zeros. With
 // w = (q - 8) * s + z per group (torch's tinygemm convention),
-//   sum_k w_k x_k = s * sum_k (128 + q_k) x_k + (z - 136 s) * sum_k x_k,
-// so a group costs its dot products plus two FMAs, with the per-group sums of x computed once.
-// int8 (w = q * s per row) goes the same way in two nibbles: with u = q + 128 = 16 h + l,
+//   sum_k w_k x_k = s * sum_runs d_run * sum_k q_k xq_k + (z - 8 s) * sum_runs d_run * sum_k xq_k,
+// exactly the product of the weight and the quantized row (d * xq). Quantizing x costs each output
+// an error of ~0.4 % of |w| times the runs' largest |x| at most, and lets the kernel read its
+// weights at the memory's speed instead of the bf16 dot product's (SmolLM2's layers, Zen 5, two
+// cores: ~115 GB/s against ~85).
+//
+// int8 (w = q * s per row) keeps x in bf16: each byte widens to a 32-bit lane, its nibbles become
+// bf16 values 128 + nibble (an OR with 0x43004300: bf16 holds 128..255 exactly), and vdpbf16ps
+// multiplies them by the broadcast pair (x_k, x_k+1) exactly, summing in fp32. With u = q + 128 =
+// 16 h + l,
 //   sum_k q_k x_k = 16 * sum_k (128 + h_k) x_k + sum_k (128 + l_k) x_k - 2304 * sum_k x_k,
-// its layout per block and k-pair being 16 rows x 2 bytes (u_k, u_k+1).
+// its layout per block and column pair being 16 rows x 2 bytes (u_k, u_k+1).
 
 // The kernels below are shared by cpu_gemv.cpp (the ops) and cpu_decode.cpp (the decode stack).
 
@@ -25,7 +35,7 @@
 #include <cstring>
 #include <type_traits>
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define CORE_GEMV_BF16 1
 #endif
@@ -33,74 +43,74 @@
 namespace core_gemv {
 
 #ifdef CORE_GEMV_BF16
-// Byte indices for expand4: byte j of pair block u to bytes 4j..4j+3 of w[u] (only the even ones are kept).
-struct ExpandIndex {
-  alignas(64) uint8_t idx[4][64];
-  ExpandIndex() {
-    for (int u = 0; u < 4; ++u)
-      for (int b = 0; b < 64; ++b) idx[u][b] = static_cast<uint8_t>(16 * u + b / 4);
+// x rows [M, K] (bf16 bits, K % 32 == 0) as the int4 kernel reads them: for every 32 columns, int8
+// codes q = rint(x * 127 / amax) and the scale d = amax / 127 (all zero for an all-zero run); and
+// xs [M, G], the sums over G equal groups of columns of the values the codes stand for (d * q, so
+// that the kernel's product is exactly that of the quantized row: the weights' zero points then
+// do not magnify the rounding of x).
+inline void quantize_rows(const uint16_t* x, int64_t M, int64_t K, int64_t G, int8_t* xq, float* dx, float* xs) {
+  const __m512 sign = _mm512_set1_ps(-0.0f);
+  const int64_t runs = K / G / 32;  // per group
+  for (int64_t r = 0; r < M * K / 32; ++r) {  // rows are contiguous runs of K % 32 == 0 columns
+    const int64_t i = 32 * r;
+    const __m512 a = core_rows::bf16x16(x + i), b = core_rows::bf16x16(x + i + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, a), _mm512_andnot_ps(sign, b)));
+    const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + i), _mm512_cvtsepi32_epi8(qa));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + i + 16), _mm512_cvtsepi32_epi8(qb));
+    const float d = amax / 127.0f;
+    dx[r] = d;
+    const float sum = d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)));
+    xs[r / runs] = r % runs ? xs[r / runs] + sum : sum;
   }
-};
-inline const ExpandIndex kExpand;
-
-// Four k-pairs of one row block (64 bytes) -> four registers of 16 bf16 pairs (128 + q_k, 128 + q_k+1).
-inline void expand4(const uint8_t* src, __m512i w[4]) {
-  const __m512i v = _mm512_loadu_si512(src);
-#ifdef __AVX512VBMI__
-  // each byte to the low bytes of both halves of its 32-bit lane, the high half shifted right by 4,
-  // then (t & 0x000F000F) | 0x43004300 in one ternary-logic op
-  const __m512i counts = _mm512_set1_epi32(0x00040000);
-  const __m512i lo = _mm512_set1_epi32(0x000F000F), bias = _mm512_set1_epi32(0x43004300);
-#pragma GCC unroll 4
-  for (int u = 0; u < 4; ++u) {
-    const __m512i t = _mm512_srlv_epi16(
-        _mm512_maskz_permutexvar_epi8(0x5555555555555555ULL, _mm512_load_si512(kExpand.idx[u]), v), counts);
-    w[u] = _mm512_ternarylogic_epi32(t, lo, bias, 0xEA);  // (A & B) | C
-  }
-#else
-  const __m512i lo_mask = _mm512_set1_epi32(0x0F), hi_mask = _mm512_set1_epi32(0xF0);
-  const __m512i bias = _mm512_set1_epi32(0x43004300);
-  for (int u = 0; u < 4; ++u) {
-    const __m512i b = _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(v, u));
-    w[u] = _mm512_or_si512(_mm512_or_si512(_mm512_and_si512(b, lo_mask), _mm512_slli_epi32(_mm512_and_si512(b, hi_mask), 12)), bias);
-  }
-#endif
 }
 
 using core_rows::bf16x16;
 
-// Rows [m0, m0 + M) of x times row block nb: out[m, nb*16 .. nb*16+16).
+// Rows [m0, m0 + M) of x (xq, dx: quantize_rows'; xs: group sums) times int4 row block nb:
+// out[m, nb*16 .. nb*16+16).
 template <int M>
-inline void block(const uint8_t* __restrict qw, const uint16_t* __restrict sz, const uint16_t* __restrict x,
-                  const float* __restrict xs, uint16_t* __restrict out, int64_t K, int64_t G, int64_t N, int64_t nb) {
-  constexpr int C = M == 1 ? 4 : 2;  // independent dot chains per row: enough to hide vdpbf16ps latency
-  const int64_t pairs_per_group = K / G / 2, pairs = K / 2;
-  const uint8_t* q = qw + nb * pairs * 16;
-  const __m512 k136 = _mm512_set1_ps(136.0f);
+inline void block(const uint8_t* __restrict qw, const uint16_t* __restrict sz, const int8_t* __restrict xq,
+                  const float* __restrict dx, const float* __restrict xs, uint16_t* __restrict out, int64_t K,
+                  int64_t G, int64_t N, int64_t nb) {
+  constexpr int C = M == 1 ? 2 : 1;  // chains per nibble half and row: enough to hide vpdpbusd latency
+  const int64_t gs = K / G;
+  const uint8_t* q = qw + nb * K * 8;  // 16 rows x K/2 bytes
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  const __m512 k8 = _mm512_set1_ps(8.0f);
   __m512 acc[M];
   for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
-    __m512 a[M][C];
-    for (int m = 0; m < M; ++m)
-      for (int c = 0; c < C; ++c) a[m][c] = _mm512_setzero_ps();
-    const int64_t p0 = g * pairs_per_group;
-    for (int64_t p = 0; p < pairs_per_group; p += 4) {
-      __m512i w[4];
-      expand4(q + (p0 + p) * 16, w);
+    __m512 f[M];
+    for (int m = 0; m < M; ++m) f[m] = _mm512_setzero_ps();
+    for (int64_t a = g * gs; a < (g + 1) * gs; a += 32) {  // 32 columns: four 64-byte chunks
+      __m512i is[M][2 * C];
+      for (int m = 0; m < M; ++m)
+        for (int j = 0; j < 2 * C; ++j) is[m][j] = _mm512_setzero_si512();
 #pragma GCC unroll 4
-      for (int u = 0; u < 4; ++u)
+      for (int c = 0; c < 4; ++c) {
+        const __m512i v = _mm512_loadu_si512(q + (a + 8 * c) * 8);
+        const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+        const int j = 2 * (c % C);
         for (int m = 0; m < M; ++m) {
-          int32_t xp;
-          std::memcpy(&xp, x + m * K + 2 * (p0 + p + u), sizeof xp);
-          a[m][u % C] = _mm512_dpbf16_ps(a[m][u % C], (__m512bh)w[u], (__m512bh)_mm512_set1_epi32(xp));
+          int32_t x0, x1;  // columns a+8c .. +3 and a+8c+4 .. +7 of row m
+          std::memcpy(&x0, xq + m * K + a + 8 * c, 4);
+          std::memcpy(&x1, xq + m * K + a + 8 * c + 4, 4);
+          is[m][j] = _mm512_dpbusd_epi32(is[m][j], lo, _mm512_set1_epi32(x0));
+          is[m][j + 1] = _mm512_dpbusd_epi32(is[m][j + 1], hi, _mm512_set1_epi32(x1));
         }
+      }
+      for (int m = 0; m < M; ++m) {
+        __m512i t = is[m][0];
+        for (int j = 1; j < 2 * C; ++j) t = _mm512_add_epi32(t, is[m][j]);
+        f[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_set1_ps(dx[m * (K / 32) + a / 32]), f[m]);
+      }
     }
     const uint16_t* sg = sz + (nb * G + g) * 32;
-    const __m512 s = bf16x16(sg), c = _mm512_fnmadd_ps(k136, s, bf16x16(sg + 16));  // z - 136 s
+    const __m512 s = bf16x16(sg), c = _mm512_fnmadd_ps(k8, s, bf16x16(sg + 16));  // z - 8 s
     for (int m = 0; m < M; ++m) {
-      __m512 t = a[m][0];
-      for (int j = 1; j < C; ++j) t = _mm512_add_ps(t, a[m][j]);
-      acc[m] = _mm512_fmadd_ps(t, s, acc[m]);
+      acc[m] = _mm512_fmadd_ps(f[m], s, acc[m]);
       acc[m] = _mm512_fmadd_ps(c, _mm512_set1_ps(xs[m * G + g]), acc[m]);
     }
   }
@@ -195,16 +205,24 @@ struct Weight {
   const uint16_t* bias = nullptr;
 };
 
-// Block nb of w (its 16 output columns) times the M rows of x (xs: their group sums for w.G) into
-// out [M, w.N], plus the bias of those columns (rounded as torch's add rounds). The stack's form
-// (kernels/cpu_decode.cpp); the ops in cpu_gemv.cpp call block / block8 directly, which measured a
-// few per cent faster for them than going through this.
-inline void weight_block(const Weight& w, const uint16_t* x, const float* xs, uint16_t* out, int64_t M, int64_t nb) {
+// x as a weight's kernel reads it: for int4 its int8 codes, scales and sums per group
+// (quantize_rows), for int8 its bf16 values and their sum per row (group_sums, G = 1).
+struct Act {
+  const uint16_t* x;  // bf16 bits [M, K]
+  const int8_t* xq;   // [M, K]
+  const float* dx;    // [M, K / 32]
+  const float* xs;    // [M, G]
+};
+
+// Block nb of w (its 16 output columns) times the M rows of a into out [M, w.N], plus the bias of
+// those columns (rounded as torch's add rounds). The stack's form (kernels/cpu_decode.cpp); the
+// ops in cpu_gemv.cpp call block / block8 directly, which measured a few per cent faster for them.
+inline void weight_block(const Weight& w, const Act& a, uint16_t* out, int64_t M, int64_t nb) {
   for_rows(M, [&](auto rows, int64_t m) {
     if (w.kind == 0)
-      block<rows.value>(w.q, w.s, x + m * w.K, xs + m * w.G, out + m * w.N, w.K, w.G, w.N, nb);
+      block<rows.value>(w.q, w.s, a.xq + m * w.K, a.dx + m * (w.K / 32), a.xs + m * w.G, out + m * w.N, w.K, w.G, w.N, nb);
     else
-      block8<rows.value>(w.q, w.s, x + m * w.K, xs + m, out + m * w.N, w.K, w.N, nb);
+      block8<rows.value>(w.q, w.s, a.x + m * w.K, a.xs + m, out + m * w.N, w.K, w.N, nb);
   });
   if (w.bias) {
     using T = c10::BFloat16;

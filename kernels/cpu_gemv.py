@@ -1,12 +1,13 @@
 """Group-wise int4 and per-channel int8 weights times a few bf16 rows on CPUs with AVX512-BF16
-(``cpu_gemv.cpp``).
+and AVX512-VNNI (``cpu_gemv.cpp``).
 
 torch's ``_weight_int4pack_mm_for_cpu`` / ``_weight_int8pack_mm`` read SmolLM2's layers and LM
 head at ~15-22 GB/s on one core of the dev VM, under half of what the core can stream, and their
 time grows with every activation row. These kernels keep sixteen output rows in the lanes of one
-register and multiply exact bf16 codes with ``vdpbf16ps``, so the weight is read once for up to
-three rows: 34-46 GB/s at one row (int4 layers, int8 head). They need AVX512-BF16 (compiled with
-``-march=native``); :func:`available` says whether this machine has it and the library builds,
+register and read the weight once for up to three rows. int4 multiplies int8 codes of the
+activations (per 32 columns, as llama.cpp does) with ``vpdpbusd``; int8 multiplies exact bf16
+values with ``vdpbf16ps`` (``cpu_gemv.h`` says how). They are compiled with ``-march=native``;
+:func:`available` says whether this machine has both instruction sets and the library builds,
 and callers keep torch's kernels otherwise.
 """
 
@@ -28,15 +29,15 @@ def available() -> bool:
     """Build (first time on this machine) and load the library; whether its kernels run here."""
     from core.engine.device import cpu_flags
 
-    if "avx512_bf16" not in cpu_flags():
+    if not {"avx512_bf16", "avx512_vnni"} <= cpu_flags():
         return False
     return cpp_build.try_load(PREFIX, SOURCE, "cpu_gemv", fallback="torch's kernels") and bool(
         torch.ops.core_cpu_gemv.supported())
 
 
 def shape_ok(n: int, k: int, group: int) -> bool:
-    """int4: N a multiple of 16 and groups of a multiple of 8 columns."""
-    return n % 16 == 0 and k % group == 0 and group % 8 == 0
+    """int4: N a multiple of 16 and groups of a multiple of 32 columns (the activations' runs)."""
+    return n % 16 == 0 and k % group == 0 and group % 32 == 0
 
 
 def shape_ok_int8(n: int, k: int) -> bool:
@@ -45,23 +46,34 @@ def shape_ok_int8(n: int, k: int) -> bool:
 
 def pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``q [N, K]`` codes 0..15 with ``scale``/``zero`` ``[N, K/group]`` (tinygemm convention:
-    ``w = (q - 8) * scale + zero``) -> ``(qw [N/16, K/2, 16] uint8, sz [N/16, K/group, 2, 16]
-    bf16)``: each 16-row block's code pairs, then its scales and zeros per group."""
+    ``w = (q - 8) * scale + zero``) -> ``(qw [N/16, K/8, 16, 4] uint8, sz [N/16, K/group, 2, 16]
+    bf16)``: per 16-row block and 8 columns, byte ``[i, j]`` holds row i's codes of columns j (low
+    nibble) and j + 4; then the block's scales and zeros per group."""
     n, k = q.shape
-    q = q.to(torch.uint8)
-    qw = (q[:, 0::2] | (q[:, 1::2] << 4)).view(n // 16, 16, k // 2).permute(0, 2, 1).contiguous()
+    v = q.to(torch.uint8).view(n // 16, 16, k // 8, 2, 4)
+    qw = (v[:, :, :, 0] | (v[:, :, :, 1] << 4)).permute(0, 2, 1, 3).contiguous()
     sz = torch.stack([scale, zero]).to(torch.bfloat16).view(2, n // 16, 16, -1).permute(1, 3, 0, 2).contiguous()
     return qw, sz
 
 
 def unpack(qw: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
     """The float32 ``[N, K]`` weight the kernel multiplies by."""
-    nb, half, _ = qw.shape
-    pairs = qw.permute(0, 2, 1).reshape(nb * 16, half)
-    q = torch.stack([pairs & 15, pairs >> 4], -1).reshape(nb * 16, 2 * half).float()
+    nb, eighths = qw.shape[:2]
+    b = qw.permute(0, 2, 1, 3)  # [N/16, 16, K/8, 4]
+    q = torch.stack([b & 15, b >> 4], 3).reshape(nb * 16, 8 * eighths).float()
     s, z = sz.float().permute(2, 0, 3, 1).reshape(2, nb * 16, -1)
     g = s.shape[1]
-    return ((q.view(nb * 16, g, -1) - 8) * s[..., None] + z[..., None]).view(nb * 16, 2 * half)
+    return ((q.view(nb * 16, g, -1) - 8) * s[..., None] + z[..., None]).view(nb * 16, 8 * eighths)
+
+
+def quantize_rows(x: torch.Tensor) -> torch.Tensor:
+    """What the int4 kernel multiplies instead of ``x [M, K]`` (bf16), in float32: per run of 32
+    columns, ``d * rint(x / d)`` with ``d = amax / 127`` (int8 codes and one scale per run)."""
+    m, k = x.shape
+    runs = x.float().view(m, k // 32, 32)
+    amax = runs.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return ((runs * inv).round() * (amax / 127.0)).view(m, k)
 
 
 def mm(x: torch.Tensor, qw: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:

@@ -129,7 +129,7 @@ def test_an_avx2_only_build_takes_it_in_float32(tiny_llama):
 # ---- the whole stack as one op (cpu_decode.run_stack) ----
 
 def random_stack(layers: int, kinds: list[int], bias: bool, seed: int = 0, hid: int = 64, heads: int = 4, kv_heads: int = 2,
-                 head_dim: int = 16, inter: int = 80, group: int = 16) -> dict:
+                 head_dim: int = 16, inter: int = 96, group: int = 32) -> dict:
     """Packed random layers (linear i of layer l of kind ``kinds[(5 * l + i) % len(kinds)]``) and the
     arguments both ops share."""
     g = torch.Generator().manual_seed(seed)

@@ -1,4 +1,5 @@
-"""The AVX512-BF16 int4 / int8 GEMMs for few rows (``kernels/cpu_gemv.cpp``) against the dequantized weight."""
+"""The AVX512-BF16 / VNNI int4 and int8 GEMMs for few rows (``kernels/cpu_gemv.cpp``) against the
+dequantized weight (int4: times the int8-quantized activations, which is what the kernel computes)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import torch
 from core_kernels import cpp_build, cpu_gemv
 from core_plugins.quant import packed
 
-pytestmark = pytest.mark.skipif(not cpu_gemv.available(), reason="this CPU has no AVX512-BF16 (or no C++ compiler): "
-                                "int4 layers use torch's kernel here")
+pytestmark = pytest.mark.skipif(not cpu_gemv.available(), reason="this CPU has no AVX512-BF16 and VNNI (or no C++ "
+                                "compiler): int4 layers use torch's kernel here")
+INT8_ACT_REL = 2 ** -6  # int4 against the exact product: x rounded to int8 per 32 columns, then the output to bf16
 
 
 def quantized(n: int, k: int, group: int, seed: int = 0):
@@ -36,7 +38,29 @@ def test_matches_the_dequantized_weight(n, k, group, rows):
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1)).bfloat16()
     out = cpu_gemv.mm(x, qw, sz)
     assert out.shape == (rows, n) and out.dtype == torch.bfloat16
-    assert rel_err(out, x.float() @ w.T) < 2 ** -7  # the bf16 rounding of the output
+    assert rel_err(out, cpu_gemv.quantize_rows(x) @ w.T) < 2 ** -8  # the bf16 rounding of the output
+    assert rel_err(out, x.float() @ w.T) < INT8_ACT_REL
+
+
+def test_activations_are_quantized_per_32_columns():
+    """Each run of 32 columns has its own scale (its largest |x| / 127): a large run does not coarsen
+    the others, and an all-zero run stays zero; the kernel multiplies exactly those values."""
+    x = torch.zeros(2, 128)
+    x[0, :32] = torch.linspace(-16, 16, 32)
+    x[0, 32:64] = torch.linspace(-2, 1, 32)
+    x[0, 64:96] = 127.0  # scale 1: exact
+    x[1, 96:] = torch.linspace(-1, 1, 32)
+    x = x.bfloat16().float()
+    xq = cpu_gemv.quantize_rows(x.bfloat16())
+    assert torch.equal(xq[0, 64:96], x[0, 64:96]) and torch.equal(xq[0, 96:], torch.zeros(32))
+    assert torch.equal(xq[1, :96], torch.zeros(96))
+    for row, run, amax in [(0, 0, 16), (0, 1, 2), (1, 3, 1)]:
+        err = (xq[row, 32 * run:32 * run + 32] - x[row, 32 * run:32 * run + 32]).abs().max()
+        assert 0 < err <= amax / 254 * (1 + 1e-5)  # at most half a code of its own run
+    q, scale, zero = quantized(32, 128, 32)
+    qw, sz = cpu_gemv.pack(q, scale, zero)
+    out = cpu_gemv.mm(x.bfloat16(), qw, sz)
+    assert rel_err(out, xq @ cpu_gemv.unpack(qw, sz).T) < 2 ** -8
 
 
 @pytest.mark.parametrize("n,k", [(16, 64), (48, 72), (960, 576), (64, 1536)])
@@ -112,7 +136,7 @@ def test_bf16_int4_layers_use_it():
     assert hasattr(layer, "qweight_int4_bf16") and not hasattr(layer, "qweight_int4")
     assert torch.equal(packed.dequantize(layer), packed.dequantize_int4(q, scale, zero))
     x = torch.randn(2, 128).bfloat16()
-    assert rel_err(packed.packed_linear(layer, x), x.float() @ packed.dequantize(layer).T) < 2 ** -7
+    assert rel_err(packed.packed_linear(layer, x), x.float() @ packed.dequantize(layer).T) < INT8_ACT_REL
 
 
 BUILD_WITH = textwrap.dedent("""
@@ -123,7 +147,7 @@ BUILD_WITH = textwrap.dedent("""
     cpp_build.load(cpu_gemv.PREFIX, cpu_gemv.SOURCE)
     if not torch.ops.core_cpu_gemv.supported():
         try:
-            torch.ops.core_cpu_gemv.int4_mm(torch.zeros(1, 64).bfloat16(), torch.zeros(2, 32, 16, dtype=torch.uint8),
+            torch.ops.core_cpu_gemv.int4_mm(torch.zeros(1, 64).bfloat16(), torch.zeros(2, 8, 16, 4, dtype=torch.uint8),
                                              torch.zeros(2, 2, 2, 16).bfloat16())
         except RuntimeError as e:
             print("unsupported:", str(e).splitlines()[0])
@@ -132,7 +156,7 @@ BUILD_WITH = textwrap.dedent("""
     q, s, z = packed.quantize_int4(torch.randn(96, 256, generator=g), 32)
     qw, sz = cpu_gemv.pack(q, s, z)
     x = torch.randn(3, 256, generator=g).bfloat16()
-    want = x.float() @ cpu_gemv.unpack(qw, sz).T
+    want = cpu_gemv.quantize_rows(x) @ cpu_gemv.unpack(qw, sz).T
     err = ((cpu_gemv.mm(x, qw, sz).float() - want).abs().max() / want.abs().max()).item()
     q8, s8 = packed.quantize_int8(torch.randn(96, 256, generator=g))
     s8 = s8.bfloat16()
@@ -143,7 +167,7 @@ BUILD_WITH = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("flags,expect", [(["-march=native", "-mno-avx512vbmi"], "err"),
-                                          (["-march=haswell"], "unsupported: int4_mm: this build has no AVX512-BF16")],
+                                          (["-march=haswell"], "unsupported: int4_mm: this build has no AVX512-BF16 and AVX512-VNNI")],
                          ids=["without_vbmi", "avx2_only"])
 def test_other_instruction_sets_build(flags, expect):
     """The nibble expansion without AVX512-VBMI computes the same; an AVX2 build compiles and refuses."""
