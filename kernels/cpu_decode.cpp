@@ -175,8 +175,8 @@ Weight packed(const at::Tensor& a, const at::Tensor& b, const at::Tensor& bias, 
                 "DecodeStack: layer ", layer, " ", name, ": int4 weight of ", N, " x ", K, " expected");
     G = b.size(1);
   } else {
-    TORCH_CHECK(a.dim() == 4 && a.size(0) * 16 == N && a.size(1) * 2 == K && a.size(2) == 16 && a.size(3) == 2 &&
-                    K % 8 == 0 && b.dim() == 1 && b.size(0) == N,
+    TORCH_CHECK(a.dim() == 4 && a.size(0) * 16 == N && a.size(1) * 4 == K && a.size(2) == 16 && a.size(3) == 4 &&
+                    K % 32 == 0 && b.dim() == 1 && b.size(0) == N,
                 "DecodeStack: layer ", layer, " ", name, ": int8 weight of ", N, " x ", K, " expected");
   }
   const bool has = bias.defined() && bias.numel();
@@ -222,11 +222,8 @@ struct Scratch {
 
 // x [M, w.K] prepared for w in s.
 Act prep(const Weight& w, const bf16* x, int64_t M, const Scratch& s) {
-  if (w.kind == 0)
-    quantize_rows(raw(x), M, w.K, w.G, s.xq, s.dx, s.xs);
-  else
-    group_sums(raw(x), M, w.K, w.G, s.xs);
-  return {raw(x), s.xq, s.dx, s.xs};
+  quantize_rows(raw(x), M, w.K, w.G, s.xq, s.dx, s.xs);
+  return {s.xq, s.dx, s.xs};
 }
 
 // out = silu(g) * u over n elements, rounded as torch's silu and mul round them in bf16. torch's
@@ -352,7 +349,7 @@ class DecodeStack : public torch::CustomClassHolder {
       bf16* my_h = h.data_ptr<bf16>() + me * h.size(1) * h.size(2);
       float* my_f = xf.data_ptr<float>() + me * 4 * nf;
       int8_t* my_q = xq.data_ptr<int8_t>() + me * 2 * kmax;
-      // two sets: gate and up need their own when their kinds or groups differ
+      // two sets: gate and up need their own when their groups differ
       const Scratch sc{my_f, my_q, my_f + nf}, sc2{my_f + 2 * nf, my_q + kmax, my_f + 3 * nf};
       for (int64_t l = 0; l < L; ++l) {
         const bf16 *in_norm = norms_[2 * l], *post_norm = norms_[2 * l + 1];
@@ -385,8 +382,8 @@ class DecodeStack : public torch::CustomClassHolder {
           add_row<bf16>(my_x0 + m * hid, po + m * hid, my_x1 + m * hid, hid);
           norm_row<bf16>(my_x1 + m * hid, post_norm, my_h + m * hid, hid, feps, 0.0f);
         }
-        const Act ag = prep(w[2], my_h, M, sc);  // up reads x as gate does unless its kind or groups differ
-        const Act au = w[3].G == w[2].G && w[3].kind == w[2].kind ? ag : prep(w[3], my_h, M, sc2);
+        const Act ag = prep(w[2], my_h, M, sc);  // up reads x as gate does unless its groups differ
+        const Act au = w[3].G == w[2].G ? ag : prep(w[3], my_h, M, sc2);
         gemv_shared({&w[2], ag, pg, &w[3], au, pu}, M);
         silu_mul(pg, pu, my_h, M * I);  // the activation (into this thread's h: the norm's rows are used)
         gemv_shared({&w[4], prep(w[4], my_h, M, sc), pmlp}, M);

@@ -34,16 +34,9 @@ void for_blocks(int64_t NB, int64_t M, F&& f) {
 }
 #endif
 
-// [M, G] fp32: the sums of each row of x [M, K] bf16 over G equal groups of columns.
-at::Tensor group_sums(const at::Tensor& x, int64_t G) {
-  auto xs = at::empty({x.size(0), G}, x.options().dtype(at::kFloat));
-  core_gemv::group_sums(reinterpret_cast<const uint16_t*>(x.const_data_ptr()), x.size(0), x.size(1), G, xs.data_ptr<float>());
-  return xs;
-}
-
 #ifdef CORE_GEMV_BF16
-// x [M, K] bf16 as the int4 kernel reads it, for weights of G groups (the tensors own the memory
-// act points into).
+// x [M, K] bf16 as the kernels read it, for weights of G groups (int8: 1) (the tensors own the
+// memory act points into).
 struct Prepared {
   at::Tensor xq, f;
   Act act;
@@ -53,7 +46,7 @@ struct Prepared {
     const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.const_data_ptr());
     float *dx = f.data_ptr<float>(), *xs = dx + x.size(0) * (x.size(1) / 32);
     quantize_rows(xp, x.size(0), x.size(1), G, xq.data_ptr<int8_t>(), dx, xs);
-    act = {xp, xq.const_data_ptr<int8_t>(), dx, xs};
+    act = {xq.const_data_ptr<int8_t>(), dx, xs};
   }
 };
 #endif
@@ -82,27 +75,25 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& 
   return out;
 }
 
-// x [M, K] bf16; qw [N/16, K/2, 16, 2] uint8 (q + 128); scale [N] bf16 -> [M, N] bf16.
+// x [M, K] bf16; qw [N/16, K/4, 16, 4] uint8 (q + 128); scale [N] bf16 -> [M, N] bf16.
 at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& scale) {
   TORCH_CHECK(supported(), "int8_mm: this build has no AVX512-BF16 and AVX512-VNNI");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "int8_mm: x [M, K] contiguous bf16");
-  TORCH_CHECK(qw.dim() == 4 && qw.scalar_type() == at::kByte && qw.size(2) == 16 && qw.size(3) == 2 && qw.is_contiguous(),
-              "int8_mm: qw [N/16, K/2, 16, 2] uint8");
+  TORCH_CHECK(qw.dim() == 4 && qw.scalar_type() == at::kByte && qw.size(2) == 16 && qw.size(3) == 4 && qw.is_contiguous(),
+              "int8_mm: qw [N/16, K/4, 16, 4] uint8");
   const int64_t M = x.size(0), K = x.size(1), NB = qw.size(0), N = NB * 16;
-  TORCH_CHECK(qw.size(1) * 2 == K && K % 8 == 0, "int8_mm: x has ", K, " columns, the weight ", qw.size(1) * 2,
-              " (a multiple of 8)");
+  TORCH_CHECK(qw.size(1) * 4 == K && K % 32 == 0, "int8_mm: x has ", K, " columns, the weight ", qw.size(1) * 4,
+              " (a multiple of 32)");
   TORCH_CHECK(scale.dim() == 1 && scale.size(0) == N && scale.scalar_type() == at::kBFloat16 && scale.is_contiguous(),
               "int8_mm: scale [N] bfloat16");
   auto out = at::empty({M, N}, x.options());
 #ifdef CORE_GEMV_BF16
-  const at::Tensor xs = group_sums(x, 1);
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.const_data_ptr());
-  const float* xsp = xs.const_data_ptr<float>();
+  const Prepared p(x, 1);
   const uint8_t* q = qw.const_data_ptr<uint8_t>();
   const uint16_t* sc = reinterpret_cast<const uint16_t*>(scale.const_data_ptr());
   uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
   for_blocks(NB, M, [&](auto rows, int64_t m, int64_t nb) {
-    block8<rows.value>(q, sc, xp + m * K, xsp + m, op + m * N, K, N, nb);
+    block8<rows.value>(q, sc, p.act.xq + m * K, p.act.dx + m * (K / 32), p.act.xs + m, op + m * N, K, N, nb);
   });
 #endif
   return out;
@@ -150,19 +141,17 @@ std::tuple<at::Tensor, at::Tensor> int4_mm_pair(const at::Tensor& x, const at::T
 std::tuple<at::Tensor, at::Tensor> int8_mm_pair(const at::Tensor& x, const at::Tensor& qa, const at::Tensor& sa,
                                                 const at::Tensor& qb, const at::Tensor& sb) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && qa.is_contiguous() &&
-                  qb.is_contiguous() && sa.is_contiguous() && sb.is_contiguous() && qa.size(1) * 2 == x.size(1) &&
-                  qb.size(1) * 2 == x.size(1) && x.size(1) % 8 == 0 && sa.size(0) == qa.size(0) * 16 &&
-                  sb.size(0) == qb.size(0) * 16,
+                  qb.is_contiguous() && sa.is_contiguous() && sb.is_contiguous() && qa.dim() == 4 && qb.dim() == 4 &&
+                  qa.size(1) * 4 == x.size(1) && qb.size(1) * 4 == x.size(1) && x.size(1) % 32 == 0 &&
+                  sa.size(0) == qa.size(0) * 16 && sb.size(0) == qb.size(0) * 16,
               "int8_mm_pair: as int8_mm for each weight");
 #ifdef CORE_GEMV_BF16
   const int64_t K = x.size(1);
-  const at::Tensor xs = group_sums(x, 1);
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.const_data_ptr());
-  const float* xsp = xs.const_data_ptr<float>();
+  const Prepared p(x, 1);
   const uint8_t* q[2] = {qa.const_data_ptr<uint8_t>(), qb.const_data_ptr<uint8_t>()};
   const uint16_t* c[2] = {reinterpret_cast<const uint16_t*>(sa.const_data_ptr()), reinterpret_cast<const uint16_t*>(sb.const_data_ptr())};
   return pair_blocks(x, qa.size(0), qb.size(0), [&](auto rows, int64_t m, int w, uint16_t* out, int64_t N, int64_t nb) {
-    block8<rows.value>(q[w], c[w], xp + m * K, xsp + m, out, K, N, nb);
+    block8<rows.value>(q[w], c[w], p.act.xq + m * K, p.act.dx + m * (K / 32), p.act.xs + m, out, K, N, nb);
   });
 #else
   TORCH_CHECK(false, "int8_mm_pair: this build has no AVX512-BF16 and AVX512-VNNI");

@@ -2,28 +2,23 @@
 // CPUs with AVX512-BF16 and AVX512-VNNI (every CPU with the first has the second).
 //
 // Decode multiplies one to three activation rows by every weight, so the GEMM is a matrix-vector
-// product that should run at memory speed. Sixteen output rows sit in the sixteen 32-bit lanes of
-// one register.
+// product that should run at memory speed. As llama.cpp does with its quantized blocks, each
+// activation row is quantized to int8 per run of 32 columns (quantize_rows: codes xq and one fp32
+// scale d per run), and vpdpbusd multiplies 4 unsigned weight codes by 4 codes of x in each 32-bit
+// lane, summing exactly in int32; sixteen output rows sit in the sixteen lanes of one register.
+// The product is exactly that of the weight and the quantized row d * xq: quantizing costs each
+// output at most ~0.4 % of the runs' largest |x| times |w|, and lets the kernels read their
+// weights at the memory's speed, where the exact bf16 dot products (vdpbf16ps, with a byte
+// permute and an OR to widen each pair of codes) were bound by their own rate (SmolLM2's layers,
+// Zen 5, two cores: ~82 GB/s in the decode stack against ~67).
 //
-// int4, as llama.cpp multiplies its 4-bit blocks: the activation row is quantized to int8 per 32
-// columns (quantize_rows: codes and one fp32 scale each) and vpdpbusd multiplies 4 codes of a
-// weight row by 4 codes of x per lane, summing exactly in int32. Layout (packed by cpu_gemv.py):
-// rows in blocks of 16; per block and each 8 input columns 64 bytes, byte 4 i + j holding row i's
-// code of column j in its low nibble and of column j + 4 in its high one, so a mask and a shift
-// make the two operands; per block and group, the 16 rows' bf16 scales then zeros. With
-// w = (q - 8) * s + z per group (torch's tinygemm convention),
-//   sum_k w_k x_k = s * sum_runs d_run * sum_k q_k xq_k + (z - 8 s) * sum_runs d_run * sum_k xq_k,
-// exactly the product of the weight and the quantized row (d * xq). Quantizing x costs each output
-// an error of ~0.4 % of |w| times the runs' largest |x| at most, and lets the kernel read its
-// weights at the memory's speed instead of the bf16 dot product's (SmolLM2's layers, Zen 5, two
-// cores: ~115 GB/s against ~85).
-//
-// int8 (w = q * s per row) keeps x in bf16: each byte widens to a 32-bit lane, its nibbles become
-// bf16 values 128 + nibble (an OR with 0x43004300: bf16 holds 128..255 exactly), and vdpbf16ps
-// multiplies them by the broadcast pair (x_k, x_k+1) exactly, summing in fp32. With u = q + 128 =
-// 16 h + l,
-//   sum_k q_k x_k = 16 * sum_k (128 + h_k) x_k + sum_k (128 + l_k) x_k - 2304 * sum_k x_k,
-// its layout per block and column pair being 16 rows x 2 bytes (u_k, u_k+1).
+// int4, rows in blocks of 16 (packed by cpu_gemv.py): per block and 8 input columns 64 bytes,
+// byte 4 i + j holding row i's code of column j in its low nibble and of column j + 4 in its high
+// one (a mask and a shift make the two operands); per block and group, the 16 rows' bf16 scales
+// then zeros. With w = (q - 8) * s + z per group (torch's tinygemm convention),
+//   sum_k w_k x_k = s * sum_runs d * sum_k q_k xq_k + (z - 8 s) * sum_runs d * sum_k xq_k.
+// int8 (w = q * s per row), stored as u = q + 128: per block and 4 columns 64 bytes, byte 4 i + j
+// holding row i's column j, and sum_k q_k x_k = sum_runs d * sum_k u_k xq_k - 128 * sum_k x_k.
 
 // The kernels below are shared by cpu_gemv.cpp (the ops) and cpu_decode.cpp (the decode stack).
 
@@ -120,66 +115,38 @@ inline void block(const uint8_t* __restrict qw, const uint16_t* __restrict sz, c
   }
 }
 
-// Byte indices for int8 expansion: row i of pair block u (bytes 32u + 2i, 32u + 2i + 1) to bytes 4i, 4i + 2.
-struct Expand8Index {
-  alignas(64) uint8_t idx[2][64];
-  Expand8Index() {
-    for (int u = 0; u < 2; ++u)
-      for (int b = 0; b < 64; ++b) idx[u][b] = static_cast<uint8_t>(32 * u + 2 * (b / 4) + (b % 4 >= 2 ? 1 : 0));
-  }
-};
-inline const Expand8Index kExpand8;
-
-// Two k-pairs of one row block (64 bytes) -> the bf16 pairs (128 + l, ...) and (128 + h, ...) of each.
-inline void expand8(const uint8_t* src, __m512i wl[2], __m512i wh[2]) {
-  const __m512i v = _mm512_loadu_si512(src);
-  const __m512i lo = _mm512_set1_epi32(0x000F000F), bias = _mm512_set1_epi32(0x43004300);
-#pragma GCC unroll 2
-  for (int u = 0; u < 2; ++u) {
-#ifdef __AVX512VBMI__
-    const __m512i t = _mm512_maskz_permutexvar_epi8(0x5555555555555555ULL, _mm512_load_si512(kExpand8.idx[u]), v);
-#else
-    const __m512i b = _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, u));
-    const __m512i t = _mm512_or_si512(_mm512_and_si512(b, _mm512_set1_epi32(0xFF)),
-                                      _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0xFF00)), 8));
-#endif
-    wl[u] = _mm512_ternarylogic_epi32(t, lo, bias, 0xEA);  // (A & B) | C
-    wh[u] = _mm512_or_si512(_mm512_srli_epi16(t, 4), bias);
-  }
-}
-
+// Rows [m0, m0 + M) of x (as for block) times int8 row block nb (u = q + 128 per byte, per 16-row
+// block and 4 columns 64 bytes, byte 4 i + j holding row i's column j; sc: per-row bf16 scales).
 template <int M>
-inline void block8(const uint8_t* __restrict qw, const uint16_t* __restrict sc, const uint16_t* __restrict x,
-                   const float* __restrict xs, uint16_t* __restrict out, int64_t K, int64_t N, int64_t nb) {
-  constexpr int P = M == 1 ? 4 : 2;  // k-pairs per step: one row needs more independent dot chains
-  const int64_t pairs = K / 2;
-  const uint8_t* q = qw + nb * pairs * 32;
-  __m512 al[M][P], ah[M][P];
-  for (int m = 0; m < M; ++m)
-    for (int u = 0; u < P; ++u) al[m][u] = ah[m][u] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < pairs; p += P) {  // K % 8 == 0: whole steps
-    __m512i wl[P], wh[P];
-#pragma GCC unroll 4
-    for (int h = 0; h < P; h += 2) expand8(q + (p + h) * 32, wl + h, wh + h);
-#pragma GCC unroll 4
-    for (int u = 0; u < P; ++u)
+inline void block8(const uint8_t* __restrict qw, const uint16_t* __restrict sc, const int8_t* __restrict xq,
+                   const float* __restrict dx, const float* __restrict xs, uint16_t* __restrict out, int64_t K,
+                   int64_t N, int64_t nb) {
+  constexpr int C = M == 1 ? 4 : 2;  // dot chains per row
+  const uint8_t* q = qw + nb * K * 16;  // 16 rows x K bytes
+  __m512 f[M];
+  for (int m = 0; m < M; ++m) f[m] = _mm512_setzero_ps();
+  for (int64_t a = 0; a < K; a += 32) {  // 32 columns: eight 64-byte chunks
+    __m512i is[M][C];
+    for (int m = 0; m < M; ++m)
+      for (int j = 0; j < C; ++j) is[m][j] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) {
+      const __m512i v = _mm512_loadu_si512(q + (a + 4 * c) * 16);
       for (int m = 0; m < M; ++m) {
-        int32_t xp;
-        std::memcpy(&xp, x + m * K + 2 * (p + u), sizeof xp);
-        const __m512bh xb = (__m512bh)_mm512_set1_epi32(xp);
-        al[m][u] = _mm512_dpbf16_ps(al[m][u], (__m512bh)wl[u], xb);
-        ah[m][u] = _mm512_dpbf16_ps(ah[m][u], (__m512bh)wh[u], xb);
+        int32_t x4;  // columns a+4c .. +3 of row m
+        std::memcpy(&x4, xq + m * K + a + 4 * c, 4);
+        is[m][c % C] = _mm512_dpbusd_epi32(is[m][c % C], v, _mm512_set1_epi32(x4));
       }
-  }
-  for (int m = 0; m < M; ++m)
-    for (int u = 2; u < P; ++u) {
-      al[m][u % 2] = _mm512_add_ps(al[m][u % 2], al[m][u]);
-      ah[m][u % 2] = _mm512_add_ps(ah[m][u % 2], ah[m][u]);
     }
+    for (int m = 0; m < M; ++m) {
+      __m512i t = is[m][0];
+      for (int j = 1; j < C; ++j) t = _mm512_add_epi32(t, is[m][j]);
+      f[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_set1_ps(dx[m * (K / 32) + a / 32]), f[m]);
+    }
+  }
   const __m512 s = bf16x16(sc + nb * 16);
-  for (int m = 0; m < M; ++m) {
-    __m512 t = _mm512_fmadd_ps(_mm512_add_ps(ah[m][0], ah[m][1]), _mm512_set1_ps(16.0f), _mm512_add_ps(al[m][0], al[m][1]));
-    t = _mm512_fnmadd_ps(_mm512_set1_ps(2304.0f), _mm512_set1_ps(xs[m]), t);
+  for (int m = 0; m < M; ++m) {  // sum_k q_k x_k = sum_k u_k x_k - 128 sum_k x_k
+    const __m512 t = _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), _mm512_set1_ps(xs[m]), f[m]);
     const __m256i r = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(t, s));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + m * N + nb * 16), r);
   }
@@ -205,13 +172,12 @@ struct Weight {
   const uint16_t* bias = nullptr;
 };
 
-// x as a weight's kernel reads it: for int4 its int8 codes, scales and sums per group
-// (quantize_rows), for int8 its bf16 values and their sum per row (group_sums, G = 1).
+// x as the kernels read it (quantize_rows): int8 codes, their scales, and the sums of what they stand
+// for over the weight's groups (int8 weights: G = 1).
 struct Act {
-  const uint16_t* x;  // bf16 bits [M, K]
-  const int8_t* xq;   // [M, K]
-  const float* dx;    // [M, K / 32]
-  const float* xs;    // [M, G]
+  const int8_t* xq;  // [M, K]
+  const float* dx;   // [M, K / 32]
+  const float* xs;   // [M, G]
 };
 
 // Block nb of w (its 16 output columns) times the M rows of a into out [M, w.N], plus the bias of
@@ -222,7 +188,7 @@ inline void weight_block(const Weight& w, const Act& a, uint16_t* out, int64_t M
     if (w.kind == 0)
       block<rows.value>(w.q, w.s, a.xq + m * w.K, a.dx + m * (w.K / 32), a.xs + m * w.G, out + m * w.N, w.K, w.G, w.N, nb);
     else
-      block8<rows.value>(w.q, w.s, a.x + m * w.K, a.xs + m, out + m * w.N, w.K, w.N, nb);
+      block8<rows.value>(w.q, w.s, a.xq + m * w.K, a.dx + m * (w.K / 32), a.xs + m, out + m * w.N, w.K, w.N, nb);
   });
   if (w.bias) {
     using T = c10::BFloat16;
@@ -234,22 +200,5 @@ inline void weight_block(const Weight& w, const Act& a, uint16_t* out, int64_t M
   }
 }
 #endif
-
-// out[m, g] (fp32, [M, G]): the sums of each row of x [M, K] bf16 over G equal groups of columns.
-inline void group_sums(const uint16_t* x, int64_t M, int64_t K, int64_t G, float* out) {
-  const int64_t gs = K / G;
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t g = 0; g < G; ++g) {
-      float s = 0.0f;
-#pragma omp simd reduction(+ : s)  // summed in lanes: a serial chain of adds cost ~4 us per layer at batch 1
-      for (int64_t i = 0; i < gs; ++i) {
-        const uint32_t bits = static_cast<uint32_t>(x[m * K + g * gs + i]) << 16;
-        float f;
-        std::memcpy(&f, &bits, sizeof f);
-        s += f;
-      }
-      out[m * G + g] = s;
-    }
-}
 
 }  // namespace core_gemv

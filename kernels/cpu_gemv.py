@@ -4,9 +4,8 @@ and AVX512-VNNI (``cpu_gemv.cpp``).
 torch's ``_weight_int4pack_mm_for_cpu`` / ``_weight_int8pack_mm`` read SmolLM2's layers and LM
 head at ~15-22 GB/s on one core of the dev VM, under half of what the core can stream, and their
 time grows with every activation row. These kernels keep sixteen output rows in the lanes of one
-register and read the weight once for up to three rows. int4 multiplies int8 codes of the
-activations (per 32 columns, as llama.cpp does) with ``vpdpbusd``; int8 multiplies exact bf16
-values with ``vdpbf16ps`` (``cpu_gemv.h`` says how). They are compiled with ``-march=native``;
+register and read the weight once for up to three rows, multiplying int8 codes of the
+activations (per 32 columns, as llama.cpp does) with ``vpdpbusd`` (``cpu_gemv.h`` says how). They are compiled with ``-march=native``;
 :func:`available` says whether this machine has both instruction sets and the library builds,
 and callers keep torch's kernels otherwise.
 """
@@ -41,7 +40,7 @@ def shape_ok(n: int, k: int, group: int) -> bool:
 
 
 def shape_ok_int8(n: int, k: int) -> bool:
-    return n % 16 == 0 and k % 8 == 0
+    return n % 16 == 0 and k % 32 == 0
 
 
 def pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,7 +66,7 @@ def unpack(qw: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_rows(x: torch.Tensor) -> torch.Tensor:
-    """What the int4 kernel multiplies instead of ``x [M, K]`` (bf16), in float32: per run of 32
+    """What the kernels multiply instead of ``x [M, K]`` (bf16), in float32: per run of 32
     columns, ``d * rint(x / d)`` with ``d = amax / 127`` (int8 codes and one scale per run)."""
     m, k = x.shape
     runs = x.float().view(m, k // 32, 32)
@@ -82,17 +81,17 @@ def mm(x: torch.Tensor, qw: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
 
 
 def pack_int8(q: torch.Tensor) -> torch.Tensor:
-    """``q [N, K]`` int8 -> ``[N/16, K/2, 16, 2]`` uint8 ``q + 128``: per 16-row block and column pair,
-    each row's two bytes."""
+    """``q [N, K]`` int8 -> ``[N/16, K/4, 16, 4]`` uint8 ``q + 128``: per 16-row block and 4 columns,
+    each row's four bytes."""
     n, k = q.shape
     u = (q.to(torch.int16) + 128).to(torch.uint8)
-    return u.view(n // 16, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    return u.view(n // 16, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous()
 
 
 def unpack_int8(qw: torch.Tensor) -> torch.Tensor:
     """The int8 ``[N, K]`` codes of :func:`pack_int8`."""
-    nb, half = qw.shape[:2]
-    return (qw.permute(0, 2, 1, 3).reshape(nb * 16, 2 * half).to(torch.int16) - 128).to(torch.int8)
+    nb, quads = qw.shape[:2]
+    return (qw.permute(0, 2, 1, 3).reshape(nb * 16, 4 * quads).to(torch.int16) - 128).to(torch.int8)
 
 
 def mm_int8(x: torch.Tensor, qw: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
