@@ -9,7 +9,8 @@ same length) in ``generate``, its TTFT being the time of a 1-token generate.
 Besides throughput it prints what explains it: the CPU's capability and the dtype
 ``--dtype auto`` picks there, the memory bandwidth measured here, the batch-1
 weight-read limit that implies (bandwidth / bytes of weights read per decode step)
-and the fraction of it reached, and the split of one decode step at batch 1 and at
+and the fraction of it the batch-1 decode rate reaches (1 / time per output token after the
+first: the limit bounds decode steps, not the prefill), and the split of one decode step at batch 1 and at
 the largest concurrency into GEMMs, attention and the rest (Python, small ops).
 
 Run on a quiet machine, one engine at a time:
@@ -163,21 +164,26 @@ def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return torch.randint(100, vocab - 100, (n, length), generator=g).tolist()
 
 
-async def run_core(engine, prompts: list[list[int]], out_len: int) -> tuple[float, list[float], int]:
+async def run_core(engine, prompts: list[list[int]], out_len: int) -> tuple[float, list[float], list[float], int]:
+    """(wall, time to first token and time per output token after it of each request, tokens)."""
     params = {"temperature": 0, "max_new_tokens": out_len, "ignore_eos": True}
     t0 = time.perf_counter()
     ttfts: list[float] = []
+    tpots: list[float] = []
 
     async def one(p: list[int]) -> int:
-        n = 0
+        n, first = 0, 0.0
         async for chunk in await engine.async_generate(input_ids=p, sampling_params=params, stream=True):
             if n == 0 and chunk["output_ids"]:
-                ttfts.append(time.perf_counter() - t0)
+                first = time.perf_counter()
+                ttfts.append(first - t0)
             n = len(chunk["output_ids"])
+        if n > 1:
+            tpots.append((time.perf_counter() - first) / (n - 1))
         return n
 
     counts = await asyncio.gather(*(one(p) for p in prompts))
-    return time.perf_counter() - t0, ttfts, sum(counts)
+    return time.perf_counter() - t0, ttfts, tpots, sum(counts)
 
 
 def run_hf(model, prompts: list[list[int]], out_len: int, device: torch.device) -> tuple[float, float, int]:
@@ -232,8 +238,8 @@ def main() -> None:
     rows = []
     for c in levels:
         prompts = make_prompts(c, args.input_len, vocab, c)
-        wall, ttfts, toks = asyncio.run(run_core(engine, prompts, args.output_len))
-        rows.append(("core", c, toks / wall, statistics.median(ttfts), wall))
+        wall, ttfts, tpots, toks = asyncio.run(run_core(engine, prompts, args.output_len))
+        rows.append(("core", c, toks / wall, statistics.median(ttfts), wall, statistics.median(tpots)))
     splits = {} if args.skip_split else {c: step_split(engine, make_prompts(c, args.input_len, vocab, c + 1))
                                          for c in sorted({1, max(levels)})}
     wbytes = weight_bytes(core.model)
@@ -255,7 +261,8 @@ def main() -> None:
         for c in levels:
             prompts = make_prompts(c, args.input_len, vocab, c)
             wall, ttft, toks = run_hf(model, prompts, args.output_len, dev)
-            rows.append(("transformers", c, toks / wall, ttft, wall))
+            # one batched generate: its decode steps take what the 1-token generate did not
+            rows.append(("transformers", c, toks / wall, ttft, wall, (wall - ttft) / (args.output_len - 1)))
 
     bw = measure_bandwidth(dev)
     limit = bw / wbytes
@@ -269,10 +276,13 @@ def main() -> None:
           f"(--dtype {args.dtype}), {args.input_len} in / {args.output_len} out, EOS ignored")
     print(f"# memory bandwidth {bw / 1e9:.1f} GB/s (copy, read + write); weights read per decode step "
           f"{wbytes / 1e6:.0f} MB; batch-1 weight-read limit {limit:.1f} tok/s")
-    print(f"{'engine':<14}{'concurrency':>12}{'output tok/s':>14}{'TTFT p50 (s)':>14}{'wall (s)':>10}{'of limit':>10}")
-    for name, c, tps, ttft, wall in sorted(rows, key=lambda r: (r[1], r[0])):
-        frac = f"{tps / limit:>9.0%}" if c == 1 else ""
-        print(f"{name:<14}{c:>12}{tps:>14.1f}{ttft:>14.3f}{wall:>10.2f}{frac:>10}")
+    # "of limit": at batch 1, the decode rate (1 / TPOT, prefill excluded: the limit bounds decode
+    # steps) as a fraction of the weight-read limit
+    print(f"{'engine':<14}{'concurrency':>12}{'output tok/s':>14}{'TTFT p50 (s)':>14}{'wall (s)':>10}"
+          f"{'TPOT p50 (ms)':>15}{'decode tok/s':>14}{'of limit':>10}")
+    for name, c, tps, ttft, wall, tpot in sorted(rows, key=lambda r: (r[1], r[0])):
+        frac = f"{1 / tpot / limit:>9.0%}" if c == 1 else ""
+        print(f"{name:<14}{c:>12}{tps:>14.1f}{ttft:>14.3f}{wall:>10.2f}{tpot * 1e3:>15.2f}{c / tpot:>14.1f}{frac:>10}")
     for c, sp in splits.items():
         print(f"# decode step at {c} streams: {sp['step']:.1f} ms; with the layers' Python forward "
               f"{sp['python_step']:.1f} ms = GEMMs {sp['gemm']:.1f} + attention {sp['attention']:.1f} "

@@ -344,6 +344,7 @@ def test_cpu_dense_copy_serves_many_rows_and_packed_serves_few(monkeypatch):
     """On CPU a packed layer keeps a bf16 copy: GEMMs of DENSE_MIN_ROWS rows or more use it (faster
     there), fewer rows use the packed kernel; both compute the same product."""
     monkeypatch.setattr(packed, "DENSE_MIN_ROWS", 16)
+    monkeypatch.setattr(packed, "GEMV_DENSE_MIN_ROWS", 16)  # this machine's own kernel, where it runs
     torch.manual_seed(0)
     w = torch.randn(64, 128)
     layer = torch.nn.Module()

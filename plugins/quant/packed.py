@@ -41,12 +41,13 @@ INT4_GROUP_SIZES = (32, 64, 128, 256)
 # weight from about 16. So on CPU a layer also keeps its weight in the activation dtype, within a
 # memory budget, and GEMMs of DENSE_MIN_ROWS rows or more (PLAIN_DENSE_MIN_ROWS for an unpacked
 # copy) use it. None disables the copy (the tests of the packed kernels do).
-# With this machine's own kernels (``kernels/cpu_gemv``, AVX512-BF16 without AMX) the packed
-# layers keep up with oneDNN longer: at two threads int4 took 145 against 151 us at 8 rows, 197
-# against 178 at 12, so layers go dense from 9 rows there; with AMX oneDNN's bf16 GEMMs are several
-# times faster, so from 4. The int8 LM head loses from ~6 rows (1.4 against 1.0 ms at 8), so it keeps 4.
+# With this machine's own kernels (``kernels/cpu_gemv``, int8 activations on AVX512-VNNI, without
+# AMX) the packed layers keep up with oneDNN's bf16 GEMM far longer: two threads, Zen 5, int4
+# [3072, 576] 240 against 256 us at 64 rows (and ahead to 256), [576, 1536] even at 64 (138 / 137)
+# and behind from 96; so layers go dense from 65 rows there. With AMX oneDNN's bf16 GEMMs are several
+# times faster, so from 4. The int8 LM head never goes dense there (see PackedHead).
 DENSE_MIN_ROWS: int | None = 4
-GEMV_DENSE_MIN_ROWS = 9  # layers on kernels/cpu_gemv, CPUs without AMX (set on the layer when packed)
+GEMV_DENSE_MIN_ROWS = 65  # layers on kernels/cpu_gemv, CPUs without AMX (set on the layer when packed)
 PLAIN_DENSE_MIN_ROWS = 16
 DENSE_COPY_RAM_FRACTION = 0.2
 FORMATS = ("int4", "int8", "dense")  # narrowest first: a packed layer takes its widest shard's
@@ -301,8 +302,11 @@ class PackedHead(torch.nn.Module):
         self.bias = None
         q, scale = quantize_int8(weight)
         set_int8(self, q, scale, weight.dtype, weight.device, dense_copy=False)
-        self.dense_min_rows = 0  # the int8 head loses to oneDNN from ~6 rows even on cpu_gemv (1.4 vs 1.0 ms at 8)
-        if self.quant_format == "int8" and _dense_wanted(weight.device, weight.dtype):
+        self.dense_min_rows = 0
+        # On kernels/cpu_gemv without AMX the int8 head beats oneDNN's bf16 GEMM at every row count
+        # measured (1 to 256; 3.0 against 4.0 ms at 64 rows, 11.7 / 15.0 at 256): no copy is kept.
+        gemv_wins = hasattr(self, "qweight_int8_bf16") and _gemv_dense_min_rows() > 0
+        if self.quant_format == "int8" and _dense_wanted(weight.device, weight.dtype) and not gemv_wins:
             # the table is kept anyway: big GEMMs use it directly (a plain reference, not a parameter),
             # or its oneDNN-packed copy within the budget
             copy = onednn_copy(weight)
