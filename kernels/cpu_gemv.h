@@ -28,7 +28,7 @@
 
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
+#include <type_traits>  // std::integral_constant (for_rows)
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
@@ -38,7 +38,7 @@
 namespace core_gemv {
 
 #ifdef CORE_GEMV_BF16
-// x rows [M, K] (bf16 bits, K % 32 == 0) as the int4 kernel reads them: for every 32 columns, int8
+// x rows [M, K] (bf16 bits, K % 32 == 0) as the kernels read them: for every 32 columns, int8
 // codes q = rint(x * 127 / amax) and the scale d = amax / 127 (all zero for an all-zero run); and
 // xs [M, G], the sums over G equal groups of columns of the values the codes stand for (d * q, so
 // that the kernel's product is exactly that of the quantized row: the weights' zero points then
