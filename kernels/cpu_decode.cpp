@@ -69,7 +69,7 @@ const Ops& ops() {
   return o;
 }
 
-// The gemv kernels (AVX512-BF16 only), looked up on first use: fp32 and dense layers never need them.
+// The gemv kernels (bf16: AVX512-BF16 and VNNI; fp32: AVX2), looked up on first use: dense layers never need them.
 const c10::TypedOperatorHandle<Mm>& gemv(int64_t kind) {
   static const auto int4 = op<Mm>("core_cpu_gemv::int4_mm");
   static const auto int8 = op<Mm>("core_cpu_gemv::int8_mm");
@@ -130,7 +130,8 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(const at::Tensor& x, const std::
   const at::Tensor a = o.attn.call(qr, k_cache, v_cache, kv_indices, seq_lens, extend_lens, scale, window, cap);
   auto [x1, h1] = o.add_rms.call(x0, linear(o, a.view({m, q_size}), lin, 1, kinds[1], max_rows[1]), post_norm, eps, 0.0);
   at::Tensor gate, up;
-  if (kinds[2] == kinds[3] && kinds[2] < 2 && m < max_rows[2] && m < max_rows[3] && !has_bias(lin, 2) && !has_bias(lin, 3) &&
+  if (h1.scalar_type() == at::kBFloat16 && kinds[2] == kinds[3] && kinds[2] < 2 && m < max_rows[2] && m < max_rows[3] &&
+      !has_bias(lin, 2) && !has_bias(lin, 3) &&
       (kinds[2] == 1 || lin[4 * 2 + 1].size(1) == lin[4 * 3 + 1].size(1))) {  // one gemv pass for both (same kernel, same results)
     std::tie(gate, up) = gemv_pair(kinds[2]).call(h1, lin[4 * 2], lin[4 * 2 + 1], lin[4 * 3], lin[4 * 3 + 1]);
   } else {

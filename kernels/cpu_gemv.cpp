@@ -1,5 +1,6 @@
-// Packed int4 (group-wise) and int8 (per-channel) weights times a few bf16 activation rows, on
-// CPUs with AVX512-BF16 and AVX512-VNNI: the ops around the kernels of cpu_gemv.h (its header comment says how they work).
+// Packed int4 (group-wise) and int8 (per-channel) weights times a few activation rows: bf16 on CPUs
+// with AVX512-BF16 and AVX512-VNNI, fp32 on CPUs with AVX2 and FMA. The ops around the kernels of
+// cpu_gemv.h (its header comment says how they work).
 
 #include "cpu_gemv.h"
 
@@ -21,7 +22,14 @@ bool supported() {
 #endif
 }
 
-#ifdef CORE_GEMV_BF16
+bool supported_f32() {
+#ifdef CORE_GEMV_F32
+  return true;
+#else
+  return false;
+#endif
+}
+
 using namespace core_gemv;
 
 // Every 16-row block of the weight (split over threads) times the M rows of x (for_rows):
@@ -32,69 +40,101 @@ void for_blocks(int64_t NB, int64_t M, F&& f) {
     for (int64_t nb = b0; nb < b1; ++nb) for_rows(M, [&](auto rows, int64_t m) { f(rows, m, nb); });
   });
 }
-#endif
 
-#ifdef CORE_GEMV_BF16
-// x [M, K] bf16 as the kernels read it, for weights of G groups (int8: 1) (the tensors own the
-// memory act points into).
+// x [M, K] (bf16 or fp32) as the kernels read it, for weights of G groups (int8: 1): int8 codes,
+// their scales and group sums (the tensors own the memory act points into).
 struct Prepared {
   at::Tensor xq, f;
-  Act act;
+  Act act{};
   Prepared(const at::Tensor& x, int64_t G)
       : xq(at::empty(x.sizes(), x.options().dtype(at::kChar))),
         f(at::empty({x.size(0) * (x.size(1) / 32 + G)}, x.options().dtype(at::kFloat))) {
-    const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.const_data_ptr());
     float *dx = f.data_ptr<float>(), *xs = dx + x.size(0) * (x.size(1) / 32);
-    quantize_rows(xp, x.size(0), x.size(1), G, xq.data_ptr<int8_t>(), dx, xs);
-    act = {xq.const_data_ptr<int8_t>(), dx, xs};
+    int8_t* q = xq.data_ptr<int8_t>();
+#ifdef CORE_GEMV_BF16
+    if (x.scalar_type() == at::kBFloat16)
+      quantize_rows(reinterpret_cast<const uint16_t*>(x.const_data_ptr()), x.size(0), x.size(1), G, q, dx, xs);
+#endif
+#ifdef CORE_GEMV_F32
+    if (x.scalar_type() == at::kFloat) quantize_rows_f32(x.const_data_ptr<float>(), x.size(0), x.size(1), G, q, dx, xs);
+#endif
+    act = {q, dx, xs};
   }
 };
-#endif
 
-// x [M, K] bf16; qw [N/16, K/8, 16, 4] uint8; sz [N/16, G, 2, 16] bf16 (scales, then zeros) -> [M, N] bf16.
+// x's dtype has a kernel in this build: bf16 (AVX512-BF16 and VNNI) or fp32 (AVX2 and FMA).
+void check_kernel(const char* op, const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              op, ": x [M, K] contiguous bf16 or float32");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || supported(), op, ": this build has no AVX512-BF16 and AVX512-VNNI");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || supported_f32(), op, ": this build has no AVX2 and FMA");
+}
+
+// x [M, K] bf16 or fp32; qw [N/16, K/8, 16, 4] uint8; sz [N/16, G, 2, 16] (scales, then zeros) of
+// x's dtype -> [M, N] of x's dtype.
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& sz) {
-  TORCH_CHECK(supported(), "int4_mm: this build has no AVX512-BF16 and AVX512-VNNI");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "int4_mm: x [M, K] contiguous bf16");
+  check_kernel("int4_mm", x);
   TORCH_CHECK(qw.dim() == 4 && qw.scalar_type() == at::kByte && qw.size(2) == 16 && qw.size(3) == 4 && qw.is_contiguous(),
               "int4_mm: qw [N/16, K/8, 16, 4] uint8");
   const int64_t M = x.size(0), K = x.size(1), NB = qw.size(0), N = NB * 16, G = sz.size(1);
   TORCH_CHECK(qw.size(1) * 8 == K, "int4_mm: x has ", K, " columns, the weight ", qw.size(1) * 8);
   TORCH_CHECK(sz.dim() == 4 && sz.size(0) == NB && sz.size(2) == 2 && sz.size(3) == 16 && G > 0 && K % G == 0 &&
-                  (K / G) % 32 == 0 && sz.scalar_type() == at::kBFloat16 && sz.is_contiguous(),
-              "int4_mm: sz [N/16, G, 2, 16] bfloat16, groups of a multiple of 32 columns");
+                  (K / G) % 32 == 0 && sz.scalar_type() == x.scalar_type() && sz.is_contiguous(),
+              "int4_mm: sz [N/16, G, 2, 16] of x's dtype, groups of a multiple of 32 columns");
   auto out = at::empty({M, N}, x.options());
-#ifdef CORE_GEMV_BF16
   const Prepared p(x, G);
   const uint8_t* q = qw.const_data_ptr<uint8_t>();
-  const uint16_t* szp = reinterpret_cast<const uint16_t*>(sz.const_data_ptr());
-  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
-  for_blocks(NB, M, [&](auto rows, int64_t m, int64_t nb) {
-    block<rows.value>(q, szp, p.act.xq + m * K, p.act.dx + m * (K / 32), p.act.xs + m * G, op + m * N, K, G, N, nb);
-  });
+#ifdef CORE_GEMV_BF16
+  if (x.scalar_type() == at::kBFloat16) {
+    const uint16_t* szp = reinterpret_cast<const uint16_t*>(sz.const_data_ptr());
+    uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+    for_blocks(NB, M, [&](auto rows, int64_t m, int64_t nb) {
+      block<rows.value>(q, szp, p.act.xq + m * K, p.act.dx + m * (K / 32), p.act.xs + m * G, op + m * N, K, G, N, nb);
+    });
+  }
+#endif
+#ifdef CORE_GEMV_F32
+  if (x.scalar_type() == at::kFloat) {
+    const float* szp = sz.const_data_ptr<float>();
+    float* op = out.data_ptr<float>();
+    for_blocks(NB, M, [&](auto rows, int64_t m, int64_t nb) {
+      block_f32<rows.value>(q, szp, p.act.xq + m * K, p.act.dx + m * (K / 32), p.act.xs + m * G, op + m * N, K, G, N, nb);
+    });
+  }
 #endif
   return out;
 }
 
-// x [M, K] bf16; qw [N/16, K/4, 16, 4] uint8 (q + 128); scale [N] bf16 -> [M, N] bf16.
+// x [M, K] bf16 or fp32; qw [N/16, K/4, 16, 4] uint8 (q + 128); scale [N] of x's dtype -> [M, N].
 at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& scale) {
-  TORCH_CHECK(supported(), "int8_mm: this build has no AVX512-BF16 and AVX512-VNNI");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous(), "int8_mm: x [M, K] contiguous bf16");
+  check_kernel("int8_mm", x);
   TORCH_CHECK(qw.dim() == 4 && qw.scalar_type() == at::kByte && qw.size(2) == 16 && qw.size(3) == 4 && qw.is_contiguous(),
               "int8_mm: qw [N/16, K/4, 16, 4] uint8");
   const int64_t M = x.size(0), K = x.size(1), NB = qw.size(0), N = NB * 16;
   TORCH_CHECK(qw.size(1) * 4 == K && K % 32 == 0, "int8_mm: x has ", K, " columns, the weight ", qw.size(1) * 4,
               " (a multiple of 32)");
-  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == N && scale.scalar_type() == at::kBFloat16 && scale.is_contiguous(),
-              "int8_mm: scale [N] bfloat16");
+  TORCH_CHECK(scale.dim() == 1 && scale.size(0) == N && scale.scalar_type() == x.scalar_type() && scale.is_contiguous(),
+              "int8_mm: scale [N] of x's dtype");
   auto out = at::empty({M, N}, x.options());
-#ifdef CORE_GEMV_BF16
   const Prepared p(x, 1);
   const uint8_t* q = qw.const_data_ptr<uint8_t>();
-  const uint16_t* sc = reinterpret_cast<const uint16_t*>(scale.const_data_ptr());
-  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
-  for_blocks(NB, M, [&](auto rows, int64_t m, int64_t nb) {
-    block8<rows.value>(q, sc, p.act.xq + m * K, p.act.dx + m * (K / 32), p.act.xs + m, op + m * N, K, N, nb);
-  });
+#ifdef CORE_GEMV_BF16
+  if (x.scalar_type() == at::kBFloat16) {
+    const uint16_t* sc = reinterpret_cast<const uint16_t*>(scale.const_data_ptr());
+    uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+    for_blocks(NB, M, [&](auto rows, int64_t m, int64_t nb) {
+      block8<rows.value>(q, sc, p.act.xq + m * K, p.act.dx + m * (K / 32), p.act.xs + m, op + m * N, K, N, nb);
+    });
+  }
+#endif
+#ifdef CORE_GEMV_F32
+  if (x.scalar_type() == at::kFloat) {
+    const float* sc = scale.const_data_ptr<float>();
+    float* op = out.data_ptr<float>();
+    for_blocks(NB, M, [&](auto rows, int64_t m, int64_t nb) {
+      block8_f32<rows.value>(q, sc, p.act.xq + m * K, p.act.dx + m * (K / 32), op + m * N, K, N, nb);
+    });
+  }
 #endif
   return out;
 }
@@ -168,6 +208,7 @@ TORCH_LIBRARY(core_cpu_gemv, m) {
   m.def("int4_mm_pair(Tensor x, Tensor qa, Tensor sa, Tensor qb, Tensor sb) -> (Tensor, Tensor)");
   m.def("int8_mm_pair(Tensor x, Tensor qa, Tensor sa, Tensor qb, Tensor sb) -> (Tensor, Tensor)");
   m.def("supported() -> bool", &gemv_supported);
+  m.def("supported_f32() -> bool", &supported_f32);
 }
 
 TORCH_LIBRARY_IMPL(core_cpu_gemv, CPU, m) {

@@ -30,12 +30,36 @@
 #include <cstring>
 #include <type_traits>  // std::integral_constant (for_rows)
 
+#include <cmath>
+
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
 #define CORE_GEMV_BF16 1
 #endif
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define CORE_GEMV_F32 1
+#endif
 
 namespace core_gemv {
+
+// f(rows as a compile-time constant, first row) over M activation rows: three at a time, then the
+// last one or two together (each weight block is read once per call of f).
+template <typename F>
+inline void for_rows(int64_t M, F&& f) {
+  int64_t m = 0;
+  for (; m + 3 <= M; m += 3) f(std::integral_constant<int, 3>{}, m);
+  if (M - m == 2) f(std::integral_constant<int, 2>{}, m);
+  if (M - m == 1) f(std::integral_constant<int, 1>{}, m);
+}
+
+// x as the kernels read it (quantize_rows): int8 codes, their scales, and the sums of what they stand
+// for over the weight's groups (int8 weights: G = 1).
+struct Act {
+  const int8_t* xq;  // [M, K]
+  const float* dx;   // [M, K / 32]
+  const float* xs;   // [M, G]
+};
 
 #ifdef CORE_GEMV_BF16
 // x rows [M, K] (bf16 bits, K % 32 == 0) as the kernels read them: for every 32 columns, int8
@@ -153,15 +177,6 @@ inline void block8(const uint8_t* __restrict qw, const uint16_t* __restrict sc, 
 }
 
 
-// f(rows as a compile-time constant, first row) over M activation rows: three at a time, then the
-// last one or two together (each weight block is read once per call of f).
-template <typename F>
-inline void for_rows(int64_t M, F&& f) {
-  int64_t m = 0;
-  for (; m + 3 <= M; m += 3) f(std::integral_constant<int, 3>{}, m);
-  if (M - m == 2) f(std::integral_constant<int, 2>{}, m);
-  if (M - m == 1) f(std::integral_constant<int, 1>{}, m);
-}
 
 // One packed weight [N, K]: kind 0 int4 (q codes, s scales then zeros of G groups per row), 1 int8
 // (s per-row scales, G = 1); bias (bf16 bits, N) nullptr for none.
@@ -172,13 +187,6 @@ struct Weight {
   const uint16_t* bias = nullptr;
 };
 
-// x as the kernels read it (quantize_rows): int8 codes, their scales, and the sums of what they stand
-// for over the weight's groups (int8 weights: G = 1).
-struct Act {
-  const int8_t* xq;  // [M, K]
-  const float* dx;   // [M, K / 32]
-  const float* xs;   // [M, G]
-};
 
 // Block nb of w (its 16 output columns) times the M rows of a into out [M, w.N], plus the bias of
 // those columns (rounded as torch's add rounds). The stack's form (kernels/cpu_decode.cpp); the
@@ -198,6 +206,128 @@ inline void weight_block(const Weight& w, const Act& a, uint16_t* out, int64_t M
       core_rows::add_row<T>(o, b, o, 16);
     }
   }
+}
+#endif
+
+#ifdef CORE_GEMV_F32
+// ---- float32 activations on AVX2 (every x86-64 CPU since 2013; the dtype --dtype auto picks where
+// the CPU has no native bf16): the same layouts and the same int8 quantization of x, with
+// vpmaddubsw (4 unsigned codes times 4 signed ones as two 16-bit sums per lane) and vpmaddwd to
+// widen; 16 output rows in two registers of 8 lanes; fp32 scales and zeros, fp32 output.
+
+// quantize_rows for fp32 x: the same codes, scales and sums for the same values.
+inline void quantize_rows_f32(const float* x, int64_t M, int64_t K, int64_t G, int8_t* xq, float* dx, float* xs) {
+  const int64_t runs = K / G / 32;
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  for (int64_t r = 0; r < M * K / 32; ++r) {
+    const float* p = x + 32 * r;
+    __m256 m = _mm256_and_ps(_mm256_loadu_ps(p), absmask);
+    for (int j = 8; j < 32; j += 8) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(p + j), absmask));
+    const __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    const __m128 h2 = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(h2, _mm_shuffle_ps(h2, h2, 1)));
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f, d = amax / 127.0f;
+    int32_t sum = 0;
+    for (int j = 0; j < 32; ++j) {
+      const int32_t q = static_cast<int32_t>(std::nearbyint(p[j] * inv));  // to nearest even, as torch.round
+      xq[32 * r + j] = static_cast<int8_t>(q);
+      sum += q;
+    }
+    dx[r] = d;
+    const float s = d * static_cast<float>(sum);
+    xs[r / runs] = r % runs ? xs[r / runs] + s : s;
+  }
+}
+
+// The eight 32-bit lanes of v summed in pairs of 16-bit lanes (vpmaddwd by ones).
+inline __m256i widen16(__m256i v) { return _mm256_madd_epi16(v, _mm256_set1_epi16(1)); }
+
+// Rows [m0, m0 + M) of x (quantize_rows_f32) times int4 row block nb (block's layout; sz fp32).
+template <int M>
+inline void block_f32(const uint8_t* __restrict qw, const float* __restrict sz, const int8_t* __restrict xq,
+                      const float* __restrict dx, const float* __restrict xs, float* __restrict out, int64_t K,
+                      int64_t G, int64_t N, int64_t nb) {
+  const int64_t gs = K / G;
+  const uint8_t* q = qw + nb * K * 8;
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  const __m256 k8 = _mm256_set1_ps(8.0f);
+  __m256 acc[M][2];
+  for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m256 f[M][2];
+    for (int m = 0; m < M; ++m) f[m][0] = f[m][1] = _mm256_setzero_ps();
+    for (int64_t a = g * gs; a < (g + 1) * gs; a += 32) {
+      // 16-bit sums of at most 8 products pairs of 15 * 127 per run and lane: they fit (30,480)
+      __m256i s16[M][2];
+      for (int m = 0; m < M; ++m) s16[m][0] = s16[m][1] = _mm256_setzero_si256();
+      for (int c = 0; c < 4; ++c) {
+        const uint8_t* src = q + (a + 8 * c) * 8;
+        for (int h = 0; h < 2; ++h) {  // rows 0-7, 8-15
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32 * h));
+          const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+          for (int m = 0; m < M; ++m) {
+            int32_t x0, x1;
+            std::memcpy(&x0, xq + m * K + a + 8 * c, 4);
+            std::memcpy(&x1, xq + m * K + a + 8 * c + 4, 4);
+            s16[m][h] = _mm256_add_epi16(s16[m][h], _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(x0)),
+                                                                      _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x1))));
+          }
+        }
+      }
+      for (int m = 0; m < M; ++m) {
+        const __m256 d = _mm256_set1_ps(dx[m * (K / 32) + a / 32]);
+        for (int h = 0; h < 2; ++h) f[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(widen16(s16[m][h])), d, f[m][h]);
+      }
+    }
+    const float* sg = sz + (nb * G + g) * 32;
+    for (int h = 0; h < 2; ++h) {
+      const __m256 s = _mm256_loadu_ps(sg + 8 * h), c = _mm256_fnmadd_ps(k8, s, _mm256_loadu_ps(sg + 16 + 8 * h));
+      for (int m = 0; m < M; ++m) {
+        acc[m][h] = _mm256_fmadd_ps(f[m][h], s, acc[m][h]);
+        acc[m][h] = _mm256_fmadd_ps(c, _mm256_set1_ps(xs[m * G + g]), acc[m][h]);
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out + m * N + nb * 16 + 8 * h, acc[m][h]);
+}
+
+// Rows of x times int8 row block nb (block8's layout, u = q + 128; sc fp32 per-row scales). The
+// codes go back to signed (u ^ 0x80) and the sign of x moves onto them, so vpmaddubsw multiplies
+// |x| by q * sign(x): pairs of at most 127 * 127, no saturation.
+template <int M>
+inline void block8_f32(const uint8_t* __restrict qw, const float* __restrict sc, const int8_t* __restrict xq,
+                       const float* __restrict dx, float* __restrict out, int64_t K, int64_t N, int64_t nb) {
+  const uint8_t* q = qw + nb * K * 16;
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  __m256 f[M][2];
+  for (int m = 0; m < M; ++m) f[m][0] = f[m][1] = _mm256_setzero_ps();
+  for (int64_t a = 0; a < K; a += 32) {
+    __m256i s32[M][2];
+    for (int m = 0; m < M; ++m) s32[m][0] = s32[m][1] = _mm256_setzero_si256();
+    for (int c = 0; c < 8; ++c) {
+      __m256i ax[M], xv[M];
+      for (int m = 0; m < M; ++m) {
+        int32_t x4;
+        std::memcpy(&x4, xq + m * K + a + 4 * c, 4);
+        xv[m] = _mm256_set1_epi32(x4);
+        ax[m] = _mm256_sign_epi8(xv[m], xv[m]);
+      }
+      for (int h = 0; h < 2; ++h) {
+        const __m256i w = _mm256_xor_si256(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + (a + 4 * c) * 16 + 32 * h)), flip);
+        for (int m = 0; m < M; ++m)
+          s32[m][h] = _mm256_add_epi32(s32[m][h], widen16(_mm256_maddubs_epi16(ax[m], _mm256_sign_epi8(w, xv[m]))));
+      }
+    }
+    for (int m = 0; m < M; ++m) {
+      const __m256 d = _mm256_set1_ps(dx[m * (K / 32) + a / 32]);
+      for (int h = 0; h < 2; ++h) f[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[m][h]), d, f[m][h]);
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int h = 0; h < 2; ++h)
+      _mm256_storeu_ps(out + m * N + nb * 16 + 8 * h, _mm256_mul_ps(f[m][h], _mm256_loadu_ps(sc + nb * 16 + 8 * h)));
 }
 #endif
 

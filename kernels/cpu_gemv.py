@@ -1,13 +1,13 @@
-"""Group-wise int4 and per-channel int8 weights times a few bf16 rows on CPUs with AVX512-BF16
-and AVX512-VNNI (``cpu_gemv.cpp``).
+"""Group-wise int4 and per-channel int8 weights times a few rows of activations: bf16 on CPUs
+with AVX512-BF16 and AVX512-VNNI, float32 on CPUs with AVX2 and FMA (``cpu_gemv.cpp``).
 
 torch's ``_weight_int4pack_mm_for_cpu`` / ``_weight_int8pack_mm`` read SmolLM2's layers and LM
 head at ~15-22 GB/s on one core of the dev VM, under half of what the core can stream, and their
 time grows with every activation row. These kernels keep sixteen output rows in the lanes of one
 register and read the weight once for up to three rows, multiplying int8 codes of the
 activations (per 32 columns, as llama.cpp does) with ``vpdpbusd`` (``cpu_gemv.h`` says how). They are compiled with ``-march=native``;
-:func:`available` says whether this machine has both instruction sets and the library builds,
-and callers keep torch's kernels otherwise.
+:func:`available_for` says whether this machine has the instruction sets for a dtype and the
+library builds, and callers keep torch's kernels otherwise.
 """
 
 from __future__ import annotations
@@ -25,13 +25,30 @@ PREFIX = "core_cpu_gemv"
 
 @functools.cache
 def available() -> bool:
-    """Build (first time on this machine) and load the library; whether its kernels run here."""
+    """Whether the bf16 kernels run here (AVX512-BF16 and VNNI): builds (first time on this machine)
+    and loads the library."""
     from core.engine.device import cpu_flags
 
     if not {"avx512_bf16", "avx512_vnni"} <= cpu_flags():
         return False
     return cpp_build.try_load(PREFIX, SOURCE, "cpu_gemv", fallback="torch's kernels") and bool(
         torch.ops.core_cpu_gemv.supported())
+
+
+@functools.cache
+def available_f32() -> bool:
+    """Whether the float32 kernels run here (AVX2 and FMA), as :func:`available` for bf16."""
+    from core.engine.device import cpu_flags
+
+    if not {"avx2", "fma"} <= cpu_flags():
+        return False
+    return cpp_build.try_load(PREFIX, SOURCE, "cpu_gemv", fallback="torch's kernels") and bool(
+        torch.ops.core_cpu_gemv.supported_f32())
+
+
+def available_for(dtype: torch.dtype) -> bool:
+    """Whether activations of ``dtype`` have a kernel here."""
+    return (dtype == torch.bfloat16 and available()) or (dtype == torch.float32 and available_f32())
 
 
 def shape_ok(n: int, k: int, group: int) -> bool:
@@ -43,15 +60,16 @@ def shape_ok_int8(n: int, k: int) -> bool:
     return n % 16 == 0 and k % 32 == 0
 
 
-def pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+         dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
     """``q [N, K]`` codes 0..15 with ``scale``/``zero`` ``[N, K/group]`` (tinygemm convention:
     ``w = (q - 8) * scale + zero``) -> ``(qw [N/16, K/8, 16, 4] uint8, sz [N/16, K/group, 2, 16]
-    bf16)``: per 16-row block and 8 columns, byte ``[i, j]`` holds row i's codes of columns j (low
-    nibble) and j + 4; then the block's scales and zeros per group."""
+    dtype)``: per 16-row block and 8 columns, byte ``[i, j]`` holds row i's codes of columns j (low
+    nibble) and j + 4; then the block's scales and zeros per group, in the activations' dtype."""
     n, k = q.shape
     v = q.to(torch.uint8).view(n // 16, 16, k // 8, 2, 4)
     qw = (v[:, :, :, 0] | (v[:, :, :, 1] << 4)).permute(0, 2, 1, 3).contiguous()
-    sz = torch.stack([scale, zero]).to(torch.bfloat16).view(2, n // 16, 16, -1).permute(1, 3, 0, 2).contiguous()
+    sz = torch.stack([scale, zero]).to(dtype).view(2, n // 16, 16, -1).permute(1, 3, 0, 2).contiguous()
     return qw, sz
 
 
@@ -76,15 +94,16 @@ def quantize_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def mm(x: torch.Tensor, qw: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
-    """``x [M, K]`` bf16 times the packed weight -> ``[M, N]`` bf16."""
+    """``x [M, K]`` times the packed weight -> ``[M, N]``, in ``sz``'s dtype (bf16 or float32)."""
     return torch.ops.core_cpu_gemv.int4_mm(x.contiguous(), qw, sz)
 
 
 def pack_int8(q: torch.Tensor) -> torch.Tensor:
     """``q [N, K]`` int8 -> ``[N/16, K/4, 16, 4]`` uint8 ``q + 128``: per 16-row block and 4 columns,
-    each row's four bytes."""
+    each row's four bytes. A code of -128 (symmetric quantizers never write one) is stored as -127:
+    the float32 kernel negates codes, and -128 has no int8 negation."""
     n, k = q.shape
-    u = (q.to(torch.int16) + 128).to(torch.uint8)
+    u = (q.to(torch.int16).clamp(-127, 127) + 128).to(torch.uint8)
     return u.view(n // 16, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous()
 
 
@@ -95,5 +114,5 @@ def unpack_int8(qw: torch.Tensor) -> torch.Tensor:
 
 
 def mm_int8(x: torch.Tensor, qw: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``x [M, K]`` bf16 times ``q * scale[:, None]`` -> ``[M, N]`` bf16 (``scale`` ``[N]`` bf16)."""
+    """``x [M, K]`` times ``q * scale[:, None]`` -> ``[M, N]`` in ``scale``'s dtype (bf16 or float32)."""
     return torch.ops.core_cpu_gemv.int8_mm(x.contiguous(), qw, scale)

@@ -106,12 +106,16 @@ def test_rows_are_independent_and_a_strided_input_is_fine():
 def test_bad_inputs_are_clear_errors():
     q, scale, zero = quantized(32, 64, 32)
     qw, sz = cpu_gemv.pack(q, scale, zero)
-    with pytest.raises(RuntimeError, match="bf16"):
+    with pytest.raises(RuntimeError, match="bf16 or float32"):
+        cpu_gemv.mm(torch.randn(1, 64).half(), qw, sz)
+    with pytest.raises(RuntimeError, match="x's dtype"):  # float32 x, scales packed for bf16
         cpu_gemv.mm(torch.randn(1, 64), qw, sz)
     with pytest.raises(RuntimeError, match="columns"):
         cpu_gemv.mm(torch.randn(1, 96).bfloat16(), qw, sz)
     q8 = cpu_gemv.pack_int8(packed.quantize_int8(torch.randn(32, 64))[0])
-    with pytest.raises(RuntimeError, match="bf16"):
+    with pytest.raises(RuntimeError, match="bf16 or float32"):
+        cpu_gemv.mm_int8(torch.randn(1, 64).half(), q8, torch.ones(32).bfloat16())
+    with pytest.raises(RuntimeError, match="x's dtype"):
         cpu_gemv.mm_int8(torch.randn(1, 64), q8, torch.ones(32).bfloat16())
     with pytest.raises(RuntimeError, match="scale"):
         cpu_gemv.mm_int8(torch.randn(1, 64).bfloat16(), q8, torch.ones(16).bfloat16())
@@ -122,12 +126,12 @@ def test_bf16_int8_layers_and_heads_use_it():
     layer = torch.nn.Module()
     layer.bias = None
     packed.set_int8(layer, q, scale, torch.bfloat16, torch.device("cpu"))
-    assert hasattr(layer, "qweight_int8_bf16") and not hasattr(layer, "qweight_int8")
+    assert hasattr(layer, "qweight_int8_cpu") and not hasattr(layer, "qweight_int8")
     assert torch.equal(packed.dequantize(layer), q.float() * scale.bfloat16().float()[:, None])
     x = torch.randn(3, 128).bfloat16()
     assert rel_err(packed.packed_linear(layer, x), x.float() @ packed.dequantize(layer).T) < INT8_ACT_REL
     head = packed.PackedHead(torch.randn(96, 128).bfloat16())
-    assert hasattr(head, "qweight_int8_bf16")
+    assert hasattr(head, "qweight_int8_cpu")
     if packed._gemv_dense_min_rows():  # no AMX: the kernel beats oneDNN at every row count, no copy is kept
         assert "dense_weight" not in head.__dict__
         x = torch.randn(300, 128).bfloat16()
@@ -139,7 +143,7 @@ def test_bf16_int4_layers_use_it():
     layer = torch.nn.Module()
     layer.bias = None
     packed.set_int4(layer, q, scale, zero, torch.bfloat16)
-    assert hasattr(layer, "qweight_int4_bf16") and not hasattr(layer, "qweight_int4")
+    assert hasattr(layer, "qweight_int4_cpu") and not hasattr(layer, "qweight_int4")
     assert torch.equal(packed.dequantize(layer), packed.dequantize_int4(q, scale, zero))
     x = torch.randn(2, 128).bfloat16()
     assert rel_err(packed.packed_linear(layer, x), x.float() @ packed.dequantize(layer).T) < INT8_ACT_REL

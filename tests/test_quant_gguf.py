@@ -1,5 +1,6 @@
 """The embedded SmolLM2 GGUF (Q4_1 layers, Q8_0 embedding / tied head) served from its quantized
-blocks: the default on a CPU with bf16 activations, and `--quantization none` for the dequantized path.
+blocks: the default on a CPU with bf16 activations, and with float32 ones where the AVX2 kernels run
+(``--dtype auto`` on a CPU without native bf16); `--quantization none` for the dequantized path.
 
 The repacked weights equal transformers' dequantization of the file (the converted folder) within
 bf16 rounding, and the model's next-token choices under teacher forcing agree with the dequantized
@@ -84,3 +85,25 @@ def test_kept_model_tracks_the_dequantized_model(engines):
     assert head.packed_head is not None and head.packed_head.quant_format == "int8", "the Q8_0 head is served as int8"
     agree, kl = agreement_and_kl(ref, got)
     assert agree >= MIN_AGREEMENT and kl < 0.05, f"agreement {agree:.3f}, mean KL {kl:.4f}"
+
+
+def test_float32_gguf_is_kept_quantized_where_the_kernel_runs():
+    """The float32 default of an AVX2-only CPU: the file's blocks on the float32 kernels, tracking
+    the dequantized float32 model as the bf16 one does."""
+    import core
+    from core_kernels import cpu_gemv
+
+    if not cpu_gemv.available_f32():
+        pytest.skip("this CPU has no AVX2 (or no C++ compiler): a float32 GGUF model is served dequantized")
+    opts = dict(dtype="float32", max_total_tokens=1024, cpu_threads=1, device="cpu")
+    kept, dense = core.Engine(**opts), core.Engine(quantization="none", **opts)
+    try:
+        down = kept.engine.model.model.layers[0].mlp.down_proj
+        assert down.quant_format == "int4" and down.qscale_zero_cpu.dtype == torch.float32
+        ids = kept.engine.tokenizer.encode(TEXT)
+        agree, kl = agreement_and_kl(teacher_forced_logits(dense, ids), teacher_forced_logits(kept, ids))
+        assert agree >= MIN_AGREEMENT and kl < 0.05, f"agreement {agree:.3f}, mean KL {kl:.4f}"
+        assert kept.generate("The capital of France is", {"max_new_tokens": 8, "temperature": 0})["text"]
+    finally:
+        kept.shutdown()
+        dense.shutdown()

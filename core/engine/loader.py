@@ -325,8 +325,9 @@ def select_quantization(quantization: str | None, torchao_config: str | None, mc
                         device: torch.device, load_format: str = "auto") -> tuple[str, dict | None]:
     """(quant method name, config for its ``from_config`` or None). Explicit choices that
     contradict the checkpoint are errors; with nothing asked, a pre-quantized checkpoint uses its
-    own method and a GGUF model on CPU in bf16/fp16 keeps its quantized blocks (``gguf``; not
-    with ``--load-format dummy``, which reads no weights)."""
+    own method and a GGUF model on CPU keeps its quantized blocks (``gguf``; not with
+    ``--load-format dummy``, which reads no weights) where its activations' dtype has a packed
+    kernel (:func:`_packed_activations`)."""
     qc = mc.quant_config
     if torchao_config is not None:
         if torchao_config not in TORCHAO_CONFIGS:
@@ -357,12 +358,25 @@ def select_quantization(quantization: str | None, torchao_config: str | None, mc
         return "gguf", {"head_type": gguf_tensor_table(mc.gguf_file, mc.path)["head_type"]}
     if quantization is not None:
         return quantization, None
-    if mc.gguf_file is not None and load_format != "dummy" and device.type == "cpu" and mc.dtype in (torch.bfloat16, torch.float16):
+    if mc.gguf_file is not None and load_format != "dummy" and device.type == "cpu" and _packed_activations(mc.dtype):
         try:
             return "gguf", {"head_type": gguf_tensor_table(mc.gguf_file, mc.path)["head_type"]}
         except ModelLoadError as e:
             log.warning("gguf.dequantized", reason=str(e))
     return "none", None
+
+
+def _packed_activations(dtype: torch.dtype) -> bool:
+    """bf16 / fp16 activations, or float32 ones where this CPU runs ``kernels/cpu_gemv``'s float32
+    kernels (AVX2): torch's own int4 kernel with float32 activations is slower than the
+    dequantized model, so without ours a float32 GGUF model is served dequantized."""
+    if dtype in (torch.bfloat16, torch.float16):
+        return True
+    if dtype != torch.float32:
+        return False
+    from core_kernels import cpu_gemv
+
+    return cpu_gemv.available_f32()
 
 
 def _has_tensor(path: Path, suffix: str) -> bool:

@@ -12,9 +12,10 @@ GGUF, AWQ, GPTQ) started from:
   CUDA ``torch._weight_int4pack_mm`` (bf16 activations, sm80+).
 - ``dense``: the weight in the activation dtype, for shapes the kernels refuse.
 
-On CPUs with AVX512-BF16 and AVX512-VNNI and bf16 activations, int8 and int4 layers are packed
-for ``kernels/cpu_gemv`` instead (buffers ``qweight_int8_bf16`` / ``qweight_int4_bf16``), which
-multiplies them by the activations quantized to int8 per 32 columns, as llama.cpp does (the
+On CPUs with AVX512-BF16 and AVX512-VNNI for bf16 activations, and with AVX2 and FMA for float32
+ones (the dtype ``--dtype auto`` picks where the CPU has no native bf16), int8 and int4 layers are
+packed for ``kernels/cpu_gemv`` instead (buffers ``qweight_int8_cpu`` / ``qweight_int4_cpu``),
+which multiplies them by the activations quantized to int8 per 32 columns, as llama.cpp does (the
 product of the weight and the quantized row, within ~0.4 % of each run's largest value).
 
 Why these kernels: on the 2-core AVX-512 (avx512_bf16, no AMX) dev VM, one thread, SmolLM2-135M
@@ -151,8 +152,8 @@ def set_int8(layer: torch.nn.Module, q: torch.Tensor, scale: torch.Tensor, dtype
     _clear(layer)
     layer.quant_format = "int8"
     n, k = q.shape
-    if device.type == "cpu" and dtype == torch.bfloat16 and cpu_gemv.shape_ok_int8(n, k) and cpu_gemv.available():
-        layer.register_buffer("qweight_int8_bf16", cpu_gemv.pack_int8(q))  # this machine's own kernel
+    if device.type == "cpu" and cpu_gemv.shape_ok_int8(n, k) and cpu_gemv.available_for(dtype):
+        layer.register_buffer("qweight_int8_cpu", cpu_gemv.pack_int8(q))  # this machine's own kernel
         layer.dense_min_rows = _gemv_dense_min_rows()
     else:
         layer.register_buffer("qweight_int8", q.to(device).contiguous())
@@ -177,11 +178,11 @@ def set_int4(layer: torch.nn.Module, q: torch.Tensor, scale: torch.Tensor, zero:
     layer.quant_format = "int4"
     layer.group_size = group
     q = q.to(device)
-    if device.type == "cpu" and dtype == torch.bfloat16 and cpu_gemv.shape_ok(n, k, group) and cpu_gemv.available():
-        # this machine's own kernel: 2-3x torch's at one row (``kernels/cpu_gemv.py``)
-        qw, sz = cpu_gemv.pack(q, scale.to(dtype), zero.to(dtype))
-        layer.register_buffer("qweight_int4_bf16", qw)
-        layer.register_buffer("qscale_zero_bf16", sz)
+    if device.type == "cpu" and cpu_gemv.shape_ok(n, k, group) and cpu_gemv.available_for(dtype):
+        # this machine's own kernel: 2-3x torch's at one row in bf16 (``kernels/cpu_gemv.py``)
+        qw, sz = cpu_gemv.pack(q, scale.to(dtype), zero.to(dtype), dtype)
+        layer.register_buffer("qweight_int4_cpu", qw)
+        layer.register_buffer("qscale_zero_cpu", sz)
         layer.dense_min_rows = _gemv_dense_min_rows()
         if _dense_wanted(device, dtype):
             _keep_dense_copy(layer, dequantize_int4(q, scale, zero), dtype, device)
@@ -231,14 +232,14 @@ def packed_linear(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     if dense is not None and (lo := _dense_from(layer, dense)) and x2.shape[0] >= lo:
         return onednn.linear(x, dense, layer.bias)
     if fmt == "int4":
-        if (qw := getattr(layer, "qweight_int4_bf16", None)) is not None:
-            y = cpu_gemv.mm(x2.to(torch.bfloat16), qw, layer.qscale_zero_bf16).to(x2.dtype)
+        if (qw := getattr(layer, "qweight_int4_cpu", None)) is not None:
+            y = cpu_gemv.mm(x2.to(layer.qscale_zero_cpu.dtype), qw, layer.qscale_zero_cpu).to(x2.dtype)
         elif x2.is_cuda:
             y = torch._weight_int4pack_mm(x2, layer.qweight_int4, layer.group_size, layer.qscale_zero)
         else:
             y = torch._weight_int4pack_mm_for_cpu(x2, layer.qweight_int4, layer.group_size, layer.qscale_zero)
-    elif (qw := getattr(layer, "qweight_int8_bf16", None)) is not None:
-        y = cpu_gemv.mm_int8(x2.to(torch.bfloat16), qw, layer.qscale).to(x2.dtype)
+    elif (qw := getattr(layer, "qweight_int8_cpu", None)) is not None:
+        y = cpu_gemv.mm_int8(x2.to(layer.qscale.dtype), qw, layer.qscale).to(x2.dtype)
     elif x2.is_cuda:  # no int8 weight-only kernel in torch for CUDA: dequantize into the GEMM
         y = F.linear(x2, layer.qweight_int8.to(x2.dtype)) * layer.qscale
     else:
@@ -256,10 +257,10 @@ def dequantize(layer: torch.nn.Module) -> torch.Tensor:
     if fmt == "dense":
         return layer.weight.float()
     if fmt == "int8":
-        q = layer.qweight_int8 if hasattr(layer, "qweight_int8") else cpu_gemv.unpack_int8(layer.qweight_int8_bf16)
+        q = layer.qweight_int8 if hasattr(layer, "qweight_int8") else cpu_gemv.unpack_int8(layer.qweight_int8_cpu)
         return q.float() * layer.qscale.float()[:, None]
-    if (qw := getattr(layer, "qweight_int4_bf16", None)) is not None:
-        return cpu_gemv.unpack(qw, layer.qscale_zero_bf16)
+    if (qw := getattr(layer, "qweight_int4_cpu", None)) is not None:
+        return cpu_gemv.unpack(qw, layer.qscale_zero_cpu)
     sz = layer.qscale_zero
     eye = torch.eye(sz.shape[0] * layer.group_size, dtype=sz.dtype, device=sz.device)
     if eye.is_cuda:
@@ -285,9 +286,9 @@ class PackedMethod:
         dense = getattr(layer, "dense_weight", None)
         lo = _dense_from(layer, dense) if dense is not None else None
         big, dense = (lo, dense) if lo else (1 << 30, None)
-        if (qw := getattr(layer, "qweight_int4_bf16", None)) is not None:
-            return 0, qw, layer.qscale_zero_bf16, big, dense
-        if (qw := getattr(layer, "qweight_int8_bf16", None)) is not None:
+        if (qw := getattr(layer, "qweight_int4_cpu", None)) is not None:
+            return 0, qw, layer.qscale_zero_cpu, big, dense
+        if (qw := getattr(layer, "qweight_int8_cpu", None)) is not None:
             return 1, qw, layer.qscale, big, dense
         return None
 
@@ -307,7 +308,7 @@ class PackedHead(torch.nn.Module):
         self.dense_min_rows = 0
         # On kernels/cpu_gemv without AMX the int8 head beats oneDNN's bf16 GEMM at every row count
         # measured (1 to 256; 3.0 against 4.0 ms at 64 rows, 11.7 / 15.0 at 256): no copy is kept.
-        gemv_wins = hasattr(self, "qweight_int8_bf16") and _gemv_dense_min_rows() > 0
+        gemv_wins = hasattr(self, "qweight_int8_cpu") and _gemv_dense_min_rows() > 0
         if self.quant_format == "int8" and _dense_wanted(weight.device, weight.dtype) and not gemv_wins:
             # the table is kept anyway: big GEMMs use it directly (a plain reference, not a parameter),
             # or its oneDNN-packed copy within the budget
