@@ -87,17 +87,25 @@ def test_kept_model_tracks_the_dequantized_model(engines):
     assert agree >= MIN_AGREEMENT and kl < 0.05, f"agreement {agree:.3f}, mean KL {kl:.4f}"
 
 
-def test_float32_gguf_is_kept_quantized_where_the_kernel_runs():
-    """The float32 default of an AVX2-only CPU: the file's blocks on the float32 kernels, tracking
-    the dequantized float32 model as the bf16 one does."""
+def test_float32_gguf_is_kept_quantized_where_the_kernel_runs(monkeypatch):
+    """The float32 default of a CPU without native bf16 (``--dtype auto`` choosing float32, here
+    made to): the file's blocks on the float32 kernels, tracking the dequantized float32 model as
+    the bf16 one does. An explicit ``--dtype float32`` serves the dequantized model, the exact
+    reference (transformers' greedy tokens), unless ``--quantization gguf`` asks for the blocks."""
     import core
+    from core.engine import device as device_mod
     from core_kernels import cpu_gemv
 
     if not cpu_gemv.available_f32():
         pytest.skip("this CPU has no AVX2 (or no C++ compiler): a float32 GGUF model is served dequantized")
-    opts = dict(dtype="float32", max_total_tokens=1024, cpu_threads=1, device="cpu")
-    kept, dense = core.Engine(**opts), core.Engine(quantization="none", **opts)
+    monkeypatch.setattr(device_mod, "cpu_native_bf16", lambda flags=None: (False, "test: an AVX2-only CPU"))
+    opts = dict(max_total_tokens=1024, cpu_threads=1, device="cpu")
+    kept, dense = core.Engine(dtype="auto", **opts), core.Engine(dtype="float32", **opts)
+    asked = core.Engine(dtype="float32", quantization="gguf", **opts)
     try:
+        assert kept.engine.model_config.dtype == torch.float32
+        assert not any(hasattr(m, "quant_format") for m in dense.engine.model.modules())
+        assert asked.engine.model.model.layers[0].mlp.down_proj.quant_format == "int4"
         down = kept.engine.model.model.layers[0].mlp.down_proj
         assert down.quant_format == "int4" and down.qscale_zero_cpu.dtype == torch.float32
         ids = kept.engine.tokenizer.encode(TEXT)
@@ -105,5 +113,5 @@ def test_float32_gguf_is_kept_quantized_where_the_kernel_runs():
         assert agree >= MIN_AGREEMENT and kl < 0.05, f"agreement {agree:.3f}, mean KL {kl:.4f}"
         assert kept.generate("The capital of France is", {"max_new_tokens": 8, "temperature": 0})["text"]
     finally:
-        kept.shutdown()
-        dense.shutdown()
+        for e in (kept, dense, asked):
+            e.shutdown()

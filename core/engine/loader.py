@@ -49,6 +49,7 @@ class ModelConfig:
     served_name: str
     gguf_file: Path | None = None  # the GGUF file ``path`` was converted from
     quant_config: dict | None = None  # config.json's quantization_config (a pre-quantized checkpoint)
+    dtype_auto: bool = True  # dtype was --dtype auto's choice, not the user's
 
 
 def default_model_path() -> Path:
@@ -181,6 +182,7 @@ def load_model_config(model_path: str | None, dtype: str, device: torch.device, 
         served_name=served_model_name or (str(model_path) if model_path else "SmolLM2-135M-Instruct"),
         gguf_file=gguf_file,
         quant_config=_quant_config(hf_config),
+        dtype_auto=dtype == "auto",
     )
 
 
@@ -326,8 +328,7 @@ def select_quantization(quantization: str | None, torchao_config: str | None, mc
     """(quant method name, config for its ``from_config`` or None). Explicit choices that
     contradict the checkpoint are errors; with nothing asked, a pre-quantized checkpoint uses its
     own method and a GGUF model on CPU keeps its quantized blocks (``gguf``; not with
-    ``--load-format dummy``, which reads no weights) where its activations' dtype has a packed
-    kernel (:func:`_packed_activations`)."""
+    ``--load-format dummy``, which reads no weights) where :func:`_packed_activations` says so."""
     qc = mc.quant_config
     if torchao_config is not None:
         if torchao_config not in TORCHAO_CONFIGS:
@@ -358,7 +359,7 @@ def select_quantization(quantization: str | None, torchao_config: str | None, mc
         return "gguf", {"head_type": gguf_tensor_table(mc.gguf_file, mc.path)["head_type"]}
     if quantization is not None:
         return quantization, None
-    if mc.gguf_file is not None and load_format != "dummy" and device.type == "cpu" and _packed_activations(mc.dtype):
+    if mc.gguf_file is not None and load_format != "dummy" and device.type == "cpu" and _packed_activations(mc):
         try:
             return "gguf", {"head_type": gguf_tensor_table(mc.gguf_file, mc.path)["head_type"]}
         except ModelLoadError as e:
@@ -366,13 +367,16 @@ def select_quantization(quantization: str | None, torchao_config: str | None, mc
     return "none", None
 
 
-def _packed_activations(dtype: torch.dtype) -> bool:
-    """bf16 / fp16 activations, or float32 ones where this CPU runs ``kernels/cpu_gemv``'s float32
-    kernels (AVX2): torch's own int4 kernel with float32 activations is slower than the
-    dequantized model, so without ours a float32 GGUF model is served dequantized."""
-    if dtype in (torch.bfloat16, torch.float16):
+def _packed_activations(mc: ModelConfig) -> bool:
+    """Whether a GGUF model keeps its blocks by default: with bf16 / fp16 activations; with float32
+    ones where ``--dtype auto`` chose float32 (a CPU without native bf16) and this CPU runs
+    ``kernels/cpu_gemv``'s float32 kernels (AVX2). They quantize the activations to int8, so an
+    explicit ``--dtype float32`` keeps the exact dequantized model, the reference (``--quantization
+    gguf`` keeps the blocks then); and without the kernels torch's int4 kernel with float32
+    activations would be slower than the dequantized model."""
+    if mc.dtype in (torch.bfloat16, torch.float16):
         return True
-    if dtype != torch.float32:
+    if mc.dtype != torch.float32 or not mc.dtype_auto:
         return False
     from core_kernels import cpu_gemv
 
