@@ -112,6 +112,7 @@ class Int8CheckpointSwapsShards(Int8Checkpoint):
     def create_weights(self, layer, in_features, out_features, bias, dtype):
         super().create_weights(layer, in_features, out_features, bias, dtype)
         for p in (layer.qweight, layer.scale):
+            p.data.zero_()  # rows the swapped loads miss stay zero, not whatever memory held (it once held the right rows)
             p.weight_loader = self._swapped(layer)
 
     @staticmethod
