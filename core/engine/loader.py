@@ -328,7 +328,7 @@ def select_quantization(quantization: str | None, torchao_config: str | None, mc
     """(quant method name, config for its ``from_config`` or None). Explicit choices that
     contradict the checkpoint are errors; with nothing asked, a pre-quantized checkpoint uses its
     own method and a GGUF model on CPU keeps its quantized blocks (``gguf``; not with
-    ``--load-format dummy``, which reads no weights) where :func:`_packed_activations` says so."""
+    ``--load-format dummy``, which reads no weights) unless :func:`_why_dequantized` says why not."""
     qc = mc.quant_config
     if torchao_config is not None:
         if torchao_config not in TORCHAO_CONFIGS:
@@ -359,28 +359,33 @@ def select_quantization(quantization: str | None, torchao_config: str | None, mc
         return "gguf", {"head_type": gguf_tensor_table(mc.gguf_file, mc.path)["head_type"]}
     if quantization is not None:
         return quantization, None
-    if mc.gguf_file is not None and load_format != "dummy" and device.type == "cpu" and _packed_activations(mc):
-        try:
-            return "gguf", {"head_type": gguf_tensor_table(mc.gguf_file, mc.path)["head_type"]}
-        except ModelLoadError as e:
-            log.warning("gguf.dequantized", reason=str(e))
+    if mc.gguf_file is not None and load_format != "dummy" and device.type == "cpu":
+        why_not = _why_dequantized(mc)
+        if why_not is None:
+            try:
+                return "gguf", {"head_type": gguf_tensor_table(mc.gguf_file, mc.path)["head_type"]}
+            except ModelLoadError as e:
+                why_not = str(e)
+        log.info("gguf.dequantized", reason=why_not)
     return "none", None
 
 
-def _packed_activations(mc: ModelConfig) -> bool:
-    """Whether a GGUF model keeps its blocks by default: with bf16 / fp16 activations; with float32
-    ones where ``--dtype auto`` chose float32 (a CPU without native bf16) and this CPU runs
-    ``kernels/cpu_gemv``'s float32 kernels (AVX2). They quantize the activations to int8, so an
-    explicit ``--dtype float32`` keeps the exact dequantized model, the reference (``--quantization
-    gguf`` keeps the blocks then); and without the kernels torch's int4 kernel with float32
-    activations would be slower than the dequantized model."""
+def _why_dequantized(mc: ModelConfig) -> str | None:
+    """Why a GGUF model on CPU is served dequantized by default, or None where it keeps its blocks:
+    with bf16 / fp16 activations, and with float32 ones where ``--dtype auto`` chose float32 (a CPU
+    without native bf16) and this CPU runs ``kernels/cpu_gemv``'s float32 kernels (AVX2). They
+    quantize the activations to int8, so an explicit ``--dtype float32`` keeps the exact dequantized
+    model, the reference; and without them torch's int4 kernel with float32 activations would be
+    slower than the dequantized model."""
     if mc.dtype in (torch.bfloat16, torch.float16):
-        return True
-    if mc.dtype != torch.float32 or not mc.dtype_auto:
-        return False
+        return None
+    if mc.dtype != torch.float32:
+        return f"no packed kernels for {mc.dtype} activations"
+    if not mc.dtype_auto:
+        return "--dtype float32 serves the exact dequantized model (--quantization gguf keeps the file's blocks)"
     from core_kernels import cpu_gemv
 
-    return cpu_gemv.available_f32()
+    return None if cpu_gemv.available_f32() else "no float32 int4 kernel on this CPU (it needs AVX2 and FMA)"
 
 
 def _has_tensor(path: Path, suffix: str) -> bool:
