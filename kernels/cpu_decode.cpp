@@ -130,8 +130,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(const at::Tensor& x, const std::
   const at::Tensor a = o.attn.call(qr, k_cache, v_cache, kv_indices, seq_lens, extend_lens, scale, window, cap);
   auto [x1, h1] = o.add_rms.call(x0, linear(o, a.view({m, q_size}), lin, 1, kinds[1], max_rows[1]), post_norm, eps, 0.0);
   at::Tensor gate, up;
-  if (h1.scalar_type() == at::kBFloat16 && kinds[2] == kinds[3] && kinds[2] < 2 && m < max_rows[2] && m < max_rows[3] &&
-      !has_bias(lin, 2) && !has_bias(lin, 3) &&
+  if (kinds[2] == kinds[3] && kinds[2] < 2 && m < max_rows[2] && m < max_rows[3] && !has_bias(lin, 2) && !has_bias(lin, 3) &&
       (kinds[2] == 1 || lin[4 * 2 + 1].size(1) == lin[4 * 3 + 1].size(1))) {  // one gemv pass for both (same kernel, same results)
     std::tie(gate, up) = gemv_pair(kinds[2]).call(h1, lin[4 * 2], lin[4 * 2 + 1], lin[4 * 3], lin[4 * 3 + 1]);
   } else {

@@ -41,6 +41,22 @@ void for_blocks(int64_t NB, int64_t M, F&& f) {
   });
 }
 
+// f(T{}) for x's dtype, T the element type the kernels read and write: bf16 bits or float.
+template <typename F>
+void for_dtype(const at::Tensor& x, F&& f) {
+#ifdef CORE_GEMV_BF16
+  if (x.scalar_type() == at::kBFloat16) f(uint16_t{});
+#endif
+#ifdef CORE_GEMV_F32
+  if (x.scalar_type() == at::kFloat) f(float{});
+#endif
+}
+
+template <typename T>
+const T* data(const at::Tensor& t) {
+  return static_cast<const T*>(t.const_data_ptr());
+}
+
 // x [M, K] (bf16 or fp32) as the kernels read it, for weights of G groups (int8: 1): int8 codes,
 // their scales and group sums (the tensors own the memory act points into).
 struct Prepared {
@@ -51,13 +67,7 @@ struct Prepared {
         f(at::empty({x.size(0) * (x.size(1) / 32 + G)}, x.options().dtype(at::kFloat))) {
     float *dx = f.data_ptr<float>(), *xs = dx + x.size(0) * (x.size(1) / 32);
     int8_t* q = xq.data_ptr<int8_t>();
-#ifdef CORE_GEMV_BF16
-    if (x.scalar_type() == at::kBFloat16)
-      quantize_rows(reinterpret_cast<const uint16_t*>(x.const_data_ptr()), x.size(0), x.size(1), G, q, dx, xs);
-#endif
-#ifdef CORE_GEMV_F32
-    if (x.scalar_type() == at::kFloat) quantize_rows_f32(x.const_data_ptr<float>(), x.size(0), x.size(1), G, q, dx, xs);
-#endif
+    for_dtype(x, [&](auto t) { quantize_rows(data<decltype(t)>(x), x.size(0), x.size(1), G, q, dx, xs); });
     act = {q, dx, xs};
   }
 };
@@ -82,25 +92,17 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& 
                   (K / G) % 32 == 0 && sz.scalar_type() == x.scalar_type() && sz.is_contiguous(),
               "int4_mm: sz [N/16, G, 2, 16] of x's dtype, groups of a multiple of 32 columns");
   auto out = at::empty({M, N}, x.options());
+#ifdef CORE_GEMV_ANY
   const Prepared p(x, G);
   const uint8_t* q = qw.const_data_ptr<uint8_t>();
-#ifdef CORE_GEMV_BF16
-  if (x.scalar_type() == at::kBFloat16) {
-    const uint16_t* szp = reinterpret_cast<const uint16_t*>(sz.const_data_ptr());
-    uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  for_dtype(x, [&](auto t) {
+    using T = decltype(t);
+    const T* szp = data<T>(sz);
+    T* op = static_cast<T*>(out.data_ptr());
     for_blocks(NB, M, [&](auto rows, int64_t m, int64_t nb) {
       block<rows.value>(q, szp, p.act.xq + m * K, p.act.dx + m * (K / 32), p.act.xs + m * G, op + m * N, K, G, N, nb);
     });
-  }
-#endif
-#ifdef CORE_GEMV_F32
-  if (x.scalar_type() == at::kFloat) {
-    const float* szp = sz.const_data_ptr<float>();
-    float* op = out.data_ptr<float>();
-    for_blocks(NB, M, [&](auto rows, int64_t m, int64_t nb) {
-      block_f32<rows.value>(q, szp, p.act.xq + m * K, p.act.dx + m * (K / 32), p.act.xs + m * G, op + m * N, K, G, N, nb);
-    });
-  }
+  });
 #endif
   return out;
 }
@@ -116,38 +118,30 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& 
   TORCH_CHECK(scale.dim() == 1 && scale.size(0) == N && scale.scalar_type() == x.scalar_type() && scale.is_contiguous(),
               "int8_mm: scale [N] of x's dtype");
   auto out = at::empty({M, N}, x.options());
+#ifdef CORE_GEMV_ANY
   const Prepared p(x, 1);
   const uint8_t* q = qw.const_data_ptr<uint8_t>();
-#ifdef CORE_GEMV_BF16
-  if (x.scalar_type() == at::kBFloat16) {
-    const uint16_t* sc = reinterpret_cast<const uint16_t*>(scale.const_data_ptr());
-    uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  for_dtype(x, [&](auto t) {
+    using T = decltype(t);
+    const T* sc = data<T>(scale);
+    T* op = static_cast<T*>(out.data_ptr());
     for_blocks(NB, M, [&](auto rows, int64_t m, int64_t nb) {
       block8<rows.value>(q, sc, p.act.xq + m * K, p.act.dx + m * (K / 32), p.act.xs + m, op + m * N, K, N, nb);
     });
-  }
-#endif
-#ifdef CORE_GEMV_F32
-  if (x.scalar_type() == at::kFloat) {
-    const float* sc = scale.const_data_ptr<float>();
-    float* op = out.data_ptr<float>();
-    for_blocks(NB, M, [&](auto rows, int64_t m, int64_t nb) {
-      block8_f32<rows.value>(q, sc, p.act.xq + m * K, p.act.dx + m * (K / 32), op + m * N, K, N, nb);
-    });
-  }
+  });
 #endif
   return out;
 }
 
 // Two weights times the same x (a gate and an up projection) in one pass over threads: one parallel
-// region and one set of group sums instead of two (a fork and a join cost ~4 us at decode sizes).
+// region and one quantization of x instead of two (a fork and a join cost ~4 us at decode sizes).
 // Each output block is computed as int4_mm / int8_mm computes it, so the results are the same.
-#ifdef CORE_GEMV_BF16
-// [M, NA * 16] and [M, NB * 16] outputs; f(rows, m, nb, out of that block's weight, its block index).
-template <typename F>
+// [M, NA * 16] and [M, NB * 16] outputs of element type T; f(rows, m, nb, out of that block's
+// weight, its block index).
+template <typename T, typename F>
 std::tuple<at::Tensor, at::Tensor> pair_blocks(const at::Tensor& x, int64_t NA, int64_t NB, F&& f) {
   auto oa = at::empty({x.size(0), NA * 16}, x.options()), ob = at::empty({x.size(0), NB * 16}, x.options());
-  uint16_t *opa = reinterpret_cast<uint16_t*>(oa.data_ptr()), *opb = reinterpret_cast<uint16_t*>(ob.data_ptr());
+  T *opa = static_cast<T*>(oa.data_ptr()), *opb = static_cast<T*>(ob.data_ptr());
   for_blocks(NA + NB, x.size(0), [&](auto rows, int64_t m, int64_t nb) {
     if (nb < NA)
       f(rows, m, 0, opa + m * NA * 16, NA * 16, nb);
@@ -156,46 +150,53 @@ std::tuple<at::Tensor, at::Tensor> pair_blocks(const at::Tensor& x, int64_t NA, 
   });
   return {oa, ob};
 }
-#endif
 
 std::tuple<at::Tensor, at::Tensor> int4_mm_pair(const at::Tensor& x, const at::Tensor& qa, const at::Tensor& sa,
                                                 const at::Tensor& qb, const at::Tensor& sb) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && qa.is_contiguous() &&
-                  qb.is_contiguous() && sa.is_contiguous() && sb.is_contiguous() && qa.dim() == 4 && qb.dim() == 4 &&
-                  qa.size(1) == qb.size(1) && sa.size(1) == sb.size(1) && qa.size(1) * 8 == x.size(1) &&
-                  x.size(1) % sa.size(1) == 0 && (x.size(1) / sa.size(1)) % 32 == 0,
+  check_kernel("int4_mm_pair", x);
+  TORCH_CHECK(qa.is_contiguous() && qb.is_contiguous() && sa.is_contiguous() && sb.is_contiguous() && qa.dim() == 4 &&
+                  qb.dim() == 4 && qa.size(1) == qb.size(1) && sa.size(1) == sb.size(1) && qa.size(1) * 8 == x.size(1) &&
+                  x.size(1) % sa.size(1) == 0 && (x.size(1) / sa.size(1)) % 32 == 0 &&
+                  sa.scalar_type() == x.scalar_type() && sb.scalar_type() == x.scalar_type(),
               "int4_mm_pair: as int4_mm for each weight, both of one K and group size");
-#ifdef CORE_GEMV_BF16
+  std::tuple<at::Tensor, at::Tensor> out;
+#ifdef CORE_GEMV_ANY
   const int64_t K = x.size(1), G = sa.size(1);
   const Prepared p(x, G);
   const uint8_t* q[2] = {qa.const_data_ptr<uint8_t>(), qb.const_data_ptr<uint8_t>()};
-  const uint16_t* z[2] = {reinterpret_cast<const uint16_t*>(sa.const_data_ptr()), reinterpret_cast<const uint16_t*>(sb.const_data_ptr())};
-  return pair_blocks(x, qa.size(0), qb.size(0), [&](auto rows, int64_t m, int w, uint16_t* out, int64_t N, int64_t nb) {
-    block<rows.value>(q[w], z[w], p.act.xq + m * K, p.act.dx + m * (K / 32), p.act.xs + m * G, out, K, G, N, nb);
+  for_dtype(x, [&](auto t) {
+    using T = decltype(t);
+    const T* z[2] = {data<T>(sa), data<T>(sb)};
+    out = pair_blocks<T>(x, qa.size(0), qb.size(0), [&](auto rows, int64_t m, int w, T* o, int64_t N, int64_t nb) {
+      block<rows.value>(q[w], z[w], p.act.xq + m * K, p.act.dx + m * (K / 32), p.act.xs + m * G, o, K, G, N, nb);
+    });
   });
-#else
-  TORCH_CHECK(false, "int4_mm_pair: this build has no AVX512-BF16 and AVX512-VNNI");
 #endif
+  return out;
 }
 
 std::tuple<at::Tensor, at::Tensor> int8_mm_pair(const at::Tensor& x, const at::Tensor& qa, const at::Tensor& sa,
                                                 const at::Tensor& qb, const at::Tensor& sb) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_contiguous() && qa.is_contiguous() &&
-                  qb.is_contiguous() && sa.is_contiguous() && sb.is_contiguous() && qa.dim() == 4 && qb.dim() == 4 &&
-                  qa.size(1) * 4 == x.size(1) && qb.size(1) * 4 == x.size(1) && x.size(1) % 32 == 0 &&
-                  sa.size(0) == qa.size(0) * 16 && sb.size(0) == qb.size(0) * 16,
+  check_kernel("int8_mm_pair", x);
+  TORCH_CHECK(qa.is_contiguous() && qb.is_contiguous() && sa.is_contiguous() && sb.is_contiguous() && qa.dim() == 4 &&
+                  qb.dim() == 4 && qa.size(1) * 4 == x.size(1) && qb.size(1) * 4 == x.size(1) && x.size(1) % 32 == 0 &&
+                  sa.size(0) == qa.size(0) * 16 && sb.size(0) == qb.size(0) * 16 &&
+                  sa.scalar_type() == x.scalar_type() && sb.scalar_type() == x.scalar_type(),
               "int8_mm_pair: as int8_mm for each weight");
-#ifdef CORE_GEMV_BF16
+  std::tuple<at::Tensor, at::Tensor> out;
+#ifdef CORE_GEMV_ANY
   const int64_t K = x.size(1);
   const Prepared p(x, 1);
   const uint8_t* q[2] = {qa.const_data_ptr<uint8_t>(), qb.const_data_ptr<uint8_t>()};
-  const uint16_t* c[2] = {reinterpret_cast<const uint16_t*>(sa.const_data_ptr()), reinterpret_cast<const uint16_t*>(sb.const_data_ptr())};
-  return pair_blocks(x, qa.size(0), qb.size(0), [&](auto rows, int64_t m, int w, uint16_t* out, int64_t N, int64_t nb) {
-    block8<rows.value>(q[w], c[w], p.act.xq + m * K, p.act.dx + m * (K / 32), p.act.xs + m, out, K, N, nb);
+  for_dtype(x, [&](auto t) {
+    using T = decltype(t);
+    const T* c[2] = {data<T>(sa), data<T>(sb)};
+    out = pair_blocks<T>(x, qa.size(0), qb.size(0), [&](auto rows, int64_t m, int w, T* o, int64_t N, int64_t nb) {
+      block8<rows.value>(q[w], c[w], p.act.xq + m * K, p.act.dx + m * (K / 32), p.act.xs + m, o, K, N, nb);
+    });
   });
-#else
-  TORCH_CHECK(false, "int8_mm_pair: this build has no AVX512-BF16 and AVX512-VNNI");
 #endif
+  return out;
 }
 
 bool gemv_supported() { return supported(); }

@@ -40,6 +40,9 @@
 #include <immintrin.h>
 #define CORE_GEMV_F32 1
 #endif
+#if defined(CORE_GEMV_BF16) || defined(CORE_GEMV_F32)
+#define CORE_GEMV_ANY 1  // block / block8 exist for one activation dtype at least
+#endif
 
 namespace core_gemv {
 
@@ -216,7 +219,7 @@ inline void weight_block(const Weight& w, const Act& a, uint16_t* out, int64_t M
 // widen; 16 output rows in two registers of 8 lanes; fp32 scales and zeros, fp32 output.
 
 // quantize_rows for fp32 x: the same codes, scales and sums for the same values.
-inline void quantize_rows_f32(const float* x, int64_t M, int64_t K, int64_t G, int8_t* xq, float* dx, float* xs) {
+inline void quantize_rows(const float* x, int64_t M, int64_t K, int64_t G, int8_t* xq, float* dx, float* xs) {
   const int64_t runs = K / G / 32;
   const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   for (int64_t r = 0; r < M * K / 32; ++r) {
@@ -242,11 +245,12 @@ inline void quantize_rows_f32(const float* x, int64_t M, int64_t K, int64_t G, i
 // The eight 32-bit lanes of v summed in pairs of 16-bit lanes (vpmaddwd by ones).
 inline __m256i widen16(__m256i v) { return _mm256_madd_epi16(v, _mm256_set1_epi16(1)); }
 
-// Rows [m0, m0 + M) of x (quantize_rows_f32) times int4 row block nb (block's layout; sz fp32).
+// block for float32: rows [m0, m0 + M) of x (quantize_rows) times int4 row block nb (the same
+// layout; sz fp32).
 template <int M>
-inline void block_f32(const uint8_t* __restrict qw, const float* __restrict sz, const int8_t* __restrict xq,
-                      const float* __restrict dx, const float* __restrict xs, float* __restrict out, int64_t K,
-                      int64_t G, int64_t N, int64_t nb) {
+inline void block(const uint8_t* __restrict qw, const float* __restrict sz, const int8_t* __restrict xq,
+                  const float* __restrict dx, const float* __restrict xs, float* __restrict out, int64_t K,
+                  int64_t G, int64_t N, int64_t nb) {
   const int64_t gs = K / G;
   const uint8_t* q = qw + nb * K * 8;
   const __m256i m4 = _mm256_set1_epi8(0x0F);
@@ -292,12 +296,14 @@ inline void block_f32(const uint8_t* __restrict qw, const float* __restrict sz, 
     for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out + m * N + nb * 16 + 8 * h, acc[m][h]);
 }
 
-// Rows of x times int8 row block nb (block8's layout, u = q + 128; sc fp32 per-row scales). The
-// codes go back to signed (u ^ 0x80) and the sign of x moves onto them, so vpmaddubsw multiplies
-// |x| by q * sign(x): pairs of at most 127 * 127, no saturation.
+// block8 for float32: rows of x times int8 row block nb (the same layout, u = q + 128; sc fp32
+// per-row scales). The codes go back to signed (u ^ 0x80) and the sign of x moves onto them, so
+// vpmaddubsw multiplies |x| by q * sign(x): pairs of at most 127 * 127, no saturation; and no
+// correction by the sums of x (xs, which the bf16 kernel needs for its + 128) is left to make.
 template <int M>
-inline void block8_f32(const uint8_t* __restrict qw, const float* __restrict sc, const int8_t* __restrict xq,
-                       const float* __restrict dx, float* __restrict out, int64_t K, int64_t N, int64_t nb) {
+inline void block8(const uint8_t* __restrict qw, const float* __restrict sc, const int8_t* __restrict xq,
+                   const float* __restrict dx, const float* __restrict /*xs*/, float* __restrict out, int64_t K,
+                   int64_t N, int64_t nb) {
   const uint8_t* q = qw + nb * K * 16;
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
   __m256 f[M][2];

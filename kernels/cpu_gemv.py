@@ -23,27 +23,27 @@ SOURCE = Path(__file__).with_name("cpu_gemv.cpp")
 PREFIX = "core_cpu_gemv"
 
 
-@functools.cache
 def available() -> bool:
     """Whether the bf16 kernels run here (AVX512-BF16 and VNNI): builds (first time on this machine)
     and loads the library."""
-    from core.engine.device import cpu_flags
+    return _runs(frozenset({"avx512_bf16", "avx512_vnni"}), "supported")
 
-    if not {"avx512_bf16", "avx512_vnni"} <= cpu_flags():
-        return False
-    return cpp_build.try_load(PREFIX, SOURCE, "cpu_gemv", fallback="torch's kernels") and bool(
-        torch.ops.core_cpu_gemv.supported())
+
+def available_f32() -> bool:
+    """Whether the float32 kernels run here (AVX2 and FMA), as :func:`available` for bf16."""
+    return _runs(frozenset({"avx2", "fma"}), "supported_f32")
 
 
 @functools.cache
-def available_f32() -> bool:
-    """Whether the float32 kernels run here (AVX2 and FMA), as :func:`available` for bf16."""
+def _runs(flags: frozenset[str], supported: str) -> bool:
+    """This CPU has ``flags``, the library builds and loads, and its ``supported`` op says the
+    build has those kernels."""
     from core.engine.device import cpu_flags
 
-    if not {"avx2", "fma"} <= cpu_flags():
+    if not flags <= cpu_flags():
         return False
     return cpp_build.try_load(PREFIX, SOURCE, "cpu_gemv", fallback="torch's kernels") and bool(
-        torch.ops.core_cpu_gemv.supported_f32())
+        getattr(torch.ops.core_cpu_gemv, supported)())
 
 
 def available_for(dtype: torch.dtype) -> bool:

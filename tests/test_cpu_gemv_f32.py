@@ -14,14 +14,11 @@ import torch
 
 from core_kernels import cpu_gemv
 from core_plugins.quant import packed
+from tests.test_cpu_gemv import rel_err
 
 pytestmark = pytest.mark.skipif(not cpu_gemv.available_f32(), reason="this CPU has no AVX2 and FMA (or no C++ "
                                 "compiler): float32 int4 layers use torch's kernel here")
 QUANT_REL = 2 ** -6  # against the exact product: x rounded to int8 per 32 columns
-
-
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.float() - want).abs().max() / want.abs().max()).item()
 
 
 @pytest.mark.parametrize("n,k,group", [(16, 64, 32), (48, 256, 128), (960, 576, 32), (64, 1536, 64)])
@@ -57,6 +54,23 @@ def test_int8_is_the_product_with_the_quantized_row(n, k, rows):
     assert out.dtype == torch.float32
     assert rel_err(out, cpu_gemv.quantize_rows(x).double() @ w.T) < 1e-5
     assert rel_err(out, x.double() @ w.T) < QUANT_REL
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5])
+def test_a_pair_of_weights_in_one_pass_equals_two_calls(rows):
+    """The one-op layer's gate and up projections in float32: one pass, the same output bits."""
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 256, generator=g)
+    (qa, sa), (qb, sb) = (cpu_gemv.pack(*packed.quantize_int4(torch.randn(n, 256, generator=g), 32), torch.float32)
+                          for n in (96, 48))
+    a, b = torch.ops.core_cpu_gemv.int4_mm_pair(x, qa, sa, qb, sb)
+    assert torch.equal(a, cpu_gemv.mm(x, qa, sa)) and torch.equal(b, cpu_gemv.mm(x, qb, sb))
+    (ia, ca), (ib, cb) = (packed.quantize_int8(torch.randn(n, 256, generator=g)) for n in (32, 80))
+    ia, ib = cpu_gemv.pack_int8(ia), cpu_gemv.pack_int8(ib)
+    a, b = torch.ops.core_cpu_gemv.int8_mm_pair(x, ia, ca, ib, cb)
+    assert torch.equal(a, cpu_gemv.mm_int8(x, ia, ca)) and torch.equal(b, cpu_gemv.mm_int8(x, ib, cb))
+    with pytest.raises(RuntimeError, match="int4_mm_pair"):  # scales packed for bf16
+        torch.ops.core_cpu_gemv.int4_mm_pair(x, qa, sa.bfloat16(), qb, sb)
 
 
 def test_float32_layers_and_heads_use_it():
