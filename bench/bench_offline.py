@@ -164,8 +164,14 @@ def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return torch.randint(100, vocab - 100, (n, length), generator=g).tolist()
 
 
-async def run_core(engine, prompts: list[list[int]], out_len: int) -> tuple[float, list[float], list[float], int]:
-    """(wall, time to first token and time per output token after it of each request, tokens)."""
+def run_core(engine, prompts: list[list[int]], out_len: int) -> tuple[float, list[float], list[float], int]:
+    """(wall, time to first token and time per output token after it of each request, tokens).
+    The streaming clients run on the engine's own event loop, as `core serve`'s HTTP handlers do
+    (the offline ``Engine`` would hand every chunk to another thread's loop)."""
+    return asyncio.run_coroutine_threadsafe(_clients(engine.engine, prompts, out_len), engine._loop).result()
+
+
+async def _clients(core, prompts: list[list[int]], out_len: int) -> tuple[float, list[float], list[float], int]:
     params = {"temperature": 0, "max_new_tokens": out_len, "ignore_eos": True}
     t0 = time.perf_counter()
     ttfts: list[float] = []
@@ -173,7 +179,7 @@ async def run_core(engine, prompts: list[list[int]], out_len: int) -> tuple[floa
 
     async def one(p: list[int]) -> int:
         n, first = 0, 0.0
-        async for chunk in await engine.async_generate(input_ids=p, sampling_params=params, stream=True):
+        async for chunk in await core.generate(input_ids=p, sampling_params=params, stream=True):
             if n == 0 and chunk["output_ids"]:
                 first = time.perf_counter()
                 ttfts.append(first - t0)
@@ -238,7 +244,7 @@ def main() -> None:
     rows = []
     for c in levels:
         prompts = make_prompts(c, args.input_len, vocab, c)
-        wall, ttfts, tpots, toks = asyncio.run(run_core(engine, prompts, args.output_len))
+        wall, ttfts, tpots, toks = run_core(engine, prompts, args.output_len)
         rows.append(("core", c, toks / wall, statistics.median(ttfts), wall, statistics.median(tpots)))
     splits = {} if args.skip_split else {c: step_split(engine, make_prompts(c, args.input_len, vocab, c + 1))
                                          for c in sorted({1, max(levels)})}

@@ -49,6 +49,7 @@ class Watchdog:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._loop_thread = "MainThread"  # the event loop's thread (where scheduling runs)
+        self._forward_thread = "core-forward"  # where the current step's forward runs
 
     @property
     def enabled(self) -> bool:
@@ -64,11 +65,13 @@ class Watchdog:
         if self._thread is None and self.enabled and self.tripped is None:
             self._start()
 
-    def running(self, batch: Any) -> None:
-        """The step hands ``batch`` to the forward (named in the log if the step hangs)."""
+    def running(self, batch: Any, on_loop: bool = False) -> None:
+        """The step hands ``batch`` to the forward (named in the log if the step hangs), on the
+        forward thread or, ``on_loop``, on the event loop's own thread (a small CPU decode)."""
         cur = self._current
         if cur is not None:
             self._current = (cur[0], cur[1], batch)
+        self._forward_thread = self._loop_thread if on_loop else "core-forward"
 
     def idle(self) -> None:
         """The loop waits for work: nothing to time."""
@@ -102,7 +105,7 @@ class Watchdog:
                    f"{self.timeout:g}s" + (f" (requests {shown})" if rids else ""))
         self.tripped = message
         # the stack of the thread the step hangs in: the forward worker's, or the event loop's
-        stuck = "core-forward" if batch is not None else self._loop_thread
+        stuck = self._forward_thread if batch is not None else self._loop_thread
         log.error("engine.watchdog_timeout", stage=stage, step=number, elapsed_s=round(elapsed, 3),
                   timeout_s=self.timeout, rids=rids, stack=_stack_of(stuck))
         try:
