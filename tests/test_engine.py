@@ -208,6 +208,40 @@ def test_small_cpu_decodes_run_on_the_loop_thread_and_never_beside_another_forwa
         ae.runner.run = run
 
 
+def test_the_loop_runs_until_idle_between_inline_decode_steps(long_eng):
+    """While inline decodes keep the loop's thread busy, a chain of callbacks on the loop (a
+    request being parsed, a disconnect on its way to an abort) still moves many hops per step,
+    not one."""
+    ae = long_eng.engine
+    if ae.device.type != "cpu":
+        pytest.skip("inline decodes are a CPU path")
+    steps: list[bool] = []
+    ae.step_listeners.append(lambda batch, seconds: steps.append(batch.is_prefill))
+
+    async def chain(hops: int) -> int:
+        while not steps or steps[-1]:  # a decode step has run: the decodes are under way
+            await asyncio.sleep(0)
+        before = len(steps)
+        for _ in range(hops):
+            await asyncio.sleep(0)
+        return len(steps) - before
+
+    async def main() -> int:
+        stream = await long_eng.engine.generate(PROMPT, {**LONG, "max_new_tokens": 400}, stream=True)
+        hop_steps = asyncio.ensure_future(chain(40))
+        async for _ in stream:
+            if hop_steps.done():
+                break  # leaving the stream aborts the request
+        return await hop_steps
+
+    try:
+        elapsed = asyncio.run_coroutine_threadsafe(main(), long_eng._loop).result(60)
+    finally:
+        ae.step_listeners.pop()
+    assert all(not p for p in steps[1:])  # the steps meanwhile were decodes (inline: one row)
+    assert elapsed <= 4, f"40 loop rounds took {elapsed} decode steps"
+
+
 # --------------------------------------------------------------------------- sampling controls
 
 
