@@ -367,6 +367,7 @@ class AsyncEngine(RequestFrontEnd):
             return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
         finally:
             self._forward_jobs -= 1
+
     def _contain(self, stage: str, error: Exception, reqs: list[Req] | None) -> None:
         """Fail ``reqs`` (None: everything the scheduler holds) after ``error`` in ``stage``."""
         message = f"internal error ({stage}): {type(error).__name__}: {error}"

@@ -42,14 +42,14 @@ class Watchdog:
         self.exit_code = exit_code  # set (e.g. by core serve): leave the process this long after a trip
         self.exit_grace = exit_grace
         self.tripped: str | None = None  # the message, once fired
-        # (step number, monotonic start, batch or None) of the step under way; None while idle.
-        # One tuple, replaced whole, so the watching thread never sees half an update.
-        self._current: tuple[int, float, Any] | None = None
+        # (step number, monotonic start, batch or None, the thread it runs in) of the step under
+        # way; None while idle. One tuple, replaced whole, so the watching thread never sees half
+        # an update.
+        self._current: tuple[int, float, Any, str] | None = None
         self._steps = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._loop_thread = "MainThread"  # the event loop's thread (where scheduling runs)
-        self._forward_thread = "core-forward"  # where the current step's forward runs
 
     @property
     def enabled(self) -> bool:
@@ -61,7 +61,7 @@ class Watchdog:
         if self._thread is None:
             self._loop_thread = threading.current_thread().name
         self._steps += 1
-        self._current = (self._steps, time.monotonic(), None)
+        self._current = (self._steps, time.monotonic(), None, self._loop_thread)
         if self._thread is None and self.enabled and self.tripped is None:
             self._start()
 
@@ -70,8 +70,7 @@ class Watchdog:
         forward thread or, ``on_loop``, on the event loop's own thread (a small CPU decode)."""
         cur = self._current
         if cur is not None:
-            self._current = (cur[0], cur[1], batch)
-        self._forward_thread = self._loop_thread if on_loop else "core-forward"
+            self._current = (cur[0], cur[1], batch, self._loop_thread if on_loop else "core-forward")
 
     def idle(self) -> None:
         """The loop waits for work: nothing to time."""
@@ -96,8 +95,8 @@ class Watchdog:
                 self._trip(cur, elapsed)
                 return
 
-    def _trip(self, step: tuple[int, float, Any], elapsed: float) -> None:
-        number, _, batch = step
+    def _trip(self, step: tuple[int, float, Any, str], elapsed: float) -> None:
+        number, _, batch, stuck = step
         rids = [r.rid for r in batch.reqs] if batch is not None else []
         stage = "scheduling" if batch is None else ("prefill forward" if batch.is_prefill else "decode forward")
         shown = ", ".join(rids[:16]) + (f" and {len(rids) - 16} more" if len(rids) > 16 else "")
@@ -105,7 +104,6 @@ class Watchdog:
                    f"{self.timeout:g}s" + (f" (requests {shown})" if rids else ""))
         self.tripped = message
         # the stack of the thread the step hangs in: the forward worker's, or the event loop's
-        stuck = self._forward_thread if batch is not None else self._loop_thread
         log.error("engine.watchdog_timeout", stage=stage, step=number, elapsed_s=round(elapsed, 3),
                   timeout_s=self.timeout, rids=rids, stack=_stack_of(stuck))
         try:
