@@ -400,7 +400,7 @@ def test_abandoned_stream_aborts_its_request(long_eng):
         it = eng.generate(PROMPT, LONG, stream=True, rid="abandoned")
         next(it)
         it.close()
-        wait_until(lambda: not eng.engine.scheduler.has_work)
+        wait_until(lambda: "abandoned" in done and not eng.engine.scheduler.has_work)
     assert done["abandoned"].finish_reason["type"] == "abort"
     assert_pool_free(eng)
 
@@ -412,7 +412,7 @@ def test_abandoned_stream_aborts_its_request(long_eng):
 
     with finished_requests(eng) as done:
         asyncio.run(main())
-        wait_until(lambda: not eng.engine.scheduler.has_work)
+        wait_until(lambda: "abandoned-async" in done and not eng.engine.scheduler.has_work)
     assert done["abandoned-async"].finish_reason["type"] == "abort"
     assert_pool_free(eng)
 
@@ -510,7 +510,7 @@ def test_random_stress_with_aborts_leaves_the_pool_free(tiny, engine_factory):
 
     with finished_requests(eng) as done:
         asyncio.run(main())
-        wait_until(lambda: not eng.engine.scheduler.has_work)
+        wait_until(lambda: all(f"stress-{i}" in done for i in range(len(specs))) and not eng.engine.scheduler.has_work)
     assert_pool_free(eng)
     kept = 0
     for i, (p, n, mode) in enumerate(specs):
