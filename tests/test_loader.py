@@ -12,10 +12,12 @@ import transformers
 
 from core.engine import loader
 from core.errors import ModelLoadError
+from core.engine.device import cpu_native_bf16
 from core.engine.loader import iter_weights, load_model_config, pick_dtype, resolve_model_path
 from tests.conftest import TINY_BASE, assert_greedy_matches, assert_pool_free, char_tokenizer, greedy, hf_logprobs, make_engine
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+AUTO_CPU_DTYPE = torch.bfloat16 if cpu_native_bf16()[0] else torch.float32  # what --dtype auto means on this CPU
 
 
 # --------------------------------------------------------------------------- dtype
@@ -193,7 +195,7 @@ def test_default_gguf_conversion_is_reused(monkeypatch):
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", fail)
     assert resolve_model_path(None) == (folder, source)
     mc = load_model_config(None, "auto", CPU, None)
-    assert mc.path == folder and mc.architecture == "LlamaForCausalLM" and mc.dtype == torch.bfloat16
+    assert mc.path == folder and mc.architecture == "LlamaForCausalLM" and mc.dtype == AUTO_CPU_DTYPE
     assert mc.served_name == "SmolLM2-135M-Instruct" and mc.context_len == 8192 and 2 in mc.eos_ids
 
 
@@ -253,7 +255,7 @@ def test_model_config_fields(tiny_llama, tmp_path):
     assert mc.served_name == str(src) and mc.source == str(src)
     mc = load_model_config(str(src), "auto", CPU, 64, served_model_name="tiny",
                            json_overrides=json.dumps({"rms_norm_eps": 1e-5}))
-    assert mc.context_len == 64 and mc.served_name == "tiny" and mc.dtype == torch.bfloat16
+    assert mc.context_len == 64 and mc.served_name == "tiny" and mc.dtype == AUTO_CPU_DTYPE
     assert mc.hf_config.rms_norm_eps == 1e-5
     # eos ids from config.json and generation_config.json are merged without duplicates
     dst = tmp_path / "eos"

@@ -370,7 +370,31 @@ def test_cpu_dense_copy_serves_many_rows_and_packed_serves_few(monkeypatch):
 
 # --------------------------------------------------------------------------- oneDNN-packed dense GEMMs
 
-needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+def _onednn_bf16() -> bool:
+    from core_plugins.quant import onednn
+
+    return onednn.bf16_supported()
+
+
+needs_onednn = pytest.mark.skipif(not _onednn_bf16(), reason="oneDNN's bf16 path needs AVX512BW/VL/DQ or AVX-NE-CONVERT")
+
+
+def test_bf16_layer_is_not_packed_where_onednn_has_no_bf16(monkeypatch):
+    """On an AVX2-only CPU oneDNN's bf16 reorder raises: an explicit --dtype bfloat16 there keeps
+    the plain weight (and still computes the layer) instead of failing at load."""
+    from core_plugins.quant import onednn
+    from core_plugins.quant.unquantized import Unquantized
+
+    monkeypatch.setattr(onednn, "bf16_supported", lambda: False)
+    method = Unquantized()
+    layer = torch.nn.Module()
+    method.create_weights(layer, 64, 32, True, torch.bfloat16)
+    torch.manual_seed(0)
+    layer.weight.data.normal_()
+    method.process_weights_after_loading(layer)
+    assert "onednn_weight" not in layer.__dict__
+    x = torch.randn(3, 64).bfloat16()
+    assert torch.equal(method.apply(layer, x), torch.nn.functional.linear(x, layer.weight, layer.bias))
 
 
 @needs_onednn

@@ -14,16 +14,24 @@ packing off.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 import torch.nn.functional as F
 
 
+@functools.cache
+def bf16_supported() -> bool:
+    """oneDNN's bf16 reorder needs AVX512BW/VL/DQ or AVX-NE-CONVERT; on an AVX2-only CPU (where
+    ``--dtype auto`` picks float32, but a user may still ask for bfloat16) it raises."""
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 def wanted(w: torch.Tensor) -> bool:
-    """Whether ``w`` is a weight this module packs: a 2-D bf16 CPU tensor, with oneDNN present."""
+    """Whether ``w`` is a weight this module packs: a 2-D bf16 CPU tensor, with oneDNN's bf16 path."""
     return (w.device.type == "cpu" and w.dtype == torch.bfloat16 and w.dim() == 2
-            and torch.backends.mkldnn.is_available() and os.environ.get("CORE_ONEDNN_PREPACK", "1") != "0")
+            and os.environ.get("CORE_ONEDNN_PREPACK", "1") != "0" and bf16_supported())
 
 
 def prepack(w: torch.Tensor) -> torch.Tensor:
