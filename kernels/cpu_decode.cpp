@@ -141,7 +141,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(const at::Tensor& x, const std::
   return {x1, linear(o, act, lin, 4, kinds[4], max_rows[4])};
 }
 
-// ---- The whole decoder stack in one call, for a few rows of bf16 activations and packed weights ----
+// ---- The whole decoder stack in one call, for a few rows of activations and packed weights ----
 //
 // With every linear on the gemv kernels (a few rows, int4 / int8 weights), a batch-1 step of
 // SmolLM2 spent about half its time outside the kernels: a Python call and ~10 dispatches per
@@ -155,18 +155,40 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(const at::Tensor& x, const std::
 // a barrier and a waiting thread each. So the threads meet only after each GEMM (every thread
 // needs all of its output), after the rotary embedding and the cache store (one thread), and
 // after the attention. Buffers are allocated once per call.
+//
+// The activations are bf16 (AVX512-BF16 builds) or float32 (AVX2 builds: what --dtype auto picks
+// on a CPU without native bf16); the weights' scales, the norms and the caches are in the same dtype.
 
-#ifdef CORE_GEMV_BF16
+#ifdef CORE_GEMV_ANY
 using namespace core_gemv;
 using namespace core_rows;
 using bf16 = c10::BFloat16;
 
-// A layer's packed linear (kind 0 int4, 1 int8; cpu_gemv.h's Weight), checked.
+// E's values as the gemv kernels read them: bf16 bits or float.
+template <typename E>
+using Bits = std::conditional_t<std::is_same_v<E, float>, float, uint16_t>;
+template <typename E>
+inline const Bits<E>* raw(const E* p) { return reinterpret_cast<const Bits<E>*>(p); }
+template <typename E>
+inline Bits<E>* raw(E* p) { return reinterpret_cast<Bits<E>*>(p); }
+
+// The kernels of this build for activations of dtype st.
+inline bool has_kernels(at::ScalarType st) {
+#ifdef CORE_GEMV_BF16
+  if (st == at::kBFloat16) return true;
+#endif
+#ifdef CORE_GEMV_F32
+  if (st == at::kFloat) return true;
+#endif
+  return false;
+}
+
+// A layer's packed linear (kind 0 int4, 1 int8; cpu_gemv.h's Weight), checked: scales and bias in st.
 Weight packed(const at::Tensor& a, const at::Tensor& b, const at::Tensor& bias, int64_t kind, int64_t N, int64_t K,
-              int64_t layer, const char* name) {
+              int64_t layer, const char* name, at::ScalarType st) {
   TORCH_CHECK(kind == 0 || kind == 1, "DecodeStack: layer ", layer, " ", name, ": kind ", kind, " is not int4 (0) or int8 (1)");
-  TORCH_CHECK(a.scalar_type() == at::kByte && a.is_contiguous() && b.scalar_type() == at::kBFloat16 && b.is_contiguous(),
-              "DecodeStack: layer ", layer, " ", name, ": uint8 codes and bf16 scales, contiguous");
+  TORCH_CHECK(a.scalar_type() == at::kByte && a.is_contiguous() && b.scalar_type() == st && b.is_contiguous(),
+              "DecodeStack: layer ", layer, " ", name, ": uint8 codes and ", st, " scales, contiguous");
   int64_t G = 1;
   if (kind == 0) {
     TORCH_CHECK(a.dim() == 4 && a.size(0) * 16 == N && a.size(1) * 8 == K && a.size(2) == 16 && a.size(3) == 4 &&
@@ -180,29 +202,27 @@ Weight packed(const at::Tensor& a, const at::Tensor& b, const at::Tensor& bias, 
                 "DecodeStack: layer ", layer, " ", name, ": int8 weight of ", N, " x ", K, " expected");
   }
   const bool has = bias.defined() && bias.numel();
-  TORCH_CHECK(!has || (bias.scalar_type() == at::kBFloat16 && bias.is_contiguous() && bias.numel() == N),
-              "DecodeStack: layer ", layer, " ", name, ": bias of ", N, " bf16 expected");
-  return {kind, N, K, G, a.const_data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(b.const_data_ptr()),
-          has ? reinterpret_cast<const uint16_t*>(bias.const_data_ptr()) : nullptr};
+  TORCH_CHECK(!has || (bias.scalar_type() == st && bias.is_contiguous() && bias.numel() == N),
+              "DecodeStack: layer ", layer, " ", name, ": bias of ", N, " ", st, " expected");
+  return {kind, N, K, G, a.const_data_ptr<uint8_t>(), b.const_data_ptr(), has ? bias.const_data_ptr() : nullptr};
 }
-
-inline const uint16_t* raw(const bf16* p) { return reinterpret_cast<const uint16_t*>(p); }
-inline uint16_t* raw(bf16* p) { return reinterpret_cast<uint16_t*>(p); }
 
 // A GEMM of the stack: out = x w, and out2 = x w2 when w2 is given (gate and up: one pass over both
 // weights' blocks); a, a2 x as each weight's kernel reads it.
+template <typename E>
 struct Job {
   const Weight* w;
   Act a;
-  bf16* out;
+  E* out;
   const Weight* w2 = nullptr;
   Act a2 = {};
-  bf16* out2 = nullptr;
+  E* out2 = nullptr;
   int64_t blocks() const { return w->N / 16 + (w2 ? w2->N / 16 : 0); }
 };
 
 // Inside a parallel region, every thread: a share of the job's blocks; the threads leave in step.
-void gemv_shared(const Job& j, int64_t M) {
+template <typename E>
+void gemv_shared(const Job<E>& j, int64_t M) {
   const int64_t na = j.w->N / 16;
 #pragma omp for schedule(static)
   for (int64_t i = 0; i < j.blocks(); ++i) {
@@ -221,11 +241,13 @@ struct Scratch {
 };
 
 // x [M, w.K] prepared for w in s.
-Act prep(const Weight& w, const bf16* x, int64_t M, const Scratch& s) {
+template <typename E>
+Act prep(const Weight& w, const E* x, int64_t M, const Scratch& s) {
   quantize_rows(raw(x), M, w.K, w.G, s.xq, s.dx, s.xs);
   return {s.xq, s.dx, s.xs};
 }
 
+#ifdef CORE_GEMV_BF16
 // out = silu(g) * u over n elements, rounded as torch's silu and mul round them in bf16. torch's
 // silu, run in one chunk (as it is below its grain size), takes whole 64-element steps through
 // its vector loop, x / (1 + e^-x) with Sleef's exp, and the rest through the scalar formula.
@@ -247,9 +269,35 @@ void silu_mul(const bf16* g, const bf16* u, bf16* out, int64_t n) {
     o[i] = f_bf16(rnd_bf16(x / (1.0f + std::exp(-x))) * bf16_f(ur[i]));
   }
 }
+#endif
+
+#ifdef CORE_GEMV_F32
+// The same for float32, as torch's float silu computes it: on an AVX-512 build its 16-lane vector
+// loop, else the 8-lane AVX2 one, two vectors per step, the rest through the scalar formula.
+void silu_mul(const float* g, const float* u, float* o, int64_t n) {
+#if defined(__AVX512F__)
+  const int64_t nv = n / 32 * 32;
+  int64_t i = 0;
+  for (; i < nv; i += 16) {
+    const __m512 x = _mm512_loadu_ps(g + i);
+    const __m512 e = Sleef_expf16_u10(_mm512_xor_ps(_mm512_set1_ps(-0.0f), x));
+    _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), _mm512_loadu_ps(u + i)));
+  }
+#else
+  const int64_t nv = n / 16 * 16;
+  int64_t i = 0;
+  for (; i < nv; i += 8) {
+    const __m256 x = _mm256_loadu_ps(g + i);
+    const __m256 e = Sleef_expf8_u10(_mm256_xor_ps(_mm256_set1_ps(-0.0f), x));
+    _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e)), _mm256_loadu_ps(u + i)));
+  }
+#endif
+  for (; i < n; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+}
+#endif
 
 constexpr int kPerLayer = 17;  // in_norm, post_norm, then (a, b, bias) of qkv, o, gate, up, down
-#endif
+#endif  // CORE_GEMV_ANY
 
 // The stack's weights, norms and caches, checked once (torch.classes.core_cpu_decode.DecodeStack,
 // built when the model first plans it); run() is one decode or short-prefill forward.
@@ -261,7 +309,7 @@ class DecodeStack : public torch::CustomClassHolder {
       : layers_(std::move(layers)), k_caches_(std::move(k_caches)), v_caches_(std::move(v_caches)), cos_(std::move(cos)),
         sin_(std::move(sin)), eps_(eps), scale_(scale), window_(window), rot_(rotary_dim), H(num_heads),
         Hkv(num_kv_heads), D(head_dim) {
-#ifdef CORE_GEMV_BF16
+#ifdef CORE_GEMV_ANY
     L = static_cast<int64_t>(k_caches_.size());
     TORCH_CHECK(L > 0 && static_cast<int64_t>(v_caches_.size()) == L && static_cast<int64_t>(layers_.size()) == kPerLayer * L &&
                     static_cast<int64_t>(kinds.size()) == 5 * L,
@@ -270,6 +318,9 @@ class DecodeStack : public torch::CustomClassHolder {
     TORCH_CHECK(cos_.scalar_type() == at::kFloat && sin_.scalar_type() == at::kFloat && cos_.is_contiguous() &&
                     sin_.is_contiguous() && cos_.dim() == 2 && cos_.size(1) == rot_ && sin_.sizes() == cos_.sizes(),
                 "DecodeStack: float32 rotary caches [max_pos, rotary_dim]");
+    dtype_ = layers_[0].scalar_type();
+    TORCH_CHECK(has_kernels(dtype_), "DecodeStack: this build has no gemv kernels for ", dtype_,
+                " activations (bf16: AVX512-BF16 and VNNI; float32: AVX2 and FMA)");
     hid = layers_[0].numel();
     qs = H * D, kvs = Hkv * D, nqkv = qs + 2 * kvs, I = layers_[2 + 3 * 2].size(0) * 16;
     const int64_t shapes[5][2] = {{nqkv, hid}, {hid, qs}, {I, hid}, {I, hid}, {hid, I}};
@@ -278,30 +329,47 @@ class DecodeStack : public torch::CustomClassHolder {
     for (int64_t l = 0; l < L; ++l) {
       const at::Tensor* t = layers_.data() + kPerLayer * l;
       for (int i = 0; i < 2; ++i) {
-        TORCH_CHECK(t[i].scalar_type() == at::kBFloat16 && t[i].is_contiguous() && t[i].numel() == hid,
-                    "DecodeStack: layer ", l, ": norm weights of ", hid, " bf16");
-        norms_.push_back(t[i].const_data_ptr<bf16>());
+        TORCH_CHECK(t[i].scalar_type() == dtype_ && t[i].is_contiguous() && t[i].numel() == hid,
+                    "DecodeStack: layer ", l, ": norm weights of ", hid, " ", dtype_);
+        norms_.push_back(t[i].const_data_ptr());
       }
       for (int i = 0; i < 5; ++i)
-        lin_.push_back(packed(t[2 + 3 * i], t[3 + 3 * i], t[4 + 3 * i], kinds[5 * l + i], shapes[i][0], shapes[i][1], l, names[i]));
+        lin_.push_back(packed(t[2 + 3 * i], t[3 + 3 * i], t[4 + 3 * i], kinds[5 * l + i], shapes[i][0], shapes[i][1], l,
+                              names[i], dtype_));
       for (const at::Tensor& c : {k_caches_[l], v_caches_[l]})
-        TORCH_CHECK(c.scalar_type() == at::kBFloat16 && c.is_contiguous() && c.dim() == 3 && c.size(0) == slots &&
+        TORCH_CHECK(c.scalar_type() == dtype_ && c.is_contiguous() && c.dim() == 3 && c.size(0) == slots &&
                         c.size(1) == Hkv && c.size(2) == D,
-                    "DecodeStack: layer ", l, ": bf16 caches [", slots, ", ", Hkv, ", ", D, "]");
+                    "DecodeStack: layer ", l, ": ", dtype_, " caches [", slots, ", ", Hkv, ", ", D, "]");
     }
 #else
-    TORCH_CHECK(false, "DecodeStack: this build has no AVX512-BF16");
+    TORCH_CHECK(false, "DecodeStack: this build has no gemv kernels (AVX512-BF16, or AVX2 and FMA)");
 #endif
   }
 
-  // (h, mlp_out) of the last layer for x [rows, hidden] bf16, as a chain of decode_layer calls
-  // (the first without a residual) returns them; the cache rows of out_loc are written.
+  // (h, mlp_out) of the last layer for x [rows, hidden] (the stack's dtype), as a chain of
+  // decode_layer calls (the first without a residual) returns them; the cache rows of out_loc are written.
   std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& out_loc,
                                          const at::Tensor& kv_indices, const at::Tensor& seq_lens,
                                          const at::Tensor& extend_lens) {
+#ifdef CORE_GEMV_ANY
+    TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == dtype_ && x.size(1) == hid,
+                "DecodeStack: x [rows, ", hid, "] contiguous ", dtype_);
 #ifdef CORE_GEMV_BF16
-    TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kBFloat16 && x.size(1) == hid,
-                "DecodeStack: x [rows, ", hid, "] contiguous bf16");
+    if (dtype_ == at::kBFloat16) return forward<bf16>(x, positions, out_loc, kv_indices, seq_lens, extend_lens);
+#endif
+#ifdef CORE_GEMV_F32
+    if (dtype_ == at::kFloat) return forward<float>(x, positions, out_loc, kv_indices, seq_lens, extend_lens);
+#endif
+#endif
+    TORCH_CHECK(false, "DecodeStack: this build has no gemv kernels for ", x.scalar_type());
+  }
+
+ private:
+#ifdef CORE_GEMV_ANY
+  template <typename E>
+  std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& out_loc,
+                                             const at::Tensor& kv_indices, const at::Tensor& seq_lens,
+                                             const at::Tensor& extend_lens) {
     const int64_t M = x.size(0);
     TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == M &&
                     out_loc.scalar_type() == at::kLong && out_loc.is_contiguous() && out_loc.numel() == M,
@@ -322,8 +390,8 @@ class DecodeStack : public torch::CustomClassHolder {
     const int64_t kmax = M * std::max({hid, qs, I});  // the most values a GEMM's input has
     const int64_t nf = kmax / 8 + 1;  // floats for an input's group sums (groups of >= 8 columns) or scales
     at::Tensor xf = at::empty({nt, 4, nf}, opt.dtype(at::kFloat)), xq = at::empty({nt, 2, kmax}, opt.dtype(at::kChar));
-    bf16 *pqkv = qkv.data_ptr<bf16>(), *pqr = qr.data_ptr<bf16>(), *po = o.data_ptr<bf16>();
-    bf16 *pg = gate.data_ptr<bf16>(), *pu = up.data_ptr<bf16>(), *pmlp = mlp.data_ptr<bf16>();
+    E *pqkv = qkv.data_ptr<E>(), *pqr = qr.data_ptr<E>(), *po = o.data_ptr<E>();
+    E *pg = gate.data_ptr<E>(), *pu = up.data_ptr<E>(), *pmlp = mlp.data_ptr<E>();
     const float *pcos = cos_.const_data_ptr<float>(), *psin = sin_.const_data_ptr<float>();
     const float feps = static_cast<float>(eps_);
     // the attention's tasks, the same for every layer of this forward
@@ -335,74 +403,72 @@ class DecodeStack : public torch::CustomClassHolder {
     core_attention::Work work;
     core_attention::plan(work, seq_lens.numel(), seq_lens.const_data_ptr<int64_t>(), extend_lens.const_data_ptr<int64_t>(),
                          kv_indices.const_data_ptr<int64_t>(), kv_indices.stride(0), kv_indices.size(1), M, qs, H, Hkv, D,
-                         true, scale_, window_, 0.0, nt);
-    const auto attend = D == 64 ? &core_attention::run_tasks<bf16, 64>
-                        : D == 128 ? &core_attention::run_tasks<bf16, 128> : &core_attention::run_tasks<bf16, 0>;
+                         std::is_same_v<E, bf16>, scale_, window_, 0.0, nt);
+    const auto attend = D == 64 ? &core_attention::run_tasks<E, 64>
+                        : D == 128 ? &core_attention::run_tasks<E, 128> : &core_attention::run_tasks<E, 0>;
     at::Tensor attn = at::empty({M, H, D}, opt);
-    bf16* pa = attn.data_ptr<bf16>();
+    E* pa = attn.data_ptr<E>();
     // One parallel region for the whole stack: the threads meet after each GEMM, after the rotary
     // embedding and the cache store (one thread), and after the attention's tasks.
 #pragma omp parallel num_threads(nt)
     {
       const int me = omp_get_thread_num();
-      bf16 *my_x0 = x0.data_ptr<bf16>() + me * M * hid, *my_x1 = x1.data_ptr<bf16>() + me * M * hid;
-      bf16* my_h = h.data_ptr<bf16>() + me * h.size(1) * h.size(2);
+      E *my_x0 = x0.data_ptr<E>() + me * M * hid, *my_x1 = x1.data_ptr<E>() + me * M * hid;
+      E* my_h = h.data_ptr<E>() + me * h.size(1) * h.size(2);
       float* my_f = xf.data_ptr<float>() + me * 4 * nf;
       int8_t* my_q = xq.data_ptr<int8_t>() + me * 2 * kmax;
       // two sets: gate and up need their own when their groups differ
       const Scratch sc{my_f, my_q, my_f + nf}, sc2{my_f + 2 * nf, my_q + kmax, my_f + 3 * nf};
       for (int64_t l = 0; l < L; ++l) {
-        const bf16 *in_norm = norms_[2 * l], *post_norm = norms_[2 * l + 1];
+        const E *in_norm = static_cast<const E*>(norms_[2 * l]), *post_norm = static_cast<const E*>(norms_[2 * l + 1]);
         const Weight* w = lin_.data() + 5 * l;
-        bf16* kc = k_caches_[l].data_ptr<bf16>();
-        bf16* vc = v_caches_[l].data_ptr<bf16>();
+        E* kc = k_caches_[l].data_ptr<E>();
+        E* vc = v_caches_[l].data_ptr<E>();
         // the layer's input: x at the first layer, then this thread's x1 + the MLP's output
-        const bf16* in = l ? my_x1 : x.const_data_ptr<bf16>();
+        const E* in = l ? my_x1 : x.const_data_ptr<E>();
         for (int64_t m = 0; m < M; ++m) {
           if (l)
-            add_row<bf16>(in + m * hid, pmlp + m * hid, my_x0 + m * hid, hid);
+            add_row<E>(in + m * hid, pmlp + m * hid, my_x0 + m * hid, hid);
           else
             std::copy(in + m * hid, in + (m + 1) * hid, my_x0 + m * hid);
-          norm_row<bf16>(my_x0 + m * hid, in_norm, my_h + m * hid, hid, feps, 0.0f);
+          norm_row<E>(my_x0 + m * hid, in_norm, my_h + m * hid, hid, feps, 0.0f);
         }
-        gemv_shared({&w[0], prep(w[0], my_h, M, sc), pqkv}, M);
+        gemv_shared<E>({&w[0], prep(w[0], my_h, M, sc), pqkv}, M);
 #pragma omp single
         for (int64_t m = 0; m < M; ++m) {
           const float* cs = pcos + pos[m] * rot_;
           const float* sn = psin + pos[m] * rot_;
-          const bf16* row = pqkv + m * nqkv;
-          for (int64_t j = 0; j < H; ++j) rotate_head<bf16>(row + j * D, pqr + (m * H + j) * D, cs, sn, rot_ / 2, D);
+          const E* row = pqkv + m * nqkv;
+          for (int64_t j = 0; j < H; ++j) rotate_head<E>(row + j * D, pqr + (m * H + j) * D, cs, sn, rot_ / 2, D);
           for (int64_t j = 0; j < Hkv; ++j)  // k rotated straight into its cache row
-            rotate_head<bf16>(row + qs + j * D, kc + loc[m] * kvs + j * D, cs, sn, rot_ / 2, D);
+            rotate_head<E>(row + qs + j * D, kc + loc[m] * kvs + j * D, cs, sn, rot_ / 2, D);
           std::copy(row + qs + kvs, row + nqkv, vc + loc[m] * kvs);
         }
         attend(work, pqr, kc, vc, pa);
-        gemv_shared({&w[1], prep(w[1], pa, M, sc), po}, M);
+        gemv_shared<E>({&w[1], prep(w[1], pa, M, sc), po}, M);
         for (int64_t m = 0; m < M; ++m) {
-          add_row<bf16>(my_x0 + m * hid, po + m * hid, my_x1 + m * hid, hid);
-          norm_row<bf16>(my_x1 + m * hid, post_norm, my_h + m * hid, hid, feps, 0.0f);
+          add_row<E>(my_x0 + m * hid, po + m * hid, my_x1 + m * hid, hid);
+          norm_row<E>(my_x1 + m * hid, post_norm, my_h + m * hid, hid, feps, 0.0f);
         }
         const Act ag = prep(w[2], my_h, M, sc);  // up reads x as gate does unless its groups differ
         const Act au = w[3].G == w[2].G ? ag : prep(w[3], my_h, M, sc2);
-        gemv_shared({&w[2], ag, pg, &w[3], au, pu}, M);
+        gemv_shared<E>({&w[2], ag, pg, &w[3], au, pu}, M);
         silu_mul(pg, pu, my_h, M * I);  // the activation (into this thread's h: the norm's rows are used)
-        gemv_shared({&w[4], prep(w[4], my_h, M, sc), pmlp}, M);
+        gemv_shared<E>({&w[4], prep(w[4], my_h, M, sc), pmlp}, M);
       }
     }
     return {x1[0], mlp};
-#else
-    TORCH_CHECK(false, "DecodeStack: this build has no AVX512-BF16");
-#endif
   }
+#endif
 
- private:
   std::vector<at::Tensor> layers_, k_caches_, v_caches_;  // kept: lin_ and norms_ point into them
   at::Tensor cos_, sin_;
   double eps_, scale_;
   int64_t window_, rot_, H, Hkv, D, L = 0, hid = 0, qs = 0, kvs = 0, nqkv = 0, I = 0, slots = 0;
-#ifdef CORE_GEMV_BF16
+  at::ScalarType dtype_ = at::kFloat;
+#ifdef CORE_GEMV_ANY
   std::vector<Weight> lin_;
-  std::vector<const bf16*> norms_;
+  std::vector<const void*> norms_;
 #endif
 };
 

@@ -28,7 +28,13 @@ from core_kernels import cpp_build
 
 SOURCE = Path(__file__).with_name("cpu_decode.cpp")
 PREFIX = "core_cpu_decode"
-_EMPTY = torch.empty(0)  # what the op receives for a tensor a layer does not have
+_EMPTY = torch.empty(0)
+# The stack serves batches of at most this many rows. Each thread computes the row loops between
+# the GEMMs (norms, adds, activation) for every row itself, and one thread the rotary embedding:
+# a few microseconds at decode sizes, but a prefill chunk of thousands of rows runs the one-op
+# layers instead, which share those loops. (bf16 layers on AMX or with a dense copy for 65+ rows
+# stop below this anyway; float32 layers keep no dense copy.)
+STACK_MAX_ROWS = 64  # what the op receives for a tensor a layer does not have
 
 
 @functools.cache
@@ -94,15 +100,16 @@ def run(p: dict[str, Any], x: torch.Tensor, batch: Any,
 def plan_stack(plans: list[dict[str, Any] | None]) -> dict[str, Any] | None:
     """The layers' plans joined into one ``DecodeStack`` (checked once, here) for :func:`run_stack`,
     or None where some layer has none, some linear is not int4 / int8 (kinds 0, 1), the pool is
-    not bf16, or the layers differ in shape."""
+    not bf16 or float32 (the norms in the same dtype), or the layers differ in shape."""
     if not plans or any(p is None for p in plans):
         return None
     first = plans[0]
+    dtype = first["caches"][0].dtype
     same = ("eps", "heads", "attn")
-    if (first["caches"][0].dtype != torch.bfloat16 or any(k not in (0, 1) for p in plans for k in p["kinds"])
+    if (dtype not in (torch.bfloat16, torch.float32) or any(k not in (0, 1) for p in plans for k in p["kinds"])
             or any(p[k] != first[k] for p in plans for k in same)
             or any(p["rotary"][0] is not first["rotary"][0] for p in plans)  # one rotary table (one module)
-            or any(t.dtype != torch.bfloat16 for p in plans for t in p["norms"])):
+            or any(t.dtype != dtype for p in plans for t in p["norms"])):
         return None
     cos, sin, rot = first["rotary"]
     scale, window, _ = first["attn"]
@@ -115,7 +122,8 @@ def plan_stack(plans: list[dict[str, Any] | None]) -> dict[str, Any] | None:
         structlog.get_logger(__name__).warning("cpu_decode.stack_unavailable", reason=str(e).splitlines()[0],
                                                fallback="one op per layer")
         return None
-    return {"stack": stack, "layers": len(plans), "max_rows": min(r for p in plans for r in p["max_rows"])}
+    max_rows = min([STACK_MAX_ROWS + 1] + [r for p in plans for r in p["max_rows"]])
+    return {"stack": stack, "layers": len(plans), "max_rows": max_rows}
 
 
 def run_stack(p: dict[str, Any], x: torch.Tensor, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:

@@ -181,36 +181,7 @@ inline void block8(const uint8_t* __restrict qw, const uint16_t* __restrict sc, 
 
 
 
-// One packed weight [N, K]: kind 0 int4 (q codes, s scales then zeros of G groups per row), 1 int8
-// (s per-row scales, G = 1); bias (bf16 bits, N) nullptr for none.
-struct Weight {
-  int64_t kind, N, K, G;
-  const uint8_t* q;
-  const uint16_t* s;
-  const uint16_t* bias = nullptr;
-};
-
-
-// Block nb of w (its 16 output columns) times the M rows of a into out [M, w.N], plus the bias of
-// those columns (rounded as torch's add rounds). The stack's form (kernels/cpu_decode.cpp); the
-// ops in cpu_gemv.cpp call block / block8 directly, which measured a few per cent faster for them.
-inline void weight_block(const Weight& w, const Act& a, uint16_t* out, int64_t M, int64_t nb) {
-  for_rows(M, [&](auto rows, int64_t m) {
-    if (w.kind == 0)
-      block<rows.value>(w.q, w.s, a.xq + m * w.K, a.dx + m * (w.K / 32), a.xs + m * w.G, out + m * w.N, w.K, w.G, w.N, nb);
-    else
-      block8<rows.value>(w.q, w.s, a.xq + m * w.K, a.dx + m * (w.K / 32), a.xs + m, out + m * w.N, w.K, w.N, nb);
-  });
-  if (w.bias) {
-    using T = c10::BFloat16;
-    const T* b = reinterpret_cast<const T*>(w.bias) + nb * 16;
-    for (int64_t m = 0; m < M; ++m) {
-      T* o = reinterpret_cast<T*>(out + m * w.N + nb * 16);
-      core_rows::add_row<T>(o, b, o, 16);
-    }
-  }
-}
-#endif
+#endif  // CORE_GEMV_BF16
 
 #ifdef CORE_GEMV_F32
 // ---- float32 activations on AVX2 (every x86-64 CPU since 2013; the dtype --dtype auto picks where
@@ -334,6 +305,42 @@ inline void block8(const uint8_t* __restrict qw, const float* __restrict sc, con
   for (int m = 0; m < M; ++m)
     for (int h = 0; h < 2; ++h)
       _mm256_storeu_ps(out + m * N + nb * 16 + 8 * h, _mm256_mul_ps(f[m][h], _mm256_loadu_ps(sc + nb * 16 + 8 * h)));
+}
+#endif
+
+
+#ifdef CORE_GEMV_ANY
+// One packed weight [N, K]: kind 0 int4 (q codes, s scales then zeros of G groups per row), 1 int8
+// (s per-row scales, G = 1); s and bias (N values, nullptr for none) in the activations' element
+// type (bf16 bits or float).
+struct Weight {
+  int64_t kind, N, K, G;
+  const uint8_t* q;
+  const void* s;
+  const void* bias = nullptr;
+};
+
+// Block nb of w (its 16 output columns) times the M rows of a into out [M, w.N], plus the bias of
+// those columns (rounded as torch's add rounds). T: uint16_t (bf16 bits) or float, the element
+// type the kernels read and write. The stack's form (kernels/cpu_decode.cpp); the ops in
+// cpu_gemv.cpp call block / block8 directly, which measured a few per cent faster for them.
+template <typename T>
+inline void weight_block(const Weight& w, const Act& a, T* out, int64_t M, int64_t nb) {
+  const T* s = static_cast<const T*>(w.s);
+  for_rows(M, [&](auto rows, int64_t m) {
+    if (w.kind == 0)
+      block<rows.value>(w.q, s, a.xq + m * w.K, a.dx + m * (w.K / 32), a.xs + m * w.G, out + m * w.N, w.K, w.G, w.N, nb);
+    else
+      block8<rows.value>(w.q, s, a.xq + m * w.K, a.dx + m * (w.K / 32), a.xs + m, out + m * w.N, w.K, w.N, nb);
+  });
+  if (w.bias) {
+    using E = std::conditional_t<std::is_same_v<T, float>, float, c10::BFloat16>;
+    const E* b = static_cast<const E*>(w.bias) + nb * 16;
+    for (int64_t m = 0; m < M; ++m) {
+      E* o = reinterpret_cast<E*>(out + m * w.N + nb * 16);
+      core_rows::add_row<E>(o, b, o, 16);
+    }
+  }
 }
 #endif
 

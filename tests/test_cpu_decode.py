@@ -18,6 +18,10 @@ pytestmark = pytest.mark.skipif(not cpu_decode.available(), reason="needs the C+
                                 "elsewhere layers keep their Python forward")
 needs_gemv = pytest.mark.skipif(not cpu_gemv.available(), reason="int4/int8 layers take the op through kernels/cpu_gemv, "
                                 "which needs AVX512-BF16")
+needs_gemv_f32 = pytest.mark.skipif(not cpu_gemv.available_f32(), reason="float32 int4/int8 layers take the op through "
+                                    "kernels/cpu_gemv's AVX2 kernels, which need AVX2 and FMA")
+# the stack's activation dtypes, each where this CPU has its gemv kernels
+DTYPES = [pytest.param(torch.bfloat16, marks=needs_gemv, id="bf16"), pytest.param(torch.float32, marks=needs_gemv_f32, id="f32")]
 
 PROMPTS = ["a", "hello world", "abc abc abc abc", "xy"]
 REAL_RUN, REAL_PLAN, REAL_STACK, REAL_PLAN_STACK = cpu_decode.run, cpu_decode.plan, cpu_decode.run_stack, cpu_decode.plan_stack
@@ -129,24 +133,25 @@ def test_an_avx2_only_build_takes_it_in_float32(tiny_llama):
 # ---- the whole stack as one op (cpu_decode.run_stack) ----
 
 def random_stack(layers: int, kinds: list[int], bias: bool, seed: int = 0, hid: int = 64, heads: int = 4, kv_heads: int = 2,
-                 head_dim: int = 16, inter: int = 96, group: int = 32) -> dict:
+                 head_dim: int = 16, inter: int = 96, group: int = 32, dtype: torch.dtype = torch.bfloat16) -> dict:
     """Packed random layers (linear i of layer l of kind ``kinds[(5 * l + i) % len(kinds)]``) and the
-    arguments both ops share."""
+    arguments both ops share, for activations of ``dtype``."""
     g = torch.Generator().manual_seed(seed)
     shapes = [((heads + 2 * kv_heads) * head_dim, hid), (hid, heads * head_dim), (inter, hid), (inter, hid), (hid, inter)]
     per_layer, stack, kind_list = [], [], []
     for l in range(layers):
-        norms = [(1 + 0.1 * torch.randn(hid, generator=g)).bfloat16() for _ in range(2)]
+        norms = [(1 + 0.1 * torch.randn(hid, generator=g)).to(dtype) for _ in range(2)]
         lin, flat = [], [*norms]
         for i, (n, k) in enumerate(shapes):
             kind = kinds[(5 * l + i) % len(kinds)]
             if kind == 0:
                 q = torch.randint(0, 16, (n, k), generator=g)
-                a, b = cpu_gemv.pack(q, 0.02 * torch.rand(n, k // group, generator=g), 0.01 * torch.randn(n, k // group, generator=g))
+                a, b = cpu_gemv.pack(q, 0.02 * torch.rand(n, k // group, generator=g), 0.01 * torch.randn(n, k // group, generator=g),
+                                     dtype)
             else:
                 a = cpu_gemv.pack_int8(torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8))
-                b = (0.001 + 0.002 * torch.rand(n, generator=g)).bfloat16()
-            bi = (0.1 * torch.randn(n, generator=g)).bfloat16() if bias and i in (0, 2) else cpu_decode._EMPTY
+                b = (0.001 + 0.002 * torch.rand(n, generator=g)).to(dtype)
+            bi = (0.1 * torch.randn(n, generator=g)).to(dtype) if bias and i in (0, 2) else cpu_decode._EMPTY
             lin += [a, b, bi, cpu_decode._EMPTY]
             flat += [a, b, bi]
             kind_list.append(kind)
@@ -156,7 +161,7 @@ def random_stack(layers: int, kinds: list[int], bias: bool, seed: int = 0, hid: 
     pos = torch.arange(64, dtype=torch.float32)[:, None] / (10000 ** (torch.arange(0, rot, 2) / rot))
     cos, sin = torch.cat([pos.cos()] * 2, 1).contiguous(), torch.cat([pos.sin()] * 2, 1).contiguous()
     return {"per_layer": per_layer, "stack": stack, "kinds": kind_list, "rotary": (cos, sin, rot),
-            "heads": (heads, kv_heads, head_dim), "hid": hid, "g": g}
+            "heads": (heads, kv_heads, head_dim), "hid": hid, "g": g, "dtype": dtype}
 
 
 def run_both(s: dict, seq_lens: list[int], extend_lens: list[int], threads: int):
@@ -165,7 +170,7 @@ def run_both(s: dict, seq_lens: list[int], extend_lens: list[int], threads: int)
     g, (heads, kv_heads, head_dim), hid = s["g"], s["heads"], s["hid"]
     rows = sum(extend_lens)
     slots = 128
-    caches = [torch.randn(slots, kv_heads, head_dim, generator=g).bfloat16() for _ in range(2 * len(s["per_layer"]))]
+    caches = [torch.randn(slots, kv_heads, head_dim, generator=g).to(s["dtype"]) for _ in range(2 * len(s["per_layer"]))]
     width = max(seq_lens)
     kv_indices = torch.zeros(len(seq_lens), width, dtype=torch.long)
     perm = torch.randperm(slots, generator=g)
@@ -175,7 +180,7 @@ def run_both(s: dict, seq_lens: list[int], extend_lens: list[int], threads: int)
         used += n
     positions = torch.cat([torch.arange(n - e, n) for n, e in zip(seq_lens, extend_lens)])
     out_loc = torch.cat([kv_indices[b, n - e:n] for b, (n, e) in enumerate(zip(seq_lens, extend_lens))])
-    x = torch.randn(rows, hid, generator=g).bfloat16()
+    x = torch.randn(rows, hid, generator=g).to(s["dtype"])
     cos, sin, rot = s["rotary"]
     sl, el = torch.tensor(seq_lens), torch.tensor(extend_lens)
     attn = dict(kv_indices=kv_indices, seq_lens=sl, extend_lens=el, scale=head_dim ** -0.5, window=0)
@@ -197,55 +202,59 @@ def run_both(s: dict, seq_lens: list[int], extend_lens: list[int], threads: int)
     return (h, res, ka, va), (h2, res2, kb, vb)
 
 
-@needs_gemv
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("quant", ["int4wo-32", "int8wo"])
-def test_the_stack_gives_the_tokens_of_the_layer_ops(tiny_llama, monkeypatch, quant):
+def test_the_stack_gives_the_tokens_of_the_layer_ops(tiny_llama, monkeypatch, quant, dtype):
     """Batches of a few rows (decodes and short prefills) take the whole stack as one op, and the
     tokens are those of the one-op layers."""
     path, _ = tiny_llama()
-    want, rows = generate(path, monkeypatch, True, stack=False, attention_backend="cpu", torchao_config=quant, cpu_threads=2)
+    opts = dict(attention_backend="cpu", torchao_config=quant, cpu_threads=2, dtype=str(dtype).removeprefix("torch."))
+    want, rows = generate(path, monkeypatch, True, stack=False, **opts)
     assert rows and not STACK_ROWS
-    got, _ = generate(path, monkeypatch, True, attention_backend="cpu", torchao_config=quant, cpu_threads=2)
+    got, _ = generate(path, monkeypatch, True, **opts)
     assert got == want
     assert 1 in STACK_ROWS and max(STACK_ROWS) > 1
 
 
-@needs_gemv
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kinds,bias", [([0], False), ([1], False), ([0, 1, 1], True)], ids=["int4", "int8", "mixed_with_biases"])
 @pytest.mark.parametrize("batch", [([9], [1]), ([5, 30], [1, 1]), ([40, 7, 3], [1, 1, 1]), ([12, 6], [2, 1])],
                          ids=["one_decode", "two_decodes", "three_decodes", "extend_and_decode"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_the_stack_op_equals_the_chain_of_layer_ops(kinds, bias, batch, threads):
-    """Bit for bit: the outputs and every layer's cache writes (MLP width 80, so the gated activation's
-    last 16 elements take torch's scalar path; partial rotary; groups of 16)."""
+def test_the_stack_op_equals_the_chain_of_layer_ops(kinds, bias, batch, threads, dtype):
+    """Bit for bit: the outputs and every layer's cache writes (MLP width 96; in bf16 the gated
+    activation's last 32 elements take torch's scalar path; partial rotary), in bf16 (AVX512-BF16
+    kernels) and float32 (AVX2 kernels)."""
     from core_plugins.attention import cpu
 
     cpu.load_kernel()
-    want, got = run_both(random_stack(3, kinds, bias), *batch, threads)
+    want, got = run_both(random_stack(3, kinds, bias, dtype=dtype), *batch, threads)
     assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
     for a, b in zip(want[2] + want[3], got[2] + got[3]):
         assert torch.equal(a, b)
 
 
-@needs_gemv
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("change,message", [
     (lambda a: a.update(kinds=[2] * len(a["kinds"])), r"kind 2 is not int4 \(0\)"),
     (lambda a: a.update(stack=a["stack"][:-1]), "per layer 17 tensors"),
-    (lambda a: a.update(caches=[c[:, :1] for c in a["caches"]]), "bf16 caches"),
+    (lambda a: a.update(caches=[c[:, :1] for c in a["caches"]]), r"(BFloat16|Float) caches \[16, 2, 16\]"),
+    (lambda a: a.update(caches=[c.double() for c in a["caches"]]), r"(BFloat16|Float) caches"),
     (lambda a: a.update(positions=a["positions"] + 1000), "outside the rotary cache"),
     (lambda a: a.update(out_loc=a["out_loc"] + 1000), "outside the pool"),
-    (lambda a: a.update(x=a["x"].float()), "contiguous bf16"),
-    (lambda a: a.update(x=a["x"][:, :32].contiguous()), "contiguous bf16"),
-], ids=["dense_kind", "missing_tensor", "cache_shape", "position", "slot", "float32_rows", "hidden_size"])
-def test_the_stack_refuses_bad_arguments(change, message):
+    (lambda a: a.update(x=a["x"].to(torch.float32 if a["x"].dtype == torch.bfloat16 else torch.bfloat16)),
+     r"contiguous (BFloat16|Float)"),
+    (lambda a: a.update(x=a["x"][:, :32].contiguous()), r"\[rows, 64\] contiguous"),
+], ids=["dense_kind", "missing_tensor", "cache_shape", "cache_dtype", "position", "slot", "other_dtype_rows", "hidden_size"])
+def test_the_stack_refuses_bad_arguments(change, message, dtype):
     """Bad layers when the stack is built, bad rows when it runs: an error naming the problem."""
     from core_plugins.attention import cpu
 
     cpu.load_kernel()
-    s = random_stack(2, [0], False)
+    s = random_stack(2, [0], False, dtype=dtype)
     cos, sin, rot = s["rotary"]
-    args = {"x": torch.randn(1, 64).bfloat16(), "stack": s["stack"], "kinds": s["kinds"], "positions": torch.tensor([3]),
-            "out_loc": torch.tensor([3]), "caches": [torch.zeros(16, 2, 16).bfloat16() for _ in range(4)]}
+    args = {"x": torch.randn(1, 64).to(dtype), "stack": s["stack"], "kinds": s["kinds"], "positions": torch.tensor([3]),
+            "out_loc": torch.tensor([3]), "caches": [torch.zeros(16, 2, 16).to(dtype) for _ in range(4)]}
     change(args)
     with pytest.raises(RuntimeError, match=message):
         stack = torch.classes.core_cpu_decode.DecodeStack(args["stack"], args["kinds"], 1e-5, cos, sin, rot, 4, 2, 16,
