@@ -391,8 +391,207 @@ void decode_bf16(const Params& p, const Task& t, const c10::BFloat16* q, const c
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+#define CORE_F32_DECODE 1
+// ---- The same per-token decode for a float32 pool on AVX2 (what --dtype auto picks on CPUs without
+// native bf16): 8 lanes, 16 registers, no masks. Scores 8 keys per hsum8; the V rows weighted into
+// accumulators held in registers, in passes over parts of D when the heads' accumulators would not
+// fit in 16 registers.
+
+// Lane j of the result = the sum of the 8 lanes of v[j].
+inline __m256 hsum8(const __m256 v[8]) {
+  const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);  // [v0..v3 | v0..v3] halves, v4..v7
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// e^x for x <= 0 on 8 lanes, the polynomial of exp_neg.
+inline __m256 vexp_neg8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 y = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
+  y = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-06f), y);
+  __m256 r = _mm256_set1_ps(1.0f / 720);
+  r = _mm256_fmadd_ps(r, y, _mm256_set1_ps(1.0f / 120));
+  r = _mm256_fmadd_ps(r, y, _mm256_set1_ps(1.0f / 24));
+  r = _mm256_fmadd_ps(r, y, _mm256_set1_ps(1.0f / 6));
+  r = _mm256_fmadd_ps(r, y, _mm256_set1_ps(0.5f));
+  r = _mm256_fmadd_ps(r, y, _mm256_set1_ps(1.0f));
+  r = _mm256_fmadd_ps(r, y, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(r, _mm256_castsi256_ps(e));
+}
+
+// out[j] = scale * (q . k_j) for the n keys at slots idx[0..n), 8 keys per hsum8 (q from L1, each
+// key's chunks straight from the pool).
+template <int D>
+inline void scores_f32(const float* __restrict q, const float* __restrict kc, const int64_t* idx, int n,
+                       int64_t slot_stride, int64_t head, float scale, float* __restrict out) {
+  for (int j0 = 0; j0 < n; j0 += 8) {
+    const int m = std::min(8, n - j0);
+    __m256 v[8];
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      v[j] = _mm256_setzero_ps();
+      if (j < m) {
+        const float* k = kc + idx[j0 + j] * slot_stride + head;
+#pragma GCC unroll 16
+        for (int c = 0; c < D; c += 8) v[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + c), _mm256_loadu_ps(k + c), v[j]);
+      }
+    }
+    const __m256 r = _mm256_mul_ps(hsum8(v), _mm256_set1_ps(scale));
+    if (m == 8) {
+      _mm256_storeu_ps(out + j0, r);
+    } else {
+      alignas(32) float t[8];
+      _mm256_store_ps(t, r);
+      std::copy(t, t + m, out + j0);
+    }
+  }
+}
+
+// acc[g] += sum_j p[g][j] * v_j for GC heads (p: [GC, kChunk]) over columns [c0, c0 + 8 CP) of the
+// float rows v_j at slot idx[j]: GC * CP accumulators in registers, each V chunk loaded once per head
+// (from L1 after the first).
+template <int CP, int GC>
+inline void weigh_v_f32(const float* vrows, const int64_t* idx, int n, int64_t slot_stride, const float* p,
+                        float* acc, int D, int c0) {
+  __m256 a[GC][CP];
+  for (int g = 0; g < GC; ++g)
+    for (int c = 0; c < CP; ++c) a[g][c] = _mm256_loadu_ps(acc + g * D + c0 + 8 * c);
+  for (int j = 0; j < n; ++j) {
+    const float* v = vrows + idx[j] * slot_stride + c0;
+#pragma GCC unroll 4
+    for (int g = 0; g < GC; ++g) {
+      const __m256 w = _mm256_set1_ps(p[g * kChunk + j]);
+#pragma GCC unroll 8
+      for (int c = 0; c < CP; ++c) a[g][c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * c), a[g][c]);
+    }
+  }
+  for (int g = 0; g < GC; ++g)
+    for (int c = 0; c < CP; ++c) _mm256_storeu_ps(acc + g * D + c0 + 8 * c, a[g][c]);
+}
+
+// All of D for GC heads: passes of CP chunks, GC * CP <= 12 accumulators.
+template <int D, int GC>
+inline void weigh_v_f32_all(const float* vrows, const int64_t* idx, int n, int64_t slot_stride, const float* p,
+                            float* acc) {
+  constexpr int chunks = D / 8;
+  constexpr int fit = 12 / GC;
+  constexpr int CP = fit >= chunks ? chunks : fit >= 4 ? 4 : fit >= 2 ? 2 : 1;  // a divisor of chunks
+  for (int c0 = 0; c0 < D; c0 += 8 * CP) weigh_v_f32<CP, GC>(vrows, idx, n, slot_stride, p, acc, D, c0);
+}
+
+// decode_bf16 for a float32 pool (see there): one query token over the keys of the task's KV head,
+// or of every KV head when t.kvh < 0; chunks of up to kChunk keys, online softmax between chunks.
+template <int D>
+void decode_f32(const Params& p, const Task& t, const float* q, const float* kc, const float* vc, float* out, Scratch& w,
+                int64_t pos, int64_t qi) {
+  const int G = static_cast<int>(p.G);
+  const int h0 = t.kvh < 0 ? 0 : t.kvh, nh = t.kvh < 0 ? static_cast<int>(p.Hkv) : 1;
+  const int QH = nh * G;
+  const int64_t* idx = p.idx + t.b * p.idx_stride;
+  int jlo = p.window > 0 ? static_cast<int>(std::max<int64_t>(0, pos - p.window + 1)) : 0;
+  int jhi = static_cast<int>(pos);
+  if (t.parts > 1) {  // this part's share of the keys, in whole runs of 16 (an empty part leaves l = 0)
+    const int span = (((jhi - jlo + 1) + 15) / 16 + t.parts - 1) / t.parts * 16;
+    jlo += t.part * span;
+    jhi = std::min(jhi, jlo + span - 1);
+  }
+  float* acc = w.acc.data();
+  float* sc = w.ps.data();  // [QH, kChunk] scores, then probabilities
+  std::fill(acc, acc + QH * D, 0.0f);
+  const float* qrow = q + qi * p.q_stride + h0 * G * D;
+  for (int g = 0; g < QH; ++g) {
+    w.m[g] = kNegInf;
+    w.l[g] = 0.0f;
+  }
+  for (int c0 = jlo; c0 <= jhi; c0 += kChunk) {
+    const int n = std::min(kChunk, jhi - c0 + 1);
+    const int per = (8 + QH - 1) / QH;  // keys prefetched per head's scores
+    for (int j0 = 0; j0 < n; j0 += 8) {
+      for (int g = 0; g < QH; ++g) {
+        const int f = c0 + j0 + 8 + g * per;
+        prefetch_rows(kc, vc, idx, std::min(f, jhi + 1), std::min({f + per, c0 + j0 + 16, jhi + 1}), p.slot_stride,
+                      h0 * D, nh * D);
+        scores_f32<D>(qrow + g * D, kc, idx + c0 + j0, std::min(8, n - j0), p.slot_stride, (h0 + g / G) * D, p.scale,
+                      sc + g * kChunk + j0);
+      }
+    }
+    const int nv = n & ~7;
+    for (int g = 0; g < QH; ++g) {
+      float* s = sc + g * kChunk;
+      __m256 mx = _mm256_set1_ps(kNegInf);
+      for (int j = 0; j < nv; j += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(s + j));
+      alignas(32) float t8[8];
+      _mm256_store_ps(t8, mx);
+      float bmax = *std::max_element(t8, t8 + 8);
+      for (int j = nv; j < n; ++j) bmax = std::max(bmax, s[j]);
+      const float mnew = std::max(w.m[g], bmax);
+      const float alpha = std::exp(w.m[g] - mnew);
+      const __m256 mv = _mm256_set1_ps(mnew);
+      __m256 sum = _mm256_setzero_ps();
+      for (int j = 0; j < nv; j += 8) {
+        const __m256 e = vexp_neg8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
+        _mm256_storeu_ps(s + j, e);
+        sum = _mm256_add_ps(sum, e);
+      }
+      _mm256_store_ps(t8, sum);
+      float total = 0.0f;
+      for (int j = 0; j < 8; ++j) total += t8[j];
+      for (int j = nv; j < n; ++j) {
+        s[j] = exp_neg(s[j] - mnew);
+        total += s[j];
+      }
+      w.l[g] = w.l[g] * alpha + total;
+      w.m[g] = mnew;
+      if (alpha != 1.0f) {
+        const __m256 av = _mm256_set1_ps(alpha);
+        for (int c = 0; c < D; c += 8) _mm256_storeu_ps(acc + g * D + c, _mm256_mul_ps(av, _mm256_loadu_ps(acc + g * D + c)));
+      }
+    }
+    for (int h = 0; h < nh; ++h) {
+      const float* vrows = vc + (h0 + h) * D;
+      float *ph = sc + h * G * kChunk, *ah = acc + h * G * D;
+      int g = 0;
+      for (; g + 4 <= G; g += 4) weigh_v_f32_all<D, 4>(vrows, idx + c0, n, p.slot_stride, ph + g * kChunk, ah + g * D);
+      switch (G - g) {
+        case 3: weigh_v_f32_all<D, 3>(vrows, idx + c0, n, p.slot_stride, ph + g * kChunk, ah + g * D); break;
+        case 2: weigh_v_f32_all<D, 2>(vrows, idx + c0, n, p.slot_stride, ph + g * kChunk, ah + g * D); break;
+        case 1: weigh_v_f32_all<D, 1>(vrows, idx + c0, n, p.slot_stride, ph + g * kChunk, ah + g * D); break;
+        default: break;
+      }
+    }
+  }
+  if (t.parts > 1) {  // merged with the other parts after all tasks ran (merge_parts)
+    float* dstp = p.partial + ((t.b * p.parts + t.part) * p.H + h0 * G) * (2 + D);
+    for (int g = 0; g < QH; ++g) {
+      dstp[g * (2 + D)] = w.m[g];
+      dstp[g * (2 + D) + 1] = w.l[g];
+      std::copy(acc + g * D, acc + (g + 1) * D, dstp + g * (2 + D) + 2);
+    }
+    return;
+  }
+  float* dst = out + qi * p.out_stride + h0 * G * D;
+  for (int g = 0; g < QH; ++g) {
+    const float inv = 1.0f / w.l[g];
+    for (int i = 0; i < D; ++i) dst[g * D + i] = acc[g * D + i] * inv;
+  }
+}
+#endif
+
 template <typename T, int DC>
 void run_task(const Params& p, const Task& t, const T* q, const T* kc, const T* vc, T* out, Scratch& w) {
+#ifdef CORE_F32_DECODE
+  if constexpr (std::is_same_v<T, float> && (DC == 64 || DC == 128)) {
+    if (p.cap == 0.0f && p.G <= 16) {  // each query token on its own, as a bf16 pool's
+      const int64_t first = p.seq_lens[t.b] - p.ext[t.b] + t.r0;
+      for (int r = 0; r < t.nr; ++r) decode_f32<DC>(p, t, q, kc, vc, out, w, first + r, p.q_start[t.b] + t.r0 + r);
+      return;
+    }
+  }
+#endif
 #ifdef CORE_BF16_DOT
   if constexpr (std::is_same_v<T, c10::BFloat16> && (DC == 64 || DC == 128)) {
     if (p.cap == 0.0f && p.G <= 16) {  // each query token on its own (the task's keys stay in cache)
@@ -529,6 +728,11 @@ constexpr bool kDecodeBf16 = true;  // decode_bf16 exists (it takes whole-sequen
 #else
 constexpr bool kDecodeBf16 = false;
 #endif
+#ifdef CORE_F32_DECODE
+constexpr bool kDecodeF32 = true;  // decode_f32 exists (likewise)
+#else
+constexpr bool kDecodeF32 = false;
+#endif
 
 // One batch's tasks and what they read: planned once per batch (every layer of a step has the
 // same); the vectors own what the Params point to.
@@ -543,8 +747,8 @@ struct Work {
 // Checks the batch's layout (B sequences: seq_lens sl, extend_lens el, slot rows idx of
 // idx_width slots at idx_stride; q of q_rows rows at q_stride) and plans its tasks for nthreads.
 inline void plan(Work& w, int64_t B, const int64_t* sl, const int64_t* el, const int64_t* idx, int64_t idx_stride,
-                 int64_t idx_width, int64_t q_rows, int64_t q_stride, int64_t H, int64_t Hkv, int64_t D, bool bf16,
-                 double scale, int64_t window, double cap, int64_t nthreads) {
+                 int64_t idx_width, int64_t q_rows, int64_t q_stride, int64_t H, int64_t Hkv, int64_t D,
+                 at::ScalarType dtype, double scale, int64_t window, double cap, int64_t nthreads) {
   const int64_t G = H / Hkv;
   std::vector<int64_t>& q_start = w.q_start;
   q_start.assign(B, 0);
@@ -557,16 +761,18 @@ inline void plan(Work& w, int64_t B, const int64_t* sl, const int64_t* el, const
   }
   TORCH_CHECK(total == q_rows, "q has ", q_rows, " rows, extend_lens sum to ", total);
   const int rows_per_task = static_cast<int>(std::max<int64_t>(1, kRowTarget / G));
-  // Decodes of a bf16 pool run one task per sequence when there are enough of them for the threads:
-  // reading a slot's K (V) rows of all heads together streams ~30 % faster than one head's rows.
-  const bool bf16_path = bf16 && cap == 0.0 && (D == 64 || D == 128) && G <= 16 && kDecodeBf16;
-  const bool whole_seqs = bf16_path && B >= 4 * nthreads;
+  // Decodes of a bf16 (float32) pool run decode_bf16 (decode_f32), one task per sequence when there
+  // are enough of them for the threads: reading a slot's K (V) rows of all heads together streams
+  // ~30 % faster than one head's rows.
+  const bool vec_path = cap == 0.0 && (D == 64 || D == 128) && G <= 16 &&
+                        ((dtype == at::kBFloat16 && kDecodeBf16) || (dtype == at::kFloat && kDecodeF32));
+  const bool whole_seqs = vec_path && B >= 4 * nthreads;
   // With fewer decode tasks than two per thread (a few sequences), each decode reads whole slot rows
   // too, its keys split into up to this many parts of kMinPart keys or more (one per thread at
   // batch 1: more parts measured slower), merged afterwards, so that every thread has work. At
   // batch 1, SmolLM2's 3 KV heads as 3 tasks kept one of 2 threads waiting for a third of the
   // attention's time (30 layers at ~256 keys: 308 -> 230 us per step on 2 threads).
-  const bool few = bf16_path && B * Hkv < 2 * nthreads;
+  const bool few = vec_path && B * Hkv < 2 * nthreads;
   const int64_t split = few ? (nthreads + B - 1) / B : 1;
   std::vector<Task>& tasks = w.tasks;
   tasks.clear();

@@ -403,7 +403,7 @@ class DecodeStack : public torch::CustomClassHolder {
     core_attention::Work work;
     core_attention::plan(work, seq_lens.numel(), seq_lens.const_data_ptr<int64_t>(), extend_lens.const_data_ptr<int64_t>(),
                          kv_indices.const_data_ptr<int64_t>(), kv_indices.stride(0), kv_indices.size(1), M, qs, H, Hkv, D,
-                         std::is_same_v<E, bf16>, scale_, window_, 0.0, nt);
+                         dtype_, scale_, window_, 0.0, nt);
     const auto attend = D == 64 ? &core_attention::run_tasks<E, 64>
                         : D == 128 ? &core_attention::run_tasks<E, 128> : &core_attention::run_tasks<E, 0>;
     at::Tensor attn = at::empty({M, H, D}, opt);

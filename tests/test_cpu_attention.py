@@ -149,11 +149,12 @@ def test_decode_with_only_very_negative_scores(kernel):
     assert torch.allclose(got, want, atol=2e-2, rtol=2e-2), (got - want).abs().max()
 
 
-def test_thread_count_and_strided_q_do_not_change_the_result(kernel):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_thread_count_and_strided_q_do_not_change_the_result(kernel, dtype):
     """Each (sequence, KV head, tokens) task runs whole on one thread, so the sums are the same."""
-    one = _one_step(torch.bfloat16, 1)
-    assert torch.equal(one, _one_step(torch.bfloat16, 2))
-    assert torch.equal(one, _one_step(torch.bfloat16, 2, q_view=True))  # q rows strided inside a wider tensor
+    one = _one_step(dtype, 1)
+    assert torch.equal(one, _one_step(dtype, 2))
+    assert torch.equal(one, _one_step(dtype, 2, q_view=True))  # q rows strided inside a wider tensor
 
 
 # --------------------------------------------------------------------------- engine

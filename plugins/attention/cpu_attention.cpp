@@ -67,7 +67,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   TORCH_CHECK(k_cache.size(2) == D && H % Hkv == 0, "head_dim or head counts disagree between q and the caches");
   Work w;
   plan(w, B, seq_lens.const_data_ptr<int64_t>(), extend_lens.const_data_ptr<int64_t>(), kv_indices.const_data_ptr<int64_t>(),
-       kv_indices.stride(0), kv_indices.size(1), q.size(0), q.stride(0), H, Hkv, D, q.scalar_type() == at::kBFloat16,
+       kv_indices.stride(0), kv_indices.size(1), q.size(0), q.stride(0), H, Hkv, D, q.scalar_type(),
        scale, window, cap, at::get_num_threads());
   at::Tensor out = at::empty({q.size(0), H, D}, q.options());
   switch (q.scalar_type()) {
