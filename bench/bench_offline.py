@@ -208,6 +208,23 @@ def run_hf(model, prompts: list[list[int]], out_len: int, device: torch.device) 
     return wall, ttft, (out.shape[1] - ids.shape[1]) * ids.shape[0]
 
 
+def time_core_prefill(engine, prompt: list[int]) -> float:
+    """Seconds to the first token of one prompt (a prefill and one sampled token)."""
+    t0 = time.perf_counter()
+    engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 1, "temperature": 0})
+    return time.perf_counter() - t0
+
+
+def time_hf_prefill(model, prompt: list[int], device: torch.device) -> float:
+    """Seconds of transformers' forward over one prompt (what its prefill is)."""
+    with torch.inference_mode():
+        _sync(device)
+        t0 = time.perf_counter()
+        model(torch.tensor([prompt], device=device))
+        _sync(device)
+    return time.perf_counter() - t0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", default="1,8,64")
@@ -223,6 +240,8 @@ def main() -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-split", action="store_true", help="do not measure the per-step split")
+    ap.add_argument("--prefill-len", type=int, default=0,
+                    help="also time the prefill of one prompt this long (best of 3, a new prompt each time)")
     args = ap.parse_args()
     if args.cpu_threads:
         torch.set_num_threads(args.cpu_threads)
@@ -237,7 +256,7 @@ def main() -> None:
                                      skip_tokenizer_init=args.skip_tokenizer_init or None,
                                      attention_backend=args.attention_backend, quantization=args.quantization,
                                      device=args.device).items() if v is not None}
-    engine = Engine(dtype=args.dtype, max_total_tokens=max(levels) * (args.input_len + args.output_len) + 64,
+    engine = Engine(dtype=args.dtype, max_total_tokens=max(max(levels) * (args.input_len + args.output_len), args.prefill_len) + 64,
                     max_running_requests=max(levels), cpu_threads=args.cpu_threads, log_level="warning", **kwargs)
     core = engine.engine
     vocab, dtype, dev = core.vocab_size, core.model_config.dtype, core.device
@@ -251,6 +270,9 @@ def main() -> None:
         rows.append(("core", c, toks / wall, statistics.median(ttfts), wall, statistics.median(tpots)))
     splits = {} if args.skip_split else {c: step_split(engine, make_prompts(c, args.input_len, vocab, c + 1))
                                          for c in sorted({1, max(levels)})}
+    prefill = {}
+    if args.prefill_len:
+        prefill["core"] = min(time_core_prefill(engine, p) for p in make_prompts(3, args.prefill_len, vocab, 7))
     wbytes = weight_bytes(core.model)
     engine.shutdown()
 
@@ -267,6 +289,8 @@ def main() -> None:
             model = AutoModelForCausalLM.from_pretrained(path, **hf_kwargs)
         model = model.to(dev).eval()
         model.generate(torch.tensor(make_prompts(1, 16, vocab, 0), device=dev), max_new_tokens=4, do_sample=False, pad_token_id=0)
+        if args.prefill_len:
+            prefill["transformers"] = min(time_hf_prefill(model, p, dev) for p in make_prompts(3, args.prefill_len, vocab, 7))
         for c in levels:
             prompts = make_prompts(c, args.input_len, vocab, c)
             wall, ttft, toks = run_hf(model, prompts, args.output_len, dev)
@@ -292,6 +316,8 @@ def main() -> None:
     for name, c, tps, ttft, wall, tpot in sorted(rows, key=lambda r: (r[1], r[0])):
         frac = f"{1 / tpot / limit:>9.0%}" if c == 1 else ""
         print(f"{name:<14}{c:>12}{tps:>14.1f}{ttft:>14.3f}{wall:>10.2f}{tpot * 1e3:>15.2f}{c / tpot:>14.1f}{frac:>10}")
+    for name, seconds in prefill.items():
+        print(f"# prefill of one {args.prefill_len}-token prompt, {name}: {seconds:.3f} s (best of 3)")
     for c, sp in splits.items():
         print(f"# decode step at {c} streams: {sp['step']:.1f} ms; with the layers' Python forward "
               f"{sp['python_step']:.1f} ms = GEMMs {sp['gemm']:.1f} + attention {sp['attention']:.1f} "

@@ -68,6 +68,9 @@ inline void vstore(float* p, vf x) { _mm512_storeu_ps(p, x); }
 inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 inline vf vset1(float x) { return _mm512_set1_ps(x); }
 inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+inline float vhmax(vf x) { return _mm512_reduce_max_ps(x); }
 inline float vsum(vf x) { return _mm512_reduce_add_ps(x); }
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -79,10 +82,53 @@ inline void vstore(float* p, vf x) { _mm256_storeu_ps(p, x); }
 inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 inline vf vset1(float x) { return _mm256_set1_ps(x); }
 inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
+inline float vhmax(vf x) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
 inline float vsum(vf x) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#endif
+
+// e^x for x <= 0, the polynomial of exp_neg, on 8 lanes (AVX2) and 16 (AVX-512).
+#if defined(__AVX2__) && defined(__FMA__)
+inline __m256 vexp_neg(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 y = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
+  y = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-06f), y);
+  __m256 r = _mm256_set1_ps(1.0f / 720);
+  r = _mm256_fmadd_ps(r, y, _mm256_set1_ps(1.0f / 120));
+  r = _mm256_fmadd_ps(r, y, _mm256_set1_ps(1.0f / 24));
+  r = _mm256_fmadd_ps(r, y, _mm256_set1_ps(1.0f / 6));
+  r = _mm256_fmadd_ps(r, y, _mm256_set1_ps(0.5f));
+  r = _mm256_fmadd_ps(r, y, _mm256_set1_ps(1.0f));
+  r = _mm256_fmadd_ps(r, y, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(r, _mm256_castsi256_ps(e));
+}
+#endif
+#if defined(__AVX512F__)
+inline __m512 vexp_neg(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 y = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+  y = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-06f), y);
+  __m512 r = _mm512_set1_ps(1.0f / 720);
+  r = _mm512_fmadd_ps(r, y, _mm512_set1_ps(1.0f / 120));
+  r = _mm512_fmadd_ps(r, y, _mm512_set1_ps(1.0f / 24));
+  r = _mm512_fmadd_ps(r, y, _mm512_set1_ps(1.0f / 6));
+  r = _mm512_fmadd_ps(r, y, _mm512_set1_ps(0.5f));
+  r = _mm512_fmadd_ps(r, y, _mm512_set1_ps(1.0f));
+  r = _mm512_fmadd_ps(r, y, _mm512_set1_ps(1.0f));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(r, _mm512_castsi512_ps(e));
 }
 #endif
 
@@ -153,7 +199,20 @@ inline void accumulate(float* __restrict acc, const float* __restrict p, const f
 #ifdef CORE_SIMD
   if constexpr (D > 0 && D % CORE_SIMD == 0) {
     constexpr int N = D / CORE_SIMD;
-    vf t[N], u[N];  // two chains (even and odd keys), so consecutive FMAs do not wait on each other
+    // below 8 accumulators, two chains (even and odd keys), so consecutive FMAs do not wait on each
+    // other; 8 or more are enough FMAs in flight, and two sets of them would not fit AVX2's registers
+    if constexpr (N >= 8) {
+      vf t[N];
+      for (int c = 0; c < N; ++c) t[c] = vload(acc + c * CORE_SIMD);
+      for (int j = a; j < z; ++j) {
+        const vf w0 = vset1(p[j]);
+#pragma GCC unroll 16
+        for (int c = 0; c < N; ++c) t[c] = vfma(w0, vload(v + j * D + c * CORE_SIMD), t[c]);
+      }
+      for (int c = 0; c < N; ++c) vstore(acc + c * CORE_SIMD, t[c]);
+      return;
+    }
+    vf t[N], u[N];
     for (int c = 0; c < N; ++c) {
       t[c] = vload(acc + c * CORE_SIMD);
       u[c] = vzero();
@@ -181,6 +240,44 @@ inline void accumulate(float* __restrict acc, const float* __restrict p, const f
     for (int i = 0; i < d; ++i) acc[i] += w * v[j * d + i];
   }
 }
+
+#ifdef CORE_SIMD
+// s[row][j] = q_row . k_j for every row of qb [rows, D] and the kBlock keys of kt, the block
+// transposed ([D, kBlock], zero past its keys): broadcast-FMA tiles of R rows x kBlock keys, no
+// horizontal sums (a dot per key and row ended in one). What extend tasks (prefill) spend most on.
+template <int D>
+inline void scores_tile(const float* __restrict qb, int rows, int d, const float* __restrict kt, float* __restrict s) {
+  constexpr int KV = kBlock / CORE_SIMD;  // vectors per row of scores
+  constexpr int R = 8 / KV;               // rows per tile: 8 accumulators (AVX2: 2 x 4, AVX-512: 4 x 2)
+  const int dd = D > 0 ? D : d;
+  int r = 0;
+  for (; r + R <= rows; r += R) {
+    vf acc[R][KV];
+    for (int i = 0; i < R; ++i)
+      for (int c = 0; c < KV; ++c) acc[i][c] = vzero();
+    for (int e = 0; e < dd; ++e) {
+      vf k[KV];
+      for (int c = 0; c < KV; ++c) k[c] = vload(kt + e * kBlock + c * CORE_SIMD);
+#pragma GCC unroll 4
+      for (int i = 0; i < R; ++i) {
+        const vf q = vset1(qb[(r + i) * dd + e]);
+        for (int c = 0; c < KV; ++c) acc[i][c] = vfma(q, k[c], acc[i][c]);
+      }
+    }
+    for (int i = 0; i < R; ++i)
+      for (int c = 0; c < KV; ++c) vstore(s + (r + i) * kBlock + c * CORE_SIMD, acc[i][c]);
+  }
+  for (; r < rows; ++r) {
+    vf acc[KV];
+    for (int c = 0; c < KV; ++c) acc[c] = vzero();
+    for (int e = 0; e < dd; ++e) {
+      const vf q = vset1(qb[r * dd + e]);
+      for (int c = 0; c < KV; ++c) acc[c] = vfma(q, vload(kt + e * kBlock + c * CORE_SIMD), acc[c]);
+    }
+    for (int c = 0; c < KV; ++c) vstore(s + r * kBlock + c * CORE_SIMD, acc[c]);
+  }
+}
+#endif
 
 // Ask for the K and V rows of keys [from, to) ahead of use: the slots of a sequence are scattered
 // page by page, which the hardware prefetchers do not follow.
@@ -217,12 +314,12 @@ struct Params {
 
 // Scratch of one thread, grown to fit the largest task (run_tasks keeps one per thread).
 struct Scratch {
-  std::vector<float> q, acc, s, kv, m, l, ps;
+  std::vector<float> q, acc, s, kv, kt, m, l, ps;
   std::vector<int> lo, hi, a, z;
   std::vector<const void*> qsrc;  // each query vector's row in q (the bf16 dot reads it there)
   void fit(int rows, int nr, int D, int H) {  // H: query heads of a whole-sequence decode task
     const auto grow = [](auto& v, int n) { if (static_cast<int>(v.size()) < n) v.resize(n); };
-    grow(q, rows * D), grow(acc, std::max(rows, H) * D), grow(s, rows * kBlock), grow(kv, kBlock * D);
+    grow(q, rows * D), grow(acc, std::max(rows, H) * D), grow(s, rows * kBlock), grow(kv, kBlock * D), grow(kt, kBlock * D);
     grow(m, std::max(rows, H)), grow(l, std::max(rows, H)), grow(ps, H * kChunk);
     grow(lo, nr), grow(hi, nr), grow(a, nr), grow(z, nr), grow(qsrc, rows);
   }
@@ -230,23 +327,6 @@ struct Scratch {
 
 #ifdef CORE_BF16_DOT
 using core_rows::bf16x16;
-
-// e^x for x <= 0 on 16 lanes, the polynomial of exp_neg.
-inline __m512 vexp_neg(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 y = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
-  y = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-06f), y);
-  __m512 r = _mm512_set1_ps(1.0f / 720);
-  r = _mm512_fmadd_ps(r, y, _mm512_set1_ps(1.0f / 120));
-  r = _mm512_fmadd_ps(r, y, _mm512_set1_ps(1.0f / 24));
-  r = _mm512_fmadd_ps(r, y, _mm512_set1_ps(1.0f / 6));
-  r = _mm512_fmadd_ps(r, y, _mm512_set1_ps(0.5f));
-  r = _mm512_fmadd_ps(r, y, _mm512_set1_ps(1.0f));
-  r = _mm512_fmadd_ps(r, y, _mm512_set1_ps(1.0f));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(r, _mm512_castsi512_ps(e));
-}
 
 // acc[g] += sum_j p[g][j] * v_j for GC heads at once (p: [GC, kChunk] probabilities, v_j the bf16
 // row at slot idx[j]): each V row is widened to fp32 once and serves every head's accumulators,
@@ -406,23 +486,6 @@ inline __m256 hsum8(const __m256 v[8]) {
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-// e^x for x <= 0 on 8 lanes, the polynomial of exp_neg.
-inline __m256 vexp_neg8(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 y = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
-  y = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-06f), y);
-  __m256 r = _mm256_set1_ps(1.0f / 720);
-  r = _mm256_fmadd_ps(r, y, _mm256_set1_ps(1.0f / 120));
-  r = _mm256_fmadd_ps(r, y, _mm256_set1_ps(1.0f / 24));
-  r = _mm256_fmadd_ps(r, y, _mm256_set1_ps(1.0f / 6));
-  r = _mm256_fmadd_ps(r, y, _mm256_set1_ps(0.5f));
-  r = _mm256_fmadd_ps(r, y, _mm256_set1_ps(1.0f));
-  r = _mm256_fmadd_ps(r, y, _mm256_set1_ps(1.0f));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(r, _mm256_castsi256_ps(e));
-}
-
 // out[j] = scale * (q . k_j) for the n keys at slots idx[0..n), 8 keys per hsum8 (q from L1, each
 // key's chunks straight from the pool).
 template <int D>
@@ -533,7 +596,7 @@ void decode_f32(const Params& p, const Task& t, const float* q, const float* kc,
       const __m256 mv = _mm256_set1_ps(mnew);
       __m256 sum = _mm256_setzero_ps();
       for (int j = 0; j < nv; j += 8) {
-        const __m256 e = vexp_neg8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
+        const __m256 e = vexp_neg(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
         _mm256_storeu_ps(s + j, e);
         sum = _mm256_add_ps(sum, e);
       }
@@ -585,7 +648,7 @@ template <typename T, int DC>
 void run_task(const Params& p, const Task& t, const T* q, const T* kc, const T* vc, T* out, Scratch& w) {
 #ifdef CORE_F32_DECODE
   if constexpr (std::is_same_v<T, float> && (DC == 64 || DC == 128)) {
-    if (p.cap == 0.0f && p.G <= 16) {  // each query token on its own, as a bf16 pool's
+    if (p.cap == 0.0f && p.G <= 16 && p.ext[t.b] == 1) {  // a decode (extends: the tiled blocks below)
       const int64_t first = p.seq_lens[t.b] - p.ext[t.b] + t.r0;
       for (int r = 0; r < t.nr; ++r) decode_f32<DC>(p, t, q, kc, vc, out, w, first + r, p.q_start[t.b] + t.r0 + r);
       return;
@@ -633,7 +696,22 @@ void run_task(const Params& p, const Task& t, const T* q, const T* kc, const T* 
 #else
     constexpr bool bf16_dot = false;
 #endif
-    if constexpr (!bf16_dot) {
+#ifdef CORE_SIMD
+    constexpr bool tiled = !bf16_dot && (DC == 0 || DC % CORE_SIMD == 0);  // scores_tile for every row at once
+#else
+    constexpr bool tiled = false;
+#endif
+    if constexpr (tiled) {
+#ifdef CORE_SIMD
+      float* kt = w.kt.data();  // the block's keys transposed, [D, kBlock], zero past n
+      for (int j = 0; j < n; ++j) {
+        load_row(kc + idx[j0 + j] * p.slot_stride + head, kv, D);
+        for (int i = 0; i < D; ++i) kt[i * kBlock + j] = kv[i];
+      }
+      for (int i = 0; i < D; ++i) std::fill(kt + i * kBlock + n, kt + (i + 1) * kBlock, 0.0f);
+      scores_tile<DC>(qb, rows, D, kt, s);
+#endif
+    } else if constexpr (!bf16_dot) {
       for (int j = 0; j < n; ++j) load_row(kc + idx[j0 + j] * p.slot_stride + head, kv + j * D, D);
     }
     for (int r = 0; r < t.nr; ++r) {  // scores, then the online-softmax update, per query vector
@@ -652,19 +730,41 @@ void run_task(const Params& p, const Task& t, const T* q, const T* kc, const T* 
                           idx + j0 + a, z - a, p.slot_stride, head, p.scale, sr + a);
         }
 #endif
-        if constexpr (!bf16_dot) {
+        if constexpr (!bf16_dot && !tiled) {
           for (int j = a; j < z; ++j) sr[j] = dot<DC>(qr, kv + j * D, D);
         }
+        (void)qr;
         if (p.cap > 0.0f) {
           for (int j = a; j < z; ++j) sr[j] = p.cap * std::tanh(sr[j] / p.cap);
         }
-#pragma omp simd reduction(max : bmax)
-        for (int j = a; j < z; ++j) bmax = std::max(bmax, sr[j]);
+        {
+          int j = a;
+#ifdef CORE_SIMD
+          if (z - a >= CORE_SIMD) {
+            vf vm = vload(sr + j);
+            for (j += CORE_SIMD; j + CORE_SIMD <= z; j += CORE_SIMD) vm = vmax(vm, vload(sr + j));
+            bmax = vhmax(vm);
+          }
+#endif
+          for (; j < z; ++j) bmax = std::max(bmax, sr[j]);
+        }
         const float mnew = std::max(w.m[row], bmax);
         const float alpha = w.m[row] == kNegInf ? 0.0f : exp_neg(w.m[row] - mnew);
         float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int j = a; j < z; ++j) {
+        int j = a;
+#ifdef CORE_SIMD
+        {  // whole vectors (exp_neg's scalar form does not vectorise), then the tail
+          vf vs = vzero();
+          const vf mv = vset1(mnew);
+          for (; j + CORE_SIMD <= z; j += CORE_SIMD) {
+            const vf e = vexp_neg(vsub(vload(sr + j), mv));
+            vstore(sr + j, e);
+            vs = vadd(vs, e);
+          }
+          sum = vsum(vs);
+        }
+#endif
+        for (; j < z; ++j) {
           sr[j] = exp_neg(sr[j] - mnew);
           sum += sr[j];
         }
