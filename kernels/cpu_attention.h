@@ -277,6 +277,46 @@ inline void scores_tile(const float* __restrict qb, int rows, int d, const float
     for (int c = 0; c < KV; ++c) vstore(s + r * kBlock + c * CORE_SIMD, acc[c]);
   }
 }
+
+// acc[row] += sum_{j < n} s[row][j] * v_j for every row of acc [rows, D] (s [rows, kBlock], zero
+// outside each row's keys; v [n, D]): tiles of 2 rows x 4 vectors of columns, each V chunk loaded
+// once for both rows.
+template <int D>
+inline void weigh_tile(float* __restrict acc, int rows, int d, const float* __restrict s, const float* __restrict v, int n) {
+  constexpr int CH = 4, W = CH * CORE_SIMD;  // columns per pass
+  const int dd = D > 0 ? D : d;
+  int r = 0;
+  for (; r + 2 <= rows; r += 2) {
+    for (int c0 = 0; c0 + W <= dd; c0 += W) {
+      vf a0[CH], a1[CH];
+      for (int c = 0; c < CH; ++c) {
+        a0[c] = vload(acc + r * dd + c0 + c * CORE_SIMD);
+        a1[c] = vload(acc + (r + 1) * dd + c0 + c * CORE_SIMD);
+      }
+      for (int j = 0; j < n; ++j) {
+        const vf w0 = vset1(s[r * kBlock + j]), w1 = vset1(s[(r + 1) * kBlock + j]);
+#pragma GCC unroll 4
+        for (int c = 0; c < CH; ++c) {
+          const vf x = vload(v + j * dd + c0 + c * CORE_SIMD);
+          a0[c] = vfma(w0, x, a0[c]);
+          a1[c] = vfma(w1, x, a1[c]);
+        }
+      }
+      for (int c = 0; c < CH; ++c) {
+        vstore(acc + r * dd + c0 + c * CORE_SIMD, a0[c]);
+        vstore(acc + (r + 1) * dd + c0 + c * CORE_SIMD, a1[c]);
+      }
+    }
+  }
+  const int done = r;
+  for (int i = 0; i < rows; ++i) {  // the last odd row, and every row's columns past whole passes
+    const int c_from = i < done ? dd / W * W : 0;
+    for (int j = 0; j < n; ++j) {
+      const float w = s[i * kBlock + j];
+      for (int c = c_from; c < dd; ++c) acc[i * dd + c] += w * v[j * dd + c];
+    }
+  }
+}
 #endif
 
 // Ask for the K and V rows of keys [from, to) ahead of use: the slots of a sequence are scattered
@@ -777,12 +817,27 @@ void run_task(const Params& p, const Task& t, const T* q, const T* kc, const T* 
       }
     }
     for (int j = 0; j < n; ++j) load_row(vc + idx[j0 + j] * p.slot_stride + head, kv + j * D, D);
-    for (int r = 0; r < t.nr; ++r) {
-      for (int g = 0; g < G; ++g) {
-        const int row = r * G + g;
-        const float* sr = s + row * kBlock;
-        float* ar = acc + row * D;
-        accumulate<DC>(ar, sr, kv, w.a[r], w.z[r], D);
+    if constexpr (tiled) {
+#ifdef CORE_SIMD
+      // every row's probabilities over the whole block, zero outside the row's keys, then one tile pass
+      for (int r = 0; r < t.nr; ++r) {
+        const int a = std::min(w.a[r], n), z = std::max(w.z[r], a);
+        for (int g = 0; g < G; ++g) {
+          float* sr = s + (r * G + g) * kBlock;
+          std::fill(sr, sr + a, 0.0f);
+          std::fill(sr + z, sr + n, 0.0f);
+        }
+      }
+      weigh_tile<DC>(acc, rows, D, s, kv, n);
+#endif
+    } else {
+      for (int r = 0; r < t.nr; ++r) {
+        for (int g = 0; g < G; ++g) {
+          const int row = r * G + g;
+          const float* sr = s + row * kBlock;
+          float* ar = acc + row * D;
+          accumulate<DC>(ar, sr, kv, w.a[r], w.z[r], D);
+        }
       }
     }
   }
