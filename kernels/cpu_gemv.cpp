@@ -32,12 +32,12 @@ bool supported_f32() {
 
 using namespace core_gemv;
 
-// Every 16-row block of the weight (split over threads) times the M rows of x (for_rows):
-// f(rows as a compile-time constant, first row, block).
-template <typename F>
+// Every 16-row block of the weight (split over threads) times the M rows of x, R at a time
+// (for_rows): f(rows as a compile-time constant, first row, block).
+template <int R = 3, typename F>
 void for_blocks(int64_t NB, int64_t M, F&& f) {
   at::parallel_for(0, NB, 8, [&](int64_t b0, int64_t b1) {
-    for (int64_t nb = b0; nb < b1; ++nb) for_rows(M, [&](auto rows, int64_t m) { f(rows, m, nb); });
+    for (int64_t nb = b0; nb < b1; ++nb) for_rows<R>(M, [&](auto rows, int64_t m) { f(rows, m, nb); });
   });
 }
 
@@ -99,7 +99,7 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& 
     using T = decltype(t);
     const T* szp = data<T>(sz);
     T* op = static_cast<T*>(out.data_ptr());
-    for_blocks(NB, M, [&](auto rows, int64_t m, int64_t nb) {
+    for_blocks<kInt4Rows<T>>(NB, M, [&](auto rows, int64_t m, int64_t nb) {
       block<rows.value>(q, szp, p.act.xq + m * K, p.act.dx + m * (K / 32), p.act.xs + m * G, op + m * N, K, G, N, nb);
     });
   });
@@ -138,11 +138,11 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& 
 // Each output block is computed as int4_mm / int8_mm computes it, so the results are the same.
 // [M, NA * 16] and [M, NB * 16] outputs of element type T; f(rows, m, nb, out of that block's
 // weight, its block index).
-template <typename T, typename F>
+template <typename T, int R = 3, typename F>
 std::tuple<at::Tensor, at::Tensor> pair_blocks(const at::Tensor& x, int64_t NA, int64_t NB, F&& f) {
   auto oa = at::empty({x.size(0), NA * 16}, x.options()), ob = at::empty({x.size(0), NB * 16}, x.options());
   T *opa = static_cast<T*>(oa.data_ptr()), *opb = static_cast<T*>(ob.data_ptr());
-  for_blocks(NA + NB, x.size(0), [&](auto rows, int64_t m, int64_t nb) {
+  for_blocks<R>(NA + NB, x.size(0), [&](auto rows, int64_t m, int64_t nb) {
     if (nb < NA)
       f(rows, m, 0, opa + m * NA * 16, NA * 16, nb);
     else
@@ -167,7 +167,7 @@ std::tuple<at::Tensor, at::Tensor> int4_mm_pair(const at::Tensor& x, const at::T
   for_dtype(x, [&](auto t) {
     using T = decltype(t);
     const T* z[2] = {data<T>(sa), data<T>(sb)};
-    out = pair_blocks<T>(x, qa.size(0), qb.size(0), [&](auto rows, int64_t m, int w, T* o, int64_t N, int64_t nb) {
+    out = pair_blocks<T, kInt4Rows<T>>(x, qa.size(0), qb.size(0), [&](auto rows, int64_t m, int w, T* o, int64_t N, int64_t nb) {
       block<rows.value>(q[w], z[w], p.act.xq + m * K, p.act.dx + m * (K / 32), p.act.xs + m * G, o, K, G, N, nb);
     });
   });

@@ -46,15 +46,24 @@
 
 namespace core_gemv {
 
-// f(rows as a compile-time constant, first row) over M activation rows: three at a time, then the
-// last one or two together (each weight block is read once per call of f).
-template <typename F>
+// f(rows as a compile-time constant, first row) over M activation rows: R at a time, then the
+// rest together (each weight block is read once per call of f).
+template <int R = 3, typename F>
 inline void for_rows(int64_t M, F&& f) {
   int64_t m = 0;
-  for (; m + 3 <= M; m += 3) f(std::integral_constant<int, 3>{}, m);
-  if (M - m == 2) f(std::integral_constant<int, 2>{}, m);
-  if (M - m == 1) f(std::integral_constant<int, 1>{}, m);
+  for (; m + R <= M; m += R) f(std::integral_constant<int, R>{}, m);
+  const int64_t rest = M - m;
+  if constexpr (R > 3) {
+    if (rest == 3) f(std::integral_constant<int, 3>{}, m);
+  }
+  if (rest == 2) f(std::integral_constant<int, 2>{}, m);
+  if (rest == 1) f(std::integral_constant<int, 1>{}, m);
 }
+
+// Rows of x per int4 block call: the float32 kernel (one half of the block's 16 output rows at a
+// time, so AVX2's 16 registers hold 4 rows' sums) takes 4, the bf16 one 3.
+template <typename T>
+constexpr int kInt4Rows = std::is_same_v<T, float> ? 4 : 3;
 
 // x as the kernels read it (quantize_rows): int8 codes, their scales, and the sums of what they stand
 // for over the weight's groups (int8 weights: G = 1).
@@ -217,7 +226,8 @@ inline void quantize_rows(const float* x, int64_t M, int64_t K, int64_t G, int8_
 inline __m256i widen16(__m256i v) { return _mm256_madd_epi16(v, _mm256_set1_epi16(1)); }
 
 // block for float32: rows [m0, m0 + M) of x (quantize_rows) times int4 row block nb (the same
-// layout; sz fp32).
+// layout; sz fp32). One half of the block's 16 output rows (8 lanes) at a time: per row a run's
+// 16-bit sums, its group's fp32 sums and the output stay in registers (4 rows fit AVX2's 16).
 template <int M>
 inline void block(const uint8_t* __restrict qw, const float* __restrict sz, const int8_t* __restrict xq,
                   const float* __restrict dx, const float* __restrict xs, float* __restrict out, int64_t K,
@@ -226,45 +236,42 @@ inline void block(const uint8_t* __restrict qw, const float* __restrict sz, cons
   const uint8_t* q = qw + nb * K * 8;
   const __m256i m4 = _mm256_set1_epi8(0x0F);
   const __m256 k8 = _mm256_set1_ps(8.0f);
-  __m256 acc[M][2];
-  for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < G; ++g) {
-    __m256 f[M][2];
-    for (int m = 0; m < M; ++m) f[m][0] = f[m][1] = _mm256_setzero_ps();
-    for (int64_t a = g * gs; a < (g + 1) * gs; a += 32) {
-      // 16-bit sums of at most 8 products pairs of 15 * 127 per run and lane: they fit (30,480)
-      __m256i s16[M][2];
-      for (int m = 0; m < M; ++m) s16[m][0] = s16[m][1] = _mm256_setzero_si256();
-      for (int c = 0; c < 4; ++c) {
-        const uint8_t* src = q + (a + 8 * c) * 8;
-        for (int h = 0; h < 2; ++h) {  // rows 0-7, 8-15
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32 * h));
+  for (int h = 0; h < 2; ++h) {  // rows 0-7, 8-15 of the block
+    __m256 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      __m256 f[M];
+      for (int m = 0; m < M; ++m) f[m] = _mm256_setzero_ps();
+      for (int64_t a = g * gs; a < (g + 1) * gs; a += 32) {
+        // 16-bit sums of at most 8 products pairs of 15 * 127 per run and lane: they fit (30,480)
+        __m256i s16[M];
+        for (int m = 0; m < M; ++m) s16[m] = _mm256_setzero_si256();
+        const uint8_t* src = q + a * 8 + 32 * h;
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; ++c) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 64 * c));
           const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+#pragma GCC unroll 4
           for (int m = 0; m < M; ++m) {
             int32_t x0, x1;
             std::memcpy(&x0, xq + m * K + a + 8 * c, 4);
             std::memcpy(&x1, xq + m * K + a + 8 * c + 4, 4);
-            s16[m][h] = _mm256_add_epi16(s16[m][h], _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(x0)),
-                                                                      _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x1))));
+            s16[m] = _mm256_add_epi16(s16[m], _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(x0)),
+                                                                _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x1))));
           }
         }
+        for (int m = 0; m < M; ++m)
+          f[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(widen16(s16[m])), _mm256_set1_ps(dx[m * (K / 32) + a / 32]), f[m]);
       }
+      const float* sg = sz + (nb * G + g) * 32 + 8 * h;
+      const __m256 s = _mm256_loadu_ps(sg), c = _mm256_fnmadd_ps(k8, s, _mm256_loadu_ps(sg + 16));  // z - 8 s
       for (int m = 0; m < M; ++m) {
-        const __m256 d = _mm256_set1_ps(dx[m * (K / 32) + a / 32]);
-        for (int h = 0; h < 2; ++h) f[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(widen16(s16[m][h])), d, f[m][h]);
+        acc[m] = _mm256_fmadd_ps(f[m], s, acc[m]);
+        acc[m] = _mm256_fmadd_ps(c, _mm256_set1_ps(xs[m * G + g]), acc[m]);
       }
     }
-    const float* sg = sz + (nb * G + g) * 32;
-    for (int h = 0; h < 2; ++h) {
-      const __m256 s = _mm256_loadu_ps(sg + 8 * h), c = _mm256_fnmadd_ps(k8, s, _mm256_loadu_ps(sg + 16 + 8 * h));
-      for (int m = 0; m < M; ++m) {
-        acc[m][h] = _mm256_fmadd_ps(f[m][h], s, acc[m][h]);
-        acc[m][h] = _mm256_fmadd_ps(c, _mm256_set1_ps(xs[m * G + g]), acc[m][h]);
-      }
-    }
+    for (int m = 0; m < M; ++m) _mm256_storeu_ps(out + m * N + nb * 16 + 8 * h, acc[m]);
   }
-  for (int m = 0; m < M; ++m)
-    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out + m * N + nb * 16 + 8 * h, acc[m][h]);
 }
 
 // block8 for float32: rows of x times int8 row block nb (the same layout, u = q + 128; sc fp32
@@ -327,12 +334,15 @@ struct Weight {
 template <typename T>
 inline void weight_block(const Weight& w, const Act& a, T* out, int64_t M, int64_t nb) {
   const T* s = static_cast<const T*>(w.s);
-  for_rows(M, [&](auto rows, int64_t m) {
-    if (w.kind == 0)
+  if (w.kind == 0) {
+    for_rows<kInt4Rows<T>>(M, [&](auto rows, int64_t m) {
       block<rows.value>(w.q, s, a.xq + m * w.K, a.dx + m * (w.K / 32), a.xs + m * w.G, out + m * w.N, w.K, w.G, w.N, nb);
-    else
+    });
+  } else {
+    for_rows(M, [&](auto rows, int64_t m) {
       block8<rows.value>(w.q, s, a.xq + m * w.K, a.dx + m * (w.K / 32), a.xs + m, out + m * w.N, w.K, w.N, nb);
-  });
+    });
+  }
   if (w.bias) {
     using E = std::conditional_t<std::is_same_v<T, float>, float, c10::BFloat16>;
     const E* b = static_cast<const E*>(w.bias) + nb * 16;

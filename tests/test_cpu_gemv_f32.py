@@ -22,7 +22,7 @@ QUANT_REL = 2 ** -6  # against the exact product: x rounded to int8 per 32 colum
 
 
 @pytest.mark.parametrize("n,k,group", [(16, 64, 32), (48, 256, 128), (960, 576, 32), (64, 1536, 64)])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 9])
 def test_int4_is_the_product_with_the_quantized_row(n, k, group, rows):
     g = torch.Generator().manual_seed(n + rows)
     q, scale, zero = packed.quantize_int4(torch.randn(n, k, generator=g), group)

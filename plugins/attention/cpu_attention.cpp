@@ -5,17 +5,19 @@
 // positions seq_lens[b] - extend_lens[b] ... seq_lens[b] - 1, and each attends causally to the
 // keys at slots kv_indices[b, 0 .. pos] (the last `window` of them when window > 0). A task is
 // (sequence, KV head, a few query tokens): the query heads sharing that KV head go together, so
-// every key row read from the pool serves all of them. Decodes of a bf16 pool, when there are
-// enough sequences to keep the threads busy, take all KV heads of a sequence in one task, so
-// that each slot's whole K and V rows are read at once; with too few (fewer than two tasks per
-// thread), each decode's keys split into parts of whole 256-key chunks, merged afterwards.
+// every key row read from the pool serves all of them. Decodes of a bf16 pool (AVX512-BF16) or a
+// float32 pool (AVX2), when there are enough sequences to keep the threads busy, take all KV heads
+// of a sequence in one task, so that each slot's whole K and V rows are read at once; with too
+// few (fewer than two tasks per thread), each decode's keys split into parts, merged afterwards.
 // Keys stream in blocks with an online softmax in fp32; on CPUs with AVX512-BF16, q . k of a
 // bf16 pool multiplies the bf16 rows directly (exact products summed in fp32; the keys are never
 // converted), and every query token of a bf16 pool (decode or extend, no soft cap) runs
 // decode_bf16: all its scores over a chunk of up to 256 keys, one softmax over them, then the V
-// rows. The generic loops are plain C++ that -O3 -march=native vectorises (AVX2 or AVX-512
-// alike); exp is a polynomial so that it vectorises too. Tasks run on torch's OpenMP pool,
-// dynamically scheduled (sequences differ in length), with torch.get_num_threads() threads.
+// rows; decodes of a float32 pool run its AVX2 twin, decode_f32. Extends of the other pools run
+// blocks of 32 keys for all the task's query vectors at once: scores and V weighting as
+// broadcast-FMA register tiles (vectors of the -march=native width, AVX2 or AVX-512), the softmax
+// in vectors (exp is a polynomial). Tasks run on torch's OpenMP pool, dynamically scheduled
+// (sequences differ in length), with torch.get_num_threads() threads.
 //
 // The kernel itself is kernels/cpu_attention.h (the one-call decoder stack, kernels/cpu_decode.cpp,
 // runs it too); this file is the op around it.
