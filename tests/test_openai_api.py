@@ -334,7 +334,11 @@ def test_responses_answer_as_chat_does_and_continue_a_conversation(client, http)
     assert http.post("/flush_cache").status_code == 200
     chat = client.chat.completions.create(model="m", messages=[{"role": "system", "content": system},
                                                                {"role": "user", "content": q1}], max_tokens=20, **GREEDY)
-    assert r.id.startswith("resp_") and r.object == "response" and r.status == "completed"
+    # the 135M model may not finish its answer in 20 tokens (in float32 on an AVX2 CPU it does not):
+    # the response is then incomplete exactly where the chat completion stopped for length
+    finished = chat.choices[0].finish_reason == "stop"
+    assert r.id.startswith("resp_") and r.object == "response" and r.status == ("completed" if finished else "incomplete")
+    assert finished or r.incomplete_details.reason == "max_output_tokens"
     assert [o.type for o in r.output] == ["message"] and r.output_text == chat.choices[0].message.content
     assert (r.usage.input_tokens, r.usage.output_tokens) == (chat.usage.prompt_tokens, chat.usage.completion_tokens)
     assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
