@@ -17,6 +17,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 
@@ -365,6 +366,31 @@ struct Scratch {
   }
 };
 
+// The keys [jlo, jhi] a decode at position pos reads (its window's), or this task's part of them
+// when its keys are split: whole runs of 16 each (an empty part leaves l = 0).
+inline std::pair<int, int> decode_keys(const Params& p, const Task& t, int64_t pos) {
+  int jlo = p.window > 0 ? static_cast<int>(std::max<int64_t>(0, pos - p.window + 1)) : 0;
+  int jhi = static_cast<int>(pos);
+  if (t.parts > 1) {
+    const int span = (((jhi - jlo + 1) + 15) / 16 + t.parts - 1) / t.parts * 16;
+    jlo += t.part * span;
+    jhi = std::min(jhi, jlo + span - 1);
+  }
+  return {jlo, jhi};
+}
+
+// A split decode's part for merge_parts: each of its QH query heads' (from h0) max, sum and
+// unnormalised output (w.m, w.l, w.acc).
+inline void store_part(const Params& p, const Task& t, const Scratch& w, int64_t h0, int QH) {
+  const int64_t D = p.D;
+  float* dst = p.partial + ((t.b * p.parts + t.part) * p.H + h0) * (2 + D);
+  for (int g = 0; g < QH; ++g) {
+    dst[g * (2 + D)] = w.m[g];
+    dst[g * (2 + D) + 1] = w.l[g];
+    std::copy(w.acc.begin() + g * D, w.acc.begin() + (g + 1) * D, dst + g * (2 + D) + 2);
+  }
+}
+
 #ifdef CORE_BF16_DOT
 using core_rows::bf16x16;
 
@@ -425,13 +451,7 @@ void decode_bf16(const Params& p, const Task& t, const c10::BFloat16* q, const c
   const int h0 = t.kvh < 0 ? 0 : t.kvh, nh = t.kvh < 0 ? static_cast<int>(p.Hkv) : 1;  // the task's KV heads
   const int QH = nh * G;  // and query heads
   const int64_t* idx = p.idx + t.b * p.idx_stride;
-  int jlo = p.window > 0 ? static_cast<int>(std::max<int64_t>(0, pos - p.window + 1)) : 0;
-  int jhi = static_cast<int>(pos);
-  if (t.parts > 1) {  // this part's share of the keys, in whole runs of 16 (an empty part leaves l = 0)
-    const int span = (((jhi - jlo + 1) + 15) / 16 + t.parts - 1) / t.parts * 16;
-    jlo += t.part * span;
-    jhi = std::min(jhi, jlo + span - 1);
-  }
+  const auto [jlo, jhi] = decode_keys(p, t, pos);
   float* acc = w.acc.data();
   float* sc = w.ps.data();  // [QH, kChunk] scores, then probabilities
   std::fill(acc, acc + QH * D, 0.0f);
@@ -495,12 +515,7 @@ void decode_bf16(const Params& p, const Task& t, const c10::BFloat16* q, const c
     }
   }
   if (t.parts > 1) {  // merged with the other parts after all tasks ran (merge_parts)
-    float* dstp = p.partial + ((t.b * p.parts + t.part) * p.H + h0 * G) * (2 + D);
-    for (int g = 0; g < QH; ++g) {
-      dstp[g * (2 + D)] = w.m[g];
-      dstp[g * (2 + D) + 1] = w.l[g];
-      std::copy(acc + g * D, acc + (g + 1) * D, dstp + g * (2 + D) + 2);
-    }
+    store_part(p, t, w, h0 * G, QH);
     return;
   }
   c10::BFloat16* dst = out + qi * p.out_stride + h0 * G * D;
@@ -595,13 +610,7 @@ void decode_f32(const Params& p, const Task& t, const float* q, const float* kc,
   const int h0 = t.kvh < 0 ? 0 : t.kvh, nh = t.kvh < 0 ? static_cast<int>(p.Hkv) : 1;
   const int QH = nh * G;
   const int64_t* idx = p.idx + t.b * p.idx_stride;
-  int jlo = p.window > 0 ? static_cast<int>(std::max<int64_t>(0, pos - p.window + 1)) : 0;
-  int jhi = static_cast<int>(pos);
-  if (t.parts > 1) {  // this part's share of the keys, in whole runs of 16 (an empty part leaves l = 0)
-    const int span = (((jhi - jlo + 1) + 15) / 16 + t.parts - 1) / t.parts * 16;
-    jlo += t.part * span;
-    jhi = std::min(jhi, jlo + span - 1);
-  }
+  const auto [jlo, jhi] = decode_keys(p, t, pos);
   float* acc = w.acc.data();
   float* sc = w.ps.data();  // [QH, kChunk] scores, then probabilities
   std::fill(acc, acc + QH * D, 0.0f);
@@ -668,12 +677,7 @@ void decode_f32(const Params& p, const Task& t, const float* q, const float* kc,
     }
   }
   if (t.parts > 1) {  // merged with the other parts after all tasks ran (merge_parts)
-    float* dstp = p.partial + ((t.b * p.parts + t.part) * p.H + h0 * G) * (2 + D);
-    for (int g = 0; g < QH; ++g) {
-      dstp[g * (2 + D)] = w.m[g];
-      dstp[g * (2 + D) + 1] = w.l[g];
-      std::copy(acc + g * D, acc + (g + 1) * D, dstp + g * (2 + D) + 2);
-    }
+    store_part(p, t, w, h0 * G, QH);
     return;
   }
   float* dst = out + qi * p.out_stride + h0 * G * D;
