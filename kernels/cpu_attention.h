@@ -133,18 +133,8 @@ inline __m512 vexp_neg(__m512 x) {
 }
 #endif
 
-template <int D>
+// q . k where there is no vector unit to tile with (scores_tile serves every -march=native x86 build).
 inline float dot(const float* __restrict a, const float* __restrict b, int d) {
-#ifdef CORE_SIMD
-  if constexpr (D > 0 && D % (2 * CORE_SIMD) == 0) {
-    vf x = vzero(), y = vzero();  // two chains, so FMA latency overlaps
-    for (int c = 0; c < D; c += 2 * CORE_SIMD) {
-      x = vfma(vload(a + c), vload(b + c), x);
-      y = vfma(vload(a + c + CORE_SIMD), vload(b + c + CORE_SIMD), y);
-    }
-    return vsum(vadd(x, y));
-  }
-#endif
   float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
   for (int i = 0; i < d; ++i) acc += a[i] * b[i];
@@ -200,20 +190,7 @@ inline void accumulate(float* __restrict acc, const float* __restrict p, const f
 #ifdef CORE_SIMD
   if constexpr (D > 0 && D % CORE_SIMD == 0) {
     constexpr int N = D / CORE_SIMD;
-    // below 8 accumulators, two chains (even and odd keys), so consecutive FMAs do not wait on each
-    // other; 8 or more are enough FMAs in flight, and two sets of them would not fit AVX2's registers
-    if constexpr (N >= 8) {
-      vf t[N];
-      for (int c = 0; c < N; ++c) t[c] = vload(acc + c * CORE_SIMD);
-      for (int j = a; j < z; ++j) {
-        const vf w0 = vset1(p[j]);
-#pragma GCC unroll 16
-        for (int c = 0; c < N; ++c) t[c] = vfma(w0, vload(v + j * D + c * CORE_SIMD), t[c]);
-      }
-      for (int c = 0; c < N; ++c) vstore(acc + c * CORE_SIMD, t[c]);
-      return;
-    }
-    vf t[N], u[N];
+    vf t[N], u[N];  // two chains (even and odd keys), so consecutive FMAs do not wait on each other
     for (int c = 0; c < N; ++c) {
       t[c] = vload(acc + c * CORE_SIMD);
       u[c] = vzero();
@@ -741,7 +718,7 @@ void run_task(const Params& p, const Task& t, const T* q, const T* kc, const T* 
     constexpr bool bf16_dot = false;
 #endif
 #ifdef CORE_SIMD
-    constexpr bool tiled = !bf16_dot && (DC == 0 || DC % CORE_SIMD == 0);  // scores_tile for every row at once
+    constexpr bool tiled = !bf16_dot;  // scores_tile and weigh_tile for every row at once
 #else
     constexpr bool tiled = false;
 #endif
@@ -766,7 +743,6 @@ void run_task(const Params& p, const Task& t, const T* q, const T* kc, const T* 
       for (int g = 0; g < G; ++g) {
         const int row = r * G + g;
         float* sr = s + row * kBlock;
-        const float* qr = qb + row * D;
         float bmax = kNegInf;
 #ifdef CORE_BF16_DOT
         if constexpr (bf16_dot) {  // the row's scores [a, z) at once, 16 keys per reduction
@@ -775,9 +751,8 @@ void run_task(const Params& p, const Task& t, const T* q, const T* kc, const T* 
         }
 #endif
         if constexpr (!bf16_dot && !tiled) {
-          for (int j = a; j < z; ++j) sr[j] = dot<DC>(qr, kv + j * D, D);
+          for (int j = a; j < z; ++j) sr[j] = dot(qb + row * D, kv + j * D, D);  // no vector unit
         }
-        (void)qr;
         if (p.cap > 0.0f) {
           for (int j = a; j < z; ++j) sr[j] = p.cap * std::tanh(sr[j] / p.cap);
         }

@@ -28,13 +28,13 @@ from core_kernels import cpp_build
 
 SOURCE = Path(__file__).with_name("cpu_decode.cpp")
 PREFIX = "core_cpu_decode"
-_EMPTY = torch.empty(0)
+_EMPTY = torch.empty(0)  # what the op receives for a tensor a layer does not have
 # The stack serves batches of at most this many rows. Each thread computes the row loops between
 # the GEMMs (norms, adds, activation) for every row itself, and one thread the rotary embedding:
 # a few microseconds at decode sizes, but a prefill chunk of thousands of rows runs the one-op
 # layers instead, which share those loops. (bf16 layers on AMX or with a dense copy for 65+ rows
 # stop below this anyway; float32 layers keep no dense copy.)
-STACK_MAX_ROWS = 64  # what the op receives for a tensor a layer does not have
+STACK_MAX_ROWS = 64
 
 
 @functools.cache
