@@ -127,7 +127,7 @@ def step_split(engine, prompts: list[list[int]], steps: int = 16) -> dict[str, f
         for m in core.model.modules():  # the Python forward, so that the hooks below fire
             for name in ("_cpu_decode", "_cpu_stack"):  # one-op layers, the one-op stack
                 if hasattr(m, name):
-                    setattr(m, name, lambda batch: None)
+                    setattr(m, name, lambda *args: None)
         for m in core.model.modules():
             kind = "gemm" if isinstance(m, Linear) else "attention" if isinstance(m, Attention) else None
             if kind:

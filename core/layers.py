@@ -395,11 +395,17 @@ class VocabEmbedding(nn.Module):
         out = F.embedding(local.masked_fill(outside, 0), self.weight)
         return self.tp.all_reduce(out.masked_fill_(outside[:, None], 0))
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden [N, hidden] @ weight^T`` in ``hidden.dtype`` (through the packed head when there is one)."""
+    def head(self) -> nn.Module | None:
+        """The packed head that ``logits`` multiplies through (built on the first call), or None
+        where it multiplies by the table itself."""
         if self.pack_head is not None:
             self.packed_head, self.pack_head = self.pack_head(self), None
-        out = self.packed_head(hidden) if self.packed_head is not None else F.linear(hidden, self.weight)
+        return self.packed_head
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden [N, hidden] @ weight^T`` in ``hidden.dtype`` (through the packed head when there is one)."""
+        head = self.head()
+        out = head(hidden) if head is not None else F.linear(hidden, self.weight)
         if self.tp.size > 1:
             out = self.tp.all_gather(out)[:, : self.vocab_size]
         return out

@@ -158,6 +158,10 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(const at::Tensor& x, const std::
 //
 // The activations are bf16 (AVX512-BF16 builds) or float32 (AVX2 builds: what --dtype auto picks
 // on a CPU without native bf16); the weights' scales, the norms and the caches are in the same dtype.
+//
+// A stack built with the model's final norm and a packed LM head also runs those in the same region
+// (run_head): at batch 1 the norm and the head as two more ops cost ~0.15 ms of a ~6 ms step
+// besides the head's own reading, which is a third of the step's bytes.
 
 #ifdef CORE_GEMV_ANY
 using namespace core_gemv;
@@ -303,12 +307,15 @@ constexpr int kPerLayer = 17;  // in_norm, post_norm, then (a, b, bias) of qkv, 
 // built when the model first plans it); run() is one decode or short-prefill forward.
 class DecodeStack : public torch::CustomClassHolder {
  public:
+  // head: empty, or (final norm weight, head codes, head scales) with head_kind 0 (int4) or 1 (int8),
+  // the final norm's eps final_eps.
   DecodeStack(std::vector<at::Tensor> layers, std::vector<int64_t> kinds, double eps, at::Tensor cos, at::Tensor sin,
               int64_t rotary_dim, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-              std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches, double scale, int64_t window)
-      : layers_(std::move(layers)), k_caches_(std::move(k_caches)), v_caches_(std::move(v_caches)), cos_(std::move(cos)),
-        sin_(std::move(sin)), eps_(eps), scale_(scale), window_(window), rot_(rotary_dim), H(num_heads),
-        Hkv(num_kv_heads), D(head_dim) {
+              std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches, double scale, int64_t window,
+              std::vector<at::Tensor> head, int64_t head_kind, double final_eps)
+      : layers_(std::move(layers)), k_caches_(std::move(k_caches)), v_caches_(std::move(v_caches)), head_(std::move(head)),
+        cos_(std::move(cos)), sin_(std::move(sin)), eps_(eps), final_eps_(final_eps), scale_(scale), window_(window),
+        rot_(rotary_dim), H(num_heads), Hkv(num_kv_heads), D(head_dim) {
 #ifdef CORE_GEMV_ANY
     L = static_cast<int64_t>(k_caches_.size());
     TORCH_CHECK(L > 0 && static_cast<int64_t>(v_caches_.size()) == L && static_cast<int64_t>(layers_.size()) == kPerLayer * L &&
@@ -341,6 +348,13 @@ class DecodeStack : public torch::CustomClassHolder {
                         c.size(1) == Hkv && c.size(2) == D,
                     "DecodeStack: layer ", l, ": ", dtype_, " caches [", slots, ", ", Hkv, ", ", D, "]");
     }
+    TORCH_CHECK(head_.empty() || head_.size() == 3, "DecodeStack: head: (final norm, codes, scales) or nothing");
+    if (!head_.empty()) {
+      TORCH_CHECK(head_[0].scalar_type() == dtype_ && head_[0].is_contiguous() && head_[0].numel() == hid,
+                  "DecodeStack: final norm weights of ", hid, " ", dtype_);
+      const int64_t N = head_[1].dim() == 4 ? head_[1].size(0) * 16 : 0;
+      head_w_ = packed(head_[1], head_[2], at::Tensor(), head_kind, N, hid, L, "lm_head", dtype_);
+    }
 #else
     TORCH_CHECK(false, "DecodeStack: this build has no gemv kernels (AVX512-BF16, or AVX2 and FMA)");
 #endif
@@ -351,23 +365,38 @@ class DecodeStack : public torch::CustomClassHolder {
   std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& out_loc,
                                          const at::Tensor& kv_indices, const at::Tensor& seq_lens,
                                          const at::Tensor& extend_lens) {
+    return dispatch(false, x, positions, out_loc, kv_indices, seq_lens, extend_lens);
+  }
+
+  // (the final norm of the last layer's h + mlp_out, the head's logits [rows, vocab] of it) for x,
+  // as rms_norm and the head's gemv op give them; the stack must have been built with a head.
+  std::tuple<at::Tensor, at::Tensor> run_head(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& out_loc,
+                                              const at::Tensor& kv_indices, const at::Tensor& seq_lens,
+                                              const at::Tensor& extend_lens) {
+    TORCH_CHECK(!head_.empty(), "DecodeStack: built without a head");
+    return dispatch(true, x, positions, out_loc, kv_indices, seq_lens, extend_lens);
+  }
+
+ private:
+  std::tuple<at::Tensor, at::Tensor> dispatch(bool head, const at::Tensor& x, const at::Tensor& positions,
+                                              const at::Tensor& out_loc, const at::Tensor& kv_indices,
+                                              const at::Tensor& seq_lens, const at::Tensor& extend_lens) {
 #ifdef CORE_GEMV_ANY
     TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == dtype_ && x.size(1) == hid,
                 "DecodeStack: x [rows, ", hid, "] contiguous ", dtype_);
 #ifdef CORE_GEMV_BF16
-    if (dtype_ == at::kBFloat16) return forward<bf16>(x, positions, out_loc, kv_indices, seq_lens, extend_lens);
+    if (dtype_ == at::kBFloat16) return forward<bf16>(head, x, positions, out_loc, kv_indices, seq_lens, extend_lens);
 #endif
 #ifdef CORE_GEMV_F32
-    if (dtype_ == at::kFloat) return forward<float>(x, positions, out_loc, kv_indices, seq_lens, extend_lens);
+    if (dtype_ == at::kFloat) return forward<float>(head, x, positions, out_loc, kv_indices, seq_lens, extend_lens);
 #endif
 #endif
     TORCH_CHECK(false, "DecodeStack: this build has no gemv kernels for ", x.scalar_type());
   }
 
- private:
 #ifdef CORE_GEMV_ANY
   template <typename E>
-  std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& out_loc,
+  std::tuple<at::Tensor, at::Tensor> forward(bool with_head, const at::Tensor& x, const at::Tensor& positions, const at::Tensor& out_loc,
                                              const at::Tensor& kv_indices, const at::Tensor& seq_lens,
                                              const at::Tensor& extend_lens) {
     const int64_t M = x.size(0);
@@ -408,6 +437,12 @@ class DecodeStack : public torch::CustomClassHolder {
                         : D == 128 ? &core_attention::run_tasks<E, 128> : &core_attention::run_tasks<E, 0>;
     at::Tensor attn = at::empty({M, H, D}, opt);
     E* pa = attn.data_ptr<E>();
+    at::Tensor hidden, logits;  // with the head: the final norm's rows and the logits
+    if (with_head) hidden = at::empty({M, hid}, opt), logits = at::empty({M, head_w_.N}, opt);
+    E* phid = with_head ? hidden.data_ptr<E>() : nullptr;
+    E* plog = with_head ? logits.data_ptr<E>() : nullptr;
+    const E* fnorm = with_head ? head_[0].const_data_ptr<E>() : nullptr;
+    const float ffeps = static_cast<float>(final_eps_);
     // One parallel region for the whole stack: the threads meet after each GEMM, after the rotary
     // embedding and the cache store (one thread), and after the attention's tasks.
 #pragma omp parallel num_threads(nt)
@@ -456,19 +491,29 @@ class DecodeStack : public torch::CustomClassHolder {
         silu_mul(pg, pu, my_h, M * I);  // the activation (into this thread's h: the norm's rows are used)
         gemv_shared<E>({&w[4], prep(w[4], my_h, M, sc), pmlp}, M);
       }
+      if (with_head) {  // norm(h + mlp_out), as the model's final norm computes it, then the head
+        for (int64_t m = 0; m < M; ++m) {
+          add_row<E>(my_x1 + m * hid, pmlp + m * hid, my_x0 + m * hid, hid);
+          norm_row<E>(my_x0 + m * hid, fnorm, my_h + m * hid, hid, ffeps, 0.0f);
+        }
+        if (me == 0) std::copy(my_h, my_h + M * hid, phid);
+        gemv_shared<E>({&head_w_, prep(head_w_, my_h, M, sc), plog}, M);
+      }
     }
+    if (with_head) return {hidden, logits};
     return {x1[0], mlp};
   }
 #endif
 
-  std::vector<at::Tensor> layers_, k_caches_, v_caches_;  // kept: lin_ and norms_ point into them
+  std::vector<at::Tensor> layers_, k_caches_, v_caches_, head_;  // kept: lin_, norms_, head_w_ point into them
   at::Tensor cos_, sin_;
-  double eps_, scale_;
+  double eps_, final_eps_, scale_;
   int64_t window_, rot_, H, Hkv, D, L = 0, hid = 0, qs = 0, kvs = 0, nqkv = 0, I = 0, slots = 0;
   at::ScalarType dtype_ = at::kFloat;
 #ifdef CORE_GEMV_ANY
   std::vector<Weight> lin_;
   std::vector<const void*> norms_;
+  Weight head_w_{};
 #endif
 };
 
@@ -481,8 +526,10 @@ TORCH_LIBRARY(core_cpu_decode, m) {
         "Tensor extend_lens, float scale, int window, float cap) -> (Tensor, Tensor)");
   m.class_<DecodeStack>("DecodeStack")
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, double, at::Tensor, at::Tensor, int64_t, int64_t,
-                       int64_t, int64_t, std::vector<at::Tensor>, std::vector<at::Tensor>, double, int64_t>())
-      .def("run", &DecodeStack::run);
+                       int64_t, int64_t, std::vector<at::Tensor>, std::vector<at::Tensor>, double, int64_t,
+                       std::vector<at::Tensor>, int64_t, double>())
+      .def("run", &DecodeStack::run)
+      .def("run_head", &DecodeStack::run_head);
 }
 
 // CompositeExplicitAutograd: the oneDNN-packed weights among the arguments carry another dispatch key

@@ -12,6 +12,8 @@ keeps the Python path. ``CORE_FUSED_OPS=0`` turns it off too.
 Where every layer has a plan and every linear runs the gemv kernels (a few rows, int4 / int8
 weights), :func:`plan_stack` joins the plans and :func:`run_stack` runs the whole stack as one op:
 same kernels, same order, same bits, without a call, dispatches and thread wake-ups per layer.
+Given the model's final norm and a packed LM head, :func:`run_stack_head` runs those too, for the
+steps whose every row samples (decodes).
 """
 
 from __future__ import annotations
@@ -97,10 +99,15 @@ def run(p: dict[str, Any], x: torch.Tensor, batch: Any,
         batch.seq_lens, batch.extend_lens, scale, window, cap)
 
 
-def plan_stack(plans: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+def plan_stack(plans: list[dict[str, Any] | None], norm: torch.nn.Module | None = None,
+               head: torch.nn.Module | None = None) -> dict[str, Any] | None:
     """The layers' plans joined into one ``DecodeStack`` (checked once, here) for :func:`run_stack`,
     or None where some layer has none, some linear is not int4 / int8 (kinds 0, 1), the pool is
-    not bf16 or float32 (the norms in the same dtype), or the layers differ in shape."""
+    not bf16 or float32 (the norms in the same dtype), or the layers differ in shape.
+
+    ``norm`` (the model's final ``RMSNorm``) and ``head`` (the module computing the logits, with
+    ``cpu_linear_args()`` as a quant method's; None: no head) join the stack for
+    :func:`run_stack_head` where the head is int4 / int8 gemv for few rows and the norm plain."""
     if not plans or any(p is None for p in plans):
         return None
     first = plans[0]
@@ -113,17 +120,39 @@ def plan_stack(plans: list[dict[str, Any] | None]) -> dict[str, Any] | None:
         return None
     cos, sin, rot = first["rotary"]
     scale, window, _ = first["attn"]
+    tail, head_kind, head_rows = _head(norm, head, dtype)
     try:
         stack = torch.classes.core_cpu_decode.DecodeStack(
             [t for p in plans for t in (*p["norms"], *(p["lin"][4 * i + j] for i in range(5) for j in range(3)))],
             [k for p in plans for k in p["kinds"]], first["eps"], cos, sin, rot, *first["heads"],
-            [p["caches"][0] for p in plans], [p["caches"][1] for p in plans], scale, window)
+            [p["caches"][0] for p in plans], [p["caches"][1] for p in plans], scale, window,
+            tail, head_kind, norm.eps if tail else 0.0)
     except RuntimeError as e:  # a layout the checks above let through: the one-op layers still serve
         structlog.get_logger(__name__).warning("cpu_decode.stack_unavailable", reason=str(e).splitlines()[0],
                                                fallback="one op per layer")
         return None
     max_rows = min([STACK_MAX_ROWS + 1] + [r for p in plans for r in p["max_rows"]])
-    return {"stack": stack, "layers": len(plans), "max_rows": max_rows}
+    return {"stack": stack, "layers": len(plans), "max_rows": max_rows, "head_rows": head_rows}
+
+
+def _head(norm: torch.nn.Module | None, head: torch.nn.Module | None,
+          dtype: torch.dtype) -> tuple[list[torch.Tensor], int, int]:
+    """(final norm weight, head codes, head scales), the head's kind and the rows below which it
+    runs its gemv kernels; ``([], 0, 0)`` where they cannot join the stack."""
+    args = getattr(head, "cpu_linear_args", lambda: None)() if norm is not None else None
+    if args is None or getattr(norm, "offset", 1.0) or norm.weight.numel() != args[1].shape[1] * (8 if args[0] == 0 else 4):
+        return [], 0, 0
+    kind, a, b, max_rows, _ = args
+    if kind not in (0, 1) or b.dtype != dtype or getattr(head, "bias", None) is not None:
+        return [], 0, 0
+    return [norm.weight.detach().to(dtype).contiguous(), a, b], kind, max_rows
+
+
+def run_stack_head(p: dict[str, Any], x: torch.Tensor, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every layer, the final norm and the head on ``x`` (fewer rows than ``p["max_rows"]`` and
+    ``p["head_rows"]``): ``(hidden, logits)``, as the model's norm and ``compute_logits`` give them."""
+    return p["stack"].run_head(x.contiguous(), batch.positions, batch.out_cache_loc, batch.kv_indices, batch.seq_lens,
+                               batch.extend_lens)
 
 
 def run_stack(p: dict[str, Any], x: torch.Tensor, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,7 +25,9 @@ DTYPES = [pytest.param(torch.bfloat16, marks=needs_gemv, id="bf16"), pytest.para
 
 PROMPTS = ["a", "hello world", "abc abc abc abc", "xy"]
 REAL_RUN, REAL_PLAN, REAL_STACK, REAL_PLAN_STACK = cpu_decode.run, cpu_decode.plan, cpu_decode.run_stack, cpu_decode.plan_stack
+REAL_STACK_HEAD = cpu_decode.run_stack_head
 STACK_ROWS: list[int] = []  # the row counts of the last generate's stack ops
+HEAD_ROWS: list[int] = []  # those of its stack ops that ran the LM head too
 
 
 def generate(path, monkeypatch, fast: bool, prompts: list[str] = PROMPTS, dtype: str = "bfloat16", stack: bool = True,
@@ -35,11 +37,15 @@ def generate(path, monkeypatch, fast: bool, prompts: list[str] = PROMPTS, dtype:
     once per layer); ``stack=False`` keeps the one-op layers from being joined into one op."""
     calls = []
     STACK_ROWS.clear()
+    HEAD_ROWS.clear()
     monkeypatch.setattr(cpu_decode, "run", lambda *a: calls.append(a[1].shape[0]) or REAL_RUN(*a))
     monkeypatch.setattr(cpu_decode, "run_stack", lambda p, x, b: STACK_ROWS.append(x.shape[0])
                         or calls.extend([x.shape[0]] * p["layers"]) or REAL_STACK(p, x, b))
+    monkeypatch.setattr(cpu_decode, "run_stack_head", lambda p, x, b: STACK_ROWS.append(x.shape[0])
+                        or HEAD_ROWS.append(x.shape[0]) or calls.extend([x.shape[0]] * p["layers"])
+                        or REAL_STACK_HEAD(p, x, b))
     monkeypatch.setattr(cpu_decode, "plan", REAL_PLAN if fast else (lambda *a: None))
-    monkeypatch.setattr(cpu_decode, "plan_stack", REAL_PLAN_STACK if stack else (lambda plans: None))
+    monkeypatch.setattr(cpu_decode, "plan_stack", REAL_PLAN_STACK if stack else (lambda *a: None))
     eng = make_engine(path, dtype=dtype, **opts)
     try:
         together = [o["output_ids"] for o in eng.generate(prompts, [greedy(6 + 3 * (i % 4)) for i in range(len(prompts))])]
@@ -164,9 +170,21 @@ def random_stack(layers: int, kinds: list[int], bias: bool, seed: int = 0, hid: 
             "heads": (heads, kv_heads, head_dim), "hid": hid, "g": g, "dtype": dtype}
 
 
-def run_both(s: dict, seq_lens: list[int], extend_lens: list[int], threads: int):
+def random_head(n: int, k: int, kind: int, dtype: torch.dtype, seed: int = 1) -> list[torch.Tensor]:
+    """A packed random LM head of ``n`` rows and ``k`` columns: [codes, scales] of kind 0 (int4) or 1 (int8)."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == 0:
+        return list(cpu_gemv.pack(torch.randint(0, 16, (n, k), generator=g), 0.02 * torch.rand(n, k // 32, generator=g),
+                                  0.01 * torch.randn(n, k // 32, generator=g), dtype))
+    return [cpu_gemv.pack_int8(torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)),
+            (0.001 + 0.002 * torch.rand(n, generator=g)).to(dtype)]
+
+
+def run_both(s: dict, seq_lens: list[int], extend_lens: list[int], threads: int, head: list[torch.Tensor] | None = None,
+             head_kind: int = 1):
     """(h, mlp_out, K caches, V caches) from a chain of decode_layer and from a DecodeStack, on one
-    batch of sequences over random, already filled caches."""
+    batch of sequences over random, already filled caches; with ``head`` ([final norm, codes,
+    scales]), the stack's ``run_head`` outputs (hidden, logits) after those."""
     g, (heads, kv_heads, head_dim), hid = s["g"], s["heads"], s["hid"]
     rows = sum(extend_lens)
     slots = 128
@@ -195,18 +213,20 @@ def run_both(s: dict, seq_lens: list[int], extend_lens: list[int], threads: int)
                 head_dim, ka[l], va[l], out_loc, kv_indices, sl, el, attn["scale"], 0, 0.0)
         kb, vb = [c.clone() for c in caches[0::2]], [c.clone() for c in caches[1::2]]
         stack = torch.classes.core_cpu_decode.DecodeStack(s["stack"], s["kinds"], 1e-5, cos, sin, rot, heads, kv_heads,
-                                                          head_dim, kb, vb, attn["scale"], 0)
+                                                          head_dim, kb, vb, attn["scale"], 0, head or [], head_kind, 1e-5)
         h2, res2 = stack.run(x, positions, out_loc, kv_indices, sl, el)
+        # run_head rewrites the same cache rows with the same values
+        tail = stack.run_head(x, positions, out_loc, kv_indices, sl, el) if head else ()
     finally:
         torch.set_num_threads(before)
-    return (h, res, ka, va), (h2, res2, kb, vb)
+    return (h, res, ka, va), (h2, res2, kb, vb, *tail)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("quant", ["int4wo-32", "int8wo"])
 def test_the_stack_gives_the_tokens_of_the_layer_ops(tiny_llama, monkeypatch, quant, dtype):
-    """Batches of a few rows (decodes and short prefills) take the whole stack as one op, and the
-    tokens are those of the one-op layers."""
+    """Batches of a few rows (decodes and short prefills) take the whole stack as one op, decodes
+    with the final norm and the LM head, and the tokens are those of the one-op layers."""
     path, _ = tiny_llama()
     opts = dict(attention_backend="cpu", torchao_config=quant, cpu_threads=2, dtype=str(dtype).removeprefix("torch."))
     want, rows = generate(path, monkeypatch, True, stack=False, **opts)
@@ -214,6 +234,7 @@ def test_the_stack_gives_the_tokens_of_the_layer_ops(tiny_llama, monkeypatch, qu
     got, _ = generate(path, monkeypatch, True, **opts)
     assert got == want
     assert 1 in STACK_ROWS and max(STACK_ROWS) > 1
+    assert 1 in HEAD_ROWS and max(HEAD_ROWS) > 1  # decodes run the packed LM head inside the stack
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -235,6 +256,28 @@ def test_the_stack_op_equals_the_chain_of_layer_ops(kinds, bias, batch, threads,
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", [0, 1], ids=["int4_head", "int8_head"])
+@pytest.mark.parametrize("batch", [([9], [1]), ([40, 7, 3], [1, 1, 1]), ([12, 6], [2, 1])],
+                         ids=["one_decode", "three_decodes", "extend_and_decode"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_stack_with_its_head_equals_the_norm_and_head_ops(kind, batch, threads, dtype):
+    """run_head: the layers as run() gives them, then bit for bit what the model's final norm of
+    h + mlp_out and the head's gemv op (its Python path) give."""
+    from core_kernels import cpu_ops
+    from core_plugins.attention import cpu
+
+    cpu.load_kernel()
+    s = random_stack(2, [0, 1], False, dtype=dtype)
+    norm = (1 + 0.1 * torch.randn(s["hid"], generator=s["g"])).to(dtype)
+    head = random_head(160, s["hid"], kind, dtype)
+    _, (h, res, *_, hidden, logits) = run_both(s, *batch, threads, [norm, *head], kind)
+    want = cpu_ops.rms_norm(h + res, norm, 1e-5, 0.0)
+    assert torch.equal(hidden, want)
+    mm = cpu_gemv.mm if kind == 0 else cpu_gemv.mm_int8
+    assert logits.shape == (sum(batch[1]), 160) and torch.equal(logits, mm(want, *head))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("change,message", [
     (lambda a: a.update(kinds=[2] * len(a["kinds"])), r"kind 2 is not int4 \(0\)"),
     (lambda a: a.update(stack=a["stack"][:-1]), "per layer 17 tensors"),
@@ -245,7 +288,12 @@ def test_the_stack_op_equals_the_chain_of_layer_ops(kinds, bias, batch, threads,
     (lambda a: a.update(x=a["x"].to(torch.float32 if a["x"].dtype == torch.bfloat16 else torch.bfloat16)),
      r"contiguous (BFloat16|Float)"),
     (lambda a: a.update(x=a["x"][:, :32].contiguous()), r"\[rows, 64\] contiguous"),
-], ids=["dense_kind", "missing_tensor", "cache_shape", "cache_dtype", "position", "slot", "other_dtype_rows", "hidden_size"])
+    (lambda a: a.update(no_head=True), "built without a head"),
+    (lambda a: a.update(head=[a["x"][0, :32], *random_head(32, 64, 1, a["x"].dtype)]), "final norm weights of 64"),
+    (lambda a: a.update(head=[a["x"][0, :64], *random_head(32, 48, 1, a["x"].dtype)]), "lm_head: int8 weight of 32 x 64"),
+    (lambda a: a.update(head=[a["x"][0, :64], *random_head(32, 64, 1, a["x"].dtype)[:1]]), "head: \\(final norm"),
+], ids=["dense_kind", "missing_tensor", "cache_shape", "cache_dtype", "position", "slot", "other_dtype_rows", "hidden_size",
+        "no_head", "head_norm_size", "head_shape", "head_tensors"])
 def test_the_stack_refuses_bad_arguments(change, message, dtype):
     """Bad layers when the stack is built, bad rows when it runs: an error naming the problem."""
     from core_plugins.attention import cpu
@@ -258,7 +306,11 @@ def test_the_stack_refuses_bad_arguments(change, message, dtype):
     change(args)
     with pytest.raises(RuntimeError, match=message):
         stack = torch.classes.core_cpu_decode.DecodeStack(args["stack"], args["kinds"], 1e-5, cos, sin, rot, 4, 2, 16,
-                                                          args["caches"][0::2], args["caches"][1::2], 0.25, 0)
+                                                          args["caches"][0::2], args["caches"][1::2], 0.25, 0,
+                                                          args.get("head", []), args.get("head_kind", 1), 1e-5)
+        if "head" in args or "no_head" in args:
+            stack.run_head(args["x"], args["positions"], args["out_loc"], torch.arange(4).view(1, 4), torch.tensor([4]),
+                           torch.tensor([1]))
         stack.run(args["x"], args["positions"], args["out_loc"], torch.arange(4).view(1, 4), torch.tensor([4]),
                   torch.tensor([1]))
 

@@ -62,10 +62,10 @@ def forward_step(model: torch.nn.Module, attn_backend, inputs: StepInputs, devic
         hidden = model(fb)
     logits = []
     for rows in inputs.logit_rows:
-        if isinstance(rows, tuple):
-            sel = hidden[rows[0] : rows[1]]
+        if isinstance(rows, tuple):  # all of hidden (a decode step) passes as itself: see LlamaModel.step_logits
+            sel = hidden if rows == (0, hidden.shape[0]) else hidden[rows[0] : rows[1]]
         elif len(rows) == hidden.shape[0] and rows[0] == 0 and rows[-1] == len(rows) - 1:
-            sel = hidden  # every token samples (a decode step): no gather
+            sel = hidden  # every token samples: no gather
         else:
             sel = hidden.index_select(0, upload(rows, torch.int64, device))
         logits.append(model.compute_logits(sel))

@@ -103,9 +103,17 @@ class LlamaModel(nn.Module):
             cpu_decode.available()  # build the one-op layer now (once per machine), not in the first, watched step
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, head: VocabEmbedding | None = None) -> torch.Tensor:
+        """The final hidden states. With ``head`` (the LM head, whose ``logits`` are the model's
+        plain logits), a CPU decode through the one-op stack runs the head too and keeps its
+        logits for :meth:`step_logits`."""
+        self.__dict__.pop("_step_logits", None)
         x = self.embed_tokens(batch.input_ids)
-        if x.device.type == "cpu" and (stack := self._cpu_stack(batch)) is not None and x.shape[0] < stack["max_rows"]:
+        if x.device.type == "cpu" and (stack := self._cpu_stack(batch, head)) is not None and x.shape[0] < stack["max_rows"]:
+            if x.shape[0] == len(batch.seq_lens_cpu) and x.shape[0] < stack["head_rows"]:  # one row per sequence: all sample
+                hidden, logits = cpu_decode.run_stack_head(stack, x, batch)
+                self.__dict__["_step_logits"] = (hidden, logits)
+                return hidden
             h, mlp_out = cpu_decode.run_stack(stack, x, batch)
             return self.norm(h + mlp_out)
         pending = None  # a one-op layer's MLP output, added by the next one-op layer with its first norm
@@ -119,13 +127,21 @@ class LlamaModel(nn.Module):
             x = layer(x, batch)
         return self.norm(x if pending is None else x + pending)
 
-    def _cpu_stack(self, batch: ForwardBatch) -> dict[str, Any] | None:
-        """Every layer as one C++ op (``kernels/cpu_decode.run_stack``), planned once per backend."""
+    def _cpu_stack(self, batch: ForwardBatch, head: VocabEmbedding | None) -> dict[str, Any] | None:
+        """Every layer as one C++ op (``kernels/cpu_decode.run_stack``), with the final norm and
+        ``head`` where they can join it; planned once per backend and head."""
         cached = self.__dict__.get("_cpu_stack_plan")
-        if cached is None or cached[0] is not batch.attn_backend:
+        if cached is None or cached[0] is not batch.attn_backend or cached[1] is not head:
             plans = [layer._cpu_decode(batch) if hasattr(layer, "_cpu_decode") else None for layer in self.layers]
-            cached = self.__dict__["_cpu_stack_plan"] = (batch.attn_backend, cpu_decode.plan_stack(plans))
-        return cached[1]
+            packed = head.head() if head is not None and head.tp.size == 1 else None
+            plan = cpu_decode.plan_stack(plans, self.norm, packed)
+            cached = self.__dict__["_cpu_stack_plan"] = (batch.attn_backend, head, plan)
+        return cached[2]
+
+    def step_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """The logits the last forward computed with the stack, if ``hidden`` is what it returned."""
+        step = self.__dict__.pop("_step_logits", None)
+        return step[1] if step is not None and step[0] is hidden else None
 
 
 class LlamaForCausalLM(nn.Module):
@@ -149,9 +165,14 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = VocabEmbedding(config.vocab_size, config.hidden_size, ctx.dtype)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        return self.model(batch)
+        # the head joins the CPU decode stack only where compute_logits is this plain one
+        if type(self).compute_logits is not LlamaForCausalLM.compute_logits or hasattr(self, "classify"):
+            return self.model(batch)
+        return self.model(batch, self.model.embed_tokens if self.tied else self.lm_head)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.model, LlamaModel) and (logits := self.model.step_logits(hidden)) is not None:
+            return logits.float()
         head = self.model.embed_tokens if self.tied else self.lm_head
         return head.logits(hidden).float()
 

@@ -270,27 +270,34 @@ def dequantize(layer: torch.nn.Module) -> torch.Tensor:
     return w_t.float().t().contiguous()
 
 
+CpuLinearArgs = tuple[int, torch.Tensor | None, torch.Tensor | None, int, torch.Tensor | None]
+
+
+def cpu_linear_args(layer: torch.nn.Module) -> CpuLinearArgs | None:
+    """For C++ callers (``kernels/cpu_decode``): ``(kind, a, b, max_rows, dense)``. GEMMs of
+    fewer than ``max_rows`` rows run ``kernels/cpu_gemv`` (kind 0 = int4: a = codes, b =
+    scales/zeros; 1 = int8: a = codes, b = scales), larger ones ``dense`` (oneDNN-packed or
+    plain; None: gemv for every size); kind 2 = dense only (a and b None). None where neither applies."""
+    if layer.quant_format == "dense":
+        return 2, None, None, 0, layer.weight
+    dense = getattr(layer, "dense_weight", None)
+    lo = _dense_from(layer, dense) if dense is not None else None
+    big, dense = (lo, dense) if lo else (1 << 30, None)
+    if (qw := getattr(layer, "qweight_int4_cpu", None)) is not None:
+        return 0, qw, layer.qscale_zero_cpu, big, dense
+    if (qw := getattr(layer, "qweight_int8_cpu", None)) is not None:
+        return 1, qw, layer.qscale, big, dense
+    return None
+
+
 class PackedMethod:
     """``apply`` and ``dequantize`` for quant methods whose layers end in one of the formats above."""
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         return packed_linear(layer, x)
 
-    def cpu_linear_args(self, layer: torch.nn.Module) -> tuple[int, torch.Tensor | None, torch.Tensor | None, int, torch.Tensor | None] | None:
-        """For C++ callers (``kernels/cpu_decode``): ``(kind, a, b, max_rows, dense)``. GEMMs of
-        fewer than ``max_rows`` rows run ``kernels/cpu_gemv`` (kind 0 = int4: a = codes, b =
-        scales/zeros; 1 = int8: a = codes, b = scales), larger ones ``dense`` (oneDNN-packed or
-        plain; None: gemv for every size); kind 2 = dense only (a and b None). None where neither applies."""
-        if layer.quant_format == "dense":
-            return 2, None, None, 0, layer.weight
-        dense = getattr(layer, "dense_weight", None)
-        lo = _dense_from(layer, dense) if dense is not None else None
-        big, dense = (lo, dense) if lo else (1 << 30, None)
-        if (qw := getattr(layer, "qweight_int4_cpu", None)) is not None:
-            return 0, qw, layer.qscale_zero_cpu, big, dense
-        if (qw := getattr(layer, "qweight_int8_cpu", None)) is not None:
-            return 1, qw, layer.qscale, big, dense
-        return None
+    def cpu_linear_args(self, layer: torch.nn.Module) -> CpuLinearArgs | None:
+        return cpu_linear_args(layer)
 
     def dequantize(self, layer: torch.nn.Module) -> torch.Tensor:
         return dequantize(layer)
@@ -317,3 +324,7 @@ class PackedHead(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return packed_linear(self, x)
+
+    def cpu_linear_args(self) -> CpuLinearArgs | None:
+        """For ``kernels/cpu_decode``, which can run the head with the decoder stack."""
+        return cpu_linear_args(self)
