@@ -18,7 +18,7 @@
 #include <limits>
 #include <tuple>
 #include <vector>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -108,6 +108,11 @@ inline float value(const uint16_t* r, int64_t j) { return bf16_f(r[j]); }
 #if defined(__AVX512F__)
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const uint16_t* p) { return bf16x16(p); }
+#elif defined(__AVX2__)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {  // bf16 bits widened: the float with the same upper half
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
 #endif
 
 constexpr int64_t kB = 256;  // argmax's block
@@ -132,6 +137,20 @@ int64_t argmax_row(const E* r, int64_t n, std::vector<float>& bmax) {
       }
       m = _mm512_reduce_max_ps(_mm512_max_ps(v0, v1));
       nan = nan || un;
+    }
+#elif defined(__AVX2__)
+    if (hi - lo == kB) {  // the same on 8 lanes (a scalar loop here took ~100 us for one 49152-wide row)
+      __m256 v0 = _mm256_set1_ps(m), v1 = v0, un = _mm256_setzero_ps();
+      for (; j < hi; j += 16) {
+        const __m256 a = load8(r + j), c = load8(r + j + 8);
+        un = _mm256_or_ps(un, _mm256_or_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q), _mm256_cmp_ps(c, c, _CMP_UNORD_Q)));
+        v0 = _mm256_max_ps(v0, a);
+        v1 = _mm256_max_ps(v1, c);
+      }
+      alignas(32) float t[8];
+      _mm256_store_ps(t, _mm256_max_ps(v0, v1));
+      m = *std::max_element(t, t + 8);
+      nan = nan || _mm256_movemask_ps(un);
     }
 #endif
     for (; j < hi; ++j) {
