@@ -7,12 +7,14 @@ transformers runs the same prompts as one padded-free batch (all prompts have th
 same length) in ``generate``, its TTFT being the time of a 1-token generate.
 
 Besides throughput it prints what explains it: the CPU's capability and the dtype
-``--dtype auto`` picks there, the memory bandwidth measured here (best of five copies, before
-and after core's runs: the larger), the batch-1 weight-read limit that implies (bandwidth / bytes
-of weights read per decode step) and the fraction of it the batch-1 decode rate reaches (1 / time
-per output token after the first, the best of three runs: the limit bounds decode steps, not the
-prefill), optionally one long prompt's prefill time (``--prefill-len``), and the split of one decode step at batch 1 and at
-the largest concurrency into GEMMs, attention and the rest (Python, small ops).
+``--dtype auto`` picks there, the memory bandwidth measured here (best of five copies, before,
+between and after core's runs: the largest), the batch-1 weight-read limit that implies
+(bandwidth / bytes of weights read per decode step) and the fraction of it the batch-1 decode rate
+reaches (1 / time per output token after the first, the best of five runs: the limit bounds decode
+steps, not the prefill); as well, each batch-1 run against the bandwidth measured right around it
+(on a shared host both move by tens of per cent within seconds); optionally one long prompt's
+prefill time (``--prefill-len``), and the split of one decode step at batch 1 and at the largest
+concurrency into GEMMs, attention and the rest (Python, small ops).
 
 Run on a quiet machine, one engine at a time:
     python bench/bench_offline.py --cpu-threads 2
@@ -268,12 +270,20 @@ def main() -> None:
     # the bandwidth right before and right after core's runs: on a shared host it moves by tens of
     # per cent within minutes; the larger of the two (the stricter limit) is the machine's
     bws = [measure_bandwidth(dev)]
+    wbytes = weight_bytes(core.model)
+    paired: list[float] = []  # batch 1: each run's decode rate over the limit of the bandwidth measured around it
     for c in levels:
-        # batch 1 (a second each) runs three times, the best kept: noise only slows a run, so the
+        # batch 1 (a second each) runs five times, the best kept: noise only slows a run, so the
         # best is the closest to what the machine does, as the best of five copies is for bandwidth
-        # (each time a new prompt: a repeated one would skip its prefill through the prefix cache)
-        runs = [run_core(engine, make_prompts(c, args.input_len, vocab, c + 1000 * i), args.output_len)
-                for i in range(3 if c == 1 else 1)]
+        # (each time a new prompt: a repeated one would skip its prefill through the prefix cache).
+        # On a shared host the bandwidth itself moves by +-30 % from one second to the next, so each
+        # run is also paired with the larger of the bandwidths measured right before and after it.
+        runs = []
+        for i in range(5 if c == 1 else 1):
+            runs.append(run_core(engine, make_prompts(c, args.input_len, vocab, c + 1000 * i), args.output_len))
+            if c == 1:
+                bws.append(measure_bandwidth(dev))
+                paired.append(wbytes / max(bws[-2:]) / statistics.median(runs[-1][2]))
         wall, ttfts, tpots, toks = min(runs, key=lambda r: statistics.median(r[2]))
         rows.append(("core", c, toks / wall, statistics.median(ttfts), wall, statistics.median(tpots)))
     bws.append(measure_bandwidth(dev))
@@ -282,7 +292,6 @@ def main() -> None:
     prefill = {}
     if args.prefill_len:
         prefill["core"] = min(time_core_prefill(engine, p) for p in make_prompts(3, args.prefill_len, vocab, 7))
-    wbytes = weight_bytes(core.model)
     engine.shutdown()
 
     if not args.skip_hf:
@@ -316,9 +325,12 @@ def main() -> None:
     print(f"# {cpu}")
     print(f"# {torch.get_num_threads()} threads, torch {torch.__version__}, dtype {str(dtype).removeprefix('torch.')} "
           f"(--dtype {args.dtype}), {args.input_len} in / {args.output_len} out, EOS ignored")
-    print(f"# memory bandwidth {bw / 1e9:.1f} GB/s (copy, read + write; before / after core's runs "
-          f"{bws[0] / 1e9:.1f} / {bws[1] / 1e9:.1f}); weights read per decode step "
+    print(f"# memory bandwidth {bw / 1e9:.1f} GB/s (copy, read + write; the best of {len(bws)} measurements "
+          f"around core's runs, {min(bws) / 1e9:.1f} the worst); weights read per decode step "
           f"{wbytes / 1e6:.0f} MB; batch-1 weight-read limit {limit:.1f} tok/s")
+    if paired:
+        print(f"# batch 1, each run against the bandwidth measured around it: {statistics.median(paired):.0%} of the "
+              f"limit (median of {len(paired)} runs), best {max(paired):.0%}")
     # "of limit": at batch 1, the decode rate (1 / TPOT, prefill excluded: the limit bounds decode
     # steps) as a fraction of the weight-read limit
     print(f"{'engine':<14}{'concurrency':>12}{'output tok/s':>14}{'TTFT p50 (s)':>14}{'wall (s)':>10}"
