@@ -231,10 +231,27 @@ def test_the_stack_gives_the_tokens_of_the_layer_ops(tiny_llama, monkeypatch, qu
     opts = dict(attention_backend="cpu", torchao_config=quant, cpu_threads=2, dtype=str(dtype).removeprefix("torch."))
     want, rows = generate(path, monkeypatch, True, stack=False, **opts)
     assert rows and not STACK_ROWS
+    from core.layers import VocabEmbedding
+
+    # the hidden states the stack returned with its logits: the head's own op never sees them again
+    with_logits: list[torch.Tensor] = []
+    real = REAL_STACK_HEAD
+
+    def kept(*args):
+        out = real(*args)
+        with_logits.append(out[0])
+        return out
+
+    monkeypatch.setitem(globals(), "REAL_STACK_HEAD", kept)  # what generate()'s counting wrapper calls
+    head_op = VocabEmbedding.logits
+    recomputed = []
+    monkeypatch.setattr(VocabEmbedding, "logits", lambda self, h: recomputed.append(any(h.data_ptr() == t.data_ptr() for t in with_logits))
+                        or head_op(self, h))
     got, _ = generate(path, monkeypatch, True, **opts)
     assert got == want
     assert 1 in STACK_ROWS and max(STACK_ROWS) > 1
     assert 1 in HEAD_ROWS and max(HEAD_ROWS) > 1  # decodes run the packed LM head inside the stack
+    assert with_logits and recomputed and not any(recomputed)  # prefills still call the head op
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
