@@ -140,10 +140,10 @@ def _head(norm: torch.nn.Module | None, head: torch.nn.Module | None,
     """(final norm weight, head codes, head scales), the head's kind and the rows below which it
     runs its gemv kernels; ``([], 0, 0)`` where they cannot join the stack."""
     args = getattr(head, "cpu_linear_args", lambda: None)() if norm is not None else None
-    if args is None or getattr(norm, "offset", 1.0) or norm.weight.numel() != args[1].shape[1] * (8 if args[0] == 0 else 4):
+    if args is None or args[0] not in (0, 1) or norm.offset or getattr(head, "bias", None) is not None:
         return [], 0, 0
     kind, a, b, max_rows, _ = args
-    if kind not in (0, 1) or b.dtype != dtype or getattr(head, "bias", None) is not None:
+    if b.dtype != dtype or norm.weight.numel() != a.shape[1] * (8 if kind == 0 else 4):  # K of the packed codes
         return [], 0, 0
     return [norm.weight.detach().to(dtype).contiguous(), a, b], kind, max_rows
 

@@ -346,3 +346,34 @@ def test_a_stack_it_cannot_build_leaves_the_layer_ops(tiny_llama, monkeypatch):
     monkeypatch.setattr(torch, "classes", type("Classes", (), {"core_cpu_decode": Refusing()})())
     got, rows = generate(path, monkeypatch, True, attention_backend="cpu", torchao_config="int4wo-32")
     assert got == want and rows and not STACK_ROWS
+
+
+def test_only_a_plain_norm_and_an_int4_or_int8_head_join_the_stack():
+    """_head: a dense head, a bias, an offset norm (Gemma's), scales in another dtype or another
+    width keep the head out of the stack (it then runs as its own op)."""
+    from core.layers import RMSNorm
+
+    codes, scales = random_head(32, 64, 1, torch.float32)
+
+    class Head(torch.nn.Module):
+        def __init__(self, args, bias=None):
+            super().__init__()
+            self.args, self.bias = args, bias
+
+        def cpu_linear_args(self):
+            return self.args
+
+    norm = RMSNorm(64, 1e-5)
+    tail, kind, rows = cpu_decode._head(norm, Head((1, codes, scales, 1 << 30, None)), torch.float32)
+    assert kind == 1 and rows == 1 << 30 and tail[1] is codes and tail[2] is scales and torch.equal(tail[0], norm.weight)
+    refused = [
+        (norm, Head((2, None, None, 0, torch.zeros(32, 64)))),  # dense
+        (norm, Head((1, codes, scales, 1 << 30, None), bias=torch.zeros(32))),
+        (RMSNorm(64, 1e-5, offset=1.0), Head((1, codes, scales, 1 << 30, None))),
+        (RMSNorm(96, 1e-5), Head((1, codes, scales, 1 << 30, None))),  # another width
+        (norm, Head(None)),
+        (None, Head((1, codes, scales, 1 << 30, None))),
+    ]
+    for n, h in refused:
+        assert cpu_decode._head(n, h, torch.float32) == ([], 0, 0)
+    assert cpu_decode._head(norm, Head((1, codes, scales, 1 << 30, None)), torch.bfloat16) == ([], 0, 0)
