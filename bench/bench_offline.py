@@ -267,8 +267,8 @@ def main() -> None:
     # warm-up
     engine.generate(input_ids=make_prompts(1, 16, vocab, 0)[0], sampling_params={"max_new_tokens": 4, "ignore_eos": True})
     rows = []
-    # the bandwidth right before and right after core's runs: on a shared host it moves by tens of
-    # per cent within minutes; the larger of the two (the stricter limit) is the machine's
+    # the bandwidth right before, between (batch 1) and right after core's runs: on a shared host it
+    # moves by tens of per cent within seconds; the largest (the strictest limit) is the machine's
     bws = [measure_bandwidth(dev)]
     wbytes = weight_bytes(core.model)
     paired: list[float] = []  # batch 1: each run's decode rate over the limit of the bandwidth measured around it

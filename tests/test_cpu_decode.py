@@ -138,6 +138,18 @@ def test_an_avx2_only_build_takes_it_in_float32(tiny_llama):
 
 # ---- the whole stack as one op (cpu_decode.run_stack) ----
 
+def random_packed(n: int, k: int, kind: int, dtype: torch.dtype, g: torch.Generator,
+                  group: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """A packed random weight of ``n`` rows and ``k`` columns: (codes, scales) of kind 0 (int4,
+    scales and zeros per ``group`` columns) or 1 (int8, per-row scales)."""
+    if kind == 0:
+        q = torch.randint(0, 16, (n, k), generator=g)
+        return cpu_gemv.pack(q, 0.02 * torch.rand(n, k // group, generator=g), 0.01 * torch.randn(n, k // group, generator=g),
+                             dtype)
+    return (cpu_gemv.pack_int8(torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)),
+            (0.001 + 0.002 * torch.rand(n, generator=g)).to(dtype))
+
+
 def random_stack(layers: int, kinds: list[int], bias: bool, seed: int = 0, hid: int = 64, heads: int = 4, kv_heads: int = 2,
                  head_dim: int = 16, inter: int = 96, group: int = 32, dtype: torch.dtype = torch.bfloat16) -> dict:
     """Packed random layers (linear i of layer l of kind ``kinds[(5 * l + i) % len(kinds)]``) and the
@@ -150,13 +162,7 @@ def random_stack(layers: int, kinds: list[int], bias: bool, seed: int = 0, hid: 
         lin, flat = [], [*norms]
         for i, (n, k) in enumerate(shapes):
             kind = kinds[(5 * l + i) % len(kinds)]
-            if kind == 0:
-                q = torch.randint(0, 16, (n, k), generator=g)
-                a, b = cpu_gemv.pack(q, 0.02 * torch.rand(n, k // group, generator=g), 0.01 * torch.randn(n, k // group, generator=g),
-                                     dtype)
-            else:
-                a = cpu_gemv.pack_int8(torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8))
-                b = (0.001 + 0.002 * torch.rand(n, generator=g)).to(dtype)
+            a, b = random_packed(n, k, kind, dtype, g, group)
             bi = (0.1 * torch.randn(n, generator=g)).to(dtype) if bias and i in (0, 2) else cpu_decode._EMPTY
             lin += [a, b, bi, cpu_decode._EMPTY]
             flat += [a, b, bi]
@@ -172,12 +178,7 @@ def random_stack(layers: int, kinds: list[int], bias: bool, seed: int = 0, hid: 
 
 def random_head(n: int, k: int, kind: int, dtype: torch.dtype, seed: int = 1) -> list[torch.Tensor]:
     """A packed random LM head of ``n`` rows and ``k`` columns: [codes, scales] of kind 0 (int4) or 1 (int8)."""
-    g = torch.Generator().manual_seed(seed)
-    if kind == 0:
-        return list(cpu_gemv.pack(torch.randint(0, 16, (n, k), generator=g), 0.02 * torch.rand(n, k // 32, generator=g),
-                                  0.01 * torch.randn(n, k // 32, generator=g), dtype))
-    return [cpu_gemv.pack_int8(torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)),
-            (0.001 + 0.002 * torch.rand(n, generator=g)).to(dtype)]
+    return list(random_packed(n, k, kind, dtype, torch.Generator().manual_seed(seed)))
 
 
 def run_both(s: dict, seq_lens: list[int], extend_lens: list[int], threads: int, head: list[torch.Tensor] | None = None,
