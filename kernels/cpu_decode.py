@@ -18,8 +18,10 @@ steps whose every row samples (decodes).
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +39,8 @@ _EMPTY = torch.empty(0)  # what the op receives for a tensor a layer does not ha
 # layers instead, which share those loops. (bf16 layers on AMX or with a dense copy for 65+ rows
 # stop below this anyway; float32 layers keep no dense copy.)
 STACK_MAX_ROWS = 64
+HUGE_PAGE = 2 << 20  # x86-64's transparent huge page
+_MADV_HUGEPAGE = 14  # Linux's madvise advice
 
 
 @functools.cache
@@ -121,6 +125,8 @@ def plan_stack(plans: list[dict[str, Any] | None], norm: torch.nn.Module | None 
     cos, sin, rot = first["rotary"]
     scale, window, _ = first["attn"]
     tail, head_kind, head_rows = _head(norm, head, dtype)
+    # the packed weights, in the order a step reads them: what the stack streams at every step
+    into_arena([p["lin"][4 * i + j] for p in plans for i in range(5) for j in (0, 1)] + tail[1:])
     try:
         stack = torch.classes.core_cpu_decode.DecodeStack(
             [t for p in plans for t in (*p["norms"], *(p["lin"][4 * i + j] for i in range(5) for j in range(3)))],
@@ -133,6 +139,40 @@ def plan_stack(plans: list[dict[str, Any] | None], norm: torch.nn.Module | None 
         return None
     max_rows = min([STACK_MAX_ROWS + 1] + [r for p in plans for r in p["max_rows"]])
     return {"stack": stack, "layers": len(plans), "max_rows": max_rows, "head_rows": head_rows}
+
+
+def into_arena(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """Move ``tensors`` (CPU, contiguous; each in place, ``set_``: every holder sees the move) into
+    one buffer, back to back in the order given, starting on a 2 MiB boundary and advised for
+    transparent huge pages (Linux; elsewhere, or where THP is off, the buffer is plain); returns it.
+
+    The stack reads all of its weights once per step, each GEMM's only 0.2-1.3 MB for SmolLM2: in
+    one run the hardware prefetchers carry on from one weight into the next, and 2 MiB pages spare
+    the ~26,000 TLB misses of 4 KiB pages (costly under a hypervisor). Batch-1 stack ~6 % faster on
+    the 2-vCPU EPYC (interleaved, same process; one run without huge pages: ~2 %)."""
+    seen: set[int] = set()
+    todo = [t for t in tensors if t.numel() and t.device.type == "cpu" and t.is_contiguous()
+            and id(t) not in seen and not seen.add(id(t))]
+    if not todo:
+        return None
+    sizes = [(t.numel() * t.element_size() + 63) // 64 * 64 for t in todo]  # each on a cache line
+    total = sum(sizes)
+    with torch.inference_mode(False):  # a normal tensor, whatever mode the first forward runs in
+        buf = torch.empty(total + HUGE_PAGE, dtype=torch.uint8)
+    start = -buf.data_ptr() % HUGE_PAGE
+    if sys.platform == "linux":
+        try:
+            ctypes.CDLL(None, use_errno=True).madvise(ctypes.c_void_p(buf.data_ptr() + start),
+                                                      ctypes.c_size_t(-(-total // HUGE_PAGE) * HUGE_PAGE), _MADV_HUGEPAGE)
+        except (OSError, AttributeError):  # no libc symbol: the buffer stays on small pages
+            pass
+    with torch.inference_mode():  # set_ on inference tensors (weights loaded in inference mode) too
+        for t, size in zip(todo, sizes):
+            view = buf[start : start + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+            view.copy_(t)
+            t.set_(view)
+            start += size
+    return buf
 
 
 def _head(norm: torch.nn.Module | None, head: torch.nn.Module | None,

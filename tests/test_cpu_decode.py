@@ -378,3 +378,46 @@ def test_only_a_plain_norm_and_an_int4_or_int8_head_join_the_stack():
     for n, h in refused:
         assert cpu_decode._head(n, h, torch.float32) == ([], 0, 0)
     assert cpu_decode._head(norm, Head((1, codes, scales, 1 << 30, None)), torch.bfloat16) == ([], 0, 0)
+
+
+def test_into_arena_moves_the_tensors_back_to_back_on_a_huge_page_boundary():
+    """into_arena: every holder of a moved tensor sees the arena (set_ in place), values and shapes
+    kept; the tensors lie in the order given, each on a cache line, the first on a 2 MiB boundary;
+    a tensor given twice moves once, empty ones stay."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randint(0, 255, (3, 100), dtype=torch.uint8, generator=g)
+    b = torch.randn(7, 5, generator=g)
+    with torch.inference_mode():  # weights loaded in inference mode are inference tensors
+        c = torch.randn(16, generator=g).to(torch.bfloat16)
+    empty = torch.empty(0)
+    holder = {"b": b}
+    want = [t.clone() for t in (a, b, c)]
+    buf = cpu_decode.into_arena([a, b, a, empty, c])
+    assert buf is not None and buf.dtype == torch.uint8
+    for t, w in zip((a, b, c), want):
+        assert t.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+        assert t.shape == w.shape and t.dtype == w.dtype and t.is_contiguous() and torch.equal(t, w)
+    assert holder["b"] is b and torch.equal(holder["b"], want[1])
+    assert a.data_ptr() % cpu_decode.HUGE_PAGE == 0
+    assert b.data_ptr() == a.data_ptr() + 320  # 300 bytes, rounded up to whole 64-byte lines
+    assert c.data_ptr() == b.data_ptr() + 192  # 140 bytes
+    assert empty.numel() == 0 and empty.untyped_storage().data_ptr() != buf.untyped_storage().data_ptr()
+    assert cpu_decode.into_arena([empty]) is None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_stack_reads_its_weights_from_one_arena(tiny_llama, monkeypatch, dtype):
+    """After the first decode, every packed weight of the stack (and the head's) is a view of one
+    buffer, in the order a step reads them, and the engine's tokens are unchanged."""
+    path, _ = tiny_llama()
+    opts = dict(attention_backend="cpu", torchao_config="int4wo-32", cpu_threads=2, dtype=str(dtype).removeprefix("torch."))
+    want, _ = generate(path, monkeypatch, True, stack=False, **opts)
+    arenas = []
+    real = cpu_decode.into_arena
+    monkeypatch.setattr(cpu_decode, "into_arena", lambda ts: arenas.append((ts, real(ts))) or arenas[-1][1])
+    got, _ = generate(path, monkeypatch, True, **opts)
+    assert got == want and arenas
+    tensors, buf = arenas[0]
+    ptrs = [t.data_ptr() for t in tensors]
+    assert len(tensors) >= 2 * 5 * 2 + 2 and ptrs == sorted(ptrs)  # layers' codes and scales, then the head's
+    assert {t.untyped_storage().data_ptr() for t in tensors} == {buf.untyped_storage().data_ptr()}
