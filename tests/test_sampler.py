@@ -423,3 +423,25 @@ def test_sampling_on_the_gpu_matches_the_cpu_and_seeds_hold() -> None:
     alone = Sampler(vocab, "cuda").sample(logits[:1].clone().cuda(), [seeded()]).token_ids
     mixed = Sampler(vocab, "cuda", seed=3).sample(logits[[1, 0]].clone().cuda(), [row(), seeded()]).token_ids
     assert alone[0] == mixed[1]
+
+
+@pytest.mark.parametrize("values,dtype", [
+    ([3, -1, 2**40], torch.int64), ([0.5, -2.0, float("inf")], torch.float32), ([1, 2], torch.float32),
+    ([True, False], torch.int64), ([], torch.int64),
+    ([[1, 2], [3, 4]], torch.int64), ([(1.0, 2.0, 0.5)], torch.float32), ([1.5, 2.5], torch.int64), ([1, 2], torch.bool),
+], ids=["ints", "floats", "ints_as_floats", "bools", "empty", "nested", "tuples", "floats_as_ints", "bool_dtype"])
+def test_upload_gives_what_torch_tensor_gives(values, dtype):
+    """On the CPU flat int64 / float32 lists go through array and frombuffer; every list, flat or
+    not, gives the tensor torch.tensor gives (dtype, shape, values)."""
+    from core.engine.sampler import upload
+
+    got, want = upload(values, dtype, torch.device("cpu")), torch.tensor(values, dtype=dtype)
+    assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want)
+
+
+def test_upload_refuses_what_torch_tensor_refuses():
+    from core.engine.sampler import upload
+
+    for bad in ([2**70], ["a"]):  # torch.tensor's own error, not array's
+        with pytest.raises(ValueError):
+            upload(bad, torch.int64, torch.device("cpu"))

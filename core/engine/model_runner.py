@@ -86,6 +86,8 @@ class ModelRunner:
         self.model, self.attn_backend, self.table = model, attn_backend, table
         self.sampler, self.eos_ids, self.device = sampler, eos_ids, device
 
+    _table_view: tuple[torch.Tensor, Any] | None = None  # a CPU request -> token table and numpy's view of it
+
     def step_inputs(self, batch: ScheduledBatch) -> tuple[StepInputs, list[int], dict[int, int]]:
         """(the forward's inputs, the batch indices that sample a token, batch index -> position
         in ``logit_rows`` of its prompt-logprob rows, -1 when it has none to compute).
@@ -95,11 +97,19 @@ class ModelRunner:
         reqs, table = batch.reqs, self.table.table
         w_rows, w_cols, w_slots = batch.table_writes
         w, b = len(w_rows), len(reqs)
-        packed = upload(w_rows + w_cols + w_slots + [r.row for r in reqs], torch.int64, table.device)
-        if w:
-            table[packed[:w], packed[w : 2 * w]] = packed[2 * w : 3 * w]
         seq_lens = [r.kv_len for r in reqs]
-        kv_indices = table[packed[3 * w :], : max(seq_lens)]
+        if table.device.type == "cpu":  # through a numpy view: 2 us, where 5 torch indexing ops took ~50
+            if self._table_view is None or self._table_view[0] is not table:
+                self._table_view = (table, table.numpy())
+            view = self._table_view[1]
+            if w:
+                view[w_rows, w_cols] = w_slots
+            kv_indices = torch.from_numpy(view[[r.row for r in reqs], : max(seq_lens)])
+        else:
+            packed = upload(w_rows + w_cols + w_slots + [r.row for r in reqs], torch.int64, table.device)
+            if w:
+                table[packed[:w], packed[w : 2 * w]] = packed[2 * w : 3 * w]
+            kv_indices = table[packed[3 * w :], : max(seq_lens)]
         if not batch.is_prefill:  # decode: every request samples, no prompt logprobs
             return StepInputs(batch.input_ids, batch.positions, batch.out_cache_loc, seq_lens, batch.extend_lens,
                               kv_indices, [(0, b)]), list(range(b)), {}
