@@ -355,6 +355,11 @@ class DecodeStack : public torch::CustomClassHolder {
       const int64_t N = head_[1].dim() == 4 ? head_[1].size(0) * 16 : 0;
       head_w_ = packed(head_[1], head_[2], at::Tensor(), head_kind, N, hid, L, "lm_head", dtype_);
     }
+    // The memory lin_, norms_ and head_w_ point into, held as such: a tensor moved afterwards
+    // (set_, as kernels/cpu_decode.into_arena moves weights) leaves this stack's copy alive.
+    for (const auto* ts : {&layers_, &head_})
+      for (const at::Tensor& t : *ts)
+        if (t.defined() && t.has_storage()) storages_.push_back(t.storage());
 #else
     TORCH_CHECK(false, "DecodeStack: this build has no gemv kernels (AVX512-BF16, or AVX2 and FMA)");
 #endif
@@ -505,7 +510,8 @@ class DecodeStack : public torch::CustomClassHolder {
   }
 #endif
 
-  std::vector<at::Tensor> layers_, k_caches_, v_caches_, head_;  // kept: lin_, norms_, head_w_ point into them
+  std::vector<at::Tensor> layers_, k_caches_, v_caches_, head_;
+  std::vector<c10::Storage> storages_;  // what lin_, norms_ and head_w_ point into
   at::Tensor cos_, sin_;
   double eps_, final_eps_, scale_;
   int64_t window_, rot_, H, Hkv, D, L = 0, hid = 0, qs = 0, kvs = 0, nqkv = 0, I = 0, slots = 0;

@@ -144,7 +144,9 @@ def plan_stack(plans: list[dict[str, Any] | None], norm: torch.nn.Module | None 
 def into_arena(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     """Move ``tensors`` (CPU, contiguous; each in place, ``set_``: every holder sees the move) into
     one buffer, back to back in the order given, starting on a 2 MiB boundary and advised for
-    transparent huge pages (Linux; elsewhere, or where THP is off, the buffer is plain); returns it.
+    transparent huge pages (Linux; elsewhere, or where THP is off, the buffer is plain); returns it,
+    or None where they share one buffer already (moved before: planning again copies nothing).
+    A ``DecodeStack`` built before a move keeps what it points into alive (it holds the storages).
 
     The stack reads all of its weights once per step, each GEMM's only 0.2-1.3 MB for SmolLM2: in
     one run the hardware prefetchers carry on from one weight into the next, and 2 MiB pages spare
@@ -153,8 +155,8 @@ def into_arena(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     seen: set[int] = set()
     todo = [t for t in tensors if t.numel() and t.device.type == "cpu" and t.is_contiguous()
             and id(t) not in seen and not seen.add(id(t))]
-    if not todo:
-        return None
+    if len({t.untyped_storage().data_ptr() for t in todo}) <= 1:
+        return None  # nothing to move, or in one buffer already (a stack planned again: another backend, say)
     sizes = [(t.numel() * t.element_size() + 63) // 64 * 64 for t in todo]  # each on a cache line
     total = sum(sizes)
     with torch.inference_mode(False):  # a normal tensor, whatever mode the first forward runs in

@@ -421,3 +421,34 @@ def test_the_stack_reads_its_weights_from_one_arena(tiny_llama, monkeypatch, dty
     ptrs = [t.data_ptr() for t in tensors]
     assert len(tensors) >= 2 * 5 * 2 + 2 and ptrs == sorted(ptrs)  # layers' codes and scales, then the head's
     assert {t.untyped_storage().data_ptr() for t in tensors} == {buf.untyped_storage().data_ptr()}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_stack_outlives_a_later_move_of_its_weights(tiny_llama, dtype):
+    """A DecodeStack holds what its raw pointers point into: moving its weights again afterwards
+    (into_arena, set_) leaves the stack reading its own copy, with the same tokens; planning the
+    same weights again copies nothing."""
+    path, _ = tiny_llama()
+    eng = make_engine(path, attention_backend="cpu", torchao_config="int4wo-32", cpu_threads=2,
+                      dtype=str(dtype).removeprefix("torch."))
+    try:
+        first = eng.generate(PROMPTS[1], greedy(8))["output_ids"]
+        model = eng.engine.model.model
+        _, _, plan = model.__dict__["_cpu_stack_plan"]
+        assert plan is not None
+        arena = model.layers[0].self_attn.qkv_proj.qweight_int4_cpu.untyped_storage().data_ptr()
+        modules = [*eng.engine.model.modules(), model.embed_tokens.head()]
+        found = {id(t): t for m in modules for t in (*vars(m).values(), *m._parameters.values(), *m._buffers.values())
+                 if isinstance(t, torch.Tensor) and t.numel() and t.untyped_storage().data_ptr() == arena}
+        weights = sorted(found.values(), key=torch.Tensor.data_ptr)  # every weight the stack points into
+        assert len(weights) == 2 * 5 * len(model.layers) + 2
+        before = [t.data_ptr() for t in weights]
+        assert cpu_decode.into_arena(weights) is None  # in one buffer already: nothing moves
+        assert [t.data_ptr() for t in weights] == before
+        moved = cpu_decode.into_arena(weights + [torch.zeros(64)])  # a second buffer: all move
+        assert moved is not None and all(t.data_ptr() != p for t, p in zip(weights, before))
+        junk = [torch.full((1 << 20,), 7.0) for _ in range(32)]  # reuse what a freed arena held
+        assert eng.generate(PROMPTS[1], greedy(8))["output_ids"] == first
+        del junk
+    finally:
+        eng.shutdown()
