@@ -158,14 +158,14 @@ def into_arena(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     if len({t.untyped_storage().data_ptr() for t in todo}) <= 1:
         return None  # nothing to move, or in one buffer already (a stack planned again: another backend, say)
     sizes = [(t.numel() * t.element_size() + 63) // 64 * 64 for t in todo]  # each on a cache line
-    total = sum(sizes)
+    pages = -(-sum(sizes) // HUGE_PAGE) * HUGE_PAGE  # whole huge pages, all inside the buffer
     with torch.inference_mode(False):  # a normal tensor, whatever mode the first forward runs in
-        buf = torch.empty(total + HUGE_PAGE, dtype=torch.uint8)
+        buf = torch.empty(pages + HUGE_PAGE, dtype=torch.uint8)
     start = -buf.data_ptr() % HUGE_PAGE
     if sys.platform == "linux":
         try:
-            ctypes.CDLL(None, use_errno=True).madvise(ctypes.c_void_p(buf.data_ptr() + start),
-                                                      ctypes.c_size_t(-(-total // HUGE_PAGE) * HUGE_PAGE), _MADV_HUGEPAGE)
+            ctypes.CDLL(None, use_errno=True).madvise(ctypes.c_void_p(buf.data_ptr() + start), ctypes.c_size_t(pages),
+                                                      _MADV_HUGEPAGE)
         except (OSError, AttributeError):  # no libc symbol: the buffer stays on small pages
             pass
     with torch.inference_mode():  # set_ on inference tensors (weights loaded in inference mode) too
