@@ -231,7 +231,20 @@ class ModelContext:
 
 @runtime_checkable
 class CausalLM(Protocol):
-    """A model built as ``factory(hf_config, ctx: ModelContext)`` (an ``nn.Module``)."""
+    """A model built as ``factory(hf_config, ctx: ModelContext)`` (an ``nn.Module``).
+
+    Optionally, on the CPU, ``decode_step(inputs, attn_backend)`` takes a whole decode step (every
+    sequence one token, every one sampling) from the scheduler's plain lists
+    (``core.engine.model_runner.StepInputs``): it returns ``(hidden [B, hidden], logits [B, >= vocab],
+    argmax [B] over the first vocab columns)``, or None where it does not serve that batch and
+    ``forward`` / ``compute_logits`` run as usual. Llama-style models use it to run the step as
+    one C++ call::
+
+        def decode_step(self, inputs, attn_backend):
+            if not my_fast_path_applies(inputs):
+                return None
+            return my_op(inputs.input_ids, inputs.positions, inputs.out_cache_loc, inputs.kv_indices, inputs.seq_lens)
+    """
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Return final hidden states ``[T, hidden]`` for every new token."""

@@ -370,7 +370,8 @@ class DecodeStack : public torch::CustomClassHolder {
   std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& out_loc,
                                          const at::Tensor& kv_indices, const at::Tensor& seq_lens,
                                          const at::Tensor& extend_lens) {
-    return dispatch(false, x, positions, out_loc, kv_indices, seq_lens, extend_lens);
+    const auto out = dispatch(false, x, positions, out_loc, kv_indices, seq_lens, extend_lens);
+    return {std::get<0>(out), std::get<1>(out)};
   }
 
   // (the final norm of the last layer's h + mlp_out, the head's logits [rows, vocab] of it) for x,
@@ -379,37 +380,90 @@ class DecodeStack : public torch::CustomClassHolder {
                                               const at::Tensor& kv_indices, const at::Tensor& seq_lens,
                                               const at::Tensor& extend_lens) {
     TORCH_CHECK(!head_.empty(), "DecodeStack: built without a head");
-    return dispatch(true, x, positions, out_loc, kv_indices, seq_lens, extend_lens);
+    const auto out = dispatch(true, x, positions, out_loc, kv_indices, seq_lens, extend_lens);
+    return {std::get<0>(out), std::get<1>(out)};
+  }
+
+  // The token embedding table [vocab, hidden] (the stack's dtype) that decode() looks ids up in.
+  void set_embedding(const at::Tensor& table) {
+    TORCH_CHECK(table.dim() == 2 && table.size(1) == hid && table.scalar_type() == dtype_ && table.is_contiguous() &&
+                    table.device().is_cpu(),
+                "DecodeStack: embedding table [vocab, ", hid, "] contiguous ", dtype_, " on the CPU");
+    embed_ = table;
+  }
+
+  // One decode step of B sequences from plain lists, where the engine's per-step Python calls
+  // one method instead of ~8 torch ops (each ~5 us, and 20-50 us with the caches cold after a
+  // step's weight stream): sequence b's token ids[b] at positions[b] (embedded through
+  // set_embedding's table) into cache slot out_loc[b], its keys at the slots of kv_indices[b]
+  // [:seq_lens[b]]. (hidden, logits, next): run_head's outputs for those rows, and each row's
+  // argmax over its first `vocab` logits (core_cpu_ops.argmax's index: the greedy token).
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> decode(const std::vector<int64_t>& ids,
+                                                        const std::vector<int64_t>& positions,
+                                                        const std::vector<int64_t>& out_loc, const at::Tensor& kv_indices,
+                                                        const std::vector<int64_t>& seq_lens, int64_t vocab) {
+#ifndef CORE_GEMV_ANY
+    TORCH_CHECK(false, "DecodeStack: this build has no gemv kernels");
+#else
+    TORCH_CHECK(!head_.empty() && embed_.defined(), "DecodeStack: decode needs a head and an embedding table");
+    const int64_t B = static_cast<int64_t>(ids.size());
+    TORCH_CHECK(B > 0 && static_cast<int64_t>(positions.size()) == B && static_cast<int64_t>(out_loc.size()) == B &&
+                    static_cast<int64_t>(seq_lens.size()) == B,
+                "DecodeStack: decode: one id, position, slot and length per sequence (", B, " ids)");
+    TORCH_CHECK(vocab > 0 && vocab <= head_w_.N, "DecodeStack: decode: vocab ", vocab, " outside 1..", head_w_.N);
+    const int64_t V = embed_.size(0);
+    at::Tensor x = at::empty({B, hid}, embed_.options());
+    const char* table = static_cast<const char*>(embed_.const_data_ptr());
+    const size_t row = static_cast<size_t>(hid) * embed_.element_size();
+    for (int64_t b = 0; b < B; ++b) {
+      TORCH_CHECK(ids[b] >= 0 && ids[b] < V, "DecodeStack: token id ", ids[b], " outside the embedding's ", V, " rows");
+      std::memcpy(static_cast<char*>(x.data_ptr()) + b * row, table + ids[b] * row, row);
+    }
+    const std::vector<int64_t> ones(B, 1);
+    return forward_any(true, x, positions.data(), out_loc.data(), kv_indices, seq_lens.data(), ones.data(), B, vocab);
+#endif
   }
 
  private:
-  std::tuple<at::Tensor, at::Tensor> dispatch(bool head, const at::Tensor& x, const at::Tensor& positions,
-                                              const at::Tensor& out_loc, const at::Tensor& kv_indices,
-                                              const at::Tensor& seq_lens, const at::Tensor& extend_lens) {
-#ifdef CORE_GEMV_ANY
+  // run / run_head: the tensors' layouts checked, then forward_any.
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatch(bool head, const at::Tensor& x, const at::Tensor& positions,
+                                                          const at::Tensor& out_loc, const at::Tensor& kv_indices,
+                                                          const at::Tensor& seq_lens, const at::Tensor& extend_lens) {
     TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == dtype_ && x.size(1) == hid,
                 "DecodeStack: x [rows, ", hid, "] contiguous ", dtype_);
+    const int64_t M = x.size(0);
+    TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == M &&
+                    out_loc.scalar_type() == at::kLong && out_loc.is_contiguous() && out_loc.numel() == M,
+                "DecodeStack: int64 positions and out_loc, one per row");
+    TORCH_CHECK(seq_lens.is_contiguous() && extend_lens.is_contiguous() && seq_lens.scalar_type() == at::kLong &&
+                    extend_lens.scalar_type() == at::kLong && extend_lens.numel() == seq_lens.numel(),
+                "DecodeStack: int64 seq_lens and extend_lens [B]");
+    return forward_any(head, x, positions.const_data_ptr<int64_t>(), out_loc.const_data_ptr<int64_t>(), kv_indices,
+                       seq_lens.const_data_ptr<int64_t>(), extend_lens.const_data_ptr<int64_t>(), seq_lens.numel(), 0);
+  }
+
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_any(bool head, const at::Tensor& x, const int64_t* pos,
+                                                             const int64_t* loc, const at::Tensor& kv_indices,
+                                                             const int64_t* sl, const int64_t* el, int64_t B,
+                                                             int64_t vocab) {
 #ifdef CORE_GEMV_BF16
-    if (dtype_ == at::kBFloat16) return forward<bf16>(head, x, positions, out_loc, kv_indices, seq_lens, extend_lens);
+    if (dtype_ == at::kBFloat16) return forward<bf16>(head, x, pos, loc, kv_indices, sl, el, B, vocab);
 #endif
 #ifdef CORE_GEMV_F32
-    if (dtype_ == at::kFloat) return forward<float>(head, x, positions, out_loc, kv_indices, seq_lens, extend_lens);
-#endif
+    if (dtype_ == at::kFloat) return forward<float>(head, x, pos, loc, kv_indices, sl, el, B, vocab);
 #endif
     TORCH_CHECK(false, "DecodeStack: this build has no gemv kernels for ", x.scalar_type());
   }
 
 #ifdef CORE_GEMV_ANY
+  // The stack on x [M, hid] (M rows: B sequences' extend_lens el of them, each), with the final
+  // norm and the head when with_head; with vocab > 0 also each row's argmax over its first vocab
+  // logits (else an undefined tensor). (hidden or h, logits or mlp_out, argmax).
   template <typename E>
-  std::tuple<at::Tensor, at::Tensor> forward(bool with_head, const at::Tensor& x, const at::Tensor& positions, const at::Tensor& out_loc,
-                                             const at::Tensor& kv_indices, const at::Tensor& seq_lens,
-                                             const at::Tensor& extend_lens) {
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(bool with_head, const at::Tensor& x, const int64_t* pos,
+                                                         const int64_t* loc, const at::Tensor& kv_indices,
+                                                         const int64_t* sl, const int64_t* el, int64_t B, int64_t vocab) {
     const int64_t M = x.size(0);
-    TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == M &&
-                    out_loc.scalar_type() == at::kLong && out_loc.is_contiguous() && out_loc.numel() == M,
-                "DecodeStack: int64 positions and out_loc, one per row");
-    const int64_t* pos = positions.const_data_ptr<int64_t>();
-    const int64_t* loc = out_loc.const_data_ptr<int64_t>();
     for (int64_t m = 0; m < M; ++m) {
       TORCH_CHECK(pos[m] >= 0 && pos[m] < cos_.size(0), "DecodeStack: position ", pos[m], " outside the rotary cache");
       TORCH_CHECK(loc[m] >= 0 && loc[m] < slots, "DecodeStack: slot ", loc[m], " outside the pool");
@@ -430,20 +484,19 @@ class DecodeStack : public torch::CustomClassHolder {
     const float feps = static_cast<float>(eps_);
     // the attention's tasks, the same for every layer of this forward
     TORCH_CHECK(kv_indices.dim() == 2 && kv_indices.stride(1) == 1 && kv_indices.scalar_type() == at::kLong &&
-                    seq_lens.is_contiguous() && extend_lens.is_contiguous() && seq_lens.scalar_type() == at::kLong &&
-                    extend_lens.scalar_type() == at::kLong && extend_lens.numel() == seq_lens.numel() &&
-                    kv_indices.size(0) == seq_lens.numel(),
-                "DecodeStack: int64 kv_indices [B, max_len] (contiguous rows), seq_lens and extend_lens [B]");
+                    kv_indices.device().is_cpu() && kv_indices.size(0) == B,
+                "DecodeStack: int64 kv_indices [B, max_len] (contiguous rows), one row per sequence");
     core_attention::Work work;
-    core_attention::plan(work, seq_lens.numel(), seq_lens.const_data_ptr<int64_t>(), extend_lens.const_data_ptr<int64_t>(),
-                         kv_indices.const_data_ptr<int64_t>(), kv_indices.stride(0), kv_indices.size(1), M, qs, H, Hkv, D,
+    core_attention::plan(work, B, sl, el, kv_indices.const_data_ptr<int64_t>(), kv_indices.stride(0), kv_indices.size(1), M, qs, H, Hkv, D,
                          dtype_, scale_, window_, 0.0, nt);
     const auto attend = D == 64 ? &core_attention::run_tasks<E, 64>
                         : D == 128 ? &core_attention::run_tasks<E, 128> : &core_attention::run_tasks<E, 0>;
     at::Tensor attn = at::empty({M, H, D}, opt);
     E* pa = attn.data_ptr<E>();
-    at::Tensor hidden, logits;  // with the head: the final norm's rows and the logits
+    at::Tensor hidden, logits, next;  // with the head: the final norm's rows and the logits (and their argmax)
     if (with_head) hidden = at::empty({M, hid}, opt), logits = at::empty({M, head_w_.N}, opt);
+    if (with_head && vocab > 0) next = at::empty({M}, opt.dtype(at::kLong));
+    int64_t* pnext = next.defined() ? next.data_ptr<int64_t>() : nullptr;
     E* phid = with_head ? hidden.data_ptr<E>() : nullptr;
     E* plog = with_head ? logits.data_ptr<E>() : nullptr;
     const E* fnorm = with_head ? head_[0].const_data_ptr<E>() : nullptr;
@@ -503,15 +556,21 @@ class DecodeStack : public torch::CustomClassHolder {
         }
         if (me == 0) std::copy(my_h, my_h + M * hid, phid);
         gemv_shared<E>({&head_w_, prep(head_w_, my_h, M, sc), plog}, M);
+        if (pnext) {  // the rows shared out (every thread has left the head's blocks: they are all written)
+          std::vector<float> bmax((vocab + kArgmaxBlock - 1) / kArgmaxBlock);
+#pragma omp for schedule(static)
+          for (int64_t m = 0; m < M; ++m) pnext[m] = argmax_row(raw(plog + m * head_w_.N), vocab, bmax);
+        }
       }
     }
-    if (with_head) return {hidden, logits};
-    return {x1[0], mlp};
+    if (with_head) return {hidden, logits, next};
+    return {x1[0], mlp, next};
   }
 #endif
 
   std::vector<at::Tensor> layers_, k_caches_, v_caches_, head_;
   std::vector<c10::Storage> storages_;  // what lin_, norms_ and head_w_ point into
+  at::Tensor embed_;  // decode()'s token embedding table (set_embedding), or undefined
   at::Tensor cos_, sin_;
   double eps_, final_eps_, scale_;
   int64_t window_, rot_, H, Hkv, D, L = 0, hid = 0, qs = 0, kvs = 0, nqkv = 0, I = 0, slots = 0;
@@ -535,7 +594,9 @@ TORCH_LIBRARY(core_cpu_decode, m) {
                        int64_t, int64_t, std::vector<at::Tensor>, std::vector<at::Tensor>, double, int64_t,
                        std::vector<at::Tensor>, int64_t, double>())
       .def("run", &DecodeStack::run)
-      .def("run_head", &DecodeStack::run_head);
+      .def("run_head", &DecodeStack::run_head)
+      .def("set_embedding", &DecodeStack::set_embedding)
+      .def("decode", &DecodeStack::decode);
 }
 
 // CompositeExplicitAutograd: the oneDNN-packed weights among the arguments carry another dispatch key

@@ -104,14 +104,16 @@ def run(p: dict[str, Any], x: torch.Tensor, batch: Any,
 
 
 def plan_stack(plans: list[dict[str, Any] | None], norm: torch.nn.Module | None = None,
-               head: torch.nn.Module | None = None) -> dict[str, Any] | None:
+               head: torch.nn.Module | None = None, embedding: torch.Tensor | None = None) -> dict[str, Any] | None:
     """The layers' plans joined into one ``DecodeStack`` (checked once, here) for :func:`run_stack`,
     or None where some layer has none, some linear is not int4 / int8 (kinds 0, 1), the pool is
     not bf16 or float32 (the norms in the same dtype), or the layers differ in shape.
 
     ``norm`` (the model's final ``RMSNorm``) and ``head`` (the module computing the logits, with
     ``cpu_linear_args()`` as a quant method's; None: no head) join the stack for
-    :func:`run_stack_head` where the head is int4 / int8 gemv for few rows and the norm plain."""
+    :func:`run_stack_head` where the head is int4 / int8 gemv for few rows and the norm plain;
+    with those and ``embedding`` (the token table ``[vocab, hidden]`` the model looks ids up in
+    plainly, in the stack's dtype), :func:`decode` runs a whole decode step from token ids."""
     if not plans or any(p is None for p in plans):
         return None
     first = plans[0]
@@ -138,7 +140,10 @@ def plan_stack(plans: list[dict[str, Any] | None], norm: torch.nn.Module | None 
                                                fallback="one op per layer")
         return None
     max_rows = min([STACK_MAX_ROWS + 1] + [r for p in plans for r in p["max_rows"]])
-    return {"stack": stack, "layers": len(plans), "max_rows": max_rows, "head_rows": head_rows}
+    embeds = bool(tail) and embedding is not None and embedding.dtype == dtype and embedding.device.type == "cpu"
+    if embeds:
+        stack.set_embedding(embedding.detach().contiguous())
+    return {"stack": stack, "layers": len(plans), "max_rows": max_rows, "head_rows": head_rows, "embeds": embeds}
 
 
 def into_arena(tensors: list[torch.Tensor]) -> torch.Tensor | None:
@@ -193,6 +198,15 @@ def run_stack_head(p: dict[str, Any], x: torch.Tensor, batch: Any) -> tuple[torc
     ``p["head_rows"]``): ``(hidden, logits)``, as the model's norm and ``compute_logits`` give them."""
     return p["stack"].run_head(x.contiguous(), batch.positions, batch.out_cache_loc, batch.kv_indices, batch.seq_lens,
                                batch.extend_lens)
+
+
+def decode(p: dict[str, Any], ids: list[int], positions: list[int], out_cache_loc: list[int], kv_indices: torch.Tensor,
+           seq_lens: list[int], vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A decode step of ``len(ids)`` sequences (fewer than ``p["max_rows"]`` and ``p["head_rows"]``;
+    planned with an embedding) from the scheduler's lists: ``(hidden, logits, argmax)``, as the
+    model's forward, ``compute_logits`` and ``argmax(logits[:, :vocab])`` give them. One call, so
+    the ~8 torch ops a step otherwise makes before and after the stack are not made."""
+    return p["stack"].decode(ids, positions, out_cache_loc, kv_indices, seq_lens, vocab)
 
 
 def run_stack(p: dict[str, Any], x: torch.Tensor, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:

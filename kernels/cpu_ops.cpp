@@ -98,79 +98,7 @@ std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& pos, const at::Tenso
   return {q_out, k_out};
 }
 
-// Row-wise argmax of float32 or bf16 logits, first index of the maximum (a NaN counts as the
-// maximum), as torch.argmax returns it (bf16 rows as torch.argmax of their exact float32 values:
-// a greedy step needs no float32 copy of its logits); torch's own loop does not vectorise (0.9 ms
-// for 64 x 49152). Blocks of 256: their maxima (one vectorised pass), the first block holding the
-// row's maximum, then a scan of that block alone.
-inline float value(const float* r, int64_t j) { return r[j]; }
-inline float value(const uint16_t* r, int64_t j) { return bf16_f(r[j]); }
-#if defined(__AVX512F__)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p) { return bf16x16(p); }
-#elif defined(__AVX2__)
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const uint16_t* p) {  // bf16 bits widened: the float with the same upper half
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
-}
-#endif
-
-constexpr int64_t kB = 256;  // argmax's block
-
-template <typename E>
-int64_t argmax_row(const E* r, int64_t n, std::vector<float>& bmax) {
-  const int64_t nb = (n + kB - 1) / kB;
-  bool nan = false;
-  for (int64_t b = 0; b < nb; ++b) {
-    const int64_t lo = b * kB, hi = std::min(n, lo + kB);
-    float m = -std::numeric_limits<float>::infinity();
-    int64_t j = lo;
-#if defined(__AVX512F__)
-    if (hi - lo == kB) {
-      __m512 v0 = _mm512_set1_ps(m), v1 = v0;
-      __mmask16 un = 0;
-      for (; j < hi; j += 32) {
-        const __m512 a = load16(r + j), c = load16(r + j + 16);
-        un |= _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(c, c, _CMP_UNORD_Q);
-        v0 = _mm512_max_ps(v0, a);
-        v1 = _mm512_max_ps(v1, c);
-      }
-      m = _mm512_reduce_max_ps(_mm512_max_ps(v0, v1));
-      nan = nan || un;
-    }
-#elif defined(__AVX2__)
-    if (hi - lo == kB) {  // the same on 8 lanes (a scalar loop here took ~100 us for one 49152-wide row)
-      __m256 v0 = _mm256_set1_ps(m), v1 = v0, un = _mm256_setzero_ps();
-      for (; j < hi; j += 16) {
-        const __m256 a = load8(r + j), c = load8(r + j + 8);
-        un = _mm256_or_ps(un, _mm256_or_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q), _mm256_cmp_ps(c, c, _CMP_UNORD_Q)));
-        v0 = _mm256_max_ps(v0, a);
-        v1 = _mm256_max_ps(v1, c);
-      }
-      alignas(32) float t[8];
-      _mm256_store_ps(t, _mm256_max_ps(v0, v1));
-      m = *std::max_element(t, t + 8);
-      nan = nan || _mm256_movemask_ps(un);
-    }
-#endif
-    for (; j < hi; ++j) {
-      const float x = value(r, j);
-      m = std::max(m, x);
-      nan = nan || x != x;
-    }
-    bmax[b] = m;
-  }
-  int64_t best = 0;
-  if (nan) {
-    while (value(r, best) == value(r, best)) ++best;
-  } else {
-    const float m = *std::max_element(bmax.begin(), bmax.begin() + nb);
-    best = (std::find(bmax.begin(), bmax.begin() + nb, m) - bmax.begin()) * kB;
-    while (value(r, best) != m) ++best;
-  }
-  return best;
-}
-
+// Row-wise argmax: core_rows::argmax_row (cpu_rows.h, which the decode stack's head uses too).
 at::Tensor argmax(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
                   x.size(1) > 0,
@@ -182,7 +110,7 @@ at::Tensor argmax(const at::Tensor& x) {
   const char* base = static_cast<const char*>(x.const_data_ptr());
   const int64_t row_bytes = x.stride(0) * x.element_size();
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> bmax((n + kB - 1) / kB);
+    std::vector<float> bmax((n + kArgmaxBlock - 1) / kArgmaxBlock);
     for (int64_t i = begin; i < end; ++i)
       po[i] = f32 ? argmax_row(reinterpret_cast<const float*>(base + i * row_bytes), n, bmax)
                   : argmax_row(reinterpret_cast<const uint16_t*>(base + i * row_bytes), n, bmax);

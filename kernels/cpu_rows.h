@@ -1,5 +1,5 @@
 // Row loops shared by the CPU ops (cpu_ops.cpp) and the one-op decoder (cpu_decode.cpp): RMS norm,
-// residual add and rotary embedding of one row, each rounding intermediates to the activation
+// residual add and rotary embedding of one row (and a row's argmax), each rounding intermediates to the activation
 // dtype where the torch code in core/layers.py rounds them, so that every caller gives the same bits.
 // bf16 has raw-bit specialisations that vectorise.
 
@@ -7,10 +7,13 @@
 
 #include <c10/util/BFloat16.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#if defined(__AVX512F__)
+#include <limits>
+#include <vector>
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -117,6 +120,79 @@ inline void rotate_head<c10::BFloat16>(const c10::BFloat16* src16, c10::BFloat16
     dst[half + i] = f_bf16(rnd_bf16(x2 * c) + rnd_bf16(x1 * s));
   }
   for (int64_t i = 2 * half; i < d; ++i) dst[i] = src[i];
+}
+
+// Row-wise argmax of float32 or bf16 logits, first index of the maximum (a NaN counts as the
+// maximum), as torch.argmax returns it (bf16 rows as torch.argmax of their exact float32 values:
+// a greedy step needs no float32 copy of its logits); torch's own loop does not vectorise (0.9 ms
+// for 64 x 49152). Blocks of 256: their maxima (one vectorised pass), the first block holding the
+// row's maximum, then a scan of that block alone.
+inline float logit_value(const float* r, int64_t j) { return r[j]; }
+inline float logit_value(const uint16_t* r, int64_t j) { return bf16_f(r[j]); }
+#if defined(__AVX512F__)
+inline __m512 logits16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 logits16(const uint16_t* p) { return bf16x16(p); }
+#elif defined(__AVX2__)
+inline __m256 logits8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 logits8(const uint16_t* p) {  // bf16 bits widened: the float with the same upper half
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+#endif
+
+constexpr int64_t kArgmaxBlock = 256;  // argmax's block
+
+template <typename E>
+inline int64_t argmax_row(const E* r, int64_t n, std::vector<float>& bmax) {
+  const int64_t nb = (n + kArgmaxBlock - 1) / kArgmaxBlock;
+  bool nan = false;
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t lo = b * kArgmaxBlock, hi = std::min(n, lo + kArgmaxBlock);
+    float m = -std::numeric_limits<float>::infinity();
+    int64_t j = lo;
+#if defined(__AVX512F__)
+    if (hi - lo == kArgmaxBlock) {
+      __m512 v0 = _mm512_set1_ps(m), v1 = v0;
+      __mmask16 un = 0;
+      for (; j < hi; j += 32) {
+        const __m512 a = logits16(r + j), c = logits16(r + j + 16);
+        un |= _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(c, c, _CMP_UNORD_Q);
+        v0 = _mm512_max_ps(v0, a);
+        v1 = _mm512_max_ps(v1, c);
+      }
+      m = _mm512_reduce_max_ps(_mm512_max_ps(v0, v1));
+      nan = nan || un;
+    }
+#elif defined(__AVX2__)
+    if (hi - lo == kArgmaxBlock) {  // the same on 8 lanes (a scalar loop here took ~100 us for one 49152-wide row)
+      __m256 v0 = _mm256_set1_ps(m), v1 = v0, un = _mm256_setzero_ps();
+      for (; j < hi; j += 16) {
+        const __m256 a = logits8(r + j), c = logits8(r + j + 8);
+        un = _mm256_or_ps(un, _mm256_or_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q), _mm256_cmp_ps(c, c, _CMP_UNORD_Q)));
+        v0 = _mm256_max_ps(v0, a);
+        v1 = _mm256_max_ps(v1, c);
+      }
+      alignas(32) float t[8];
+      _mm256_store_ps(t, _mm256_max_ps(v0, v1));
+      m = *std::max_element(t, t + 8);
+      nan = nan || _mm256_movemask_ps(un);
+    }
+#endif
+    for (; j < hi; ++j) {
+      const float x = logit_value(r, j);
+      m = std::max(m, x);
+      nan = nan || x != x;
+    }
+    bmax[b] = m;
+  }
+  int64_t best = 0;
+  if (nan) {
+    while (logit_value(r, best) == logit_value(r, best)) ++best;
+  } else {
+    const float m = *std::max_element(bmax.begin(), bmax.begin() + nb);
+    best = (std::find(bmax.begin(), bmax.begin() + nb, m) - bmax.begin()) * kArgmaxBlock;
+    while (logit_value(r, best) != m) ++best;
+  }
+  return best;
 }
 
 }  // namespace core_rows

@@ -25,9 +25,10 @@ DTYPES = [pytest.param(torch.bfloat16, marks=needs_gemv, id="bf16"), pytest.para
 
 PROMPTS = ["a", "hello world", "abc abc abc abc", "xy"]
 REAL_RUN, REAL_PLAN, REAL_STACK, REAL_PLAN_STACK = cpu_decode.run, cpu_decode.plan, cpu_decode.run_stack, cpu_decode.plan_stack
-REAL_STACK_HEAD = cpu_decode.run_stack_head
+REAL_STACK_HEAD, REAL_DECODE = cpu_decode.run_stack_head, cpu_decode.decode
 STACK_ROWS: list[int] = []  # the row counts of the last generate's stack ops
 HEAD_ROWS: list[int] = []  # those of its stack ops that ran the LM head too
+DECODE_ROWS: list[int] = []  # those of them that ran whole decode steps from the lists (cpu_decode.decode)
 
 
 def generate(path, monkeypatch, fast: bool, prompts: list[str] = PROMPTS, dtype: str = "bfloat16", stack: bool = True,
@@ -38,12 +39,15 @@ def generate(path, monkeypatch, fast: bool, prompts: list[str] = PROMPTS, dtype:
     calls = []
     STACK_ROWS.clear()
     HEAD_ROWS.clear()
+    DECODE_ROWS.clear()
     monkeypatch.setattr(cpu_decode, "run", lambda *a: calls.append(a[1].shape[0]) or REAL_RUN(*a))
     monkeypatch.setattr(cpu_decode, "run_stack", lambda p, x, b: STACK_ROWS.append(x.shape[0])
                         or calls.extend([x.shape[0]] * p["layers"]) or REAL_STACK(p, x, b))
     monkeypatch.setattr(cpu_decode, "run_stack_head", lambda p, x, b: STACK_ROWS.append(x.shape[0])
                         or HEAD_ROWS.append(x.shape[0]) or calls.extend([x.shape[0]] * p["layers"])
                         or REAL_STACK_HEAD(p, x, b))
+    monkeypatch.setattr(cpu_decode, "decode", lambda p, ids, *a: STACK_ROWS.append(len(ids)) or HEAD_ROWS.append(len(ids))
+                        or DECODE_ROWS.append(len(ids)) or calls.extend([len(ids)] * p["layers"]) or REAL_DECODE(p, ids, *a))
     monkeypatch.setattr(cpu_decode, "plan", REAL_PLAN if fast else (lambda *a: None))
     monkeypatch.setattr(cpu_decode, "plan_stack", REAL_PLAN_STACK if stack else (lambda *a: None))
     eng = make_engine(path, dtype=dtype, **opts)
@@ -225,25 +229,34 @@ def run_both(s: dict, seq_lens: list[int], extend_lens: list[int], threads: int,
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("quant", ["int4wo-32", "int8wo"])
-def test_the_stack_gives_the_tokens_of_the_layer_ops(tiny_llama, monkeypatch, quant, dtype):
+@pytest.mark.parametrize("step", ["decode", "forward"])
+def test_the_stack_gives_the_tokens_of_the_layer_ops(tiny_llama, monkeypatch, quant, dtype, step):
     """Batches of a few rows (decodes and short prefills) take the whole stack as one op, decodes
-    with the final norm and the LM head, and the tokens are those of the one-op layers."""
+    with the final norm and the LM head, and the tokens are those of the one-op layers: decodes
+    from the scheduler's lists (the model's decode_step), or, without that, through the model's
+    forward with the embedded rows."""
     path, _ = tiny_llama()
     opts = dict(attention_backend="cpu", torchao_config=quant, cpu_threads=2, dtype=str(dtype).removeprefix("torch."))
     want, rows = generate(path, monkeypatch, True, stack=False, **opts)
     assert rows and not STACK_ROWS
     from core.layers import VocabEmbedding
+    from core_plugins.models.llama import LlamaForCausalLM
 
+    if step == "forward":
+        monkeypatch.setattr(LlamaForCausalLM, "decode_step", lambda *a: None)
     # the hidden states the stack returned with its logits: the head's own op never sees them again
     with_logits: list[torch.Tensor] = []
-    real = REAL_STACK_HEAD
 
-    def kept(*args):
-        out = real(*args)
-        with_logits.append(out[0])
-        return out
+    def kept(real):
+        def run(*args):
+            out = real(*args)
+            with_logits.append(out[0])
+            return out
+        return run
 
-    monkeypatch.setitem(globals(), "REAL_STACK_HEAD", kept)  # what generate()'s counting wrapper calls
+    # what generate()'s counting wrappers call
+    monkeypatch.setitem(globals(), "REAL_STACK_HEAD", kept(REAL_STACK_HEAD))
+    monkeypatch.setitem(globals(), "REAL_DECODE", kept(REAL_DECODE))
     head_op = VocabEmbedding.logits
     recomputed = []
     monkeypatch.setattr(VocabEmbedding, "logits", lambda self, h: recomputed.append(any(h.data_ptr() == t.data_ptr() for t in with_logits))
@@ -252,6 +265,7 @@ def test_the_stack_gives_the_tokens_of_the_layer_ops(tiny_llama, monkeypatch, qu
     assert got == want
     assert 1 in STACK_ROWS and max(STACK_ROWS) > 1
     assert 1 in HEAD_ROWS and max(HEAD_ROWS) > 1  # decodes run the packed LM head inside the stack
+    assert (DECODE_ROWS == HEAD_ROWS) if step == "decode" else not DECODE_ROWS
     assert with_logits and recomputed and not any(recomputed)  # prefills still call the head op
 
 
@@ -293,6 +307,101 @@ def test_the_stack_with_its_head_equals_the_norm_and_head_ops(kind, batch, threa
     assert torch.equal(hidden, want)
     mm = cpu_gemv.mm if kind == 0 else cpu_gemv.mm_int8
     assert logits.shape == (sum(batch[1]), 160) and torch.equal(logits, mm(want, *head))
+
+
+def decode_setup(dtype: torch.dtype, seq_lens: list[int], vocab: int = 160, seed: int = 0) -> dict:
+    """A random two-layer stack with an int8 head of 160 rows and an embedding table of ``vocab``
+    rows, caches already filled, and one decode row per sequence of ``seq_lens``."""
+    s = random_stack(2, [0, 1], False, dtype=dtype)
+    g = torch.Generator().manual_seed(seed)
+    heads, kv_heads, head_dim = s["heads"]
+    slots, b = 128, len(seq_lens)
+    kv_indices = torch.zeros(b, max(seq_lens), dtype=torch.long)
+    perm, used = torch.randperm(slots, generator=g), 0
+    for i, n in enumerate(seq_lens):
+        kv_indices[i, :n] = perm[used:used + n]
+        used += n
+    return {"s": s, "norm": (1 + 0.1 * torch.randn(s["hid"], generator=g)).to(dtype), "head": random_head(160, s["hid"], 1, dtype),
+            "table": torch.randn(vocab, s["hid"], generator=g).to(dtype), "kv_indices": kv_indices, "seq_lens": seq_lens,
+            "ids": torch.randint(0, vocab, (b,), generator=g).tolist(), "positions": [n - 1 for n in seq_lens],
+            "out_loc": [int(kv_indices[i, n - 1]) for i, n in enumerate(seq_lens)],
+            "caches": [torch.randn(slots, kv_heads, head_dim, generator=g).to(dtype) for _ in range(4)]}
+
+
+def decode_stack(d: dict, embedding: bool = True):
+    s, (heads, kv_heads, head_dim) = d["s"], d["s"]["heads"]
+    cos, sin, rot = s["rotary"]
+    caches = [c.clone() for c in d["caches"]]
+    stack = torch.classes.core_cpu_decode.DecodeStack(s["stack"], s["kinds"], 1e-5, cos, sin, rot, heads, kv_heads, head_dim,
+                                                      caches[0::2], caches[1::2], head_dim ** -0.5, 0, [d["norm"], *d["head"]],
+                                                      1, 1e-5)
+    if embedding:
+        stack.set_embedding(d["table"])
+    return stack, caches
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seq_lens", [[9], [40, 7, 3]], ids=["one", "three"])
+@pytest.mark.parametrize("vocab", [160, 150], ids=["whole_head", "padded_head"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_decode_from_lists_is_run_head_on_the_embedded_rows_and_their_argmax(dtype, seq_lens, vocab, threads):
+    """decode(): bit for bit run_head's hidden, logits and cache writes for the rows of its ids in
+    the embedding table, and each row's argmax over its first ``vocab`` logits (the head's other
+    rows, padding, never win)."""
+    from core_kernels import cpu_ops
+    from core_plugins.attention import cpu
+
+    cpu.load_kernel()
+    d = decode_setup(dtype, seq_lens)
+    if vocab < 160:  # padding rows that would win: the argmax must not look at them
+        d["head"][1][vocab:] = d["head"][1].abs().max() * 100
+    b = len(seq_lens)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        stack_a, caches_a = decode_stack(d)
+        hidden_a, logits_a = stack_a.run_head(d["table"][d["ids"]], torch.tensor(d["positions"]), torch.tensor(d["out_loc"]),
+                                              d["kv_indices"], torch.tensor(seq_lens), torch.ones(b, dtype=torch.long))
+        stack_b, caches_b = decode_stack(d)
+        hidden, logits, ids = stack_b.decode(d["ids"], d["positions"], d["out_loc"], d["kv_indices"], seq_lens, vocab)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(hidden, hidden_a) and torch.equal(logits, logits_a)
+    assert all(torch.equal(x, y) for x, y in zip(caches_a, caches_b))
+    assert ids.dtype == torch.long and ids.tolist() == cpu_ops.argmax(logits[:, :vocab]).tolist()
+    if vocab < 160:
+        assert (logits[:, vocab:].max(-1).values > logits[:, :vocab].max(-1).values).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("call,message", [
+    (lambda st, d: st.decode([d["ids"][0]] * 2, d["positions"], d["out_loc"], d["kv_indices"], d["seq_lens"], 160),
+     "one id, position, slot and length per sequence"),
+    (lambda st, d: st.decode([160], d["positions"], d["out_loc"], d["kv_indices"], d["seq_lens"], 160),
+     "token id 160 outside the embedding's 160 rows"),
+    (lambda st, d: st.decode([-1], d["positions"], d["out_loc"], d["kv_indices"], d["seq_lens"], 160), "token id -1"),
+    (lambda st, d: st.decode(d["ids"], d["positions"], d["out_loc"], d["kv_indices"], d["seq_lens"], 161),
+     r"vocab 161 outside 1\.\.160"),
+    (lambda st, d: st.decode(d["ids"], [10_000], d["out_loc"], d["kv_indices"], d["seq_lens"], 160), "outside the rotary cache"),
+    (lambda st, d: st.decode(d["ids"], d["positions"], d["out_loc"], d["kv_indices"][:, :3].t().contiguous(), d["seq_lens"], 160),
+     "one row per sequence"),
+    (lambda st, d: st.set_embedding(d["table"][:, :32].contiguous()), r"embedding table \[vocab, 64\]"),
+    (lambda st, d: st.set_embedding(d["table"].double()), r"embedding table \[vocab, 64\] contiguous"),
+], ids=["lengths", "id_past_the_table", "negative_id", "vocab_past_the_head", "position", "kv_rows", "table_width", "table_dtype"])
+def test_a_decode_refuses_bad_arguments(call, message, dtype):
+    """decode() and set_embedding(): an error naming the problem, and the stack still serves."""
+    from core_plugins.attention import cpu
+
+    cpu.load_kernel()
+    d = decode_setup(dtype, [9])
+    stack, _ = decode_stack(d)
+    with pytest.raises(RuntimeError, match=message):
+        call(stack, d)
+    hidden, logits, ids = stack.decode(d["ids"], d["positions"], d["out_loc"], d["kv_indices"], d["seq_lens"], 160)
+    assert ids.tolist() == logits.argmax(-1).tolist()
+    bare, _ = decode_stack(d, embedding=False)
+    with pytest.raises(RuntimeError, match="decode needs a head and an embedding table"):
+        bare.decode(d["ids"], d["positions"], d["out_loc"], d["kv_indices"], d["seq_lens"], 160)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -64,6 +64,25 @@ def test_greedy_bf16_logits_pick_what_float32_logits_pick() -> None:
                                              .squeeze(1).tolist())
 
 
+def test_a_forward_computed_argmax_stands_in_for_the_samplers_own() -> None:
+    """argmax_ids (the CPU decode stack's, computed with the logits) are the tokens of a plain
+    greedy batch, with or without logprobs (which still come from the logits); a batch that
+    penalises or samples picks from the logits, the given ids only its all-masked rows' fallback."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(4))
+    known = torch.tensor([7, 8, 9])  # not the logits' argmax: proves which one was taken
+    assert logits.argmax(-1).tolist() != known.tolist()
+    assert Sampler(50).sample(logits.clone(), [row(temperature=0.0)] * 3, known).token_ids == [7, 8, 9]
+    with_lp = Sampler(50).sample(logits.clone(), [row(temperature=0.0, return_logprob=True)] * 3, known)
+    assert with_lp.token_ids == [7, 8, 9]
+    assert with_lp.logprobs == pytest.approx(torch.log_softmax(logits, -1)[[0, 1, 2], [7, 8, 9]].tolist())
+    penalised = Sampler(50).sample(logits.clone(), [row([1], temperature=0.0, frequency_penalty=0.5)] * 3, known)
+    assert penalised.token_ids != [7, 8, 9]
+    masked = logits.clone()
+    masked[1] = float("-inf")  # nothing left after the bias either: the given argmax is the fallback
+    biased = Sampler(50).sample(masked, [row(temperature=0.0, logit_bias={"3": 1.0})] * 3, known)
+    assert biased.token_ids[1] == 8 and biased.token_ids[0] == (logits[0] + torch.eye(50)[3]).argmax().item()
+
+
 def test_greedy_consumes_no_randomness() -> None:
     s = Sampler(10, seed=3)
     before = s.generator.get_state()

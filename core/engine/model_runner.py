@@ -40,12 +40,17 @@ def _ints(x: list[int] | torch.Tensor) -> list[int]:
 
 
 def forward_step(model: torch.nn.Module, attn_backend, inputs: StepInputs, device: torch.device,
-                 graphs: CudaGraphRunner | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                 graphs: CudaGraphRunner | None = None) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor | None]:
     """The model forward over ``inputs`` and one ``compute_logits`` per entry of ``logit_rows``:
-    (hidden states, logits). The same on every tensor-parallel rank (their collectives pair up).
+    (hidden states, logits, each sampling row's argmax where the model computed it with the logits,
+    else None). The same on every tensor-parallel rank (their collectives pair up).
 
-    The per-token and per-sequence lists reach the device in one copy (pinned, non-blocking on a
+    A CPU model's ``decode_step`` (``CausalLM``) may take the whole step from the lists. Otherwise
+    the per-token and per-sequence lists reach the device in one copy (pinned, non-blocking on a
     GPU); a decode step that ``graphs`` captured replays its CUDA graph instead of the eager forward."""
+    if device.type == "cpu" and (fast := getattr(model, "decode_step", None)) is not None:
+        if (out := fast(inputs, attn_backend)) is not None:
+            return out[0], [out[1]], out[2]
     t, b = len(inputs.input_ids), len(inputs.seq_lens)
     packed = upload(inputs.input_ids + _ints(inputs.positions) + _ints(inputs.out_cache_loc) + inputs.seq_lens
                     + inputs.extend_lens, torch.int64, device)
@@ -69,7 +74,7 @@ def forward_step(model: torch.nn.Module, attn_backend, inputs: StepInputs, devic
         else:
             sel = hidden.index_select(0, upload(rows, torch.int64, device))
         logits.append(model.compute_logits(sel))
-    return hidden, logits
+    return hidden, logits, None
 
 
 class ModelRunner:
@@ -128,9 +133,9 @@ class ModelRunner:
     def run(self, batch: ScheduledBatch) -> StepResult:
         inputs, live, prompt_rows = self.step_inputs(batch)
         if self.tp is not None:  # every rank runs this forward; their collectives pair up
-            hidden, all_logits = self.tp.forward(inputs, lambda: forward_step(self.model, self.attn_backend, inputs, self.device))
+            hidden, all_logits, argmax_ids = self.tp.forward(inputs, lambda: forward_step(self.model, self.attn_backend, inputs, self.device))
         else:
-            hidden, all_logits = forward_step(self.model, self.attn_backend, inputs, self.device, self.graphs)
+            hidden, all_logits, argmax_ids = forward_step(self.model, self.attn_backend, inputs, self.device, self.graphs)
         reqs = all_reqs = batch.reqs
         if len(live) < len(reqs):
             reqs = [reqs[i] for i in live]
@@ -142,7 +147,8 @@ class ModelRunner:
             grammar = self.grammar if self.grammar is not None and any(r.grammar is not None for r in reqs) else None
             if grammar is not None:  # one [B, V/32] bitmask for the batch, applied before sampling
                 grammar.apply(logits, reqs)
-            result = StepResult(self.sampler.sample(logits, rows_))
+                argmax_ids = None  # the masked logits' argmax may differ
+            result = StepResult(self.sampler.sample(logits, rows_, argmax_ids))
             if grammar is not None:
                 grammar.accept(reqs, result.sample.token_ids)
         else:

@@ -78,18 +78,18 @@ class LlamaDecoderLayer(nn.Module):
                         bias=getattr(config, "mlp_bias", False))
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        if x.device.type == "cpu" and (fast := self._cpu_decode(batch)) is not None:
+        if x.device.type == "cpu" and (fast := self._cpu_decode(batch.attn_backend)) is not None:
             h, mlp_out = cpu_decode.run(fast, x, batch)
             return h + mlp_out
         x = x + self.self_attn(self.input_layernorm(x), batch)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def _cpu_decode(self, batch: ForwardBatch) -> dict[str, Any] | None:
-        """This layer as one C++ op (``kernels/cpu_decode``), planned once per backend."""
+    def _cpu_decode(self, backend: Any) -> dict[str, Any] | None:
+        """This layer as one C++ op (``kernels/cpu_decode``), planned once per attention backend."""
         cached = self.__dict__.get("_cpu_plan")
-        if cached is None or cached[0] is not batch.attn_backend:
-            plan = cpu_decode.plan(self, batch.attn_backend) if type(self).forward is LlamaDecoderLayer.forward else None
-            cached = self.__dict__["_cpu_plan"] = (batch.attn_backend, plan)
+        if cached is None or cached[0] is not backend:
+            plan = cpu_decode.plan(self, backend) if type(self).forward is LlamaDecoderLayer.forward else None
+            cached = self.__dict__["_cpu_plan"] = (backend, plan)
         return cached[1]
 
 
@@ -109,7 +109,7 @@ class LlamaModel(nn.Module):
         logits for :meth:`step_logits`."""
         self.__dict__.pop("_step_logits", None)
         x = self.embed_tokens(batch.input_ids)
-        if x.device.type == "cpu" and (stack := self._cpu_stack(batch, head)) is not None and x.shape[0] < stack["max_rows"]:
+        if x.device.type == "cpu" and (stack := self._cpu_stack(batch.attn_backend, head)) is not None and x.shape[0] < stack["max_rows"]:
             if x.shape[0] == len(batch.seq_lens_cpu) and x.shape[0] < stack["head_rows"]:  # one row per sequence: all sample
                 hidden, logits = cpu_decode.run_stack_head(stack, x, batch)
                 self.__dict__["_step_logits"] = (hidden, logits)
@@ -119,7 +119,7 @@ class LlamaModel(nn.Module):
         pending = None  # a one-op layer's MLP output, added by the next one-op layer with its first norm
         for layer in self.layers:
             plan = getattr(layer, "_cpu_decode", None)
-            if x.device.type == "cpu" and plan is not None and (fast := plan(batch)) is not None:
+            if x.device.type == "cpu" and plan is not None and (fast := plan(batch.attn_backend)) is not None:
                 x, pending = cpu_decode.run(fast, x, batch, pending)
                 continue
             if pending is not None:
@@ -127,15 +127,18 @@ class LlamaModel(nn.Module):
             x = layer(x, batch)
         return self.norm(x if pending is None else x + pending)
 
-    def _cpu_stack(self, batch: ForwardBatch, head: VocabEmbedding | None) -> dict[str, Any] | None:
+    def _cpu_stack(self, backend: Any, head: VocabEmbedding | None) -> dict[str, Any] | None:
         """Every layer as one C++ op (``kernels/cpu_decode.run_stack``), with the final norm and
-        ``head`` where they can join it; planned once per backend and head."""
+        ``head`` where they can join it, and the token table where the lookup is plain; planned
+        once per attention backend and head."""
         cached = self.__dict__.get("_cpu_stack_plan")
-        if cached is None or cached[0] is not batch.attn_backend or cached[1] is not head:
-            plans = [layer._cpu_decode(batch) if hasattr(layer, "_cpu_decode") else None for layer in self.layers]
+        if cached is None or cached[0] is not backend or cached[1] is not head:
+            plans = [layer._cpu_decode(backend) if hasattr(layer, "_cpu_decode") else None for layer in self.layers]
             packed = head.head() if head is not None and head.tp.size == 1 else None
-            plan = cpu_decode.plan_stack(plans, self.norm, packed)
-            cached = self.__dict__["_cpu_stack_plan"] = (batch.attn_backend, head, plan)
+            emb = self.embed_tokens
+            table = emb.weight if type(emb).forward is VocabEmbedding.forward and emb.tp.size == 1 else None
+            plan = cpu_decode.plan_stack(plans, self.norm, packed, table)
+            cached = self.__dict__["_cpu_stack_plan"] = (backend, head, plan)
         return cached[2]
 
     def step_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
@@ -165,10 +168,30 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = VocabEmbedding(config.vocab_size, config.hidden_size, ctx.dtype)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        # the head joins the CPU decode stack only where compute_logits is this plain one
+        head = self._stack_head()
+        return self.model(batch) if head is None else self.model(batch, head)
+
+    def _stack_head(self) -> VocabEmbedding | None:
+        """The head that joins the CPU decode stack: only where compute_logits is this plain one."""
         if type(self).compute_logits is not LlamaForCausalLM.compute_logits or hasattr(self, "classify"):
-            return self.model(batch)
-        return self.model(batch, self.model.embed_tokens if self.tied else self.lm_head)
+            return None
+        return self.model.embed_tokens if self.tied else self.lm_head
+
+    def decode_step(self, inputs: Any, attn_backend: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """``CausalLM.decode_step``: a CPU step of one token per sequence, every one sampling (a
+        decode), as one call of the decode stack (``kernels/cpu_decode.decode``) where it serves
+        the batch; else None."""
+        b = len(inputs.seq_lens)
+        every_row = inputs.logit_rows == [(0, b)] or inputs.logit_rows == [list(range(b))]  # (a prefill of one token each)
+        if (not isinstance(self.model, LlamaModel) or inputs.kv_indices.device.type != "cpu" or not every_row
+                or len(inputs.input_ids) != b or (head := self._stack_head()) is None):
+            return None
+        stack = self.model._cpu_stack(attn_backend, head)
+        if stack is None or not stack["embeds"] or b >= stack["max_rows"] or b >= stack["head_rows"]:
+            return None
+        ints = lambda v: v.tolist() if isinstance(v, torch.Tensor) else v  # noqa: E731
+        return cpu_decode.decode(stack, inputs.input_ids, ints(inputs.positions), ints(inputs.out_cache_loc),
+                                 inputs.kv_indices, inputs.seq_lens, self.config.vocab_size)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if isinstance(self.model, LlamaModel) and (logits := self.model.step_logits(hidden)) is not None:
