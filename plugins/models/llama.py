@@ -180,18 +180,23 @@ class LlamaForCausalLM(nn.Module):
     def decode_step(self, inputs: Any, attn_backend: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """``CausalLM.decode_step``: a CPU step of one token per sequence, every one sampling (a
         decode), as one call of the decode stack (``kernels/cpu_decode.decode``) where it serves
-        the batch; else None."""
+        the batch; else None. What serves is decided once per attention backend (this runs every
+        step, where each attribute lookup through nn.Module costs)."""
+        cached = self.__dict__.get("_decode_plan")
+        if cached is None or cached[0] is not attn_backend:
+            head = self._stack_head() if isinstance(self.model, LlamaModel) else None
+            stack = self.model._cpu_stack(attn_backend, head) if head is not None else None
+            cached = (attn_backend, stack if stack is not None and stack["embeds"] else None, self.config.vocab_size)
+            self.__dict__["_decode_plan"] = cached
+        _, stack, vocab = cached
         b = len(inputs.seq_lens)
-        every_row = inputs.logit_rows == [(0, b)] or inputs.logit_rows == [list(range(b))]  # (a prefill of one token each)
-        if (not isinstance(self.model, LlamaModel) or inputs.kv_indices.device.type != "cpu" or not every_row
-                or len(inputs.input_ids) != b or (head := self._stack_head()) is None):
-            return None
-        stack = self.model._cpu_stack(attn_backend, head)
-        if stack is None or not stack["embeds"] or b >= stack["max_rows"] or b >= stack["head_rows"]:
+        if (stack is None or b >= stack["max_rows"] or b >= stack["head_rows"] or len(inputs.input_ids) != b
+                or inputs.kv_indices.device.type != "cpu"
+                or (inputs.logit_rows != [(0, b)] and inputs.logit_rows != [list(range(b))])):  # (a prefill of one token each)
             return None
         ints = lambda v: v.tolist() if isinstance(v, torch.Tensor) else v  # noqa: E731
         return cpu_decode.decode(stack, inputs.input_ids, ints(inputs.positions), ints(inputs.out_cache_loc),
-                                 inputs.kv_indices, inputs.seq_lens, self.config.vocab_size)
+                                 inputs.kv_indices, inputs.seq_lens, vocab)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if isinstance(self.model, LlamaModel) and (logits := self.model.step_logits(hidden)) is not None:
