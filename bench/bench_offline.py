@@ -127,7 +127,7 @@ def step_split(engine, prompts: list[list[int]], steps: int = 16) -> dict[str, f
         from core.layers import Attention, Linear
 
         for m in core.model.modules():  # the Python forward, so that the hooks below fire
-            for name in ("_cpu_decode", "_cpu_stack"):  # one-op layers, the one-op stack
+            for name in ("_cpu_decode", "_cpu_stack", "decode_step"):  # one-op layers, the one-op stack, steps from lists
                 if hasattr(m, name):
                     setattr(m, name, lambda *args: None)
         for m in core.model.modules():
@@ -159,8 +159,8 @@ def step_split(engine, prompts: list[list[int]], steps: int = 16) -> dict[str, f
         for h in handles:
             h.remove()
         for m in core.model.modules():
-            m.__dict__.pop("_cpu_decode", None)
-            m.__dict__.pop("_cpu_stack", None)
+            for name in ("_cpu_decode", "_cpu_stack", "decode_step"):
+                m.__dict__.pop(name, None)
     return {"step": step * 1e3, "python_step": python_step * 1e3, "gemm": gemm * 1e3, "attention": attn * 1e3,
             "other": (python_step - gemm - attn) * 1e3}
 
