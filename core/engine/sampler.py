@@ -243,12 +243,11 @@ class Sampler:
         ``argmax_ids``: each row's argmax over the first ``vocab_size`` columns of ``logits``,
         where the forward computed it with them (the CPU decode stack does); it stands in for
         this sampler's own. Columns at or beyond ``vocab_size`` (padding) are dropped, so they
-        are never chosen. Logprobs are log_softmax of the *raw* logits (before penalties, temperature and
-        filters), matching SGLang's default: they describe the model, not the sampler.
+        are never chosen. Logprobs are log_softmax of the *raw* logits (before penalties,
+        temperature and filters), matching SGLang's default: they describe the model, not the sampler.
         """
         if logits.shape[1] != self.vocab_size:
             logits = logits[:, : self.vocab_size]
-        known = argmax_ids
         greedy, want_lp, penalised, short, biased = True, False, [], False, False
         for i, r in enumerate(rows):  # one pass: what this batch needs at all
             p = r.params
@@ -259,13 +258,13 @@ class Sampler:
             short = short or len(r.output_ids) < p.min_new_tokens
             biased = biased or bool(p.logit_bias)
         plain = not penalised and not short and not biased
-        if greedy and plain and not want_lp and (known is not None or logits.dtype == torch.bfloat16):
+        if greedy and plain and not want_lp and (argmax_ids is not None or logits.dtype == torch.bfloat16):
             # bf16: the same index as on float32 logits, without the copy
-            return self._output(known if known is not None else argmax(logits), rows, None)
+            return self._output(argmax_ids if argmax_ids is not None else argmax(logits), rows, None)
         if logits.dtype != torch.float32:
             logits = logits.float()
         raw_lp = torch.log_softmax(logits, dim=-1) if want_lp else None
-        raw_argmax = known if known is not None else argmax(logits)
+        raw_argmax = argmax_ids if argmax_ids is not None else argmax(logits)
         if greedy and plain:
             return self._output(raw_argmax, rows, raw_lp)
 

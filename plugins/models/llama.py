@@ -191,12 +191,12 @@ class LlamaForCausalLM(nn.Module):
         _, stack, vocab = cached
         b = len(inputs.seq_lens)
         if (stack is None or b >= stack["max_rows"] or b >= stack["head_rows"] or len(inputs.input_ids) != b
+                or not isinstance(inputs.positions, list) or not isinstance(inputs.out_cache_loc, list)
                 or inputs.kv_indices.device.type != "cpu"
                 or (inputs.logit_rows != [(0, b)] and inputs.logit_rows != [list(range(b))])):  # (a prefill of one token each)
             return None
-        ints = lambda v: v.tolist() if isinstance(v, torch.Tensor) else v  # noqa: E731
-        return cpu_decode.decode(stack, inputs.input_ids, ints(inputs.positions), ints(inputs.out_cache_loc),
-                                 inputs.kv_indices, inputs.seq_lens, vocab)
+        return cpu_decode.decode(stack, inputs.input_ids, inputs.positions, inputs.out_cache_loc, inputs.kv_indices,
+                                 inputs.seq_lens, vocab)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if isinstance(self.model, LlamaModel) and (logits := self.model.step_logits(hidden)) is not None:
