@@ -100,3 +100,34 @@ def test_allocate_kv_cache_shapes_and_zero_padding_page():
 def test_kv_bytes_per_token():
     assert kv_bytes_per_token(30, 3, 64, torch.bfloat16) == 2 * 30 * 3 * 64 * 2
     assert kv_bytes_per_token(2, 1, 16, torch.float32) == 2 * 2 * 16 * 4
+
+
+@pytest.mark.parametrize("writes", [3, 8, 9, 40], ids=["few", "eight", "nine", "many"])
+@pytest.mark.parametrize("seqs", [1, 3])
+def test_step_inputs_record_the_slots_and_gather_each_sequences_row(writes, seqs):
+    """The runner writes a batch's (row, position, slot) entries into the CPU table (one by one
+    for a few, in one numpy op for more) and hands the forward each sequence's slots so far: a
+    view of the row for one sequence, a contiguous copy of the rows in use for several."""
+    from types import SimpleNamespace
+
+    from core.engine.model_runner import ModelRunner
+
+    table = ReqToTokenTable(4, 64, torch.device("cpu"))
+    assert table.host is not None and table.host.base is not None  # the table's own memory
+    runner = ModelRunner(None, None, table, None, (), torch.device("cpu"))
+    rows = [3, 0, 2][:seqs]
+    rng = random.Random(writes)
+    entries = [(rows[i % seqs], i // seqs, rng.randrange(1, 10_000)) for i in range(writes)]
+    lens = [1 + max(p for r, p, _ in entries if r == row) for row in rows]
+    reqs = [SimpleNamespace(row=row, kv_len=n) for row, n in zip(rows, lens)]
+    w_rows, w_cols, w_slots = map(list, zip(*entries))
+    batch = SimpleNamespace(reqs=reqs, table_writes=(w_rows, w_cols, w_slots), is_prefill=False, input_ids=[1] * seqs,
+                            positions=[n - 1 for n in lens], out_cache_loc=[0] * seqs, extend_lens=[1] * seqs)
+    inputs, live, _ = runner.step_inputs(batch)
+    for r, p, s in entries:
+        assert table.table[r, p].item() == s
+    assert inputs.kv_indices.shape == (seqs, max(lens)) and live == list(range(seqs))
+    assert torch.equal(inputs.kv_indices, table.table[rows, : max(lens)])
+    assert inputs.kv_indices.view(-1).numel() == seqs * max(lens)  # viewable flat, as backends read it
+    table.table[rows[0], 0] = -5  # one sequence: the forward reads the table itself, no copy
+    assert (inputs.kv_indices[0, 0].item() == -5) == (seqs == 1)
