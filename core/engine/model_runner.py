@@ -101,6 +101,7 @@ class ModelRunner:
         w_rows, w_cols, w_slots = batch.table_writes
         w, b = len(w_rows), len(reqs)
         seq_lens = [r.kv_len for r in reqs]
+        n = max(seq_lens)  # the columns in use
         if (view := self.table.host) is not None:  # through numpy: ~3 us, where 5 torch indexing ops took ~50
             if w > 8:
                 view[w_rows, w_cols] = w_slots
@@ -109,13 +110,13 @@ class ModelRunner:
                     view[r, c] = slot
             # one sequence's row is a slice (numpy's list indexing: another ~40 us with cold caches);
             # several, a contiguous copy of their columns in use
-            n, row = max(seq_lens), reqs[0].row
+            row = reqs[0].row
             kv_indices = torch.from_numpy(view[row : row + 1, :n] if b == 1 else view[[r.row for r in reqs], :n])
         else:
             packed = upload(w_rows + w_cols + w_slots + [r.row for r in reqs], torch.int64, table.device)
             if w:
                 table[packed[:w], packed[w : 2 * w]] = packed[2 * w : 3 * w]
-            kv_indices = table[packed[3 * w :], : max(seq_lens)]
+            kv_indices = table[packed[3 * w :], :n]
         if not batch.is_prefill:  # decode: every request samples, no prompt logprobs
             return StepInputs(batch.input_ids, batch.positions, batch.out_cache_loc, seq_lens, batch.extend_lens,
                               kv_indices, [(0, b)]), list(range(b)), {}

@@ -258,13 +258,13 @@ class Sampler:
             short = short or len(r.output_ids) < p.min_new_tokens
             biased = biased or bool(p.logit_bias)
         plain = not penalised and not short and not biased
-        if greedy and plain and not want_lp and (argmax_ids is not None or logits.dtype == torch.bfloat16):
-            # bf16: the same index as on float32 logits, without the copy
-            return self._output(argmax_ids if argmax_ids is not None else argmax(logits), rows, None)
+        # before any float32 copy: a bf16 / fp16 row's argmax is that of its exact float32 values
+        raw_argmax = argmax_ids if argmax_ids is not None else argmax(logits)
+        if greedy and plain and not want_lp:
+            return self._output(raw_argmax, rows, None)
         if logits.dtype != torch.float32:
             logits = logits.float()
         raw_lp = torch.log_softmax(logits, dim=-1) if want_lp else None
-        raw_argmax = argmax_ids if argmax_ids is not None else argmax(logits)
         if greedy and plain:
             return self._output(raw_argmax, rows, raw_lp)
 
