@@ -90,7 +90,10 @@ def toolchain_problem() -> str | None:
 
 
 def is_built(prefix: str, source: Path) -> bool:
-    d = build_dir(prefix, source)
+    try:
+        d = build_dir(prefix, source)
+    except OSError:  # the source is missing: nothing can be built or loaded
+        return False
     return (d / f"{d.name}.so").exists()
 
 
@@ -104,7 +107,10 @@ def load(prefix: str, source: Path) -> tuple[Path, bool]:
     A library built already is loaded directly: torch's build path takes a lock file first, and a
     process killed while holding it (a tensor-parallel rank stopped mid-start, say) would leave
     every later start waiting on it forever."""
-    d = build_dir(prefix, source)
+    try:
+        d = build_dir(prefix, source)
+    except OSError as e:  # an install that lacks the sources (a wheel built without its package data)
+        raise RuntimeError(f"the C++ source is missing: {e}") from None
     so = d / f"{d.name}.so"
     if so.exists():
         try:
