@@ -240,6 +240,7 @@ def main() -> None:
     ap.add_argument("--skip-tokenizer-init", action="store_true")
     ap.add_argument("--attention-backend", default=None)
     ap.add_argument("--quantization", default=None)
+    ap.add_argument("--torchao-config", default=None, help="int8wo, int4wo-32, int4wo-128 (weight-only)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-split", action="store_true", help="do not measure the per-step split")
@@ -258,7 +259,7 @@ def main() -> None:
     kwargs = {k: v for k, v in dict(model_path=args.model_path, load_format=args.load_format,
                                      skip_tokenizer_init=args.skip_tokenizer_init or None,
                                      attention_backend=args.attention_backend, quantization=args.quantization,
-                                     device=args.device).items() if v is not None}
+                                     torchao_config=args.torchao_config, device=args.device).items() if v is not None}
     engine = Engine(dtype=args.dtype, max_total_tokens=max(max(levels) * (args.input_len + args.output_len), args.prefill_len) + 64,
                     max_running_requests=max(levels), cpu_threads=args.cpu_threads, log_level="warning", **kwargs)
     core = engine.engine

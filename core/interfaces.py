@@ -203,6 +203,10 @@ class QuantMethod(Protocol):
     ``pack_lm_head(embedding) -> torch.nn.Module | None``
         A packed LM head built from the loaded ``VocabEmbedding`` on its first ``logits`` call
         (None keeps it dense).
+    ``dense: bool``
+        ``apply`` is exactly ``F.linear(x, layer.weight, layer.bias)`` over a plain ``[out, in]``
+        float weight, so core's shared layers may fuse such layers on a GPU after loading (gate
+        and up as one GEMM, the residual added inside the output projection's GEMM).
     """
 
     def create_weights(

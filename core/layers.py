@@ -127,6 +127,13 @@ class Linear(nn.Module):
         return self.quant_method.apply(self, x)
 
 
+def _dense(layer: Linear) -> bool:
+    """Whether ``layer`` is a plain ``F.linear`` over its float weight (``QuantMethod.dense``)."""
+    w = getattr(layer, "weight", None)
+    return (getattr(layer.quant_method, "dense", False) and isinstance(w, torch.Tensor) and w.dim() == 2
+            and w.dtype in (torch.float32, torch.bfloat16, torch.float16) and "onednn_weight" not in layer.__dict__)
+
+
 def _refuse_own_loaders(layer: Linear, tp: TensorParallel) -> None:
     """A quant method that installs its own weight loaders copies whole checkpoint tensors; under
     tensor parallelism they would not be sharded, so such a method is refused by name at build time."""
@@ -230,11 +237,22 @@ class RowParallelLinear(Linear):
             raise ValueError(f"shape mismatch: checkpoint {tuple(loaded.shape)} for a row-parallel slice {tuple(param.shape)}")
         default_weight_loader(param, loaded.narrow(1, self.tp.rank * n, n))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``x W^T (+ b)``, plus ``residual`` when given. After :meth:`fuse_after_loading` decided so
+        (a dense weight on a GPU, one rank, no bias), the sum is one GEMM that adds into
+        ``residual`` in place: the caller hands ``residual`` over and uses only the result."""
+        if residual is not None and self.__dict__.get("add_in_gemm"):
+            return residual.addmm_(x, self.weight.t())
         y = self.quant_method.apply(self, x)
         if self.reduce:
             self.tp.all_reduce(y)
-        return y
+        return y if residual is None else residual + y
+
+    def fuse_after_loading(self, device_types: tuple[str, ...] = ("cuda",)) -> None:
+        """On a GPU, add the residual inside the GEMM (cuBLAS's beta = 1): one launch, where the
+        add was another per layer and projection. Called by the loader after the weights are in."""
+        self.__dict__["add_in_gemm"] = (_dense(self) and self.weight.device.type in device_types and not self.reduce
+                                        and self.bias is None)
 
 
 class RotaryEmbedding(nn.Module):
@@ -352,8 +370,30 @@ class GatedMLP(nn.Module):
         self.up_proj = ColumnParallelLinear(hidden, intermediate, bias, quant, dtype)
         self.down_proj = RowParallelLinear(intermediate, hidden, bias, quant, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(gated_act(self.act, self.gate_proj(x), self.up_proj(x)))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The MLP's output, plus ``residual`` when given (see :meth:`RowParallelLinear.forward`)."""
+        if (w := self.__dict__.get("gate_up")) is not None:
+            gate, up = F.linear(x, w, self.__dict__["gate_up_bias"]).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(gated_act(self.act, gate, up), residual)
+
+    def fuse_after_loading(self, device_types: tuple[str, ...] = ("cuda",)) -> None:
+        """On a GPU, gate and up as one GEMM over one ``[2I, H]`` weight (one launch instead of two):
+        the two layers' weights become views into it, so it costs no memory and a weight reload
+        writes through. On the CPU they stay two GEMMs (see the class docstring)."""
+        g, u = self.gate_proj, self.up_proj
+        self.__dict__.pop("gate_up", None)
+        if not (_dense(g) and _dense(u) and g.weight.device.type in device_types and (g.bias is None) == (u.bias is None)):
+            return
+        n = g.weight.shape[0]
+        w = torch.cat([g.weight.data, u.weight.data])
+        g.weight.data, u.weight.data = w[:n], w[n:]
+        b = None
+        if g.bias is not None:
+            b = torch.cat([g.bias.data, u.bias.data])
+            g.bias.data, u.bias.data = b[:n], b[n:]
+        self.__dict__["gate_up"], self.__dict__["gate_up_bias"] = w, b
 
 
 class VocabEmbedding(nn.Module):

@@ -424,6 +424,9 @@ def finish_loading(model: torch.nn.Module, quant: object) -> None:
     for m in model.modules():
         if getattr(m, "quant_method", None) is not None:
             m.quant_method.process_weights_after_loading(m)
+    for m in model.modules():  # then the shared layers' fusions on a GPU (core.layers.fuse_after_loading)
+        if (fuse := getattr(m, "fuse_after_loading", None)) is not None:
+            fuse()
     if (pack := getattr(quant, "pack_lm_head", None)) is not None:
         for m in model.modules():
             if isinstance(m, VocabEmbedding):

@@ -55,14 +55,15 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(AttentionLayerSpec(layer_id, h, kv, d, scaling=d**-0.5 if scaling is None else scaling,
                                                  sliding_window=window, logit_cap=logit_cap or 0.0))
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The attention block's output, plus ``residual`` when given (added by ``o_proj``)."""
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         s = self.attn.spec
         q, k = q.view(-1, s.num_heads, s.head_dim), k.view(-1, s.num_kv_heads, s.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(batch.positions, q, k)
-        return self.o_proj(self.attn(q, k, v, batch))
+        return self.o_proj(self.attn(q, k, v, batch), residual)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -81,7 +82,10 @@ class LlamaDecoderLayer(nn.Module):
         if x.device.type == "cpu" and (fast := self._cpu_decode(batch.attn_backend)) is not None:
             h, mlp_out = cpu_decode.run(fast, x, batch)
             return h + mlp_out
-        x = x + self.self_attn(self.input_layernorm(x), batch)
+        # the residual adds happen in the output projections (one GEMM each on a GPU: core.layers)
+        x = self.self_attn(self.input_layernorm(x), batch, residual=x)
+        if isinstance(self.mlp, GatedMLP):
+            return self.mlp(self.post_attention_layernorm(x), residual=x)
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def _cpu_decode(self, backend: Any) -> dict[str, Any] | None:

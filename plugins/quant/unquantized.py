@@ -16,6 +16,7 @@ class Unquantized:
     """Dense ``[out, in]`` weight, applied with one GEMM."""
 
     devices = ("cpu", "cuda")
+    dense = True  # apply is F.linear over layer.weight: the shared layers may fuse it on a GPU
 
     def create_weights(self, layer: torch.nn.Module, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
         layer.weight = torch.nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
