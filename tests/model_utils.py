@@ -20,8 +20,11 @@ def prompt(length: int, seed: int, vocab: int = 256) -> list[int]:
 
 
 def build_tiny(path: Path, config_cls, model_cls, seed: int = 0, **overrides: Any):
-    """Save a random ``model_cls(config_cls(TINY_BASE + overrides))`` to ``path``; return the HF model (fp32, eval)."""
-    config = config_cls(**{**TINY_BASE, **overrides})
+    """Save a random ``model_cls(config_cls(TINY_BASE + overrides))`` to ``path``; return the HF model (fp32, eval).
+
+    The reference runs transformers' eager attention, the plain definition: transformers 5.17
+    (the GPU machine's) let Gemma 2 take SDPA, which drops attention soft-capping."""
+    config = config_cls(**{**TINY_BASE, **overrides}, attn_implementation="eager")
     torch.manual_seed(seed)
     model = model_cls(config).float().eval()
     model.save_pretrained(path)
