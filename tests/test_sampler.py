@@ -140,6 +140,66 @@ def test_filters_combine_per_row_in_one_batch() -> None:
         assert set(toks[j :: len(kinds)].tolist()) == ok
 
 
+def _full_sort_reference(logits: torch.Tensor, params: list[dict], uniforms: list[float]) -> tuple[list[int], list[int]]:
+    """Row by row, what the sampler promises: unfiltered rows sample the unsorted distribution;
+    filtered rows sort the whole vocabulary, keep the prefix their filters keep, and sample it.
+    Returns the tokens and each row's kept prefix length."""
+    out, kept = [], []
+    for x, p, u in zip(logits, params, uniforms):
+        probs = torch.softmax(x / p.get("temperature", 1.0), dim=-1)
+        top_k, top_p, min_p = p.get("top_k", -1), p.get("top_p", 1.0), p.get("min_p", 0.0)
+        if not (0 < top_k < len(x) or top_p < 1.0 or min_p > 0.0):
+            order = torch.arange(len(x))
+        else:
+            probs, order = probs.sort(descending=True)
+            keep = torch.ones(len(x), dtype=torch.bool)
+            if 0 < top_k < len(x):
+                keep[top_k:] = False
+            if top_p < 1.0:
+                keep &= (probs.cumsum(0) - probs) < top_p
+            keep &= probs >= probs[0] * min_p
+            keep[0] = True
+            probs = probs.masked_fill(~keep, 0.0)
+        kept.append(int(probs.count_nonzero()))
+        cdf = probs.cumsum(0)
+        pos = min(int((cdf <= u * cdf[-1]).sum()), int((cdf < cdf[-1]).sum()))
+        out.append(int(order[pos]))
+    return out, kept
+
+
+ROUTES = [dict(), dict(temperature=0.8), dict(top_k=10), dict(top_k=300), dict(top_p=0.5), dict(top_p=0.97, temperature=3.0),
+          dict(min_p=0.05), dict(min_p=0.001, temperature=4.0), dict(top_k=400, top_p=0.9, temperature=2.0)]
+
+
+def test_every_route_samples_what_a_full_sort_samples(monkeypatch) -> None:
+    """Unsorted (no filter), the top-256 candidates (the kept prefix lies there) and the full sort
+    (a flat distribution whose nucleus is wider) give the reference's exact tokens; only the rows
+    that need it sort the whole vocabulary."""
+    vocab, n = 1000, len(ROUTES) * 6
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(n, vocab, generator=g) * 4  # peaked enough that top_p=0.5 fits the candidates
+    params = [ROUTES[i % len(ROUTES)] for i in range(n)]
+    rows = [row(seed=500 + i, **p) for i, p in enumerate(params)]
+    uniforms = [torch.rand(1, generator=torch.Generator().manual_seed(500 + i)).item() for i in range(n)]
+    sorted_rows = []
+    real_sort = torch.Tensor.sort
+    monkeypatch.setattr(torch.Tensor, "sort", lambda t, *a, **k: sorted_rows.append(t.shape[0]) or real_sort(t, *a, **k))
+    out = Sampler(vocab).sample(logits.clone(), rows)
+    monkeypatch.undo()
+    tokens, kept = _full_sort_reference(logits, params, uniforms)
+    assert out.token_ids == tokens
+    # exactly the filtered rows whose kept prefix is wider than the candidates sort everything
+    wide = sum(1 for p, n_kept in zip(params, kept) if p and set(p) != {"temperature"} and n_kept > 256)
+    assert 6 <= wide < n // 2 and sorted_rows == [wide]
+
+
+def test_a_batch_without_filters_never_sorts(monkeypatch) -> None:
+    monkeypatch.setattr(torch.Tensor, "sort", lambda *a, **k: pytest.fail("sorted an unfiltered batch"))
+    monkeypatch.setattr(torch.Tensor, "topk", lambda *a, **k: pytest.fail("topk on an unfiltered batch"))
+    out = Sampler(4, seed=1).sample(probs_logits(P, 3000), [row(temperature=1.0) for _ in range(3000)])
+    assert torch.allclose(frequencies(torch.tensor(out.token_ids), 4), torch.tensor(P), atol=0.03)
+
+
 def test_temperature_sharpens_and_flattens() -> None:
     cold = frequencies(draw(P, temperature=0.1), 4)
     assert cold[0] > 0.99
