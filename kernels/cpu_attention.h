@@ -39,23 +39,10 @@ inline void load_row(const T* __restrict src, float* __restrict dst, int n) {
   for (int i = 0; i < n; ++i) dst[i] = to_f(src[i]);
 }
 
-// e^x for x <= 0 (relative error ~2e-7), written so that the compiler vectorises it.
-inline float exp_neg(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  float n = (x * 1.44269504f + 12582912.0f) - 12582912.0f;  // round(x / ln 2)
-  float y = x - n * 0.693145752f - n * 1.42860677e-06f;    // Cody-Waite: |y| <= ln2 / 2
-  float p = 1.0f / 720;
-  p = p * y + 1.0f / 120;
-  p = p * y + 1.0f / 24;
-  p = p * y + 1.0f / 6;
-  p = p * y + 0.5f;
-  p = p * y + 1.0f;
-  p = p * y + 1.0f;
-  int32_t e = (static_cast<int32_t>(n) + 127) << 23;
-  float s;
-  std::memcpy(&s, &e, sizeof s);
-  return p * s;
-}
+using core_rows::exp_neg;  // e^x for x <= 0, scalar and on vectors (cpu_rows.h)
+#if defined(__AVX2__) && defined(__FMA__)
+using core_rows::vexp_neg;
+#endif
 
 // Vector helpers where the compiler targets AVX-512 or AVX2 (-march=native decides); elsewhere
 // the plain loops below them are used.
@@ -94,42 +81,6 @@ inline float vsum(vf x) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-#endif
-
-// e^x for x <= 0, the polynomial of exp_neg, on 8 lanes (AVX2) and 16 (AVX-512).
-#if defined(__AVX2__) && defined(__FMA__)
-inline __m256 vexp_neg(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 y = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
-  y = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-06f), y);
-  __m256 r = _mm256_set1_ps(1.0f / 720);
-  r = _mm256_fmadd_ps(r, y, _mm256_set1_ps(1.0f / 120));
-  r = _mm256_fmadd_ps(r, y, _mm256_set1_ps(1.0f / 24));
-  r = _mm256_fmadd_ps(r, y, _mm256_set1_ps(1.0f / 6));
-  r = _mm256_fmadd_ps(r, y, _mm256_set1_ps(0.5f));
-  r = _mm256_fmadd_ps(r, y, _mm256_set1_ps(1.0f));
-  r = _mm256_fmadd_ps(r, y, _mm256_set1_ps(1.0f));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(r, _mm256_castsi256_ps(e));
-}
-#endif
-#if defined(__AVX512F__)
-inline __m512 vexp_neg(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 y = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
-  y = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-06f), y);
-  __m512 r = _mm512_set1_ps(1.0f / 720);
-  r = _mm512_fmadd_ps(r, y, _mm512_set1_ps(1.0f / 120));
-  r = _mm512_fmadd_ps(r, y, _mm512_set1_ps(1.0f / 24));
-  r = _mm512_fmadd_ps(r, y, _mm512_set1_ps(1.0f / 6));
-  r = _mm512_fmadd_ps(r, y, _mm512_set1_ps(0.5f));
-  r = _mm512_fmadd_ps(r, y, _mm512_set1_ps(1.0f));
-  r = _mm512_fmadd_ps(r, y, _mm512_set1_ps(1.0f));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(r, _mm512_castsi512_ps(e));
 }
 #endif
 

@@ -1,7 +1,7 @@
 """Two of the fused per-layer ops of ``kernels/fused_ops.py`` for CPU tensors, same signatures:
 one C++ loop each (``cpu_ops.cpp``) for RMS norm and for rotary of q and k. No ``gated_act``:
 torch's vectorised silu and mul are as fast on the CPU. Also the KV store (``store_kv``, for the
-``cpu`` attention backend) and the sampler's greedy ``argmax``; ``add_rms_norm`` (a residual add
+``cpu`` attention backend), the sampler's greedy ``argmax`` and its ``sample_rows``; ``add_rms_norm`` (a residual add
 and the next norm in one pass) is called from the one-op layer (``kernels/cpu_decode``).
 
 On the CPU the torch ops' cost is dispatch, not arithmetic: norms and rotary took ~1.9 ms of a
@@ -50,6 +50,13 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor, k:
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """``x.argmax(-1)`` for float32 or bfloat16 ``[rows, n]``: the first index of each row's maximum (NaN first)."""
     return torch.ops.core_cpu_ops.argmax(x if x.stride(-1) == 1 else x.contiguous())
+
+
+def sample_rows(x: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
+    """Per row of float32 ``x`` ``[rows, n]``: the token at ``u`` of softmax(x / temperature) by the
+    inverse CDF in column order (``Sampler``'s rows without filters), ``fallback`` where the row
+    has no finite distribution."""
+    return torch.ops.core_cpu_ops.sample_rows(x if x.stride(-1) == 1 else x.contiguous(), temperature, u, fallback)
 
 
 def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

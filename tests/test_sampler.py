@@ -524,3 +524,46 @@ def test_upload_refuses_what_torch_tensor_refuses():
     for bad in ([2**70], ["a"]):  # torch.tensor's own error, not array's
         with pytest.raises(ValueError):
             upload(bad, torch.int64, torch.device("cpu"))
+
+
+# --- the CPU loop for rows without filters (kernels/cpu_ops.cpp: sample_rows) ------------------
+
+
+def _cpu_ops():
+    from core_kernels import cpu_ops
+
+    if not cpu_ops.available():
+        pytest.skip("the C++ CPU ops cannot be built here")
+    return cpu_ops
+
+
+def test_cpu_sample_rows_picks_what_the_torch_route_picks() -> None:
+    from core.engine.sampler import _inverse_cdf
+
+    ops = _cpu_ops()
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(300, 5000, generator=g) * 3
+    temp = torch.rand(300, generator=g) * 2 + 0.05
+    u = torch.rand(300, generator=g)
+    fb = torch.full((300,), -1, dtype=torch.long)
+    got = ops.sample_rows(x, temp, u, fb)
+    want = _inverse_cdf(torch.softmax(x / temp[:, None], dim=-1), None, u, fb)
+    assert (got != want).sum() <= 1  # the same search; only a rounding tie at a boundary may differ
+
+
+def test_cpu_sample_rows_falls_back_where_there_is_no_distribution() -> None:
+    ops = _cpu_ops()
+    inf = float("inf")
+    x = torch.tensor([[0.0, float("nan"), 1.0], [0.0, inf, 1.0], [-inf, -inf, -inf], [1.0, 3e5, 2.0], [-inf, 2.0, -inf]])
+    temp = torch.tensor([1.0, 1.0, 1.0, 1e-40, 1.0])
+    out = ops.sample_rows(x, temp, torch.full((5,), 0.999), torch.tensor([7, 8, 9, 10, 11]))
+    assert out.tolist() == [7, 8, 9, 10, 1]  # a -inf entry is never chosen, even at u -> 1
+
+
+def test_cpu_sample_rows_refuses_bad_arguments() -> None:
+    ops = _cpu_ops()
+    x, t, u, fb = torch.zeros(2, 4), torch.ones(2), torch.zeros(2), torch.zeros(2, dtype=torch.long)
+    for args, what in [((x.double(), t, u, fb), "float32"), ((x, t[:1], u, fb), "temperature and u"),
+                       ((x, t, u, fb.int()), "fallback"), ((x, torch.zeros(2), u, fb), "> 0")]:
+        with pytest.raises(RuntimeError, match=what):
+            ops.sample_rows(*args)
