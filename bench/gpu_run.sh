@@ -5,6 +5,9 @@
 #   bench/gpu_run.sh tests [ARGS]   # the gpu-marked tests, then the kernel / graph test files, on CUDA
 #   bench/gpu_run.sh bench ARGS     # bench/bench_offline.py ARGS (dummy weights of real shapes: bench/shapes/)
 #   bench/gpu_run.sh profile ARGS   # bench/profile_step.py ARGS
+#   The tests import openai and jsonschema: besides GPU.md's list, carry in .whl openai, httpx2,
+#   httpcore2, truststore, jiter, distro, sniffio, anyio, idna, jsonschema, referencing,
+#   jsonschema-specifications, rpds-py (the image's pytest-xdist runs them: tests -n 8, ~90 s on an H200).
 # Logs land in $OUT (default ./gpu_out). FlashInfer's JIT cache goes to /tmp/fiws; `fisave`
 # packs its built kernels into $OUT/fi_jit.tgz, and a carried .fijit/fi_jit.tgz is unpacked
 # before a run, so a fresh machine skips the minutes of nvcc.
