@@ -171,10 +171,15 @@ ROUTES = [dict(), dict(temperature=0.8), dict(top_k=10), dict(top_k=300), dict(t
           dict(min_p=0.05), dict(min_p=0.001, temperature=4.0), dict(top_k=400, top_p=0.9, temperature=2.0)]
 
 
-def test_every_route_samples_what_a_full_sort_samples(monkeypatch) -> None:
-    """Unsorted (no filter), the top-256 candidates (the kept prefix lies there) and the full sort
-    (a flat distribution whose nucleus is wider) give the reference's exact tokens; only the rows
-    that need it sort the whole vocabulary."""
+@pytest.mark.parametrize("plain_rows", ["cpu_loop", "torch_ops"])
+def test_every_route_samples_what_a_full_sort_samples(monkeypatch, plain_rows) -> None:
+    """Unsorted (no filter: the CPU's C++ loop, or the torch ops a GPU runs), the top-256
+    candidates (the kept prefix lies there) and the full sort (a flat distribution whose nucleus
+    is wider) give the reference's exact tokens; only the rows that need it sort the whole vocabulary."""
+    if plain_rows == "torch_ops":
+        import core.layers
+
+        monkeypatch.setattr(core.layers, "fused", lambda x: None)
     vocab, n = 1000, len(ROUTES) * 6
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(n, vocab, generator=g) * 4  # peaked enough that top_p=0.5 fits the candidates
@@ -185,7 +190,7 @@ def test_every_route_samples_what_a_full_sort_samples(monkeypatch) -> None:
     real_sort = torch.Tensor.sort
     monkeypatch.setattr(torch.Tensor, "sort", lambda t, *a, **k: sorted_rows.append(t.shape[0]) or real_sort(t, *a, **k))
     out = Sampler(vocab).sample(logits.clone(), rows)
-    monkeypatch.undo()
+    monkeypatch.setattr(torch.Tensor, "sort", real_sort)
     tokens, kept = _full_sort_reference(logits, params, uniforms)
     assert out.token_ids == tokens
     # exactly the filtered rows whose kept prefix is wider than the candidates sort everything
