@@ -370,8 +370,10 @@ class Sampler:
         """
         vocab = logits.shape[1]
         u = self._uniforms(rows)
-        cols = upload([(r.params.temperature, r.params.top_k if 0 < r.params.top_k < vocab else vocab, r.params.top_p,
-                        r.params.min_p, x) for r, x in zip(rows, u)], torch.float32, logits.device)
+        # one flat float32 list (an array, not torch.tensor's parse of nested tuples), 5 columns
+        cols = upload([v for r, x in zip(rows, u) for v in (r.params.temperature, r.params.top_k if 0 < r.params.top_k < vocab
+                                                             else vocab, r.params.top_p, r.params.min_p, x)],
+                      torch.float32, logits.device).view(-1, 5)
         filtered = [i for i, r in enumerate(rows) if _filters(r.params, vocab)]
         if not filtered:  # plain sampling: no order needed
             return _sample_plain(logits, cols, fallback)
