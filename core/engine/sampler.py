@@ -393,18 +393,16 @@ class Sampler:
         vocab = probs.shape[1]
         k = min(TOP_CANDIDATES, vocab)
         cand, order = probs.topk(k, dim=-1)  # sorted, most likely first
-        if k == vocab:
-            return _filtered_cdf(cand, order, cols, fallback)
-        # the kept prefix ends within the candidates iff the (k+1)-th most likely token is dropped:
-        # by top_k, by top_p (the candidates' mass reaches top_p) or by min_p (it is at most cand[k-1])
-        top_k, top_p, min_p = cols[:, 1], cols[:, 2], cols[:, 3]
-        fits = (top_k <= k) | ((cand.sum(-1) >= top_p) & (top_p < 1.0)) | (cand[:, -1] < cand[:, 0] * min_p)
-        if bool(fits.all()):
-            return _filtered_cdf(cand, order, cols, fallback)
-        rest = (~fits).nonzero().squeeze(1)
         out = _filtered_cdf(cand, order, cols, fallback)
-        full, full_order = probs[rest].sort(dim=-1, descending=True)
-        out[rest] = _filtered_cdf(full, full_order, cols[rest], fallback[rest])
+        if k < vocab:
+            # the kept prefix ends within the candidates iff the (k+1)-th most likely token is dropped:
+            # by top_k, by top_p (the candidates' mass reaches top_p) or by min_p (it is at most cand[k-1])
+            top_k, top_p, min_p = cols[:, 1], cols[:, 2], cols[:, 3]
+            fits = (top_k <= k) | ((cand.sum(-1) >= top_p) & (top_p < 1.0)) | (cand[:, -1] < cand[:, 0] * min_p)
+            if not bool(fits.all()):
+                rest = (~fits).nonzero().squeeze(1)
+                full, full_order = probs[rest].sort(dim=-1, descending=True)
+                out[rest] = _filtered_cdf(full, full_order, cols[rest], fallback[rest])
         return out
 
     def _output(self, tokens: torch.Tensor, rows: list[SamplingRow], raw_lp: torch.Tensor | None) -> SampleOutput:
