@@ -77,6 +77,7 @@ def test_no_fusion_off_the_gpu_or_for_other_weights():
         dense = False
 
     o = RowParallelLinear(24, 16, False, NotDense(), torch.float32)
+    o.weight.data.normal_()  # created empty: garbage (NaN even) otherwise
     o.fuse_after_loading(CPU)
     assert not o.__dict__["add_in_gemm"]
     x, r = torch.randn(2, 24), torch.randn(2, 16)
