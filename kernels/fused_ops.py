@@ -1,5 +1,6 @@
 """The small per-layer ops of a decoder, one launch each on a GPU: RMS norm, rotary embedding
-of q and k, and the gated activation ``act(gate) * up``.
+of q and k, the gated activation ``act(gate) * up``, and the per-token fp8 quantization of a
+linear layer's input (``--quantization fp8``).
 
 In eager torch each is 5-14 elementwise kernels (float casts, pow, mean, rsqrt, cat, neg, ...),
 which at decode batch sizes costs more in launches than in work: a SmolLM2 step was ~1,300
@@ -132,3 +133,36 @@ def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch
             D=d, HALF=half, BLOCK_HALF=triton.next_power_of_2(half), BLOCK_REST=triton.next_power_of_2(rest) if rest else 0,
         )
     return q_out, k_out
+
+
+@triton.jit
+def _per_token_fp8_kernel(X, Q, S, stride_x, stride_q, N, fp8_max, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    amax = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, N, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(X + row * stride_x + cols, mask=cols < N, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    s = tl.maximum(tl.max(amax, axis=0), 1e-12) / fp8_max
+    for start in range(0, N, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(X + row * stride_x + cols, mask=cols < N, other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(tl.math.div_rn(x, s), -fp8_max), fp8_max)
+        tl.store(Q + row * stride_q + cols, q.to(Q.dtype.element_ty), mask=cols < N)
+    tl.store(S + row, s)
+
+
+def per_token_fp8(x: torch.Tensor, fp8_max: float = 448.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` ``[T, K]`` quantized to float8 e4m3 per row, and the rows' float32 scales ``[T, 1]``:
+    ``s = max(amax|x|, 1e-12) / fp8_max``, ``q = clamp(x / s)`` (the fp8 plugin's torch ops, which
+    are ~9 launches a linear layer)."""
+    if x.dim() != 2:
+        raise ValueError(f"per_token_fp8: x {tuple(x.shape)}, want [T, K]")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    t, k = x.shape
+    q = torch.empty(t, k, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(t, 1, dtype=torch.float32, device=x.device)
+    if t:
+        _per_token_fp8_kernel[(t,)](x, q, s, x.stride(0), q.stride(0), k, fp8_max,
+                                    BLOCK=min(4096, triton.next_power_of_2(k)))
+    return q, s

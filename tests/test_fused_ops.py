@@ -117,6 +117,39 @@ def test_gated_act_refuses_bad_input():
         mod.gated_act(torch.zeros(2, 4, device=dev), torch.zeros(2, 5, device=dev))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(5, 300), (2, 4096 + 80), (1, 16)])
+def test_per_token_fp8_matches_the_fp8_plugins_torch_ops(dtype, shape):
+    """Triton only (the fp8 method runs on a GPU): one launch for the scale and the cast. Scales are
+    equal; codes equal on a GPU. The interpreter's float -> fp8 conversion is not the hardware's
+    (127.3 becomes 64 there, not 128), so under it the codes are checked for place, sign and zeros,
+    and to within half their value."""
+    mod, dev = fused_ops, GPU
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(*shape, generator=g) * 3).to(dtype)
+    x[0, : shape[1] // 2] = 0.0  # amax from the second half
+    if shape[0] > 1:
+        x[-1] = 0.0  # an all-zero row: the 1e-12 floor, every code 0
+    s_ref = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / 448.0
+    q_ref = (x.float() / s_ref).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).float()
+    q, s = mod.per_token_fp8(x.to(dev), 448.0)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == shape and s.shape == (shape[0], 1)
+    torch.testing.assert_close(s.cpu(), s_ref, rtol=0, atol=0)
+    q = q.float().cpu()
+    if interpreting():
+        assert torch.equal(q == 0, q_ref == 0) and torch.equal(q.sign(), q_ref.sign())
+        assert ((q - q_ref).abs() <= q_ref.abs() / 2).all()
+        assert (q == q_ref).float().mean() > 0.5
+    else:
+        torch.testing.assert_close(q, q_ref, rtol=0, atol=0)
+    assert q.abs().max() <= 448.0 and (shape[0] == 1 or (q[-1] == 0).all())
+
+
+def test_per_token_fp8_refuses_bad_input():
+    with pytest.raises(ValueError, match="per_token_fp8"):
+        fused_ops.per_token_fp8(torch.zeros(2, 3, 4, device=GPU))
+
+
 ROPES = {
     "default": ({}, 1.0),
     "partial": ({}, 0.5),

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from core import hookimpl
 from core.errors import ModelLoadError
+from core.layers import fused
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -108,8 +109,11 @@ class Fp8:
             return F.linear(x, layer.weight, layer.bias)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        s = x2.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX  # per token
-        xq = (x2.float() / s).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        if (k := fused(x2)) is not None and hasattr(k, "per_token_fp8"):  # a GPU: one launch
+            xq, s = k.per_token_fp8(x2, FP8_MAX)
+        else:
+            s = x2.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX  # per token
+            xq = (x2.float() / s).clamp(-FP8_MAX, FP8_MAX).to(FP8)
         y = torch._scaled_mm(xq, layer.fp8_weight.t(), scale_a=s, scale_b=layer.fp8_scale, out_dtype=x.dtype)
         if layer.bias is not None:
             y = y + layer.bias
