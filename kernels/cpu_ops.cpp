@@ -238,6 +238,61 @@ at::Tensor sample_rows(const at::Tensor& x, const at::Tensor& temperature, const
   return out;
 }
 
+// The sampler's filtered rows over their candidates sorted most likely first (`probs` [B, K] and
+// their ids `order`; `cols` [B, 5]: temperature, top_k, top_p, min_p, u): the prefix top-k / top-p /
+// min-p keep, then the inverse CDF at u, with the float32 roundings of the torch ops it replaces
+// (sampler._filtered_cdf; torch's CPU cumsum accumulates in double), so the tokens are the same.
+// Unless `complete` (the candidates are the whole vocabulary), a row whose kept prefix may reach past
+// K gets -1: the caller sorts everything for it. `fallback` where the kept mass is not finite or zero.
+int64_t sample_sorted_row(const float* p, const int64_t* ids, int64_t k, const float* c, int64_t fallback,
+                          bool complete, std::vector<float>& cdf) {
+  const float top_k = c[1], top_p = c[2], min_p = c[3], u = c[4];
+  const float floor = p[0] * min_p;
+  double acc = 0.0, kept = 0.0;
+  for (int64_t j = 0; j < k; ++j) {
+    acc += p[j];
+    const float exclusive = static_cast<float>(acc) - p[j];
+    const bool drop = j > 0 && (static_cast<float>(j) >= top_k || (exclusive >= top_p && top_p < 1.0f) || p[j] < floor);
+    kept += drop ? 0.0 : p[j];
+    cdf[j] = static_cast<float>(kept);
+  }
+  if (!complete && !(top_k <= static_cast<float>(k) || (static_cast<float>(acc) >= top_p && top_p < 1.0f) ||
+                     p[k - 1] < floor))
+    return -1;
+  const float total = cdf[k - 1];
+  if (!(total > 0.f) || !std::isfinite(total)) return fallback;
+  const float target = u * total;
+  // searchsorted(cdf, target, right) capped at searchsorted(cdf, total): cdf is non-decreasing
+  const int64_t pos = std::upper_bound(cdf.begin(), cdf.begin() + k, target) - cdf.begin();
+  const int64_t last = std::lower_bound(cdf.begin(), cdf.begin() + k, total) - cdf.begin();
+  return ids[std::min({pos, last, k - 1})];
+}
+
+at::Tensor sample_sorted(const at::Tensor& probs, const at::Tensor& order, const at::Tensor& cols,
+                         const at::Tensor& fallback, bool complete) {
+  TORCH_CHECK(probs.dim() == 2 && probs.scalar_type() == at::kFloat && probs.size(1) > 0 && order.sizes() == probs.sizes() &&
+                  order.scalar_type() == at::kLong,
+              "sample_sorted: float32 probs [rows, k] and int64 order of the same shape");
+  const int64_t rows = probs.size(0), k = probs.size(1);
+  TORCH_CHECK(cols.dim() == 2 && cols.size(0) == rows && cols.size(1) == 5 && cols.scalar_type() == at::kFloat,
+              "sample_sorted: cols is float32 [rows, 5]");
+  TORCH_CHECK(fallback.dim() == 1 && fallback.size(0) == rows && fallback.scalar_type() == at::kLong,
+              "sample_sorted: fallback is int64 [rows]");
+  auto pc = probs.contiguous(), oc = order.contiguous(), cc = cols.contiguous(), fc = fallback.contiguous();
+  const float* pp = pc.data_ptr<float>();
+  const int64_t* po = oc.data_ptr<int64_t>();
+  const float* pcol = cc.data_ptr<float>();
+  const int64_t* pf = fc.data_ptr<int64_t>();
+  auto out = at::empty({rows}, probs.options().dtype(at::kLong));
+  int64_t* pout = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> cdf(k);
+    for (int64_t i = begin; i < end; ++i)
+      pout[i] = sample_sorted_row(pp + i * k, po + i * k, k, pcol + i * 5, pf[i], complete, cdf);
+  });
+  return out;
+}
+
 bool rows_contiguous(const at::Tensor& x) {  // each x[i] is one contiguous block (the rows may be strided)
   int64_t expected = 1;
   for (int64_t d = x.dim() - 1; d >= 1; --d) {
@@ -282,6 +337,7 @@ TORCH_LIBRARY(core_cpu_ops, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps, float offset) -> Tensor");
   m.def("argmax(Tensor x) -> Tensor");
   m.def("sample_rows(Tensor x, Tensor temperature, Tensor u, Tensor fallback) -> Tensor");
+  m.def("sample_sorted(Tensor probs, Tensor order, Tensor cols, Tensor fallback, bool complete) -> Tensor");
   m.def("store_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor loc, Tensor k, Tensor v) -> ()");
   m.def("add_rms_norm(Tensor x, Tensor r, Tensor w, float eps, float offset) -> (Tensor, Tensor)");
   m.def("rotary(Tensor pos, Tensor q, Tensor k, Tensor cos, Tensor sin, int rotary_dim) -> (Tensor, Tensor)");
@@ -292,6 +348,7 @@ TORCH_LIBRARY_IMPL(core_cpu_ops, CPU, m) {
   m.impl("rotary", &rotary);
   m.impl("argmax", &argmax);
   m.impl("sample_rows", &sample_rows);
+  m.impl("sample_sorted", &sample_sorted);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("store_kv", &store_kv);
 }

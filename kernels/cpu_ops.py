@@ -1,7 +1,7 @@
 """Two of the fused per-layer ops of ``kernels/fused_ops.py`` for CPU tensors, same signatures:
 one C++ loop each (``cpu_ops.cpp``) for RMS norm and for rotary of q and k. No ``gated_act``:
 torch's vectorised silu and mul are as fast on the CPU. Also the KV store (``store_kv``, for the
-``cpu`` attention backend), the sampler's greedy ``argmax`` and its ``sample_rows``; ``add_rms_norm`` (a residual add
+``cpu`` attention backend), the sampler's greedy ``argmax``, ``sample_rows`` and ``sample_sorted``; ``add_rms_norm`` (a residual add
 and the next norm in one pass) is called from the one-op layer (``kernels/cpu_decode``).
 
 On the CPU the torch ops' cost is dispatch, not arithmetic: norms and rotary took ~1.9 ms of a
@@ -57,6 +57,15 @@ def sample_rows(x: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor, fal
     inverse CDF in column order (``Sampler``'s rows without filters), ``fallback`` where the row
     has no finite distribution."""
     return torch.ops.core_cpu_ops.sample_rows(x if x.stride(-1) == 1 else x.contiguous(), temperature, u, fallback)
+
+
+def sample_sorted(probs: torch.Tensor, order: torch.Tensor, cols: torch.Tensor, fallback: torch.Tensor,
+                  complete: bool) -> torch.Tensor:
+    """``Sampler``'s filtered rows over candidates sorted most likely first: the token each row's
+    top-k / top-p / min-p prefix gives at its uniform (``cols``: temperature, top_k, top_p, min_p,
+    u), as ``sampler._filtered_cdf`` does; -1 where the prefix may reach past the candidates
+    (unless ``complete``)."""
+    return torch.ops.core_cpu_ops.sample_sorted(probs, order, cols, fallback, complete)
 
 
 def rotary(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -572,3 +572,36 @@ def test_cpu_sample_rows_refuses_bad_arguments() -> None:
                        ((x, t, u, fb.int()), "fallback"), ((x, torch.zeros(2), u, fb), "> 0")]:
         with pytest.raises(RuntimeError, match=what):
             ops.sample_rows(*args)
+
+
+@pytest.mark.parametrize("complete", [False, True])
+def test_cpu_sample_sorted_is_the_torch_ops_exactly(monkeypatch, complete) -> None:
+    """The C++ loop for filtered rows keeps the torch ops' float32 roundings: the same tokens, and
+    the same rows marked -1 (kept prefix possibly past the candidates)."""
+    import core.layers
+    from core.engine.sampler import _pick_sorted
+
+    ops = _cpu_ops()
+    g = torch.Generator().manual_seed(21)
+    n, k = 400, 64
+    probs = torch.softmax(torch.randn(n, 1000, generator=g) * torch.rand(n, 1, generator=g) * 6, dim=-1)
+    cand, order = probs.topk(k, dim=-1)
+    cols = torch.stack([torch.ones(n), torch.randint(1, 100, (n,), generator=g).float(),
+                        torch.rand(n, generator=g), torch.rand(n, generator=g) * 0.2, torch.rand(n, generator=g)], 1)
+    cols[::3, 1] = 1000.0  # no top_k on a third of the rows
+    cols[1::4, 2] = 1.0  # no top_p on a quarter
+    fb = torch.arange(n) + 5000
+    got = ops.sample_sorted(cand, order, cols, fb, complete)
+    monkeypatch.setattr(core.layers, "fused", lambda x: None)
+    want = _pick_sorted(cand, order, cols, fb, complete)
+    assert torch.equal(got, want)
+    assert complete or 0 < (got < 0).sum() < n  # both kinds of rows are there
+
+
+def test_cpu_sample_sorted_refuses_bad_arguments() -> None:
+    ops = _cpu_ops()
+    p, o, c, fb = torch.ones(2, 4) / 4, torch.zeros(2, 4, dtype=torch.long), torch.zeros(2, 5), torch.zeros(2, dtype=torch.long)
+    for args, what in [((p.double(), o, c, fb), "float32 probs"), ((p, o[:, :3], c, fb), "same shape"),
+                       ((p, o, c[:, :4], fb), "cols"), ((p, o, c, fb[:1]), "fallback")]:
+        with pytest.raises(RuntimeError, match=what):
+            ops.sample_sorted(*args, False)
