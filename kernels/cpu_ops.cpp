@@ -241,7 +241,7 @@ at::Tensor sample_rows(const at::Tensor& x, const at::Tensor& temperature, const
 // The sampler's filtered rows over their candidates sorted most likely first (`probs` [B, K] and
 // their ids `order`; `cols` [B, 5]: temperature, top_k, top_p, min_p, u): the prefix top-k / top-p /
 // min-p keep, then the inverse CDF at u, with the float32 roundings of the torch ops it replaces
-// (sampler._filtered_cdf; torch's CPU cumsum accumulates in double), so the tokens are the same.
+// (sampler._pick_sorted; torch's CPU cumsum accumulates in double), so the tokens are the same.
 // Unless `complete` (the candidates are the whole vocabulary), a row whose kept prefix may reach past
 // K gets -1: the caller sorts everything for it. `fallback` where the kept mass is not finite or zero.
 int64_t sample_sorted_row(const float* p, const int64_t* ids, int64_t k, const float* c, int64_t fallback,
@@ -286,7 +286,8 @@ at::Tensor sample_sorted(const at::Tensor& probs, const at::Tensor& order, const
   auto out = at::empty({rows}, probs.options().dtype(at::kLong));
   int64_t* pout = out.data_ptr<int64_t>();
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> cdf(k);
+    thread_local std::vector<float> cdf;  // as in sample_rows: a full-vocabulary row is 200 KB
+    cdf.resize(std::max<size_t>(cdf.size(), k));
     for (int64_t i = begin; i < end; ++i)
       pout[i] = sample_sorted_row(pp + i * k, po + i * k, k, pcol + i * 5, pf[i], complete, cdf);
   });
