@@ -170,15 +170,17 @@ def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return torch.randint(100, vocab - 100, (n, length), generator=g).tolist()
 
 
-def run_core(engine, prompts: list[list[int]], out_len: int) -> tuple[float, list[float], list[float], int]:
+def run_core(engine, prompts: list[list[int]], out_len: int, sampling: dict | None = None
+             ) -> tuple[float, list[float], list[float], int]:
     """(wall, time to first token and time per output token after it of each request, tokens).
     The streaming clients run on the engine's own event loop, as `core serve`'s HTTP handlers do
     (the offline ``Engine`` would hand every chunk to another thread's loop)."""
-    return asyncio.run_coroutine_threadsafe(_clients(engine.engine, prompts, out_len), engine._loop).result()
+    return asyncio.run_coroutine_threadsafe(_clients(engine.engine, prompts, out_len, sampling or {}), engine._loop).result()
 
 
-async def _clients(core, prompts: list[list[int]], out_len: int) -> tuple[float, list[float], list[float], int]:
-    params = {"temperature": 0, "max_new_tokens": out_len, "ignore_eos": True}
+async def _clients(core, prompts: list[list[int]], out_len: int, sampling: dict
+                   ) -> tuple[float, list[float], list[float], int]:
+    params = {"temperature": 0, **sampling, "max_new_tokens": out_len, "ignore_eos": True}
     t0 = time.perf_counter()
     ttfts: list[float] = []
     tpots: list[float] = []
@@ -243,6 +245,8 @@ def main() -> None:
     ap.add_argument("--torchao-config", default=None, help="int8wo, int4wo-32, int4wo-128 (weight-only)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--temperature", type=float, default=0.0, help="core's requests (transformers stays greedy)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="core's requests (with --temperature > 0)")
     ap.add_argument("--skip-split", action="store_true", help="do not measure the per-step split")
     ap.add_argument("--prefill-len", type=int, default=0,
                     help="also time the prefill of one prompt this long (best of 3, a new prompt each time)")
@@ -281,7 +285,8 @@ def main() -> None:
         # run is also paired with the larger of the bandwidths measured right before and after it.
         runs = []
         for i in range(5 if c == 1 else 1):
-            runs.append(run_core(engine, make_prompts(c, args.input_len, vocab, c + 1000 * i), args.output_len))
+            runs.append(run_core(engine, make_prompts(c, args.input_len, vocab, c + 1000 * i), args.output_len,
+                                 {"temperature": args.temperature, "top_p": args.top_p}))
             if c == 1:
                 bws.append(measure_bandwidth(dev))
                 paired.append(wbytes / max(bws[-2:]) / statistics.median(runs[-1][2]))
@@ -325,7 +330,8 @@ def main() -> None:
         cpu = torch.cuda.get_device_name(dev)
     print(f"# {cpu}")
     print(f"# {torch.get_num_threads()} threads, torch {torch.__version__}, dtype {str(dtype).removeprefix('torch.')} "
-          f"(--dtype {args.dtype}), {args.input_len} in / {args.output_len} out, EOS ignored")
+          f"(--dtype {args.dtype}), {args.input_len} in / {args.output_len} out, EOS ignored, core's requests "
+          + (f"sampled at temperature {args.temperature}, top_p {args.top_p}" if args.temperature > 0 else "greedy"))
     print(f"# memory bandwidth {bw / 1e9:.1f} GB/s (copy, read + write; the best of {len(bws)} measurements "
           f"around core's runs, {min(bws) / 1e9:.1f} the worst); weights read per decode step "
           f"{wbytes / 1e6:.0f} MB; batch-1 weight-read limit {limit:.1f} tok/s")

@@ -1,4 +1,4 @@
-"""GPU paths: fp8 weights (``torch._scaled_mm``) and the CUDA int4 kernel. Skipped, with the reason,
+"""GPU paths: fp8 weights (``kernels/wo_gemm`` for few rows, ``torch._scaled_mm`` for many) and the CUDA int4 kernel. Skipped, with the reason,
 where no CUDA GPU with fp8 support (compute capability >= 8.9) is present; the CPU refusal is
 tested in test_quant_models.py."""
 
@@ -14,7 +14,7 @@ from core_plugins.quant.fp8 import FP8_MAX, fp8_unsupported
 
 CUDA = torch.device("cuda")
 no_fp8 = fp8_unsupported(CUDA) if torch.cuda.is_available() else "no CUDA GPU"
-pytestmark = pytest.mark.skipif(no_fp8 is not None, reason=f"fp8 GEMMs cannot run here: {no_fp8}")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(no_fp8 is not None, reason=f"fp8 GEMMs cannot run here: {no_fp8}")]
 
 
 def test_fp8_and_cuda_int4_pass_the_conformance_kit():

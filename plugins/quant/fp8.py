@@ -6,8 +6,10 @@ Dense bf16/fp16 checkpoints are quantized at load with one scale per output chan
 per output channel) the stored fp8 values are used unchanged; with transformers' block-wise
 ``weight_scale_inv`` (``weight_block_size``, the DeepSeek / Qwen3-FP8 layout) the blocks are
 folded into one scale per output channel, which re-rounds the blocks whose scale is not their
-row's largest. Each forward quantizes the activations per token and runs ``torch._scaled_mm``
-with row-wise fp32 scales, output in the activation dtype.
+row's largest. A GEMM of up to ``wo_gemm.MAX_ROWS`` rows (decode) multiplies the fp8 weight by
+the activations as they are, dequantizing it in registers (``kernels/wo_gemm``: one launch, the
+weight read once); a larger one quantizes the activations per token and runs ``torch._scaled_mm``
+with row-wise fp32 scales on the fp8 tensor cores, output in the activation dtype.
 
 Needs a CUDA GPU with fp8 tensor cores (compute capability >= 8.9); elsewhere start-up stops
 naming the method and the device (torch's CPU ``_scaled_mm`` is a reference kernel: right, but
@@ -25,6 +27,7 @@ import torch.nn.functional as F
 from core import hookimpl
 from core.errors import ModelLoadError
 from core.layers import fused
+from core_plugins.quant.packed import gpu_kernels
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -109,6 +112,9 @@ class Fp8:
             return F.linear(x, layer.weight, layer.bias)
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
+        if x2.is_cuda and x2.shape[0] <= (wo := gpu_kernels()).MAX_ROWS:  # decode: fp8 weights, bf16 activations
+            y = wo.mm(x2, layer.fp8_weight, layer.fp8_scale.view(-1), bias=layer.bias)
+            return y.reshape(*shape[:-1], y.shape[-1])
         if (k := fused(x2)) is not None and hasattr(k, "per_token_fp8"):  # a GPU: one launch
             xq, s = k.per_token_fp8(x2, FP8_MAX)
         else:

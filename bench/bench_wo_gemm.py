@@ -1,0 +1,63 @@
+"""The weight-only GEMM kernel (``kernels/wo_gemm``) against bf16 cuBLAS and torch's own quantized
+paths at Llama-3.1-8B layer widths, on a GPU: time per call and the weight bytes read per second.
+
+    python bench/bench_wo_gemm.py            # rows 1 and 16
+    python bench/bench_wo_gemm.py 1,8,64
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import triton
+
+from core_kernels import wo_gemm
+from core_kernels.fused_ops import per_token_fp8
+from core_plugins.quant import packed
+
+if not torch.cuda.is_available():
+    sys.exit("bench_wo_gemm: needs a CUDA GPU")
+rows_list = [int(r) for r in (sys.argv[1] if len(sys.argv) > 1 else "1,16").split(",")]
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336), "lm_head": (128256, 4096)}
+gen = torch.Generator(device="cuda").manual_seed(0)
+
+
+def scaled_mm(xq: tuple[torch.Tensor, torch.Tensor], w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return torch._scaled_mm(xq[0], w.t(), scale_a=xq[1], scale_b=scale.reshape(1, -1), out_dtype=torch.bfloat16)
+
+
+def timed(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=10, rep=50)  # ms
+
+
+print(f"{torch.cuda.get_device_name()}; ms per call (weight GB/s)")
+print(f"{'layer':8} {'rows':>4} {'bf16':>16} {'fp8 wo_gemm':>16} {'fp8 scaled_mm':>16} {'int8 wo_gemm':>16} "
+      f"{'int4 wo_gemm':>16} {'int4 tinygemm':>16}")
+for name, (n, k) in SHAPES.items():
+    w = torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02
+    f8, s8 = (w.float() / (s := w.float().abs().amax(1) / 448)[:, None]).to(torch.float8_e4m3fn), s
+    i8, si8 = packed.quantize_int8(w)
+    q4, sc4, z4 = packed.quantize_int4(w, 128)
+    p4, sc4, z4 = wo_gemm.pack_int4(q4), sc4.bfloat16().contiguous(), z4.bfloat16().contiguous()
+    tiles = next(t for t in (8, 4, 2) if k % (t * 16) == 0)
+    tg = torch._convert_weight_to_int4pack((q4[:, ::2] << 4 | q4[:, 1::2]).to(torch.uint8), tiles)
+    tsz = torch.stack([sc4.float(), z4.float()], -1).transpose(0, 1).contiguous().bfloat16()
+    for rows in rows_list:
+        x = torch.randn(rows, k, device="cuda", generator=gen, dtype=torch.bfloat16)
+        runs = {
+            "bf16": (lambda: torch.nn.functional.linear(x, w), 2 * n * k),
+            "fp8": (lambda: wo_gemm.mm(x, f8, s8), n * k),
+            "fp8sm": (lambda: scaled_mm(per_token_fp8(x), f8, s8), n * k),  # with the activation quantization
+            "int8": (lambda: wo_gemm.mm(x, i8, si8), n * k),
+            "int4": (lambda: wo_gemm.mm(x, p4, sc4, z4, group=128), n * k // 2),
+            "tiny": (lambda: torch._weight_int4pack_mm(x, tg, 128, tsz), n * k // 2),
+        }
+        cells = []
+        for key, (fn, nbytes) in runs.items():
+            try:
+                ms = timed(fn)
+                cells.append(f"{ms:7.4f} ({nbytes / ms / 1e6:5.0f})")
+            except Exception as e:  # noqa: BLE001 - a path this GPU lacks is reported, not fatal
+                cells.append(f"{type(e).__name__:>16}")
+        print(f"{name:8} {rows:4d} " + " ".join(f"{c:>16}" for c in cells))
