@@ -28,7 +28,7 @@ def scaled_mm(xq: tuple[torch.Tensor, torch.Tensor], w: torch.Tensor, scale: tor
 
 
 def timed(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=10, rep=50)  # ms
+    return triton.testing.do_bench_cudagraph(fn, rep=50)  # ms of GPU time: replayed from a graph, no launch cost
 
 
 print(f"{torch.cuda.get_device_name()}; ms per call (weight GB/s)")
@@ -61,3 +61,4 @@ for name, (n, k) in SHAPES.items():
             except Exception as e:  # noqa: BLE001 - a path this GPU lacks is reported, not fatal
                 cells.append(f"{type(e).__name__:>16}")
         print(f"{name:8} {rows:4d} " + " ".join(f"{c:>16}" for c in cells))
+        print("   chosen blocks:", {k: str(t.best_config) for k, t in wo_gemm._TUNERS.items() if getattr(t, "best_config", None)})

@@ -30,7 +30,9 @@ from core_kernels.common import dot, dot_in_f32
 @triton.jit
 def _wo_gemm_kernel(X, W, S, Z, Bias, Y, M, N, K, stride_xm, stride_wn, stride_sn, stride_ym,
                     INT4: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, F32: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    DOT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``DOT``: the tile products on the tensor cores (``BLOCK_M`` >= 16); else as multiply-and-sum
+    on the CUDA cores, for 1-4 rows, where a 16-row tensor-core tile would be mostly padding."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -41,22 +43,34 @@ def _wo_gemm_kernel(X, W, S, Z, Bias, Y, M, N, K, stride_xm, stride_wn, stride_s
     w_rows = W + rn[:, None].to(tl.int64) * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        rk = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_rows + rk[None, :], mask=m_ok[:, None] & (rk < K)[None, :], other=0.0)
-        if F32:  # float32 activations, or bf16 under the interpreter (see common.dot_in_f32)
-            x = x.to(tl.float32)
         if INT4:  # K % GROUP == 0 and GROUP % BLOCK_K == 0: the tile is whole and in one group
+            half = k0 + 2 * tl.arange(0, BLOCK_K // 2)  # even columns; each byte's low nibble
+            x_even = tl.load(x_rows + half[None, :], mask=m_ok[:, None], other=0.0)
+            x_odd = tl.load(x_rows + (half + 1)[None, :], mask=m_ok[:, None], other=0.0)
             b = tl.load(w_rows + (k0 // 2 + tl.arange(0, BLOCK_K // 2))[None, :], mask=n_ok[:, None], other=0)
-            q = tl.interleave(b & 15, b >> 4).to(x.dtype)  # [BLOCK_N, BLOCK_K], codes 0..15 (exact in bf16)
-            part = dot(x, tl.trans(q), F32)
+            if F32 or not DOT:  # float32 activations, or bf16 under the interpreter (see common.dot_in_f32)
+                x_even, x_odd = x_even.to(tl.float32), x_odd.to(tl.float32)
+            lo, hi = (b & 15).to(x_even.dtype), (b >> 4).to(x_even.dtype)  # codes 0..15, exact
+            if DOT:
+                part = dot(x_even, tl.trans(lo), F32) + dot(x_odd, tl.trans(hi), F32)
+            else:
+                part = tl.sum(x_even[:, None, :] * lo[None, :, :] + x_odd[:, None, :] * hi[None, :, :], axis=2)
             g = k0 // GROUP
             s = tl.load(S + rn * stride_sn + g, mask=n_ok, other=0.0).to(tl.float32)
             z = tl.load(Z + rn * stride_sn + g, mask=n_ok, other=0.0).to(tl.float32)
-            xsum = tl.sum(x.to(tl.float32), axis=1)
+            xsum = tl.sum(x_even.to(tl.float32) + x_odd.to(tl.float32), axis=1)
             acc += part * s[None, :] + xsum[:, None] * (z - 8.0 * s)[None, :]
         else:
-            w = tl.load(w_rows + rk[None, :], mask=n_ok[:, None] & (rk < K)[None, :], other=0.0).to(x.dtype)
-            acc += dot(x, tl.trans(w), F32)
+            rk = k0 + tl.arange(0, BLOCK_K)
+            x = tl.load(x_rows + rk[None, :], mask=m_ok[:, None] & (rk < K)[None, :], other=0.0)
+            w = tl.load(w_rows + rk[None, :], mask=n_ok[:, None] & (rk < K)[None, :], other=0.0)
+            if F32 or not DOT:
+                x = x.to(tl.float32)
+            w = w.to(x.dtype)
+            if DOT:
+                acc += dot(x, tl.trans(w), F32)
+            else:
+                acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
     if not INT4:
         acc *= tl.load(S + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     if HAS_BIAS:
@@ -69,8 +83,11 @@ def _configs(shapes: list[tuple[int, int, int, int]]) -> list[triton.Config]:
     return [triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s) for n, k, w, s in shapes]
 
 
-# Few rows (decode): narrow column blocks, so even a 4096-wide output spreads over every SM, and
-# deep K blocks in flight. Many rows: GEMM-like tiles.
+# 1-4 rows (batch-1 decode): multiply-and-sum over few output rows per program, so even a
+# 4096-wide output spreads over every SM with deep K blocks in flight. 5-64 rows: tensor-core tiles
+# of 16-64 rows, narrow column blocks. More: GEMM-like tiles.
+GEMV = _configs([(4, 512, 4, 3), (8, 512, 4, 3), (8, 256, 4, 4), (16, 256, 8, 3), (4, 1024, 8, 3), (8, 1024, 8, 2),
+                 (4, 128, 4, 4), (8, 128, 4, 4), (16, 128, 4, 4), (32, 128, 8, 3), (64, 128, 8, 3)])
 FEW_ROWS = _configs([(16, 256, 4, 4), (32, 256, 4, 4), (64, 256, 4, 3), (16, 128, 4, 4), (32, 128, 4, 4),
                      (64, 128, 4, 4), (16, 512, 4, 3), (16, 64, 4, 6), (32, 64, 4, 5), (16, 32, 4, 6)])
 MANY_ROWS = _configs([(128, 64, 8, 3), (64, 64, 4, 4), (128, 32, 4, 4), (256, 64, 8, 3), (64, 32, 4, 4)])
@@ -87,18 +104,23 @@ def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[tri
 
 
 def _bench(fn, quantiles=None, **_):
-    """A short timing run per candidate block shape: the tuning happens once per shape at start-up
-    (the CUDA-graph warm-up), so ~10 ms a candidate rather than triton's default ~125."""
-    return triton.testing.do_bench(fn, warmup=2, rep=8, quantiles=quantiles)
+    """Times a candidate block shape inside a CUDA graph: launched one by one from Python, a
+    Triton kernel costs tens of microseconds of host time, more than a decode-sized GEMM takes on
+    the GPU, and the choice would follow the host. Short runs (~10 ms a candidate rather than
+    triton's ~125): the tuning happens once per shape, at start-up (the CUDA-graph warm-up)."""
+    return triton.testing.do_bench_cudagraph(fn, rep=8, quantiles=quantiles)
+
+
+def _tuner(configs: list[triton.Config]):
+    return triton.autotune(configs, key=_KEY, prune_configs_by={"early_config_prune": _prune}, do_bench=_bench)(_wo_gemm_kernel)
 
 
 _KEY = ["N", "K", "BLOCK_M", "INT4", "GROUP"]
-_few = triton.autotune(FEW_ROWS, key=_KEY, prune_configs_by={"early_config_prune": _prune}, do_bench=_bench)(_wo_gemm_kernel)
-_many = triton.autotune(MANY_ROWS, key=_KEY, prune_configs_by={"early_config_prune": _prune}, do_bench=_bench)(_wo_gemm_kernel)
+_TUNERS = {"gemv": _tuner(GEMV), "few": _tuner(FEW_ROWS), "many": _tuner(MANY_ROWS)}
 
 
 def _block_m(m: int) -> int:
-    return 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
+    return 1 if m == 1 else 4 if m <= 4 else 16 if m <= 16 else 32 if m <= 32 else 64 if m <= 64 else 128
 
 
 def mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None,
@@ -123,13 +145,13 @@ def mm(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
     args = (x, w, scale, zero if int4 else scale, bias if bias is not None else scale, y, m, n, k,
             x.stride(0), w.stride(0), scale.stride(0), y.stride(0))
     flags = dict(INT4=int4, GROUP=group if int4 else 0, HAS_BIAS=bias is not None,
-                 F32=dot_in_f32(x.dtype), BLOCK_M=bm)
+                 F32=dot_in_f32(x.dtype), DOT=bm >= 16, BLOCK_M=bm)
     if interpreting() or not x.is_cuda:
         blocks = dict(FIXED, BLOCK_K=min(FIXED["BLOCK_K"], group) if int4 else FIXED["BLOCK_K"])
         grid = (triton.cdiv(n, blocks["BLOCK_N"]), triton.cdiv(m, bm))
         _wo_gemm_kernel[grid](*args, **flags, **blocks)
     else:
-        kernel = _few if bm <= 64 else _many
+        kernel = _TUNERS["gemv" if bm < 16 else "few" if bm <= 64 else "many"]
         kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, bm))](*args, **flags)
     return y
 

@@ -47,7 +47,7 @@ def weights(fmt: str, n: int, k: int, group: int, dtype: torch.dtype, gen: torch
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 5, 17, 70])  # row blocks of 16, 16, 32 and 128
+@pytest.mark.parametrize("rows", [1, 3, 5, 17, 70])  # row blocks of 1 and 4 (no tensor cores), 16, 32 and 128
 @pytest.mark.parametrize("fmt,group", [("fp8", 0), ("int8", 0), ("int4", 32), ("int4", 128)])
 def test_matches_dequantized_matmul(fmt, group, rows, dtype):
     if fmt == "fp8" and DEV.type == "cuda" and not FP8_OK:
