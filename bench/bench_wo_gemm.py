@@ -1,5 +1,7 @@
-"""The weight-only GEMM kernel (``kernels/wo_gemm``) against bf16 cuBLAS and torch's own quantized
-paths at Llama-3.1-8B layer widths, on a GPU: time per call and the weight bytes read per second.
+"""The weight-only GEMM kernel (``kernels/wo_gemm``: fp8 and int8 rows) against bf16 cuBLAS and
+torch's own quantized paths (fp8 ``_scaled_mm`` after the per-token activation quantization,
+tinygemm int4, which int4wo uses) at Llama-3.1-8B layer widths, on a GPU: GPU time per call
+(replayed from a CUDA graph) and the weight bytes read per second.
 
     python bench/bench_wo_gemm.py            # rows 1 and 16
     python bench/bench_wo_gemm.py 1,8,64
@@ -33,13 +35,12 @@ def timed(fn) -> float:
 
 print(f"{torch.cuda.get_device_name()}; ms per call (weight GB/s)")
 print(f"{'layer':8} {'rows':>4} {'bf16':>16} {'fp8 wo_gemm':>16} {'fp8 scaled_mm':>16} {'int8 wo_gemm':>16} "
-      f"{'int4 wo_gemm':>16} {'int4 tinygemm':>16}")
+      f"{'int4 tinygemm':>16}")
 for name, (n, k) in SHAPES.items():
     w = torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02
     f8, s8 = (w.float() / (s := w.float().abs().amax(1) / 448)[:, None]).to(torch.float8_e4m3fn), s
     i8, si8 = packed.quantize_int8(w)
     q4, sc4, z4 = packed.quantize_int4(w, 128)
-    p4, sc4, z4 = wo_gemm.pack_int4(q4), sc4.bfloat16().contiguous(), z4.bfloat16().contiguous()
     tiles = next(t for t in (8, 4, 2) if k % (t * 16) == 0)
     tg = torch._convert_weight_to_int4pack((q4[:, ::2] << 4 | q4[:, 1::2]).to(torch.uint8), tiles)
     tsz = torch.stack([sc4.float(), z4.float()], -1).transpose(0, 1).contiguous().bfloat16()
@@ -50,7 +51,6 @@ for name, (n, k) in SHAPES.items():
             "fp8": (lambda: wo_gemm.mm(x, f8, s8), n * k),
             "fp8sm": (lambda: scaled_mm(per_token_fp8(x), f8, s8), n * k),  # with the activation quantization
             "int8": (lambda: wo_gemm.mm(x, i8, si8), n * k),
-            "int4": (lambda: wo_gemm.mm(x, p4, sc4, z4, group=128), n * k // 2),
             "tiny": (lambda: torch._weight_int4pack_mm(x, tg, 128, tsz), n * k // 2),
         }
         cells = []
@@ -61,4 +61,4 @@ for name, (n, k) in SHAPES.items():
             except Exception as e:  # noqa: BLE001 - a path this GPU lacks is reported, not fatal
                 cells.append(f"{type(e).__name__:>16}")
         print(f"{name:8} {rows:4d} " + " ".join(f"{c:>16}" for c in cells))
-        print("   chosen blocks:", {k: str(t.best_config) for k, t in wo_gemm._TUNERS.items() if getattr(t, "best_config", None)})
+        print("   wo_gemm blocks:", wo_gemm._TUNED.best_config)

@@ -6,7 +6,7 @@
   query heads in one program.
 - ``extend_attention``: new tokens attend to their cached prefix and causally to each other.
 - ``fused_ops``: RMS norm, rotary, gated activation, per-token fp8 quantization, one launch each.
-- ``wo_gemm``: weight-only quantized GEMMs (fp8 / int8 rows, group-wise int4), dequantized in registers.
+- ``wo_gemm``: weight-only fp8 / int8 GEMMs of few rows, the weight dequantized in registers.
 
 Importing this package does not import triton; its submodules do.
 """

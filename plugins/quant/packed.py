@@ -8,8 +8,9 @@ GGUF, AWQ, GPTQ) started from:
   return garbage in torch 2.13), so such layers stay dense.
 - ``int4``: group-wise asymmetric 4-bit in torch's tinygemm convention
   ``w = (q - 8) * scale[n, g] + zero[n, g]``, ``q`` in [0, 15], groups of 32/64/128/256 input
-  columns. CPU GEMM ``torch._weight_int4pack_mm_for_cpu`` (needs ``out_features % 16 == 0``);
-  on a GPU ``kernels/wo_gemm`` (two codes a byte), which also runs int8 GEMMs of few rows.
+  columns. CPU GEMM ``torch._weight_int4pack_mm_for_cpu`` (needs ``out_features % 16 == 0``),
+  CUDA ``torch._weight_int4pack_mm`` (bf16 activations, sm80+). On a GPU, int8 GEMMs of up to
+  ``wo_gemm.MAX_ROWS`` rows run ``kernels/wo_gemm`` (the int8 weight read once).
 - ``dense``: the weight in the activation dtype, for shapes the kernels refuse.
 
 On CPUs with AVX512-BF16 and AVX512-VNNI for bf16 activations, and with AVX2 and FMA for float32
@@ -187,12 +188,13 @@ def set_int4(layer: torch.nn.Module, q: torch.Tensor, scale: torch.Tensor, zero:
         if _dense_wanted(device, dtype):
             _keep_dense_copy(layer, dequantize_int4(q, scale, zero), dtype, device)
         return None
-    if device.type == "cuda":  # kernels/wo_gemm: two codes a byte, scales and zeros beside
-        layer.register_buffer("qweight_int4_gpu", gpu_kernels().pack_int4(q))
-        layer.register_buffer("qscale_gpu", scale.to(device=device, dtype=dtype).contiguous())
-        layer.register_buffer("qzero_gpu", zero.to(device=device, dtype=dtype).contiguous())
-        return None
-    layer.register_buffer("qweight_int4", torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 2))
+    if device.type == "cuda":
+        # tinygemm's CUDA layout tiles K by inner_k_tiles * 16: the largest tiling this K allows
+        tiles = next(t for t in (8, 4, 2) if k % (t * 16) == 0)
+        packed = torch._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8), tiles)
+    else:
+        packed = torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 2)
+    layer.register_buffer("qweight_int4", packed)
     sz = torch.stack([scale.float(), zero.float()], -1).transpose(0, 1).contiguous()  # [K/group, N, 2]
     layer.register_buffer("qscale_zero", sz.to(device=device, dtype=dtype))
     if _dense_wanted(device, dtype):
@@ -233,9 +235,8 @@ def packed_linear(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     if fmt == "int4":
         if (qw := getattr(layer, "qweight_int4_cpu", None)) is not None:
             y = cpu_gemv.mm(x2.to(layer.qscale_zero_cpu.dtype), qw, layer.qscale_zero_cpu).to(x2.dtype)
-        elif (qw := getattr(layer, "qweight_int4_gpu", None)) is not None:  # every row count
-            y = gpu_kernels().mm(x2, qw, layer.qscale_gpu, layer.qzero_gpu, layer.bias, layer.group_size)
-            return y.reshape(*shape[:-1], y.shape[-1])
+        elif x2.is_cuda:
+            y = torch._weight_int4pack_mm(x2, layer.qweight_int4, layer.group_size, layer.qscale_zero)
         else:
             y = torch._weight_int4pack_mm_for_cpu(x2, layer.qweight_int4, layer.group_size, layer.qscale_zero)
     elif (qw := getattr(layer, "qweight_int8_cpu", None)) is not None:
@@ -265,11 +266,12 @@ def dequantize(layer: torch.nn.Module) -> torch.Tensor:
         return q.float() * layer.qscale.float()[:, None]
     if (qw := getattr(layer, "qweight_int4_cpu", None)) is not None:
         return cpu_gemv.unpack(qw, layer.qscale_zero_cpu)
-    if (qw := getattr(layer, "qweight_int4_gpu", None)) is not None:
-        return dequantize_int4(gpu_kernels().unpack_int4(qw), layer.qscale_gpu, layer.qzero_gpu)
     sz = layer.qscale_zero
     eye = torch.eye(sz.shape[0] * layer.group_size, dtype=sz.dtype, device=sz.device)
-    w_t = torch._weight_int4pack_mm_for_cpu(eye, layer.qweight_int4, layer.group_size, sz)
+    if eye.is_cuda:
+        w_t = torch._weight_int4pack_mm(eye, layer.qweight_int4, layer.group_size, sz)
+    else:
+        w_t = torch._weight_int4pack_mm_for_cpu(eye, layer.qweight_int4, layer.group_size, sz)
     return w_t.float().t().contiguous()
 
 
