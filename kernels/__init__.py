@@ -5,7 +5,8 @@
 - ``decode_attention``: one query per sequence, split-KV with a log-sum-exp merge, a kv head's
   query heads in one program.
 - ``extend_attention``: new tokens attend to their cached prefix and causally to each other.
-- ``fused_ops``: RMS norm, rotary, gated activation, per-token fp8 quantization, one launch each.
+- ``fused_ops``: RMS norm, rotary, gated activation, per-token fp8 quantization, the sampler's two
+  routes (plain and filtered rows), one launch each.
 - ``wo_gemm``: weight-only fp8 / int8 GEMMs of few rows, the weight dequantized in registers.
 
 Importing this package does not import triton; its submodules do.

@@ -1,6 +1,6 @@
 """The small per-layer ops of a decoder, one launch each on a GPU: RMS norm, rotary embedding
-of q and k, the gated activation ``act(gate) * up``, and the per-token fp8 quantization of a
-linear layer's input (``--quantization fp8``).
+of q and k, the gated activation ``act(gate) * up``, the per-token fp8 quantization of a
+linear layer's input (``--quantization fp8``), and the sampler's two routes for sampled rows.
 
 In eager torch each is 5-14 elementwise kernels (float casts, pow, mean, rsqrt, cat, neg, ...),
 which at decode batch sizes costs more in launches than in work: a SmolLM2 step was ~1,300
@@ -166,3 +166,136 @@ def per_token_fp8(x: torch.Tensor, fp8_max: float = 448.0) -> tuple[torch.Tensor
         _per_token_fp8_kernel[(t,)](x, q, s, x.stride(0), q.stride(0), k, fp8_max,
                                     BLOCK=min(4096, triton.next_power_of_2(k)))
     return q, s
+
+
+# --------------------------------------------------------------------------- sampling (Sampler's two routes)
+# On a GPU the sampler's torch ops for a sampled row are ~15-40 small launches after the graph
+# replay (softmax, cumsum, searchsorted, masks, gathers), each costing more host time than GPU
+# time at decode batch sizes: a sampled step at batch 1 took 1.2 ms more than a greedy one on an
+# H200 (docs/benchmarks.md). These are one launch each, one program per row, the same decisions as
+# ``cpu_ops.sample_rows`` / ``sample_sorted`` (float32 sums in block order, so a token can differ
+# from the torch ops' only where the target falls within rounding of a boundary of the CDF).
+
+
+@triton.jit
+def _sample_rows_kernel(X, T, U, F, Out, stride_x, N, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = X + row * stride_x
+    inv_t = 1.0 / tl.load(T + row)
+    m = tl.full([], float("-inf"), tl.float32)  # running max and the mass below it (online softmax)
+    total = tl.full([], 0.0, tl.float32)
+    nan = tl.full([], 0, tl.int32)
+    for start in range(0, N, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(x_row + cols, mask=cols < N, other=float("-inf"))
+        nan = tl.maximum(nan, tl.max((x != x).to(tl.int32), axis=0))
+        m_new = tl.maximum(m, tl.max(tl.where(x != x, float("-inf"), x), axis=0))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing finite yet: no NaN from -inf - -inf
+        total = total * tl.exp((m - m_ref) * inv_t) + tl.sum(tl.exp((x - m_ref) * inv_t), axis=0)
+        m = m_new
+    target = tl.load(U + row) * total
+    acc = tl.full([], 0.0, tl.float32)
+    first = tl.full([], N, tl.int64)  # the first column whose cumulative mass passes the target
+    last = tl.full([], -1, tl.int64)  # the last column with mass (the rounding guard)
+    for start in range(0, N, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        x = tl.load(x_row + cols, mask=cols < N, other=float("-inf"))
+        e = tl.where(cols < N, tl.exp((x - m) * inv_t), 0.0)
+        c = acc + tl.cumsum(e, axis=0)
+        first = tl.minimum(first, tl.min(tl.where((c > target) & (e > 0.0), cols, N), axis=0).to(tl.int64))
+        last = tl.maximum(last, tl.max(tl.where(e > 0.0, cols, -1), axis=0).to(tl.int64))
+        acc += tl.sum(e, axis=0)
+    pick = tl.where(first < N, first, last)
+    ok = (nan == 0) & (m > float("-inf")) & (m < float("inf")) & (total > 0.0) & (total < float("inf")) & (pick >= 0)
+    tl.store(Out + row, tl.where(ok, pick, tl.load(F + row)))
+
+
+def sample_rows(x: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
+    """Per row of float32 ``x`` ``[rows, n]``: the token at ``u`` of softmax(x / temperature) by the
+    inverse CDF in column order (``Sampler``'s rows without filters), ``fallback`` where the row has
+    no finite distribution. Temperatures must be > 0 (not checked here: that would wait for the GPU)."""
+    rows = _check_rows("sample_rows", x, fallback)
+    for name, t in (("temperature", temperature), ("u", u)):
+        if t.shape != (rows,) or t.dtype != torch.float32:
+            raise ValueError(f"sample_rows: {name} must be float32 [{rows}], got {t.dtype} {tuple(t.shape)}")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    out = torch.empty(rows, dtype=torch.long, device=x.device)
+    if rows:
+        block = min(4096, triton.next_power_of_2(x.shape[1]))
+        _sample_rows_kernel[(rows,)](x, temperature.contiguous(), u.contiguous(), fallback.contiguous(), out,
+                                     x.stride(0), x.shape[1], BLOCK=block, num_warps=8 if block >= 2048 else 4)
+    return out
+
+
+@triton.jit
+def _sample_sorted_kernel(P, O, C, F, Out, stride_p, stride_o, K, COMPLETE: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    p_row = P + row * stride_p
+    top_k = tl.load(C + row * 5 + 1)
+    top_p = tl.load(C + row * 5 + 2)
+    top_p = tl.where(top_p < 1.0, top_p, 3.0)  # 1 (off): a bound no mass reaches
+    min_p = tl.load(C + row * 5 + 3)
+    u = tl.load(C + row * 5 + 4)
+    floor = tl.load(p_row) * min_p
+    acc = tl.full([], 0.0, tl.float32)  # mass of every candidate so far (top_p looks at it)
+    kept = tl.full([], 0.0, tl.float32)  # mass of the kept ones
+    for start in range(0, K, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        p = tl.load(p_row + cols, mask=cols < K, other=0.0)
+        exclusive = acc + tl.cumsum(p, axis=0) - p
+        drop = (cols > 0) & ((cols.to(tl.float32) >= top_k) | (exclusive >= top_p) | (p < floor))
+        kept += tl.sum(tl.where(drop | (cols >= K), 0.0, p), axis=0)
+        acc += tl.sum(p, axis=0)
+    target = u * kept
+    acc2 = tl.full([], 0.0, tl.float32)
+    kcum = tl.full([], 0.0, tl.float32)
+    first = tl.full([], K, tl.int64)
+    last = tl.full([], -1, tl.int64)
+    for start in range(0, K, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        p = tl.load(p_row + cols, mask=cols < K, other=0.0)
+        exclusive = acc2 + tl.cumsum(p, axis=0) - p
+        drop = (cols > 0) & ((cols.to(tl.float32) >= top_k) | (exclusive >= top_p) | (p < floor))
+        kp = tl.where(drop | (cols >= K), 0.0, p)
+        c = kcum + tl.cumsum(kp, axis=0)
+        first = tl.minimum(first, tl.min(tl.where((c > target) & (kp > 0.0), cols, K), axis=0).to(tl.int64))
+        last = tl.maximum(last, tl.max(tl.where(kp > 0.0, cols, -1), axis=0).to(tl.int64))
+        kcum += tl.sum(kp, axis=0)
+        acc2 += tl.sum(p, axis=0)
+    pick = tl.where(first < K, first, last)
+    ok = (kept > 0.0) & (kept < float("inf")) & (pick >= 0)
+    token = tl.where(ok, tl.load(O + row * stride_o + tl.maximum(pick, 0)), tl.load(F + row))
+    if not COMPLETE:  # the kept prefix ends within the candidates iff the next one would be dropped
+        fits = (top_k <= K) | (acc >= top_p) | (tl.load(p_row + K - 1) < floor)
+        token = tl.where(fits, token, -1)
+    tl.store(Out + row, token)
+
+
+def sample_sorted(probs: torch.Tensor, order: torch.Tensor, cols: torch.Tensor, fallback: torch.Tensor,
+                  complete: bool) -> torch.Tensor:
+    """``Sampler``'s filtered rows over candidates sorted most likely first: the token each row's
+    top-k / top-p / min-p prefix gives at its uniform (``cols`` ``[rows, 5]``: temperature, top_k,
+    top_p, min_p, u), as ``sampler._pick_sorted`` does; -1 where the prefix may reach past the
+    candidates (unless ``complete``)."""
+    rows = _check_rows("sample_sorted", probs, fallback)
+    if order.shape != probs.shape or order.dtype != torch.long:
+        raise ValueError(f"sample_sorted: order must be int64 {tuple(probs.shape)}, got {order.dtype} {tuple(order.shape)}")
+    if cols.shape != (rows, 5) or cols.dtype != torch.float32:
+        raise ValueError(f"sample_sorted: cols must be float32 [{rows}, 5], got {cols.dtype} {tuple(cols.shape)}")
+    probs = probs if probs.stride(-1) == 1 else probs.contiguous()
+    order = order if order.stride(-1) == 1 else order.contiguous()
+    out = torch.empty(rows, dtype=torch.long, device=probs.device)
+    if rows:
+        k = probs.shape[1]
+        _sample_sorted_kernel[(rows,)](probs, order, cols.contiguous(), fallback.contiguous(), out, probs.stride(0),
+                                       order.stride(0), k, COMPLETE=bool(complete),
+                                       BLOCK=min(4096, triton.next_power_of_2(k)))
+    return out
+
+
+def _check_rows(name: str, x: torch.Tensor, fallback: torch.Tensor) -> int:
+    if x.dim() != 2 or x.dtype != torch.float32 or x.shape[1] == 0:
+        raise ValueError(f"{name}: float32 [rows, n > 0] expected, got {x.dtype} {tuple(x.shape)}")
+    if fallback.shape != (x.shape[0],) or fallback.dtype != torch.long:
+        raise ValueError(f"{name}: fallback must be int64 [{x.shape[0]}], got {fallback.dtype} {tuple(fallback.shape)}")
+    return x.shape[0]

@@ -254,3 +254,86 @@ def test_cpu_add_rms_norm_is_the_add_then_the_norm(dtype, offset):
     assert torch.equal(normed, cpu_ops.rms_norm(x + r, w, 1e-5, offset))
     with pytest.raises(RuntimeError, match="add_rms_norm"):
         torch.ops.core_cpu_ops.add_rms_norm(x, r[:5], w, 1e-5, offset)
+
+
+# --------------------------------------------------------------------------- sampling (Triton; the
+# C++ loops for CPU tensors are tested in test_sampler.py)
+
+
+def test_triton_sample_rows_picks_what_the_torch_route_picks() -> None:
+    from core.engine.sampler import _inverse_cdf
+
+    g = torch.Generator().manual_seed(11)
+    n = 64
+    x = torch.randn(n, 5000, generator=g) * 3
+    temp = torch.rand(n, generator=g) * 2 + 0.05
+    u = torch.rand(n, generator=g)
+    fb = torch.full((n,), -1, dtype=torch.long)
+    got = fused_ops.sample_rows(x.to(GPU), temp.to(GPU), u.to(GPU), fb.to(GPU)).cpu()
+    want = _inverse_cdf(torch.softmax(x / temp[:, None], dim=-1), None, u, fb)
+    assert (got != want).sum() <= 1  # the same search; float32 sums in another order may move a boundary tie
+
+
+def test_triton_sample_rows_falls_back_where_there_is_no_distribution() -> None:
+    inf = float("inf")
+    x = torch.tensor([[0.0, float("nan"), 1.0], [0.0, inf, 1.0], [-inf, -inf, -inf], [1.0, 3e5, 2.0], [-inf, 2.0, -inf]])
+    temp = torch.tensor([1.0, 1.0, 1.0, 1e-40, 1.0])
+    out = fused_ops.sample_rows(x.to(GPU), temp.to(GPU), torch.full((5,), 0.999, device=GPU),
+                                torch.tensor([7, 8, 9, 10, 11], device=GPU))
+    assert out.tolist() == [7, 8, 9, 10, 1]  # a -inf entry is never chosen, even at u -> 1
+
+
+@pytest.mark.parametrize("complete", [False, True])
+def test_triton_sample_sorted_picks_what_the_torch_ops_pick(monkeypatch, complete) -> None:
+    """Filtered rows: the same tokens as ``sampler._pick_sorted``'s torch ops (but for a rounding
+    tie at a boundary), and the same rows marked -1 (kept prefix possibly past the candidates)."""
+    from core.engine.sampler import _pick_sorted
+
+    g = torch.Generator().manual_seed(21)
+    n, k = 96, 64
+    probs = torch.softmax(torch.randn(n, 1000, generator=g) * torch.rand(n, 1, generator=g) * 6, dim=-1)
+    cand, order = probs.topk(k, dim=-1)
+    cols = torch.stack([torch.ones(n), torch.randint(1, 100, (n,), generator=g).float(),
+                        torch.rand(n, generator=g), torch.rand(n, generator=g) * 0.2, torch.rand(n, generator=g)], 1)
+    cols[::3, 1] = 1000.0  # no top_k on a third of the rows
+    cols[1::4, 2] = 1.0  # no top_p on a quarter
+    fb = torch.arange(n) + 5000
+    got = fused_ops.sample_sorted(cand.to(GPU), order.to(GPU), cols.to(GPU), fb.to(GPU), complete).cpu()
+    want = _pick_sorted(cand, order, cols, fb, complete)
+    assert torch.equal(got < 0, want < 0)
+    assert (got != want).sum() <= 1
+    assert complete or 0 < (got < 0).sum() < n  # both kinds of rows are there
+
+
+def test_triton_sample_sorted_over_several_blocks_and_without_mass() -> None:
+    """A whole sorted vocabulary wider than one block (the complete route), and rows whose kept
+    mass is zero or not finite (the fallback)."""
+    from core.engine.sampler import _pick_sorted
+
+    g = torch.Generator().manual_seed(5)
+    probs = torch.softmax(torch.randn(3, 9000, generator=g) * 0.5, dim=-1)  # flat: top_p reaches deep
+    full, order = probs.sort(dim=-1, descending=True)
+    cols = torch.tensor([[1.0, 9000.0, 0.95, 0.0, 0.7], [1.0, 9000.0, 1.0, 0.0, 0.999], [1.0, 20.0, 0.5, 0.0, 0.3]])
+    fb = torch.tensor([-5, -6, -7])
+    got = fused_ops.sample_sorted(full.to(GPU), order.to(GPU), cols.to(GPU), fb.to(GPU), True).cpu()
+    want = _pick_sorted(full, order, cols, fb, True)
+    assert (got != want).sum() <= 1 and (got >= 0).all()
+    bad = torch.tensor([[0.0, 0.0, 0.0], [float("nan"), 0.1, 0.0]])
+    out = fused_ops.sample_sorted(bad.to(GPU), torch.zeros(2, 3, dtype=torch.long, device=GPU),
+                                  torch.tensor([[1.0, 3.0, 1.0, 0.0, 0.5]] * 2, device=GPU),
+                                  torch.tensor([41, 42], device=GPU), True)
+    assert out.tolist() == [41, 42]
+
+
+def test_triton_sampling_refuses_bad_arguments() -> None:
+    x, t, u, fb = (torch.zeros(2, 4, device=GPU), torch.ones(2, device=GPU), torch.zeros(2, device=GPU),
+                   torch.zeros(2, dtype=torch.long, device=GPU))
+    for args, what in [((x.double(), t, u, fb), "float32"), ((x, t[:1], u, fb), "temperature"),
+                       ((x, t, u, fb.int()), "fallback"), ((x, t, u.double(), fb), "u must")]:
+        with pytest.raises(ValueError, match=what):
+            fused_ops.sample_rows(*args)
+    p, o, c = torch.ones(2, 4, device=GPU) / 4, torch.zeros(2, 4, dtype=torch.long, device=GPU), torch.zeros(2, 5, device=GPU)
+    for args, what in [((p.double(), o, c, fb), "float32"), ((p, o[:, :3], c, fb), "order"),
+                       ((p, o, c[:, :4], fb), "cols"), ((p, o, c, fb[:1]), "fallback")]:
+        with pytest.raises(ValueError, match=what):
+            fused_ops.sample_sorted(*args, False)

@@ -507,6 +507,11 @@ def test_sampling_on_the_gpu_matches_the_cpu_and_seeds_hold() -> None:
     alone = Sampler(vocab, "cuda").sample(logits[:1].clone().cuda(), [seeded()]).token_ids
     mixed = Sampler(vocab, "cuda", seed=3).sample(logits[[1, 0]].clone().cuda(), [row(), seeded()]).token_ids
     assert alone[0] == mixed[1]
+    # the GPU's Triton sampling kernels (fused_ops) decide as the CPU's C++ loops do
+    for params in (dict(temperature=0.8, top_p=0.9), dict(temperature=1.3), dict(top_k=20, min_p=0.05)):
+        seeded_rows = lambda: [row(seed=s, **params) for s in range(6)]  # noqa: E731
+        on_cpu = Sampler(vocab).sample(logits.clone(), seeded_rows()).token_ids
+        assert Sampler(vocab, "cuda").sample(logits.clone().cuda(), seeded_rows()).token_ids == on_cpu
 
 
 @pytest.mark.parametrize("values,dtype", [
