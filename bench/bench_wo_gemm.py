@@ -30,7 +30,7 @@ def scaled_mm(xq: tuple[torch.Tensor, torch.Tensor], w: torch.Tensor, scale: tor
 
 
 def timed(fn) -> float:
-    return triton.testing.do_bench_cudagraph(fn, rep=50)  # ms of GPU time: replayed from a graph, no launch cost
+    return triton.testing.do_bench_cudagraph(fn, rep=20)  # ms of GPU time: replayed from a graph, no launch cost
 
 
 print(f"{torch.cuda.get_device_name()}; ms per call (weight GB/s)")
