@@ -288,16 +288,10 @@ def test_triton_sample_sorted_picks_what_the_torch_ops_pick(monkeypatch, complet
     """Filtered rows: the same tokens as ``sampler._pick_sorted``'s torch ops (but for a rounding
     tie at a boundary), and the same rows marked -1 (kept prefix possibly past the candidates)."""
     from core.engine.sampler import _pick_sorted
+    from tests.test_sampler import filtered_rows
 
-    g = torch.Generator().manual_seed(21)
-    n, k = 96, 64
-    probs = torch.softmax(torch.randn(n, 1000, generator=g) * torch.rand(n, 1, generator=g) * 6, dim=-1)
-    cand, order = probs.topk(k, dim=-1)
-    cols = torch.stack([torch.ones(n), torch.randint(1, 100, (n,), generator=g).float(),
-                        torch.rand(n, generator=g), torch.rand(n, generator=g) * 0.2, torch.rand(n, generator=g)], 1)
-    cols[::3, 1] = 1000.0  # no top_k on a third of the rows
-    cols[1::4, 2] = 1.0  # no top_p on a quarter
-    fb = torch.arange(n) + 5000
+    n = 96
+    cand, order, cols, fb = filtered_rows(n, 64)
     got = fused_ops.sample_sorted(cand.to(GPU), order.to(GPU), cols.to(GPU), fb.to(GPU), complete).cpu()
     want = _pick_sorted(cand, order, cols, fb, complete)
     assert torch.equal(got < 0, want < 0)

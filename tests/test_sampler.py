@@ -579,6 +579,20 @@ def test_cpu_sample_rows_refuses_bad_arguments() -> None:
             ops.sample_rows(*args)
 
 
+def filtered_rows(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``n`` filtered rows' ``k`` most likely candidates of 1000 (probs, ids), their ``cols``
+    (temperature, top_k, top_p, min_p, u: a third without top_k, a quarter without top_p) and
+    fallbacks: sample_sorted's arguments."""
+    g = torch.Generator().manual_seed(21)
+    probs = torch.softmax(torch.randn(n, 1000, generator=g) * torch.rand(n, 1, generator=g) * 6, dim=-1)
+    cand, order = probs.topk(k, dim=-1)
+    cols = torch.stack([torch.ones(n), torch.randint(1, 100, (n,), generator=g).float(),
+                        torch.rand(n, generator=g), torch.rand(n, generator=g) * 0.2, torch.rand(n, generator=g)], 1)
+    cols[::3, 1] = 1000.0
+    cols[1::4, 2] = 1.0
+    return cand, order, cols, torch.arange(n) + 5000
+
+
 @pytest.mark.parametrize("complete", [False, True])
 def test_cpu_sample_sorted_is_the_torch_ops_exactly(monkeypatch, complete) -> None:
     """The C++ loop for filtered rows keeps the torch ops' float32 roundings: the same tokens, and
@@ -587,15 +601,8 @@ def test_cpu_sample_sorted_is_the_torch_ops_exactly(monkeypatch, complete) -> No
     from core.engine.sampler import _pick_sorted
 
     ops = _cpu_ops()
-    g = torch.Generator().manual_seed(21)
-    n, k = 400, 64
-    probs = torch.softmax(torch.randn(n, 1000, generator=g) * torch.rand(n, 1, generator=g) * 6, dim=-1)
-    cand, order = probs.topk(k, dim=-1)
-    cols = torch.stack([torch.ones(n), torch.randint(1, 100, (n,), generator=g).float(),
-                        torch.rand(n, generator=g), torch.rand(n, generator=g) * 0.2, torch.rand(n, generator=g)], 1)
-    cols[::3, 1] = 1000.0  # no top_k on a third of the rows
-    cols[1::4, 2] = 1.0  # no top_p on a quarter
-    fb = torch.arange(n) + 5000
+    n = 400
+    cand, order, cols, fb = filtered_rows(n, 64)
     got = ops.sample_sorted(cand, order, cols, fb, complete)
     monkeypatch.setattr(core.layers, "fused", lambda x: None)
     want = _pick_sorted(cand, order, cols, fb, complete)
