@@ -3,11 +3,15 @@ against the GPU time of the CUDA-graph replay and the LM head (CUDA events), wit
 off, then a torch.profiler table of one eager run (kernels per step).
 
     python bench/profile_step.py bench/shapes/smollm2-135m triton 1,64
+    python bench/profile_step.py bench/shapes/smollm2-135m triton 1,64 '{"temperature": 1, "top_p": 0.9}'
+
+The optional fourth argument: sampling parameters (JSON) for the timed requests (default greedy).
 """
 
 from __future__ import annotations
 
 import collections
+import json
 import sys
 import time
 
@@ -19,6 +23,7 @@ from core.log import configure_logging
 configure_logging("warning")
 path, backend = sys.argv[1], sys.argv[2]
 levels = [int(x) for x in sys.argv[3].split(",")] if len(sys.argv) > 3 else [1, 64]
+sampling = {"temperature": 0, **(json.loads(sys.argv[4]) if len(sys.argv) > 4 else {})}
 for graphs in (True, False):
     eng = Engine(model_path=path, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
                  max_total_tokens=max(levels) * 300 + 64, max_running_requests=max(levels), attention_backend=backend,
@@ -54,7 +59,7 @@ for graphs in (True, False):
         acc.clear(); ev.clear()
         prompts = [[100 + (i * 7 + j) % 30000 for j in range(128)] for i in range(bs)]
         t0 = time.perf_counter()
-        eng.generate(input_ids=prompts, sampling_params=[{"max_new_tokens": 64, "ignore_eos": True, "temperature": 0}] * bs)
+        eng.generate(input_ids=prompts, sampling_params=[{**sampling, "max_new_tokens": 64, "ignore_eos": True}] * bs)
         wall = time.perf_counter() - t0
         torch.cuda.synchronize()
         for name, s, e in ev:
