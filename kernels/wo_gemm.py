@@ -71,7 +71,8 @@ def _bench(fn, quantiles=None, **_):
     """Times a candidate inside a CUDA graph: launched one by one from Python, a Triton kernel
     costs tens of microseconds of host time, more than a decode-sized GEMM takes on the GPU, and
     the choice would follow the host. Short runs (~10 ms a candidate, not triton's ~125): the
-    tuning happens once per shape, in the CUDA-graph warm-up at start-up."""
+    tuning happens once per shape, in the CUDA-graph warm-up at start-up (with graphs off, at a
+    shape's first use; a fresh machine also compiles each candidate once, seconds per shape)."""
     return triton.testing.do_bench_cudagraph(fn, rep=8, quantiles=quantiles)
 
 
