@@ -63,7 +63,7 @@ def sample_sorted(probs: torch.Tensor, order: torch.Tensor, cols: torch.Tensor, 
                   complete: bool) -> torch.Tensor:
     """``Sampler``'s filtered rows over candidates sorted most likely first: the token each row's
     top-k / top-p / min-p prefix gives at its uniform (``cols``: temperature, top_k, top_p, min_p,
-    u), as ``sampler._filtered_cdf`` does; -1 where the prefix may reach past the candidates
+    u), as ``sampler._pick_sorted`` does; -1 where the prefix may reach past the candidates
     (unless ``complete``)."""
     return torch.ops.core_cpu_ops.sample_sorted(probs, order, cols, fallback, complete)
 

@@ -228,6 +228,17 @@ def sample_rows(x: torch.Tensor, temperature: torch.Tensor, u: torch.Tensor, fal
 
 
 @triton.jit
+def _kept_block(p_row, start, K, acc, top_k, top_p, floor, BLOCK: tl.constexpr):
+    """One block of the sorted candidates: (columns, probabilities, kept probabilities), given
+    ``acc``, the mass of every candidate before the block (top_p looks at it)."""
+    cols = start + tl.arange(0, BLOCK)
+    p = tl.load(p_row + cols, mask=cols < K, other=0.0)
+    exclusive = acc + tl.cumsum(p, axis=0) - p
+    drop = (cols > 0) & ((cols.to(tl.float32) >= top_k) | (exclusive >= top_p) | (p < floor))
+    return cols, p, tl.where(drop | (cols >= K), 0.0, p)
+
+
+@triton.jit
 def _sample_sorted_kernel(P, O, C, F, Out, stride_p, stride_o, K, COMPLETE: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     p_row = P + row * stride_p
@@ -240,11 +251,8 @@ def _sample_sorted_kernel(P, O, C, F, Out, stride_p, stride_o, K, COMPLETE: tl.c
     acc = tl.full([], 0.0, tl.float32)  # mass of every candidate so far (top_p looks at it)
     kept = tl.full([], 0.0, tl.float32)  # mass of the kept ones
     for start in range(0, K, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        p = tl.load(p_row + cols, mask=cols < K, other=0.0)
-        exclusive = acc + tl.cumsum(p, axis=0) - p
-        drop = (cols > 0) & ((cols.to(tl.float32) >= top_k) | (exclusive >= top_p) | (p < floor))
-        kept += tl.sum(tl.where(drop | (cols >= K), 0.0, p), axis=0)
+        _, p, kp = _kept_block(p_row, start, K, acc, top_k, top_p, floor, BLOCK)
+        kept += tl.sum(kp, axis=0)
         acc += tl.sum(p, axis=0)
     target = u * kept
     acc2 = tl.full([], 0.0, tl.float32)
@@ -252,11 +260,7 @@ def _sample_sorted_kernel(P, O, C, F, Out, stride_p, stride_o, K, COMPLETE: tl.c
     first = tl.full([], K, tl.int64)
     last = tl.full([], -1, tl.int64)
     for start in range(0, K, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        p = tl.load(p_row + cols, mask=cols < K, other=0.0)
-        exclusive = acc2 + tl.cumsum(p, axis=0) - p
-        drop = (cols > 0) & ((cols.to(tl.float32) >= top_k) | (exclusive >= top_p) | (p < floor))
-        kp = tl.where(drop | (cols >= K), 0.0, p)
+        cols, p, kp = _kept_block(p_row, start, K, acc2, top_k, top_p, floor, BLOCK)
         c = kcum + tl.cumsum(kp, axis=0)
         first = tl.minimum(first, tl.min(tl.where((c > target) & (kp > 0.0), cols, K), axis=0).to(tl.int64))
         last = tl.maximum(last, tl.max(tl.where(kp > 0.0, cols, -1), axis=0).to(tl.int64))
