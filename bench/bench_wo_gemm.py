@@ -17,6 +17,7 @@ import triton
 from core_kernels import wo_gemm
 from core_kernels.fused_ops import per_token_fp8
 from core_plugins.quant import packed
+from core_plugins.quant.fp8 import quantize_rows
 
 if not torch.cuda.is_available():
     sys.exit("bench_wo_gemm: needs a CUDA GPU")
@@ -38,12 +39,11 @@ print(f"{'layer':8} {'rows':>4} {'bf16':>16} {'fp8 wo_gemm':>16} {'fp8 scaled_mm
       f"{'int4 tinygemm':>16}")
 for name, (n, k) in SHAPES.items():
     w = torch.randn(n, k, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02
-    f8, s8 = (w.float() / (s := w.float().abs().amax(1) / 448)[:, None]).to(torch.float8_e4m3fn), s
+    f8, s8 = quantize_rows(w)  # the fp8 plugin's per-row quantization
     i8, si8 = packed.quantize_int8(w)
-    q4, sc4, z4 = packed.quantize_int4(w, 128)
-    tiles = next(t for t in (8, 4, 2) if k % (t * 16) == 0)
-    tg = torch._convert_weight_to_int4pack((q4[:, ::2] << 4 | q4[:, 1::2]).to(torch.uint8), tiles)
-    tsz = torch.stack([sc4.float(), z4.float()], -1).transpose(0, 1).contiguous().bfloat16()
+    int4 = torch.nn.Module()  # a layer in int4wo-128's format (tinygemm on CUDA)
+    int4.bias, int4.anchor = None, torch.nn.Parameter(torch.zeros(1, device="cuda"), requires_grad=False)
+    packed.set_int4(int4, *packed.quantize_int4(w, 128), torch.bfloat16)
     for rows in rows_list:
         x = torch.randn(rows, k, device="cuda", generator=gen, dtype=torch.bfloat16)
         runs = {
@@ -51,7 +51,7 @@ for name, (n, k) in SHAPES.items():
             "fp8": (lambda: wo_gemm.mm(x, f8, s8), n * k),
             "fp8sm": (lambda: scaled_mm(per_token_fp8(x), f8, s8), n * k),  # with the activation quantization
             "int8": (lambda: wo_gemm.mm(x, i8, si8), n * k),
-            "tiny": (lambda: torch._weight_int4pack_mm(x, tg, 128, tsz), n * k // 2),
+            "tiny": (lambda: packed.packed_linear(int4, x), n * k // 2),
         }
         cells = []
         for key, (fn, nbytes) in runs.items():
