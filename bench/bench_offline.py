@@ -247,6 +247,8 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--temperature", type=float, default=0.0, help="core's requests (transformers stays greedy)")
     ap.add_argument("--top-p", type=float, default=1.0, help="core's requests (with --temperature > 0)")
+    ap.add_argument("--num-continuous-decode-steps", type=int, default=1,
+                    help="the engine flag: decode steps run back to back while no request waits")
     ap.add_argument("--skip-split", action="store_true", help="do not measure the per-step split")
     ap.add_argument("--prefill-len", type=int, default=0,
                     help="also time the prefill of one prompt this long (best of 3, a new prompt each time)")
@@ -265,7 +267,8 @@ def main() -> None:
                                      attention_backend=args.attention_backend, quantization=args.quantization,
                                      torchao_config=args.torchao_config, device=args.device).items() if v is not None}
     engine = Engine(dtype=args.dtype, max_total_tokens=max(max(levels) * (args.input_len + args.output_len), args.prefill_len) + 64,
-                    max_running_requests=max(levels), cpu_threads=args.cpu_threads, log_level="warning", **kwargs)
+                    max_running_requests=max(levels), cpu_threads=args.cpu_threads, log_level="warning",
+                    num_continuous_decode_steps=args.num_continuous_decode_steps, **kwargs)
     core = engine.engine
     vocab, dtype, dev = core.vocab_size, core.model_config.dtype, core.device
     path = core.model_config.path
@@ -331,7 +334,8 @@ def main() -> None:
     print(f"# {cpu}")
     print(f"# {torch.get_num_threads()} threads, torch {torch.__version__}, dtype {str(dtype).removeprefix('torch.')} "
           f"(--dtype {args.dtype}), {args.input_len} in / {args.output_len} out, EOS ignored, core's requests "
-          + (f"sampled at temperature {args.temperature}, top_p {args.top_p}" if args.temperature > 0 else "greedy"))
+          + (f"sampled at temperature {args.temperature}, top_p {args.top_p}" if args.temperature > 0 else "greedy")
+          + f", --num-continuous-decode-steps {args.num_continuous_decode_steps}")
     print(f"# memory bandwidth {bw / 1e9:.1f} GB/s (copy, read + write; the best of {len(bws)} measurements "
           f"around core's runs, {min(bws) / 1e9:.1f} the worst); weights read per decode step "
           f"{wbytes / 1e6:.0f} MB; batch-1 weight-read limit {limit:.1f} tok/s")

@@ -248,6 +248,13 @@ class CausalLM(Protocol):
             if not my_fast_path_applies(inputs):
                 return None
             return my_op(inputs.input_ids, inputs.positions, inputs.out_cache_loc, inputs.kv_indices, inputs.seq_lens)
+
+    With ``--num-continuous-decode-steps N > 1``, ``decode_steps(inputs, attn_backend, steps,
+    stop_ids)`` may run up to ``steps`` greedy decode steps in one call (each step's argmax the next
+    step's input): ``inputs.out_cache_loc`` then holds step k's slots at ``[k * B, (k + 1) * B)`` and
+    ``inputs.kv_indices`` the columns of every step. It returns the tokens as one list per step run,
+    stopping after a step that produced any of ``stop_ids``; or None, and the engine runs the steps
+    one forward at a time.
     """
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

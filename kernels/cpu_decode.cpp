@@ -411,16 +411,62 @@ class DecodeStack : public torch::CustomClassHolder {
                     static_cast<int64_t>(seq_lens.size()) == B,
                 "DecodeStack: decode: one id, position, slot and length per sequence (", B, " ids)");
     TORCH_CHECK(vocab > 0 && vocab <= head_w_.N, "DecodeStack: decode: vocab ", vocab, " outside 1..", head_w_.N);
-    const int64_t V = embed_.size(0);
-    at::Tensor x = at::empty({B, hid}, embed_.options());
-    const char* table = static_cast<const char*>(embed_.const_data_ptr());
-    const size_t row = static_cast<size_t>(hid) * embed_.element_size();
-    for (int64_t b = 0; b < B; ++b) {
-      TORCH_CHECK(ids[b] >= 0 && ids[b] < V, "DecodeStack: token id ", ids[b], " outside the embedding's ", V, " rows");
-      std::memcpy(static_cast<char*>(x.data_ptr()) + b * row, table + ids[b] * row, row);
-    }
     const std::vector<int64_t> ones(B, 1);
-    return forward_any(true, x, positions.data(), out_loc.data(), kv_indices, seq_lens.data(), ones.data(), B, vocab);
+    return forward_any(true, embed(ids.data(), B), positions.data(), out_loc.data(), kv_indices, seq_lens.data(),
+                       ones.data(), B, vocab);
+#endif
+  }
+
+  // Up to `steps` greedy decode steps of B sequences in one call, each step's argmax the next
+  // step's ids: what `steps` calls of decode() with the engine's greedy sampling between them
+  // compute, without the ~0.5 ms of Python a step costs around each (scheduling, sampling, result
+  // processing, the streams; all with cold caches after the step's weight stream). Step k writes
+  // sequence b's new key at out_loc[k * B + b] (position positions[b] + k) and attends to
+  // kv_indices[b][:seq_lens[b] + k]. Stops after the first step that produces any of stop_ids
+  // (the batch's EOS and stop tokens). The tokens, [steps run, B].
+  at::Tensor decode_steps(const std::vector<int64_t>& ids, const std::vector<int64_t>& positions,
+                          const std::vector<int64_t>& out_loc, const at::Tensor& kv_indices,
+                          const std::vector<int64_t>& seq_lens, int64_t vocab, int64_t steps,
+                          const std::vector<int64_t>& stop_ids) {
+#ifndef CORE_GEMV_ANY
+    TORCH_CHECK(false, "DecodeStack: this build has no gemv kernels");
+#else
+    TORCH_CHECK(!head_.empty() && embed_.defined(), "DecodeStack: decode_steps needs a head and an embedding table");
+    const int64_t B = static_cast<int64_t>(ids.size());
+    TORCH_CHECK(steps >= 1, "DecodeStack: decode_steps: steps ", steps, " < 1");
+    TORCH_CHECK(B > 0 && static_cast<int64_t>(positions.size()) == B && static_cast<int64_t>(seq_lens.size()) == B &&
+                    static_cast<int64_t>(out_loc.size()) == B * steps,
+                "DecodeStack: decode_steps: one id, position and length per sequence and one slot per sequence and step (",
+                B, " ids, ", steps, " steps)");
+    TORCH_CHECK(vocab > 0 && vocab <= head_w_.N, "DecodeStack: decode_steps: vocab ", vocab, " outside 1..", head_w_.N);
+    // every step's arguments checked before the first step writes the caches
+    TORCH_CHECK(kv_indices.dim() == 2, "DecodeStack: decode_steps: kv_indices [B, columns]");
+    for (int64_t b = 0; b < B; ++b)
+      TORCH_CHECK(seq_lens[b] >= 1 && seq_lens[b] + steps - 1 <= kv_indices.size(1) && positions[b] >= 0 &&
+                      positions[b] + steps <= cos_.size(0),
+                  "DecodeStack: decode_steps: sequence ", b, " (length ", seq_lens[b], ", position ", positions[b],
+                  ") does not fit ", steps, " steps in the slot table's ", kv_indices.size(1),
+                  " columns and the rotary cache's ", cos_.size(0), " positions");
+    for (const int64_t loc : out_loc) TORCH_CHECK(loc >= 0 && loc < slots, "DecodeStack: slot ", loc, " outside the pool");
+    at::Tensor out = at::empty({steps, B}, at::TensorOptions().dtype(at::kLong));
+    int64_t* po = out.data_ptr<int64_t>();
+    std::vector<int64_t> pos(positions), sl(seq_lens), cur(ids);
+    const std::vector<int64_t> ones(B, 1);
+    int64_t k = 0;
+    while (k < steps) {
+      const at::Tensor next = std::get<2>(
+          forward_any(true, embed(cur.data(), B), pos.data(), out_loc.data() + k * B, kv_indices, sl.data(), ones.data(), B, vocab));
+      const int64_t* pn = next.const_data_ptr<int64_t>();
+      std::copy(pn, pn + B, po + k * B);
+      ++k;
+      bool stop = false;
+      for (int64_t b = 0; b < B; ++b) {
+        cur[b] = pn[b], ++pos[b], ++sl[b];
+        stop = stop || std::find(stop_ids.begin(), stop_ids.end(), pn[b]) != stop_ids.end();
+      }
+      if (stop) break;
+    }
+    return out.narrow(0, 0, k);
 #endif
   }
 
@@ -456,6 +502,19 @@ class DecodeStack : public torch::CustomClassHolder {
   }
 
 #ifdef CORE_GEMV_ANY
+  // x [B, hid]: the embedding rows of ids (checked against the table).
+  at::Tensor embed(const int64_t* ids, int64_t B) const {
+    const int64_t V = embed_.size(0);
+    at::Tensor x = at::empty({B, hid}, embed_.options());
+    const char* table = static_cast<const char*>(embed_.const_data_ptr());
+    const size_t row = static_cast<size_t>(hid) * embed_.element_size();
+    for (int64_t b = 0; b < B; ++b) {
+      TORCH_CHECK(ids[b] >= 0 && ids[b] < V, "DecodeStack: token id ", ids[b], " outside the embedding's ", V, " rows");
+      std::memcpy(static_cast<char*>(x.data_ptr()) + b * row, table + ids[b] * row, row);
+    }
+    return x;
+  }
+
   // The stack on x [M, hid] (M rows: B sequences' extend_lens el of them, each), with the final
   // norm and the head when with_head; with vocab > 0 also each row's argmax over its first vocab
   // logits (else an undefined tensor). (hidden or h, logits or mlp_out, argmax).
@@ -596,7 +655,8 @@ TORCH_LIBRARY(core_cpu_decode, m) {
       .def("run", &DecodeStack::run)
       .def("run_head", &DecodeStack::run_head)
       .def("set_embedding", &DecodeStack::set_embedding)
-      .def("decode", &DecodeStack::decode);
+      .def("decode", &DecodeStack::decode)
+      .def("decode_steps", &DecodeStack::decode_steps);
 }
 
 // CompositeExplicitAutograd: the oneDNN-packed weights among the arguments carry another dispatch key

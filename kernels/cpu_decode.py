@@ -209,6 +209,16 @@ def decode(p: dict[str, Any], ids: list[int], positions: list[int], out_cache_lo
     return p["stack"].decode(ids, positions, out_cache_loc, kv_indices, seq_lens, vocab)
 
 
+def decode_steps(p: dict[str, Any], ids: list[int], positions: list[int], out_cache_loc: list[int],
+                 kv_indices: torch.Tensor, seq_lens: list[int], vocab: int, steps: int,
+                 stop_ids: list[int]) -> list[list[int]]:
+    """Up to ``steps`` greedy decode steps in one call (``DecodeStack.decode_steps``): each step's
+    tokens (a list per step, one per sequence), ending early after a step that produced any of
+    ``stop_ids``. ``out_cache_loc`` holds step k's slots at ``[k * len(ids), (k + 1) * len(ids))``;
+    ``kv_indices`` has the columns of every step's slots."""
+    return p["stack"].decode_steps(ids, positions, out_cache_loc, kv_indices, seq_lens, vocab, steps, stop_ids).tolist()
+
+
 def run_stack(p: dict[str, Any], x: torch.Tensor, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """Every layer on ``x [rows, hidden]`` (fewer rows than ``p["max_rows"]``) as ``(h, mlp_out)`` of
     the last layer, as a chain of :func:`run` calls returns them."""

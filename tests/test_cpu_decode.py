@@ -404,6 +404,83 @@ def test_a_decode_refuses_bad_arguments(call, message, dtype):
         bare.decode(d["ids"], d["positions"], d["out_loc"], d["kv_indices"], d["seq_lens"], 160)
 
 
+def steps_setup(dtype: torch.dtype, seq_lens: list[int], steps: int) -> dict:
+    """decode_setup with table columns and slots for ``steps`` steps (step-major ``out_loc``)."""
+    d = decode_setup(dtype, seq_lens)
+    b, old = len(seq_lens), d["kv_indices"]
+    free = sorted(set(range(128)) - set(old.flatten().tolist()))
+    kv = torch.zeros(b, max(seq_lens) + steps - 1, dtype=torch.long)
+    kv[:, : old.shape[1]] = old
+    out_loc = list(d["out_loc"])
+    for k in range(1, steps):
+        for i, n in enumerate(seq_lens):
+            kv[i, n - 1 + k] = slot = free.pop()
+            out_loc.append(slot)
+    return {**d, "kv_indices": kv, "out_loc": out_loc}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seq_lens", [[9], [40, 7, 3]], ids=["one", "three"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_steps_are_decodes_fed_their_argmax(dtype, seq_lens, threads):
+    """decode_steps(): the tokens and cache writes of ``steps`` decode() calls, each fed the last
+    one's argmax; it stops after the first step that produced one of the stop ids."""
+    from core_plugins.attention import cpu
+
+    cpu.load_kernel()
+    steps, b = 4, len(seq_lens)
+    d = steps_setup(dtype, seq_lens, steps)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        stack_a, caches_a = decode_stack(d)
+        ids, want = d["ids"], []
+        for k in range(steps):
+            _, _, nxt = stack_a.decode(ids, [p + k for p in d["positions"]], d["out_loc"][k * b : (k + 1) * b],
+                                       d["kv_indices"], [n + k for n in seq_lens], 160)
+            ids = nxt.tolist()
+            want.append(ids)
+        stack_b, caches_b = decode_stack(d)
+        got = cpu_decode.decode_steps({"stack": stack_b}, d["ids"], d["positions"], d["out_loc"], d["kv_indices"],
+                                      seq_lens, 160, steps, [])
+        assert got == want
+        assert all(torch.equal(x, y) for x, y in zip(caches_a, caches_b))
+        # a stop id ends the steps after the first step that produced it (in any row)
+        stop = want[1][-1]
+        first = next(k for k in range(steps) if stop in want[k])
+        stack_c, _ = decode_stack(d)
+        got = cpu_decode.decode_steps({"stack": stack_c}, d["ids"], d["positions"], d["out_loc"], d["kv_indices"],
+                                      seq_lens, 160, steps, [10_000, stop])
+        assert got == want[: first + 1]
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("change,message", [
+    (lambda d: d.update(steps=0), "steps 0 < 1"),
+    (lambda d: d.update(out_loc=d["out_loc"][:-1]), "one slot per sequence and step"),
+    (lambda d: d.update(kv_indices=d["kv_indices"][:, :-1].contiguous()), "does not fit 3 steps in the slot table's 10"),
+    (lambda d: d.update(positions=[d["positions"][0] + 10_000]), "does not fit 3 steps"),
+    (lambda d: d.update(out_loc=d["out_loc"][:-1] + [128]), "slot 128 outside the pool"),
+    (lambda d: d.update(ids=[-3]), "token id -3"),
+], ids=["no_steps", "slots", "table_columns", "position", "last_slot", "bad_id"])
+def test_decode_steps_refuse_bad_arguments(change, message, dtype):
+    """An error naming the problem before any step writes the caches, and the stack still serves."""
+    from core_plugins.attention import cpu
+
+    cpu.load_kernel()
+    d = {**steps_setup(dtype, [9], 3), "steps": 3}
+    stack, caches = decode_stack(d)
+    change(d)
+    before = [c.clone() for c in caches]
+    with pytest.raises(RuntimeError, match=message):
+        stack.decode_steps(d["ids"], d["positions"], d["out_loc"], d["kv_indices"], d["seq_lens"], 160, d["steps"], [])
+    assert all(torch.equal(x, y) for x, y in zip(before, caches))
+    good = steps_setup(dtype, [9], 3)
+    assert len(stack.decode_steps(good["ids"], good["positions"], good["out_loc"], good["kv_indices"], [9], 160, 3, [])) == 3
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("change,message", [
     (lambda a: a.update(kinds=[2] * len(a["kinds"])), r"kind 2 is not int4 \(0\)"),

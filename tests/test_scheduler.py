@@ -263,3 +263,114 @@ def test_many_requests_through_a_small_pool(page_size):
         assert steps < 500
     assert all(r.finish_reason == {"type": "length", "length": r.params.max_new_tokens} for r in reqs)
     assert_all_free(s)
+
+
+# ---- --num-continuous-decode-steps: several decode steps in one batch
+def multi(steps: int = 4, **kwargs) -> Scheduler:
+    s = make(**kwargs)
+    s.decode_steps = steps
+    return s
+
+
+def started(s: Scheduler, *reqs: Req) -> None:
+    """Admit ``reqs`` and run their prefill (token 7 each)."""
+    for r in reqs:
+        s.add(r)
+    batch, _ = step(s)
+    assert batch.is_prefill and batch.steps == 1
+
+
+def test_a_decode_batch_takes_every_steps_slots_up_front():
+    s = multi(4, num_pages=17, page_size=2)
+    a, b = req("a", 3, max_new=10), req("b", 2, max_new=10)
+    started(s, a, b)
+    batch, _ = s.schedule()
+    assert not batch.is_prefill and batch.steps == 4
+    assert batch.input_ids == [7, 7] and batch.positions == [3, 2] and batch.extend_lens == [1, 1]
+    for i, r in enumerate((a, b)):  # step k's slots at [k * B, (k + 1) * B), each in the request's own pages
+        slots = {batch.positions[i] + k: batch.out_cache_loc[2 * k + i] for k in range(4)}
+        assert slots == {p: r.pages[p // 2] * 2 + p % 2 for p in slots}
+        assert table_entries(batch, r.row) == slots
+    assert len(set(batch.out_cache_loc)) == 8
+    s.process(batch, StepResult(SampleOutput([20, 30], None, None), [[21, 31], [22, 32], [23, 33]]))
+    assert a.output_ids == [7, 20, 21, 22, 23] and b.output_ids == [7, 30, 31, 32, 33]
+    assert a.kv_len == a.seq_len - 1 and b.kv_len == b.seq_len - 1
+
+
+def test_steps_ended_early_keep_their_slots_for_the_next_batch():
+    s = multi(4, num_pages=17, page_size=2)
+    a = req("a", 3, max_new=10)
+    started(s, a)
+    batch, _ = s.schedule()
+    reserved = list(batch.out_cache_loc)
+    batch.steps_run = 2  # the runner ran two steps (a stop token of another request ended them)
+    s.process(batch, StepResult(SampleOutput([20], None, None), [[21]]))
+    assert a.output_ids == [7, 20, 21] and a.kv_len == 5
+    batch, _ = s.schedule()  # positions 5.. again, into the slots taken for them before
+    assert batch.positions == [5] and batch.input_ids == [21] and batch.out_cache_loc[:2] == reserved[2:]
+    assert batch.steps == 4
+    s.process(batch, StepResult(SampleOutput([EOS], None, None), [[EOS], [EOS], [EOS]]))
+    assert a.finish_reason == {"type": "stop", "matched": EOS} and a.output_ids == [7, 20, 21, EOS]
+    assert_all_free(s)
+
+
+def test_a_stop_inside_the_steps_drops_the_tokens_after_it():
+    s = multi(4)
+    a, b = req("a", 2, max_new=10), req("b", 2, max_new=10, stop_token_ids=[9])
+    started(s, a, b)
+    batch, _ = s.schedule()
+    s.process(batch, StepResult(SampleOutput([20, 30], None, None), [[EOS, 9], [22, 32], [23, 33]]))
+    assert a.output_ids == [7, 20, EOS] and a.finish_reason == {"type": "stop", "matched": EOS}
+    assert b.output_ids == [7, 30, 9] and b.finish_reason == {"type": "stop", "matched": 9}
+    assert_all_free(s)
+
+
+def test_the_steps_stop_at_max_new_tokens_and_the_context():
+    s = multi(8, num_pages=400, ctx=20)
+    a, b = req("a", 3, max_new=4), req("b", 14, max_new=50)
+    started(s, a, b)  # a may add 3 more tokens; b reaches the context (20) after 5
+    batch, _ = s.schedule()
+    assert batch.steps == 3
+    s.process(batch, StepResult(SampleOutput([20, 30], None, None), [[21, 31], [22, 32]]))
+    assert a.finish_reason == {"type": "length", "length": 4} and not b.finished
+    batch, _ = s.schedule()
+    assert batch.reqs == [b] and batch.steps == 2
+    s.process(batch, StepResult(SampleOutput([33], None, None), [[34]]))
+    assert b.finish_reason == {"type": "length", "length": 6} and b.seq_len == 20
+    assert_all_free(s)
+
+
+@pytest.mark.parametrize("why", ["waiting", "logprobs", "penalty", "min_new_tokens", "grammar", "pool"])
+def test_one_step_where_a_step_must_be_seen_before_the_next(why):
+    """A waiting request is admitted at the next batch; logprobs, penalties, min_new_tokens and
+    grammars need each step's result in Python; a pool without room for every step's pages."""
+    s = multi(4, num_pages=12 if why == "pool" else 65)
+    params = {"logprobs": {}, "penalty": {"frequency_penalty": 0.5}, "min_new_tokens": {"min_new_tokens": 2}}.get(why, {})
+    a = req("a", 3, max_new=10, **params)
+    a.return_logprob = why == "logprobs"
+    started(s, a, req("b", 3, max_new=10))
+    if why == "grammar":
+        a.grammar = object()
+    if why == "waiting":
+        s.add(req("c", 60 - 4, max_new=10))  # larger than the pool leaves: it waits
+    batch, _ = s.schedule()
+    assert not batch.is_prefill and batch.steps == 1
+    if why == "min_new_tokens":  # once reached, the steps run together again
+        s.process(batch, StepResult(SampleOutput([20, 30], None, None)))
+        batch, _ = s.schedule()
+        assert batch.steps == 4
+
+
+def test_an_abort_while_the_steps_run_drops_them():
+    s = multi(4)
+    a, b = req("a", 3, max_new=10), req("b", 3, max_new=10)
+    started(s, a, b)
+    batch, _ = s.schedule()
+    s.abort("a")
+    s.process(batch, StepResult(SampleOutput([20, 30], None, None), [[21, 31], [22, 32], [23, 33]]))
+    assert a.output_ids == [7] and a.kv_len == a.seq_len and b.output_ids == [7, 30, 31, 32, 33]
+    _, aborted = s.schedule()
+    assert aborted == [a]
+    s.abort("b")
+    s.schedule()
+    assert_all_free(s)

@@ -151,6 +151,8 @@ class AsyncEngine(RequestFrontEnd):
             raise CoreError(f"--schedule-policy {args.schedule_policy!r} is not one of {', '.join(SCHEDULE_POLICIES)}")
         if args.radix_eviction_policy not in EVICTION_POLICIES:
             raise CoreError(f"--radix-eviction-policy {args.radix_eviction_policy!r} is not one of {', '.join(EVICTION_POLICIES)}")
+        if args.num_continuous_decode_steps < 1:
+            raise CoreError(f"--num-continuous-decode-steps must be >= 1, got {args.num_continuous_decode_steps}")
         if args.schedule_conservativeness <= 0:
             raise CoreError(f"--schedule-conservativeness must be > 0, got {args.schedule_conservativeness}")
         self.tree_cache = None if args.disable_radix_cache else RadixCache(ps, args.radix_eviction_policy)
@@ -165,6 +167,7 @@ class AsyncEngine(RequestFrontEnd):
             schedule_conservativeness=args.schedule_conservativeness, enable_mixed_chunk=args.enable_mixed_chunk,
             enable_priority_scheduling=args.enable_priority_scheduling,
             schedule_low_priority_values_first=args.schedule_low_priority_values_first, seed=args.random_seed or 0,
+            decode_steps=args.num_continuous_decode_steps,
         )
         backend_name = args.attention_backend
         if backend_name is None:

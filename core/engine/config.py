@@ -79,6 +79,10 @@ class EngineArgs:
     chunked_prefill_size: int | None = _arg(None, MEMORY, "prefill long prompts in chunks of this many tokens between "
                                                           "decode steps (default: 2048 on CPU, 8192 on GPU; -1 disables)")
     enable_mixed_chunk: bool = _arg(False, MEMORY, "run a prefill chunk and the decode steps in one forward")
+    num_continuous_decode_steps: int = _arg(1, MEMORY, "decode steps run back to back, without scheduling or "
+                                                       "streaming between them, while no request waits; on the CPU "
+                                                       "a greedy batch runs them as one call (faster decoding, "
+                                                       "tokens streamed in bursts)")
     schedule_policy: str = _arg("fcfs", MEMORY, "order of the waiting queue (lpm, dfs-weight: cache-aware)",
                                 choices=SCHEDULE_POLICIES)
     schedule_conservativeness: float = _arg(1.0, MEMORY, "larger: admit fewer requests (estimate more future KV use), "

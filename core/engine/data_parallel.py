@@ -60,10 +60,11 @@ class Replica:
 
 @attrs.define
 class _StepView:
-    """What step listeners read of a replica's step (``ScheduledBatch``'s reqs / is_prefill)."""
+    """What step listeners read of a replica's step (``ScheduledBatch``'s reqs / is_prefill / steps_run)."""
 
     reqs: list[Req]
     is_prefill: bool
+    steps_run: int = 1
 
 
 class DataParallelEngine(RequestFrontEnd):
@@ -284,13 +285,13 @@ class DataParallelEngine(RequestFrontEnd):
                 fut.set_result(msg[3]) if msg[2] else fut.set_exception(msg[3])
 
     def _on_step(self, r: Replica, event: tuple) -> None:
-        _, is_prefill, duration, rids = event
+        _, is_prefill, duration, rids, steps_run = event
         reqs = [r.inflight[rid] for rid in rids if rid in r.inflight]
         for req in reqs:
             req.kv_len = req.seq_len  # the mirror: every token computed (listeners skip partial prefill chunks)
         if reqs:
             for listener in self.step_listeners:
-                listener(_StepView(reqs, is_prefill), duration)
+                listener(_StepView(reqs, is_prefill, steps_run), duration)
 
     def _on_delta(self, r: Replica, rid: str, d: ReqDelta) -> None:
         req = r.inflight.get(rid)

@@ -159,7 +159,7 @@ class _Replica:
     def _on_step(self, batch, duration: float) -> None:
         sampling = [r.rid for r in batch.reqs if r.kv_len >= r.seq_len]
         if sampling:
-            self.outbox.append(("step", batch.is_prefill, duration, sampling))
+            self.outbox.append(("step", batch.is_prefill, duration, sampling, batch.steps_run))
 
     async def _pump(self, req: Req) -> None:
         """Send what the request gained after each step it took, until it finishes."""

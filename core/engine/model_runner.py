@@ -137,6 +137,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> StepResult:
+        if batch.steps > 1:
+            return self._run_steps(batch)
         inputs, live, prompt_rows = self.step_inputs(batch)
         if self.tp is not None:  # every rank runs this forward; their collectives pair up
             hidden, all_logits, argmax_ids = self.tp.forward(inputs, lambda: forward_step(self.model, self.attn_backend, inputs, self.device))
@@ -164,6 +166,40 @@ class ModelRunner:
         for i, k in prompt_rows.items():
             result.input_logprobs[i] = self._prompt_logprobs(all_logits[k] if k >= 0 else None, all_reqs[i])
         return result
+
+    def _run_steps(self, batch: ScheduledBatch) -> StepResult:
+        """A decode batch of ``batch.steps`` steps (``--num-continuous-decode-steps``), each step's
+        tokens the next step's inputs, ending early after a step that produced a stop token of
+        any request (EOS unless ignored, ``stop_token_ids``). An all-greedy batch on the CPU runs
+        them as one call of the model's ``decode_steps`` where it has one; otherwise one forward
+        and one sampling a step, without the scheduler and the result processing between them.
+        ``batch.steps_run`` becomes the steps run."""
+        k, reqs, b = batch.steps, batch.reqs, len(batch.reqs)
+        seq0 = [r.kv_len - k + 1 for r in reqs]
+        step = StepInputs(batch.input_ids, batch.positions, batch.out_cache_loc[:b], seq0, batch.extend_lens,
+                          self.step_inputs(batch)[0].kv_indices, [(0, b)])
+        stop = batch_stop_ids(reqs, self.eos_ids)
+        rows = [SamplingRow(r.params, r.prompt_ids, r.output_ids, r.generator, self.eos_ids, False, 0, r.row) for r in reqs]
+        if (self.tp is None and self.device.type == "cpu" and all(r.params.is_greedy and not r.params.logit_bias for r in reqs)
+                and (fast := getattr(self.model, "decode_steps", None)) is not None):
+            whole = attrs.evolve(step, out_cache_loc=batch.out_cache_loc)
+            if (tokens := fast(whole, self.attn_backend, k, stop)) is not None:
+                batch.steps_run = len(tokens)
+                return StepResult(SampleOutput(tokens[0], None, None), tokens[1:])
+        tokens: list[list[int]] = []
+        for j in range(k):
+            if j:
+                step = StepInputs(tokens[-1], [p + j for p in batch.positions], batch.out_cache_loc[j * b : (j + 1) * b],
+                                  [n + j for n in seq0], batch.extend_lens, step.kv_indices, [(0, b)])
+            if self.tp is not None:
+                _, logits, argmax_ids = self.tp.forward(step, lambda s=step: forward_step(self.model, self.attn_backend, s, self.device))
+            else:
+                _, logits, argmax_ids = forward_step(self.model, self.attn_backend, step, self.device, self.graphs)
+            tokens.append(self.sampler.sample(logits[0], rows, argmax_ids).token_ids)
+            if not set(stop).isdisjoint(tokens[-1]):
+                break
+        batch.steps_run = len(tokens)
+        return StepResult(SampleOutput(tokens[0], None, None), tokens[1:])
 
     def _prompt_logprobs(self, logits: torch.Tensor | None, req) -> tuple[list, list]:
         """Logprob of each prompt token from ``logprob_start_len`` given its prefix (``logits``:
@@ -218,6 +254,15 @@ class ModelRunner:
         if normalize:
             pooled = torch.nn.functional.normalize(pooled, p=2, dim=-1)
         return pooled.tolist()
+
+
+def batch_stop_ids(reqs: list, eos_ids: tuple[int, ...]) -> list[int]:
+    """Every token that stops some request of ``reqs`` (EOS unless it ignores it, its
+    ``stop_token_ids``): where a multi-step decode stops, for the scheduler to finish the request."""
+    ids = {t for r in reqs for t in r.params.stop_token_ids}
+    if not all(r.params.ignore_eos for r in reqs):
+        ids.update(eos_ids)
+    return sorted(ids)
 
 
 def _scatter(sample: SampleOutput, live: list[int], n: int) -> SampleOutput:

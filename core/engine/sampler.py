@@ -119,7 +119,7 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
     as in OpenAI. Nothing is built when every row uses the defaults. Stateless: the counts are
     built from the rows' lists (the ``Sampler`` keeps them across steps instead).
     """
-    if not any(_penalised(r.params) for r in rows):
+    if not any(penalised(r.params) for r in rows):
         return logits
     params, need_rep = _penalty_params(rows, logits.device)
     counts = _token_counts([r.output_ids for r in rows], logits.shape, logits.device)
@@ -130,7 +130,7 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tens
     return logits
 
 
-def _penalised(p: SamplingParams) -> bool:
+def penalised(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or bool(p.frequency_penalty) or bool(p.presence_penalty)
 
 
@@ -302,16 +302,16 @@ class Sampler:
         """
         if logits.shape[1] != self.vocab_size:
             logits = logits[:, : self.vocab_size]
-        greedy, want_lp, penalised, short, biased = True, False, [], False, False
+        greedy, want_lp, pen_rows, short, biased = True, False, [], False, False
         for i, r in enumerate(rows):  # one pass: what this batch needs at all
             p = r.params
             greedy = greedy and p.is_greedy
             want_lp = want_lp or r.return_logprob or r.top_logprobs_num > 0
-            if _penalised(p):
-                penalised.append(i)
+            if penalised(p):
+                pen_rows.append(i)
             short = short or len(r.output_ids) < p.min_new_tokens
             biased = biased or bool(p.logit_bias)
-        plain = not penalised and not short and not biased
+        plain = not pen_rows and not short and not biased
         # before any float32 copy: a bf16 / fp16 row's argmax is that of its exact float32 values
         raw_argmax = argmax_ids if argmax_ids is not None else argmax(logits)
         if greedy and plain and not want_lp:
@@ -322,7 +322,7 @@ class Sampler:
         if greedy and plain:
             return self._output(raw_argmax, rows, raw_lp)
 
-        advance = self._apply_penalties(logits, rows, penalised) if penalised else None
+        advance = self._apply_penalties(logits, rows, pen_rows) if pen_rows else None
         if biased:
             apply_logit_bias(logits, rows)
         if short:

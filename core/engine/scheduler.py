@@ -29,7 +29,7 @@ from core.engine.kv_cache import PageAllocator, ReqToTokenTable
 from core.engine.radix_cache import RadixCache
 from core.engine.request import Req
 from core.engine.schedule_policy import SchedulePolicy
-from core.engine.sampler import SampleOutput
+from core.engine.sampler import SampleOutput, penalised
 
 log = structlog.get_logger("core.engine.scheduler")
 
@@ -48,11 +48,17 @@ class ScheduledBatch:
     # (table rows, positions, slots) the runner records in the request -> token table before the
     # forward: the new tokens' slots plus any cached-prefix slots of these requests not yet written
     table_writes: tuple[list[int], list[int], list[int]] = ([], [], [])
+    # decode steps this batch may run (--num-continuous-decode-steps): ``input_ids`` and
+    # ``positions`` are the first step's, ``out_cache_loc`` holds step k's slots at [k * B, (k + 1) * B)
+    steps: int = 1
+    steps_run: int = 1  # those the runner ran (a stop token ends them early)
 
 
 @attrs.define
 class StepResult:
-    sample: SampleOutput
+    sample: SampleOutput  # the (first) step's tokens
+    # the tokens of a multi-step decode's later steps, one list per step (``ScheduledBatch.steps``)
+    more_tokens: list[list[int]] = attrs.field(factory=list)
     # per request index: (logprobs of prompt tokens from logprob_start_len, their top logprobs)
     input_logprobs: dict[int, tuple[list[float | None], list[list[tuple[int, float]]]]] = attrs.field(factory=dict)
 
@@ -83,6 +89,7 @@ class Scheduler:
         enable_priority_scheduling: bool = False,
         schedule_low_priority_values_first: bool = False,
         seed: int = 0,
+        decode_steps: int = 1,
     ) -> None:
         self.allocator, self.table = allocator, table
         self.tree_cache = tree_cache
@@ -94,6 +101,7 @@ class Scheduler:
         self.policy = SchedulePolicy(schedule_policy, tree_cache, enable_priority=enable_priority_scheduling,
                                      low_priority_values_first=schedule_low_priority_values_first, seed=seed)
         self.enable_mixed_chunk = enable_mixed_chunk
+        self.decode_steps = decode_steps  # --num-continuous-decode-steps (the engine sets 1 where the runner cannot)
         self.init_new_token_ratio = min(INIT_NEW_TOKEN_RATIO * schedule_conservativeness, 1.0)
         self.min_new_token_ratio = min(self.init_new_token_ratio * MIN_NEW_TOKEN_RATIO_FACTOR, 1.0)
         self.new_token_ratio_decay = (self.init_new_token_ratio - self.min_new_token_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS
@@ -240,8 +248,58 @@ class Scheduler:
         if decodable:
             decodable = self._ensure_decode_memory(decodable)
             self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay, self.min_new_token_ratio)
+            if (steps := self._continuous_steps(decodable)) > 1:
+                return self._build_steps(decodable, steps), aborted
             return self._build(decodable, [1] * len(decodable), prefill=False), aborted
         return None, aborted
+
+    def _continuous_steps(self, reqs: list[Req]) -> int:
+        """How many decode steps ``reqs`` run in one batch: up to ``decode_steps`` while nothing
+        waits for admission (a new request then waits for at most one batch), where no request
+        needs a step's result before the next step (a grammar, logprobs, penalties or a
+        ``min_new_tokens`` still to reach), without passing any request's ``max_new_tokens`` or
+        the context length, and where the pool holds every step's pages; else 1."""
+        k = self.decode_steps
+        if k <= 1 or self.waiting or self.chunked_req is not None:
+            return 1
+        for r in reqs:
+            p = r.params
+            if (r.grammar is not None or r.return_logprob or r.top_logprobs_num or penalised(p)
+                    or len(r.output_ids) < p.min_new_tokens):
+                return 1
+            k = min(k, p.max_new_tokens - len(r.output_ids), self.context_len - r.seq_len)
+        if k > 1:
+            pages_for = self.allocator.pages_for
+            if not self._can_alloc(sum(max(0, pages_for(r.kv_len + k) - len(r.pages)) for r in reqs)):
+                return 1
+        return max(k, 1)
+
+    def _build_steps(self, reqs: list[Req], steps: int) -> ScheduledBatch:
+        """A decode batch of ``steps`` steps: every step's pages and slots taken now (step-major
+        ``out_cache_loc``), every step's table entries written with the first."""
+        ps, b = self.ps, len(reqs)
+        locs = [0] * (b * steps)
+        rows: list[int] = []
+        cols: list[int] = []
+        slots: list[int] = []
+        pending = self._table_pending
+        for i, req in enumerate(reqs):
+            if pending and (queued := pending.pop(req.row, None)) is not None:
+                rows.extend([req.row] * len(queued[0]))
+                cols.extend(queued[0])
+                slots.extend(queued[1])
+            start = req.kv_len
+            if (need := self.allocator.pages_for(start + steps) - len(req.pages)) > 0:
+                req.pages += self._alloc(need)
+            for k in range(steps):
+                pos = start + k
+                locs[k * b + i] = slot = req.pages[pos // ps] * ps + pos % ps
+                rows.append(req.row)
+                cols.append(pos)
+                slots.append(slot)
+            req.kv_len = start + steps  # process() sets it back to the tokens kept
+        return ScheduledBatch(reqs, [1] * b, [r.token_at(r.kv_len - steps) for r in reqs],
+                              [r.kv_len - steps for r in reqs], locs, False, (rows, cols, slots), steps)
 
     def _get_prefill(self, decodable: list[Req]) -> list[tuple[Req, int]]:
         """Admit what fits: the ongoing chunked request first, then waiting requests in policy order."""
@@ -412,6 +470,8 @@ class Scheduler:
             if i in result.input_logprobs:
                 req.input_logprobs, req.input_top_logprobs = result.input_logprobs[i]
             if req.finished or req.aborted:  # aborted while the forward ran: dropped at the next step
+                if batch.steps > 1:  # a multi-step decode's entries after the first are not kept
+                    req.kv_len = req.seq_len
                 updates.append((req, ""))
                 continue
             if req.kv_len < req.seq_len:  # a chunk of a longer prompt: nothing sampled yet
@@ -422,6 +482,10 @@ class Scheduler:
                 updates.append((req, ""))
                 continue
             tok = s.token_ids[i]
+            if batch.steps > 1:  # a multi-step decode: its tokens up to the first that finishes the request
+                delta = self._append_steps(req, [tok] + [t[i] for t in result.more_tokens], now)
+                updates.append((req, delta))
+                continue
             req.output_ids.append(tok)
             if req.first_token_time is None:
                 req.first_token_time = now
@@ -438,6 +502,24 @@ class Scheduler:
             self._free(req)
             req.finish_time = now
         return updates
+
+    def _append_steps(self, req: Req, tokens: list[int], now: float) -> str:
+        """Append a multi-step decode's ``tokens`` until one finishes the request (the rest are
+        dropped) and return the new text. The request keeps the cache entries of the appended
+        tokens' inputs, so ``kv_len`` stays one behind ``seq_len`` as after single steps (the slots
+        of entries not kept stay in its pages, to be rewritten by later steps or freed)."""
+        req.kv_len = req.seq_len - 1
+        delta = ""
+        for tok in tokens:
+            req.output_ids.append(tok)
+            req.kv_len += 1
+            delta += self._check_finish(req, tok)
+            if req.finished:
+                break
+        if req.first_token_time is None:
+            req.first_token_time = now
+        req.text += delta
+        return delta
 
     def _check_finish(self, req: Req, tok: int) -> str:
         p = req.params

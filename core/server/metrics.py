@@ -97,16 +97,17 @@ class Metrics:
     def on_step(self, batch: ScheduledBatch, duration: float) -> None:
         try:
             now = time.perf_counter()
-            tokens = 0
+            tokens, n = 0, batch.steps_run  # a multi-step decode's tokens (at most: a stop may drop some)
             for req in batch.reqs:
                 if req.finished or req.aborted or req.params.max_new_tokens == 0 or req.kv_len < req.seq_len:
                     continue
-                tokens += 1
+                tokens += n
                 if req.rid.startswith(INTERNAL_RID_PREFIXES):
                     continue
                 last = self._last_token_time.get(req)
                 if last is not None and not batch.is_prefill:
-                    self.itl.labels(self.model_name).observe(now - last)
+                    for _ in range(n):
+                        self.itl.labels(self.model_name).observe((now - last) / n)
                 self._last_token_time[req] = now
             self._gen_window.append((now, tokens))
             self._trim(now)

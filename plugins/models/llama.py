@@ -181,11 +181,11 @@ class LlamaForCausalLM(nn.Module):
             return None
         return self.model.embed_tokens if self.tied else self.lm_head
 
-    def decode_step(self, inputs: Any, attn_backend: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """``CausalLM.decode_step``: a CPU step of one token per sequence, every one sampling (a
-        decode), as one call of the decode stack (``kernels/cpu_decode.decode``) where it serves
-        the batch; else None. What serves is decided once per attention backend (this runs every
-        step, where each attribute lookup through nn.Module costs)."""
+    def _decode_stack(self, inputs: Any, attn_backend: Any) -> tuple[dict[str, Any], int] | None:
+        """(the CPU decode stack's plan, the vocabulary size) where the stack serves ``inputs``'s
+        batch (a decode: one token per sequence, every one sampling), else None. What serves is
+        decided once per attention backend (this runs every step, where each attribute lookup
+        through nn.Module costs)."""
         cached = self.__dict__.get("_decode_plan")
         if cached is None or cached[0] is not attn_backend:
             head = self._stack_head() if isinstance(self.model, LlamaModel) else None
@@ -199,8 +199,23 @@ class LlamaForCausalLM(nn.Module):
                 or inputs.kv_indices.device.type != "cpu"
                 or (inputs.logit_rows != [(0, b)] and inputs.logit_rows != [list(range(b))])):  # (a prefill of one token each)
             return None
-        return cpu_decode.decode(stack, inputs.input_ids, inputs.positions, inputs.out_cache_loc, inputs.kv_indices,
-                                 inputs.seq_lens, vocab)
+        return stack, vocab
+
+    def decode_step(self, inputs: Any, attn_backend: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """``CausalLM.decode_step``: a CPU decode step as one call of the decode stack
+        (``kernels/cpu_decode.decode``) where it serves the batch; else None."""
+        if (served := self._decode_stack(inputs, attn_backend)) is None:
+            return None
+        return cpu_decode.decode(served[0], inputs.input_ids, inputs.positions, inputs.out_cache_loc, inputs.kv_indices,
+                                 inputs.seq_lens, served[1])
+
+    def decode_steps(self, inputs: Any, attn_backend: Any, steps: int, stop_ids: list[int]) -> list[list[int]] | None:
+        """``CausalLM.decode_steps``: up to ``steps`` greedy CPU decode steps as one call of the
+        decode stack (``kernels/cpu_decode.decode_steps``) where it serves the batch; else None."""
+        if (served := self._decode_stack(inputs, attn_backend)) is None:
+            return None
+        return cpu_decode.decode_steps(served[0], inputs.input_ids, inputs.positions, inputs.out_cache_loc,
+                                       inputs.kv_indices, inputs.seq_lens, served[1], steps, stop_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if isinstance(self.model, LlamaModel) and (logits := self.model.step_logits(hidden)) is not None:
