@@ -290,3 +290,23 @@ def test_ranks_on_two_nodes(tiny_llama_path):
     finally:
         if node1.poll() is None:
             node1.kill()
+
+
+def test_tp2_runs_continuous_decode_steps(tmp_path):
+    """--num-continuous-decode-steps with two ranks: each step's forward pairs up across the ranks
+    (one broadcast each), and the tokens are one rank's with single steps."""
+    import core
+    import transformers
+
+    build_tiny(tmp_path, transformers.LlamaConfig, transformers.LlamaForCausalLM)
+    prompts = [prompt(3, 1, 256), prompt(30, 2, 256)]
+    params = [{"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True} for n in (9, 6)]
+    outs, ran = [], []
+    for kwargs in ({}, {"tp_size": 2, "num_continuous_decode_steps": 4}):
+        eng = core.Engine(model_path=str(tmp_path), **ENGINE, **kwargs)
+        eng.engine.step_listeners.append(lambda batch, _: ran.append(batch.steps_run))
+        try:
+            outs.append([o["output_ids"] for o in eng.generate(input_ids=prompts, sampling_params=params)])
+        finally:
+            eng.shutdown()
+    assert outs[1] == outs[0] and max(ran) == 4
