@@ -111,6 +111,7 @@ def step_split(engine, prompts: list[list[int]], steps: int = 16) -> dict[str, f
     SKIP = 2
     params = {"temperature": 0, "max_new_tokens": steps + SKIP + 2, "ignore_eos": True}
     runner.run = run
+    decode_steps, core.scheduler.decode_steps = core.scheduler.decode_steps, 1  # one step a batch: a step's split
     try:
         step = decode()  # as served, no hooks (at batch 1 they would cost as much as the GEMMs)
 
@@ -155,6 +156,7 @@ def step_split(engine, prompts: list[list[int]], steps: int = 16) -> dict[str, f
         python_step = decode()
     finally:
         runner.run = orig
+        core.scheduler.decode_steps = decode_steps
         core.model.__dict__.pop("compute_logits", None)
         for h in handles:
             h.remove()

@@ -101,7 +101,7 @@ class Scheduler:
         self.policy = SchedulePolicy(schedule_policy, tree_cache, enable_priority=enable_priority_scheduling,
                                      low_priority_values_first=schedule_low_priority_values_first, seed=seed)
         self.enable_mixed_chunk = enable_mixed_chunk
-        self.decode_steps = decode_steps  # --num-continuous-decode-steps (the engine sets 1 where the runner cannot)
+        self.decode_steps = decode_steps  # --num-continuous-decode-steps: the most decode steps one batch runs
         self.init_new_token_ratio = min(INIT_NEW_TOKEN_RATIO * schedule_conservativeness, 1.0)
         self.min_new_token_ratio = min(self.init_new_token_ratio * MIN_NEW_TOKEN_RATIO_FACTOR, 1.0)
         self.new_token_ratio_decay = (self.init_new_token_ratio - self.min_new_token_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS
