@@ -9,6 +9,7 @@ import pytest
 from core.errors import CoreError
 from core_kernels import cpu_decode, cpu_gemv
 from tests.conftest import assert_pool_free, make_engine
+from tests.server_utils import default_server, start_server  # noqa: F401 (default_server: a fixture)
 
 PROMPTS = ["a", "hello world", "abc abc abc abc", "xy"]
 STEPS = 4
@@ -93,3 +94,30 @@ def test_the_flag_must_be_positive(tiny_llama):
     path, _ = tiny_llama()
     with pytest.raises(CoreError, match="--num-continuous-decode-steps must be >= 1, got 0"):
         make_engine(path, num_continuous_decode_steps=0)
+
+
+@pytest.mark.slow
+def test_a_server_streams_the_bursts_as_the_tokens_of_single_steps(default_server):
+    """``core serve --num-continuous-decode-steps 8`` on the default model, through the OpenAI client:
+    a streamed greedy answer (several tokens a chunk) and a stop string met inside a burst give the
+    text, finish reason and token count of the default server's single steps."""
+    import openai
+
+    messages = [{"role": "user", "content": "List the planets of the solar system, one per line."}]
+
+    def ask(url: str, **extra) -> tuple[str, str, int, int]:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        chunks = list(client.chat.completions.create(model="m", messages=messages, temperature=0, max_tokens=48, stream=True,
+                                                     stream_options={"include_usage": True}, **extra))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason][0]
+        return text, finish, chunks[-1].usage.completion_tokens, sum(1 for c in chunks if c.choices and c.choices[0].delta.content)
+
+    want = ask(default_server)
+    stop = want[0][len(want[0]) // 2 :][:4]  # four characters from the middle of the answer
+    want_stop = ask(default_server, stop=[stop])
+    with start_server("--num-continuous-decode-steps", "8") as url:
+        got, got_stop = ask(url), ask(url, stop=[stop])
+    assert got[:3] == want[:3] and got_stop[:3] == want_stop[:3]
+    assert want_stop[1] == "stop" and len(want_stop[0]) < len(want[0])
+    assert got[3] < want[3]  # fewer chunks: tokens arrive several at a time
