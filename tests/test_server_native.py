@@ -726,6 +726,7 @@ def test_parallel_flags_parse_with_sglangs_spellings() -> None:
 
 @pytest.mark.parametrize("argv,message", [
     (["--schedule-conservativeness", "0"], "--schedule-conservativeness must be > 0"),
+    (["--num-continuous-decode-steps", "0"], "--num-continuous-decode-steps must be >= 1, got 0"),
     (["--pp-size", "2"], "--pp-size 2 is not supported yet"),
     (["--ep", "2"], "--ep-size 2 is not supported yet"),
     (["--enable-lora"], "--enable-lora is not supported yet"),
@@ -744,7 +745,8 @@ def test_unsupported_flags_are_errors(argv: list[str], message: str) -> None:
                                   ["--tool-call-parser", "qwen25"], ["--reasoning-parser", "deepseek-r1"], ["--chunked-prefill-size", "-1"],
                                   ["--schedule-policy", "fcfs"], ["--tp-size", "1"], ["--chunked-prefill-size", "4096"],
                                   ["--schedule-policy", "lpm"], ["--schedule-policy", "dfs-weight"], ["--enable-mixed-chunk"],
-                                  ["--disable-radix-cache"], ["--radix-eviction-policy", "lfu"], ["--enable-priority-scheduling"]])
+                                  ["--disable-radix-cache"], ["--radix-eviction-policy", "lfu"], ["--enable-priority-scheduling"],
+                                  ["--num-continuous-decode-steps", "8"]])
 def test_supported_values_pass_validation(argv: list[str]) -> None:
     from core.server.args import validate_serve_args
 

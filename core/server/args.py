@@ -383,6 +383,8 @@ def validate_serve_args(ns: argparse.Namespace) -> None:
         raise CoreError(f"--max-queued-requests must be >= 0, got {ns.max_queued_requests}")
     if getattr(ns, "schedule_conservativeness", 1.0) <= 0:
         raise CoreError(f"--schedule-conservativeness must be > 0, got {ns.schedule_conservativeness}")
+    if getattr(ns, "num_continuous_decode_steps", 1) < 1:
+        raise CoreError(f"--num-continuous-decode-steps must be >= 1, got {ns.num_continuous_decode_steps}")
     if ns.max_running_requests is not None and ns.max_running_requests < 1:
         raise CoreError(f"--max-running-requests must be >= 1, got {ns.max_running_requests}")
     if ns.context_length is not None and ns.context_length < 2:
