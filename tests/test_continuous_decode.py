@@ -121,3 +121,30 @@ def test_a_server_streams_the_bursts_as_the_tokens_of_single_steps(default_serve
     assert got[:3] == want[:3] and got_stop[:3] == want_stop[:3]
     assert want_stop[1] == "stop" and len(want_stop[0]) < len(want[0])
     assert got[3] < want[3]  # fewer chunks: tokens arrive several at a time
+
+
+def test_the_first_token_streams_before_the_first_burst(tiny_llama):
+    """A prefill's token reaches its stream before the next decode batch (which runs on the event
+    loop's thread at small batch sizes) holds the loop for its steps: the steps do not add to the TTFT."""
+    import asyncio
+
+    path, _ = tiny_llama()
+    eng = make_engine(path, num_continuous_decode_steps=16)
+    decoded: list[int] = []  # the decode steps run so far
+    eng.engine.step_listeners.append(lambda batch, _: decoded.append(batch.steps_run) if not batch.is_prefill else None)
+
+    async def first_chunk() -> tuple[int, int]:
+        """(decode steps run when the first token arrived, tokens in all)."""
+        seen, n = None, 0
+        params = {"temperature": 0.0, "max_new_tokens": 40, "ignore_eos": True}
+        async for chunk in await eng.engine.generate("hello", params, stream=True):
+            if seen is None and chunk["output_ids"]:
+                seen = sum(decoded)
+            n = len(chunk["output_ids"])
+        return seen, n
+
+    try:
+        seen, n = asyncio.run_coroutine_threadsafe(first_chunk(), eng._loop).result()
+    finally:
+        eng.shutdown()
+    assert n == 40 and max(decoded) == 16 and seen == 0, (seen, decoded)

@@ -348,7 +348,7 @@ class AsyncEngine(RequestFrontEnd):
             req.queue.put_nowait(True)
             if req.finished:
                 self._finished(req, notify=False)
-        if inline:
+        if inline or batch.is_prefill:  # (after a prefill: first tokens out before a decode holds the loop)
             await _drain_loop()
 
     def _runs_inline(self, batch: ScheduledBatch) -> bool:
@@ -356,8 +356,10 @@ class AsyncEngine(RequestFrontEnd):
         thread: a CPU decode of at most ``inline_decode_rows`` rows (a few milliseconds). Handing
         such a step to the other thread and back costs two thread wake-ups, and the streams'
         work, run on the loop while the forward's threads hold every core, slowed each step:
-        inline, batch-1 decode measured ~6 % faster (2-7 % through the HTTP server). Between
-        inline steps the loop runs until nothing is ready (``_drain_loop``). Prefills and large
+        inline, batch-1 decode measured ~6 % faster (2-7 % through the HTTP server). After inline
+        steps and prefills the loop runs until nothing is ready (``_drain_loop``): a prefill's first
+        tokens reach their streams before the next (inline) decode holds the loop, which with
+        ``--num-continuous-decode-steps`` would otherwise add its whole burst to the TTFT. Prefills and large
         batches stay on the forward thread, so that the server is never blocked for long."""
         return (not batch.is_prefill and len(batch.reqs) <= self.inline_decode_rows
                 and not self._forward_jobs and not self.profiler.active)
