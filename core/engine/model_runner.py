@@ -179,13 +179,13 @@ class ModelRunner:
         step = StepInputs(batch.input_ids, batch.positions, batch.out_cache_loc[:b], seq0, batch.extend_lens,
                           self.step_inputs(batch)[0].kv_indices, [(0, b)])
         stop = batch_stop_ids(reqs, self.eos_ids)
-        rows = [SamplingRow(r.params, r.prompt_ids, r.output_ids, r.generator, self.eos_ids, False, 0, r.row) for r in reqs]
         if (self.tp is None and self.device.type == "cpu" and all(r.params.is_greedy and not r.params.logit_bias for r in reqs)
                 and (fast := getattr(self.model, "decode_steps", None)) is not None):
             whole = attrs.evolve(step, out_cache_loc=batch.out_cache_loc)
             if (tokens := fast(whole, self.attn_backend, k, stop)) is not None:
                 batch.steps_run = len(tokens)
                 return StepResult(SampleOutput(tokens[0], None, None), tokens[1:])
+        rows = [SamplingRow(r.params, r.prompt_ids, r.output_ids, r.generator, self.eos_ids, False, 0, r.row) for r in reqs]
         tokens: list[list[int]] = []
         for j in range(k):
             if j:
