@@ -279,18 +279,12 @@ class Scheduler:
         ``out_cache_loc``), every step's table entries written with the first."""
         ps, b = self.ps, len(reqs)
         locs = [0] * (b * steps)
-        rows: list[int] = []
-        cols: list[int] = []
-        slots: list[int] = []
-        pending = self._table_pending
+        writes: tuple[list[int], list[int], list[int]] = ([], [], [])
+        rows, cols, slots = writes
         for i, req in enumerate(reqs):
-            if pending and (queued := pending.pop(req.row, None)) is not None:
-                rows.extend([req.row] * len(queued[0]))
-                cols.extend(queued[0])
-                slots.extend(queued[1])
+            self._take_queued(req, writes)
             start = req.kv_len
-            if (need := self.allocator.pages_for(start + steps) - len(req.pages)) > 0:
-                req.pages += self._alloc(need)
+            self._grow(req, start + steps)
             for k in range(steps):
                 pos = start + k
                 locs[k * b + i] = slot = req.pages[pos // ps] * ps + pos % ps
@@ -299,7 +293,7 @@ class Scheduler:
                 slots.append(slot)
             req.kv_len = start + steps  # process() sets it back to the tokens kept
         return ScheduledBatch(reqs, [1] * b, [r.token_at(r.kv_len - steps) for r in reqs],
-                              [r.kv_len - steps for r in reqs], locs, False, (rows, cols, slots), steps)
+                              [r.kv_len - steps for r in reqs], locs, False, writes, steps)
 
     def _get_prefill(self, decodable: list[Req]) -> list[tuple[Req, int]]:
         """Admit what fits: the ongoing chunked request first, then waiting requests in policy order."""
@@ -425,6 +419,18 @@ class Scheduler:
         req.num_retractions += 1
         self.running.remove(req)
 
+    def _take_queued(self, req: Req, writes: tuple[list[int], list[int], list[int]]) -> None:
+        """Move ``req``'s queued table entries (``_write_row``) into a batch's ``writes``."""
+        if self._table_pending and (queued := self._table_pending.pop(req.row, None)) is not None:
+            writes[0].extend([req.row] * len(queued[0]))
+            writes[1].extend(queued[0])
+            writes[2].extend(queued[1])
+
+    def _grow(self, req: Req, end: int) -> None:
+        """Take pages until ``req`` holds positions [0, end)."""
+        if (need := self.allocator.pages_for(end) - len(req.pages)) > 0:
+            req.pages += self._alloc(need)
+
     def _build(self, reqs: list[Req], extend_lens: list[int], prefill: bool) -> ScheduledBatch:
         """Take pages for the new tokens and list their slots (and the table entries to write)."""
         ps = self.ps
@@ -432,17 +438,12 @@ class Scheduler:
         rows: list[int] = []
         positions: list[int] = []
         locs: list[int] = []
-        pending = self._table_pending
         extra: tuple[list[int], list[int], list[int]] = ([], [], [])
         for req, n in zip(reqs, extend_lens):
-            if pending and (queued := pending.pop(req.row, None)) is not None:
-                extra[0].extend([req.row] * len(queued[0]))
-                extra[1].extend(queued[0])
-                extra[2].extend(queued[1])
+            self._take_queued(req, extra)
             start = end = req.kv_len
             end += n
-            if self.allocator.pages_for(end) > len(req.pages):
-                req.pages += self._alloc(self.allocator.pages_for(end) - len(req.pages))
+            self._grow(req, end)
             pages = req.pages
             if n == 1:  # decode: the common case, kept short
                 positions.append(start)
