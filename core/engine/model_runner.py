@@ -140,10 +140,7 @@ class ModelRunner:
         if batch.steps > 1:
             return self._run_steps(batch)
         inputs, live, prompt_rows = self.step_inputs(batch)
-        if self.tp is not None:  # every rank runs this forward; their collectives pair up
-            hidden, all_logits, argmax_ids = self.tp.forward(inputs, lambda: forward_step(self.model, self.attn_backend, inputs, self.device))
-        else:
-            hidden, all_logits, argmax_ids = forward_step(self.model, self.attn_backend, inputs, self.device, self.graphs)
+        hidden, all_logits, argmax_ids = self._forward(inputs)
         reqs = all_reqs = batch.reqs
         if len(live) < len(reqs):
             reqs = [reqs[i] for i in live]
@@ -167,6 +164,13 @@ class ModelRunner:
             result.input_logprobs[i] = self._prompt_logprobs(all_logits[k] if k >= 0 else None, all_reqs[i])
         return result
 
+    def _forward(self, inputs: StepInputs) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor | None]:
+        """``forward_step`` over ``inputs``; with tensor parallelism on every rank (their
+        collectives pair up), else with this runner's CUDA graphs."""
+        if self.tp is not None:
+            return self.tp.forward(inputs, lambda: forward_step(self.model, self.attn_backend, inputs, self.device))
+        return forward_step(self.model, self.attn_backend, inputs, self.device, self.graphs)
+
     def _run_steps(self, batch: ScheduledBatch) -> StepResult:
         """A decode batch of ``batch.steps`` steps (``--num-continuous-decode-steps``), each step's
         tokens the next step's inputs, ending early after a step that produced a stop token of
@@ -186,17 +190,15 @@ class ModelRunner:
                 batch.steps_run = len(tokens)
                 return StepResult(SampleOutput(tokens[0], None, None), tokens[1:])
         rows = [SamplingRow(r.params, r.prompt_ids, r.output_ids, r.generator, self.eos_ids, False, 0, r.row) for r in reqs]
+        stops = set(stop)
         tokens: list[list[int]] = []
         for j in range(k):
             if j:
                 step = StepInputs(tokens[-1], [p + j for p in batch.positions], batch.out_cache_loc[j * b : (j + 1) * b],
                                   [n + j for n in seq0], batch.extend_lens, step.kv_indices, [(0, b)])
-            if self.tp is not None:
-                _, logits, argmax_ids = self.tp.forward(step, lambda s=step: forward_step(self.model, self.attn_backend, s, self.device))
-            else:
-                _, logits, argmax_ids = forward_step(self.model, self.attn_backend, step, self.device, self.graphs)
+            _, logits, argmax_ids = self._forward(step)
             tokens.append(self.sampler.sample(logits[0], rows, argmax_ids).token_ids)
-            if not set(stop).isdisjoint(tokens[-1]):
+            if not stops.isdisjoint(tokens[-1]):
                 break
         batch.steps_run = len(tokens)
         return StepResult(SampleOutput(tokens[0], None, None), tokens[1:])
