@@ -58,6 +58,7 @@ inline vf vset1(float x) { return _mm512_set1_ps(x); }
 inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
 inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
 inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 inline float vhmax(vf x) { return _mm512_reduce_max_ps(x); }
 inline float vsum(vf x) { return _mm512_reduce_add_ps(x); }
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -72,6 +73,7 @@ inline vf vset1(float x) { return _mm256_set1_ps(x); }
 inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
 inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
 inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
+inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
 inline float vhmax(vf x) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
@@ -171,80 +173,84 @@ inline void accumulate(float* __restrict acc, const float* __restrict p, const f
 }
 
 #ifdef CORE_SIMD
-// s[row][j] = q_row . k_j for every row of qb [rows, D] and the kBlock keys of kt, the block
-// transposed ([D, kBlock], zero past its keys): broadcast-FMA tiles of R rows x kBlock keys, no
-// horizontal sums (a dot per key and row ended in one). What extend tasks (prefill) spend most on.
-template <int D>
-inline void scores_tile(const float* __restrict qb, int rows, int d, const float* __restrict kt, float* __restrict s) {
-  constexpr int KV = kBlock / CORE_SIMD;  // vectors per row of scores
-  constexpr int R = 8 / KV;               // rows per tile: 8 accumulators (AVX2: 2 x 4, AVX-512: 4 x 2)
-  const int dd = D > 0 ? D : d;
-  int r = 0;
-  for (; r + R <= rows; r += R) {
-    vf acc[R][KV];
-    for (int i = 0; i < R; ++i)
-      for (int c = 0; c < KV; ++c) acc[i][c] = vzero();
-    for (int e = 0; e < dd; ++e) {
-      vf k[KV];
-      for (int c = 0; c < KV; ++c) k[c] = vload(kt + e * kBlock + c * CORE_SIMD);
-#pragma GCC unroll 4
-      for (int i = 0; i < R; ++i) {
-        const vf q = vset1(qb[(r + i) * dd + e]);
-        for (int c = 0; c < KV; ++c) acc[i][c] = vfma(q, k[c], acc[i][c]);
-      }
+// ---- Extends (prefill) with a vector unit: a task's query vectors side by side in the lanes.
+// The task's rows (query vectors: tokens x heads of a group, padded to a whole number of vectors)
+// are transposed once, qt [D, RP] (scaled), so that for each key of a block the scores of all rows
+// are a broadcast-FMA product with the key's row as it lies in the pool: no key is transposed or
+// copied (float32 pools), and the scores come out as st [keys, RP], where each row's max, exp and
+// sum over the block's keys are lane-wise vector operations.
+
+// A tile of KJ keys x RV vectors of rows of st: st[j][v] = sum_e k_j[e] * qt[e][v].
+template <int KJ, int RV>
+inline void score_tile(const float* __restrict qt, int RP, int d, const float* const* k, float* __restrict st, int v0) {
+  vf acc[KJ][RV];
+  for (int j = 0; j < KJ; ++j)
+    for (int r = 0; r < RV; ++r) acc[j][r] = vzero();
+  for (int e = 0; e < d; ++e) {
+    vf qv[RV];
+    for (int r = 0; r < RV; ++r) qv[r] = vload(qt + e * RP + (v0 + r) * CORE_SIMD);
+#pragma GCC unroll 6
+    for (int j = 0; j < KJ; ++j) {
+      const vf kb = vset1(k[j][e]);
+      for (int r = 0; r < RV; ++r) acc[j][r] = vfma(kb, qv[r], acc[j][r]);
     }
-    for (int i = 0; i < R; ++i)
-      for (int c = 0; c < KV; ++c) vstore(s + (r + i) * kBlock + c * CORE_SIMD, acc[i][c]);
   }
-  for (; r < rows; ++r) {
-    vf acc[KV];
-    for (int c = 0; c < KV; ++c) acc[c] = vzero();
-    for (int e = 0; e < dd; ++e) {
-      const vf q = vset1(qb[r * dd + e]);
-      for (int c = 0; c < KV; ++c) acc[c] = vfma(q, vload(kt + e * kBlock + c * CORE_SIMD), acc[c]);
-    }
-    for (int c = 0; c < KV; ++c) vstore(s + r * kBlock + c * CORE_SIMD, acc[c]);
-  }
+  for (int j = 0; j < KJ; ++j)
+    for (int r = 0; r < RV; ++r) vstore(st + j * RP + (v0 + r) * CORE_SIMD, acc[j][r]);
 }
 
-// acc[row] += sum_{j < n} s[row][j] * v_j for every row of acc [rows, D] (s [rows, kBlock], zero
-// outside each row's keys; v [n, D]): tiles of 2 rows x 4 vectors of columns, each V chunk loaded
-// once for both rows.
-template <int D>
-inline void weigh_tile(float* __restrict acc, int rows, int d, const float* __restrict s, const float* __restrict v, int n) {
-  constexpr int CH = 4, W = CH * CORE_SIMD;  // columns per pass
-  const int dd = D > 0 ? D : d;
+// Every row's scores for the n keys whose rows are k[0..n): tiles of 6 keys x 2 vectors of rows
+// (12 accumulators, 2 loads of qt and 6 broadcasts per 12 FMAs: AVX2's 16 registers), then the rest.
+template <int KJ>
+inline void score_keys(const float* qt, int RP, int d, const float* const* k, float* st) {
+  const int RV = RP / CORE_SIMD;
+  int v = 0;
+  for (; v + 2 <= RV; v += 2) score_tile<KJ, 2>(qt, RP, d, k, st, v);
+  if (v < RV) score_tile<KJ, 1>(qt, RP, d, k, st, v);
+}
+
+inline void scores_t(const float* qt, int RP, int d, const float* const* k, int n, float* st) {
+  int j = 0;
+  for (; j + 6 <= n; j += 6) score_keys<6>(qt, RP, d, k + j, st + j * RP);
+  for (; j + 2 <= n; j += 2) score_keys<2>(qt, RP, d, k + j, st + j * RP);
+  if (j < n) score_keys<1>(qt, RP, d, k + j, st + j * RP);
+}
+
+// A tile of RR rows x CV vectors of columns (from c0) of acc [rows, d]: acc[r] += sum_j p[j][r] * v_j.
+template <int RR, int CV>
+inline void weigh_tile(float* __restrict acc, int d, const float* __restrict p, int RP, const float* const* v, int n,
+                       int r0, int c0) {
+  vf a[RR][CV];
+  for (int r = 0; r < RR; ++r)
+    for (int c = 0; c < CV; ++c) a[r][c] = vload(acc + (r0 + r) * d + c0 + c * CORE_SIMD);
+  for (int j = 0; j < n; ++j) {
+    vf x[CV];
+    for (int c = 0; c < CV; ++c) x[c] = vload(v[j] + c0 + c * CORE_SIMD);
+#pragma GCC unroll 6
+    for (int r = 0; r < RR; ++r) {
+      const vf w = vset1(p[j * RP + r0 + r]);
+      for (int c = 0; c < CV; ++c) a[r][c] = vfma(w, x[c], a[r][c]);
+    }
+  }
+  for (int r = 0; r < RR; ++r)
+    for (int c = 0; c < CV; ++c) vstore(acc + (r0 + r) * d + c0 + c * CORE_SIMD, a[r][c]);
+}
+
+// acc[r] += sum_{j < n} p[j][r] * v_j for the rows r < rows (p [n, RP]; v_j the value rows, d a
+// multiple of the vector width): tiles of 6 rows x 2 vectors of columns (the V chunks loaded once
+// for 6 rows), then the rest.
+template <int RR>
+inline void weigh_rows(float* acc, int d, const float* p, int RP, const float* const* v, int n, int r0) {
+  int c = 0;
+  for (; c + 2 * CORE_SIMD <= d; c += 2 * CORE_SIMD) weigh_tile<RR, 2>(acc, d, p, RP, v, n, r0, c);
+  if (c < d) weigh_tile<RR, 1>(acc, d, p, RP, v, n, r0, c);
+}
+
+inline void weigh_t(float* acc, int rows, int d, const float* p, int RP, const float* const* v, int n) {
   int r = 0;
-  for (; r + 2 <= rows; r += 2) {
-    for (int c0 = 0; c0 + W <= dd; c0 += W) {
-      vf a0[CH], a1[CH];
-      for (int c = 0; c < CH; ++c) {
-        a0[c] = vload(acc + r * dd + c0 + c * CORE_SIMD);
-        a1[c] = vload(acc + (r + 1) * dd + c0 + c * CORE_SIMD);
-      }
-      for (int j = 0; j < n; ++j) {
-        const vf w0 = vset1(s[r * kBlock + j]), w1 = vset1(s[(r + 1) * kBlock + j]);
-#pragma GCC unroll 4
-        for (int c = 0; c < CH; ++c) {
-          const vf x = vload(v + j * dd + c0 + c * CORE_SIMD);
-          a0[c] = vfma(w0, x, a0[c]);
-          a1[c] = vfma(w1, x, a1[c]);
-        }
-      }
-      for (int c = 0; c < CH; ++c) {
-        vstore(acc + r * dd + c0 + c * CORE_SIMD, a0[c]);
-        vstore(acc + (r + 1) * dd + c0 + c * CORE_SIMD, a1[c]);
-      }
-    }
-  }
-  const int done = r;
-  for (int i = 0; i < rows; ++i) {  // the last odd row, and every row's columns past whole passes
-    const int c_from = i < done ? dd / W * W : 0;
-    for (int j = 0; j < n; ++j) {
-      const float w = s[i * kBlock + j];
-      for (int c = c_from; c < dd; ++c) acc[i * dd + c] += w * v[j * dd + c];
-    }
-  }
+  for (; r + 6 <= rows; r += 6) weigh_rows<6>(acc, d, p, RP, v, n, r);
+  for (; r + 2 <= rows; r += 2) weigh_rows<2>(acc, d, p, RP, v, n, r);
+  if (r < rows) weigh_rows<1>(acc, d, p, RP, v, n, r);
 }
 #endif
 
@@ -283,14 +289,15 @@ struct Params {
 
 // Scratch of one thread, grown to fit the largest task (run_tasks keeps one per thread).
 struct Scratch {
-  std::vector<float> q, acc, s, kv, kt, m, l, ps;
+  std::vector<float> q, acc, s, kv, m, l, al, ps;
   std::vector<int> lo, hi, a, z;
-  std::vector<const void*> qsrc;  // each query vector's row in q (the bf16 dot reads it there)
+  std::vector<const float*> kr, vr;  // a block's K and V rows as float (in the pool, or converted in kv)
   void fit(int rows, int nr, int D, int H) {  // H: query heads of a whole-sequence decode task
     const auto grow = [](auto& v, int n) { if (static_cast<int>(v.size()) < n) v.resize(n); };
-    grow(q, rows * D), grow(acc, std::max(rows, H) * D), grow(s, rows * kBlock), grow(kv, kBlock * D), grow(kt, kBlock * D);
-    grow(m, std::max(rows, H)), grow(l, std::max(rows, H)), grow(ps, H * kChunk);
-    grow(lo, nr), grow(hi, nr), grow(a, nr), grow(z, nr), grow(qsrc, rows);
+    const int rp = std::max((rows + 15) / 16 * 16, H);  // rows padded to whole vectors (extend_tiled)
+    grow(q, rp * D), grow(acc, rp * D), grow(s, rp * kBlock), grow(kv, kBlock * D);
+    grow(m, rp), grow(l, rp), grow(al, rp), grow(ps, H * kChunk);
+    grow(lo, nr), grow(hi, nr), grow(a, nr), grow(z, nr), grow(kr, kBlock), grow(vr, kBlock);
   }
 };
 
@@ -616,6 +623,89 @@ void decode_f32(const Params& p, const Task& t, const float* q, const float* kc,
 }
 #endif
 
+#ifdef CORE_SIMD
+// One extend task (tokens r0 .. r0 + nr of sequence b, the query heads of KV head kvh) with the
+// rows side by side in the lanes (see score_tile): per block of keys, st = the scores of every row,
+// the causal (and window) mask only on blocks that reach past the first token's position, the
+// online softmax lane-wise, then the probabilities times the V rows. The running max starts at
+// -1e30, not -inf, so a row with no key yet in a block (a window's start) never computes -inf - -inf.
+template <typename T, int DC>
+void extend_tiled(const Params& p, const Task& t, const T* q, const T* kc, const T* vc, T* out, Scratch& w) {
+  const int D = DC > 0 ? DC : static_cast<int>(p.D), G = static_cast<int>(p.G);
+  const int rows = t.nr * G, RP = (rows + CORE_SIMD - 1) / CORE_SIMD * CORE_SIMD;
+  const int64_t first = p.seq_lens[t.b] - p.ext[t.b] + t.r0;  // position of the task's first token
+  const int64_t* idx = p.idx + t.b * p.idx_stride;
+  const int64_t head = t.kvh * D;
+  const auto lo_of = [&](int64_t pos) { return p.window > 0 ? static_cast<int>(std::max<int64_t>(0, pos - p.window + 1)) : 0; };
+  const int jlo = lo_of(first), jhi = static_cast<int>(first + t.nr - 1), lo_last = lo_of(jhi);
+  float *qt = w.q.data(), *acc = w.acc.data(), *st = w.s.data(), *m = w.m.data(), *l = w.l.data(), *al = w.al.data();
+  std::fill(qt, qt + D * RP, 0.0f);
+  for (int r = 0; r < t.nr; ++r)
+    for (int g = 0; g < G; ++g) {
+      const T* src = q + (p.q_start[t.b] + t.r0 + r) * p.q_stride + (t.kvh * G + g) * D;
+      for (int e = 0; e < D; ++e) qt[e * RP + r * G + g] = to_f(src[e]) * p.scale;
+    }
+  std::fill(acc, acc + rows * D, 0.0f);
+  std::fill(m, m + RP, -1e30f);
+  std::fill(l, l + RP, 0.0f);
+  const auto rows_of = [&](const T* cache, int j0, int n, const float** ptr) {
+    for (int j = 0; j < n; ++j) {
+      const T* row = cache + idx[j0 + j] * p.slot_stride + head;
+      if constexpr (std::is_same_v<T, float>) {
+        ptr[j] = row;
+      } else {
+        load_row(row, w.kv.data() + j * D, D);
+        ptr[j] = w.kv.data() + j * D;
+      }
+    }
+  };
+  prefetch_rows(kc, vc, idx, jlo, std::min(jlo + kBlock, jhi + 1), p.slot_stride, head, D);
+  for (int j0 = jlo; j0 <= jhi; j0 += kBlock) {
+    const int n = std::min(kBlock, jhi - j0 + 1);
+    prefetch_rows(kc, vc, idx, j0 + kBlock, std::min(j0 + 2 * kBlock, jhi + 1), p.slot_stride, head, D);
+    rows_of(kc, j0, n, w.kr.data());
+    scores_t(qt, RP, D, w.kr.data(), n, st);
+    if (p.cap > 0.0f)
+      for (int i = 0; i < n * RP; ++i) st[i] = p.cap * std::tanh(st[i] / p.cap);
+    if (j0 + n - 1 > first || j0 < lo_last) {  // some key of the block lies outside some row's range
+      for (int j = 0; j < n; ++j)
+        for (int r = 0; r < rows; ++r) {
+          const int64_t pos = first + r / G;
+          if (j0 + j > pos || j0 + j < lo_of(pos)) st[j * RP + r] = kNegInf;
+        }
+    }
+    for (int v = 0; v < RP; v += CORE_SIMD) {  // the online softmax, CORE_SIMD rows at a time
+      vf mx = vload(m + v);
+      for (int j = 0; j < n; ++j) mx = vmax(mx, vload(st + j * RP + v));
+      const vf alpha = vexp_neg(vsub(vload(m + v), mx));
+      vf sum = vzero();
+      for (int j = 0; j < n; ++j) {
+        const vf e = vexp_neg(vsub(vload(st + j * RP + v), mx));
+        vstore(st + j * RP + v, e);
+        sum = vadd(sum, e);
+      }
+      vstore(l + v, vfma(vload(l + v), alpha, sum));
+      vstore(m + v, mx);
+      vstore(al + v, alpha);
+    }
+    for (int r = 0; r < rows; ++r) {
+      if (al[r] == 1.0f) continue;
+      const vf a = vset1(al[r]);
+      for (int c = 0; c < D; c += CORE_SIMD) vstore(acc + r * D + c, vmul(vload(acc + r * D + c), a));
+    }
+    rows_of(vc, j0, n, w.vr.data());
+    weigh_t(acc, rows, D, st, RP, w.vr.data(), n);
+  }
+  for (int r = 0; r < t.nr; ++r)
+    for (int g = 0; g < G; ++g) {
+      const int row = r * G + g;
+      const float inv = 1.0f / l[row];
+      T* dst = out + (p.q_start[t.b] + t.r0 + r) * p.out_stride + (t.kvh * G + g) * D;
+      for (int i = 0; i < D; ++i) dst[i] = static_cast<T>(acc[row * D + i] * inv);
+    }
+}
+#endif
+
 template <typename T, int DC>
 void run_task(const Params& p, const Task& t, const T* q, const T* kc, const T* vc, T* out, Scratch& w) {
 #ifdef CORE_F32_DECODE
@@ -636,6 +726,9 @@ void run_task(const Params& p, const Task& t, const T* q, const T* kc, const T* 
     }
   }
 #endif
+#ifdef CORE_SIMD
+  if ((DC > 0 ? DC : p.D) % CORE_SIMD == 0) return extend_tiled<T, DC>(p, t, q, kc, vc, out, w);
+#endif
   const int D = DC > 0 ? DC : static_cast<int>(p.D), G = static_cast<int>(p.G);
   const int rows = t.nr * G;
   const int64_t first = p.seq_lens[t.b] - p.ext[t.b] + t.r0;  // position of the task's first query
@@ -651,7 +744,6 @@ void run_task(const Params& p, const Task& t, const T* q, const T* kc, const T* 
     w.lo[r] = p.window > 0 ? static_cast<int>(std::max<int64_t>(0, pos - p.window + 1)) : 0;
     for (int g = 0; g < G; ++g) {
       const T* src = q + (p.q_start[t.b] + t.r0 + r) * p.q_stride + (t.kvh * G + g) * D;
-      w.qsrc[r * G + g] = src;
       float* dst = qb + (r * G + g) * D;
       load_row(src, dst, D);
       for (int i = 0; i < D; ++i) dst[i] *= p.scale;
@@ -663,29 +755,7 @@ void run_task(const Params& p, const Task& t, const T* q, const T* kc, const T* 
   for (int j0 = jlo; j0 <= jhi; j0 += kBlock) {
     const int n = std::min(kBlock, jhi - j0 + 1);
     prefetch_rows(kc, vc, idx, j0 + kBlock, std::min(j0 + 2 * kBlock, jhi + 1), p.slot_stride, head, D);
-#ifdef CORE_BF16_DOT
-    constexpr bool bf16_dot = std::is_same_v<T, c10::BFloat16> && (DC == 64 || DC == 128);
-#else
-    constexpr bool bf16_dot = false;
-#endif
-#ifdef CORE_SIMD
-    constexpr bool tiled = !bf16_dot;  // scores_tile and weigh_tile for every row at once
-#else
-    constexpr bool tiled = false;
-#endif
-    if constexpr (tiled) {
-#ifdef CORE_SIMD
-      float* kt = w.kt.data();  // the block's keys transposed, [D, kBlock], zero past n
-      for (int j = 0; j < n; ++j) {
-        load_row(kc + idx[j0 + j] * p.slot_stride + head, kv, D);
-        for (int i = 0; i < D; ++i) kt[i * kBlock + j] = kv[i];
-      }
-      for (int i = 0; i < D; ++i) std::fill(kt + i * kBlock + n, kt + (i + 1) * kBlock, 0.0f);
-      scores_tile<DC>(qb, rows, D, kt, s);
-#endif
-    } else if constexpr (!bf16_dot) {
-      for (int j = 0; j < n; ++j) load_row(kc + idx[j0 + j] * p.slot_stride + head, kv + j * D, D);
-    }
+    for (int j = 0; j < n; ++j) load_row(kc + idx[j0 + j] * p.slot_stride + head, kv + j * D, D);
     for (int r = 0; r < t.nr; ++r) {  // scores, then the online-softmax update, per query vector
       w.a[r] = std::max(w.lo[r] - j0, 0);
       w.z[r] = std::min(w.hi[r] - j0 + 1, n);
@@ -695,15 +765,7 @@ void run_task(const Params& p, const Task& t, const T* q, const T* kc, const T* 
         const int row = r * G + g;
         float* sr = s + row * kBlock;
         float bmax = kNegInf;
-#ifdef CORE_BF16_DOT
-        if constexpr (bf16_dot) {  // the row's scores [a, z) at once, 16 keys per reduction
-          scores_bf16<DC>(static_cast<const c10::BFloat16*>(w.qsrc[row]), reinterpret_cast<const c10::BFloat16*>(kc),
-                          idx + j0 + a, z - a, p.slot_stride, head, p.scale, sr + a);
-        }
-#endif
-        if constexpr (!bf16_dot && !tiled) {
-          for (int j = a; j < z; ++j) sr[j] = dot(qb + row * D, kv + j * D, D);  // no vector unit
-        }
+        for (int j = a; j < z; ++j) sr[j] = dot(qb + row * D, kv + j * D, D);
         if (p.cap > 0.0f) {
           for (int j = a; j < z; ++j) sr[j] = p.cap * std::tanh(sr[j] / p.cap);
         }
@@ -747,27 +809,12 @@ void run_task(const Params& p, const Task& t, const T* q, const T* kc, const T* 
       }
     }
     for (int j = 0; j < n; ++j) load_row(vc + idx[j0 + j] * p.slot_stride + head, kv + j * D, D);
-    if constexpr (tiled) {
-#ifdef CORE_SIMD
-      // every row's probabilities over the whole block, zero outside the row's keys, then one tile pass
-      for (int r = 0; r < t.nr; ++r) {
-        const int a = std::min(w.a[r], n), z = std::max(w.z[r], a);
-        for (int g = 0; g < G; ++g) {
-          float* sr = s + (r * G + g) * kBlock;
-          std::fill(sr, sr + a, 0.0f);
-          std::fill(sr + z, sr + n, 0.0f);
-        }
-      }
-      weigh_tile<DC>(acc, rows, D, s, kv, n);
-#endif
-    } else {
-      for (int r = 0; r < t.nr; ++r) {
-        for (int g = 0; g < G; ++g) {
-          const int row = r * G + g;
-          const float* sr = s + row * kBlock;
-          float* ar = acc + row * D;
-          accumulate<DC>(ar, sr, kv, w.a[r], w.z[r], D);
-        }
+    for (int r = 0; r < t.nr; ++r) {
+      for (int g = 0; g < G; ++g) {
+        const int row = r * G + g;
+        const float* sr = s + row * kBlock;
+        float* ar = acc + row * D;
+        accumulate<DC>(ar, sr, kv, w.a[r], w.z[r], D);
       }
     }
   }

@@ -54,8 +54,8 @@ TestCpuConformance = kit.attention_backend_conformance  # every case of the kit,
 
 # Shapes the kit's cases do not reach: 9 query heads on 3 KV heads (SmolLM2), extends longer than one
 # task (16 tokens at 3 heads per KV head), windows and soft caps over several 32-key blocks, head dims
-# without a specialised kernel (16, 96), one step mixing a long decode with a prefix-hit extend, and
-# decodes over several 256-key chunks.
+# without a specialised kernel (16, 96) or of no whole number of vectors (20: the scalar extend path),
+# one step mixing a long decode with a prefix-hit extend, and decodes over several 256-key chunks.
 EXTRA_CASES = [
     AttentionCase("smollm2_prefill_prefix", (0, 37), ((70, 45), (1, 1)), num_heads=9, num_kv_heads=3, page_size=16),
     AttentionCase("smollm2_page_1", (5, 90), ((33, 1), (1, 1)), num_heads=9, num_kv_heads=3, page_size=1),
@@ -63,6 +63,11 @@ EXTRA_CASES = [
     AttentionCase("soft_cap_blocks", (70, 0), ((1, 50), (1, 1)), num_heads=8, num_kv_heads=1, logit_cap=5.0),
     AttentionCase("head_dim_16", (20, 0), ((1, 21), (1, 1)), head_dim=16),
     AttentionCase("head_dim_96_mha", (40, 3), ((1, 29),), num_heads=3, num_kv_heads=3, head_dim=96, page_size=1),
+    # a head dim that is no whole number of vectors: the scalar extend path, windowed and capped
+    AttentionCase("head_dim_20_window_cap", (60, 0), ((1, 45), (1, 1)), num_heads=4, num_kv_heads=2, head_dim=20,
+                  sliding_window=30, logit_cap=8.0),
+    # a prompt of many tasks and key blocks, the mask on the blocks past each task's first token
+    AttentionCase("long_prompt", (0,), ((300,),), num_heads=9, num_kv_heads=3),
     AttentionCase("mixed_long", (260, 0, 40), ((1, 20, 17), (1, 1, 1)), num_heads=9, num_kv_heads=3),
     AttentionCase("head_dim_128_gqa", (50, 9), ((1, 40),), num_heads=16, num_kv_heads=4, head_dim=128, page_size=16),
     # bf16 decodes walk keys in chunks of 256 with an online softmax between chunks

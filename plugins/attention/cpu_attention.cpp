@@ -13,11 +13,14 @@
 // bf16 pool multiplies the bf16 rows directly (exact products summed in fp32; the keys are never
 // converted), and every query token of a bf16 pool (decode or extend, no soft cap) runs
 // decode_bf16: all its scores over a chunk of up to 256 keys, one softmax over them, then the V
-// rows; decodes of a float32 pool run its AVX2 twin, decode_f32. Extends of the other pools run
-// blocks of 32 keys for all the task's query vectors at once: scores and V weighting as
-// broadcast-FMA register tiles (vectors of the -march=native width, AVX2 or AVX-512), the softmax
-// in vectors (exp is a polynomial). Tasks run on torch's OpenMP pool, dynamically scheduled
-// (sequences differ in length), with torch.get_num_threads() threads.
+// rows; decodes of a float32 pool run its AVX2 twin, decode_f32. Extends of the other pools
+// (extend_tiled) hold the task's query vectors side by side in the lanes (transposed once per
+// task): per block of 32 keys, every key row as it lies in the pool is broadcast against them, so
+// the scores, the softmax (exp is a polynomial) and the V weighting are all register tiles of
+// vectors of the -march=native width (AVX2 or AVX-512), with no transposition of keys and no
+// horizontal sums; a head dim of no whole number of vectors takes a scalar loop. Tasks run on
+// torch's OpenMP pool, dynamically scheduled (sequences differ in length), with
+// torch.get_num_threads() threads.
 //
 // The kernel itself is kernels/cpu_attention.h (the one-call decoder stack, kernels/cpu_decode.cpp,
 // runs it too); this file is the op around it.
