@@ -16,7 +16,7 @@
 // (added in the same pass as that layer's first norm) instead of adding it here.
 //
 // Each linear is (a, b, bias, dense) with a kind and a row threshold: below max_rows, kind 0 = int4
-// (a = codes, b = scales/zeros) and 1 = int8 (a = codes, b = per-row scales) run the gemv kernels;
+// (a = codes, b = scales/minimums) and 1 = int8 (a = codes, b = per-row scales) run the gemv kernels;
 // otherwise (and always for kind 2) the GEMM multiplies by `dense`, oneDNN-packed or plain.
 // An empty bias is none.
 
@@ -191,8 +191,9 @@ inline bool has_kernels(at::ScalarType st) {
 Weight packed(const at::Tensor& a, const at::Tensor& b, const at::Tensor& bias, int64_t kind, int64_t N, int64_t K,
               int64_t layer, const char* name, at::ScalarType st) {
   TORCH_CHECK(kind == 0 || kind == 1, "DecodeStack: layer ", layer, " ", name, ": kind ", kind, " is not int4 (0) or int8 (1)");
-  TORCH_CHECK(a.scalar_type() == at::kByte && a.is_contiguous() && b.scalar_type() == st && b.is_contiguous(),
-              "DecodeStack: layer ", layer, " ", name, ": uint8 codes and ", st, " scales, contiguous");
+  const at::ScalarType bt = kind == 0 ? core_gemv::sz_type(st) : st;
+  TORCH_CHECK(a.scalar_type() == at::kByte && a.is_contiguous() && b.scalar_type() == bt && b.is_contiguous(),
+              "DecodeStack: layer ", layer, " ", name, ": uint8 codes and ", bt, " scales, contiguous");
   int64_t G = 1;
   if (kind == 0) {
     TORCH_CHECK(a.dim() == 4 && a.size(0) * 16 == N && a.size(1) * 8 == K && a.size(2) == 16 && a.size(3) == 4 &&

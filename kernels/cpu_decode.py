@@ -28,7 +28,7 @@ from typing import Any
 import structlog
 import torch
 
-from core_kernels import cpp_build
+from core_kernels import cpp_build, cpu_gemv
 
 SOURCE = Path(__file__).with_name("cpu_decode.cpp")
 PREFIX = "core_cpu_decode"
@@ -188,7 +188,7 @@ def _head(norm: torch.nn.Module | None, head: torch.nn.Module | None,
     if args is None or args[0] not in (0, 1) or norm.offset or getattr(head, "bias", None) is not None:
         return [], 0, 0
     kind, a, b, max_rows, _ = args
-    if b.dtype != dtype or norm.weight.numel() != a.shape[1] * (8 if kind == 0 else 4):  # K of the packed codes
+    if b.dtype != (cpu_gemv.SZ_DTYPES.get(dtype) if kind == 0 else dtype) or norm.weight.numel() != a.shape[1] * (8 if kind == 0 else 4):  # K of the packed codes
         return [], 0, 0
     return [norm.weight.detach().to(dtype).contiguous(), a, b], kind, max_rows
 

@@ -80,8 +80,8 @@ void check_kernel(const char* op, const at::Tensor& x) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || supported_f32(), op, ": this build has no AVX2 and FMA");
 }
 
-// x [M, K] bf16 or fp32; qw [N/16, K/8, 16, 4] uint8; sz [N/16, G, 2, 16] (scales, then zeros) of
-// x's dtype -> [M, N] of x's dtype.
+// x [M, K] bf16 or fp32; qw [N/16, K/8, 16, 4] uint8; sz [N/16, G, 2, 16] (scales, then minimums) of
+// sz_type(x's dtype) -> [M, N] of x's dtype.
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& sz) {
   check_kernel("int4_mm", x);
   TORCH_CHECK(qw.dim() == 4 && qw.scalar_type() == at::kByte && qw.size(2) == 16 && qw.size(3) == 4 && qw.is_contiguous(),
@@ -89,15 +89,16 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& 
   const int64_t M = x.size(0), K = x.size(1), NB = qw.size(0), N = NB * 16, G = sz.size(1);
   TORCH_CHECK(qw.size(1) * 8 == K, "int4_mm: x has ", K, " columns, the weight ", qw.size(1) * 8);
   TORCH_CHECK(sz.dim() == 4 && sz.size(0) == NB && sz.size(2) == 2 && sz.size(3) == 16 && G > 0 && K % G == 0 &&
-                  (K / G) % 32 == 0 && sz.scalar_type() == x.scalar_type() && sz.is_contiguous(),
-              "int4_mm: sz [N/16, G, 2, 16] of x's dtype, groups of a multiple of 32 columns");
+                  (K / G) % 32 == 0 && sz.scalar_type() == sz_type(x.scalar_type()) && sz.is_contiguous(),
+              "int4_mm: sz [N/16, G, 2, 16] ", sz_type(x.scalar_type()), " for ", x.scalar_type(),
+              " x, groups of a multiple of 32 columns");
   auto out = at::empty({M, N}, x.options());
 #ifdef CORE_GEMV_ANY
   const Prepared p(x, G);
   const uint8_t* q = qw.const_data_ptr<uint8_t>();
   for_dtype(x, [&](auto t) {
     using T = decltype(t);
-    const T* szp = data<T>(sz);
+    const uint16_t* szp = data<uint16_t>(sz);
     T* op = static_cast<T*>(out.data_ptr());
     for_blocks<kInt4Rows<T>>(NB, M, [&](auto rows, int64_t m, int64_t nb) {
       block<rows.value>(q, szp, p.act.xq + m * K, p.act.dx + m * (K / 32), p.act.xs + m * G, op + m * N, K, G, N, nb);
@@ -157,7 +158,7 @@ std::tuple<at::Tensor, at::Tensor> int4_mm_pair(const at::Tensor& x, const at::T
   TORCH_CHECK(qa.is_contiguous() && qb.is_contiguous() && sa.is_contiguous() && sb.is_contiguous() && qa.dim() == 4 &&
                   qb.dim() == 4 && qa.size(1) == qb.size(1) && sa.size(1) == sb.size(1) && qa.size(1) * 8 == x.size(1) &&
                   x.size(1) % sa.size(1) == 0 && (x.size(1) / sa.size(1)) % 32 == 0 &&
-                  sa.scalar_type() == x.scalar_type() && sb.scalar_type() == x.scalar_type(),
+                  sa.scalar_type() == sz_type(x.scalar_type()) && sb.scalar_type() == sz_type(x.scalar_type()),
               "int4_mm_pair: as int4_mm for each weight, both of one K and group size");
   std::tuple<at::Tensor, at::Tensor> out;
 #ifdef CORE_GEMV_ANY
@@ -166,7 +167,7 @@ std::tuple<at::Tensor, at::Tensor> int4_mm_pair(const at::Tensor& x, const at::T
   const uint8_t* q[2] = {qa.const_data_ptr<uint8_t>(), qb.const_data_ptr<uint8_t>()};
   for_dtype(x, [&](auto t) {
     using T = decltype(t);
-    const T* z[2] = {data<T>(sa), data<T>(sb)};
+    const uint16_t* z[2] = {data<uint16_t>(sa), data<uint16_t>(sb)};
     out = pair_blocks<T, kInt4Rows<T>>(x, qa.size(0), qb.size(0), [&](auto rows, int64_t m, int w, T* o, int64_t N, int64_t nb) {
       block<rows.value>(q[w], z[w], p.act.xq + m * K, p.act.dx + m * (K / 32), p.act.xs + m * G, o, K, G, N, nb);
     });

@@ -15,8 +15,11 @@
 // int4, rows in blocks of 16 (packed by cpu_gemv.py): per block and 8 input columns 64 bytes,
 // byte 4 i + j holding row i's code of column j in its low nibble and of column j + 4 in its high
 // one (a mask and a shift make the two operands); per block and group, the 16 rows' bf16 scales
-// then zeros. With w = (q - 8) * s + z per group (torch's tinygemm convention),
-//   sum_k w_k x_k = s * sum_runs d * sum_k q_k xq_k + (z - 8 s) * sum_runs d * sum_k xq_k.
+// then minimums: the packer turns torch's tinygemm convention w = (q - 8) * s + z into w = q s + m
+// (m = z - 8 s: GGUF's Q4_0 and Q4_1 store exactly s and m), so
+//   sum_k w_k x_k = s * sum_runs d * sum_k q_k xq_k + m * sum_runs d * sum_k xq_k.
+// Float32 activations keep s and m in fp16 (F16C widens them; 4 bytes a group of 32, where fp32
+// took 8 and made a third of SmolLM2's int4 bytes), bf16 ones in bf16.
 // int8 (w = q * s per row), stored as u = q + 128: per block and 4 columns 64 bytes, byte 4 i + j
 // holding row i's column j, and sum_k q_k x_k = sum_runs d * sum_k u_k xq_k - 128 * sum_k x_k.
 
@@ -25,6 +28,8 @@
 #pragma once
 
 #include "cpu_rows.h"
+
+#include <c10/core/ScalarType.h>
 
 #include <cstdint>
 #include <cstring>
@@ -36,7 +41,7 @@
 #include <immintrin.h>
 #define CORE_GEMV_BF16 1
 #endif
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define CORE_GEMV_F32 1
 #endif
@@ -45,6 +50,10 @@
 #endif
 
 namespace core_gemv {
+
+// The dtype of an int4 weight's scales and minimums for activations of dtype x: bf16 for bf16,
+// fp16 for float32 (see the top).
+inline c10::ScalarType sz_type(c10::ScalarType x) { return x == c10::kFloat ? c10::kHalf : x; }
 
 // f(rows as a compile-time constant, first row) over M activation rows: R at a time, then the
 // rest together (each weight block is read once per call of f).
@@ -109,7 +118,6 @@ inline void block(const uint8_t* __restrict qw, const uint16_t* __restrict sz, c
   const int64_t gs = K / G;
   const uint8_t* q = qw + nb * K * 8;  // 16 rows x K/2 bytes
   const __m512i m4 = _mm512_set1_epi8(0x0F);
-  const __m512 k8 = _mm512_set1_ps(8.0f);
   __m512 acc[M];
   for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
@@ -139,7 +147,7 @@ inline void block(const uint8_t* __restrict qw, const uint16_t* __restrict sz, c
       }
     }
     const uint16_t* sg = sz + (nb * G + g) * 32;
-    const __m512 s = bf16x16(sg), c = _mm512_fnmadd_ps(k8, s, bf16x16(sg + 16));  // z - 8 s
+    const __m512 s = bf16x16(sg), c = bf16x16(sg + 16);  // scales, minimums
     for (int m = 0; m < M; ++m) {
       acc[m] = _mm512_fmadd_ps(f[m], s, acc[m]);
       acc[m] = _mm512_fmadd_ps(c, _mm512_set1_ps(xs[m * G + g]), acc[m]);
@@ -196,7 +204,8 @@ inline void block8(const uint8_t* __restrict qw, const uint16_t* __restrict sc, 
 // ---- float32 activations on AVX2 (every x86-64 CPU since 2013; the dtype --dtype auto picks where
 // the CPU has no native bf16): the same layouts and the same int8 quantization of x, with
 // vpmaddubsw (4 unsigned codes times 4 signed ones as two 16-bit sums per lane) and vpmaddwd to
-// widen; 16 output rows in two registers of 8 lanes; fp32 scales and zeros, fp32 output.
+// widen; 16 output rows in two registers of 8 lanes; fp16 scales and minimums (int4), fp32 ones
+// (int8), fp32 output.
 
 // quantize_rows for fp32 x: the same codes, scales and sums for the same values.
 inline void quantize_rows(const float* x, int64_t M, int64_t K, int64_t G, int8_t* xq, float* dx, float* xs) {
@@ -232,19 +241,18 @@ inline __m256i widen16(__m256i v) { return _mm256_madd_epi16(v, _mm256_set1_epi1
 constexpr int kPrefetchBytes = 1024;
 
 // block for float32: rows [m0, m0 + M) of x (quantize_rows) times int4 row block nb (the same
-// layout; sz fp32). The block's 16 output rows are two halves of 8 lanes: one or two rows of x take
+// layout; sz fp16 bits). The block's 16 output rows are two halves of 8 lanes: one or two rows of x take
 // both halves in one pass (each 64-byte chunk read once, in order), more rows one half per pass, so
 // that their runs' 16-bit sums, groups' fp32 sums and outputs stay in AVX2's 16 registers (4 rows:
 // measured ~10 % faster at 64 rows, where both halves at once spilled; at 1 row ~20 % slower).
 template <int M>
-inline void block(const uint8_t* __restrict qw, const float* __restrict sz, const int8_t* __restrict xq,
+inline void block(const uint8_t* __restrict qw, const uint16_t* __restrict sz, const int8_t* __restrict xq,
                   const float* __restrict dx, const float* __restrict xs, float* __restrict out, int64_t K,
                   int64_t G, int64_t N, int64_t nb) {
   constexpr int HP = M <= 2 ? 2 : 1;  // halves per pass
   const int64_t gs = K / G;
   const uint8_t* q = qw + nb * K * 8;
   const __m256i m4 = _mm256_set1_epi8(0x0F);
-  const __m256 k8 = _mm256_set1_ps(8.0f);
   for (int h0 = 0; h0 < 2; h0 += HP) {
     __m256 acc[M][HP];
     for (int m = 0; m < M; ++m)
@@ -281,8 +289,9 @@ inline void block(const uint8_t* __restrict qw, const float* __restrict sz, cons
         }
       }
       for (int h = 0; h < HP; ++h) {
-        const float* sg = sz + (nb * G + g) * 32 + 8 * (h0 + h);
-        const __m256 s = _mm256_loadu_ps(sg), c = _mm256_fnmadd_ps(k8, s, _mm256_loadu_ps(sg + 16));  // z - 8 s
+        const uint16_t* sg = sz + (nb * G + g) * 32 + 8 * (h0 + h);
+        const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sg)));  // scales
+        const __m256 c = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sg + 16)));  // minimums
         for (int m = 0; m < M; ++m) {
           acc[m][h] = _mm256_fmadd_ps(f[m][h], s, acc[m][h]);
           acc[m][h] = _mm256_fmadd_ps(c, _mm256_set1_ps(xs[m * G + g]), acc[m][h]);
@@ -338,9 +347,9 @@ inline void block8(const uint8_t* __restrict qw, const float* __restrict sc, con
 
 
 #ifdef CORE_GEMV_ANY
-// One packed weight [N, K]: kind 0 int4 (q codes, s scales then zeros of G groups per row), 1 int8
-// (s per-row scales, G = 1); s and bias (N values, nullptr for none) in the activations' element
-// type (bf16 bits or float).
+// One packed weight [N, K]: kind 0 int4 (q codes, s scales then minimums of G groups per row, as
+// 16-bit bits: bf16 or fp16, see the top), 1 int8 (s per-row scales, G = 1, in the activations'
+// element type: bf16 bits or float); bias (N values, nullptr for none) in the activations' type.
 struct Weight {
   int64_t kind, N, K, G;
   const uint8_t* q;
@@ -357,7 +366,7 @@ inline void weight_block(const Weight& w, const Act& a, T* out, int64_t M, int64
   const T* s = static_cast<const T*>(w.s);
   if (w.kind == 0) {
     for_rows<kInt4Rows<T>>(M, [&](auto rows, int64_t m) {
-      block<rows.value>(w.q, s, a.xq + m * w.K, a.dx + m * (w.K / 32), a.xs + m * w.G, out + m * w.N, w.K, w.G, w.N, nb);
+      block<rows.value>(w.q, static_cast<const uint16_t*>(w.s), a.xq + m * w.K, a.dx + m * (w.K / 32), a.xs + m * w.G, out + m * w.N, w.K, w.G, w.N, nb);
     });
   } else {
     for_rows(M, [&](auto rows, int64_t m) {

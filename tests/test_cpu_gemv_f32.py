@@ -27,9 +27,9 @@ def test_int4_is_the_product_with_the_quantized_row(n, k, group, rows):
     g = torch.Generator().manual_seed(n + rows)
     q, scale, zero = packed.quantize_int4(torch.randn(n, k, generator=g), group)
     qw, sz = cpu_gemv.pack(q, scale, zero, torch.float32)
-    assert sz.dtype == torch.float32
+    assert sz.dtype == torch.float16  # scales and minimums, each rounded to fp16 once
     w = cpu_gemv.unpack(qw, sz)
-    assert torch.equal(w, packed.dequantize_int4(q, scale, zero))  # float32 scales: nothing rounded
+    assert rel_err(w, packed.dequantize_int4(q, scale, zero)) < 2 ** -10
     x = torch.randn(rows, k, generator=g)
     out = cpu_gemv.mm(x, qw, sz)
     assert out.shape == (rows, n) and out.dtype == torch.float32
@@ -37,6 +37,19 @@ def test_int4_is_the_product_with_the_quantized_row(n, k, group, rows):
     assert rel_err(out, want) < 1e-5
     assert rel_err(out, x.double() @ w.double().T) < QUANT_REL
     assert torch.equal(out[rows - 1:], cpu_gemv.mm(x[rows - 1:], qw, sz))  # rows are independent
+
+
+def test_fp16_scales_and_minimums_are_exact():
+    """GGUF's Q4_1 (w = d q + m with fp16 d and m, zero = m + 8 d in the tinygemm convention) keeps
+    exactly its weights: the packed fp16 scale and minimum are d and m."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randint(0, 16, (32, 128), generator=g)
+    d = (torch.rand(32, 4, generator=g) * 0.05).half().float()
+    m = (-torch.rand(32, 4, generator=g) * 0.5).half().float()
+    qw, sz = cpu_gemv.pack(q, d, m + 8 * d, torch.float32)
+    assert torch.equal(sz.float().permute(2, 0, 3, 1).reshape(2, 32, 4), torch.stack([d, m]))
+    want = q.float().view(32, 4, 32) * d[..., None] + m[..., None]
+    assert torch.equal(cpu_gemv.unpack(qw, sz), want.view(32, 128))
 
 
 @pytest.mark.parametrize("n,k", [(16, 64), (48, 96), (960, 576), (64, 1536)])
@@ -81,7 +94,7 @@ def test_float32_layers_and_heads_use_it():
     layer = torch.nn.Module()
     layer.bias = torch.nn.Parameter(torch.randn(64, generator=g), requires_grad=False)
     packed.set_int4(layer, q, scale, zero, torch.float32)
-    assert hasattr(layer, "qweight_int4_cpu") and layer.qscale_zero_cpu.dtype == torch.float32
+    assert hasattr(layer, "qweight_int4_cpu") and layer.qscale_zero_cpu.dtype == torch.float16
     assert not hasattr(layer, "dense_weight")
     w = packed.dequantize(layer)
     for rows in (1, 40):
@@ -104,7 +117,7 @@ def test_mismatched_dtypes_are_clear_errors():
     qw, sz = cpu_gemv.pack(q, scale, zero, torch.float32)
     # bf16 x on float32 weights: the mismatch, or first that this CPU's build has no bf16 kernel
     bf16_kernels = torch.ops.core_cpu_gemv.supported()
-    with pytest.raises(RuntimeError, match="x's dtype" if bf16_kernels else "no AVX512-BF16"):
+    with pytest.raises(RuntimeError, match="Half for BFloat16 x" if bf16_kernels else "no AVX512-BF16"):
         cpu_gemv.mm(torch.randn(1, 64).bfloat16(), qw, sz)
     with pytest.raises(RuntimeError, match="bf16 or float32"):
         cpu_gemv.mm(torch.randn(1, 64).double(), qw, sz)

@@ -6,8 +6,9 @@ reads the file) plus ``<layer>.qweight_type`` (the GGML type). Per checkpoint te
 
 - Q4_0, Q4_1, Q4_K are group-32 asymmetric 4-bit, so they become the int4 format *exactly*:
   Q4_0 ``w = d (q - 8)``; Q4_1 ``w = d q + m`` (scale d, zero m + 8d); Q4_K sub-block j
-  ``w = d sc_j q - dmin m_j`` (scale d sc_j, zero 8 d sc_j - dmin m_j). Only the rounding of the
-  scale/zero pair to the activation dtype differs from the dequantized tensor.
+  ``w = d sc_j q - dmin m_j`` (scale d sc_j, zero 8 d sc_j - dmin m_j). The CPU kernels keep each
+  group's scale and minimum (``zero - 8 scale``) in fp16 beside float32 activations, so Q4_0 and
+  Q4_1 stay exact there (Q4_K's products round to fp16), and in bf16 beside bf16 ones.
 - Other quantized types (Q8_0, Q5_x, Q6_K, Q2_K, Q3_K, Q5_K, ...) are dequantized exactly and
   re-quantized to per-channel int8 (one extra rounding of at most half an int8 step per row).
 - F32 / F16 / BF16 tensors stay dense.

@@ -181,7 +181,7 @@ def set_int4(layer: torch.nn.Module, q: torch.Tensor, scale: torch.Tensor, zero:
     q = q.to(device)
     if device.type == "cpu" and cpu_gemv.shape_ok(n, k, group) and cpu_gemv.available_for(dtype):
         # this machine's own kernel: 2-3x torch's at one row in bf16 (``kernels/cpu_gemv.py``)
-        qw, sz = cpu_gemv.pack(q, scale.to(dtype), zero.to(dtype), dtype)
+        qw, sz = cpu_gemv.pack(q, scale, zero, dtype)
         layer.register_buffer("qweight_int4_cpu", qw)
         layer.register_buffer("qscale_zero_cpu", sz)
         layer.dense_min_rows = _gemv_dense_min_rows()
@@ -234,7 +234,8 @@ def packed_linear(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         return onednn.linear(x, dense, layer.bias)
     if fmt == "int4":
         if (qw := getattr(layer, "qweight_int4_cpu", None)) is not None:
-            y = cpu_gemv.mm(x2.to(layer.qscale_zero_cpu.dtype), qw, layer.qscale_zero_cpu).to(x2.dtype)
+            sz = layer.qscale_zero_cpu
+            y = cpu_gemv.mm(x2.to(cpu_gemv.act_dtype(sz)), qw, sz).to(x2.dtype)
         elif x2.is_cuda:
             y = torch._weight_int4pack_mm(x2, layer.qweight_int4, layer.group_size, layer.qscale_zero)
         else:
@@ -288,7 +289,7 @@ CpuLinearArgs = tuple[int, torch.Tensor | None, torch.Tensor | None, int, torch.
 def cpu_linear_args(layer: torch.nn.Module) -> CpuLinearArgs | None:
     """For C++ callers (``kernels/cpu_decode``): ``(kind, a, b, max_rows, dense)``. GEMMs of
     fewer than ``max_rows`` rows run ``kernels/cpu_gemv`` (kind 0 = int4: a = codes, b =
-    scales/zeros; 1 = int8: a = codes, b = scales), larger ones ``dense`` (oneDNN-packed or
+    scales/minimums; 1 = int8: a = codes, b = scales), larger ones ``dense`` (oneDNN-packed or
     plain; None: gemv for every size); kind 2 = dense only (a and b None). None where neither applies."""
     if layer.quant_format == "dense":
         return 2, None, None, 0, layer.weight
