@@ -363,14 +363,14 @@ struct Weight {
 // cpu_gemv.cpp call block / block8 directly, which measured a few per cent faster for them.
 template <typename T>
 inline void weight_block(const Weight& w, const Act& a, T* out, int64_t M, int64_t nb) {
-  const T* s = static_cast<const T*>(w.s);
   if (w.kind == 0) {
     for_rows<kInt4Rows<T>>(M, [&](auto rows, int64_t m) {
-      block<rows.value>(w.q, static_cast<const uint16_t*>(w.s), a.xq + m * w.K, a.dx + m * (w.K / 32), a.xs + m * w.G, out + m * w.N, w.K, w.G, w.N, nb);
+      block<rows.value>(w.q, static_cast<const uint16_t*>(w.s), a.xq + m * w.K, a.dx + m * (w.K / 32), a.xs + m * w.G,
+                        out + m * w.N, w.K, w.G, w.N, nb);
     });
   } else {
     for_rows(M, [&](auto rows, int64_t m) {
-      block8<rows.value>(w.q, s, a.xq + m * w.K, a.dx + m * (w.K / 32), a.xs + m, out + m * w.N, w.K, w.N, nb);
+      block8<rows.value>(w.q, static_cast<const T*>(w.s), a.xq + m * w.K, a.dx + m * (w.K / 32), a.xs + m, out + m * w.N, w.K, w.N, nb);
     });
   }
   if (w.bias) {
