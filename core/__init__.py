@@ -7,13 +7,14 @@ from pathlib import Path
 def _openmp_wait_policy() -> None:
     """Let torch's OpenMP threads (libgomp) spin a little between parallel regions.
 
-    An engine thread and the main thread each own a team, so libgomp sees more threads than CPUs
-    and puts its workers to sleep after ~1,000 spins: every parallel region of a small decode step
-    (~180 per SmolLM2 step) then waits on a futex wake-up. ACTIVE with a bounded spin count keeps
-    them spinning ~30,000 times, then sleeping: batch-1 decode +15-20 %, 8 streams +10 % on a
-    2-vCPU EPYC. libgomp reads both once, as torch loads it, so this runs before torch is
-    imported; a value the user exported wins, and Intel's OpenMP (where ACTIVE never sleeps) is
-    left alone."""
+    The engine's forward thread and its event loop's thread each own a team, so libgomp sees more
+    threads than CPUs and spins only its "throttled" count before a worker sleeps: 100 by default,
+    which made every parallel region of a small decode step (~180 per SmolLM2 step) wait on a
+    futex wake-up. With ACTIVE the throttled count is 1,000 (libgomp caps it there, below any
+    GOMP_SPINCOUNT): batch-1 decode +15-20 %, 8 streams +10 % on a 2-vCPU EPYC. GOMP_SPINCOUNT
+    bounds the spinning where libgomp does not throttle (one team: ACTIVE alone would spin for
+    minutes). libgomp reads both once, as torch loads it, so this runs before torch is imported; a
+    value the user exported wins, and Intel's OpenMP (where ACTIVE never sleeps) is left alone."""
     if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
         return
     try:
