@@ -301,10 +301,29 @@ struct Scratch {
   }
 };
 
+// The first key a query at position pos attends to: 0, or its window's first.
+inline int first_key(const Params& p, int64_t pos) {
+  return p.window > 0 ? static_cast<int>(std::max<int64_t>(0, pos - p.window + 1)) : 0;
+}
+
+// An extend task's output rows (its tokens x the query heads of its KV head): acc [rows, D] over
+// the softmax sums l [rows], in the output's dtype.
+template <typename T>
+inline void store_rows(const Params& p, const Task& t, const float* acc, const float* l, T* out) {
+  const int64_t D = p.D, G = p.G;
+  for (int r = 0; r < t.nr; ++r)
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t row = r * G + g;
+      const float inv = 1.0f / l[row];
+      T* dst = out + (p.q_start[t.b] + t.r0 + r) * p.out_stride + (t.kvh * G + g) * D;
+      for (int64_t i = 0; i < D; ++i) dst[i] = static_cast<T>(acc[row * D + i] * inv);
+    }
+}
+
 // The keys [jlo, jhi] a decode at position pos reads (its window's), or this task's part of them
 // when its keys are split: whole runs of 16 each (an empty part leaves l = 0).
 inline std::pair<int, int> decode_keys(const Params& p, const Task& t, int64_t pos) {
-  int jlo = p.window > 0 ? static_cast<int>(std::max<int64_t>(0, pos - p.window + 1)) : 0;
+  int jlo = first_key(p, pos);
   int jhi = static_cast<int>(pos);
   if (t.parts > 1) {
     const int span = (((jhi - jlo + 1) + 15) / 16 + t.parts - 1) / t.parts * 16;
@@ -636,8 +655,7 @@ void extend_tiled(const Params& p, const Task& t, const T* q, const T* kc, const
   const int64_t first = p.seq_lens[t.b] - p.ext[t.b] + t.r0;  // position of the task's first token
   const int64_t* idx = p.idx + t.b * p.idx_stride;
   const int64_t head = t.kvh * D;
-  const auto lo_of = [&](int64_t pos) { return p.window > 0 ? static_cast<int>(std::max<int64_t>(0, pos - p.window + 1)) : 0; };
-  const int jlo = lo_of(first), jhi = static_cast<int>(first + t.nr - 1), lo_last = lo_of(jhi);
+  const int jlo = first_key(p, first), jhi = static_cast<int>(first + t.nr - 1), lo_last = first_key(p, jhi);
   float *qt = w.q.data(), *acc = w.acc.data(), *st = w.s.data(), *m = w.m.data(), *l = w.l.data(), *al = w.al.data();
   std::fill(qt, qt + D * RP, 0.0f);
   for (int r = 0; r < t.nr; ++r)
@@ -671,7 +689,7 @@ void extend_tiled(const Params& p, const Task& t, const T* q, const T* kc, const
       for (int j = 0; j < n; ++j)
         for (int r = 0; r < rows; ++r) {
           const int64_t pos = first + r / G;
-          if (j0 + j > pos || j0 + j < lo_of(pos)) st[j * RP + r] = kNegInf;
+          if (j0 + j > pos || j0 + j < first_key(p, pos)) st[j * RP + r] = kNegInf;
         }
     }
     for (int v = 0; v < RP; v += CORE_SIMD) {  // the online softmax, CORE_SIMD rows at a time
@@ -696,13 +714,7 @@ void extend_tiled(const Params& p, const Task& t, const T* q, const T* kc, const
     rows_of(vc, j0, n, w.vr.data());
     weigh_t(acc, rows, D, st, RP, w.vr.data(), n);
   }
-  for (int r = 0; r < t.nr; ++r)
-    for (int g = 0; g < G; ++g) {
-      const int row = r * G + g;
-      const float inv = 1.0f / l[row];
-      T* dst = out + (p.q_start[t.b] + t.r0 + r) * p.out_stride + (t.kvh * G + g) * D;
-      for (int i = 0; i < D; ++i) dst[i] = static_cast<T>(acc[row * D + i] * inv);
-    }
+  store_rows(p, t, acc, l, out);
 }
 #endif
 
@@ -734,14 +746,13 @@ void run_task(const Params& p, const Task& t, const T* q, const T* kc, const T* 
   const int64_t first = p.seq_lens[t.b] - p.ext[t.b] + t.r0;  // position of the task's first query
   const int64_t* idx = p.idx + t.b * p.idx_stride;
   const int64_t head = t.kvh * D;
-  const int jlo = p.window > 0 ? static_cast<int>(std::max<int64_t>(0, first - p.window + 1)) : 0;
-  const int jhi = static_cast<int>(first + t.nr - 1);
+  const int jlo = first_key(p, first), jhi = static_cast<int>(first + t.nr - 1);
   prefetch_rows(kc, vc, idx, jlo, std::min(jlo + kBlock, jhi + 1), p.slot_stride, head, D);
   float *qb = w.q.data(), *acc = w.acc.data(), *s = w.s.data(), *kv = w.kv.data();
   for (int r = 0; r < t.nr; ++r) {
     const int64_t pos = first + r;
     w.hi[r] = static_cast<int>(pos);
-    w.lo[r] = p.window > 0 ? static_cast<int>(std::max<int64_t>(0, pos - p.window + 1)) : 0;
+    w.lo[r] = first_key(p, pos);
     for (int g = 0; g < G; ++g) {
       const T* src = q + (p.q_start[t.b] + t.r0 + r) * p.q_stride + (t.kvh * G + g) * D;
       float* dst = qb + (r * G + g) * D;
@@ -818,14 +829,7 @@ void run_task(const Params& p, const Task& t, const T* q, const T* kc, const T* 
       }
     }
   }
-  for (int r = 0; r < t.nr; ++r) {
-    for (int g = 0; g < G; ++g) {
-      const int row = r * G + g;
-      const float inv = 1.0f / w.l[row];
-      T* dst = out + (p.q_start[t.b] + t.r0 + r) * p.out_stride + (t.kvh * G + g) * D;
-      for (int i = 0; i < D; ++i) dst[i] = static_cast<T>(acc[row * D + i] * inv);
-    }
-  }
+  store_rows(p, t, acc, w.l.data(), out);
 }
 
 // out for the decodes whose keys were split: the parts' outputs weighted by e^(m_part - m) and
