@@ -188,7 +188,8 @@ def _head(norm: torch.nn.Module | None, head: torch.nn.Module | None,
     if args is None or args[0] not in (0, 1) or norm.offset or getattr(head, "bias", None) is not None:
         return [], 0, 0
     kind, a, b, max_rows, _ = args
-    if b.dtype != (cpu_gemv.SZ_DTYPES.get(dtype) if kind == 0 else dtype) or norm.weight.numel() != a.shape[1] * (8 if kind == 0 else 4):  # K of the packed codes
+    scales = cpu_gemv.SZ_DTYPES.get(dtype) if kind == 0 else dtype  # int4's scales and minimums: see cpu_gemv
+    if b.dtype != scales or norm.weight.numel() != a.shape[1] * (8 if kind == 0 else 4):  # K of the packed codes
         return [], 0, 0
     return [norm.weight.detach().to(dtype).contiguous(), a, b], kind, max_rows
 
