@@ -28,13 +28,19 @@ ROUTES = [
 ]
 
 
-def run(path, steps: int, params: list[dict], monkeypatch, **opts) -> tuple[list[tuple], list[int], int]:
+def run(path, steps: int, params: list[dict], monkeypatch, poison: bool = False, **opts) -> tuple[list[tuple], list[int], int]:
     """(output ids, text and finish reason of each prompt: all together, then the first two alone;
-    the steps each decode batch ran; the calls of the stack's multi-step op)."""
+    the steps each decode batch ran; the calls of the stack's multi-step op). ``poison`` fills the
+    KV pool's slots (all but the zeroed padding page) with NaN first, as fresh ``torch.empty``
+    memory may hold."""
     fused = []
     real = cpu_decode.decode_steps
     monkeypatch.setattr(cpu_decode, "decode_steps", lambda *a: fused.append(1) or real(*a))
     eng = make_engine(path, num_continuous_decode_steps=steps, **opts)
+    if poison:
+        kv = eng.engine.kv_cache
+        for t in kv.k + kv.v:
+            t[kv.page_size :].fill_(float("nan"))
     ran: list[int] = []
     eng.engine.step_listeners.append(lambda batch, _: ran.append(batch.steps_run) if not batch.is_prefill else None)
     try:
@@ -77,6 +83,19 @@ def test_stop_tokens_and_strings_inside_the_steps(tiny_llama, monkeypatch, route
     assert got == want
     assert want[0][2] == {"type": "stop", "matched": tok} and want[1][2] == {"type": "stop", "matched": stop}
     assert len(want[0][0]) <= 6 and max(ran) > 1
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_slots_not_yet_written_never_reach_a_result(tiny_llama, monkeypatch, route):
+    """A multi-step batch takes every step's slots up front, and a stop leaves some never written;
+    what such slots hold (here NaN) must not reach any step's attention, whose padded gathers
+    (torch_native) read past each sequence's keys. Single steps over a clean pool give the answer."""
+    path, _ = tiny_llama()
+    params = lengths(5, 7, 9, 14, ignore_eos=True)
+    want, _, _ = run(path, 1, params, monkeypatch, **route)
+    for steps in (1, STEPS):
+        got, _, _ = run(path, steps, params, monkeypatch, poison=True, **route)
+        assert got == want, steps
 
 
 def test_seeded_sampling_samples_the_same_tokens(tiny_llama, monkeypatch):

@@ -55,9 +55,15 @@ def forward_step(model: torch.nn.Module, attn_backend, inputs: StepInputs, devic
     packed = upload(inputs.input_ids + _ints(inputs.positions) + _ints(inputs.out_cache_loc) + inputs.seq_lens
                     + inputs.extend_lens, torch.int64, device)
     input_ids, positions, out_cache_loc, seq_lens, extend_lens = packed.split([t, t, t, b, b])
+    # ForwardBatch's promise: columns past a sequence's length hold the zeroed padding slot 0. The
+    # table's rows keep an earlier occupant's slots there, and a multi-step decode's later steps'
+    # slots are not written yet (fresh pool memory may be NaN, and a padded gather's 0 x NaN is NaN).
+    n = max(inputs.seq_lens)
+    kv_indices = inputs.kv_indices[:, :n].to(device)
+    kv_indices = kv_indices.masked_fill(torch.arange(n, device=device)[None, :] >= seq_lens[:, None], 0)
     fb = ForwardBatch(
         input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc, seq_lens=seq_lens,
-        extend_lens=extend_lens, kv_indices=inputs.kv_indices.to(device), seq_lens_cpu=inputs.seq_lens,
+        extend_lens=extend_lens, kv_indices=kv_indices, seq_lens_cpu=inputs.seq_lens,
         extend_lens_cpu=inputs.extend_lens, attn_backend=attn_backend,
     )
     if graphs is not None and graphs.can_run(fb):
