@@ -32,12 +32,20 @@ bool supported_f32() {
 
 using namespace core_gemv;
 
+// Rows of x per pass over a thread's weight blocks: a prefill chunk's int8 codes (2,048 rows x
+// 576 columns: 1.2 MB) fall out of L2 between two blocks, 64 rows (37 KB) stay. A 2,048-row
+// SmolLM2 layer's GEMMs ~10 % faster on the 2-vCPU EPYC (Zen 3); decode batches are one pass.
+constexpr int64_t kTileRows = 64;
+
 // Every 16-row block of the weight (split over threads) times the M rows of x, R at a time
-// (for_rows): f(rows as a compile-time constant, first row, block).
+// (for_rows), kTileRows rows per pass: f(rows as a compile-time constant, first row, block).
 template <int R = 3, typename F>
 void for_blocks(int64_t NB, int64_t M, F&& f) {
   at::parallel_for(0, NB, 8, [&](int64_t b0, int64_t b1) {
-    for (int64_t nb = b0; nb < b1; ++nb) for_rows<R>(M, [&](auto rows, int64_t m) { f(rows, m, nb); });
+    for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
+      const int64_t mt = std::min(kTileRows, M - m0);
+      for (int64_t nb = b0; nb < b1; ++nb) for_rows<R>(mt, [&](auto rows, int64_t m) { f(rows, m0 + m, nb); });
+    }
   });
 }
 

@@ -231,6 +231,10 @@ inline void quantize_rows(const float* x, int64_t M, int64_t K, int64_t G, int8_
   }
 }
 
+// Keeps v in a register at this point of the loop: the compiler may regroup integer sums at will,
+// and for the int4 kernel's unrolled runs it computed every product first and spilled them.
+inline void pin(__m256i& v) { asm("" : "+x"(v)); }
+
 // The eight 32-bit lanes of v summed in pairs of 16-bit lanes (vpmaddwd by ones).
 inline __m256i widen16(__m256i v) { return _mm256_madd_epi16(v, _mm256_set1_epi16(1)); }
 
@@ -280,6 +284,7 @@ inline void block(const uint8_t* __restrict qw, const uint16_t* __restrict sz, c
               std::memcpy(&x1, xq + m * K + a + 8 * c + 4, 4);
               s16[m][h] = _mm256_add_epi16(s16[m][h], _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(x0)),
                                                                       _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x1))));
+              pin(s16[m][h]);
             }
           }
         }
@@ -330,8 +335,10 @@ inline void block8(const uint8_t* __restrict qw, const float* __restrict sc, con
         const uint8_t* src = q + (a + 4 * c) * 16 + 32 * h;
         if (h == 0) _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchBytes), _MM_HINT_T0);
         const __m256i w = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)), flip);
-        for (int m = 0; m < M; ++m)
+        for (int m = 0; m < M; ++m) {
           s32[m][h] = _mm256_add_epi32(s32[m][h], widen16(_mm256_maddubs_epi16(ax[m], _mm256_sign_epi8(w, xv[m]))));
+          pin(s32[m][h]);
+        }
       }
     }
     for (int m = 0; m < M; ++m) {

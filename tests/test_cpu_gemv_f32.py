@@ -86,6 +86,24 @@ def test_a_pair_of_weights_in_one_pass_equals_two_calls(rows):
         torch.ops.core_cpu_gemv.int4_mm_pair(x, qa, sa.bfloat16(), qb, sb)
 
 
+def test_prefill_sized_gemms_give_each_row_its_own_product():
+    """A prefill chunk's rows go through the weight in tiles of 64 (the op's L2 blocking): 150 rows
+    are two full tiles and a tail of 22 (five passes of 4 and one of 2). Every row, in any tile and
+    pass, has the bits of the same row multiplied alone, for int4, int8 and the gate/up pair."""
+    g = torch.Generator().manual_seed(150)
+    x = torch.randn(150, 256, generator=g)
+    qw, sz = cpu_gemv.pack(*packed.quantize_int4(torch.randn(48, 256, generator=g), 64), torch.float32)
+    q8 = cpu_gemv.pack_int8(packed.quantize_int8(torch.randn(32, 256, generator=g))[0])
+    s8 = torch.rand(32, generator=g)
+    out, out8 = cpu_gemv.mm(x, qw, sz), cpu_gemv.mm_int8(x, q8, s8)
+    a, b = torch.ops.core_cpu_gemv.int4_mm_pair(x, qw, sz, qw, sz)
+    assert torch.equal(a, out) and torch.equal(b, out)
+    for m in (0, 63, 64, 127, 128, 147, 148, 149):
+        assert torch.equal(out[m], cpu_gemv.mm(x[m:m + 1], qw, sz)[0]), m
+        assert torch.equal(out8[m], cpu_gemv.mm_int8(x[m:m + 1], q8, s8)[0]), m
+    assert rel_err(out, cpu_gemv.quantize_rows(x).double() @ cpu_gemv.unpack(qw, sz).double().T) < 1e-5
+
+
 def test_float32_layers_and_heads_use_it():
     """GGUF / int4wo / int8wo layers in a float32 model pack for the kernel (no dense copy: float32
     has none), and their GEMM at any row count is the kernel's."""
