@@ -62,7 +62,7 @@ def test_intel_openmp_is_left_alone(tmp_path, monkeypatch):
     import importlib.machinery
     import importlib.util
 
-    import core
+    from core import openmp
 
     (tmp_path / "lib").mkdir()
     (tmp_path / "lib" / "libiomp5.so").touch()
@@ -71,8 +71,40 @@ def test_intel_openmp_is_left_alone(tmp_path, monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: spec)
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
-    core._openmp_wait_policy()
+    openmp.wait_policy()
     assert "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ
     (tmp_path / "lib" / "libiomp5.so").unlink()
-    core._openmp_wait_policy()
+    openmp.wait_policy()
     assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
+LATE_POLICY = textwrap.dedent("""
+    import json, sys
+    first = sys.argv[1]
+    if first == "torch":
+        import torch
+    import core, torch
+    from core.engine.device import check_openmp_policy
+    from core.log import configure_logging
+    configure_logging("warning")
+    print(json.dumps([core.openmp.APPLIED, check_openmp_policy(torch.device("cpu")),
+                      check_openmp_policy(torch.device("meta"))]))
+""")
+
+
+def test_a_program_that_imports_torch_first_is_told_the_spin_settings_came_too_late():
+    """libgomp reads its wait policy as torch loads it: after ``import torch; import core`` the
+    variables are exported (for worker processes) but this process runs without them, and the
+    engine says so on CPU, with the fix."""
+    import json
+
+    base = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    got = {}
+    for first in ("torch", "core"):
+        out = subprocess.run([sys.executable, "-c", LATE_POLICY, first], env=base, capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == 0, out.stderr[-2000:]
+        got[first] = (json.loads(out.stdout.strip().splitlines()[-1]), out.stdout + out.stderr)
+    assert got["core"][0] == [True, True, True] and "openmp_spin_missed" not in got["core"][1]
+    assert got["torch"][0] == [False, False, True]
+    assert "openmp_spin_missed" in got["torch"][1] and "import core before torch" in got["torch"][1]

@@ -16,7 +16,7 @@ import structlog
 import torch
 
 from core.engine.collectives import KVSpec
-from core.engine.device import configure_cpu_runtime, pick_device
+from core.engine.device import check_openmp_policy, configure_cpu_runtime, pick_device
 from core.engine.distributed import RankFailure, start_tensor_parallel
 from core.engine.config import EngineArgs
 from core.errors import CoreError, InvalidRequest, ModelLoadError, Unavailable
@@ -54,6 +54,7 @@ class AsyncEngine(RequestFrontEnd):
         configure_cpu_runtime(args.cpu_threads)
         self.plugins = plugins or load_plugins(args.plugins, strict=args.strict_plugins)
         self.device = pick_device(args.device)
+        check_openmp_policy(self.device)
         self.model_config: ModelConfig = load_model_config(
             args.model_path, args.dtype, self.device, args.context_length, args.served_model_name, args.json_model_override_args
         )
