@@ -2,8 +2,8 @@
 
 from core import openmp  # noqa: F401  (first: it must run before anything imports torch)
 
-from core.hookspecs import hookimpl  # noqa: E402
-from core.interfaces import PLUGIN_API_VERSION  # noqa: E402
+from core.hookspecs import hookimpl
+from core.interfaces import PLUGIN_API_VERSION
 
 __all__ = ["hookimpl", "PLUGIN_API_VERSION", "Engine", "SamplingParams"]
 

@@ -8,14 +8,16 @@ import sys
 from pathlib import Path
 
 
-def wait_policy() -> None:
+def wait_policy() -> bool:
     """Let torch's OpenMP threads (libgomp) spin a little between parallel regions.
 
     The engine's forward thread and its event loop's thread each own a team, so libgomp sees more
     threads than CPUs and spins only its "throttled" count before a worker sleeps: 100 by default,
     which made every parallel region of a small decode step (~180 per SmolLM2 step) wait on a
     futex wake-up. With ACTIVE the throttled count is 1,000 (libgomp caps it there, below any
-    GOMP_SPINCOUNT): batch-1 decode +15-20 %, 8 streams +10 % on a 2-vCPU EPYC. GOMP_SPINCOUNT
+    GOMP_SPINCOUNT): batch-1 decode +15-20 %, 8 streams +10 % on a 2-vCPU EPYC (measured again
+    with the decoder stack as one parallel region: batch-1 steps of 4-6.5 ms against 9-21 ms
+    without the settings, `docs/benchmarks.md`). GOMP_SPINCOUNT
     bounds the spinning where libgomp does not throttle (one team: ACTIVE alone would spin for
     minutes). libgomp reads both once, as torch loads it, so this runs before torch is imported; a
     value the user exported wins, and Intel's OpenMP (where ACTIVE never sleeps) is left alone.
