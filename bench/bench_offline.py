@@ -12,7 +12,8 @@ between and after core's runs: the largest), the batch-1 weight-read limit that 
 (bandwidth / bytes of weights read per decode step) and the fraction of it the batch-1 decode rate
 reaches (1 / time per output token after the first, the best of five runs: the limit bounds decode
 steps, not the prefill); as well, each batch-1 run against the bandwidth measured right around it
-(on a shared host both move by tens of per cent within seconds); optionally one long prompt's
+(on a shared host both move by tens of per cent within seconds); for each concurrency, the time
+core's prefill and decode forwards took of the run's wall time; optionally one long prompt's
 prefill time (``--prefill-len``), and the split of one decode step at batch 1 and at the largest
 concurrency into GEMMs, attention and the rest (Python, small ops).
 
@@ -29,7 +30,7 @@ import asyncio
 import statistics
 import time
 
-import core  # noqa: F401  (before torch: its OpenMP wait policy, see core/__init__.py)
+import core  # noqa: F401  (before torch: its OpenMP wait policy, see core/openmp.py)
 import torch
 
 from core.engine.device import cpu_model_name
@@ -172,6 +173,35 @@ def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return torch.randint(100, vocab - 100, (n, length), generator=g).tolist()
 
 
+class PhaseTimes:
+    """Seconds and count of the runner's prefill and decode forwards (``ModelRunner.run`` wrapped):
+    where a run's wall time went. At 64 streams the prefill was most of it once (an int4 kernel
+    slower than it should be at 2,048 rows), which the decode-step split could not show."""
+
+    def __init__(self, core) -> None:
+        self.seconds = {"prefill": 0.0, "decode": 0.0}
+        self.count = {"prefill": 0, "decode": 0}
+        run = core.runner.run
+
+        def timed(batch):
+            t = time.perf_counter()
+            try:
+                return run(batch)
+            finally:
+                phase = "prefill" if batch.is_prefill else "decode"
+                self.seconds[phase] += time.perf_counter() - t
+                self.count[phase] += 1
+
+        core.runner.run = timed
+
+    def take(self) -> tuple[dict[str, float], dict[str, int]]:
+        """The totals since the last take, reset."""
+        out = dict(self.seconds), dict(self.count)
+        self.seconds = dict.fromkeys(self.seconds, 0.0)
+        self.count = dict.fromkeys(self.count, 0)
+        return out
+
+
 def run_core(engine, prompts: list[list[int]], out_len: int, sampling: dict | None = None
              ) -> tuple[float, list[float], list[float], int]:
     """(wall, time to first token and time per output token after it of each request, tokens).
@@ -282,6 +312,8 @@ def main() -> None:
     bws = [measure_bandwidth(dev)]
     wbytes = weight_bytes(core.model)
     paired: list[float] = []  # batch 1: each run's decode rate over the limit of the bandwidth measured around it
+    phases = PhaseTimes(core)
+    phase_rows: dict[int, tuple[float, dict[str, float], dict[str, int]]] = {}  # of each level's kept run
     for c in levels:
         # batch 1 (a second each) runs five times, the best kept: noise only slows a run, so the
         # best is the closest to what the machine does, as the best of five copies is for bandwidth
@@ -289,13 +321,15 @@ def main() -> None:
         # On a shared host the bandwidth itself moves by +-30 % from one second to the next, so each
         # run is also paired with the larger of the bandwidths measured right before and after it.
         runs = []
+        phases.take()
         for i in range(5 if c == 1 else 1):
-            runs.append(run_core(engine, make_prompts(c, args.input_len, vocab, c + 1000 * i), args.output_len,
-                                 {"temperature": args.temperature, "top_p": args.top_p}))
+            runs.append((*run_core(engine, make_prompts(c, args.input_len, vocab, c + 1000 * i), args.output_len,
+                                   {"temperature": args.temperature, "top_p": args.top_p}), *phases.take()))
             if c == 1:
                 bws.append(measure_bandwidth(dev))
                 paired.append(wbytes / max(bws[-2:]) / statistics.median(runs[-1][2]))
-        wall, ttfts, tpots, toks = min(runs, key=lambda r: statistics.median(r[2]))
+        wall, ttfts, tpots, toks, secs, counts = min(runs, key=lambda r: statistics.median(r[2]))
+        phase_rows[c] = (wall, secs, counts)
         rows.append(("core", c, toks / wall, statistics.median(ttfts), wall, statistics.median(tpots)))
     bws.append(measure_bandwidth(dev))
     splits = {} if args.skip_split else {c: step_split(engine, make_prompts(c, args.input_len, vocab, c + 1))
@@ -351,6 +385,10 @@ def main() -> None:
     for name, c, tps, ttft, wall, tpot in sorted(rows, key=lambda r: (r[1], r[0])):
         frac = f"{1 / tpot / limit:>9.0%}" if c == 1 else ""
         print(f"{name:<14}{c:>12}{tps:>14.1f}{ttft:>14.3f}{wall:>10.2f}{tpot * 1e3:>15.2f}{c / tpot:>14.1f}{frac:>10}")
+    for c, (wall, secs, counts) in phase_rows.items():
+        print(f"# core at {c} streams: prefill {secs['prefill']:.2f} s ({counts['prefill']} forwards), decode "
+              f"{secs['decode']:.2f} s ({counts['decode']} forwards), the rest {wall - sum(secs.values()):.2f} s "
+              f"of {wall:.2f} s")
     for name, seconds in prefill.items():
         print(f"# prefill of one {args.prefill_len}-token prompt, {name}: {seconds:.3f} s (best of 3)")
     for c, sp in splits.items():

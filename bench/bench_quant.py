@@ -26,7 +26,7 @@ import statistics
 import subprocess
 import time
 
-import core  # noqa: F401  (before torch: its OpenMP wait policy, see core/__init__.py)
+import core  # noqa: F401  (before torch: its OpenMP wait policy, see core/openmp.py)
 import torch
 
 from core.engine.device import cpu_model_name
