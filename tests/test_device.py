@@ -41,11 +41,17 @@ def test_gemms_of_many_shapes_keep_memory_bounded():
     assert grown_mib < 100, f"RSS grew {grown_mib:.0f} MiB over 400 GEMM shapes"
 
 
+def _env_without_wait_policy() -> dict[str, str]:
+    """This process's environment less the two variables ``core/openmp.py`` exports, for a child
+    that starts as a fresh program would."""
+    return {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+
+
 def _env_after_import(env: dict[str, str]) -> tuple[str | None, str | None]:
     import json
 
     code = "import json, os, core; print(json.dumps([os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT')]))"
-    base = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    base = _env_without_wait_policy()
     out = subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     return tuple(json.loads(out.stdout.strip().splitlines()[-1]))
@@ -98,7 +104,7 @@ def test_a_program_that_imports_torch_first_is_told_the_spin_settings_came_too_l
     engine says so on CPU, with the fix."""
     import json
 
-    base = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    base = _env_without_wait_policy()
     got = {}
     for first in ("torch", "core"):
         out = subprocess.run([sys.executable, "-c", LATE_POLICY, first], env=base, capture_output=True, text=True,
