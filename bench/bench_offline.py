@@ -17,6 +17,11 @@ core's prefill and decode forwards took of the run's wall time; optionally one l
 prefill time (``--prefill-len``), and the split of one decode step at batch 1 and at the largest
 concurrency into GEMMs, attention and the rest (Python, small ops).
 
+With ``--llama-cpp-python PY`` (a Python that has llama-cpp-python, ``../shared/bench/README.md``)
+llama.cpp decodes the same prompts of the default model's GGUF file at batch 1, one run after each of
+core's five, each paired with the bandwidth measured around it: the same file's Q4_1 and Q8_0 blocks
+are within 2 % of the bytes core's decode step reads, so the two fractions of the limit compare.
+
 Run on a quiet machine, one engine at a time:
     python bench/bench_offline.py --cpu-threads 2
 Real shapes without a checkpoint (e.g. on a GPU machine):
@@ -28,7 +33,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import core  # noqa: F401  (before torch: its OpenMP wait policy, see core/openmp.py)
 import torch
@@ -168,6 +175,14 @@ def step_split(engine, prompts: list[list[int]], steps: int = 16) -> dict[str, f
             "other": (python_step - gemm - attn) * 1e3}
 
 
+def llama_cpp_decode(python: str, threads: int, prompt: list[int], out_len: int) -> float:
+    """llama.cpp's decode tok/s (after the first token) of one greedy request on the default GGUF."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from bench_quant import run_llama_cpp
+
+    return run_llama_cpp(python, threads, prompt, out_len)[1]
+
+
 def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(100, vocab - 100, (n, length), generator=g).tolist()
@@ -282,12 +297,16 @@ def main() -> None:
     ap.add_argument("--num-continuous-decode-steps", type=int, default=1,
                     help="the engine flag: decode steps run back to back while no request waits")
     ap.add_argument("--skip-split", action="store_true", help="do not measure the per-step split")
+    ap.add_argument("--llama-cpp-python", default=None,
+                    help="a Python with llama-cpp-python: llama.cpp's batch-1 decode on the default GGUF, interleaved")
     ap.add_argument("--prefill-len", type=int, default=0,
                     help="also time the prefill of one prompt this long (best of 3, a new prompt each time)")
     args = ap.parse_args()
     if args.cpu_threads:
         torch.set_num_threads(args.cpu_threads)
     levels = [int(c) for c in args.concurrency.split(",")]
+    if args.llama_cpp_python and (args.model_path or 1 not in levels):
+        ap.error("--llama-cpp-python runs the default model's GGUF at batch 1: no --model-path, and 1 in --concurrency")
 
     from core import Engine
     from core.engine.device import cpu_native_bf16
@@ -312,6 +331,7 @@ def main() -> None:
     bws = [measure_bandwidth(dev)]
     wbytes = weight_bytes(core.model)
     paired: list[float] = []  # batch 1: each run's decode rate over the limit of the bandwidth measured around it
+    llama: list[tuple[float, float]] = []  # llama.cpp at batch 1: (decode tok/s, that over its paired limit)
     phases = PhaseTimes(core)
     phase_rows: dict[int, tuple[float, dict[str, float], dict[str, int]]] = {}  # of each level's kept run
     for c in levels:
@@ -328,6 +348,11 @@ def main() -> None:
             if c == 1:
                 bws.append(measure_bandwidth(dev))
                 paired.append(wbytes / max(bws[-2:]) / statistics.median(runs[-1][2]))
+                if args.llama_cpp_python:
+                    prompt = make_prompts(1, args.input_len, vocab, 1 + 1000 * i)[0]
+                    rate = llama_cpp_decode(args.llama_cpp_python, torch.get_num_threads(), prompt, args.output_len)
+                    bws.append(measure_bandwidth(dev))
+                    llama.append((rate, rate * wbytes / max(bws[-2:])))
         wall, ttfts, tpots, toks, secs, counts = min(runs, key=lambda r: statistics.median(r[2]))
         phase_rows[c] = (wall, secs, counts)
         rows.append(("core", c, toks / wall, statistics.median(ttfts), wall, statistics.median(tpots)))
@@ -385,6 +410,11 @@ def main() -> None:
     for name, c, tps, ttft, wall, tpot in sorted(rows, key=lambda r: (r[1], r[0])):
         frac = f"{1 / tpot / limit:>9.0%}" if c == 1 else ""
         print(f"{name:<14}{c:>12}{tps:>14.1f}{ttft:>14.3f}{wall:>10.2f}{tpot * 1e3:>15.2f}{c / tpot:>14.1f}{frac:>10}")
+    if llama:
+        best = max(r for r, _ in llama)
+        print(f"llama.cpp{1:>17}{'':>14}{'':>14}{'':>10}{1e3 / best:>15.2f}{best:>14.1f}{best / limit:>9.0%} "
+              f"(best of {len(llama)}; each run against the bandwidth around it: "
+              f"{statistics.median(f for _, f in llama):.0%} median, best {max(f for _, f in llama):.0%})")
     for c, (wall, secs, counts) in phase_rows.items():
         print(f"# core at {c} streams: prefill {secs['prefill']:.2f} s ({counts['prefill']} forwards), decode "
               f"{secs['decode']:.2f} s ({counts['decode']} forwards), the rest {wall - sum(secs.values()):.2f} s "
