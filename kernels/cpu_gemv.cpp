@@ -88,8 +88,8 @@ void check_kernel(const char* op, const at::Tensor& x) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 || supported_f32(), op, ": this build has no AVX2 and FMA");
 }
 
-// x [M, K] bf16 or fp32; qw [N/16, K/8, 16, 4] uint8; sz [N/16, G, 2, 16] (scales, then minimums) of
-// sz_type(x's dtype) -> [M, N] of x's dtype.
+// x [M, K] bf16 or fp32; qw [N/16, K/8, 16, 4] uint8; sz [N/16, G, 2, 16] (scales, then offsets:
+// cpu_gemv.h) of sz_type(x's dtype) -> [M, N] of x's dtype.
 at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& sz) {
   check_kernel("int4_mm", x);
   TORCH_CHECK(qw.dim() == 4 && qw.scalar_type() == at::kByte && qw.size(2) == 16 && qw.size(3) == 4 && qw.is_contiguous(),
@@ -98,8 +98,8 @@ at::Tensor int4_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& 
   TORCH_CHECK(qw.size(1) * 8 == K, "int4_mm: x has ", K, " columns, the weight ", qw.size(1) * 8);
   TORCH_CHECK(sz.dim() == 4 && sz.size(0) == NB && sz.size(2) == 2 && sz.size(3) == 16 && G > 0 && K % G == 0 &&
                   (K / G) % 32 == 0 && sz.scalar_type() == sz_type(x.scalar_type()) && sz.is_contiguous(),
-              "int4_mm: sz [N/16, G, 2, 16] ", sz_type(x.scalar_type()), " for ", x.scalar_type(),
-              " x, groups of a multiple of 32 columns");
+              "int4_mm: sz [N/16, G, 2, 16] of ", sz_type(x.scalar_type()), " for ", x.scalar_type(),
+              " x (packed for x's dtype), groups of a multiple of 32 columns; got ", sz.scalar_type(), " ", sz.sizes());
   auto out = at::empty({M, N}, x.options());
 #ifdef CORE_GEMV_ANY
   const Prepared p(x, G);

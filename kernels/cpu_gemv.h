@@ -14,12 +14,15 @@
 //
 // int4, rows in blocks of 16 (packed by cpu_gemv.py): per block and 8 input columns 64 bytes,
 // byte 4 i + j holding row i's code of column j in its low nibble and of column j + 4 in its high
-// one (a mask and a shift make the two operands); per block and group, the 16 rows' bf16 scales
-// then minimums: the packer turns torch's tinygemm convention w = (q - 8) * s + z into w = q s + m
-// (m = z - 8 s: GGUF's Q4_0 and Q4_1 store exactly s and m), so
+// one (a mask and a shift make the two operands); per block and group, the 16 rows' scales s, then
+// their offsets. With w = q s + m per group (m = z - 8 s for torch's tinygemm convention
+// w = (q - 8) s + z; GGUF's Q4_0 and Q4_1 store exactly s and m),
 //   sum_k w_k x_k = s * sum_runs d * sum_k q_k xq_k + m * sum_runs d * sum_k xq_k.
+// bf16 activations keep s and the tinygemm zero z in bf16, and the kernel forms m = z - 8 s in fp32:
+// exact for weights whose s and z are bf16 (torchao's int4 and the checkpoints packed as such),
+// where a bf16 m would round z - 8 s (up to ~1.8 % more error at SmolLM2 shapes, measured).
 // Float32 activations keep s and m in fp16 (F16C widens them; 4 bytes a group of 32, where fp32
-// took 8 and made a third of SmolLM2's int4 bytes), bf16 ones in bf16.
+// took 8 and made a third of SmolLM2's int4 bytes; GGUF's fp16 d and m stay exact).
 // int8 (w = q * s per row), stored as u = q + 128: per block and 4 columns 64 bytes, byte 4 i + j
 // holding row i's column j, and sum_k q_k x_k = sum_runs d * sum_k u_k xq_k - 128 * sum_k x_k.
 
@@ -51,8 +54,8 @@
 
 namespace core_gemv {
 
-// The dtype of an int4 weight's scales and minimums for activations of dtype x: bf16 for bf16,
-// fp16 for float32 (see the top).
+// The dtype of an int4 weight's scales and offsets for activations of dtype x: bf16 (scales and
+// zeros) for bf16, fp16 (scales and minimums) for float32 (see the top).
 inline c10::ScalarType sz_type(c10::ScalarType x) { return x == c10::kFloat ? c10::kHalf : x; }
 
 // f(rows as a compile-time constant, first row) over M activation rows: R at a time, then the
@@ -118,6 +121,7 @@ inline void block(const uint8_t* __restrict qw, const uint16_t* __restrict sz, c
   const int64_t gs = K / G;
   const uint8_t* q = qw + nb * K * 8;  // 16 rows x K/2 bytes
   const __m512i m4 = _mm512_set1_epi8(0x0F);
+  const __m512 k8 = _mm512_set1_ps(8.0f);
   __m512 acc[M];
   for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
@@ -147,7 +151,7 @@ inline void block(const uint8_t* __restrict qw, const uint16_t* __restrict sz, c
       }
     }
     const uint16_t* sg = sz + (nb * G + g) * 32;
-    const __m512 s = bf16x16(sg), c = bf16x16(sg + 16);  // scales, minimums
+    const __m512 s = bf16x16(sg), c = _mm512_fnmadd_ps(k8, s, bf16x16(sg + 16));  // scales, m = z - 8 s
     for (int m = 0; m < M; ++m) {
       acc[m] = _mm512_fmadd_ps(f[m], s, acc[m]);
       acc[m] = _mm512_fmadd_ps(c, _mm512_set1_ps(xs[m * G + g]), acc[m]);
@@ -354,8 +358,8 @@ inline void block8(const uint8_t* __restrict qw, const float* __restrict sc, con
 
 
 #ifdef CORE_GEMV_ANY
-// One packed weight [N, K]: kind 0 int4 (q codes, s scales then minimums of G groups per row, as
-// 16-bit bits: bf16 or fp16, see the top), 1 int8 (s per-row scales, G = 1, in the activations'
+// One packed weight [N, K]: kind 0 int4 (q codes, s scales then offsets of G groups per row, as
+// 16-bit bits: bf16 zeros or fp16 minimums, see the top), 1 int8 (s per-row scales, G = 1, in the activations'
 // element type: bf16 bits or float); bias (N values, nullptr for none) in the activations' type.
 struct Weight {
   int64_t kind, N, K, G;

@@ -60,9 +60,10 @@ def shape_ok_int8(n: int, k: int) -> bool:
     return n % 16 == 0 and k % 32 == 0
 
 
-# The dtype of an int4 weight's scales and minimums, per activation dtype: fp16 beside float32
-# activations (4 bytes a group of 32 instead of 8: GGUF's Q4_0 / Q4_1 scales and minimums are fp16,
-# so exact), bf16 beside bf16.
+# The dtype of an int4 weight's scales and offsets, per activation dtype: fp16 scales and minimums
+# beside float32 activations (4 bytes a group of 32 instead of 8: GGUF's Q4_0 / Q4_1 scales and
+# minimums are fp16, so exact); bf16 scales and tinygemm zeros beside bf16 (exact for bf16 scales
+# and zeros; the kernel forms the minimum in fp32, see cpu_gemv.h).
 SZ_DTYPES = {torch.bfloat16: torch.bfloat16, torch.float32: torch.float16}
 
 
@@ -76,13 +77,15 @@ def pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
     """``q [N, K]`` codes 0..15 with ``scale``/``zero`` ``[N, K/group]`` (tinygemm convention:
     ``w = (q - 8) * scale + zero``) for activations of ``dtype`` -> ``(qw [N/16, K/8, 16, 4] uint8,
     sz [N/16, K/group, 2, 16])``: per 16-row block and 8 columns, byte ``[i, j]`` holds row i's codes
-    of columns j (low nibble) and j + 4; then the block's scales and minimums (``w = q * scale + min``,
-    ``min = zero - 8 * scale``) per group, in ``SZ_DTYPES[dtype]``."""
+    of columns j (low nibble) and j + 4; then the block's scales and offsets per group, in
+    ``SZ_DTYPES[dtype]``: for bf16 the zeros, for float32 the minimums (``w = q * scale + min``,
+    ``min = zero - 8 * scale``)."""
     n, k = q.shape
     v = q.to(torch.uint8).view(n // 16, 16, k // 8, 2, 4)
     qw = (v[:, :, :, 0] | (v[:, :, :, 1] << 4)).permute(0, 2, 1, 3).contiguous()
     scale = scale.float()
-    sz = torch.stack([scale, zero.float() - 8 * scale]).to(SZ_DTYPES[dtype])
+    offset = zero.float() if SZ_DTYPES[dtype] == torch.bfloat16 else zero.float() - 8 * scale
+    sz = torch.stack([scale, offset]).to(SZ_DTYPES[dtype])
     return qw, sz.view(2, n // 16, 16, -1).permute(1, 3, 0, 2).contiguous()
 
 
@@ -91,9 +94,11 @@ def unpack(qw: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
     nb, eighths = qw.shape[:2]
     b = qw.permute(0, 2, 1, 3)  # [N/16, 16, K/8, 4]
     q = torch.stack([b & 15, b >> 4], 3).reshape(nb * 16, 8 * eighths).float()
-    s, m = sz.float().permute(2, 0, 3, 1).reshape(2, nb * 16, -1)
+    s, c = sz.float().permute(2, 0, 3, 1).reshape(2, nb * 16, -1)
     g = s.shape[1]
-    return (q.view(nb * 16, g, -1) * s[..., None] + m[..., None]).view(nb * 16, 8 * eighths)
+    if sz.dtype == torch.bfloat16:  # tinygemm zeros: w = (q - 8) s + z
+        return ((q.view(nb * 16, g, -1) - 8) * s[..., None] + c[..., None]).view(nb * 16, 8 * eighths)
+    return (q.view(nb * 16, g, -1) * s[..., None] + c[..., None]).view(nb * 16, 8 * eighths)
 
 
 def quantize_rows(x: torch.Tensor) -> torch.Tensor:
