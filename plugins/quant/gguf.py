@@ -8,7 +8,8 @@ reads the file) plus ``<layer>.qweight_type`` (the GGML type). Per checkpoint te
   Q4_0 ``w = d (q - 8)``; Q4_1 ``w = d q + m`` (scale d, zero m + 8d); Q4_K sub-block j
   ``w = d sc_j q - dmin m_j`` (scale d sc_j, zero 8 d sc_j - dmin m_j). The CPU kernels keep each
   group's scale and minimum (``zero - 8 scale``) in fp16 beside float32 activations, so Q4_0 and
-  Q4_1 stay exact there (Q4_K's products round to fp16), and in bf16 beside bf16 ones.
+  Q4_1 stay exact there (Q4_K's products round to fp16); beside bf16 ones the scale and zero, in
+  bf16 (each rounded to bf16, as a bf16 model's weights are).
 - Other quantized types (Q8_0, Q5_x, Q6_K, Q2_K, Q3_K, Q5_K, ...) are dequantized exactly and
   re-quantized to per-channel int8 (one extra rounding of at most half an int8 step per row).
 - F32 / F16 / BF16 tensors stay dense.

@@ -288,9 +288,10 @@ CpuLinearArgs = tuple[int, torch.Tensor | None, torch.Tensor | None, int, torch.
 
 def cpu_linear_args(layer: torch.nn.Module) -> CpuLinearArgs | None:
     """For C++ callers (``kernels/cpu_decode``): ``(kind, a, b, max_rows, dense)``. GEMMs of
-    fewer than ``max_rows`` rows run ``kernels/cpu_gemv`` (kind 0 = int4: a = codes, b =
-    scales/minimums; 1 = int8: a = codes, b = scales), larger ones ``dense`` (oneDNN-packed or
-    plain; None: gemv for every size); kind 2 = dense only (a and b None). None where neither applies."""
+    fewer than ``max_rows`` rows run ``kernels/cpu_gemv`` (kind 0 = int4: a = codes, b = scales
+    and offsets, see ``cpu_gemv.pack``; 1 = int8: a = codes, b = scales), larger ones ``dense``
+    (oneDNN-packed or plain; None: gemv for every size); kind 2 = dense only (a and b None). None
+    where neither applies."""
     if layer.quant_format == "dense":
         return 2, None, None, 0, layer.weight
     dense = getattr(layer, "dense_weight", None)
