@@ -177,7 +177,9 @@ def step_split(engine, prompts: list[list[int]], steps: int = 16) -> dict[str, f
 
 def llama_cpp_decode(python: str, threads: int, prompt: list[int], out_len: int) -> float:
     """llama.cpp's decode tok/s (after the first token) of one greedy request on the default GGUF."""
-    sys.path.insert(0, str(Path(__file__).parent))
+    here = str(Path(__file__).parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
     from bench_quant import run_llama_cpp
 
     return run_llama_cpp(python, threads, prompt, out_len)[1]

@@ -96,9 +96,8 @@ def unpack(qw: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
     q = torch.stack([b & 15, b >> 4], 3).reshape(nb * 16, 8 * eighths).float()
     s, c = sz.float().permute(2, 0, 3, 1).reshape(2, nb * 16, -1)
     g = s.shape[1]
-    if sz.dtype == torch.bfloat16:  # tinygemm zeros: w = (q - 8) s + z
-        return ((q.view(nb * 16, g, -1) - 8) * s[..., None] + c[..., None]).view(nb * 16, 8 * eighths)
-    return (q.view(nb * 16, g, -1) * s[..., None] + c[..., None]).view(nb * 16, 8 * eighths)
+    shift = 8 if sz.dtype == torch.bfloat16 else 0  # tinygemm zeros, w = (q - 8) s + z; else minimums
+    return ((q.view(nb * 16, g, -1) - shift) * s[..., None] + c[..., None]).view(nb * 16, 8 * eighths)
 
 
 def quantize_rows(x: torch.Tensor) -> torch.Tensor:
