@@ -345,14 +345,14 @@ def main() -> None:
         runs = []
         phases.take()
         for i in range(5 if c == 1 else 1):
-            runs.append((*run_core(engine, make_prompts(c, args.input_len, vocab, c + 1000 * i), args.output_len,
+            prompts = make_prompts(c, args.input_len, vocab, c + 1000 * i)
+            runs.append((*run_core(engine, prompts, args.output_len,
                                    {"temperature": args.temperature, "top_p": args.top_p}), *phases.take()))
             if c == 1:
                 bws.append(measure_bandwidth(dev))
                 paired.append(wbytes / max(bws[-2:]) / statistics.median(runs[-1][2]))
                 if args.llama_cpp_python:
-                    prompt = make_prompts(1, args.input_len, vocab, 1 + 1000 * i)[0]
-                    rate = llama_cpp_decode(args.llama_cpp_python, torch.get_num_threads(), prompt, args.output_len)
+                    rate = llama_cpp_decode(args.llama_cpp_python, torch.get_num_threads(), prompts[0], args.output_len)
                     bws.append(measure_bandwidth(dev))
                     llama.append((rate, rate * wbytes / max(bws[-2:])))
         wall, ttfts, tpots, toks, secs, counts = min(runs, key=lambda r: statistics.median(r[2]))
