@@ -86,30 +86,49 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
+def decode_stacks(model: torch.nn.Module) -> list:
+    """The CPU decode stacks (``kernels/cpu_decode.plan_stack``) the model has planned: LlamaModel
+    keeps its plan, made at its first forward."""
+    plans = [m.__dict__.get("_cpu_stack_plan") for m in model.modules()]
+    return [p[2]["stack"] for p in plans if p is not None and p[2] is not None]
+
+
 def step_split(engine, prompts: list[list[int]], steps: int = 16) -> dict[str, float]:
-    """Mean milliseconds of one decode step at ``len(prompts)`` streams as the engine runs it, and
-    the split of the same step with each decoder layer's Python forward (where layers run as one
-    C++ op, or the whole stack as one, ``kernels/cpu_decode``, no hook sees inside them) into GEMMs (every ``Linear`` and the
-    LM head), attention (the backend's per-layer call) and the rest."""
+    """Mean milliseconds of one decode step at ``len(prompts)`` streams as the engine runs it.
+
+    Where the CPU decode stack serves the step (``kernels/cpu_decode``: every layer and the head
+    in one C++ call), its own profiling splits it (``DecodeStack.set_profiling``: the calling
+    thread's time in each phase, ``stack_<phase>``), beside the time between two steps' forwards
+    (``period``: the engine's Python around them) and the runner's call (``step``, of which the
+    stack's call is ``stack``). Otherwise the step is run again with each decoder layer's Python
+    forward (one-op layers off) and split into GEMMs (every ``Linear`` and the LM head), attention
+    (the backend's per-layer call) and the rest."""
     core = engine.engine
     timers = {"gemm": 0.0, "attention": 0.0}
     dev = core.device
     handles = []
     runner, orig = core.runner, core.runner.run
     walls: list[float] = []
+    starts: list[float] = []
     before: list[dict[str, float]] = []
+    stacks = decode_stacks(core.model)
 
     def run(batch):
         if batch.is_prefill:
             return orig(batch)
+        if len(walls) == SKIP:  # the measured steps: the stacks' sums from here
+            for s in stacks:
+                s.set_profiling(True)
         before.append(dict(timers))
         t = time.perf_counter()
+        starts.append(t)
         out = orig(batch)
         walls.append(time.perf_counter() - t)
         return out
 
     def decode() -> float:
         walls.clear()
+        starts.clear()
         before.clear()
         engine.generate(input_ids=prompts, sampling_params=[params] * len(prompts))
         return sum(walls[SKIP:]) / len(walls[SKIP:])
@@ -122,6 +141,16 @@ def step_split(engine, prompts: list[list[int]], steps: int = 16) -> dict[str, f
     decode_steps, core.scheduler.decode_steps = core.scheduler.decode_steps, 1  # one step a batch: a step's split
     try:
         step = decode()  # as served, no hooks (at batch 1 they would cost as much as the GEMMs)
+        out = {"step": step * 1e3, "period": (starts[-1] - starts[SKIP]) / (len(starts) - 1 - SKIP) * 1e3}
+        for s in stacks:
+            calls, *phases = s.profile()
+            s.set_profiling(False)
+            if calls:
+                for name, sec in zip(s.phase_names(), phases):
+                    out[f"stack_{name}"] = out.get(f"stack_{name}", 0.0) + sec / calls * 1e3
+        if any(k.startswith("stack_") for k in out):
+            out["stack"] = sum(v for k, v in out.items() if k.startswith("stack_"))
+            return out
 
         def timed(kind: str):
             def pre(mod, args):
@@ -171,8 +200,25 @@ def step_split(engine, prompts: list[list[int]], steps: int = 16) -> dict[str, f
         for m in core.model.modules():
             for name in ("_cpu_decode", "_cpu_stack", "decode_step"):
                 m.__dict__.pop(name, None)
-    return {"step": step * 1e3, "python_step": python_step * 1e3, "gemm": gemm * 1e3, "attention": attn * 1e3,
+    return {**out, "python_step": python_step * 1e3, "gemm": gemm * 1e3, "attention": attn * 1e3,
             "other": (python_step - gemm - attn) * 1e3}
+
+
+def split_line(c: int, sp: dict[str, float], wbytes: int) -> str:
+    """step_split's figures as one line of the report."""
+    if "stack" not in sp:
+        return (f"# decode step at {c} streams: {sp['step']:.1f} ms; with the layers' Python forward "
+                f"{sp['python_step']:.1f} ms = GEMMs {sp['gemm']:.1f} + attention {sp['attention']:.1f} "
+                f"+ other (Python, norms, rotary, sampling) {sp['other']:.1f}")
+    g = sp["stack_gemm"] + sp["stack_head"] + sp["stack_gemm_wait"]
+    return (f"# decode step at {c} streams: {sp['period']:.2f} ms from one forward to the next = the engine's Python "
+            f"{sp['period'] - sp['step']:.2f} (scheduling, results, streams) + the runner {sp['step']:.2f}: its Python "
+            f"{sp['step'] - sp['stack']:.2f} (inputs, the call, sampling) + the decode stack {sp['stack']:.2f} "
+            f"(its calling thread: layer GEMMs {sp['stack_gemm']:.2f} + LM head {sp['stack_head']:.2f} + waiting at "
+            f"their ends {sp['stack_gemm_wait']:.2f}, the weights at {wbytes / g / 1e6:.1f} GB/s; attention "
+            f"{sp['stack_attention']:.2f}; norms, adds, quantizing x {sp['stack_rows']:.2f}; rotary and cache store "
+            f"{sp['stack_rotary']:.2f}; argmax {sp['stack_argmax']:.2f}; setup {sp['stack_setup']:.2f}, join "
+            f"{sp['stack_join']:.2f})")
 
 
 def llama_cpp_decode(python: str, threads: int, prompt: list[int], out_len: int) -> float:
@@ -424,9 +470,7 @@ def main() -> None:
     for name, seconds in prefill.items():
         print(f"# prefill of one {args.prefill_len}-token prompt, {name}: {seconds:.3f} s (best of 3)")
     for c, sp in splits.items():
-        print(f"# decode step at {c} streams: {sp['step']:.1f} ms; with the layers' Python forward "
-              f"{sp['python_step']:.1f} ms = GEMMs {sp['gemm']:.1f} + attention {sp['attention']:.1f} "
-              f"+ other (Python, norms, rotary, sampling) {sp['other']:.1f}")
+        print(split_line(c, sp, wbytes))
 
 
 if __name__ == "__main__":

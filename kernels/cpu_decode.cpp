@@ -32,8 +32,11 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
+#include <chrono>
 #include <cmath>
 #include <omp.h>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -163,6 +166,28 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(const at::Tensor& x, const std::
 // (run_head): at batch 1 the norm and the head as two more ops cost ~0.15 ms of a ~6 ms step
 // besides the head's own reading, which is a third of the step's bytes.
 
+// The phases of a stack call that DecodeStack's profiling times (see set_profiling), in the order
+// of profile()'s values.
+enum Phase { kSetup, kRows, kGemm, kGemmWait, kRotary, kAttention, kHead, kArgmax, kJoin, kPhases };
+const char* const kPhaseNames[kPhases] = {"setup", "rows", "gemm", "gemm_wait", "rotary", "attention", "head", "argmax", "join"};
+
+inline double seconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// The calling thread's (the team's thread 0) clock over a call's phases: mark(p) adds the time
+// since the last mark to phase p. Inert (acc null) on the other threads and without profiling.
+struct PhaseClock {
+  double* acc = nullptr;
+  double last = 0.0;
+  void mark(Phase p) {
+    if (acc == nullptr) return;
+    const double t = seconds();
+    acc[p] += t - last;
+    last = t;
+  }
+};
+
 #ifdef CORE_GEMV_ANY
 using namespace core_gemv;
 using namespace core_rows;
@@ -226,16 +251,22 @@ struct Job {
 };
 
 // Inside a parallel region, every thread: a share of the job's blocks; the threads leave in step.
+// The clock: what came before (the row loops, x quantized for the job) as kRows, this thread's
+// blocks as `phase`, the wait for the others as kGemmWait.
 template <typename E>
-void gemv_shared(const Job<E>& j, int64_t M) {
+void gemv_shared(const Job<E>& j, int64_t M, PhaseClock& clock, Phase phase = kGemm) {
   const int64_t na = j.w->N / 16;
-#pragma omp for schedule(static)
+  clock.mark(kRows);
+#pragma omp for schedule(static) nowait
   for (int64_t i = 0; i < j.blocks(); ++i) {
     if (i < na)
       weight_block(*j.w, j.a, raw(j.out), M, i);
     else
       weight_block(*j.w2, j.a2, raw(j.out2), M, i - na);
   }
+  clock.mark(phase);
+#pragma omp barrier
+  clock.mark(kGemmWait);
 }
 
 // Per-thread scratch for x as the kernels read it (cpu_gemv.h's Act): group sums, int8 codes, scales.
@@ -385,6 +416,27 @@ class DecodeStack : public torch::CustomClassHolder {
     return {std::get<0>(out), std::get<1>(out)};
   }
 
+  // Profiling: with it on, every call adds the calling thread's wall time in each phase of the
+  // stack (kPhaseNames: setting up and waking the threads; the row loops; its share of the layer
+  // GEMMs and its waits for the other threads at their ends; rotary embedding and cache store; the
+  // attention; its share of the head; the argmax; the threads' join) to profile()'s sums: the
+  // split of a decode step that bench/bench_offline.py prints. Off, a phase's end costs a branch.
+  // Turning it on or off clears the sums; not while a call runs.
+  void set_profiling(bool on) {
+    profiling_ = on;
+    prof_.fill(0.0);
+    prof_calls_ = 0;
+  }
+
+  // [calls, then the seconds of each phase in phase_names() order] since profiling was turned on.
+  std::vector<double> profile() const {
+    std::vector<double> out{static_cast<double>(prof_calls_)};
+    out.insert(out.end(), prof_.begin(), prof_.end());
+    return out;
+  }
+
+  std::vector<std::string> phase_names() const { return {std::begin(kPhaseNames), std::end(kPhaseNames)}; }
+
   // The token embedding table [vocab, hidden] (the stack's dtype) that decode() looks ids up in.
   void set_embedding(const at::Tensor& table) {
     TORCH_CHECK(table.dim() == 2 && table.size(1) == hid && table.scalar_type() == dtype_ && table.is_contiguous() &&
@@ -523,6 +575,7 @@ class DecodeStack : public torch::CustomClassHolder {
   std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(bool with_head, const at::Tensor& x, const int64_t* pos,
                                                          const int64_t* loc, const at::Tensor& kv_indices,
                                                          const int64_t* sl, const int64_t* el, int64_t B, int64_t vocab) {
+    PhaseClock clock{profiling_ ? prof_.data() : nullptr, profiling_ ? seconds() : 0.0};
     const int64_t M = x.size(0);
     for (int64_t m = 0; m < M; ++m) {
       TORCH_CHECK(pos[m] >= 0 && pos[m] < cos_.size(0), "DecodeStack: position ", pos[m], " outside the rotary cache");
@@ -566,6 +619,9 @@ class DecodeStack : public torch::CustomClassHolder {
 #pragma omp parallel num_threads(nt)
     {
       const int me = omp_get_thread_num();
+      PhaseClock idle;
+      PhaseClock& clk = me == 0 ? clock : idle;
+      clk.mark(kSetup);
       E *my_x0 = x0.data_ptr<E>() + me * M * hid, *my_x1 = x1.data_ptr<E>() + me * M * hid;
       E* my_h = h.data_ptr<E>() + me * h.size(1) * h.size(2);
       float* my_f = xf.data_ptr<float>() + me * 4 * nf;
@@ -586,7 +642,7 @@ class DecodeStack : public torch::CustomClassHolder {
             std::copy(in + m * hid, in + (m + 1) * hid, my_x0 + m * hid);
           norm_row<E>(my_x0 + m * hid, in_norm, my_h + m * hid, hid, feps, 0.0f);
         }
-        gemv_shared<E>({&w[0], prep(w[0], my_h, M, sc), pqkv}, M);
+        gemv_shared<E>({&w[0], prep(w[0], my_h, M, sc), pqkv}, M, clk);
 #pragma omp single
         for (int64_t m = 0; m < M; ++m) {
           const float* cs = pcos + pos[m] * rot_;
@@ -597,17 +653,19 @@ class DecodeStack : public torch::CustomClassHolder {
             rotate_head<E>(row + qs + j * D, kc + loc[m] * kvs + j * D, cs, sn, rot_ / 2, D);
           std::copy(row + qs + kvs, row + nqkv, vc + loc[m] * kvs);
         }
+        clk.mark(kRotary);
         attend(work, pqr, kc, vc, pa);
-        gemv_shared<E>({&w[1], prep(w[1], pa, M, sc), po}, M);
+        clk.mark(kAttention);
+        gemv_shared<E>({&w[1], prep(w[1], pa, M, sc), po}, M, clk);
         for (int64_t m = 0; m < M; ++m) {
           add_row<E>(my_x0 + m * hid, po + m * hid, my_x1 + m * hid, hid);
           norm_row<E>(my_x1 + m * hid, post_norm, my_h + m * hid, hid, feps, 0.0f);
         }
         const Act ag = prep(w[2], my_h, M, sc);  // up reads x as gate does unless its groups differ
         const Act au = w[3].G == w[2].G ? ag : prep(w[3], my_h, M, sc2);
-        gemv_shared<E>({&w[2], ag, pg, &w[3], au, pu}, M);
+        gemv_shared<E>({&w[2], ag, pg, &w[3], au, pu}, M, clk);
         silu_mul(pg, pu, my_h, M * I);  // the activation (into this thread's h: the norm's rows are used)
-        gemv_shared<E>({&w[4], prep(w[4], my_h, M, sc), pmlp}, M);
+        gemv_shared<E>({&w[4], prep(w[4], my_h, M, sc), pmlp}, M, clk);
       }
       if (with_head) {  // norm(h + mlp_out), as the model's final norm computes it, then the head
         for (int64_t m = 0; m < M; ++m) {
@@ -615,14 +673,18 @@ class DecodeStack : public torch::CustomClassHolder {
           norm_row<E>(my_x0 + m * hid, fnorm, my_h + m * hid, hid, ffeps, 0.0f);
         }
         if (me == 0) std::copy(my_h, my_h + M * hid, phid);
-        gemv_shared<E>({&head_w_, prep(head_w_, my_h, M, sc), plog}, M);
+        gemv_shared<E>({&head_w_, prep(head_w_, my_h, M, sc), plog}, M, clk, kHead);
         if (pnext) {  // the rows shared out (every thread has left the head's blocks: they are all written)
           std::vector<float> bmax((vocab + kArgmaxBlock - 1) / kArgmaxBlock);
 #pragma omp for schedule(static)
           for (int64_t m = 0; m < M; ++m) pnext[m] = argmax_row(raw(plog + m * head_w_.N), vocab, bmax);
+          clk.mark(kArgmax);
         }
       }
+      clk.mark(kRows);  // the last layer's (or the final norm's) rows
     }
+    clock.mark(kJoin);
+    prof_calls_ += profiling_;
     if (with_head) return {hidden, logits, next};
     return {x1[0], mlp, next};
   }
@@ -635,6 +697,9 @@ class DecodeStack : public torch::CustomClassHolder {
   double eps_, final_eps_, scale_;
   int64_t window_, rot_, H, Hkv, D, L = 0, hid = 0, qs = 0, kvs = 0, nqkv = 0, I = 0, slots = 0;
   at::ScalarType dtype_ = at::kFloat;
+  bool profiling_ = false;
+  std::array<double, kPhases> prof_{};
+  int64_t prof_calls_ = 0;
 #ifdef CORE_GEMV_ANY
   std::vector<Weight> lin_;
   std::vector<const void*> norms_;
@@ -657,7 +722,10 @@ TORCH_LIBRARY(core_cpu_decode, m) {
       .def("run_head", &DecodeStack::run_head)
       .def("set_embedding", &DecodeStack::set_embedding)
       .def("decode", &DecodeStack::decode)
-      .def("decode_steps", &DecodeStack::decode_steps);
+      .def("decode_steps", &DecodeStack::decode_steps)
+      .def("set_profiling", &DecodeStack::set_profiling)
+      .def("profile", &DecodeStack::profile)
+      .def("phase_names", &DecodeStack::phase_names);
 }
 
 // CompositeExplicitAutograd: the oneDNN-packed weights among the arguments carry another dispatch key

@@ -419,6 +419,48 @@ def steps_setup(dtype: torch.dtype, seq_lens: list[int], steps: int) -> dict:
     return {**d, "kv_indices": kv, "out_loc": out_loc}
 
 
+PHASES = ["setup", "rows", "gemm", "gemm_wait", "rotary", "attention", "head", "argmax", "join"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_profiling_splits_the_calls_and_leaves_them_as_they_were(dtype, threads):
+    """set_profiling(True): every call adds the seconds of its phases to profile() (the count of
+    calls first), within the calls' wall time; the outputs are those of a stack not profiling, bit
+    for bit. Turned off, the sums are cleared and nothing more is added."""
+    import time
+
+    from core_plugins.attention import cpu
+
+    cpu.load_kernel()
+    d = decode_setup(dtype, [40])
+    args = (d["ids"], d["positions"], d["out_loc"], d["kv_indices"], d["seq_lens"], 160)
+    plain, caches_a = decode_stack(d)
+    timed, caches_b = decode_stack(d)
+    assert timed.phase_names() == PHASES
+    assert timed.profile() == [0.0] * (1 + len(PHASES))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        want = [plain.decode(*args) for _ in range(3)]
+        timed.set_profiling(True)
+        t = time.perf_counter()
+        got = [timed.decode(*args) for _ in range(3)]
+        wall = time.perf_counter() - t
+        calls, *seconds = timed.profile()
+        timed.set_profiling(False)
+        timed.decode(*args)
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(x, y) for w, g in zip(want, got) for x, y in zip(w, g))
+    assert all(torch.equal(x, y) for x, y in zip(caches_a, caches_b))
+    phases = dict(zip(PHASES, seconds))
+    assert calls == 3 and all(v >= 0 for v in seconds) and 0 < sum(seconds) <= wall
+    for name in ("gemm", "head", "attention", "rows", "argmax"):  # each phase this call has took some time
+        assert phases[name] > 0, name
+    assert timed.profile() == [0.0] * (1 + len(PHASES))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("seq_lens", [[9], [40, 7, 3]], ids=["one", "three"])
 @pytest.mark.parametrize("threads", [1, 2])
