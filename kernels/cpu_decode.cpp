@@ -152,11 +152,12 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(const at::Tensor& x, const std::
 // them), and the one thread's serial parts. DecodeStack runs every layer in one OpenMP parallel
 // region. The threads share each weight's 16-row blocks (the same block kernels, so the same
 // bits; a bias is added to each block as it is done) and the attention's tasks (the `cpu`
-// backend's kernel, kernels/cpu_attention.h, planned once for all layers), and each thread
-// computes the row loops between the GEMMs (residual adds, norms, group sums, the gated
-// activation) itself, in its own buffers: a few microseconds of duplicated arithmetic instead of
-// a barrier and a waiting thread each. So the threads meet only after each GEMM (every thread
-// needs all of its output), after the rotary embedding and the cache store (one thread), and
+// backend's kernel, kernels/cpu_attention.h, planned once for all layers). Below kSplitRows rows
+// each thread computes the row loops between the GEMMs (residual adds, norms, group sums, the
+// gated activation) itself, in its own buffers: a few microseconds of duplicated arithmetic
+// instead of a barrier and a waiting thread each; from kSplitRows the threads share the rows out
+// and meet before each GEMM too. Otherwise the threads meet only after each GEMM (every thread
+// needs all of its output), after the rotary embedding and the cache store (rows shared out), and
 // after the attention. Buffers are allocated once per call.
 //
 // The activations are bf16 (AVX512-BF16 builds) or float32 (AVX2 builds: what --dtype auto picks
@@ -250,13 +251,18 @@ struct Job {
   int64_t blocks() const { return w->N / 16 + (w2 ? w2->N / 16 : 0); }
 };
 
-// Inside a parallel region, every thread: a share of the job's blocks; the threads leave in step.
-// The clock: what came before (the row loops, x quantized for the job) as kRows, this thread's
-// blocks as `phase`, the wait for the others as kGemmWait.
+// Inside a parallel region, every thread: a share of the job's blocks; the threads leave in step,
+// and with `meet` they start in step too (each thread prepared some rows of the job's x). The
+// clock: what came before (the row loops, x quantized for the job) as kRows, this thread's blocks
+// as `phase`, the waits for the others as kGemmWait.
 template <typename E>
-void gemv_shared(const Job<E>& j, int64_t M, PhaseClock& clock, Phase phase = kGemm) {
+void gemv_shared(const Job<E>& j, int64_t M, PhaseClock& clock, bool meet, Phase phase = kGemm) {
   const int64_t na = j.w->N / 16;
   clock.mark(kRows);
+  if (meet) {
+#pragma omp barrier
+    clock.mark(kGemmWait);
+  }
 #pragma omp for schedule(static) nowait
   for (int64_t i = 0; i < j.blocks(); ++i) {
     if (i < na)
@@ -276,12 +282,16 @@ struct Scratch {
   float* dx;
 };
 
-// x [M, w.K] prepared for w in s.
+// Rows [r0, r1) of x [M, w.K] prepared for w in s (each row's codes, scales and group sums sit
+// at its own offsets: threads may prepare disjoint rows of the same x).
 template <typename E>
-Act prep(const Weight& w, const E* x, int64_t M, const Scratch& s) {
-  quantize_rows(raw(x), M, w.K, w.G, s.xq, s.dx, s.xs);
+Act prep(const Weight& w, const E* x, int64_t r0, int64_t r1, const Scratch& s) {
+  quantize_rows(raw(x + r0 * w.K), r1 - r0, w.K, w.G, s.xq + r0 * w.K, s.dx + r0 * (w.K / 32), s.xs + r0 * w.G);
   return {s.xq, s.dx, s.xs};
 }
+
+// From this many rows the threads share out the row loops between the GEMMs (see forward).
+constexpr int64_t kSplitRows = 8;
 
 #ifdef CORE_GEMV_BF16
 // out = silu(g) * u over n elements, rounded as torch's silu and mul round them in bf16. torch's
@@ -615,17 +625,27 @@ class DecodeStack : public torch::CustomClassHolder {
     const E* fnorm = with_head ? head_[0].const_data_ptr<E>() : nullptr;
     const float ffeps = static_cast<float>(final_eps_);
     // One parallel region for the whole stack: the threads meet after each GEMM, after the rotary
-    // embedding and the cache store (one thread), and after the attention's tasks.
+    // embedding and the cache store (rows shared out), and after the attention's tasks.
 #pragma omp parallel num_threads(nt)
     {
       const int me = omp_get_thread_num();
       PhaseClock idle;
       PhaseClock& clk = me == 0 ? clock : idle;
       clk.mark(kSetup);
-      E *my_x0 = x0.data_ptr<E>() + me * M * hid, *my_x1 = x1.data_ptr<E>() + me * M * hid;
-      E* my_h = h.data_ptr<E>() + me * h.size(1) * h.size(2);
-      float* my_f = xf.data_ptr<float>() + me * 4 * nf;
-      int8_t* my_q = xq.data_ptr<int8_t>() + me * 2 * kmax;
+      // The row loops: below kSplitRows rows every thread runs all of them in its own buffers (a
+      // few microseconds a layer, where meeting would cost a barrier and a waiting thread), from
+      // kSplitRows each its share of the rows in shared buffers (slot 0), the threads then meeting
+      // before each GEMM: at 64 rows each thread spent ~6 ms of a ~60 ms step on all of them (Zen 4
+      // EPYC, 2 threads). Row boundaries at multiples of 64 elements of the activation (I % 64)
+      // leave silu_mul's split between its vector and scalar loops where one call puts it.
+      const int64_t nthr = omp_get_num_threads();
+      const bool split = M >= kSplitRows && I % 64 == 0;
+      const int64_t r0 = split ? me * M / nthr : 0, r1 = split ? (me + 1) * M / nthr : M;
+      const int64_t slot = split ? 0 : me;
+      E *my_x0 = x0.data_ptr<E>() + slot * M * hid, *my_x1 = x1.data_ptr<E>() + slot * M * hid;
+      E* my_h = h.data_ptr<E>() + slot * h.size(1) * h.size(2);
+      float* my_f = xf.data_ptr<float>() + slot * 4 * nf;
+      int8_t* my_q = xq.data_ptr<int8_t>() + slot * 2 * kmax;
       // two sets: gate and up need their own when their groups differ
       const Scratch sc{my_f, my_q, my_f + nf}, sc2{my_f + 2 * nf, my_q + kmax, my_f + 3 * nf};
       for (int64_t l = 0; l < L; ++l) {
@@ -633,18 +653,18 @@ class DecodeStack : public torch::CustomClassHolder {
         const Weight* w = lin_.data() + 5 * l;
         E* kc = k_caches_[l].data_ptr<E>();
         E* vc = v_caches_[l].data_ptr<E>();
-        // the layer's input: x at the first layer, then this thread's x1 + the MLP's output
+        // the layer's input: x at the first layer, then x1 + the MLP's output
         const E* in = l ? my_x1 : x.const_data_ptr<E>();
-        for (int64_t m = 0; m < M; ++m) {
+        for (int64_t m = r0; m < r1; ++m) {
           if (l)
             add_row<E>(in + m * hid, pmlp + m * hid, my_x0 + m * hid, hid);
           else
             std::copy(in + m * hid, in + (m + 1) * hid, my_x0 + m * hid);
           norm_row<E>(my_x0 + m * hid, in_norm, my_h + m * hid, hid, feps, 0.0f);
         }
-        gemv_shared<E>({&w[0], prep(w[0], my_h, M, sc), pqkv}, M, clk);
-#pragma omp single
-        for (int64_t m = 0; m < M; ++m) {
+        gemv_shared<E>({&w[0], prep(w[0], my_h, r0, r1, sc), pqkv}, M, clk, split);
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; ++m) {  // rows shared out (at batch 1 one thread, the others waiting)
           const float* cs = pcos + pos[m] * rot_;
           const float* sn = psin + pos[m] * rot_;
           const E* row = pqkv + m * nqkv;
@@ -656,24 +676,24 @@ class DecodeStack : public torch::CustomClassHolder {
         clk.mark(kRotary);
         attend(work, pqr, kc, vc, pa);
         clk.mark(kAttention);
-        gemv_shared<E>({&w[1], prep(w[1], pa, M, sc), po}, M, clk);
-        for (int64_t m = 0; m < M; ++m) {
+        gemv_shared<E>({&w[1], prep(w[1], pa, r0, r1, sc), po}, M, clk, split);
+        for (int64_t m = r0; m < r1; ++m) {
           add_row<E>(my_x0 + m * hid, po + m * hid, my_x1 + m * hid, hid);
           norm_row<E>(my_x1 + m * hid, post_norm, my_h + m * hid, hid, feps, 0.0f);
         }
-        const Act ag = prep(w[2], my_h, M, sc);  // up reads x as gate does unless its groups differ
-        const Act au = w[3].G == w[2].G ? ag : prep(w[3], my_h, M, sc2);
-        gemv_shared<E>({&w[2], ag, pg, &w[3], au, pu}, M, clk);
-        silu_mul(pg, pu, my_h, M * I);  // the activation (into this thread's h: the norm's rows are used)
-        gemv_shared<E>({&w[4], prep(w[4], my_h, M, sc), pmlp}, M, clk);
+        const Act ag = prep(w[2], my_h, r0, r1, sc);  // up reads x as gate does unless its groups differ
+        const Act au = w[3].G == w[2].G ? ag : prep(w[3], my_h, r0, r1, sc2);
+        gemv_shared<E>({&w[2], ag, pg, &w[3], au, pu}, M, clk, split);
+        silu_mul(pg + r0 * I, pu + r0 * I, my_h + r0 * I, (r1 - r0) * I);  // the activation (into h: the norm's rows are used)
+        gemv_shared<E>({&w[4], prep(w[4], my_h, r0, r1, sc), pmlp}, M, clk, split);
       }
       if (with_head) {  // norm(h + mlp_out), as the model's final norm computes it, then the head
-        for (int64_t m = 0; m < M; ++m) {
+        for (int64_t m = r0; m < r1; ++m) {
           add_row<E>(my_x1 + m * hid, pmlp + m * hid, my_x0 + m * hid, hid);
           norm_row<E>(my_x0 + m * hid, fnorm, my_h + m * hid, hid, ffeps, 0.0f);
         }
-        if (me == 0) std::copy(my_h, my_h + M * hid, phid);
-        gemv_shared<E>({&head_w_, prep(head_w_, my_h, M, sc), plog}, M, clk, kHead);
+        if (split || me == 0) std::copy(my_h + r0 * hid, my_h + r1 * hid, phid + r0 * hid);
+        gemv_shared<E>({&head_w_, prep(head_w_, my_h, r0, r1, sc), plog}, M, clk, split, kHead);
         if (pnext) {  // the rows shared out (every thread has left the head's blocks: they are all written)
           std::vector<float> bmax((vocab + kArgmaxBlock - 1) / kArgmaxBlock);
 #pragma omp for schedule(static)

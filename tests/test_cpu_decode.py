@@ -309,6 +309,30 @@ def test_the_stack_with_its_head_equals_the_norm_and_head_ops(kind, batch, threa
     assert logits.shape == (sum(batch[1]), 160) and torch.equal(logits, mm(want, *head))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter", [128, 96], ids=["rows_shared_out", "rows_in_every_thread"])
+@pytest.mark.parametrize("batch", [([9, 8, 7, 6, 5, 4, 3, 2, 1, 10], [1] * 10), ([20, 6], [12, 1])],
+                         ids=["ten_decodes", "extend_and_decode"])
+@pytest.mark.parametrize("threads", [2, 3])
+def test_many_rows_give_the_bits_of_the_layer_ops(inter, batch, threads, dtype):
+    """From 8 rows the threads share the row loops between the GEMMs out where the MLP width is a
+    multiple of 64 (128 here; 96 keeps every thread running all rows): the outputs, the cache
+    writes and run_head's hidden and logits are still bit for bit those of the layer ops, the
+    final norm and the head op, with an uneven split (13 rows on 3 threads) too."""
+    from core_kernels import cpu_ops
+    from core_plugins.attention import cpu
+
+    cpu.load_kernel()
+    s = random_stack(3, [0, 1, 1], True, inter=inter, dtype=dtype)
+    norm = (1 + 0.1 * torch.randn(s["hid"], generator=s["g"])).to(dtype)
+    head = random_head(160, s["hid"], 0, dtype)
+    want, (h, res, kb, vb, hidden, logits) = run_both(s, *batch, threads, [norm, *head], 0)
+    assert torch.equal(want[0], h) and torch.equal(want[1], res)
+    assert all(torch.equal(a, b) for a, b in zip(want[2] + want[3], kb + vb))
+    ref = cpu_ops.rms_norm(h + res, norm, 1e-5, 0.0)
+    assert torch.equal(hidden, ref) and torch.equal(logits, cpu_gemv.mm(ref, *head))
+
+
 def decode_setup(dtype: torch.dtype, seq_lens: list[int], vocab: int = 160, seed: int = 0) -> dict:
     """A random two-layer stack with an int8 head of 160 rows and an embedding table of ``vocab``
     rows, caches already filled, and one decode row per sequence of ``seq_lens``."""
