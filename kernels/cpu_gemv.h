@@ -1,8 +1,8 @@
 // Packed int4 (group-wise) and int8 (per-channel) weights times a few bf16 activation rows, on
 // CPUs with AVX512-BF16 and AVX512-VNNI (every CPU with the first has the second).
 //
-// Decode multiplies one to three activation rows by every weight, so the GEMM is a matrix-vector
-// product that should run at memory speed. As llama.cpp does with its quantized blocks, each
+// A decode of a few sequences multiplies a few activation rows by every weight, so the GEMM is a
+// matrix-vector product that should run at memory speed. As llama.cpp does with its quantized blocks, each
 // activation row is quantized to int8 per run of 32 columns (quantize_rows: codes xq and one fp32
 // scale d per run), and vpdpbusd multiplies 4 unsigned weight codes by 4 codes of x in each 32-bit
 // lane, summing exactly in int32; sixteen output rows sit in the sixteen lanes of one register.

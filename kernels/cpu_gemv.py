@@ -4,8 +4,9 @@ with AVX512-BF16 and AVX512-VNNI, float32 on CPUs with AVX2 and FMA (``cpu_gemv.
 torch's ``_weight_int4pack_mm_for_cpu`` / ``_weight_int8pack_mm`` read SmolLM2's layers and LM
 head at ~15-22 GB/s on one core of the dev VM, under half of what the core can stream, and their
 time grows with every activation row. These kernels keep sixteen output rows in the lanes of one
-register and read the weight once for up to three rows, multiplying int8 codes of the
-activations (per 32 columns, as llama.cpp does) with ``vpdpbusd`` (``cpu_gemv.h`` says how). They are compiled with ``-march=native``;
+register and read the weight once for several rows (int4 in bf16: 6, float32: 4; int8: 3),
+multiplying int8 codes of the activations (per 32 columns, as llama.cpp does) with ``vpdpbusd``
+(``cpu_gemv.h`` says how). They are compiled with ``-march=native``;
 :func:`available_for` says whether this machine has the instruction sets for a dtype and the
 library builds, and callers keep torch's kernels otherwise.
 """
