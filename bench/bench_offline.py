@@ -112,13 +112,14 @@ def step_split(engine, prompts: list[list[int]], steps: int = 16) -> dict[str, f
     starts: list[float] = []
     before: list[dict[str, float]] = []
     stacks = decode_stacks(core.model)
-    profiled = []  # the first decode() only: the stacks' sums over its measured steps
+    profile_next = True  # the first decode() only: the stacks' sums over its measured steps
 
     def run(batch):
+        nonlocal profile_next
         if batch.is_prefill:
             return orig(batch)
-        if len(walls) == SKIP and not profiled:
-            profiled.append(True)
+        if len(walls) == SKIP and profile_next:
+            profile_next = False
             for s in stacks:
                 s.set_profiling(True)
         before.append(dict(timers))

@@ -2,10 +2,11 @@
 // CPUs with AVX512-BF16 and AVX512-VNNI (every CPU with the first has the second).
 //
 // A decode of a few sequences multiplies a few activation rows by every weight, so the GEMM is a
-// matrix-vector product that should run at memory speed. As llama.cpp does with its quantized blocks, each
-// activation row is quantized to int8 per run of 32 columns (quantize_rows: codes xq and one fp32
-// scale d per run), and vpdpbusd multiplies 4 unsigned weight codes by 4 codes of x in each 32-bit
-// lane, summing exactly in int32; sixteen output rows sit in the sixteen lanes of one register.
+// matrix-vector product that should run at memory speed. As llama.cpp does with its quantized
+// blocks, each activation row is quantized to int8 per run of 32 columns (quantize_rows: codes xq
+// and one fp32 scale d per run), and vpdpbusd multiplies 4 unsigned weight codes by 4 codes of x in
+// each 32-bit lane, summing exactly in int32; sixteen output rows sit in the sixteen lanes of one
+// register.
 // The product is exactly that of the weight and the quantized row d * xq: quantizing costs each
 // output at most ~0.4 % of the runs' largest |x| times |w|, and lets the kernels read their
 // weights at the memory's speed, where the exact bf16 dot products (vdpbf16ps, with a byte
