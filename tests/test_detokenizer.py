@@ -292,3 +292,51 @@ def test_stock_fast_tokenizers_decode_through_their_rust_backend(smol, bytefallb
     assert backend_decode(custom) is None
     det = IncrementalDetokenizer(custom, [])
     assert det.add(enc(smol, "hello")) + det.flush() == "<hello>"
+
+
+# ---- stop_regex (SGLang's): the match ends generation and stays in the text -------------------
+def regex_run(tok, text: str, patterns: list[str], **kw):
+    """Feed ``text`` token by token; the tokens consumed before the stop, and the detokenizer."""
+    det = IncrementalDetokenizer(tok, [], stop_regex=patterns, **kw)
+    ids = enc(tok, text)
+    for n, t in enumerate(ids, 1):
+        det.add([t])
+        if det.matched_stop is not None:
+            return det, n
+    det.flush()
+    return det, len(ids)
+
+
+def test_stop_regex_stops_at_the_token_that_completes_a_match(smol):
+    text = "Order 66 was given at 9 pm"
+    det, n = regex_run(smol, text, [r"\d+ pm"])
+    assert det.matched_stop == r"\d+ pm"
+    assert det.text.endswith("9 pm") and text.startswith(det.text)  # the match is kept, nothing after it
+    assert n == len(enc(smol, text))
+
+
+def test_stop_regex_first_match_wins_and_matches_are_searched_once(smol):
+    text = "alpha 1 beta 22 gamma"
+    det, n = regex_run(smol, text, [r"[a-z]+ 22", r"\d"])
+    assert det.matched_stop == r"\d" and det.text == "alpha 1"  # the digit completes first
+    prefix = enc(smol, "alpha 1")
+    assert n == len(prefix)
+
+
+def test_stop_regex_no_match_flushes_everything(smol):
+    det, _ = regex_run(smol, "no digits here", [r"\d"])
+    assert det.matched_stop is None and det.text == "no digits here"
+
+
+def test_stop_regex_unbounded_pattern_and_anchor_see_earlier_text(smol):
+    # an unbounded pattern spans text emitted several steps earlier
+    det, _ = regex_run(smol, "start: a b c d end of it", [r"start:.*end"])
+    assert det.matched_stop == r"start:.*end" and det.text.endswith("end")
+    # ^ anchors at the start of the output, not at where a later search begins
+    det, _ = regex_run(smol, "x then the end", [r"^the"])
+    assert det.matched_stop is None
+
+
+def test_stop_strings_and_regex_together(smol):
+    det, _ = regex_run(smol, "one two 3 four", [r"\d"], stop=["two"])
+    assert det.matched_stop == "two" and det.text == "one "  # the literal stop, trimmed, came first

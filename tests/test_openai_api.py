@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import io
 import json
+import math
 import time
 from types import SimpleNamespace
 
@@ -165,6 +166,33 @@ def test_chat_logprobs(client):
                                                  stream=True, **GREEDY))
     streamed = [e.token for ch in chunks if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
     assert streamed == [e.token for e in content]
+
+
+def test_logprobs_under_a_grammar_are_finite_numbers(http):
+    """A constraint masks most of the vocabulary: masked candidates among top_logprobs are
+    OpenAI's -9999.0, a JSON number (never null, which crashes clients computing exp(logprob)),
+    on chat and completions, streamed and not."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    chat = {"model": "m", "messages": CHAT, "max_tokens": 4, "logprobs": True, "top_logprobs": 5, "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}}
+    comp = {"model": "m", "prompt": "JSON:", "max_tokens": 4, "logprobs": 5, "temperature": 0, "regex": "(yes|no)"}
+    values = []
+    for path, body in (("/v1/chat/completions", chat), ("/v1/completions", comp)):
+        payloads = [http.post(path, json=body).json()]
+        with http.stream("POST", path, json={**body, "stream": True}) as resp:
+            payloads += [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+        for p in payloads:
+            for choice in p["choices"]:
+                lp = choice.get("logprobs")
+                if not lp:
+                    continue
+                if "content" in lp:
+                    for e in lp["content"] or []:
+                        values += [e["logprob"]] + [t["logprob"] for t in e["top_logprobs"]]
+                else:
+                    values += list(lp["token_logprobs"]) + [v for top in lp["top_logprobs"] for v in top.values()]
+    assert values and all(isinstance(v, float) and math.isfinite(v) for v in values), values
+    assert -9999.0 in values
 
 
 def test_logit_bias_forces_and_bans_tokens(client, http):

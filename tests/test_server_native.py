@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -224,6 +226,88 @@ def test_generate_logprobs(client: httpx.Client) -> None:
     assert "output_token_logprobs" not in no_lp
 
 
+def test_generate_logprob_lists_are_present_whenever_asked(client: httpx.Client) -> None:
+    """SGLang's shape: with return_logprob the input list is there (empty without
+    logprob_start_len), the top lists too once top_logprobs_num asks for them."""
+    meta = gen(client, text="The sky is", sampling_params=greedy(2), return_logprob=True).json()["meta_info"]
+    assert meta["input_token_logprobs"] == [] and len(meta["output_token_logprobs"]) == 2
+    assert "output_top_logprobs" not in meta
+    meta = gen(client, text="The sky is", sampling_params=greedy(2), return_logprob=True,
+               top_logprobs_num=2).json()["meta_info"]
+    assert meta["input_token_logprobs"] == [] and meta["input_top_logprobs"] == []
+    assert len(meta["output_top_logprobs"]) == 2
+
+
+def test_generate_logprobs_are_finite_numbers_under_a_grammar(client: httpx.Client) -> None:
+    """A grammar masks most of the vocabulary: the masked candidates among the top logprobs
+    are numbers (OpenAI's -9999.0), never null, streamed or not."""
+    body = {"text": "Answer yes or no:", "sampling_params": greedy(3, regex="(yes|no)"), "return_logprob": True,
+            "top_logprobs_num": 5}
+    metas = [gen(client, **body).json()["meta_info"]]
+    with client.stream("POST", "/generate", json={**body, "stream": True}) as resp:
+        metas += [e["meta_info"] for e in sse_events(resp)[:-1]]
+    for meta in metas:
+        tops = [t for pos in meta["output_top_logprobs"] for t in pos]
+        values = [t[0] for t in meta["output_token_logprobs"]] + [t[0] for t in tops]
+        assert values and all(isinstance(v, float) and math.isfinite(v) for v in values), meta
+    assert any(t[0] == -9999.0 for t in tops)  # masked alternatives are among the five
+
+
+def test_generate_stop_regex(client: httpx.Client) -> None:
+    """SGLang's stop_regex: generation ends at the token that completes a match, the match stays
+    in the text, and the finish reason names the pattern; streamed the same way."""
+    prompt = "Count from one: 1, 2, 3, 4, 5, 6,"
+    free = gen(client, text=prompt, sampling_params=greedy(24)).json()
+    assert re.search(r"\d", free["text"]), free["text"]  # the model keeps counting
+    out = gen(client, text=prompt, sampling_params=greedy(24, stop_regex=r"\d")).json()
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": r"\d"}
+    assert free["text"].startswith(out["text"]) and re.search(r"\d", out["text"])
+    assert out["output_ids"] == free["output_ids"][: len(out["output_ids"])]
+    # the token before the last had not completed a match
+    before = client.post("/detokenize", json={"tokens": out["output_ids"][:-1]}).json()
+    assert not re.search(r"\d", before["text"]), before
+    with client.stream("POST", "/generate", json={"text": prompt, "stream": True,
+                                                  "sampling_params": greedy(24, stop_regex=[r"\d"])}) as resp:
+        last = sse_events(resp)[-2]
+    assert last["text"] == out["text"] and last["meta_info"]["finish_reason"]["matched"] == r"\d"
+
+
+def test_generate_ignores_unknown_top_level_fields_as_sglang(srv: ServerProcess, client: httpx.Client) -> None:
+    """What sglang-router adds to /generate bodies (model, background, no_logs, return_bytes,
+    return_entropy as false) and fields no version knows are ignored and logged once per name;
+    an unknown *sampling* key stays a 400."""
+    body = {"text": "Hi", "sampling_params": greedy(2), "model": "default", "background": False, "no_logs": False,
+            "return_bytes": False, "return_entropy": False, "routing_key": "k", "frobnicate_level": 3}
+    for _ in range(2):
+        r = gen(client, **body)
+        assert r.status_code == 200, r.text
+        assert r.json()["meta_info"]["completion_tokens"] == 2
+    wait_for(lambda: "frobnicate_level" in srv.logs(), timeout=5)
+    ignored = [line for line in srv.logs().splitlines() if "generate.unknown_field_ignored" in line]
+    assert sum("frobnicate_level" in line for line in ignored) == 1  # once per name, not per request
+    assert sum(re.search(r"\bmodel\b", line) is not None for line in ignored) == 1
+    assert not any(name in line for line in ignored for name in ("background", "no_logs", "routing_key"))
+    assert_error(gen(client, text="Hi", sampling_params={"frobnicate_level": 3}), 400, "frobnicate_level")
+
+
+def test_no_logs_keeps_a_request_out_of_the_request_log(srv: ServerProcess, client: httpx.Client) -> None:
+    gen(client, text="Secret prompt for no_logs", sampling_params=greedy(2), rid="quiet-rid", no_logs=True)
+    gen(client, text="Loud prompt", sampling_params=greedy(2), rid="loud-rid")
+    wait_for(lambda: "loud-rid" in srv.logs() and "request.output" in srv.logs(), timeout=5)
+    time.sleep(0.2)
+    quiet = [line for line in srv.logs().splitlines() if "quiet-rid" in line]
+    # neither its input nor its output is written (the engine's metadata line stays, content-free)
+    assert not any("request.received" in line or "request.output" in line for line in quiet), quiet
+    assert "Secret prompt" not in srv.logs()
+
+
+def test_get_load_is_sglangs_per_rank_list(client: httpx.Client) -> None:
+    loads = client.get("/get_load").json()
+    assert isinstance(loads, list) and len(loads) == 1
+    assert set(loads[0]) == {"dp_rank", "num_reqs", "num_waiting_reqs", "num_tokens"}
+    assert loads[0]["dp_rank"] == 0 and loads[0]["num_reqs"] == 0 and loads[0]["num_waiting_reqs"] == 0
+
+
 def test_generate_stream(client: httpx.Client) -> None:
     with client.stream("POST", "/generate", json={"text": "Once upon a time", "sampling_params": greedy(6),
                                                   "stream": True}) as resp:
@@ -277,8 +361,14 @@ def test_stream_interval(cfg_client: httpx.Client) -> None:
     ({"input_ids": [10 ** 9]}, "input_ids"),
     ({}, "text"),
     ({"text": "a", "input_ids": [1]}, "text"),
-    ({"text": "hi", "unknown_field": 1}, "unknown_field"),
     ({"text": "hi", "image_data": "x.png"}, "image_data"),
+    # SGLang fields of features this server lacks: a 400 once set, though the names are known
+    ({"text": "hi", "return_entropy": True}, "return_entropy"),
+    ({"text": "hi", "lora_path": "my-adapter"}, "lora_path"),
+    ({"text": "hi", "sampling_params": {"custom_params": {"k": 1}}}, "custom_params"),
+    ({"text": "hi", "sampling_params": {"beam_width": 4}}, "beam_width"),
+    ({"text": "hi", "sampling_params": {"stop_regex": "(unclosed"}}, "stop_regex"),
+    ({"text": "hi", "sampling_params": {"stop_regex": [""]}}, "stop_regex"),
     ({"text": "hello " * 400}, "prompt"),
     ({"text": ["a", "b"], "sampling_params": [{}]}, "sampling_params"),
     ({"text": "hi", "return_logprob": True, "top_logprobs_num": 50}, "top_logprobs_num"),

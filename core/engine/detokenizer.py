@@ -7,11 +7,15 @@ Two layers:
   character whose UTF-8 bytes span several tokens (byte-level BPE or ``<0xNN>`` byte fallback) is
   emitted once, when complete.
 * text -> emitted text: stop strings. The longest suffix that could still grow into a stop string
-  is held back, so a stop that later matches is never partly streamed.
+  is held back, so a stop that later matches is never partly streamed. ``stop_regex`` patterns
+  (SGLang's) are searched in the output after each step; their match stays in the text, as in
+  SGLang, so nothing is held back for them.
 """
 
 from __future__ import annotations
 
+import re
+import re._parser as re_parser
 from collections.abc import Sequence
 from typing import Any
 
@@ -59,6 +63,7 @@ class IncrementalDetokenizer:
         spaces_between_special_tokens: bool = True,
         stop: Sequence[str] = (),
         no_stop_trim: bool = False,
+        stop_regex: Sequence[str] = (),
     ) -> None:
         self._tok = tokenizer
         self._fast_decode = backend_decode(tokenizer)
@@ -70,6 +75,10 @@ class IncrementalDetokenizer:
         self._stop = [s for s in stop if s]
         self._max_stop = max((len(s) for s in self._stop), default=0)
         self._no_stop_trim = no_stop_trim
+        # (pattern text, compiled, the longest text it can match: a new match starts at most that
+        # far before the text it was not found in)
+        self._regex = [(p, re.compile(p), re_parser.parse(p).getwidth()[1]) for p in stop_regex if p]
+        self._searched = 0  # output characters the patterns were last searched up to
         self._parts: list[str] = []  # emitted deltas; joined lazily so streaming stays O(delta)
         self.matched_stop: str | None = None
         self._pending = ""  # decoded text not yet emitted (could be the start of a stop string)
@@ -145,12 +154,25 @@ class IncrementalDetokenizer:
             end, start, s = best
             out = buf[: end if self._no_stop_trim else start]
             self.matched_stop, self._pending, self._done = s, "", True
+        elif self._regex and not final and (pattern := self._match_regex(buf)) is not None:
+            out = buf  # the match stays in the output, as SGLang leaves it
+            self.matched_stop, self._pending, self._done = pattern, "", True
         else:
             hold = 0 if final else self._stop_prefix_len(buf)
             out, self._pending = buf[: len(buf) - hold], buf[len(buf) - hold :]
         if out:
             self._parts.append(out)
         return out
+
+    def _match_regex(self, buf: str) -> str | None:
+        """The first stop_regex pattern that matches the output (emitted text + ``buf``) in text
+        it had not been searched in; earlier text is kept as context for anchors and lookbehinds."""
+        full = self.text + buf
+        for pattern, compiled, width in self._regex:
+            if compiled.search(full, max(0, self._searched - width)) is not None:
+                return pattern
+        self._searched = len(full)
+        return None
 
     def _stop_prefix_len(self, buf: str) -> int:
         """Length of the longest suffix of buf that is a proper prefix of some stop string."""

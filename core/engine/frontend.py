@@ -73,7 +73,8 @@ class RequestFrontEnd:
 
                 detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens,
                                                spaces_between_special_tokens=params.spaces_between_special_tokens,
-                                               stop=params.stop, no_stop_trim=params.no_stop_trim)
+                                               stop=params.stop, no_stop_trim=params.no_stop_trim,
+                                               stop_regex=params.stop_regex)
             reqs.append(Req(rid if params.n == 1 else f"{rid}-{i}", prompt_ids, params, return_logprob, top_logprobs_num,
                             logprob_start_len, gen, detok, asyncio.Queue(), priority=priority, group=group or rid))
         return reqs

@@ -16,7 +16,7 @@ import torch
 from core.interfaces import ForwardBatch
 from core.engine.kv_cache import ReqToTokenTable
 from core.engine.cuda_graph import CudaGraphRunner
-from core.engine.sampler import SampleOutput, Sampler, SamplingRow, upload
+from core.engine.sampler import SampleOutput, Sampler, SamplingRow, finite_logprobs, upload
 from core.engine.scheduler import ScheduledBatch, StepResult
 
 
@@ -218,7 +218,7 @@ class ModelRunner:
         vals: list[float | None] = [None] if req.logprob_start_len == 0 else []
         tops: list[list[tuple[int, float]]] = [[]] if req.logprob_start_len == 0 else []
         if first < n:
-            lp = torch.log_softmax(logits, -1)
+            lp = finite_logprobs(torch.log_softmax(logits.float(), -1))
             targets = torch.tensor(req.prompt_ids[first:n], device=lp.device)
             vals += lp.gather(1, targets[:, None]).squeeze(1).tolist()
             if req.top_logprobs_num:

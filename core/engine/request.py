@@ -100,9 +100,9 @@ class Req:
             info["output_token_logprobs"] = [(lp, t) for lp, t in zip(self.output_logprobs, self.output_ids)]
             if self.top_logprobs_num:
                 info["output_top_logprobs"] = list(self.output_top_logprobs)
-            if self.logprob_start_len >= 0:
-                toks = self.prompt_ids[self.logprob_start_len :]
-                info["input_token_logprobs"] = [(lp, t) for lp, t in zip(self.input_logprobs, toks)]
-                if self.top_logprobs_num:
-                    info["input_top_logprobs"] = list(self.input_top_logprobs)
+            # always present, as in SGLang: empty unless logprob_start_len asked for prompt positions
+            toks = self.prompt_ids[self.logprob_start_len :] if self.logprob_start_len >= 0 else []
+            info["input_token_logprobs"] = [(lp, t) for lp, t in zip(self.input_logprobs, toks)]
+            if self.top_logprobs_num:
+                info["input_top_logprobs"] = list(self.input_top_logprobs)
         return info

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import attrs
 
@@ -26,6 +27,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     stop: list[str] = attrs.field(factory=list, converter=lambda s: [s] if isinstance(s, str) else list(s) if isinstance(s, (list, tuple)) else s or [])
     stop_token_ids: list[int] = attrs.field(factory=list, converter=lambda s: list(s or []))
+    # SGLang's stop_regex: generation stops once a pattern matches in the output's tail; the
+    # matched text stays in the output (SGLang trims only literal stop strings)
+    stop_regex: list[str] = attrs.field(factory=list, converter=lambda s: [s] if isinstance(s, str) else list(s) if isinstance(s, (list, tuple)) else s or [])
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -116,6 +120,14 @@ class SamplingParams:
         check(self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)), "seed", "must be an integer")
         check(isinstance(self.stop, list) and all(isinstance(s, str) and s for s in self.stop), "stop",
               "must be a non-empty string or a list of them")
+        check(isinstance(self.stop_regex, list) and all(isinstance(s, str) and s for s in self.stop_regex), "stop_regex",
+              "must be a non-empty string or a list of them")
+        for pattern in self.stop_regex:
+            try:
+                re.compile(pattern)
+            except (re.error, RecursionError) as e:
+                raise InvalidRequest(f"stop_regex {pattern!r} is not a valid regular expression: {e}",
+                                     param="stop_regex") from None
         for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
             check(isinstance(getattr(self, name), bool), name, "must be true or false")
         for name in CONSTRAINT_KINDS:

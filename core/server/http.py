@@ -162,6 +162,13 @@ def decode_body(body: bytes, typ: Any = Any) -> Any:
         raise InvalidRequest("the request body nests too deeply") from None
 
 
+def unknown_fields(body: bytes, typ: type[msgspec.Struct]) -> list[str]:
+    """Top-level keys of a JSON object ``body`` that ``typ`` does not declare (msgspec drops
+    them when decoding into ``typ``); call after ``decode_body(body, typ)`` succeeded."""
+    known = set(typ.__struct_encode_fields__)
+    return [k for k in msgspec.json.decode(body, type=dict[str, msgspec.Raw]) if k not in known]
+
+
 async def read_body(request: Request, typ: Any = Any) -> Any:
     """The request's JSON body decoded into ``typ`` (see :func:`decode_body`), after the
     Content-Type check (:func:`check_json_content_type`) and the size limit

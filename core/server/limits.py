@@ -7,8 +7,8 @@ over ``--max-request-body-bytes`` is a 413, see ``core.server.http.read_body``).
   encoder, the chat template or a grammar compiler.
 * ``n``: 1..:data:`MAX_N` on every endpoint; one request holds at most :data:`MAX_SEQUENCES`
   sequences (prompts x n).
-* ``stop``: at most :data:`MAX_STOP_STRINGS` strings of at most :data:`MAX_STOP_CHARS`
-  characters each (they are matched against the output after every token);
+* ``stop`` and ``stop_regex``: each at most :data:`MAX_STOP_STRINGS` entries of at most
+  :data:`MAX_STOP_CHARS` characters (they are matched against the output after every token);
   ``stop_token_ids``: at most :data:`MAX_STOP_TOKEN_IDS`.
 * ``seed``: an integer in [0, 2**63) (torch's generator seed range).
 * Text prompts: a text that cannot fit the context whatever it tokenizes to is refused
@@ -87,13 +87,15 @@ def check_sampling_limits(params: SamplingParams) -> None:
     """The bounds above on one request's sampling parameters (types are checked later by
     ``SamplingParams.validate``; only sizes here)."""
     check_n(params.n)
-    stop = params.stop if isinstance(params.stop, list) else []  # another type: validate's 400
-    if len(stop) > MAX_STOP_STRINGS:
-        raise InvalidRequest(f"stop has {len(stop)} strings; at most {MAX_STOP_STRINGS} are allowed", param="stop")
-    for s in stop:
-        if isinstance(s, str) and len(s) > MAX_STOP_CHARS:
-            raise InvalidRequest(f"a stop string has {len(s)} characters; at most {MAX_STOP_CHARS} are allowed",
-                                 param="stop")
+    for name in ("stop", "stop_regex"):
+        stop = getattr(params, name)
+        stop = stop if isinstance(stop, list) else []  # another type: validate's 400
+        if len(stop) > MAX_STOP_STRINGS:
+            raise InvalidRequest(f"{name} has {len(stop)} entries; at most {MAX_STOP_STRINGS} are allowed", param=name)
+        for s in stop:
+            if isinstance(s, str) and len(s) > MAX_STOP_CHARS:
+                raise InvalidRequest(f"a {name} entry has {len(s)} characters; at most {MAX_STOP_CHARS} are allowed",
+                                     param=name)
     if len(params.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise InvalidRequest(f"stop_token_ids has {len(params.stop_token_ids)} entries; at most {MAX_STOP_TOKEN_IDS} "
                              "are allowed", param="stop_token_ids")

@@ -4,6 +4,7 @@ request abort, weight updates and /metrics. Bodies and errors as SGLang's ``http
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 import uuid
@@ -22,6 +23,7 @@ from core.server.http import (
     EventStream,
     SSE_DONE,
     abort_on_disconnect,
+    check_json_content_type,
     decode_body,
     json_response,
     prepare_off_loop,
@@ -30,6 +32,7 @@ from core.server.http import (
     sse_error,
     sse_event,
     state_of,
+    unknown_fields,
 )
 from core.server.limits import check_sampling_limits, check_sequences
 from core.server.metrics import CONTENT_TYPE
@@ -43,8 +46,9 @@ LOG_TRUNCATE = 2048
 
 
 # ---------------------------------------------------------------------------- /generate
-class GenerateReqInput(msgspec.Struct, forbid_unknown_fields=True):
-    """SGLang's GenerateReqInput (the fields this engine serves)."""
+class GenerateReqInput(msgspec.Struct):
+    """SGLang's GenerateReqInput. Unknown top-level fields are ignored and logged once per name,
+    as SGLang ignores them (sglang-router adds its own, such as ``model``)."""
 
     text: str | list[str] | None = None
     input_ids: list[int | list[int]] | None = None
@@ -56,7 +60,15 @@ class GenerateReqInput(msgspec.Struct, forbid_unknown_fields=True):
     return_text_in_logprobs: bool = False
     stream: bool = False
     log_metrics: bool = True
-    # SGLang fields for features core does not have: accepted only when unset.
+    priority: Any = None
+    no_logs: bool = False  # honoured: the request is not written to the --log-requests log
+    # routing and tracing hints that do not change the output
+    routing_key: Any = None
+    conversation_id: Any = None
+    custom_labels: Any = None
+    external_trace_header: Any = None
+    received_time: Any = None
+    # SGLang fields for features core does not have: accepted only when unset (null, false, empty)
     image_data: Any = None
     video_data: Any = None
     audio_data: Any = None
@@ -65,21 +77,58 @@ class GenerateReqInput(msgspec.Struct, forbid_unknown_fields=True):
     lora_id: Any = None
     custom_logit_processor: Any = None
     session_params: Any = None
+    session_id: Any = None
     return_hidden_states: Any = None
     token_ids_logprob: Any = None
     bootstrap_host: Any = None
     bootstrap_port: Any = None
     bootstrap_room: Any = None
+    bootstrap_pair_key: Any = None
+    decode_tp_size: Any = None
     data_parallel_rank: Any = None
-    priority: Any = None
+    routed_dp_rank: Any = None
+    disagg_prefill_dp_rank: Any = None
     modalities: Any = None
+    mm_hashes: Any = None
+    mm_content_hashes: Any = None
+    use_audio_in_video: Any = None
+    video_config: Any = None
+    watermark: Any = None
+    return_sampling_mask: Any = None
+    sampling_logprobs_mode: Any = None
+    return_flat_raw_top_logprobs: Any = None
+    return_flat_raw_output_top_logprobs: Any = None
+    return_routed_experts: Any = None
+    return_indexer_topk: Any = None
+    positional_embed_overrides: Any = None
+    background: Any = None
+    require_reasoning: Any = None
+    max_thinking_tokens: Any = None
+    extra_key: Any = None
+    cache_salt: Any = None
+    return_bytes: Any = None
+    return_entropy: Any = None
+    return_prompt_token_ids: Any = None
+    mm_processor_kwargs: Any = None
+    images_config: Any = None
+    multi_item_delimiter_indices: Any = None
+    token_indices_to_pool: Any = None
+    kv_hints: Any = None
 
 
-_UNSUPPORTED_GENERATE_FIELDS = (
-    "image_data", "video_data", "audio_data", "input_embeds", "lora_path", "lora_id", "custom_logit_processor",
-    "session_params", "return_hidden_states", "token_ids_logprob", "bootstrap_host", "bootstrap_port", "bootstrap_room",
-    "data_parallel_rank", "modalities",
-)
+# every field from image_data on
+_UNSUPPORTED_GENERATE_FIELDS = GenerateReqInput.__struct_fields__[
+    GenerateReqInput.__struct_fields__.index("image_data"):]
+
+# SGLang sampling parameters of features core does not have: accepted only when unset
+# (beam_width 1 is plain sampling)
+_UNSUPPORTED_SAMPLING_KEYS = {"custom_params": (None, {}), "watermark": (None, {}), "beam_width": (None, 1)}
+
+
+@functools.cache
+def _log_ignored_field(name: str) -> None:
+    """Once per field name and process: SGLang ignores unknown /generate fields, so do we, but say so."""
+    log.warning("generate.unknown_field_ignored", field=name)
 
 
 def _per_item(value: Any, n: int, name: str, default: Any) -> list:
@@ -97,6 +146,9 @@ def _sampling_params(d: dict | None) -> tuple[SamplingParams, int | None]:
     if d is not None and not isinstance(d, dict):
         raise InvalidRequest("sampling_params must be an object", param="sampling_params")
     d = {k: v for k, v in (d or {}).items() if v is not None}
+    for key, unset in _UNSUPPORTED_SAMPLING_KEYS.items():
+        if key in d and d.pop(key) not in unset:
+            raise InvalidRequest(f"sampling parameter {key} is not supported by this server", param=key)
     interval = d.pop("stream_interval", None)
     if interval is not None and (not isinstance(interval, int) or isinstance(interval, bool) or interval < 1):
         raise InvalidRequest("stream_interval must be an integer >= 1", param="stream_interval")
@@ -224,6 +276,9 @@ async def _stream_reqs(engine: AsyncEngine, reqs: list[Req]) -> AsyncIterator[tu
 def _log_received(state: ServerState, reqs: list[Req], body: Any) -> None:
     if not state.args.log_requests:
         return
+    if getattr(body, "no_logs", False):
+        state.unlogged.update(reqs)
+        return
     level = state.args.log_requests_level
     fields: dict[str, Any] = {"rids": [r.rid for r in reqs], "prompt_tokens": [len(r.prompt_ids) for r in reqs]}
     if level >= 1:
@@ -248,7 +303,7 @@ def request_logger(state: ServerState) -> Callable[[Req], None]:
     level = state.args.log_requests_level
 
     def on_finish(req: Req) -> None:
-        if req.rid.startswith(("HEALTH_CHECK_", "WARMUP_")):
+        if req.rid.startswith(("HEALTH_CHECK_", "WARMUP_")) or req in state.unlogged:
             return
         try:
             fields: dict[str, Any] = {"rid": req.rid, "completion_tokens": len(req.output_ids),
@@ -264,7 +319,11 @@ def request_logger(state: ServerState) -> Callable[[Req], None]:
 
 async def generate(request: Request) -> Response:
     state = state_of(request)
-    obj = await read_body(request, GenerateReqInput)
+    check_json_content_type(request)
+    raw = await read_limited(request)
+    obj = decode_body(raw, GenerateReqInput)
+    for name in unknown_fields(raw, GenerateReqInput):
+        _log_ignored_field(name)
     reqs, batch, req_interval = await prepare_off_loop(request, build_generate_requests, state, obj)
     await state.engine.prepare_grammars(reqs)  # constrained requests: compile off the loop (400 if invalid)
     state.submit(reqs)
@@ -410,6 +469,20 @@ async def loads(request: Request) -> Response:
         loads = [{"dp_rank": 0, **_load_keys(engine.load())}]
         aggregate = {k: v for k, v in loads[0].items() if k != "dp_rank"}
     return json_response({"timestamp": time.time(), "version": VERSION, "loads": loads, "aggregate": aggregate})
+
+
+async def get_load(request: Request) -> Response:
+    """SGLang's ``/get_load``: a list with one load per data-parallel rank (``dp_rank``,
+    ``num_reqs`` running and waiting, ``num_waiting_reqs``, ``num_tokens`` held in the KV cache),
+    the shape sglang-router's load-aware policies parse. ``/v1/loads`` has the detailed form."""
+    engine = state_of(request).engine
+    if hasattr(engine, "replica_loads"):  # --dp-size > 1: each live replica's latest report
+        ranks = [r for r in engine.replica_loads() if r["alive"]]
+    else:
+        ranks = [{"dp_rank": 0, **engine.load()}]
+    return json_response([{"dp_rank": r["dp_rank"], "num_reqs": r.get("num_total_reqs", 0),
+                           "num_waiting_reqs": r.get("num_waiting_reqs", 0), "num_tokens": r.get("num_used_tokens", 0)}
+                          for r in ranks])
 
 
 async def flush_cache(request: Request) -> Response:

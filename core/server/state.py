@@ -4,6 +4,7 @@ admission control and the one ``--allow-auto-truncate`` rule. Stored as ``app.st
 from __future__ import annotations
 
 import time
+import weakref
 
 import attrs
 import structlog
@@ -51,6 +52,8 @@ class ServerState:
     model_path: str | None = None  # what /get_model_info reports (changes with /update_weights_from_disk)
     weight_version: str = "default"
     started_at: float = attrs.field(factory=time.time)
+    # requests sent with SGLang's no_logs: --log-requests writes neither their input nor their output
+    unlogged: weakref.WeakSet[Req] = attrs.field(factory=weakref.WeakSet)
 
     _token_chars: int | None = attrs.field(default=None, init=False, repr=False)
 
