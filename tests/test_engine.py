@@ -642,14 +642,16 @@ def test_unknown_architecture(tiny, tmp_path):
     assert "FooForCausalLM" in str(e.value) and "LlamaForCausalLM" in str(e.value)
 
 
-def test_missing_model_path_and_hub_id(tmp_path):
+def test_missing_model_path_and_hub_id(tmp_path, monkeypatch):
     with pytest.raises(ModelLoadError) as e:
         make_engine(tmp_path / "nope")
     assert "does not exist" in str(e.value) and "nope" in str(e.value)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))  # an empty cache, and no download
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ModelLoadError) as e:
         make_engine("HuggingFaceTB/SmolLM2-135M-Instruct")
     msg = str(e.value)
-    assert "HuggingFaceTB/SmolLM2-135M-Instruct" in msg and "never downloads" in msg
+    assert "HuggingFaceTB/SmolLM2-135M-Instruct" in msg and "not in the local Hugging Face cache" in msg
 
 
 def test_folder_without_weights_or_config(tmp_path, tiny):

@@ -71,11 +71,13 @@ def test_pick_dtype_unknown_name():
 # --------------------------------------------------------------------------- paths
 
 
-def test_missing_path_and_hub_id(tmp_path):
+def test_missing_path_and_hub_id(tmp_path, monkeypatch):
     with pytest.raises(ModelLoadError, match="does not exist") as e:
         resolve_model_path(tmp_path / "missing")
     assert "model-hub id" not in str(e.value)
-    with pytest.raises(ModelLoadError, match="never downloads"):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))  # an empty cache, and no download
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelLoadError, match="not in the local Hugging Face cache"):
         resolve_model_path("meta-llama/Llama-3.2-1B")
 
 

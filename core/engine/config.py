@@ -57,9 +57,12 @@ class EngineArgs:
     """Everything the engine is built from (SGLang's server-argument names and defaults)."""
 
     # ---- model and tokenizer
-    model_path: str | None = _arg(None, MODEL, "Hugging Face folder or .gguf file "
-                                               "(default: the embedded SmolLM2-135M-Instruct)", aliases=("--model",))
-    tokenizer_path: str | None = _arg(None, MODEL, "tokenizer folder (default: the model's)")
+    model_path: str | None = _arg(None, MODEL, "Hugging Face folder, .gguf file or model-hub id (org/name, "
+                                               "org/name/file.gguf: from the Hugging Face cache, else downloaded "
+                                               "unless HF_HUB_OFFLINE is set; default: the embedded "
+                                               "SmolLM2-135M-Instruct)", aliases=("--model",))
+    tokenizer_path: str | None = _arg(None, MODEL, "tokenizer folder or model-hub id (default: the model's)")
+    revision: str | None = _arg(None, MODEL, "branch, tag or commit of a model-hub id --model-path (default: main)")
     served_model_name: str | None = _arg(None, MODEL, "model name the API reports (default: the model path)")
     dtype: str = _arg("auto", MODEL, "weights and activations dtype", choices=DTYPES)
     context_length: int | None = _arg(None, MODEL, "context length (default: from config.json)")
@@ -181,9 +184,12 @@ def engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
 
 
 def engine_args_from_namespace(ns: argparse.Namespace, plugin_dests: Sequence[str] = ()) -> EngineArgs:
-    """``EngineArgs`` from parsed flags; the values of plugin flags (``plugin_dests``) go to ``extra``."""
+    """``EngineArgs`` from parsed flags; the values of plugin flags (``plugin_dests``) go to ``extra``.
+    Model-hub ids are resolved to local paths here (``core.engine.hub.resolve_hub_args``)."""
+    from core.engine.hub import resolve_hub_args
+
     extra = {d: getattr(ns, d) for d in plugin_dests if hasattr(ns, d)}
-    return EngineArgs(**engine_kwargs(ns), extra=extra)
+    return resolve_hub_args(EngineArgs(**engine_kwargs(ns), extra=extra))
 
 
 # SGLang server flags whose features this engine does not have yet: passing one is an error, never silently ignored.
@@ -194,7 +200,9 @@ UNSUPPORTED_SGLANG_ARGS = (
 
 
 def engine_args_from_kwargs(kwargs: dict[str, Any]) -> EngineArgs:
-    """Accept SGLang-style keyword arguments; unknown ones are an error naming them."""
+    """Accept SGLang-style keyword arguments; unknown ones are an error naming them. Model-hub
+    ids are resolved to local paths here (``core.engine.hub.resolve_hub_args``)."""
+    from core.engine.hub import resolve_hub_args
     from core.errors import CoreError
 
     if "model" in kwargs and "model_path" not in kwargs:  # SGLang's alias
@@ -207,4 +215,4 @@ def engine_args_from_kwargs(kwargs: dict[str, Any]) -> EngineArgs:
     unknown = [k for k in kwargs if k not in names and k not in UNSUPPORTED_SGLANG_ARGS]
     if unknown:
         raise CoreError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
-    return EngineArgs(**{k: v for k, v in kwargs.items() if k in names})
+    return resolve_hub_args(EngineArgs(**{k: v for k, v in kwargs.items() if k in names}))

@@ -2,8 +2,9 @@
 
 Formats: a Hugging Face folder (config.json + safetensors or .bin) or a GGUF file.
 GGUF is dequantized once through transformers' GGUF reader and cached on disk as a
-Hugging Face folder keyed by the file's hash, so the second start is fast. Nothing
-is ever downloaded: a path that does not exist is an error.
+Hugging Face folder keyed by the file's hash, so the second start is fast. A model-hub
+id (``org/name``) that is not a local path is found in the Hugging Face cache or
+downloaded (``core.engine.hub``); any other path that does not exist is an error.
 
 Quantization is chosen here too (``build_quant_method``), because the checkpoint decides
 most of it: a ``quantization_config`` in config.json names its method (awq, gptq, fp8); a GGUF
@@ -28,6 +29,7 @@ import structlog
 import torch
 
 from core.engine.device import auto_dtype
+from core.engine.hub import is_hub_id, resolve_hub_path
 from core.errors import CoreError, ModelLoadError
 from core.layers import VocabEmbedding, checkpoint_target
 
@@ -117,11 +119,10 @@ def _resolve(model_path: str | os.PathLike | None) -> tuple[Path, str, Path | No
         src = default_model_path()
     else:
         src = Path(model_path).expanduser()
-        if not src.exists():
-            hint = " It looks like a model-hub id; core never downloads models: pass a local folder or .gguf file." if (
-                "/" in str(model_path) and not str(model_path).startswith((".", "/", "~"))
-            ) else ""
-            raise ModelLoadError(f"model path {str(model_path)!r} does not exist.{hint}")
+        if is_hub_id(str(model_path)):  # e.g. /update_weights_from_disk, or EngineArgs built by hand
+            src = resolve_hub_path(str(model_path))
+        elif not src.exists():
+            raise ModelLoadError(f"model path {str(model_path)!r} does not exist")
     if src.is_dir() and not (src / "config.json").is_file():
         ggufs = sorted(src.glob("*.gguf"))
         if len(ggufs) != 1:
