@@ -212,12 +212,14 @@ def test_generate_logprobs(client: httpx.Client) -> None:
             "logprob_start_len": 0}
     plain = client.post("/generate", json=body).json()["meta_info"]
     assert len(plain["output_token_logprobs"]) == 3
-    assert all(len(t) == 2 and t[0] <= 0 for t in plain["output_token_logprobs"])
+    # SGLang's triples (logprob, token id, text), the text null without return_text_in_logprobs
+    assert all(len(t) == 3 and t[0] <= 0 and t[2] is None for t in plain["output_token_logprobs"])
     assert [t[1] for t in plain["output_token_logprobs"]] == client.post("/generate", json=body).json()["output_ids"]
-    assert all(len(pos) == 2 and all(len(t) == 2 for t in pos) for pos in plain["output_top_logprobs"])
+    assert all(len(pos) == 2 and all(len(t) == 3 for t in pos) for pos in plain["output_top_logprobs"])
     # greedy: the chosen token is the top-1 candidate
     assert all(pos[0][1] == t[1] for pos, t in zip(plain["output_top_logprobs"], plain["output_token_logprobs"]))
     assert plain["input_token_logprobs"][0][0] is None and len(plain["input_token_logprobs"]) == plain["prompt_tokens"]
+    assert plain["input_top_logprobs"][0] is None and all(len(pos) == 2 for pos in plain["input_top_logprobs"][1:])
 
     with_text = client.post("/generate", json={**body, "return_text_in_logprobs": True}).json()["meta_info"]
     assert all(len(t) == 3 and isinstance(t[2], str) for t in with_text["output_token_logprobs"])
@@ -236,6 +238,12 @@ def test_generate_logprob_lists_are_present_whenever_asked(client: httpx.Client)
                top_logprobs_num=2).json()["meta_info"]
     assert meta["input_token_logprobs"] == [] and meta["input_top_logprobs"] == []
     assert len(meta["output_top_logprobs"]) == 2
+    # a scoring request (no new tokens) without logprob_start_len: the whole prompt, first entry null
+    scored = gen(client, input_ids=[[1, 2, 3, 4]], sampling_params={"max_new_tokens": 0},
+                 return_logprob=True).json()[0]["meta_info"]
+    assert [t[1] for t in scored["input_token_logprobs"]] == [1, 2, 3, 4]
+    assert scored["input_token_logprobs"][0][0] is None
+    assert all(isinstance(t[0], float) for t in scored["input_token_logprobs"][1:])
 
 
 def test_generate_logprobs_are_finite_numbers_under_a_grammar(client: httpx.Client) -> None:

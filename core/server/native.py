@@ -212,6 +212,11 @@ def build_generate_requests(state: ServerState, obj: GenerateReqInput) -> tuple[
     tops = _per_item(obj.top_logprobs_num, n, "top_logprobs_num", 0)
     prios = _per_item(obj.priority, n, "priority", None)
     parsed = [_sampling_params(sp) for sp in sps]
+    # a scoring request (return_logprob, no new tokens) without logprob_start_len gets the whole
+    # prompt's logprobs: SGLang would return none, which leaves such a request nothing to read
+    # (SGLang's own frontend reads them for select's unconditional_likelihood_normalized)
+    starts = [0 if lp and start in (None, -1) and params.max_new_tokens == 0 else start
+              for lp, start, (params, _) in zip(lps, starts, parsed)]
     check_sequences(sum(params.n if isinstance(params.n, int) else 1 for params, _ in parsed), "text")
     reqs: list[Req] = []
     interval = None
@@ -228,23 +233,22 @@ def build_generate_requests(state: ServerState, obj: GenerateReqInput) -> tuple[
     return reqs, batch, interval
 
 
-def _fmt_token_lps(items: list, texts: dict[int, str] | None) -> list:
-    out = []
-    for lp, tid in items:
-        out.append([lp, tid, texts.get(tid)] if texts is not None else [lp, tid])
-    return out
+def _fmt_token_lps(items: list, texts: dict[int, str]) -> list:
+    return [[lp, tid, texts.get(tid)] for lp, tid in items]
 
 
-def _fmt_top_lps(items: list, texts: dict[int, str] | None) -> list:
-    # engine order is (token_id, logprob); SGLang's is (logprob, token_id[, text])
-    return [[([lp, tid, texts.get(tid)] if texts is not None else [lp, tid]) for tid, lp in (pos or [])] for pos in items]
+def _fmt_top_lps(items: list, texts: dict[int, str]) -> list:
+    # engine order is (token_id, logprob); SGLang's is (logprob, token_id, text); a position without
+    # candidates (the prompt's first token) is null
+    return [None if not pos else [[lp, tid, texts.get(tid)] for tid, lp in pos] for pos in items]
 
 
 def output_of(state: ServerState, req: Req, with_text: bool, index: int | None = None) -> dict:
-    """SGLang's /generate output: text, output_ids, meta_info (logprobs as [logprob, token_id(, text)])."""
+    """SGLang's /generate output: text, output_ids, meta_info (logprobs as [logprob, token_id, text],
+    the text null unless ``return_text_in_logprobs``)."""
     meta = req.meta_info()
     if req.return_logprob:
-        texts = None
+        texts: dict[int, str] = {}
         if with_text:
             tok = state.engine.tokenizer
             ids: set[int] = set()

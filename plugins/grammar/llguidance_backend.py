@@ -33,7 +33,13 @@ class LLGuidanceGrammar:
 class LLGuidanceBackend:
     def __init__(self, tokenizer, vocab_size: int, *, stop_token_ids: list[int] | None = None) -> None:
         self.vocab_size = vocab_size
-        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=stop_token_ids or None)
+        try:
+            self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=stop_token_ids or None)
+        except TypeError:
+            # llguidance before 1.6 (which guidance 0.3 pins) takes one end token: the grammar may then end
+            # only on the first stop token; the others still stop generation outside the grammar
+            self.tokenizer = llguidance.hf.from_tokenizer(
+                tokenizer, n_vocab=vocab_size, eos_token=stop_token_ids[0] if stop_token_ids else None)
 
     def compile(self, kind: str, spec: str) -> LLGuidanceGrammar:
         fmt = _FORMATS.get(kind)
