@@ -282,8 +282,16 @@ class ToolParser(Protocol):
     """Extracts tool calls from model output. One instance per request (it may keep
     streaming state).
 
-    Optional method (not a protocol member, so ``isinstance`` does not require it; core looks
-    it up with ``getattr``):
+    Optional methods (not protocol members, so ``isinstance`` does not require them; core looks
+    them up with ``getattr``):
+
+    ``chat_view() -> None``
+        Called once, before any parsing, when the output is a chat reply (not for
+        ``/parse_function_call``): from then on whitespace touching a call block is not normal
+        text, and an output that ends inside calls already announced by ``parse_streaming``
+        (cut off by ``max_tokens``) keeps them as calls with their arguments so far, in ``parse``
+        and ``flush`` alike, so a call is never also sent as text. Without it, such a cut-off
+        block is resolved as ``parse`` reads it.
 
     ``structural_tag(tools: list[dict], name: str | None = None, parallel: bool = True) -> dict | None``
         The model's native call format as an xgrammar structural tag

@@ -15,6 +15,12 @@ not in ``tools`` is dropped, as in SGLang. A call already announced in a stream 
 withdrawn if its block later turns out malformed (its fragments stop; the block text is also sent
 as normal text).
 
+``chat_view()`` switches a parser to what a chat reply needs (core's ``ChoicePost`` calls it;
+``/parse_function_call`` keeps SGLang's reading): a call is one truth, streamed or whole.
+Whitespace touching a call block is not normal text (a stream holds trailing whitespace until it
+knows whether a call follows), and an output that ends inside calls the stream announced (cut
+off by max_tokens, or stopped) keeps them as calls with their arguments so far, never as text.
+
 ``structural_tag(tools, name, parallel)`` describes the native call format as an xgrammar
 structural tag (arguments constrained by each tool's parameter schema), used for
 ``tool_choice`` required / named. The XML parameter formats use xgrammar's ``qwen_xml`` /
@@ -235,6 +241,7 @@ class BaseToolParser:
         self.sent_normal = 0
         self.streamed: dict[tuple[int, int], list] = {}  # key -> [index, arguments sent]
         self.schemas: dict[str, dict] = {}  # tool name -> parameter schema (for parameter formats)
+        self.chat = False  # the chat view (see chat_view)
 
     # ---- per format
     def parse_block(self, inner: str) -> list[tuple[str, str]]:
@@ -274,11 +281,13 @@ class BaseToolParser:
 
     # ---- scanner
     def _scan(self, text: str, final: bool) -> tuple[str, list[Entry]]:
-        normal: list[str] = []
+        normal: list[str | None] = []  # normal text pieces; None where a block was read as calls
         calls: list[Entry] = []
         i = 0
 
         def add(j: int, found: list, complete: bool = True) -> None:
+            if found:
+                normal.append(None)
             for k, c in enumerate(found):
                 calls.append(((j, k), c[0], c[1], c[2] if len(c) > 2 else complete))
 
@@ -333,10 +342,35 @@ class BaseToolParser:
                 break
             add(j, found)
             i = nxt
-        out = "".join(normal)
-        for d in self.drop:
-            out = out.replace(d, "")
-        return out, calls
+        return self._join(normal, final), calls
+
+    def _join(self, parts: list[str | None], final: bool) -> str:
+        """The normal text of a scan's pieces (None: a call block), wrapper tokens removed. In the
+        chat view the whitespace touching a call goes, and while streaming trailing whitespace is
+        held back: a call may follow it."""
+        if not self.chat:
+            out = "".join(p for p in parts if p is not None)
+            for d in self.drop:
+                out = out.replace(d, "")
+            return out
+        segments, cur = [], ""
+        for p in parts:
+            if p is None:
+                segments.append(cur)
+                cur = ""
+            else:
+                cur += p
+        segments.append(cur)
+        out = ""
+        for k, seg in enumerate(segments):
+            for d in self.drop:
+                seg = seg.replace(d, "")
+            if k:
+                seg = seg.lstrip()
+            if k < len(segments) - 1 or not final:
+                seg = seg.rstrip()
+            out += seg
+        return out
 
     @staticmethod
     def _names(tools: list[dict] | None) -> set:
@@ -354,7 +388,7 @@ class BaseToolParser:
 
     def parse(self, text: str, tools: list[dict] | None = None) -> tuple[str, list[ToolCall]]:
         self._use_tools(tools)
-        normal, calls = self._scan(text, True)
+        normal, calls = self._end_scan(text)
         names = self._names(tools)
         calls = [c for c in calls if not names or c[1] in names]
         return normal, [ToolCall(n, a, i) for i, (_, n, a, _) in enumerate(calls)]
@@ -366,7 +400,23 @@ class BaseToolParser:
 
     def flush(self, tools: list[dict] | None = None) -> tuple[str, list[ToolCall]]:
         self._use_tools(tools)
-        return self._emit(*self._scan(self.buf, True), tools)
+        return self._emit(*self._end_scan(self.buf), tools)
+
+    def chat_view(self) -> None:
+        """Read as a chat reply does from now on (see the module's docstring): no whitespace
+        around calls in the normal text, and announced calls stand when the output ends in them."""
+        self.chat = True
+
+    def _end_scan(self, text: str) -> tuple[str, list[Entry]]:
+        """The scan of a whole output. In the chat view, when it ends inside calls a stream
+        announced that the final scan does not read (their block never closed), the streaming
+        view, so that those calls stand with their arguments so far."""
+        final = self._scan(text, True)
+        if not self.chat:
+            return final
+        view = self._scan(text, False)
+        read = {key for key, *_ in final[1]}
+        return view if any(key not in read for key, *_ in view[1]) else final
 
     def _emit(self, normal: str, calls: list[Entry], tools: list[dict] | None) -> tuple[str, list[ToolCall]]:
         text = normal[self.sent_normal:]

@@ -17,9 +17,9 @@ messages, function tools in chat's shape, ``text.format`` the ``response_format`
   non-function tools (web search, file search...), image / file / audio input parts,
   ``truncation: auto``, and ``item_reference`` items.
 * Finishing on ``max_output_tokens`` gives status ``incomplete`` with
-  ``incomplete_details.reason`` ``max_output_tokens``. A tool call cut off mid-way differs by
-  mode: streamed, the call was already announced, so it ends as an ``incomplete``
-  ``function_call``; whole, its unparsable text is the ``message`` (as chat completions does).
+  ``incomplete_details.reason`` ``max_output_tokens``, and so does the last output item: a tool
+  call cut off mid-way is an ``incomplete`` ``function_call`` (its arguments as far as they were
+  written), streamed or whole, never also a message (as chat completions does).
 * With a reasoning parser, ``output_text`` logprobs cover the text's own tokens (the reasoning's
   are dropped), and whitespace-only text around tool calls is no message.
 """
@@ -380,16 +380,15 @@ async def create_response(request: Request) -> Response:
         content = None  # whitespace around the calls is not a message
     output = []
     if reasoning:
-        item = _reasoning_item(reasoning)
-        item["status"] = "incomplete" if status == "incomplete" and not content and not calls else "completed"
-        output.append(item)
+        output.append(_reasoning_item(reasoning))
     if content or not (calls or reasoning):  # an empty message only when there is nothing else
         lp = None
         if job.logprobs:
             lp = _logprob_entries(job, out["meta_info"], 0)
             lp = _content_logprobs(lp, content or "") if reasoning else lp
-        output.append(_message_item(content or "", status, lp))
+        output.append(_message_item(content or "", "completed", lp))
     output += [_call_item(c) for c in calls or []]
+    output[-1]["status"] = status  # the item the output ended in, as the stream closes it
     response = _response(job, r, status, output, _usage(job, out, reasoning))
     keep(response)
     return json_response(response)
@@ -459,8 +458,6 @@ async def _stream(job: ChatJob, r: ResponsesRequest, keep: Any) -> AsyncIterator
             reason, _ = finish_of(out)
             if job.logprobs:
                 pending_lp += _logprob_entries(job, out["meta_info"], start)
-            if reason == "length" and is_open("function_call"):
-                c_delta = ""  # a call cut off mid-way: the parser's leftover is that call's raw text, not a message
             if r_delta:
                 pending_lp = []  # reasoning tokens: not output_text's
                 if not is_open("reasoning"):

@@ -14,6 +14,10 @@ per-choice post-processor that applies it.
   any model and streams incrementally too.
 * With ``--reasoning-parser`` and ``separate_reasoning`` (default true), reasoning goes to
   ``reasoning_content`` (``delta.reasoning_content`` when streaming) and is not searched for calls.
+* A call is one truth, streamed or whole: a call the output ends in (cut off by max_tokens,
+  ``finish_reason: "length"``) is a call with its arguments as far as they were written, never
+  also text; whitespace before, between and after calls is not content. A parser opts in with the
+  optional method ``chat_view()`` (the built-in ones have it), called before it reads anything.
 
 :func:`plan_tools` decides all of this once per request (:class:`ToolPlan`); every choice's
 :class:`ChoicePost` is built from the plan.
@@ -197,10 +201,14 @@ class _NamedArgs:
         self.fn, self.buf, self.started = name or "", "", False
 
     def parse(self, text: str, tools: Any = None) -> tuple[str, list[ToolCall]]:
+        """The output is the call's arguments: a call even when they are not JSON (cut off), as
+        the stream sent it (leading whitespace dropped)."""
+        if not text.strip():
+            return "", []
         try:
             json.loads(text)
         except ValueError:
-            return text, []
+            return "", [ToolCall(self.fn, text.lstrip(), 0)]
         return "", [ToolCall(self.fn, text.strip(), 0)]
 
     def parse_streaming(self, delta: str, tools: Any = None) -> tuple[str, list[ToolCall]]:
@@ -233,6 +241,9 @@ class ChoicePost:
             self.tools = _NamedArgs(plan.name)
         elif plan.tool_parser is not None:
             self.tools = plan.tool_parser()
+            chat_view = getattr(self.tools, "chat_view", None)
+            if callable(chat_view):  # one truth: no whitespace around calls, announced calls stand
+                chat_view()
         self.n_calls = 0
 
     def full(self, text: str, reason: str | None) -> tuple[str | None, str | None, list[dict] | None, str | None]:
