@@ -449,7 +449,7 @@ def test_tokenize_counts_what_generate_and_chat_send(client: httpx.Client) -> No
     meta = gen(client, text=text, sampling_params=greedy(1)).json()["meta_info"]
     assert meta["prompt_tokens"] == tok["count"]
     assert client.post("/v1/tokenize", json={"prompt": text, "model": "x"}).json() == tok
-    assert client.post("/detokenize", json={"tokens": tok["tokens"]}).json() == {"text": text}
+    assert client.post("/detokenize", json={"tokens": tok["tokens"]}).json() == {"text": text, "prompt": text}
 
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
     chat = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1}).json()
@@ -462,8 +462,8 @@ def test_tokenize_counts_what_generate_and_chat_send(client: httpx.Client) -> No
     assert batch["tokens"][0] == tok["tokens"] and batch["count"] == [len(t) for t in batch["tokens"]]
     assert [len(s) for s in batch["token_strs"]] == batch["count"] and all(isinstance(s, str) for s in batch["token_strs"][1])
     texts = client.post("/v1/detokenize", json={"tokens": batch["tokens"]}).json()
-    assert texts == {"text": [text, "Hi"]}
-    assert client.post("/detokenize", json={"tokens": []}).json() == {"text": ""}
+    assert texts == {"text": [text, "Hi"], "prompt": [text, "Hi"]}
+    assert client.post("/detokenize", json={"tokens": []}).json() == {"text": "", "prompt": ""}
 
     long = client.post("/tokenize", json={"prompt": "word " * 1000}).json()  # longer than the context: counted
     assert long["count"] > CTX

@@ -49,6 +49,7 @@ ROUTES = [
     Route("/v1/tokenize", tokenize.tokenize, methods=["POST"]),
     Route("/detokenize", tokenize.detokenize, methods=["POST"]),
     Route("/v1/detokenize", tokenize.detokenize, methods=["POST"]),
+    Route("/tokenizer_info", tokenize.tokenizer_info, methods=["GET"]),  # vLLM's
     Route("/parse_function_call", routes.parse_function_call, methods=["POST"]),
     Route("/separate_reasoning", routes.separate_reasoning, methods=["POST"]),
     # OpenAI-compatible

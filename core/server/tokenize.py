@@ -13,21 +13,29 @@ Request and response fields (SGLang's, plus vLLM's ``messages`` form and ``retur
   -> ``{"tokens": [int] | [[int]], "count": int | [int], "max_model_len": int}``
   (``max_model_len`` is the served context length; ``token_strs`` with ``return_token_strs``).
 * ``POST /detokenize`` ``{"tokens": [int] | [[int]], "skip_special_tokens": true}``
-  -> ``{"text": str | [str]}``. Ids outside the model's vocabulary are a 400.
+  -> ``{"text": str | [str], "prompt": str | [str]}`` (SGLang's key and vLLM's, the same text).
+  Ids outside the model's vocabulary are a 400.
+* ``GET /tokenizer_info`` (vLLM's, served without its ``--enable-tokenizer-info-endpoint``): the
+  tokenizer's config (``init_kwargs`` less file paths), ``tokenizer_class``, the special tokens
+  and the chat template chat requests are rendered with. lm-eval's ``tokenizer_backend=remote``
+  reads ``eos_token``, ``bos_token``, ``pad_token`` and ``chat_template`` from it, and then
+  counts and decodes through /tokenize and /detokenize.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import math
 from typing import Any
 
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from core.errors import InvalidRequest
-from core.server.http import convert_body, json_response, read_body, state_of
-from core.server.openai.chat import render_chat
+from core.errors import CoreError, InvalidRequest
+from core.server.http import ApiError, convert_body, json_response, read_body, state_of
+from core.server.openai.chat import load_chat_template, render_chat
 from core.server.openai.protocol import ChatCompletionRequest
 
 
@@ -103,4 +111,41 @@ async def detokenize(request: Request) -> Response:
             raise InvalidRequest(f"token id {bad} is outside the vocabulary [0, {vocab})", param="tokens")
     texts = await asyncio.to_thread(
         lambda: [tok.decode(ids, skip_special_tokens=r.skip_special_tokens) for ids in lists])
-    return json_response({"text": texts if batch else texts[0]})
+    text = texts if batch else texts[0]
+    return json_response({"text": text, "prompt": text})
+
+
+_PATH_KWARGS = ("vocab_file", "merges_file", "tokenizer_file")  # files on the server, as vLLM leaves out
+_SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
+
+
+def _plain(value: Any) -> Any:
+    """A tokenizer config value as JSON: an ``AddedToken`` as its text, what JSON cannot hold as null."""
+    if hasattr(value, "content"):
+        return value.content
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    return value if value is None or isinstance(value, (str, int, bool)) else None
+
+
+async def tokenizer_info(request: Request) -> Response:
+    """vLLM's ``GET /tokenizer_info`` (see the module docstring)."""
+    state = state_of(request)
+    tok = _tokenizer(state)
+    info = {k: v for k, v in _plain(dict(getattr(tok, "init_kwargs", None) or {})).items() if k not in _PATH_KWARGS}
+    info.update({name: _plain(getattr(tok, name, None)) for name in _SPECIAL_TOKENS})  # the live values win
+    info["tokenizer_class"] = type(tok).__name__
+    template = getattr(tok, "chat_template", None)
+    if state.args.chat_template:  # --chat-template overrides the tokenizer's, as in chat requests
+        try:
+            template = load_chat_template(state.args.chat_template)
+        except CoreError as e:
+            raise ApiError(500, str(e)) from None
+    if template:
+        info["chat_template"] = template
+    # the standard library's encoder: config ints such as model_max_length (1e30) pass 64 bits
+    return Response(json.dumps(info), media_type="application/json")

@@ -5,11 +5,13 @@ of prompt ``i // n``) with its outputs, usage and the end every stream shares.""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Mapping
 
+import msgspec
 import structlog
 
 from core.engine.sampling_params import SamplingParams
@@ -17,12 +19,14 @@ from core.errors import InvalidRequest
 from core.server.http import SSE_DONE, ApiError, sse_error
 from core.server.limits import MAX_N, MAX_SEQUENCES, check_sampling_limits  # noqa: F401 (MAX_SEQUENCES: re-exported)
 from core.server.openai.logprobs import vocab_of
-from core.server.openai.protocol import PromptTokensDetails, UsageInfo
+from core.server.openai.protocol import IGNORED_FIELDS, NOOP_FIELDS, PromptTokensDetails, UsageInfo
 
 log = structlog.get_logger("core.server.openai")
 
 MAX_TOP_LOGPROBS = 20
 MAX_TEMPERATURE = 2.0
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")  # the Responses API's
+JSON_OBJECT = '{"type": "object"}'
 
 
 def check(ok: bool, message: str, param: str) -> None:
@@ -30,13 +34,89 @@ def check(ok: bool, message: str, param: str) -> None:
         raise InvalidRequest(message, param=param)
 
 
+@functools.cache
+def _log_ignored(field: str) -> None:
+    """Once per field name and process: another server's harmless field is ignored, and said so."""
+    log.warning("request.field_ignored", field=field)
+
+
+def check_fields(body: Mapping[str, Any], typ: type) -> None:
+    """The unknown-field policy (``core.server.openai.protocol``) over a request body's top-level
+    keys, for the request Struct ``typ``. Values are ``msgspec.Raw`` (an HTTP body) or plain JSON
+    values (a batch line); only those of the no-op fields are read."""
+    known, noop = typ.__struct_encode_fields__, NOOP_FIELDS[typ]
+    for name, value in body.items():
+        if name in known:
+            continue
+        if name in IGNORED_FIELDS:
+            _log_ignored(name)
+        elif name in noop:
+            if isinstance(value, msgspec.Raw):
+                value = msgspec.json.decode(value)
+            shown = " or ".join(json.dumps(v) for v in noop[name])
+            check(value in noop[name], f"{name} is not supported by this server (accepted only as {shown})", name)
+        else:
+            raise InvalidRequest(f"unknown field {name!r}: this server does not support it", param=name)
+
+
+_REGEX_META = frozenset("\\.^$|?*+()[]{}")
+
+
+def choice_regex(choices: list[str]) -> str:
+    """A regex matching exactly one of ``choices`` (vLLM's ``choice``). Only the metacharacters are
+    escaped (``re.escape`` escapes more, such as spaces), so xgrammar's and llguidance's regex
+    dialects both read every choice as a literal."""
+    return "(" + "|".join("".join("\\" + c if c in _REGEX_META else c for c in s) for s in choices) + ")"
+
+
+# vLLM's constraint keys (of structured_outputs; guided_<key> at the top level) -> our kinds
+_VLLM_KINDS = {"json": "json_schema", "regex": "regex", "choice": "regex", "grammar": "ebnf",
+               "json_object": "json_schema", "structural_tag": "structural_tag"}
+
+
+def _vllm_constraint(param: str, key: str, value: Any) -> tuple[str, str, str] | None:
+    """One vLLM constraint field as (kind, spec, param); None when unset (``json_object`` false too)."""
+    if value is None or value is False:
+        return None
+    if key == "choice":
+        check(bool(value), f"{param} must list at least one choice", param)
+        spec = choice_regex(value)
+    elif key == "json_object":
+        spec = JSON_OBJECT
+    else:
+        spec = value if isinstance(value, str) else json.dumps(value)
+    return _VLLM_KINDS[key], spec, param
+
+
+def _vllm_constraints(r: Any) -> list[tuple[str, str, str]]:
+    """vLLM's structured output as (kind, spec, param): ``structured_outputs`` (vLLM >= 0.10) and the
+    older top-level ``guided_*`` and ``structural_tag``. Options the grammar backends cannot be
+    given (whitespace control, disabling additional properties) are a 400 unless off."""
+    check(r.guided_whitespace_pattern is None, "guided_whitespace_pattern is not supported by this server",
+          "guided_whitespace_pattern")
+    found = [_vllm_constraint(f"guided_{key}", key, getattr(r, f"guided_{key}"))
+             for key in ("json", "regex", "choice", "grammar", "json_object")]
+    found.append(_vllm_constraint("structural_tag", "structural_tag", r.structural_tag))
+    so = r.structured_outputs
+    if so is not None:
+        for option in ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern"):
+            check(getattr(so, option) in (None, False), f"structured_outputs.{option} is not supported by this server",
+                  f"structured_outputs.{option}")
+        if so.backend is not None:
+            _log_ignored("structured_outputs.backend")
+        own = [_vllm_constraint(f"structured_outputs.{key}", key, getattr(so, key)) for key in _VLLM_KINDS]
+        check(any(own), "structured_outputs needs one of " + ", ".join(_VLLM_KINDS), "structured_outputs")
+        found += own
+    return [c for c in found if c is not None]
+
+
 def request_constraint(r: Any) -> dict[str, str]:
     """Structured output of a request as SamplingParams fields: response_format (json_schema,
-    json_object, structural_tag) or SGLang's extra_body regex / json_schema / ebnf; at most one."""
-    out: dict[str, str] = {}
-    for name in ("regex", "json_schema", "ebnf"):
-        if getattr(r, name) is not None:
-            out[name] = getattr(r, name)
+    json_object, structural_tag), SGLang's extra_body regex / json_schema / ebnf, or vLLM's fields
+    (:func:`_vllm_constraints`). At most one; the same constraint asked twice counts once (guidance
+    sends vLLM's old and new field together)."""
+    found = [(name, getattr(r, name), name) for name in ("regex", "json_schema", "ebnf")
+             if getattr(r, name) is not None]
     rf = r.response_format
     if rf is not None:
         kind = rf.get("type")
@@ -45,27 +125,49 @@ def request_constraint(r: Any) -> dict[str, str]:
             schema = js.get("schema", js.get("schema_")) if isinstance(js, dict) else None
             check(isinstance(schema, (dict, bool)), "response_format json_schema needs json_schema.schema (an object)",
                   "response_format")
-            out["json_schema"] = json.dumps(schema)
+            found.append(("json_schema", json.dumps(schema), "response_format"))
         elif kind == "json_object":
-            out["json_schema"] = '{"type": "object"}'
+            found.append(("json_schema", JSON_OBJECT, "response_format"))
         elif kind == "structural_tag":
-            out["structural_tag"] = json.dumps(rf)
+            found.append(("structural_tag", json.dumps(rf), "response_format"))
         else:
             check(kind in (None, "text"), f"response_format type {kind!r} is not supported; use text, json_object, "
                   "json_schema or structural_tag", "response_format")
-    if len(out) > 1:
-        raise InvalidRequest(f"only one constraint per request is allowed, got {', '.join(out)}", param=list(out)[1])
-    return out
+    distinct: dict[tuple[str, str], str] = {}
+    for kind, spec, param in found + _vllm_constraints(r):
+        distinct.setdefault((kind, spec), param)
+    if len(distinct) > 1:
+        params = list(distinct.values())
+        raise InvalidRequest(f"only one constraint per request is allowed, got {', '.join(params)}", param=params[1])
+    return {kind: spec for kind, spec in distinct}
+
+
+def _reasoning_effort(r: Any) -> None:
+    """A chat request's ``reasoning_effort`` into its template kwargs, as the Responses API does
+    (``none``: the templates' thinking switches off); explicit ``chat_template_kwargs`` win."""
+    effort = getattr(r, "reasoning_effort", None)
+    if effort is None:
+        return
+    check(effort in REASONING_EFFORTS, f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, "
+          f"got {effort!r}", "reasoning_effort")
+    kwargs = dict(r.chat_template_kwargs or {})
+    if effort == "none":
+        kwargs = {"thinking": False, "enable_thinking": False, **kwargs}
+    else:
+        kwargs.setdefault("reasoning_effort", effort)
+    r.chat_template_kwargs = kwargs
 
 
 def common_checks(r: Any) -> tuple[int, dict[str, str]]:
-    """Validation shared by chat and completions; returns (n, the request's constraint)."""
+    """Validation shared by chat and completions (vLLM's fields mapped on the way); returns (n, the
+    request's constraint)."""
     n = 1 if r.n is None else r.n
     check(1 <= n <= MAX_N, f"n must be between 1 and {MAX_N}, got {n}", "n")
     if r.temperature is not None:
         check(0 <= r.temperature <= MAX_TEMPERATURE, f"temperature must be between 0 and {MAX_TEMPERATURE:g}, "
               f"got {r.temperature}", "temperature")
     constraint = request_constraint(r)
+    _reasoning_effort(r)
     if r.min_tokens is not None:
         check(r.min_tokens >= 0, f"min_tokens must be >= 0, got {r.min_tokens}", "min_tokens")
     return n, constraint
@@ -94,7 +196,7 @@ def sampling_params(r: Any, max_new: int, n: int, constraint: dict[str, str]) ->
         ignore_eos=bool(r.ignore_eos),
         skip_special_tokens=r.skip_special_tokens is not False,
         spaces_between_special_tokens=r.spaces_between_special_tokens is not False,
-        no_stop_trim=bool(r.no_stop_trim),
+        no_stop_trim=bool(r.no_stop_trim or r.include_stop_str_in_output),
         n=n,
         seed=r.seed,
         logit_bias=r.logit_bias or None,
@@ -168,7 +270,7 @@ class Job:
         self.state, self.kind, self.r = state, kind, r
         self.engine = state.engine
         prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
-        self.id = rid or r.rid or prefix + uuid.uuid4().hex
+        self.id = rid or r.rid or r.request_id or prefix + uuid.uuid4().hex
         self.created = int(time.time())
         self.model = r.model or state.served_model_name
         self.stream = bool(r.stream)

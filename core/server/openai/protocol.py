@@ -1,11 +1,23 @@
 """Wire types of the OpenAI-compatible API (msgspec Structs), requests and responses.
 
-Unknown-field policy: request Structs **ignore unknown fields** (msgspec's default,
-``forbid_unknown_fields=False``), as OpenAI-compatible servers such as SGLang and vLLM
-do, so newer clients that send fields this server does not know yet keep working.
-Fields that are known but whose feature this engine lacks (``suffix``,
-``best_of`` != ``n``) are declared here and rejected with a 400 by the chat and completions
-modules rather than silently ignored.
+Unknown-field policy of /v1/chat/completions and /v1/completions (batch lines included): no
+field is dropped silently. A top-level key that is not a field of the request Struct is, per
+``core.server.openai.job.check_fields``:
+
+* in :data:`IGNORED_FIELDS` (other servers' and clients' hints that change nothing in the
+  output: OpenAI's ``store``, ``metadata``, ``service_tier``, ``prompt_cache_key``...): ignored,
+  with one warning per field name per process;
+* in :data:`NOOP_FIELDS` (other servers' features this engine lacks, such as vLLM's
+  ``use_beam_search`` or OpenAI's ``modalities``): accepted only at the value that turns the
+  feature off (``null`` included), else a 400 naming the field;
+* anything else: a 400 naming the field (``param``), so a typo or a feature this server lacks
+  is never answered with a 200 that quietly did something else.
+
+Fields that are known but whose feature this engine lacks (``suffix``, ``best_of`` != ``n``)
+are declared here and rejected with a 400 by the chat and completions modules. vLLM's
+structured output (``structured_outputs`` and the older ``guided_*`` fields) and its names for
+SGLang's options (``include_stop_str_in_output``, ``request_id``) are fields too, mapped in
+``core.server.openai.job``. Nested objects are lenient except ``structured_outputs``.
 
 Types are checked strictly by msgspec (an int field rejects ``1.0``, ``"1"`` and
 ``true``; a float field accepts ints). Optional numeric fields also accept ``null``,
@@ -34,8 +46,25 @@ class StreamOptions(Struct, kw_only=True):
     continuous_usage_stats: bool | None = False
 
 
+class StructuredOutputs(Struct, kw_only=True, forbid_unknown_fields=True):
+    """vLLM's ``structured_outputs`` (vLLM >= 0.10): one constraint, plus options. Unknown keys
+    are a 400; options this server cannot honour are a 400 unless off (``core.server.openai.job``)."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | dict[str, Any] | None = None
+    disable_any_whitespace: bool | None = None
+    disable_additional_properties: bool | None = None
+    whitespace_pattern: str | None = None
+    disable_fallback: bool | None = None  # honoured by construction: there is no other backend to fall back to
+    backend: str | None = None  # the server's --grammar-backend decides: ignored with a warning
+
+
 class _GenerationRequest(Struct, kw_only=True):
-    """Fields shared by /v1/chat/completions and /v1/completions (OpenAI's + SGLang's extra_body)."""
+    """Fields shared by /v1/chat/completions and /v1/completions (OpenAI's, plus SGLang's and vLLM's extra_body)."""
 
     model: str | None = None
     n: int | None = 1
@@ -66,6 +95,18 @@ class _GenerationRequest(Struct, kw_only=True):
     json_schema: str | None = None
     ebnf: str | None = None
     response_format: dict[str, Any] | None = None
+    # vLLM's structured output (mapped onto the above; also at most one, identical duplicates aside)
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_json_object: bool | None = None
+    structural_tag: str | dict[str, Any] | None = None
+    guided_whitespace_pattern: str | None = None  # not supported: a 400 unless null
+    # vLLM's names for SGLang's options above
+    include_stop_str_in_output: bool | None = None  # no_stop_trim
+    request_id: str | None = None  # rid
 
 
 class ChatCompletionRequest(_GenerationRequest, kw_only=True):
@@ -84,6 +125,7 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
     documents: list[dict[str, Any]] | None = None
     continue_final_message: bool | None = False
     separate_reasoning: bool | None = True  # with --reasoning-parser: reasoning_content apart from content
+    reasoning_effort: str | None = None  # OpenAI / vLLM: reaches the chat template, as in the Responses API
 
 
 class CompletionRequest(_GenerationRequest, kw_only=True):
@@ -95,6 +137,47 @@ class CompletionRequest(_GenerationRequest, kw_only=True):
     logprobs: int | None = None
     suffix: str | None = None
     best_of: int | None = None
+
+
+# ----------------------------------------------------------------------------- other servers' fields
+# (the unknown-field policy in the module docstring)
+
+IGNORED_FIELDS = frozenset({
+    # OpenAI: storage, billing, prompt-cache routing, abuse tracking, predicted outputs (a latency
+    # hint: the output is the same) and a style hint
+    "store", "metadata", "service_tier", "prompt_cache_key", "prompt_cache_retention", "safety_identifier",
+    "prediction", "verbosity",
+    # vLLM: the server's --grammar-backend decides; a routing key; a streaming chunk size
+    "guided_decoding_backend", "session_id", "stream_interval",
+})
+
+# field -> the values that leave the feature off (equality, so ``1`` matches ``1.0``)
+_NOOP_COMMON: dict[str, tuple[Any, ...]] = {
+    # vLLM
+    "use_beam_search": (None, False), "length_penalty": (None, 1.0), "truncate_prompt_tokens": (None,),
+    "prompt_logprobs": (None,), "allowed_token_ids": (None,), "bad_words": (None, []), "logits_processors": (None,),
+    "return_tokens_as_token_ids": (None, False), "return_token_ids": (None, False), "cache_salt": (None,),
+    "kv_transfer_params": (None,), "ec_transfer_params": (None,), "vllm_xargs": (None, {}),
+    "thinking_token_budget": (None, -1), "repetition_detection": (None,), "logprob_token_ids": (None,),
+    "watermarking": (None, False),
+    # SGLang
+    "lora_path": (None,), "return_hidden_states": (None, False),
+}
+_NOOP_CHAT: dict[str, tuple[Any, ...]] = {
+    # vLLM
+    "echo": (None, False), "add_generation_prompt": (None, True), "add_special_tokens": (None, False),
+    "chat_template": (None,), "mm_processor_kwargs": (None, {}), "media_io_kwargs": (None, {}),
+    "include_reasoning": (None, True), "best_of": (None, 1),
+    # SGLang
+    "stream_reasoning": (None, True),
+    # OpenAI: audio, the deprecated functions, web search
+    "modalities": (None, ["text"]), "audio": (None,), "functions": (None, []), "function_call": (None, "none", "auto"),
+    "web_search_options": (None,),
+}
+NOOP_FIELDS: dict[type, dict[str, tuple[Any, ...]]] = {
+    ChatCompletionRequest: {**_NOOP_COMMON, **_NOOP_CHAT},
+    CompletionRequest: {**_NOOP_COMMON, "add_special_tokens": (None, True), "prompt_embeds": (None,)},
+}
 
 
 class BatchRequest(Struct, kw_only=True):

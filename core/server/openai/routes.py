@@ -7,10 +7,12 @@ Policies (SGLang's behaviour unless noted):
 * Model names: any ``model`` value is accepted, as SGLang does; responses echo the
   requested name (the served name when the request has none). ``GET /v1/models/{id}``
   answers 404 for any id but the served name.
-* Unknown request fields are ignored (see ``core.server.openai.protocol``); known but unsupported
-  ones (``suffix``, ``best_of`` != ``n``) are a 400. ``logit_bias`` (token id -> -100..100) is
-  added to the logits after the penalties. Structured output
-  (``response_format``, SGLang's ``regex`` / ``json_schema`` / ``ebnf``) goes to the grammar
+* Unknown request fields are a 400 naming the field, except a documented allowlist of other
+  servers' harmless fields, ignored with a warning, and of features this server lacks, accepted
+  when off (see ``core.server.openai.protocol``); known but unsupported ones (``suffix``,
+  ``best_of`` != ``n``) are a 400. ``logit_bias`` (token id -> -100..100) is added to the logits
+  after the penalties. Structured output (``response_format``, SGLang's ``regex`` /
+  ``json_schema`` / ``ebnf``, vLLM's ``structured_outputs`` and ``guided_*``) goes to the grammar
   backend, at most one constraint per request.
 * Tools: ``tools`` reach the chat template; with ``--tool-call-parser`` the calls are parsed out
   of the output into ``tool_calls`` (streamed incrementally); ``tool_choice`` ``required`` or a
@@ -65,15 +67,23 @@ from core.server.http import (
 )
 from core.server.openai.chat import chat_response, chat_stream, prepare_chat
 from core.server.openai.completions import completion_response, completion_stream, prepare_completion
+from core.server.openai.job import check_fields
 from core.server.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from core.server.openai.tools import check_tools
 
 _STARTED = int(time.time())
 
 
+async def _read_request(request: Request, typ: type) -> Any:
+    """The body as ``typ``, then the unknown-field policy over its top-level keys (values left raw)."""
+    r = await read_body(request, typ)
+    check_fields(msgspec.json.decode(await request.body(), type=dict[str, msgspec.Raw]), typ)
+    return r
+
+
 async def chat_completions(request: Request) -> Response:
     state = state_of(request)
-    job = await prepare_off_loop(request, prepare_chat, state, await read_body(request, ChatCompletionRequest))
+    job = await prepare_off_loop(request, prepare_chat, state, await _read_request(request, ChatCompletionRequest))
     await job.start()
     if job.stream:
         return EventStream(job.guarded(chat_stream(job)))
@@ -84,7 +94,7 @@ async def chat_completions(request: Request) -> Response:
 
 async def completions(request: Request) -> Response:
     state = state_of(request)
-    job = await prepare_off_loop(request, prepare_completion, state, await read_body(request, CompletionRequest))
+    job = await prepare_off_loop(request, prepare_completion, state, await _read_request(request, CompletionRequest))
     await job.start()
     if job.stream:
         return EventStream(job.guarded(completion_stream(job)))
@@ -102,10 +112,14 @@ async def run_request(state: Any, endpoint: str, body: Any, request_id: str | No
         if body.get("stream"):
             raise InvalidRequest("streaming is not supported in batch requests", param="stream")
         if endpoint == "/v1/chat/completions":
-            job: Any = prepare_chat(state, convert_body(body, ChatCompletionRequest), request_id)
+            r: Any = convert_body(body, ChatCompletionRequest)
+            check_fields(body, ChatCompletionRequest)
+            job: Any = prepare_chat(state, r, request_id)
             respond: Any = chat_response
         elif endpoint == "/v1/completions":
-            job = prepare_completion(state, convert_body(body, CompletionRequest), request_id)
+            r = convert_body(body, CompletionRequest)
+            check_fields(body, CompletionRequest)
+            job = prepare_completion(state, r, request_id)
             respond = completion_response
         else:
             raise InvalidRequest(f"unsupported endpoint {endpoint!r}", param="endpoint")
