@@ -14,9 +14,11 @@ import importlib.util
 import os
 import sys
 import types
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
+
+from tests.server_utils import start_server
 
 INSTALL_HINT = "pip install --no-deps sglang==0.5.23 && pip install -e '.[test,compat]'"
 
@@ -43,3 +45,43 @@ def sglang_frontend() -> Any:
             stub.__path__ = [os.path.join(spec.submodule_search_locations[0], "srt", "utils")]
             sys.modules["sglang.srt.utils"] = stub
     return client("sglang")
+
+
+# ---------------------------------------------------------------------------- the shared servers
+MODEL = "SmolLM2-135M-Instruct"  # the default model's served name
+# SmolLM2's template has no tool format: with qwen25's parser, calls come in the Hermes
+# <tool_call> format the grammar of tool_choice required / named holds the model to
+COMPAT_FLAGS = ("--tool-call-parser", "qwen25")
+
+
+@pytest.fixture(scope="session")
+def compat_server() -> Iterator[str]:
+    """The default model and grammar backend (xgrammar), ``--tool-call-parser qwen25``: one for
+    every client module of the session."""
+    with start_server(*COMPAT_FLAGS) as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def llguidance_server() -> Iterator[str]:
+    """As ``compat_server`` with ``--grammar-backend llguidance``."""
+    with start_server(*COMPAT_FLAGS, "--grammar-backend", "llguidance") as url:
+        yield url
+
+
+# ---------------------------------------------------------------------------- shared test data
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"], "additionalProperties": False}}}
+WEATHER_Q = [{"role": "user", "content": "What is the weather in Paris?"}]
+CITY_SCHEMA = {"type": "object",
+               "properties": {"name": {"type": "string", "maxLength": 20},
+                              "country": {"type": "string", "enum": ["France", "Japan", "Peru"]}},
+               "required": ["name", "country"], "additionalProperties": False}
+CITY_Q = [{"role": "user", "content": "Name a city and its country, as JSON."}]
+
+
+def validate(instance: Any, schema: dict) -> None:
+    """``instance`` is valid under JSON Schema ``schema``."""
+    client("jsonschema").validate(instance, schema)
