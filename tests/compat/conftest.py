@@ -82,6 +82,19 @@ CITY_SCHEMA = {"type": "object",
 CITY_Q = [{"role": "user", "content": "Name a city and its country, as JSON."}]
 
 
+@pytest.fixture(scope="session")
+def City() -> type:
+    """A small pydantic model the structured-output clients fill in."""
+    pydantic = client("pydantic")
+
+    class City(pydantic.BaseModel):
+        """A city and the country it is in."""
+        name: str = pydantic.Field(max_length=20)
+        country: str = pydantic.Field(max_length=20)
+
+    return City
+
+
 def validate(instance: Any, schema: dict) -> None:
     """``instance`` is valid under JSON Schema ``schema``."""
     client("jsonschema").validate(instance, schema)

@@ -24,18 +24,6 @@ def chat(lc, compat_server):
     return make
 
 
-@pytest.fixture(scope="module")
-def City():
-    pydantic = client("pydantic")
-
-    class City(pydantic.BaseModel):
-        """A city and the country it is in."""
-        name: str = pydantic.Field(max_length=20)
-        country: str = pydantic.Field(max_length=20)
-
-    return City
-
-
 def test_invoke(chat):
     msg = chat().invoke("Say hello.")
     assert type(msg).__name__ == "AIMessage"

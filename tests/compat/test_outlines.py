@@ -25,17 +25,6 @@ def backend_url(request):
     return request.getfixturevalue({"xgrammar": "compat_server", "llguidance": "llguidance_server"}[request.param])
 
 
-@pytest.fixture(scope="module")
-def City():
-    pydantic = client("pydantic")
-
-    class City(pydantic.BaseModel):
-        name: str = pydantic.Field(max_length=20)
-        country: str = pydantic.Field(max_length=20)
-
-    return City
-
-
 def _openai_client(url):
     openai = client("openai")
     return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
