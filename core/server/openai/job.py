@@ -142,20 +142,26 @@ def request_constraint(r: Any) -> dict[str, str]:
     return {kind: spec for kind, spec in distinct}
 
 
+def effort_template_kwargs(effort: str | None, kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """A reasoning effort into chat template kwargs, SGLang's mapping (chat's ``reasoning_effort``
+    and the Responses API's ``reasoning.effort``): ``none`` switches the templates' thinking off,
+    another effort reaches the template as ``reasoning_effort``; explicit kwargs win."""
+    kwargs = dict(kwargs or {})
+    if effort == "none":
+        return {"thinking": False, "enable_thinking": False, **kwargs}
+    if effort is not None:
+        kwargs.setdefault("reasoning_effort", effort)
+    return kwargs
+
+
 def _reasoning_effort(r: Any) -> None:
-    """A chat request's ``reasoning_effort`` into its template kwargs, as the Responses API does
-    (``none``: the templates' thinking switches off); explicit ``chat_template_kwargs`` win."""
+    """A chat request's ``reasoning_effort`` into its template kwargs, as the Responses API does."""
     effort = getattr(r, "reasoning_effort", None)
     if effort is None:
         return
     check(effort in REASONING_EFFORTS, f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, "
           f"got {effort!r}", "reasoning_effort")
-    kwargs = dict(r.chat_template_kwargs or {})
-    if effort == "none":
-        kwargs = {"thinking": False, "enable_thinking": False, **kwargs}
-    else:
-        kwargs.setdefault("reasoning_effort", effort)
-    r.chat_template_kwargs = kwargs
+    r.chat_template_kwargs = effort_template_kwargs(effort, r.chat_template_kwargs)
 
 
 def common_checks(r: Any) -> tuple[int, dict[str, str]]:

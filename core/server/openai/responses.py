@@ -51,7 +51,7 @@ from core.server.http import (
     state_of,
 )
 from core.server.openai.chat import ChatJob, choice_deltas, joined_text, prepare_chat
-from core.server.openai.job import finish_of
+from core.server.openai.job import REASONING_EFFORTS, effort_template_kwargs, finish_of
 from core.server.openai.logprobs import chat_logprobs
 from core.server.openai.protocol import ChatCompletionRequest
 
@@ -59,7 +59,6 @@ log = structlog.get_logger("core.server.openai.responses")
 
 MAX_STORED = 1024
 _TEXT_PARTS = ("input_text", "output_text", "text")
-_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 _ID_RE = re.compile(r"[A-Za-z0-9_.:-]{1,128}")
 _INCLUDES = ("message.output_text.logprobs", "reasoning.encrypted_content")  # the latter: there is none to include
 # chat-request field -> the Responses field a client sent (for error messages)
@@ -215,8 +214,8 @@ def chat_request(r: ResponsesRequest, history: list[dict[str, Any]], items: list
     if r.truncation not in (None, "disabled"):
         raise InvalidRequest("only truncation 'disabled' is supported", param="truncation")
     effort = (r.reasoning or {}).get("effort")
-    if effort is not None and effort not in _EFFORTS:
-        raise InvalidRequest(f"reasoning.effort must be one of {', '.join(_EFFORTS)}, got {effort!r}", param="reasoning")
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise InvalidRequest(f"reasoning.effort must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}", param="reasoning")
     if r.request_id is not None and not _ID_RE.fullmatch(r.request_id):
         raise InvalidRequest("request_id must be 1-128 letters, digits, '_', '-', '.' or ':'", param="request_id")
     messages = ([{"role": "system", "content": r.instructions}] if r.instructions else []) + history + item_messages(items)
@@ -226,11 +225,7 @@ def chat_request(r: ResponsesRequest, history: list[dict[str, Any]], items: list
             raise InvalidRequest(f"no function call with call_id {m['tool_call_id']!r} for its function_call_output",
                                  param="input")
     tools, choice = _chat_tools(r)
-    kwargs = dict(r.chat_template_kwargs or {})
-    if effort == "none":  # SGLang's mapping: templates that can turn thinking off
-        kwargs = {"thinking": False, "enable_thinking": False, **kwargs}
-    elif isinstance(effort, str):
-        kwargs.setdefault("reasoning_effort", effort)
+    kwargs = effort_template_kwargs(effort, r.chat_template_kwargs)
     unknown = [x for x in r.include or [] if x not in _INCLUDES]
     if unknown:
         raise InvalidRequest(f"include {unknown[0]!r} is not supported; supported: {', '.join(_INCLUDES)}",
