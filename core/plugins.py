@@ -75,6 +75,7 @@ class PluginManager:
         self.plugins: list[PluginInfo] = []
         self.registries: dict[str, dict[str, Registration]] = {kind: {} for kind in EXTENSION_KINDS}
         self.overridden: dict[tuple[str, str], list[Registration]] = {}  # (kind, name) -> losers
+        self.left_out: list[str] = []  # installed plugins the allowlist (--plugins) did not load
         self._resolved: dict[tuple[str, str], Any] = {}
 
     # ------------------------------------------------------------------ lookups
@@ -101,6 +102,10 @@ class PluginManager:
             msg += f"; did you mean '{close[0]}'?"
         if failed := [p.name for p in self.plugins if p.error]:
             msg += f"; plugins that failed to load: {', '.join(failed)} (see `core plugins`)"
+        if name in self.left_out:
+            msg += f"; the installed plugin '{name}' provides it: add it to --plugins"
+        elif self.left_out:
+            msg += f"; --plugins left out the installed plugins {', '.join(self.left_out)} (`core plugins` lists what each provides)"
         raise UnknownNameError(msg)
 
     def resolve(self, kind: str, name: str) -> Any:
@@ -414,6 +419,7 @@ def load_plugins(
     manager = PluginManager()
     for name, eps in found.items():
         if allowed is not None and name not in allowed:
+            manager.left_out.append(name)
             continue
         dists = [(ep.dist.name, ep.dist.version) if ep.dist else ("unknown", "unknown") for ep in eps]
         if len(eps) > 1:

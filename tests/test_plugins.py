@@ -96,6 +96,19 @@ def test_allowlist_argument_string_and_list(installed):
     assert load_plugins("a").names("attention_backend") == ["fa"]
 
 
+def test_unknown_name_hints_at_plugins_the_allowlist_left_out(installed):
+    """A name an installed but unloaded plugin would provide: the error says to add that plugin
+    (as when --plugins omits gguf for the default GGUF model)."""
+    three(installed)
+    with pytest.raises(UnknownNameError, match="the installed plugin 'b' provides it: add it to --plugins"):
+        load_plugins("a").get("attention_backend", "b")
+    with pytest.raises(UnknownNameError, match="left out the installed plugins b, c"):
+        load_plugins("a").get("attention_backend", "fb")
+    with pytest.raises(UnknownNameError) as e:  # nothing left out: no hint
+        load_plugins().get("attention_backend", "nope")
+    assert "left out" not in str(e.value) and "--plugins" not in str(e.value)
+
+
 def test_allowlist_env_var(installed, monkeypatch):
     three(installed)
     monkeypatch.setenv(ALLOW_ENV, "b")
