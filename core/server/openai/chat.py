@@ -11,6 +11,7 @@ from msgspec import UNSET
 
 from core.errors import CoreError, InvalidRequest
 from core.server.http import ApiError, sse_event
+from core.server.openai.chat_template import ChatTemplate, check_renders_messages, from_json_file
 from core.server.openai.job import (
     MAX_TOP_LOGPROBS,
     Job,
@@ -37,30 +38,40 @@ ALLOWED_ROLES = ("system", "user", "assistant", "tool", "developer")
 
 # ----------------------------------------------------------------------------- chat templates
 
-_TEMPLATE_FILES: dict[str, str] = {}
+_TEMPLATES: dict[str, ChatTemplate] = {}
 _RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
                              "continue_final_message", "tokenize", "return_dict", "return_tensors", "padding", "truncation"}
 
 
-def load_chat_template(value: str) -> str:
-    """The Jinja template named by ``--chat-template``: a file path (read once), or the template
-    itself when the value is not a file and contains Jinja markup. SGLang's built-in template
-    names and .json conversation templates are not supported."""
-    hit = _TEMPLATE_FILES.get(value)
+def loaded_chat_template(value: str) -> ChatTemplate:
+    """The template named by ``--chat-template`` (loaded once): a Jinja file, a JSON file (SGLang's
+    conversation template, turned into Jinja plus stop strings; see ``chat_template``), or the
+    Jinja template itself when the value is not a file. A JSON file is never read as Jinja, and
+    a template whose output drops the messages is refused. SGLang's built-in template names
+    are not supported."""
+    hit = _TEMPLATES.get(value)
     if hit is None:
         path = os.path.expanduser(value)
         if os.path.isfile(path):
             try:
                 with open(path, encoding="utf-8") as f:
-                    hit = f.read()
-            except OSError as e:
+                    text = f.read()
+            except (OSError, UnicodeDecodeError) as e:
                 raise CoreError(f"--chat-template {value!r}: cannot read it: {e}") from None
+            is_json = path.lower().endswith(".json") or text.lstrip().startswith('{"')
+            hit = from_json_file(text, value) if is_json else ChatTemplate(text)
         elif "{%" in value or "{{" in value:
-            hit = value
+            hit = ChatTemplate(value)
         else:
             raise CoreError(f"--chat-template {value!r} is neither a Jinja template file nor a template string")
-        _TEMPLATE_FILES[value] = hit
+        check_renders_messages(hit.jinja, value if os.path.isfile(path) else "(inline template)")
+        _TEMPLATES[value] = hit
     return hit
+
+
+def load_chat_template(value: str) -> str:
+    """The Jinja source of ``--chat-template`` (see ``loaded_chat_template``)."""
+    return loaded_chat_template(value).jinja
 
 
 def joined_text(content: Any, where: str, kinds: tuple[str, ...], param: str) -> str:
@@ -239,7 +250,10 @@ def prepare_chat(state: Any, r: ChatCompletionRequest, rid: str | None = None) -
     check_min_tokens(r, max_tokens, "max_completion_tokens" if r.max_completion_tokens is not None else "max_tokens")
     ids = render_chat(state, r, hide_tools=plan.hides_tools)
     ids, max_new = fit_context(state, ids, max_tokens, "messages")
-    job.add_prompt(ids, sampling_params(r, max_new, n, constraint), -1)
+    params = sampling_params(r, max_new, n, constraint)
+    if state.args.chat_template:  # a JSON template's stop_str, as SGLang adds its conversation's
+        params.stop += [s for s in loaded_chat_template(state.args.chat_template).stop if s and s not in params.stop]
+    job.add_prompt(ids, params, -1)
     return job
 
 
