@@ -17,7 +17,9 @@ from core.errors import CoreError
 
 def _cmd_generate(ns: argparse.Namespace) -> int:
     from core.engine.offline import Engine
+    from core.server.args import check_device_args
 
+    check_device_args(ns)  # before loading: a device this machine lacks is refused in one line
     engine = Engine(**engine_kwargs(ns))
     try:
         prompt = ns.prompt
@@ -91,11 +93,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return action.choices[command]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from core.log import configure_logging
 
     parser = build_parser()
-    ns = parser.parse_args(argv)
+    ns, extras = parser.parse_known_args(argv)
+    if extras:  # `core serve` reports its own; argparse's report would be usage plus "unrecognized arguments"
+        from core.server.args import unknown_flag_message
+
+        sub = _subparser(parser, ns.command)
+        flag = extras[0].split("=", 1)[0]
+        sub.exit(2, f"core {ns.command}: error: {unknown_flag_message(flag, list(sub._option_string_actions), ns.command)}\n")
     configure_logging(getattr(ns, "log_level", "info"))
     try:
         return ns.func(ns) or 0

@@ -9,6 +9,8 @@ import structlog
 
 LEVELS = ("debug", "info", "warning", "error", "critical")
 
+_default_factory: object = None  # the logger factory configure_default_logging installed
+
 
 class _CurrentStderr:
     """Writes to whatever ``sys.stderr`` is now: a stream captured at configure time may be
@@ -37,3 +39,14 @@ def configure_logging(level: str = "info", json: bool = False) -> None:
         logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()),
         cache_logger_on_first_use=False,
     )
+
+
+def configure_default_logging(level: str = "info") -> None:
+    """For library use (``from core import Engine``): structlog's unconfigured default prints to
+    stdout, into the user's own output, so route our logs to stderr unless the application has
+    configured structlog itself (its set-up wins). Repeated calls may change the level."""
+    global _default_factory
+    if structlog.is_configured() and structlog.get_config()["logger_factory"] is not _default_factory:
+        return
+    configure_logging(level)
+    _default_factory = structlog.get_config()["logger_factory"]

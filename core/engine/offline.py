@@ -7,8 +7,12 @@ import asyncio
 import threading
 from typing import Any, AsyncIterator, Iterator
 
-from core.engine.config import engine_args_from_kwargs
-from core.engine.data_parallel import create_engine
+from core.log import configure_default_logging
+
+configure_default_logging()  # before the engine modules load: their logs go to stderr, not the user's stdout
+
+from core.engine.config import engine_args_from_kwargs  # noqa: E402
+from core.engine.data_parallel import create_engine  # noqa: E402
 
 
 class Engine:
@@ -16,6 +20,7 @@ class Engine:
 
     def __init__(self, **kwargs: Any) -> None:
         args = engine_args_from_kwargs(kwargs)
+        configure_default_logging(args.log_level)  # unless the application configured structlog itself
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="core-engine-loop", daemon=True)
         self._thread.start()

@@ -15,12 +15,16 @@ line, in ``--config`` files and in ``--help``; their values reach
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
-from typing import Any, Callable, Sequence
+import re
+from typing import Any, Callable, NoReturn, Sequence
 
 import attrs
+import structlog
 
 from core.engine.config import add_engine_args, engine_args_from_namespace  # noqa: F401 (engine_args_from_namespace: re-exported)
+from core.engine.sglang_flags import SGLANG_FLAGS_LACKING
 from core.errors import CoreError
 from core.server.limits import DEFAULT_MAX_BODY_BYTES
 
@@ -103,6 +107,26 @@ NOT_SUPPORTED_YET: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 
+
+CUDA_ONLY_ATTENTION_BACKENDS = ("flashinfer", "triton")  # their kernels are CUDA-only
+
+
+def unknown_flag_message(flag: str, known: Sequence[str], command: str = "serve") -> str:
+    """One line for a flag the parser does not know: an SGLang server flag core lacks is named as
+    one (so nobody hunts for a typo), anything else gets the closest known spellings."""
+    if command == "serve" and flag in SGLANG_FLAGS_LACKING:
+        return f"{flag} is an SGLang flag this server does not support yet"
+    if not flag.startswith("-"):
+        return f"unexpected argument {flag!r} (flags start with --; the model is --model-path)"
+    close = difflib.get_close_matches(flag, [k for k in known if k.startswith("--")], n=3, cutoff=0.6)
+    hint = f"; did you mean {_one_of(close)}?" if close else f"; `core {command} --help` lists the flags"
+    return f"unknown flag {flag}{hint}"
+
+
+def _one_of(words: Sequence[str]) -> str:
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
+
+
 class _Sections:
     """Stands in for the parser in ``add_engine_args``: its argument groups land in SGLang's sections."""
 
@@ -147,7 +171,15 @@ class ServeArgumentParser(argparse.ArgumentParser):
             self._prepared = True
             self._load_plugin_options(args)
         args = self._expand_config(args)
-        return super().parse_known_args(args, namespace)
+        ns, extras = super().parse_known_args(args, namespace)
+        if extras:  # argparse's own report is the whole usage and "unrecognized arguments", no hint
+            flag = extras[0].split("=", 1)[0]
+            self.error(unknown_flag_message(flag, list(self._option_string_actions)))
+        return ns, extras
+
+    def error(self, message: str) -> NoReturn:  # type: ignore[override]
+        """One line naming the problem, not argparse's 60 lines of usage above it."""
+        self.exit(2, f"core serve: error: {message}\n")
 
     # ------------------------------------------------------------------ plugins
     def _load_plugin_options(self, args: list[str]) -> None:
@@ -197,11 +229,12 @@ class ServeArgumentParser(argparse.ArgumentParser):
         for key, value in cfg.items():
             action = by_dest.get(key)
             if action is None or key in ("config", "help"):
-                self.exit(2, f"core serve: error: config file {path}: unknown option {key!r}\n")
+                self.error(f"config file {path}: " + unknown_flag_message(
+                    "--" + key.replace("_", "-"), [f for f in self._option_string_actions if f != "--config"]))
             flag = next((s for s in action.option_strings if s.startswith("--")), action.option_strings[0])
             if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
                 if not isinstance(value, bool):
-                    self.exit(2, f"core serve: error: config file {path}: {key!r} must be true or false\n")
+                    self.error(f"config file {path}: {key}: {value!r} is not allowed (allowed: true or false)")
                 if value == isinstance(action, argparse._StoreTrueAction):
                     expanded.append(flag)
                 continue
@@ -209,19 +242,39 @@ class ServeArgumentParser(argparse.ArgumentParser):
                 continue
             if isinstance(value, (list, tuple)):
                 if action.nargs in (None, 1, "?") and key != "plugins":
-                    self.exit(2, f"core serve: error: config file {path}: {key!r} takes one value, got a list\n")
+                    self.error(f"config file {path}: {key}: takes one value, got the list {value!r}")
                 if key == "plugins":
                     expanded += [flag, ",".join(map(str, value))]
-                else:
-                    expanded += [flag, *map(_yaml_scalar, value)]
-                continue
-            if isinstance(value, dict):
+                    continue
+                values = [_yaml_scalar(v) for v in value]
+            elif isinstance(value, dict):
                 import json
 
-                expanded += [flag, json.dumps(value)]
-                continue
-            expanded += [flag, _yaml_scalar(value)]
+                values = [json.dumps(value)]
+            else:
+                values = [_yaml_scalar(value)]
+            for text in values:
+                self._check_config_value(path, key, action, text)
+            expanded += [flag, *values]
         return expanded + args  # command-line values come later, so they win
+
+
+    def _check_config_value(self, path: str, key: str, action: argparse.Action, text: str) -> None:
+        """A bad value names the file, the key and what is allowed; argparse would blame a flag
+        the user never typed, under 60 lines of usage."""
+        kind = action.type if callable(action.type) else None
+        try:
+            value = kind(text) if kind else text
+        except (TypeError, ValueError, argparse.ArgumentTypeError):
+            allowed = _KIND_WORDS.get(kind, getattr(kind, "__name__", "another value"))
+        else:
+            if action.choices is None or value in action.choices:
+                return
+            allowed = "one of " + ", ".join(map(str, action.choices))
+        self.error(f"config file {path}: {key}: {text!r} is not allowed (allowed: {allowed})")
+
+
+_KIND_WORDS: dict[Any, str] = {int: "an integer", float: "a number"}
 
 
 class _PluginOptions:
@@ -399,6 +452,39 @@ def validate_serve_args(ns: argparse.Namespace) -> None:
         raise CoreError(f"--watchdog-timeout must be >= 0 (0 disables it), got {ns.watchdog_timeout}")
     if ns.chat_template and _looks_like_path(ns.chat_template) and not os.path.isfile(os.path.expanduser(ns.chat_template)):
         raise CoreError(f"--chat-template {ns.chat_template}: no such file")
+    check_device_args(ns)
+
+
+def check_device_args(ns: argparse.Namespace) -> None:
+    """Refuse device choices this machine cannot run before the model loads (a CUDA-only backend
+    used to fail after half a minute of loading, with advice to pip install it), and warn where
+    a 16-bit dtype makes CPU serving many times slower than the fast one."""
+    import torch
+
+    from core.engine.device import fast_cpu_dtype
+
+    device, backend = getattr(ns, "device", "auto"), getattr(ns, "attention_backend", None)
+    if device != "auto" and not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        raise CoreError(f"--device {device} is not supported: use cpu, cuda or cuda:N, or leave it unset")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device.startswith("cuda") and not gpus:
+        raise CoreError(f"--device {device} needs a CUDA GPU; this machine has none: use cpu, or leave it unset")
+    if device.startswith("cuda") and int(device.partition(":")[2] or 0) >= gpus:
+        raise CoreError(f"--device {device}: this machine has {gpus} CUDA GPU(s), cuda:0 to cuda:{gpus - 1}")
+    on_cuda = device.startswith("cuda") or (device == "auto" and gpus > 0)
+    if backend in CUDA_ONLY_ATTENTION_BACKENDS and not on_cuda:
+        why = "this machine has none" if not gpus else "--device cpu was given"
+        raise CoreError(f"--attention-backend {backend} cannot run here: it needs a CUDA GPU and {why}; "
+                        "use cpu or torch_native, or leave it unset")
+    dtype = {"half": "float16", "float": "float32"}.get(getattr(ns, "dtype", "auto"), getattr(ns, "dtype", "auto"))
+    if not on_cuda and dtype in ("float16", "bfloat16"):
+        fast, why = fast_cpu_dtype()
+        faster = str(fast).removeprefix("torch.")
+        if dtype != faster:
+            structlog.get_logger("core.server.args").warning(
+                "cpu.slow_dtype", dtype=dtype, faster=faster, reason=why,
+                effect=f"--dtype {dtype} runs several times slower on this CPU than --dtype {faster}",
+                fix=f"--dtype {faster}, or leave --dtype unset (auto)")
 
 
 def _show(v: Any) -> str:
