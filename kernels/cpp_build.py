@@ -98,15 +98,19 @@ def is_built(prefix: str, source: Path) -> bool:
 
 
 STALE_LOCK_SECONDS = 600  # a build lock older than this was left by a process that died mid-build
+# rough compile times on a 2-core machine, shown while a first start compiles (silent otherwise for minutes)
+BUILD_SECONDS = {"core_cpu_decode": 29, "core_cpu_ops": 25, "core_cpu_attention": 13, "core_cpu_gemv": 12}
+DEFAULT_BUILD_SECONDS = 20
 
 
-def load(prefix: str, source: Path) -> tuple[Path, bool]:
+def load(prefix: str, source: Path, name: str | None = None) -> tuple[Path, bool]:
     """Compile (if needed) and load ``source``, registering its ``TORCH_LIBRARY`` operators;
     (build folder, compiled now). Raises RuntimeError with the compiler's last lines.
 
     A library built already is loaded directly: torch's build path takes a lock file first, and a
     process killed while holding it (a tensor-parallel rank stopped mid-start, say) would leave
-    every later start waiting on it forever."""
+    every later start waiting on it forever. Only an actual compile logs ``building <name>`` and
+    ``built <name>`` (it takes tens of seconds); loading a cached build logs nothing here."""
     try:
         d = build_dir(prefix, source)
     except OSError as e:  # an install that lacks the sources (a wheel built without its package data)
@@ -127,12 +131,19 @@ def load(prefix: str, source: Path) -> tuple[Path, bool]:
     with contextlib.suppress(OSError):
         if time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS:
             lock.unlink()
+    import structlog
+
+    log = structlog.get_logger("core_kernels.build")
+    name = name or prefix.removeprefix("core_")
+    log.info(f"building {name} (first start, ~{BUILD_SECONDS.get(prefix, DEFAULT_BUILD_SECONDS)}s)…", kernel=name)
+    t0 = time.perf_counter()
     try:
         cpp_load(d.name, [str(source)], extra_cflags=flags(), extra_ldflags=["-fopenmp"], build_directory=str(d),
                  extra_include_paths=[str(d) for d in include_dirs(source)],
                  is_python_module=False, verbose=False)
     except Exception as e:
         raise RuntimeError("compiling failed: " + " ".join(str(e).strip().splitlines()[-3:])) from None
+    log.info(f"built {name} in {time.perf_counter() - t0:.0f}s", kernel=name, build_dir=str(d))
     return d, True
 
 
@@ -144,7 +155,7 @@ def try_load(prefix: str, source: Path, name: str, fallback: str) -> bool:
     log = structlog.get_logger(f"core_kernels.{name}")
     t0 = time.perf_counter()
     try:
-        d, compiled = load(prefix, source)
+        d, compiled = load(prefix, source, name)
     except RuntimeError as e:
         log.warning(f"{name}.unavailable", reason=str(e), fallback=fallback)
         return False

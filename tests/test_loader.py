@@ -182,23 +182,26 @@ def test_converted_gguf_serves(tmp_path, fake_gguf_reader):
 
 @pytest.mark.slow
 def test_default_gguf_conversion_is_reused(monkeypatch):
-    """The shipped SmolLM2 GGUF: converted at most once (here or by an earlier run), then reused."""
-    folder, source = resolve_model_path(None)
-    assert source == "SmolLM2-135M-Instruct.Q4_1"
+    """The shipped SmolLM2 GGUF: converted at most once per serving dtype (here or by an earlier
+    run), into the folder of the dtype ``--dtype auto`` picks on this CPU, then reused."""
+    mc = load_model_config(None, "auto", CPU, None)
+    folder = mc.path
     assert folder.parent == loader.cache_dir() / "gguf"
-    assert folder.name == loader._file_hash(loader.default_model_path())
+    assert folder == loader.gguf_cache_folder(loader.default_model_path(), AUTO_CPU_DTYPE)
+    assert folder.name.startswith(loader._file_hash(loader.default_model_path()))
     for name in ("config.json", "tokenizer.json", "model.safetensors"):
         assert (folder / name).is_file(), name
+    assert mc.architecture == "LlamaForCausalLM" and mc.dtype == AUTO_CPU_DTYPE
+    assert mc.served_name == "SmolLM2-135M-Instruct" and mc.context_len == 8192 and 2 in mc.eos_ids
 
     def fail(*a, **k):
         raise AssertionError("GGUF converted twice")
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", fail)
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", fail)
-    assert resolve_model_path(None) == (folder, source)
-    mc = load_model_config(None, "auto", CPU, None)
-    assert mc.path == folder and mc.architecture == "LlamaForCausalLM" and mc.dtype == AUTO_CPU_DTYPE
-    assert mc.served_name == "SmolLM2-135M-Instruct" and mc.context_len == 8192 and 2 in mc.eos_ids
+    assert load_model_config(None, "auto", CPU, None).path == folder
+    if AUTO_CPU_DTYPE == loader.GGUF_CACHE_DTYPE:  # the dtype-less lookup finds the same folder
+        assert resolve_model_path(None) == (folder, "SmolLM2-135M-Instruct.Q4_1")
 
 
 # --------------------------------------------------------------------------- weights and config

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from core.errors import CoreError
+from core.errors import CoreError, ModelLoadError
 from core.interfaces import KVCache
 
 
@@ -31,6 +31,43 @@ def allocate_kv_cache(
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     return 2 * num_layers * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
+
+
+GIB = 1 << 30
+# RAM left to the OS and other programs: 5 % of it, at least 512 MiB and at most 4 GiB
+CPU_RAM_MARGIN = (512 << 20, 4 * GIB)
+MAX_RUNNING_DEFAULT = 256  # the default --max-running-requests ceiling (AsyncEngine._build_kv_pool)
+MIN_KV_TOKENS = 2048  # a pool smaller than one prefill chunk of a long prompt is not worth starting
+
+
+def cpu_kv_tokens(total: int, available: int, mem_fraction: float, per_token: int, context_len: int,
+                  max_running: int | None = None) -> int:
+    """KV pool size in tokens for a CPU engine, from the machine's RAM (bytes) after the weights loaded.
+
+    SGLang's formula, ``total * fraction - (total - available)``, charges every other program's memory
+    to the engine: past ~30 % used the default 0.3 left nothing, and the pool swung with the page cache
+    from one start to the next. Here the budget is ``min(total * fraction, available - margin)``:
+    fixed for a machine while memory is plentiful, and never more than what is free. It is capped at
+    what ``max_running`` full contexts can use (a larger pool is never touched; ``torch.empty`` commits
+    pages only as they are written). Too little memory raises ModelLoadError naming a setting that works."""
+    margin = min(max(CPU_RAM_MARGIN[0], total // 20), CPU_RAM_MARGIN[1])
+    budget = min(int(total * mem_fraction), available - margin)
+    cap = (max_running or MAX_RUNNING_DEFAULT) * context_len
+    tokens = min(max(budget, 0) // per_token, cap)
+    floor = min(context_len, MIN_KV_TOKENS)
+    if tokens >= floor:
+        return tokens
+    need = floor * per_token
+    if total * mem_fraction < need <= available - margin:  # the fraction is what is short
+        frac = min(0.95, -(-100 * (need + 1) // total) / 100)
+        fix = f"pass --mem-fraction-static {frac:.2f} (or --max-total-tokens {floor})"
+    else:
+        fit = (available // 2) // per_token // 256 * 256  # half of what is free: a pool that still starts
+        fix = f"free memory or pass --max-total-tokens {fit}" if fit >= 256 else "free memory"
+    raise ModelLoadError(
+        f"the KV cache needs {need / GIB:.2f} GiB for {floor} tokens but --mem-fraction-static {mem_fraction} of "
+        f"{total / GIB:.1f} GiB RAM with {available / GIB:.1f} GiB free ({margin / GIB:.1f} GiB kept for the system) "
+        f"leaves {max(budget, 0) / GIB:.2f} GiB; {fix}")
 
 
 # --kv-cache-dtype values (SGLang's names) -> storage dtype; "auto" is the model's dtype.
