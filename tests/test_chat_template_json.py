@@ -118,6 +118,19 @@ def test_template_that_drops_the_messages_is_refused(tmp_path):
     assert loaded_chat_template(picky).jinja == picky
 
 
+def test_core_serve_refuses_an_unsupported_template_at_start(tmp_path):
+    """The refusal comes before the model loads: one line naming the flag and file, exit 2."""
+    import subprocess
+    import sys
+
+    path = _write(tmp_path, {**CHATML, "sep_style": "DOLLY"})
+    proc = subprocess.run([sys.executable, "-m", "core.cli", "serve", "--chat-template", path],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"core serve: error: --chat-template {path}: sep_style 'DOLLY' is not supported"), last
+
+
 def test_json_template_over_http(tmp_path):
     """A real server: /tokenize counts the rendered prompt, which is what chat completions
     send (usage.prompt_tokens), and the template's stop_str ends the reply."""

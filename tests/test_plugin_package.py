@@ -2,8 +2,9 @@
 it into a fresh virtual environment beside core, list it with ``core plugins`` and serve
 with its attention backend, model, tool parser and grammar backend, with no edit to core.
 
-The venv uses ``--system-site-packages`` so torch & co. (and core, installed editable) are
-not downloaded again; only the example wheel goes into it, with ``--no-deps``.
+The venv sees this interpreter's site-packages (through a ``.pth`` file, see ``see_outer_site``)
+so torch & co. (and core, installed editable) are not downloaded again; only the example wheel
+goes into it, with ``--no-deps``.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import json
 import os
 import re
 import shutil
+import site
 import subprocess
 import sys
 from pathlib import Path
@@ -42,11 +44,25 @@ def example_src(tmp_path_factory) -> Path:
     return dst
 
 
+def see_outer_site(python: Path) -> None:
+    """Make the venv of ``python`` see this interpreter's site-packages, after its own.
+
+    ``venv --system-site-packages`` is not enough: run from inside a virtual environment (the
+    README's set-up) it adds the *base* interpreter's site-packages, where core is not. A
+    ``.pth`` line that calls ``site.addsitedir`` adds each directory and runs its own ``.pth``
+    files (core's editable install), on the system Python and inside a venv alike."""
+    purelib = run(python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))").stdout.strip()
+    user = [site.getusersitepackages()] if site.ENABLE_USER_SITE else []
+    dirs = [d for d in (*site.getsitepackages(), *user) if os.path.isdir(d)]
+    (Path(purelib) / "_core_outer_site.pth").write_text(f"import site; list(map(site.addsitedir, {dirs!r}))\n")
+
+
 @pytest.fixture(scope="module")
 def venv_python(tmp_path_factory, example_src) -> Path:
     tmp = tmp_path_factory.mktemp("plugin-pkg")
-    run(sys.executable, "-m", "venv", "--system-site-packages", tmp / "venv")
+    run(sys.executable, "-m", "venv", tmp / "venv")
     python = tmp / "venv" / "bin" / "python"
+    see_outer_site(python)
     run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", example_src, "-w", tmp / "dist")
     (wheel,) = (tmp / "dist").glob("core_plugin_example-0.3.0-*.whl")
     run(python, "-m", "pip", "install", "--no-deps", "--no-index", "-q", wheel)

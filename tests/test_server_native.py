@@ -783,6 +783,9 @@ def test_queue_full_is_503(cfg_srv: ServerProcess, cfg_client: httpx.Client) -> 
                 wait_for(lambda: load(cfg_client)["num_waiting_reqs"] == 1)
                 err = assert_error(cfg_client.post("/generate", json={"text": "one more"}), 503)
                 assert "queue" in err["message"]
+                # a refusal of the server's own is logged, not only answered
+                wait_for(lambda: "server.request_refused" in cfg_srv.logs())
+                assert any("status=503" in line for line in cfg_srv.logs().splitlines() if "server.request_refused" in line)
                 assert cfg_client.post("/abort_request", json={"rid": "", "abort_all": True}).status_code == 200
     wait_for(lambda: load(cfg_client)["num_total_reqs"] == 0)
     assert gen(cfg_client, text="fits now", sampling_params=greedy(1)).status_code == 200

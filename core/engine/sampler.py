@@ -23,7 +23,7 @@ import attrs
 import torch
 
 from core import layers
-from core.engine.sampling_params import SamplingParams
+from core.engine.sampling_params import SAMPLING_EPS, SamplingParams
 
 
 @attrs.define
@@ -396,9 +396,11 @@ class Sampler:
         """
         vocab = logits.shape[1]
         u = self._uniforms(rows)
-        # one flat float32 list (an array, not torch.tensor's parse of nested tuples), 5 columns
-        cols = upload([v for r, x in zip(rows, u) for v in (r.params.temperature, r.params.top_k if 0 < r.params.top_k < vocab
-                                                             else vocab, r.params.top_p, r.params.min_p, x)],
+        # one flat float32 list (an array, not torch.tensor's parse of nested tuples), 5 columns; the
+        # temperature at least SAMPLING_EPS (a smaller one is greedy, never here): the kernels divide by it
+        cols = upload([v for r, x in zip(rows, u)
+                       for v in (max(r.params.temperature, SAMPLING_EPS), r.params.top_k if 0 < r.params.top_k < vocab
+                                 else vocab, r.params.top_p, r.params.min_p, x)],
                       torch.float32, logits.device).view(-1, 5)
         filtered = [i for i, r in enumerate(rows) if _filters(r.params, vocab)]
         if not filtered:  # plain sampling: no order needed

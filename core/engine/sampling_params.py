@@ -10,6 +10,10 @@ import attrs
 from core.errors import InvalidRequest
 
 CONSTRAINT_KINDS = ("json_schema", "regex", "ebnf", "structural_tag")
+# Temperatures below this sample greedily (SGLang's _SAMPLING_EPS): dividing logits by a smaller
+# one overflows float32 (1/t is inf below ~3e-39, and a float64 subnormal rounds to 0), which
+# the sampling kernels cannot take, while the distribution it stands for is already the argmax.
+SAMPLING_EPS = 1e-5
 
 
 @attrs.define
@@ -79,7 +83,8 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        """Whether the row takes the argmax: temperature below SAMPLING_EPS (0 included) or top_k 1."""
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
 
     def constraint(self) -> tuple[str, str] | None:
         """The (kind, spec) these params constrain the output to, or None; a dict spec becomes

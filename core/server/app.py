@@ -83,6 +83,9 @@ async def _error(request: Request, exc: Exception) -> Response:
         # the traceback is logged by hypercorn (starlette re-raises after this response is sent)
         log.error("server.internal_error", method=request.method, path=request.url.path,
                   error=f"{type(exc).__name__}: {exc}")
+    elif err.status >= 500:  # a refusal of the server's own (queue full, draining, failed): said in the log too
+        log.warning("server.request_refused", method=request.method, path=request.url.path, status=err.status,
+                    reason=err.message)
     return err.response(request.url.path)
 
 

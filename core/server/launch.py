@@ -8,12 +8,15 @@ streams included, finish for ``--graceful-shutdown-timeout`` (``--drain-timeout`
 the rest are aborted with a reason, running batches stop, and it exits 0 (a second signal
 skips the wait). An engine that fails for good (a step past ``--watchdog-timeout``, a dead
 rank) fails its requests and the server exits non-zero, for a supervisor to restart it.
+A burst of connections waits in the kernel's listen queue (``LISTEN_BACKLOG``) and is held
+open (the open-file limit is raised at start), never dropped before the server sees it.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import resource
 import signal
 import socket
 import time
@@ -27,6 +30,12 @@ log = structlog.get_logger("core.server.launch")
 
 SHUTDOWN_ABORT_MESSAGE = "the server shut down before the request finished"
 WATCHDOG_EXIT_CODE = 1
+# Pending connections the kernel queues before accept (SGLang's 2048; hypercorn's default of 100
+# reset ~30 % of a 1,000-request burst, silently: the kernel dropped them before the server saw them).
+LISTEN_BACKLOG = 4096
+# Open files the server wants (SGLang's set_ulimit): every connection is a file descriptor, and
+# at the common soft limit of 1024 a burst makes accept fail with EMFILE.
+TARGET_NOFILE = 65535
 
 
 def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
@@ -36,6 +45,10 @@ def add_serve_command(subparsers: argparse._SubParsersAction) -> None:
 
 def cmd_serve(ns: argparse.Namespace) -> int:
     validate_serve_args(ns)
+    if ns.chat_template:  # an unsupported JSON sep_style, or a template that drops the messages: refused at start
+        from core.server.openai.chat import loaded_chat_template
+
+        loaded_chat_template(ns.chat_template)
     if getattr(ns, "node_rank", 0):  # another machine of a multi-node tensor-parallel group: ranks only, no HTTP
         from core.engine.config import engine_args_from_namespace
         from core.engine.distributed import serve_node
@@ -51,6 +64,32 @@ def run_server(ns: argparse.Namespace) -> int:
 
 def _bind(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+def raise_fd_limit(target: int = TARGET_NOFILE) -> int | None:
+    """Raise the soft RLIMIT_NOFILE toward ``target`` (capped by the hard limit), as SGLang's
+    ``set_ulimit`` does; returns the soft limit now in force, None where it is unlimited."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return None
+    want = target if hard == resource.RLIM_INFINITY else min(target, hard)
+    if soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            log.debug("server.fd_limit_raised", soft=want, was=soft, hard=hard)
+            return want
+        except (ValueError, OSError) as e:
+            log.warning("server.fd_limit_not_raised", soft=soft, hard=hard, error=str(e))
+    return soft
+
+
+def _somaxconn() -> int | None:
+    """The kernel's cap on a listen backlog (Linux), or None where unknown."""
+    try:
+        with open("/proc/sys/net/core/somaxconn", encoding="ascii") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
 
 
 def _check_bind(host: str, port: int) -> None:
@@ -82,6 +121,11 @@ async def _serve(ns: argparse.Namespace) -> int:
     args = ServerArgs.from_namespace(ns)
     loop = asyncio.get_running_loop()
     _check_bind(args.host, args.port)  # fail before the model loads
+    nofile = raise_fd_limit()
+    cap = _somaxconn()
+    if (nofile is not None and nofile < LISTEN_BACKLOG) or (cap is not None and cap < LISTEN_BACKLOG):
+        log.warning("server.burst_limited", open_files=nofile, backlog=LISTEN_BACKLOG, somaxconn=cap,
+                    hint="a burst past these may see connection resets: raise `ulimit -n` / net.core.somaxconn")
     engine = create_engine(engine_args_from_namespace(ns, getattr(ns, "_plugin_dests", ())),
                            plugins=getattr(ns, "_plugin_manager", None))
     state = build_state(engine, args)
@@ -90,6 +134,7 @@ async def _serve(ns: argparse.Namespace) -> int:
     grace = float(args.graceful_shutdown_timeout)
     config = Config()
     config.bind = [_bind(args.host, args.port)]
+    config.backlog = LISTEN_BACKLOG  # also how many connections asyncio accepts per wake-up
     config.accesslog = None
     config.loglevel = "WARNING" if args.log_level in ("warning", "error", "critical") else args.log_level.upper()
     config.graceful_timeout = grace + 5.0
