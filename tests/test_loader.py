@@ -277,3 +277,28 @@ def test_model_config_fields(tiny_llama, tmp_path):
     (dst / "config.json").write_text("{not json")
     with pytest.raises(ModelLoadError, match="cannot read config.json"):
         load_model_config(str(dst), "float32", CPU, None)
+
+
+# --------------------------------------------------------------------------- --load-format
+def test_load_format_reads_only_the_named_format(tmp_path):
+    """safetensors / pt read that format only (a folder with both serves the one named); a
+    folder without it, or a model of the other kind, is refused before anything loads."""
+    from tests.conftest import build_tiny_llama
+
+    st = build_tiny_llama(tmp_path / "st", seed=0)
+    pt = build_tiny_llama(tmp_path / "pt", seed=1, safe_serialization=False)
+    both = tmp_path / "both"
+    shutil.copytree(tmp_path / "st", both)
+    shutil.copy(tmp_path / "pt" / "pytorch_model.bin", both / "pytorch_model.bin")
+    for fmt, want in (("safetensors", st), ("pt", pt), ("auto", st)):
+        got = dict(iter_weights(both, fmt))
+        name = "model.layers.0.mlp.down_proj.weight"
+        assert torch.equal(got[name], want.state_dict()[name]), fmt
+    with pytest.raises(ModelLoadError, match=r"no \*\.bin or \*\.pt weights .*--load-format pt"):
+        make_engine(tmp_path / "st", load_format="pt")
+    with pytest.raises(ModelLoadError, match=r"no \*\.safetensors weights .*--load-format safetensors"):
+        make_engine(tmp_path / "pt", load_format="safetensors")
+    with pytest.raises(ModelLoadError, match="--load-format gguf needs a .gguf model"):
+        make_engine(tmp_path / "st", load_format="gguf")
+    with pytest.raises(ModelLoadError, match="is a GGUF file"):
+        make_engine(loader.default_model_path(), load_format="safetensors")

@@ -23,7 +23,9 @@ from core.errors import CoreError, InvalidRequest, ModelLoadError, Unavailable
 from core.interfaces import AttentionConfig
 from core.layers import fused, local_heads
 from core.engine.frontend import RequestFrontEnd
-from core.engine.kv_cache import PageAllocator, ReqToTokenTable, allocate_kv_cache, kv_bytes_per_token, kv_cache_dtype
+from core.engine.kv_cache import (
+    PageAllocator, ReqToTokenTable, allocate_kv_cache, cpu_kv_tokens, kv_bytes_per_token, kv_cache_dtype,
+)
 from core.engine.loader import ModelConfig, load_model_config
 from core.engine.grammar import GrammarManager
 from core.engine.profiler import StepProfiler
@@ -40,6 +42,7 @@ from core.engine.watchdog import Watchdog
 log = structlog.get_logger("core.engine")
 
 DEFAULT_CPU_CHUNKED_PREFILL_SIZE = 2048
+UPDATE_IDLE_POLL_S = 0.005  # how often a weight update checks whether the running requests have finished
 CPU_INLINE_DECODE_ROWS = 8  # a CPU decode step of up to this many rows runs on the event loop (_runs_inline)
 
 
@@ -90,6 +93,9 @@ class AsyncEngine(RequestFrontEnd):
         self.watchdog = Watchdog(args.watchdog_timeout, self._on_rank_failure)
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
+        # while a weight update runs: requests submitted meanwhile, admitted once it is done (None: no update)
+        self._held: list[Req] | None = None
+        self._update_lock = asyncio.Lock()  # one weight update at a time
         self.log = log
         # Observers (metrics, request logs): called on the loop thread, must be cheap and never raise.
         self.step_listeners: list[Callable[[ScheduledBatch, float], None]] = []
@@ -126,16 +132,16 @@ class AsyncEngine(RequestFrontEnd):
             if self.device.type == "cuda":
                 free, total = torch.cuda.mem_get_info(self.device)
                 frac = args.mem_fraction_static or 0.88
+                budget = total * frac - (total - free)
+                if budget <= per_token * 16:
+                    raise ModelLoadError(f"--mem-fraction-static {frac} leaves no memory for the KV cache; raise it or set --max-total-tokens")
+                tokens = int(budget // per_token)
             else:
                 import psutil
 
                 vm = psutil.virtual_memory()
-                free, total = vm.available, vm.total
-                frac = args.mem_fraction_static or 0.3
-            budget = total * frac - (total - free)
-            if budget <= per_token * 16:
-                raise ModelLoadError(f"--mem-fraction-static {frac} leaves no memory for the KV cache; raise it or set --max-total-tokens")
-            tokens = int(budget // per_token)
+                tokens = cpu_kv_tokens(vm.total, vm.available, args.mem_fraction_static or 0.3, per_token,
+                                       mc.context_len, args.max_running_requests)
         ps = args.page_size
         if ps < 1:
             raise ModelLoadError(f"--page-size must be >= 1, got {ps}")
@@ -189,6 +195,9 @@ class AsyncEngine(RequestFrontEnd):
     # ------------------------------------------------------------------ requests
     def submit(self, reqs: list[Req]) -> None:
         self._ensure_running()
+        if self._held is not None:  # a weight update is under way: no prefix of the old weights may be reused
+            self._held.extend(reqs)
+            return
         if any(r.grammar is None and r.constraint is not None for r in reqs):
             # not prepared by the caller: compile in the background, the running batch is not held up
             asyncio.get_running_loop().create_task(self._submit_after_compile(reqs))
@@ -215,7 +224,7 @@ class AsyncEngine(RequestFrontEnd):
 
     def flush_cache(self) -> bool:
         """Empty the radix prefix cache; False (nothing done) while requests are queued or running."""
-        ok = self.scheduler.flush_cache()
+        ok = not self._held and self.scheduler.flush_cache()
         if ok:
             log.info("engine.cache_flushed")
         return ok
@@ -225,6 +234,9 @@ class AsyncEngine(RequestFrontEnd):
         False when none matched.
         Its KV pages go back at the next step boundary."""
         found = self.scheduler.abort(rid)
+        for req in self._held or ():  # finished as aborted when admitted after the update
+            if req.answers_to(rid):
+                req.aborted = found = True
         if found and self._wake is not None:
             self._wake.set()
         return found
@@ -233,27 +245,30 @@ class AsyncEngine(RequestFrontEnd):
         """Abort every queued and running request; returns how many were aborted.
         ``reason`` becomes their finish message."""
         n = self.scheduler.abort_all(reason)
+        for req in self._held or ():
+            if not req.aborted:
+                req.aborted, req.abort_message, n = True, reason, n + 1
         if n and self._wake is not None:
             self._wake.set()
         return n
 
     # ------------------------------------------------------------------ load queries (for the server)
     def num_waiting(self) -> int:
-        """Requests queued for admission (not yet running)."""
-        return len(self.scheduler.waiting)
+        """Requests queued for admission (not yet running), those held by a weight update included."""
+        return len(self.scheduler.waiting) + len(self._held or ())
 
     def num_running(self) -> int:
         """Requests admitted to the running batch (a chunked prefill included)."""
         return len(self.scheduler.running)
 
     def has_work(self) -> bool:
-        """True while any request is queued or running."""
-        return self.scheduler.has_work
+        """True while any request is queued or running (or held by a weight update)."""
+        return self.scheduler.has_work or bool(self._held)
 
     def has_request(self, rid: str) -> bool:
         """True while a sequence with this rid, or of the request group ``rid``, is queued or running
         (for duplicate-rid checks)."""
-        return any(r.answers_to(rid) for r in (*self.scheduler.waiting, *self.scheduler.running))
+        return any(r.answers_to(rid) for r in (*self.scheduler.waiting, *self.scheduler.running, *(self._held or ())))
 
     @property
     def max_running_requests(self) -> int:
@@ -479,14 +494,51 @@ class AsyncEngine(RequestFrontEnd):
             AttentionConfig(layers, heads, hkv, d, self.model_config.dtype, self.device, kv))
 
     # ------------------------------------------------------------------ weights
-    async def update_weights_from_disk(self, model_path: str) -> tuple[bool, str]:
+    async def update_weights_from_disk(self, model_path: str, flush_cache: bool = True,
+                                       torch_empty_cache: bool = False, load_format: str = "auto") -> tuple[bool, str]:
         """Reload weights of the same architecture from ``model_path`` (SGLang's
-        ``/update_weights_from_disk``). Runs on the forward worker thread, so it never
-        overlaps a forward: running requests continue with the new weights. On failure
-        the old weights stay in place. Returns (success, message)."""
-        return await self._on_forward_thread(self._reload_weights, model_path)
+        ``/update_weights_from_disk``); on failure the old weights stay in place. Returns
+        (success, message).
 
-    def _reload_weights(self, model_path: str) -> tuple[bool, str]:
+        As SGLang's (whose update takes a writer lock every request holds a reader of), the
+        update waits for the queued and running requests to finish under the old weights, and
+        requests submitted meanwhile are held until it is done. So the swap and, with
+        ``flush_cache``, the emptying of the prefix cache happen with nothing running: no request
+        mixes KV of both weights or reuses a prefix cached under the old ones. ``flush_cache``
+        False keeps the cache (the caller knows the prefixes are still valid). ``torch_empty_cache``
+        returns the old weights' freed CUDA memory to the driver (nothing to do off CUDA);
+        ``load_format`` names the checkpoint format to read (``--load-format``'s values). Shielded: a caller that goes away does not leave the swap done without its flush."""
+        return await asyncio.shield(self._update_weights(model_path, flush_cache, torch_empty_cache, load_format))
+
+    async def _update_weights(self, model_path: str, flush_cache: bool, torch_empty_cache: bool,
+                              load_format: str) -> tuple[bool, str]:
+        async with self._update_lock:
+            self._held = []
+            try:
+                while self.scheduler.has_work and self.fatal_error is None:
+                    await asyncio.sleep(UPDATE_IDLE_POLL_S)
+                ok, message = await self._on_forward_thread(self._reload_weights, model_path, load_format)
+                if ok and flush_cache and self.scheduler.flush_cache():  # idle: always succeeds
+                    log.info("engine.cache_flushed", reason="weights updated")
+                if torch_empty_cache and self.device.type == "cuda":
+                    torch.cuda.empty_cache()
+                return ok, message
+            finally:
+                self._release_held()
+
+    def _release_held(self) -> None:
+        """Admit the requests held during a weight update (or fail them if the engine stopped)."""
+        held, self._held = self._held or [], None
+        if not held:
+            return
+        try:
+            self.submit(held)
+        except CoreError as e:
+            for r in held:
+                r.finish_reason, r.finish_time = {"type": "abort", "message": str(e)}, time.perf_counter()
+                self._finished(r)
+
+    def _reload_weights(self, model_path: str, load_format: str = "auto") -> tuple[bool, str]:
         old = self.model_config
         args = self.args
         try:
@@ -505,7 +557,7 @@ class AsyncEngine(RequestFrontEnd):
         new = attrs.evolve(new, context_len=old.context_len, served_name=old.served_name, dtype=old.dtype)
         try:
             # a fresh module: a failure half-way leaves the served one intact (on every rank)
-            load = lambda: self._load_model(new, "auto")  # noqa: E731
+            load = lambda: self._load_model(new, load_format)  # noqa: E731
             model = load() if self.tp_group is None else self.tp_group.reload(model_path, load)
         except Exception as e:
             log.warning("engine.update_weights_failed", model_path=model_path, error=str(e))
@@ -528,9 +580,12 @@ class AsyncEngine(RequestFrontEnd):
             except asyncio.CancelledError:
                 pass
         pending = [*self.scheduler.waiting, *self.scheduler.running]
+        held, self._held = self._held or [], None
         self.scheduler.waiting.clear()
         self.scheduler.fail(pending, "engine shut down")
-        for req in pending:
+        for req in held:  # never reached the scheduler
+            req.finish_reason, req.finish_time = {"type": "abort", "message": "engine shut down"}, time.perf_counter()
+        for req in [*pending, *held]:
             self._finished(req)
         self._executor.shutdown(wait=True)
         if self.tp_group is not None:

@@ -193,10 +193,18 @@ def engine_args_from_namespace(ns: argparse.Namespace, plugin_dests: Sequence[st
 
 
 # SGLang server flags whose features this engine does not have yet: passing one is an error, never silently ignored.
-UNSUPPORTED_SGLANG_ARGS = (
-    "pp_size", "ep_size", "enable_lora", "lora_paths", "speculative_algorithm",
-    "disaggregation_mode", "enable_dp_attention", "enable_torch_compile",
-)
+# SGLang options of features this engine lacks -> their "off" values (SGLang's defaults). Any other
+# value is refused: compared by type and value, so True is not taken for pp_size's 1, nor 1 for False.
+UNSUPPORTED_SGLANG_ARGS: dict[str, tuple[Any, ...]] = {
+    "pp_size": (1,), "ep_size": (1,), "enable_lora": (None, False), "lora_paths": (None, [], {}),
+    "speculative_algorithm": (None,), "disaggregation_mode": (None, "null"), "enable_dp_attention": (False,),
+    "enable_torch_compile": (False,),
+}
+
+
+def _is_off(value: Any, defaults: tuple[Any, ...]) -> bool:
+    """Whether ``value`` is one of ``defaults``, by exact type: ``True == 1`` must not pass."""
+    return any(type(value) is type(d) and value == d for d in defaults)
 
 
 def engine_args_from_kwargs(kwargs: dict[str, Any]) -> EngineArgs:
@@ -209,7 +217,7 @@ def engine_args_from_kwargs(kwargs: dict[str, Any]) -> EngineArgs:
         kwargs = dict(kwargs)
         kwargs["model_path"] = kwargs.pop("model")
     names = {f.name for f in attrs.fields(EngineArgs)}
-    unsupported = [k for k in kwargs if k in UNSUPPORTED_SGLANG_ARGS and kwargs[k] not in (None, False, 1)]
+    unsupported = [k for k in kwargs if k in UNSUPPORTED_SGLANG_ARGS and not _is_off(kwargs[k], UNSUPPORTED_SGLANG_ARGS[k])]
     if unsupported:
         raise CoreError(f"SGLang option(s) not supported by this engine yet: {', '.join(unsupported)}")
     unknown = [k for k in kwargs if k not in names and k not in UNSUPPORTED_SGLANG_ARGS]

@@ -354,9 +354,14 @@ class DataParallelEngine(RequestFrontEnd):
             raise Unavailable("no data-parallel replica is alive")
         return await self._call(self.replicas[self.router.next()], "encode", prompt_ids_list)
 
-    async def update_weights_from_disk(self, model_path: str) -> tuple[bool, str]:
-        """Every live replica reloads; success only when all did (their messages otherwise)."""
-        results = await asyncio.gather(*(self._call(r, "update_weights", model_path) for r in self._live()))
+    async def update_weights_from_disk(self, model_path: str, flush_cache: bool = True,
+                                       torch_empty_cache: bool = False, load_format: str = "auto") -> tuple[bool, str]:
+        """Every live replica reloads (each waits for its own requests and flushes its own prefix
+        cache, see ``AsyncEngine.update_weights_from_disk``); success only when all did (their
+        messages otherwise)."""
+        results = await asyncio.gather(*(self._call(r, "update_weights", model_path, flush_cache, torch_empty_cache,
+                                                    load_format)
+                                         for r in self._live()))
         failed = [f"replica {r.index}: {msg}" for r, (ok, msg) in zip(self._live(), results) if not ok]
         return (False, "; ".join(failed)) if failed else results[0]
 

@@ -244,10 +244,36 @@ def _generation_config(cls, path: Path):
         return None
 
 
-def iter_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) from safetensors files, else from PyTorch .bin files."""
-    files = sorted(path.glob("*.safetensors"))
-    if files:
+def check_load_format(mc: ModelConfig, load_format: str) -> None:
+    """``--load-format`` names the checkpoint format to read: refuse a model that is not in it
+    (before anything loads) rather than read whatever is there. ``auto`` and ``dummy`` take any."""
+    if load_format == "gguf" and mc.gguf_file is None:
+        raise ModelLoadError(f"--load-format gguf needs a .gguf model; {mc.source} is a Hugging Face folder")
+    if load_format in ("safetensors", "pt") and mc.gguf_file is not None:
+        raise ModelLoadError(f"--load-format {load_format} reads a Hugging Face folder's weights; {mc.source} is a "
+                             "GGUF file (use --load-format auto or gguf)")
+    if load_format in ("safetensors", "pt"):
+        _weight_files(mc.path, load_format)  # raises when the folder has none of that format
+
+
+def _weight_files(path: Path, load_format: str = "auto") -> tuple[str, list[Path]]:
+    """("safetensors" | "pt", the files) to read: safetensors, else PyTorch .bin / .pt files under
+    ``auto``; only the named format otherwise."""
+    st = sorted(path.glob("*.safetensors"))
+    pt = sorted(p for p in [*path.glob("*.bin"), *path.glob("*.pt")] if "training_args" not in p.name)
+    if load_format in ("auto", "safetensors") and st:
+        return "safetensors", st
+    if load_format in ("auto", "pt") and pt:
+        return "pt", pt
+    wanted = {"safetensors": "*.safetensors", "pt": "*.bin or *.pt"}.get(load_format, "*.safetensors or *.bin")
+    raise ModelLoadError(f"no {wanted} weights in {path}" + (f" (--load-format {load_format})" if load_format != "auto" else ""))
+
+
+def iter_weights(path: Path, load_format: str = "auto") -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) from safetensors files, else from PyTorch .bin files (``load_format``:
+    only that format)."""
+    kind, files = _weight_files(path, load_format)
+    if kind == "safetensors":
         from safetensors import safe_open
 
         for f in files:
@@ -255,10 +281,7 @@ def iter_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 for name in sf.keys():
                     yield name, sf.get_tensor(name)
         return
-    bins = sorted(p for p in path.glob("*.bin") if "training_args" not in p.name)
-    if not bins:
-        raise ModelLoadError(f"no *.safetensors or *.bin weights in {path}")
-    for f in bins:
+    for f in files:
         yield from torch.load(f, map_location="cpu", weights_only=True).items()
 
 
@@ -324,14 +347,15 @@ def llama_rows(rows: int, heads: int) -> torch.Tensor:
     return torch.arange(rows).reshape(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)
 
 
-def checkpoint_weights(mc: ModelConfig, model: torch.nn.Module, quant: object) -> Iterator[tuple[str, torch.Tensor]]:
+def checkpoint_weights(mc: ModelConfig, model: torch.nn.Module, quant: object,
+                       load_format: str = "auto") -> Iterator[tuple[str, torch.Tensor]]:
     """What ``model.load_weights`` consumes: the folder's tensors, except that under a quant
     method with ``gguf_raw`` (the ``gguf`` method) every ``Linear`` weight ``X.weight`` of a GGUF
     model arrives as ``X.qweight`` (its raw GGUF rows, uint8 ``[rows, bytes]``, rows in the
     converted order) and ``X.qweight_type`` (int32 ``[1]``, the GGML type). A weight the table
     does not list is sent as its float32 bytes with type F32 (0)."""
     if not getattr(quant, "gguf_raw", False):
-        yield from iter_weights(mc.path)
+        yield from iter_weights(mc.path, "auto" if mc.gguf_file is not None else load_format)
         return
     import gguf
     from safetensors import safe_open

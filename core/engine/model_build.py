@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from core.engine.config import EngineArgs
-from core.engine.loader import ModelConfig, build_quant_method, checkpoint_weights, finish_loading
+from core.engine.loader import ModelConfig, build_quant_method, check_load_format, checkpoint_weights, finish_loading
 from core.errors import ModelLoadError, UnknownNameError
 from core.interfaces import ModelContext
 
@@ -24,6 +24,7 @@ def build_model(plugins, args: EngineArgs, mc: ModelConfig, device: torch.device
     except UnknownNameError as e:
         raise ModelLoadError(f"architecture {mc.architecture!r} is not supported: {e}") from None
     load_format = load_format or args.load_format
+    check_load_format(mc, load_format)
     quant = build_quant_method(plugins, args.quantization, getattr(args, "torchao_config", None), mc, device, load_format)
     with torch.device(device):
         model = factory(mc.hf_config, ModelContext(mc.dtype, device, quant))
@@ -33,7 +34,7 @@ def build_model(plugins, args: EngineArgs, mc: ModelConfig, device: torch.device
     if load_format == "dummy":
         init_dummy_weights(model, args.random_seed or 0)
     else:
-        model.load_weights(checkpoint_weights(mc, model, quant))
+        model.load_weights(checkpoint_weights(mc, model, quant, load_format))
     finish_loading(model, quant)
     return model.eval()
 

@@ -11,6 +11,7 @@ streams and the batch runner all go through it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import contextlib
 import hmac
 import re
@@ -160,6 +161,13 @@ def decode_body(body: bytes, typ: Any = Any) -> Any:
         raise InvalidRequest(f"the request body is not valid UTF-8: {e.reason} at byte {e.start}") from None
     except RecursionError:
         raise InvalidRequest("the request body nests too deeply") from None
+
+
+@functools.cache
+def log_ignored_field(event: str, field: str, path: str = "") -> None:
+    """Once per event, field name (and path) and process: a request field the server ignores on
+    purpose (SGLang's unknown-field rule, other servers' harmless hints), said so once, not per request."""
+    log.warning(event, field=field, **({"path": path} if path else {}))
 
 
 def unknown_fields(body: bytes, typ: type[msgspec.Struct]) -> list[str]:

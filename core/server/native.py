@@ -4,7 +4,6 @@ request abort, weight updates and /metrics. Bodies and errors as SGLang's ``http
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import time
 import uuid
@@ -32,6 +31,7 @@ from core.server.http import (
     sse_error,
     sse_event,
     state_of,
+    log_ignored_field,
     unknown_fields,
 )
 from core.server.limits import check_sampling_limits, check_sequences
@@ -123,12 +123,6 @@ _UNSUPPORTED_GENERATE_FIELDS = GenerateReqInput.__struct_fields__[
 # SGLang sampling parameters of features core does not have: accepted only when unset
 # (beam_width 1 is plain sampling)
 _UNSUPPORTED_SAMPLING_KEYS = {"custom_params": (None, {}), "watermark": (None, {}), "beam_width": (None, 1)}
-
-
-@functools.cache
-def _log_ignored_field(name: str) -> None:
-    """Once per field name and process: SGLang ignores unknown /generate fields, so do we, but say so."""
-    log.warning("generate.unknown_field_ignored", field=name)
 
 
 def _per_item(value: Any, n: int, name: str, default: Any) -> list:
@@ -327,7 +321,7 @@ async def generate(request: Request) -> Response:
     raw = await read_limited(request)
     obj = decode_body(raw, GenerateReqInput)
     for name in unknown_fields(raw, GenerateReqInput):
-        _log_ignored_field(name)
+        log_ignored_field("generate.unknown_field_ignored", name)
     reqs, batch, req_interval = await prepare_off_loop(request, build_generate_requests, state, obj)
     await state.engine.prepare_grammars(reqs)  # constrained requests: compile off the loop (400 if invalid)
     state.submit(reqs)
@@ -428,7 +422,7 @@ async def get_model_info(request: Request) -> Response:
     return json_response({
         "model_path": state.model_path,
         "tokenizer_path": state.args.tokenizer_path,
-        "is_generation": True,
+        "is_generation": not state.engine.args.is_embedding,  # --is-embedding serves /encode, /classify only
         "preferred_sampling_params": None,
         "weight_version": state.weight_version,
         "served_model_name": state.served_model_name,
@@ -562,6 +556,12 @@ async def stop_profile(request: Request) -> Response:
 
 
 class UpdateWeightFromDiskReqInput(msgspec.Struct, forbid_unknown_fields=True):
+    """SGLang's UpdateWeightFromDiskReqInput. ``flush_cache`` and ``torch_empty_cache`` are honoured
+    (see ``AsyncEngine.update_weights_from_disk``); CUDA graphs are always recaptured (the new
+    weights are a new module, the old graphs would read the old ones), which honours
+    ``recapture_cuda_graph`` either way; the fields of features this server lacks
+    (``_UNSUPPORTED_UPDATE_FIELDS``) are refused when set, not ignored."""
+
     model_path: str
     load_format: str | None = None
     abort_all_requests: bool = False
@@ -574,15 +574,30 @@ class UpdateWeightFromDiskReqInput(msgspec.Struct, forbid_unknown_fields=True):
     flush_cache: bool = True
 
 
+# field -> why it cannot be honoured: no pause_generation here, and no trainer-step tracking of outputs
+_UNSUPPORTED_UPDATE_FIELDS = {
+    "is_async": "asynchronous weight updates are not supported; the update completes before the response",
+    "keep_pause": "this server has no pause_generation, so there is no pause to keep",
+    "token_step": "outputs are not tagged with trainer steps by this server",
+}
+
+_UPDATE_DEFAULTS = UpdateWeightFromDiskReqInput(model_path="")
+
+
 async def update_weights_from_disk(request: Request) -> Response:
     state = state_of(request)
     obj = await read_body(request, UpdateWeightFromDiskReqInput)
     if obj.load_format not in (None, "auto", "safetensors", "pt", "gguf"):
         raise InvalidRequest(f"load_format {obj.load_format!r} is not supported", param="load_format")
+    for name, why in _UNSUPPORTED_UPDATE_FIELDS.items():
+        if getattr(obj, name) != getattr(_UPDATE_DEFAULTS, name):
+            raise InvalidRequest(f"{name} is not supported: {why}", param=name)
     engine = state.engine
     if obj.abort_all_requests:
         engine.abort_all("aborted to update the weights")
-    success, message = await engine.update_weights_from_disk(obj.model_path)
+    success, message = await engine.update_weights_from_disk(obj.model_path, flush_cache=obj.flush_cache,
+                                                             torch_empty_cache=obj.torch_empty_cache,
+                                                             load_format=obj.load_format or "auto")
     if success:
         state.model_path = obj.model_path
         if obj.weight_version is not None:

@@ -5,7 +5,6 @@ of prompt ``i // n``) with its outputs, usage and the end every stream shares.""
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import time
 import uuid
@@ -16,7 +15,7 @@ import structlog
 
 from core.engine.sampling_params import SamplingParams
 from core.errors import InvalidRequest
-from core.server.http import SSE_DONE, ApiError, sse_error
+from core.server.http import SSE_DONE, ApiError, log_ignored_field, sse_error
 from core.server.limits import MAX_N, MAX_SEQUENCES, check_sampling_limits  # noqa: F401 (MAX_SEQUENCES: re-exported)
 from core.server.openai.logprobs import vocab_of
 from core.server.openai.protocol import IGNORED_FIELDS, NOOP_FIELDS, PromptTokensDetails, UsageInfo
@@ -34,12 +33,6 @@ def check(ok: bool, message: str, param: str) -> None:
         raise InvalidRequest(message, param=param)
 
 
-@functools.cache
-def _log_ignored(field: str) -> None:
-    """Once per field name and process: another server's harmless field is ignored, and said so."""
-    log.warning("request.field_ignored", field=field)
-
-
 def check_fields(body: Mapping[str, Any], typ: type) -> None:
     """The unknown-field policy (``core.server.openai.protocol``) over a request body's top-level
     keys, for the request Struct ``typ``. Values are ``msgspec.Raw`` (an HTTP body) or plain JSON
@@ -49,7 +42,7 @@ def check_fields(body: Mapping[str, Any], typ: type) -> None:
         if name in known:
             continue
         if name in IGNORED_FIELDS:
-            _log_ignored(name)
+            log_ignored_field("request.field_ignored", name)
         elif name in noop:
             if isinstance(value, msgspec.Raw):
                 value = msgspec.json.decode(value)
@@ -103,7 +96,7 @@ def _vllm_constraints(r: Any) -> list[tuple[str, str, str]]:
             check(getattr(so, option) in (None, False), f"structured_outputs.{option} is not supported by this server",
                   f"structured_outputs.{option}")
         if so.backend is not None:
-            _log_ignored("structured_outputs.backend")
+            log_ignored_field("request.field_ignored", "structured_outputs.backend")
         own = [_vllm_constraint(f"structured_outputs.{key}", key, getattr(so, key)) for key in _VLLM_KINDS]
         check(any(own), "structured_outputs needs one of " + ", ".join(_VLLM_KINDS), "structured_outputs")
         found += own
