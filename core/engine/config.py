@@ -211,6 +211,7 @@ def engine_args_from_kwargs(kwargs: dict[str, Any]) -> EngineArgs:
     """Accept SGLang-style keyword arguments; unknown ones are an error naming them. Model-hub
     ids are resolved to local paths here (``core.engine.hub.resolve_hub_args``)."""
     from core.engine.hub import resolve_hub_args
+    from core.engine.sglang_flags import SGLANG_FLAGS_LACKING
     from core.errors import CoreError
 
     if "model" in kwargs and "model_path" not in kwargs:  # SGLang's alias
@@ -221,6 +222,9 @@ def engine_args_from_kwargs(kwargs: dict[str, Any]) -> EngineArgs:
     if unsupported:
         raise CoreError(f"SGLang option(s) not supported by this engine yet: {', '.join(unsupported)}")
     unknown = [k for k in kwargs if k not in names and k not in UNSUPPORTED_SGLANG_ARGS]
+    sglang = [k for k in unknown if "--" + k.replace("_", "-") in SGLANG_FLAGS_LACKING]
+    if sglang:  # a real SGLang server argument: say so, rather than "unknown"
+        raise CoreError(f"SGLang option(s) not supported by this engine yet: {', '.join(sorted(sglang))}")
     if unknown:
         raise CoreError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
     return resolve_hub_args(EngineArgs(**{k: v for k, v in kwargs.items() if k in names}))
