@@ -16,6 +16,12 @@ CONSTRAINT_KINDS = ("json_schema", "regex", "ebnf", "structural_tag")
 SAMPLING_EPS = 1e-5
 
 
+def _str_list(s: object) -> object:
+    """``stop`` / ``stop_regex`` as a list (one string becomes a list of it); another type is kept
+    as it is, for ``validate``'s 400."""
+    return [s] if isinstance(s, str) else list(s) if isinstance(s, (list, tuple)) else s or []
+
+
 @attrs.define
 class SamplingParams:
     """One request's sampling options; ``from_dict`` for JSON input, ``validate`` before use."""
@@ -29,11 +35,11 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    stop: list[str] = attrs.field(factory=list, converter=lambda s: [s] if isinstance(s, str) else list(s) if isinstance(s, (list, tuple)) else s or [])
+    stop: list[str] = attrs.field(factory=list, converter=_str_list)
     stop_token_ids: list[int] = attrs.field(factory=list, converter=lambda s: list(s or []))
     # SGLang's stop_regex: generation stops once a pattern matches in the output's tail; the
     # matched text stays in the output (SGLang trims only literal stop strings)
-    stop_regex: list[str] = attrs.field(factory=list, converter=lambda s: [s] if isinstance(s, str) else list(s) if isinstance(s, (list, tuple)) else s or [])
+    stop_regex: list[str] = attrs.field(factory=list, converter=_str_list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True

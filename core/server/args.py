@@ -107,7 +107,6 @@ NOT_SUPPORTED_YET: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 
-
 CUDA_ONLY_ATTENTION_BACKENDS = ("flashinfer", "triton")  # their kernels are CUDA-only
 
 
@@ -257,7 +256,6 @@ class ServeArgumentParser(argparse.ArgumentParser):
                 self._check_config_value(path, key, action, text)
             expanded += [flag, *values]
         return expanded + args  # command-line values come later, so they win
-
 
     def _check_config_value(self, path: str, key: str, action: argparse.Action, text: str) -> None:
         """A bad value names the file, the key and what is allowed; argparse would blame a flag

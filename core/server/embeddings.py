@@ -15,8 +15,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from core.errors import InvalidRequest
-from core.server.http import (ApiError, check_json_content_type, decode_body, json_response, log_ignored_field, read_limited,
-                              state_of, unknown_fields)
+from core.server.http import ApiError, json_response, read_body_ignoring_unknown, state_of
 
 log = structlog.get_logger("core.server.embeddings")
 
@@ -73,11 +72,7 @@ _NATIVE_UNSUPPORTED = EmbeddingReqInput.__struct_fields__[EmbeddingReqInput.__st
 async def _read_request(request: Request, typ: type[msgspec.Struct], unsupported: tuple[str, ...]) -> Any:
     """The body as ``typ``: a field of a feature this server lacks (``unsupported``) is a 400 when
     set (not its default); unknown top-level fields are ignored and logged, as /generate does."""
-    check_json_content_type(request)
-    raw = await read_limited(request)
-    obj = decode_body(raw, typ)
-    for name in unknown_fields(raw, typ):
-        log_ignored_field("embeddings.unknown_field_ignored", name, request.url.path)
+    obj = await read_body_ignoring_unknown(request, typ, "embeddings.unknown_field_ignored")
     defaults = typ()
     for name in unsupported:
         value, default = getattr(obj, name), getattr(defaults, name)

@@ -177,6 +177,18 @@ def unknown_fields(body: bytes, typ: type[msgspec.Struct]) -> list[str]:
     return [k for k in msgspec.json.decode(body, type=dict[str, msgspec.Raw]) if k not in known]
 
 
+async def read_body_ignoring_unknown(request: Request, typ: type[msgspec.Struct], event: str) -> Any:
+    """The JSON body as ``typ`` (a Struct that allows unknown fields), as :func:`read_body` reads
+    it; each top-level field ``typ`` does not declare is ignored and logged once as ``event``
+    (SGLang's native endpoints ignore unknown fields)."""
+    check_json_content_type(request)
+    raw = await read_limited(request)
+    obj = decode_body(raw, typ)
+    for name in unknown_fields(raw, typ):
+        log_ignored_field(event, name, request.url.path)
+    return obj
+
+
 async def read_body(request: Request, typ: Any = Any) -> Any:
     """The request's JSON body decoded into ``typ`` (see :func:`decode_body`), after the
     Content-Type check (:func:`check_json_content_type`) and the size limit

@@ -22,17 +22,15 @@ from core.server.http import (
     EventStream,
     SSE_DONE,
     abort_on_disconnect,
-    check_json_content_type,
     decode_body,
     json_response,
     prepare_off_loop,
     read_body,
+    read_body_ignoring_unknown,
     read_limited,
     sse_error,
     sse_event,
     state_of,
-    log_ignored_field,
-    unknown_fields,
 )
 from core.server.limits import check_sampling_limits, check_sequences
 from core.server.metrics import CONTENT_TYPE
@@ -317,11 +315,7 @@ def request_logger(state: ServerState) -> Callable[[Req], None]:
 
 async def generate(request: Request) -> Response:
     state = state_of(request)
-    check_json_content_type(request)
-    raw = await read_limited(request)
-    obj = decode_body(raw, GenerateReqInput)
-    for name in unknown_fields(raw, GenerateReqInput):
-        log_ignored_field("generate.unknown_field_ignored", name)
+    obj = await read_body_ignoring_unknown(request, GenerateReqInput, "generate.unknown_field_ignored")
     reqs, batch, req_interval = await prepare_off_loop(request, build_generate_requests, state, obj)
     await state.engine.prepare_grammars(reqs)  # constrained requests: compile off the loop (400 if invalid)
     state.submit(reqs)
