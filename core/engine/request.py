@@ -31,6 +31,7 @@ class Req:
     # the API request this sequence belongs to (its n > 1 copies and batch items share it): what an
     # abort by id reaches besides the exact rid; "" for none
     group: str = ""
+    log_metrics: bool = True  # SGLang's log_metrics: False keeps the request out of the /metrics counters
     # (kind, spec) the sampling params constrain the output to, or None; derived once, here
     constraint: tuple[str, str] | None = attrs.field(init=False)
 

@@ -102,7 +102,7 @@ class Metrics:
                 if req.finished or req.aborted or req.params.max_new_tokens == 0 or req.kv_len < req.seq_len:
                     continue
                 tokens += n
-                if req.rid.startswith(INTERNAL_RID_PREFIXES):
+                if req.rid.startswith(INTERNAL_RID_PREFIXES) or not req.log_metrics:
                     continue
                 last = self._last_token_time.get(req)
                 if last is not None and not batch.is_prefill:
@@ -117,7 +117,7 @@ class Metrics:
     def on_finish(self, req: Req) -> None:
         try:
             self._last_token_time.pop(req, None)
-            if req.rid.startswith(INTERNAL_RID_PREFIXES):
+            if req.rid.startswith(INTERNAL_RID_PREFIXES) or not req.log_metrics:
                 return
             m = self.model_name
             n_out = len(req.output_ids)

@@ -57,7 +57,7 @@ class GenerateReqInput(msgspec.Struct):
     top_logprobs_num: int | list[int] | None = None
     return_text_in_logprobs: bool = False
     stream: bool = False
-    log_metrics: bool = True
+    log_metrics: bool = True  # honoured: false keeps the request out of the /metrics counters
     priority: Any = None
     no_logs: bool = False  # honoured: the request is not written to the --log-requests log
     # routing and tracing hints that do not change the output
@@ -222,6 +222,8 @@ def build_generate_requests(state: ServerState, obj: GenerateReqInput) -> tuple[
         group = obj.rid if batch and isinstance(obj.rid, str) else None  # /abort_request {rid} reaches every item
         reqs += engine.make_requests(token_ids, params, rid or uuid.uuid4().hex, bool(lps[i]), starts[i], tops[i],
                                      priority=prios[i], group=group)
+    for r in reqs:
+        r.log_metrics = obj.log_metrics
     return reqs, batch, interval
 
 
@@ -489,6 +491,9 @@ async def flush_cache(request: Request) -> Response:
 
 
 class AbortReq(msgspec.Struct, forbid_unknown_fields=True):
+    """SGLang's AbortReq. ``abort_message`` is the error an ``abort_all`` gives its requests; a
+    custom ``finished_reason`` (and a message for one ``rid``) is refused when set, not ignored."""
+
     rid: str = ""
     abort_all: bool = False
     finished_reason: Any = None
@@ -499,6 +504,11 @@ async def abort_request(request: Request) -> Response:
     state = state_of(request)
     obj = await read_body(request, AbortReq)
     engine = state.engine
+    if obj.finished_reason is not None:
+        raise InvalidRequest("finished_reason is not supported: an aborted request finishes as 'abort'",
+                             param="finished_reason")
+    if obj.abort_message is not None and not obj.abort_all:
+        raise InvalidRequest("abort_message is only supported with abort_all", param="abort_message")
     if obj.abort_all:
         engine.abort_all(obj.abort_message if isinstance(obj.abort_message, str) else "request aborted")
     elif obj.rid:

@@ -273,8 +273,11 @@ async def chat_response(job: ChatJob) -> ChatCompletionResponse:
 async def chat_stream(job: ChatJob) -> AsyncIterator[bytes]:
     usage_field = None if job.include_usage else UNSET
     count = len(job.reqs)
+    last: list[dict | None] = [None] * count  # each choice's latest output
 
     def chunk(choice: ChatStreamChoice | None, usage: Any = usage_field) -> bytes:
+        if job.continuous_usage and usage is usage_field:
+            usage = job.usage(last)
         return sse_event(ChatCompletionChunk(id=job.id, created=job.created, model=job.model,
                                              choices=[] if choice is None else [choice], usage=usage))
 
@@ -282,7 +285,6 @@ async def chat_stream(job: ChatJob) -> AsyncIterator[bytes]:
         yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
     sent_text = [""] * count
     sent_toks = [0] * count
-    last: list[dict | None] = [None] * count
     posts = [job.post() for _ in range(count)]
     async for i, out in job.merged():
         last[i] = out

@@ -104,9 +104,12 @@ async def completion_response(job: CompletionJob) -> CompletionResponse:
 async def completion_stream(job: CompletionJob) -> AsyncIterator[bytes]:
     usage_field = None if job.include_usage else UNSET
     count = len(job.reqs)
+    last: list[dict | None] = [None] * count  # each choice's latest output
     echo = job.echo_texts is not None
 
     def chunk(choice: CompletionChoice | None, usage: Any = usage_field) -> bytes:
+        if job.continuous_usage and usage is usage_field:
+            usage = job.usage(last)
         return sse_event(CompletionResponse(id=job.id, created=job.created, model=job.model,
                                             choices=[] if choice is None else [choice], usage=usage))
 
@@ -114,7 +117,6 @@ async def completion_stream(job: CompletionJob) -> AsyncIterator[bytes]:
     sent_toks = [0] * count
     started = [False] * count
     offsets = [Offsets() for _ in range(count)]
-    last: list[dict | None] = [None] * count
     async for i, out in job.merged():
         last[i] = out
         reason, matched = finish_of(out)

@@ -275,6 +275,8 @@ class Job:
         self.stream = bool(r.stream)
         opts = r.stream_options
         self.include_usage = bool(self.stream and opts is not None and opts.include_usage)
+        # vLLM's continuous_usage_stats: with include_usage, every chunk carries the usage so far
+        self.continuous_usage = self.include_usage and bool(opts.continuous_usage_stats)
         self.cache_report = state.args.enable_cache_report
         self.interval = max(1, state.args.stream_interval)
         self.n = 1
