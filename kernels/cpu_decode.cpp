@@ -213,11 +213,13 @@ inline bool has_kernels(at::ScalarType st) {
   return false;
 }
 
-// A layer's packed linear (kind 0 int4, 1 int8; cpu_gemv.h's Weight), checked: scales and bias in st.
+// A layer's packed linear (kind 0 int4, 1 int8; the head also 3, int8 blocks; cpu_gemv.h's Weight),
+// checked: scales and bias in st (int8 blocks: fp16 scales).
 Weight packed(const at::Tensor& a, const at::Tensor& b, const at::Tensor& bias, int64_t kind, int64_t N, int64_t K,
-              int64_t layer, const char* name, at::ScalarType st) {
-  TORCH_CHECK(kind == 0 || kind == 1, "DecodeStack: layer ", layer, " ", name, ": kind ", kind, " is not int4 (0) or int8 (1)");
-  const at::ScalarType bt = kind == 0 ? core_gemv::sz_type(st) : st;
+              int64_t layer, const char* name, at::ScalarType st, bool head = false) {
+  TORCH_CHECK(kind == 0 || kind == 1 || (head && kind == 3), "DecodeStack: layer ", layer, " ", name, ": kind ", kind,
+              head ? " is not int4 (0), int8 (1) or int8 blocks (3)" : " is not int4 (0) or int8 (1)");
+  const at::ScalarType bt = kind == 0 ? core_gemv::sz_type(st) : kind == 3 ? at::kHalf : st;
   TORCH_CHECK(a.scalar_type() == at::kByte && a.is_contiguous() && b.scalar_type() == bt && b.is_contiguous(),
               "DecodeStack: layer ", layer, " ", name, ": uint8 codes and ", bt, " scales, contiguous");
   int64_t G = 1;
@@ -227,6 +229,11 @@ Weight packed(const at::Tensor& a, const at::Tensor& b, const at::Tensor& bias, 
                     K % b.size(1) == 0 && (K / b.size(1)) % 32 == 0,
                 "DecodeStack: layer ", layer, " ", name, ": int4 weight of ", N, " x ", K, " expected");
     G = b.size(1);
+  } else if (kind == 3) {
+    TORCH_CHECK(a.dim() == 4 && a.size(0) * 16 == N && a.size(1) * 4 == K && a.size(2) == 16 && a.size(3) == 4 &&
+                    K % 32 == 0 && b.dim() == 3 && b.size(0) == N / 16 && b.size(1) == K / 32 && b.size(2) == 16,
+                "DecodeStack: ", name, ": int8-blocks weight of ", N, " x ", K, " expected");
+    G = K / 32;
   } else {
     TORCH_CHECK(a.dim() == 4 && a.size(0) * 16 == N && a.size(1) * 4 == K && a.size(2) == 16 && a.size(3) == 4 &&
                     K % 32 == 0 && b.dim() == 1 && b.size(0) == N,
@@ -255,24 +262,29 @@ struct Job {
 // and with `meet` they start in step too (each thread prepared some rows of the job's x). The
 // clock: what came before (the row loops, x quantized for the job) as kRows, this thread's blocks
 // as `phase`, the waits for the others as kGemmWait.
-template <typename E>
-void gemv_shared(const Job<E>& j, int64_t M, PhaseClock& clock, bool meet, Phase phase = kGemm) {
-  const int64_t na = j.w->N / 16;
+template <typename F>
+void blocks_shared(int64_t blocks, PhaseClock& clock, bool meet, Phase phase, F&& block) {
   clock.mark(kRows);
   if (meet) {
 #pragma omp barrier
     clock.mark(kGemmWait);
   }
 #pragma omp for schedule(static) nowait
-  for (int64_t i = 0; i < j.blocks(); ++i) {
+  for (int64_t i = 0; i < blocks; ++i) block(i);
+  clock.mark(phase);
+#pragma omp barrier
+  clock.mark(kGemmWait);
+}
+
+template <typename E>
+void gemv_shared(const Job<E>& j, int64_t M, PhaseClock& clock, bool meet, Phase phase = kGemm) {
+  const int64_t na = j.w->N / 16;
+  blocks_shared(j.blocks(), clock, meet, phase, [&](int64_t i) {
     if (i < na)
       weight_block(*j.w, j.a, raw(j.out), M, i);
     else
       weight_block(*j.w2, j.a2, raw(j.out2), M, i - na);
-  }
-  clock.mark(phase);
-#pragma omp barrier
-  clock.mark(kGemmWait);
+  });
 }
 
 // Per-thread scratch for x as the kernels read it (cpu_gemv.h's Act): group sums, int8 codes, scales.
@@ -349,8 +361,8 @@ constexpr int kPerLayer = 17;  // in_norm, post_norm, then (a, b, bias) of qkv, 
 // built when the model first plans it); run() is one decode or short-prefill forward.
 class DecodeStack : public torch::CustomClassHolder {
  public:
-  // head: empty, or (final norm weight, head codes, head scales) with head_kind 0 (int4) or 1 (int8),
-  // the final norm's eps final_eps.
+  // head: empty, or (final norm weight, head codes, head scales) with head_kind 0 (int4), 1 (int8) or
+  // 3 (int8 blocks: float32 logits), the final norm's eps final_eps.
   DecodeStack(std::vector<at::Tensor> layers, std::vector<int64_t> kinds, double eps, at::Tensor cos, at::Tensor sin,
               int64_t rotary_dim, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
               std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches, double scale, int64_t window,
@@ -395,7 +407,7 @@ class DecodeStack : public torch::CustomClassHolder {
       TORCH_CHECK(head_[0].scalar_type() == dtype_ && head_[0].is_contiguous() && head_[0].numel() == hid,
                   "DecodeStack: final norm weights of ", hid, " ", dtype_);
       const int64_t N = head_[1].dim() == 4 ? head_[1].size(0) * 16 : 0;
-      head_w_ = packed(head_[1], head_[2], at::Tensor(), head_kind, N, hid, L, "lm_head", dtype_);
+      head_w_ = packed(head_[1], head_[2], at::Tensor(), head_kind, N, hid, L, "lm_head", dtype_, true);
     }
     // The memory lin_, norms_ and head_w_ point into, held as such: a tensor moved afterwards
     // (set_, as kernels/cpu_decode.into_arena moves weights) leaves this stack's copy alive.
@@ -617,11 +629,13 @@ class DecodeStack : public torch::CustomClassHolder {
     at::Tensor attn = at::empty({M, H, D}, opt);
     E* pa = attn.data_ptr<E>();
     at::Tensor hidden, logits, next;  // with the head: the final norm's rows and the logits (and their argmax)
-    if (with_head) hidden = at::empty({M, hid}, opt), logits = at::empty({M, head_w_.N}, opt);
+    const bool f32_head = head_w_.kind == 3;  // int8 blocks: float32 logits
+    if (with_head) hidden = at::empty({M, hid}, opt), logits = at::empty({M, head_w_.N}, f32_head ? opt.dtype(at::kFloat) : opt);
     if (with_head && vocab > 0) next = at::empty({M}, opt.dtype(at::kLong));
     int64_t* pnext = next.defined() ? next.data_ptr<int64_t>() : nullptr;
     E* phid = with_head ? hidden.data_ptr<E>() : nullptr;
-    E* plog = with_head ? logits.data_ptr<E>() : nullptr;
+    E* plog = with_head && !f32_head ? logits.data_ptr<E>() : nullptr;
+    float* plogf = with_head && f32_head ? logits.data_ptr<float>() : nullptr;
     const E* fnorm = with_head ? head_[0].const_data_ptr<E>() : nullptr;
     const float ffeps = static_cast<float>(final_eps_);
     // One parallel region for the whole stack: the threads meet after each GEMM, after the rotary
@@ -693,11 +707,18 @@ class DecodeStack : public torch::CustomClassHolder {
           norm_row<E>(my_x0 + m * hid, fnorm, my_h + m * hid, hid, ffeps, 0.0f);
         }
         if (split || me == 0) std::copy(my_h + r0 * hid, my_h + r1 * hid, phid + r0 * hid);
-        gemv_shared<E>({&head_w_, prep(head_w_, my_h, r0, r1, sc), plog}, M, clk, split, kHead);
+        const Act ah = prep(head_w_, my_h, r0, r1, sc);
+        if (f32_head)
+          blocks_shared(head_w_.N / 16, clk, split, kHead,
+                        [&](int64_t i) { weight_block_f32<Bits<E>>(head_w_, ah, plogf, M, i); });
+        else
+          gemv_shared<E>({&head_w_, ah, plog}, M, clk, split, kHead);
         if (pnext) {  // the rows shared out (every thread has left the head's blocks: they are all written)
           std::vector<float> bmax((vocab + kArgmaxBlock - 1) / kArgmaxBlock);
 #pragma omp for schedule(static)
-          for (int64_t m = 0; m < M; ++m) pnext[m] = argmax_row(raw(plog + m * head_w_.N), vocab, bmax);
+          for (int64_t m = 0; m < M; ++m)
+            pnext[m] = f32_head ? argmax_row(plogf + m * head_w_.N, vocab, bmax)
+                                : argmax_row(raw(plog + m * head_w_.N), vocab, bmax);
           clk.mark(kArgmax);
         }
       }

@@ -111,7 +111,8 @@ def plan_stack(plans: list[dict[str, Any] | None], norm: torch.nn.Module | None 
 
     ``norm`` (the model's final ``RMSNorm``) and ``head`` (the module computing the logits, with
     ``cpu_linear_args()`` as a quant method's; None: no head) join the stack for
-    :func:`run_stack_head` where the head is int4 / int8 gemv for few rows and the norm plain;
+    :func:`run_stack_head` where the head is int4 / int8 / int8-blocks gemv for few rows (int8
+    blocks: float32 logits) and the norm plain;
     with those and ``embedding`` (the token table ``[vocab, hidden]`` the model looks ids up in
     plainly, in the stack's dtype), :func:`decode` runs a whole decode step from token ids."""
     if not plans or any(p is None for p in plans):
@@ -185,10 +186,11 @@ def _head(norm: torch.nn.Module | None, head: torch.nn.Module | None,
     """(final norm weight, head codes, head scales), the head's kind and the rows below which it
     runs its gemv kernels; ``([], 0, 0)`` where they cannot join the stack."""
     args = getattr(head, "cpu_linear_args", lambda: None)() if norm is not None else None
-    if args is None or args[0] not in (0, 1) or norm.offset or getattr(head, "bias", None) is not None:
+    if args is None or args[0] not in (0, 1, 3) or norm.offset or getattr(head, "bias", None) is not None:
         return [], 0, 0
     kind, a, b, max_rows, _ = args
-    scales = cpu_gemv.SZ_DTYPES.get(dtype) if kind == 0 else dtype  # int4's scales and minimums: see cpu_gemv
+    # int4's scales and minimums: see cpu_gemv; int8 blocks (kind 3, float32 logits): fp16 scales
+    scales = cpu_gemv.SZ_DTYPES.get(dtype) if kind == 0 else torch.float16 if kind == 3 else dtype
     if b.dtype != scales or norm.weight.numel() != a.shape[1] * (8 if kind == 0 else 4):  # K of the packed codes
         return [], 0, 0
     return [norm.weight.detach().to(dtype).contiguous(), a, b], kind, max_rows

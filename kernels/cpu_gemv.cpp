@@ -1,4 +1,4 @@
-// Packed int4 (group-wise) and int8 (per-channel) weights times a few activation rows: bf16 on CPUs
+// Packed int4 (group-wise), int8 (per-channel) and int8-blocks (Q8_0) weights times a few activation rows: bf16 on CPUs
 // with AVX512-BF16 and AVX512-VNNI, fp32 on CPUs with AVX2 and FMA. The ops around the kernels of
 // cpu_gemv.h (its header comment says how they work).
 
@@ -142,6 +142,36 @@ at::Tensor int8_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& 
   return out;
 }
 
+// x [M, K] bf16 or fp32; qw as int8_mm's; scale [N/16, K/32, 16] fp16 (one per row and run of 32
+// columns: GGUF's Q8_0) -> float32 [M, N] (the LM head's format, cpu_gemv.h).
+at::Tensor int8_blocks_mm(const at::Tensor& x, const at::Tensor& qw, const at::Tensor& scale) {
+  check_kernel("int8_blocks_mm", x);
+  TORCH_CHECK(qw.dim() == 4 && qw.scalar_type() == at::kByte && qw.size(2) == 16 && qw.size(3) == 4 && qw.is_contiguous(),
+              "int8_blocks_mm: qw [N/16, K/4, 16, 4] uint8");
+  const int64_t M = x.size(0), K = x.size(1), NB = qw.size(0), N = NB * 16;
+  TORCH_CHECK(qw.size(1) * 4 == K && K % 32 == 0, "int8_blocks_mm: x has ", K, " columns, the weight ", qw.size(1) * 4,
+              " (a multiple of 32)");
+  TORCH_CHECK(scale.dim() == 3 && scale.size(0) == NB && scale.size(1) == K / 32 && scale.size(2) == 16 &&
+                  scale.scalar_type() == at::kHalf && scale.is_contiguous(),
+              "int8_blocks_mm: scale [N/16, K/32, 16] fp16");
+  auto out = at::empty({M, N}, x.options().dtype(at::kFloat));
+#ifdef CORE_GEMV_ANY
+  const Prepared p(x, K / 32);
+  const Weight w{3, N, K, K / 32, qw.const_data_ptr<uint8_t>(), scale.const_data_ptr()};
+  float* op = out.data_ptr<float>();
+  for_dtype(x, [&](auto t) {
+    at::parallel_for(0, NB, 8, [&](int64_t b0, int64_t b1) {
+      for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
+        const int64_t mt = std::min(kTileRows, M - m0);
+        const Act a{p.act.xq + m0 * K, p.act.dx + m0 * (K / 32), p.act.xs + m0 * (K / 32)};
+        for (int64_t nb = b0; nb < b1; ++nb) weight_block_f32<decltype(t)>(w, a, op + m0 * N, mt, nb);
+      }
+    });
+  });
+#endif
+  return out;
+}
+
 // Two weights times the same x (a gate and an up projection) in one pass over threads: one parallel
 // region and one quantization of x instead of two (a fork and a join cost ~4 us at decode sizes).
 // Each output block is computed as int4_mm / int8_mm computes it, so the results are the same.
@@ -215,6 +245,7 @@ bool gemv_supported() { return supported(); }
 TORCH_LIBRARY(core_cpu_gemv, m) {
   m.def("int4_mm(Tensor x, Tensor qw, Tensor sz) -> Tensor");
   m.def("int8_mm(Tensor x, Tensor qw, Tensor scale) -> Tensor");
+  m.def("int8_blocks_mm(Tensor x, Tensor qw, Tensor scale) -> Tensor");
   m.def("int4_mm_pair(Tensor x, Tensor qa, Tensor sa, Tensor qb, Tensor sb) -> (Tensor, Tensor)");
   m.def("int8_mm_pair(Tensor x, Tensor qa, Tensor sa, Tensor qb, Tensor sb) -> (Tensor, Tensor)");
   m.def("supported() -> bool", &gemv_supported);
@@ -224,6 +255,7 @@ TORCH_LIBRARY(core_cpu_gemv, m) {
 TORCH_LIBRARY_IMPL(core_cpu_gemv, CPU, m) {
   m.impl("int4_mm", &int4_mm);
   m.impl("int8_mm", &int8_mm);
+  m.impl("int8_blocks_mm", &int8_blocks_mm);
   m.impl("int4_mm_pair", &int4_mm_pair);
   m.impl("int8_mm_pair", &int8_mm_pair);
 }

@@ -26,6 +26,10 @@
 // took 8 and made a third of SmolLM2's int4 bytes; GGUF's fp16 d and m stay exact).
 // int8 (w = q * s per row), stored as u = q + 128: per block and 4 columns 64 bytes, byte 4 i + j
 // holding row i's column j, and sum_k q_k x_k = sum_runs d * sum_k u_k xq_k - 128 * sum_k x_k.
+// int8 blocks (GGUF's Q8_0: w = q * s per row and run of 32 columns, s fp16; the LM head's format):
+// the int8 layout, the scales per block and run as 16 fp16 values [N/16, K/32, 16], and every
+// run's product scaled by its own s before the sum; the output is float32 whatever the
+// activations' dtype, so that logits keep their order (bf16 logits tie at the top).
 
 // The kernels below are shared by cpu_gemv.cpp (the ops) and cpu_decode.cpp (the decode stack).
 
@@ -207,6 +211,44 @@ inline void block8(const uint8_t* __restrict qw, const uint16_t* __restrict sc, 
 
 
 
+// Rows [m0, m0 + M) of x (as for block, with one group per run of 32: xs holds the runs' sums)
+// times int8-blocks row block nb (block8's codes; sc: fp16 bits [N/16, K/32, 16]) -> float32 out.
+template <int M>
+inline void block8g_vnni(const uint8_t* __restrict qw, const uint16_t* __restrict sc, const int8_t* __restrict xq,
+                         const float* __restrict dx, const float* __restrict xs, float* __restrict out, int64_t K,
+                         int64_t N, int64_t nb) {
+  constexpr int C = M == 1 ? 4 : 2;
+  const int64_t R = K / 32;
+  const uint8_t* q = qw + nb * K * 16;
+  const uint16_t* s = sc + nb * R * 16;
+  __m512 f[M];
+  for (int m = 0; m < M; ++m) f[m] = _mm512_setzero_ps();
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t a = 32 * r;
+    __m512i is[M][C];
+    for (int m = 0; m < M; ++m)
+      for (int j = 0; j < C; ++j) is[m][j] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) {
+      const __m512i v = _mm512_loadu_si512(q + (a + 4 * c) * 16);
+      for (int m = 0; m < M; ++m) {
+        int32_t x4;
+        std::memcpy(&x4, xq + m * K + a + 4 * c, 4);
+        is[m][c % C] = _mm512_dpbusd_epi32(is[m][c % C], v, _mm512_set1_epi32(x4));
+      }
+    }
+    const __m512 sr = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + r * 16)));
+    for (int m = 0; m < M; ++m) {  // the run's sum_k q_k x_k = d * sum_k u_k xq_k - 128 * (d * sum_k xq_k)
+      __m512i t = is[m][0];
+      for (int j = 1; j < C; ++j) t = _mm512_add_epi32(t, is[m][j]);
+      const __m512 y = _mm512_fmsub_ps(_mm512_cvtepi32_ps(t), _mm512_set1_ps(dx[m * R + r]),
+                                       _mm512_set1_ps(128.0f * xs[m * R + r]));
+      f[m] = _mm512_fmadd_ps(y, sr, f[m]);
+    }
+  }
+  for (int m = 0; m < M; ++m) _mm512_storeu_ps(out + m * N + nb * 16, f[m]);
+}
+
 #endif  // CORE_GEMV_BF16
 
 #ifdef CORE_GEMV_F32
@@ -359,13 +401,59 @@ inline void block8(const uint8_t* __restrict qw, const float* __restrict sc, con
     for (int h = 0; h < 2; ++h)
       _mm256_storeu_ps(out + m * N + nb * 16 + 8 * h, _mm256_mul_ps(f[m][h], _mm256_loadu_ps(sc + nb * 16 + 8 * h)));
 }
+
+// block8g for float32 activations (block8's sign trick, per run scaled by its fp16 s) -> float32 out.
+template <int M>
+inline void block8g_avx2(const uint8_t* __restrict qw, const uint16_t* __restrict sc, const int8_t* __restrict xq,
+                         const float* __restrict dx, const float* __restrict /*xs*/, float* __restrict out, int64_t K,
+                         int64_t N, int64_t nb) {
+  const int64_t R = K / 32;
+  const uint8_t* q = qw + nb * K * 16;
+  const uint16_t* s = sc + nb * R * 16;
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  __m256 f[M][2];
+  for (int m = 0; m < M; ++m) f[m][0] = f[m][1] = _mm256_setzero_ps();
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t a = 32 * r;
+    __m256i s32[M][2];
+    for (int m = 0; m < M; ++m) s32[m][0] = s32[m][1] = _mm256_setzero_si256();
+    for (int c = 0; c < 8; ++c) {
+      __m256i ax[M], xv[M];
+      for (int m = 0; m < M; ++m) {
+        int32_t x4;
+        std::memcpy(&x4, xq + m * K + a + 4 * c, 4);
+        xv[m] = _mm256_set1_epi32(x4);
+        ax[m] = _mm256_sign_epi8(xv[m], xv[m]);
+      }
+      for (int h = 0; h < 2; ++h) {
+        const uint8_t* src = q + (a + 4 * c) * 16 + 32 * h;
+        if (h == 0) _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchBytes), _MM_HINT_T0);
+        const __m256i w = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)), flip);
+        for (int m = 0; m < M; ++m) {
+          s32[m][h] = _mm256_add_epi32(s32[m][h], widen16(_mm256_maddubs_epi16(ax[m], _mm256_sign_epi8(w, xv[m]))));
+          pin(s32[m][h]);
+        }
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m256 sr = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + r * 16 + 8 * h)));
+      for (int m = 0; m < M; ++m) {
+        const __m256 y = _mm256_mul_ps(_mm256_cvtepi32_ps(s32[m][h]), _mm256_set1_ps(dx[m * R + r]));
+        f[m][h] = _mm256_fmadd_ps(y, sr, f[m][h]);
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out + m * N + nb * 16 + 8 * h, f[m][h]);
+}
 #endif
 
 
 #ifdef CORE_GEMV_ANY
 // One packed weight [N, K]: kind 0 int4 (q codes, s scales then offsets of G groups per row, as
 // 16-bit bits: bf16 zeros or fp16 minimums, see the top), 1 int8 (s per-row scales, G = 1, in the
-// activations' element type: bf16 bits or float); bias (N values, nullptr for none) in the activations' type.
+// activations' element type: bf16 bits or float), 3 int8 blocks (s fp16 bits per run, G = K / 32;
+// float32 output: weight_block_f32); bias (N values, nullptr for none) in the activations' type.
 struct Weight {
   int64_t kind, N, K, G;
   const uint8_t* q;
@@ -397,6 +485,25 @@ inline void weight_block(const Weight& w, const Act& a, T* out, int64_t M, int64
       core_rows::add_row<E>(o, b, o, 16);
     }
   }
+}
+
+// Block nb of an int8-blocks weight (kind 3, no bias) times the M rows of a into float32 out [M, w.N],
+// with the kernel of the activations' dtype T (bf16 bits: VNNI; float: AVX2).
+template <typename T>
+inline void weight_block_f32(const Weight& w, const Act& a, float* out, int64_t M, int64_t nb) {
+  const uint16_t* s = static_cast<const uint16_t*>(w.s);
+  for_rows(M, [&](auto rows, int64_t m) {
+    const int64_t R = w.K / 32;
+    if constexpr (std::is_same_v<T, float>) {
+#ifdef CORE_GEMV_F32
+      block8g_avx2<rows.value>(w.q, s, a.xq + m * w.K, a.dx + m * R, a.xs + m * R, out + m * w.N, w.K, w.N, nb);
+#endif
+    } else {
+#ifdef CORE_GEMV_BF16
+      block8g_vnni<rows.value>(w.q, s, a.xq + m * w.K, a.dx + m * R, a.xs + m * R, out + m * w.N, w.K, w.N, nb);
+#endif
+    }
+  });
 }
 #endif
 

@@ -1,5 +1,6 @@
-"""Group-wise int4 and per-channel int8 weights times a few rows of activations: bf16 on CPUs
-with AVX512-BF16 and AVX512-VNNI, float32 on CPUs with AVX2 and FMA (``cpu_gemv.cpp``).
+"""Group-wise int4, per-channel int8 and int8-blocks (GGUF's Q8_0, float32 output: the LM head)
+weights times a few rows of activations: bf16 on CPUs with AVX512-BF16 and AVX512-VNNI, float32
+on CPUs with AVX2 and FMA (``cpu_gemv.cpp``).
 
 torch's ``_weight_int4pack_mm_for_cpu`` / ``_weight_int8pack_mm`` read SmolLM2's layers and LM
 head at ~15-22 GB/s on one core of the dev VM, under half of what the core can stream, and their
@@ -134,3 +135,22 @@ def unpack_int8(qw: torch.Tensor) -> torch.Tensor:
 def mm_int8(x: torch.Tensor, qw: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``x [M, K]`` times ``q * scale[:, None]`` -> ``[M, N]`` in ``scale``'s dtype (bf16 or float32)."""
     return torch.ops.core_cpu_gemv.int8_mm(x.contiguous(), qw, scale)
+
+
+def pack_block_scales(scale: torch.Tensor) -> torch.Tensor:
+    """Per-row-and-run scales ``[N, K/32]`` -> fp16 ``[N/16, K/32, 16]`` (per 16-row block and run,
+    the 16 rows' scales): the int8-blocks format's (GGUF's Q8_0, whose scales are fp16)."""
+    n, runs = scale.shape
+    return scale.to(torch.float16).view(n // 16, 16, runs).transpose(1, 2).contiguous()
+
+
+def unpack_block_scales(sc: torch.Tensor) -> torch.Tensor:
+    """float32 ``[N, K/32]`` from :func:`pack_block_scales`."""
+    nb, runs, _ = sc.shape
+    return sc.float().transpose(1, 2).reshape(nb * 16, runs)
+
+
+def mm_int8_blocks(x: torch.Tensor, qw: torch.Tensor, sc: torch.Tensor) -> torch.Tensor:
+    """``x [M, K]`` (bf16 or float32) times ``q [N, K]`` (:func:`pack_int8`) scaled per row and run of
+    32 columns (``sc`` from :func:`pack_block_scales`) -> float32 ``[M, N]``."""
+    return torch.ops.core_cpu_gemv.int8_blocks_mm(x.contiguous(), qw, sc)

@@ -152,11 +152,13 @@ def smollm2():
 
     The GGUF conversion is cached under ~/.cache/core (or $CORE_CACHE_DIR), shared with CI runs."""
     import core
+    from core.engine.gguf_cache import gguf_dense_folder
     from transformers import AutoModelForCausalLM
 
     eng = core.Engine(dtype="float32", max_total_tokens=8192, cpu_threads=2, device="cpu")
     try:
-        hf = AutoModelForCausalLM.from_pretrained(eng.engine.model_config.path, dtype=torch.float32).eval()
+        mc = eng.engine.model_config  # its path holds no linear weights: the whole model is the dense folder
+        hf = AutoModelForCausalLM.from_pretrained(gguf_dense_folder(mc.gguf_file, mc.path), dtype=torch.float32).eval()
         yield eng, hf
     finally:
         eng.shutdown()

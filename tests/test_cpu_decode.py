@@ -145,7 +145,11 @@ def test_an_avx2_only_build_takes_it_in_float32(tiny_llama):
 def random_packed(n: int, k: int, kind: int, dtype: torch.dtype, g: torch.Generator,
                   group: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
     """A packed random weight of ``n`` rows and ``k`` columns: (codes, scales) of kind 0 (int4,
-    scales and zeros per ``group`` columns) or 1 (int8, per-row scales)."""
+    scales and zeros per ``group`` columns), 1 (int8, per-row scales) or 3 (int8 blocks, the LM
+    head's: fp16 scales per row and run of 32 columns)."""
+    if kind == 3:
+        return (cpu_gemv.pack_int8(torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)),
+                cpu_gemv.pack_block_scales(0.001 + 0.002 * torch.rand(n, k // 32, generator=g)))
     if kind == 0:
         q = torch.randint(0, 16, (n, k), generator=g)
         return cpu_gemv.pack(q, 0.02 * torch.rand(n, k // group, generator=g), 0.01 * torch.randn(n, k // group, generator=g),
@@ -288,7 +292,7 @@ def test_the_stack_op_equals_the_chain_of_layer_ops(kinds, bias, batch, threads,
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("kind", [0, 1], ids=["int4_head", "int8_head"])
+@pytest.mark.parametrize("kind", [0, 1, 3], ids=["int4_head", "int8_head", "int8_blocks_head"])
 @pytest.mark.parametrize("batch", [([9], [1]), ([40, 7, 3], [1, 1, 1]), ([12, 6], [2, 1])],
                          ids=["one_decode", "three_decodes", "extend_and_decode"])
 @pytest.mark.parametrize("threads", [1, 2])
@@ -305,8 +309,9 @@ def test_the_stack_with_its_head_equals_the_norm_and_head_ops(kind, batch, threa
     _, (h, res, *_, hidden, logits) = run_both(s, *batch, threads, [norm, *head], kind)
     want = cpu_ops.rms_norm(h + res, norm, 1e-5, 0.0)
     assert torch.equal(hidden, want)
-    mm = cpu_gemv.mm if kind == 0 else cpu_gemv.mm_int8
+    mm = {0: cpu_gemv.mm, 1: cpu_gemv.mm_int8, 3: cpu_gemv.mm_int8_blocks}[kind]
     assert logits.shape == (sum(batch[1]), 160) and torch.equal(logits, mm(want, *head))
+    assert logits.dtype == (torch.float32 if kind == 3 else dtype)  # int8 blocks: float32 logits
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -333,7 +338,7 @@ def test_many_rows_give_the_bits_of_the_layer_ops(inter, batch, threads, dtype):
     assert torch.equal(hidden, ref) and torch.equal(logits, cpu_gemv.mm(ref, *head))
 
 
-def decode_setup(dtype: torch.dtype, seq_lens: list[int], vocab: int = 160, seed: int = 0) -> dict:
+def decode_setup(dtype: torch.dtype, seq_lens: list[int], vocab: int = 160, seed: int = 0, head_kind: int = 1) -> dict:
     """A random two-layer stack with an int8 head of 160 rows and an embedding table of ``vocab``
     rows, caches already filled, and one decode row per sequence of ``seq_lens``."""
     s = random_stack(2, [0, 1], False, dtype=dtype)
@@ -345,7 +350,8 @@ def decode_setup(dtype: torch.dtype, seq_lens: list[int], vocab: int = 160, seed
     for i, n in enumerate(seq_lens):
         kv_indices[i, :n] = perm[used:used + n]
         used += n
-    return {"s": s, "norm": (1 + 0.1 * torch.randn(s["hid"], generator=g)).to(dtype), "head": random_head(160, s["hid"], 1, dtype),
+    return {"s": s, "norm": (1 + 0.1 * torch.randn(s["hid"], generator=g)).to(dtype), "head": random_head(160, s["hid"], head_kind, dtype),
+            "head_kind": head_kind,
             "table": torch.randn(vocab, s["hid"], generator=g).to(dtype), "kv_indices": kv_indices, "seq_lens": seq_lens,
             "ids": torch.randint(0, vocab, (b,), generator=g).tolist(), "positions": [n - 1 for n in seq_lens],
             "out_loc": [int(kv_indices[i, n - 1]) for i, n in enumerate(seq_lens)],
@@ -358,7 +364,7 @@ def decode_stack(d: dict, embedding: bool = True):
     caches = [c.clone() for c in d["caches"]]
     stack = torch.classes.core_cpu_decode.DecodeStack(s["stack"], s["kinds"], 1e-5, cos, sin, rot, heads, kv_heads, head_dim,
                                                       caches[0::2], caches[1::2], head_dim ** -0.5, 0, [d["norm"], *d["head"]],
-                                                      1, 1e-5)
+                                                      d["head_kind"], 1e-5)
     if embedding:
         stack.set_embedding(d["table"])
     return stack, caches
@@ -368,7 +374,8 @@ def decode_stack(d: dict, embedding: bool = True):
 @pytest.mark.parametrize("seq_lens", [[9], [40, 7, 3]], ids=["one", "three"])
 @pytest.mark.parametrize("vocab", [160, 150], ids=["whole_head", "padded_head"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_a_decode_from_lists_is_run_head_on_the_embedded_rows_and_their_argmax(dtype, seq_lens, vocab, threads):
+@pytest.mark.parametrize("head_kind", [1, 3], ids=["int8_head", "int8_blocks_head"])
+def test_a_decode_from_lists_is_run_head_on_the_embedded_rows_and_their_argmax(dtype, seq_lens, vocab, threads, head_kind):
     """decode(): bit for bit run_head's hidden, logits and cache writes for the rows of its ids in
     the embedding table, and each row's argmax over its first ``vocab`` logits (the head's other
     rows, padding, never win)."""
@@ -376,9 +383,13 @@ def test_a_decode_from_lists_is_run_head_on_the_embedded_rows_and_their_argmax(d
     from core_plugins.attention import cpu
 
     cpu.load_kernel()
-    d = decode_setup(dtype, seq_lens)
+    d = decode_setup(dtype, seq_lens, head_kind=head_kind)
     if vocab < 160:  # padding rows that would win: the argmax must not look at them
-        d["head"][1][vocab:] = d["head"][1].abs().max() * 100
+        if head_kind == 3:  # block scales: [rows / 16, runs, 16]
+            d["head"][1][vocab // 16:] = d["head"][1].abs().max() * 100
+            d["head"][1][vocab // 16, :, vocab % 16:] = d["head"][1].abs().max() * 100
+        else:
+            d["head"][1][vocab:] = d["head"][1].abs().max() * 100
     b = len(seq_lens)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)

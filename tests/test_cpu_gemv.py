@@ -124,6 +124,54 @@ def test_bad_inputs_are_clear_errors():
         cpu_gemv.mm_int8(torch.randn(1, 64).bfloat16(), q8, torch.ones(16).bfloat16())
 
 
+
+@pytest.mark.parametrize("n,k", [(16, 64), (96, 576), (960, 576)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 70])
+def test_int8_blocks_are_float32_products_of_the_q8_0_weight(n, k, rows):
+    """The LM head's format: int8 codes with a scale per row and run of 32 columns (GGUF's Q8_0),
+    float32 out; each row of x its own product (the same alone or in a batch)."""
+    g = torch.Generator().manual_seed(n + rows)
+    q, scale = packed.quantize_int8_blocks(torch.randn(n, k, generator=g))
+    qw, sc = cpu_gemv.pack_int8(q), cpu_gemv.pack_block_scales(scale)
+    assert sc.dtype == torch.float16 and torch.equal(cpu_gemv.unpack_block_scales(sc), scale)
+    w = packed.dequantize_int8_blocks(q, scale).double()
+    x = torch.randn(rows, k, generator=g).bfloat16()
+    out = cpu_gemv.mm_int8_blocks(x, qw, sc)
+    assert out.shape == (rows, n) and out.dtype == torch.float32
+    assert rel_err(out, x.double() @ w.T) < INT8_ACT_REL
+    # rows the int8 runs hold exactly (a largest |code| of 127 per run, power-of-two steps): the
+    # product is exact up to float32 sums, far inside a bf16 output's 2 ** -8
+    codes = torch.randint(-127, 128, (rows, k // 32, 32), generator=g)
+    codes[..., 0] = 127
+    exact = (codes * 2.0 ** -torch.randint(0, 6, (rows, k // 32, 1), generator=g)).reshape(rows, k).bfloat16()
+    assert torch.equal(cpu_gemv.quantize_rows(exact), exact.float())
+    assert rel_err(cpu_gemv.mm_int8_blocks(exact, qw, sc), exact.double() @ w.T) < 1e-6
+    for m in range(0, rows, 3):
+        assert torch.equal(out[m], cpu_gemv.mm_int8_blocks(x[m:m + 1], qw, sc)[0])
+
+
+def test_int8_block_logits_keep_differences_below_a_bf16_step():
+    """Two head rows one code apart in a run of small scale: their logits (~40) differ by ~1e-3, a
+    hundredth of a bf16 step there. The int8-blocks head keeps the difference, so the argmax is the
+    larger row, where bf16 logits tie and argmax picks the smaller token id (issue 41)."""
+    k = 128
+    g = torch.Generator().manual_seed(0)
+    x = torch.ones(1, k).bfloat16()
+    q = torch.randint(0, 100, (16, k), generator=g, dtype=torch.int8)
+    scale = torch.full((16, k // 32), 0.01)
+    scale[:, 3] = 1e-3  # the last run: fine steps
+    q[1] = q[0]
+    q[1, 100] += 1  # one code more, in the fine run
+    out = cpu_gemv.mm_int8_blocks(x, cpu_gemv.pack_int8(q), cpu_gemv.pack_block_scales(scale))
+    diff = (out[0, 1] - out[0, 0]).item()
+    assert diff == pytest.approx(scale[1, 3].half().item(), rel=1e-3)
+    assert out[0, 0].bfloat16() == out[0, 1].bfloat16()  # in bf16 the two would tie
+    head = packed.PackedHead(torch.randn(16, k).bfloat16(), blocks=(q, scale))
+    assert head.quant_format == "int8_blocks" and "dense_weight" not in head.__dict__
+    logits = head(x)
+    assert logits.dtype == torch.float32 and logits[0, 1] > logits[0, 0]
+    assert torch.equal(packed.dequantize(head), packed.dequantize_int8_blocks(q, scale.half().float()))
+
 def test_bf16_int8_layers_and_heads_use_it():
     q, scale = packed.quantize_int8(torch.randn(64, 128))
     layer = torch.nn.Module()
@@ -134,11 +182,11 @@ def test_bf16_int8_layers_and_heads_use_it():
     x = torch.randn(3, 128).bfloat16()
     assert rel_err(packed.packed_linear(layer, x), x.float() @ packed.dequantize(layer).T) < INT8_ACT_REL
     head = packed.PackedHead(torch.randn(96, 128).bfloat16())
-    assert hasattr(head, "qweight_int8_cpu")
-    if packed._gemv_dense_min_rows():  # no AMX: the kernel beats oneDNN at every row count, no copy is kept
-        assert "dense_weight" not in head.__dict__
-        x = torch.randn(300, 128).bfloat16()
-        assert rel_err(head(x), x.float() @ packed.dequantize(head).T) < INT8_ACT_REL
+    assert hasattr(head, "qweight_int8_cpu") and head.quant_format == "int8_blocks"
+    assert "dense_weight" not in head.__dict__  # float32 logits from the same codes at every row count
+    x = torch.randn(300, 128).bfloat16()
+    assert head(x).dtype == torch.float32
+    assert rel_err(head(x), x.float() @ packed.dequantize(head).T) < INT8_ACT_REL
 
 
 def test_bf16_int4_layers_use_it():

@@ -128,6 +128,9 @@ def test_float32_layers_and_heads_use_it():
     assert rel_err(packed.packed_linear(layer8, x), x.double() @ packed.dequantize(layer8).double().T) < QUANT_REL
     head = packed.PackedHead(torch.randn(96, 128, generator=g))
     assert hasattr(head, "qweight_int8_cpu") and "dense_weight" not in head.__dict__
+    assert head.quant_format == "int8_blocks"
+    x = torch.randn(5, 128, generator=g)
+    assert rel_err(head(x), cpu_gemv.quantize_rows(x).double() @ packed.dequantize(head).double().T) < 1e-5
 
 
 def test_mismatched_dtypes_are_clear_errors():

