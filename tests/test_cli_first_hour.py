@@ -197,9 +197,13 @@ def test_a_slow_cpu_dtype_is_warned_about(no_gpu: None, monkeypatch: pytest.Monk
                                           faster: str | None) -> None:
     import core.engine.device as device
 
+    import torch
+
+    from core.engine.loader import pick_dtype
+
     monkeypatch.setattr(device, "cpu_native_bf16", lambda flags=None: (native, "test CPU"))
-    with capture_logs() as logs:
-        check_device_args(_parse("--dtype", dtype))
+    with capture_logs() as logs:  # where core serve and Engine(dtype=...) both pick the dtype
+        pick_dtype(dtype, None, torch.device("cpu"))
     slow = [e for e in logs if e["event"] == "cpu.slow_dtype"]
     if faster is None:
         assert slow == []

@@ -27,7 +27,7 @@ import attrs
 import structlog
 import torch
 
-from core.engine.device import auto_dtype
+from core.engine.device import auto_dtype, fast_cpu_dtype
 from core.engine.gguf_cache import (GGUF_CACHE_DTYPE, convert_gguf, gguf_dense_folder, gguf_dequantized,
                                     gguf_tensor_table, llama_rows, raw_rows)
 from core.engine.hub import is_hub_id, resolve_hub_path
@@ -106,6 +106,13 @@ def pick_dtype(name: str, config_dtype: torch.dtype | None, device: torch.device
     if name != "auto":
         if name not in table:
             raise ModelLoadError(f"unknown --dtype {name!r}; choose auto, float32, bfloat16 or float16")
+        if device.type == "cpu" and table[name] in (torch.float16, torch.bfloat16):
+            fast, why = fast_cpu_dtype()
+            if table[name] != fast:  # core serve and Engine(dtype=...) alike
+                faster = str(fast).removeprefix("torch.")
+                log.warning("cpu.slow_dtype", dtype=name, faster=faster, reason=why,
+                            effect=f"--dtype {name} runs several times slower on this CPU than --dtype {faster}",
+                            fix=f"--dtype {faster}, or leave --dtype unset (auto)")
         return table[name]
     dtype, why = auto_dtype(device, config_dtype)
     log.info("dtype.auto", dtype=str(dtype).removeprefix("torch."), device=device.type, reason=why)

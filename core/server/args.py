@@ -21,7 +21,6 @@ import re
 from typing import Any, Callable, NoReturn, Sequence
 
 import attrs
-import structlog
 
 from core.engine.config import add_engine_args, engine_args_from_namespace  # noqa: F401 (engine_args_from_namespace: re-exported)
 from core.engine.sglang_flags import SGLANG_FLAGS_LACKING
@@ -459,8 +458,6 @@ def check_device_args(ns: argparse.Namespace) -> None:
     a 16-bit dtype makes CPU serving many times slower than the fast one."""
     import torch
 
-    from core.engine.device import fast_cpu_dtype
-
     device, backend = getattr(ns, "device", "auto"), getattr(ns, "attention_backend", None)
     if device != "auto" and not re.fullmatch(r"cpu|cuda(:\d+)?", device):
         raise CoreError(f"--device {device} is not supported: use cpu, cuda or cuda:N, or leave it unset")
@@ -474,15 +471,7 @@ def check_device_args(ns: argparse.Namespace) -> None:
         why = "this machine has none" if not gpus else "--device cpu was given"
         raise CoreError(f"--attention-backend {backend} cannot run here: it needs a CUDA GPU and {why}; "
                         "use cpu or torch_native, or leave it unset")
-    dtype = {"half": "float16", "float": "float32"}.get(getattr(ns, "dtype", "auto"), getattr(ns, "dtype", "auto"))
-    if not on_cuda and dtype in ("float16", "bfloat16"):
-        fast, why = fast_cpu_dtype()
-        faster = str(fast).removeprefix("torch.")
-        if dtype != faster:
-            structlog.get_logger("core.server.args").warning(
-                "cpu.slow_dtype", dtype=dtype, faster=faster, reason=why,
-                effect=f"--dtype {dtype} runs several times slower on this CPU than --dtype {faster}",
-                fix=f"--dtype {faster}, or leave --dtype unset (auto)")
+    # (a slow --dtype on this CPU is warned about where the dtype is picked: core.engine.loader.pick_dtype)
 
 
 def _show(v: Any) -> str:
