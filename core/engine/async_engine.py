@@ -18,7 +18,7 @@ import torch
 from core.engine.collectives import KVSpec
 from core.engine.device import check_openmp_policy, configure_cpu_runtime, pick_device
 from core.engine.distributed import RankFailure, start_tensor_parallel
-from core.engine.config import EngineArgs
+from core.engine.config import EngineArgs, overlap_schedule
 from core.errors import CoreError, InvalidRequest, ModelLoadError, Unavailable
 from core.interfaces import AttentionConfig
 from core.layers import fused, local_heads
@@ -26,7 +26,7 @@ from core.engine.frontend import RequestFrontEnd
 from core.engine.kv_cache import (
     PageAllocator, ReqToTokenTable, allocate_kv_cache, cpu_kv_tokens, kv_bytes_per_token, kv_cache_dtype,
 )
-from core.engine.loader import ModelConfig, load_model_config
+from core.engine.loader import ModelConfig, load_model_config, pooling_config
 from core.engine.grammar import GrammarManager
 from core.engine.profiler import StepProfiler
 from core.engine.model_build import build_model
@@ -89,6 +89,9 @@ class AsyncEngine(RequestFrontEnd):
         # small CPU decodes run on the loop's thread (_runs_inline); 0: every forward on the executor
         self.inline_decode_rows = CPU_INLINE_DECODE_ROWS if self.device.type == "cpu" and self.tp_group is None else 0
         self._forward_jobs = 0  # jobs queued or running on the forward thread (_on_forward_thread)
+        self.overlap = overlap_schedule(args, self.device)
+        # (batch, its forward's future, start time) scheduled but not yet processed (overlap scheduling)
+        self._inflight: tuple[ScheduledBatch, asyncio.Future, float] | None = None
         # a step past --watchdog-timeout stops the engine for good, through the same thread-safe path as a failed rank
         self.watchdog = Watchdog(args.watchdog_timeout, self._on_rank_failure)
         self._wake: asyncio.Event | None = None
@@ -325,8 +328,17 @@ class AsyncEngine(RequestFrontEnd):
         """Schedule, run and process one batch. Whatever raises fails the requests concerned with
         a message naming the stage, and the loop goes on: a failing ``schedule()`` fails every
         queued and running request (the scheduler's state is no longer trusted, so it is reset);
-        a failing forward or result processing fails that batch."""
+        a failing forward or result processing fails that batch.
+
+        With overlap scheduling the next batch is scheduled and handed to the forward thread
+        before the running one's results are processed (SGLang's zero-overhead scheduler): its
+        decodes take the tokens still being sampled as future ids (``schedule_batch.future_id``),
+        and the host's scheduling and result processing run while the device computes. Where
+        the next batch needs those results first (``Scheduler.needs_results``) they are
+        processed before scheduling, for that step only."""
         self.watchdog.begin()
+        if self._inflight is not None and self.scheduler.needs_results():
+            await self._complete(*self._inflight)
         try:
             batch, aborted = self.scheduler.schedule()
         except Exception as e:
@@ -334,20 +346,40 @@ class AsyncEngine(RequestFrontEnd):
             return
         for req in aborted:
             self._finished(req)
+        prev = self._inflight
         if batch is None:
+            if prev is not None:
+                await self._complete(*prev)
+                return
             self._wake.clear()
             if not self.scheduler.has_work:
                 self.watchdog.idle()
                 await self._wake.wait()
             return
         t0 = time.perf_counter()
+        if self.overlap:
+            self.watchdog.running(batch, on_loop=False)
+            self._inflight = (batch, asyncio.ensure_future(self._on_forward_thread(self.runner.run, batch)), t0)
+            if prev is not None:
+                await self._complete(*prev)
+            return
         inline = self._runs_inline(batch)
+        self.watchdog.running(batch, on_loop=inline)
+        done = asyncio.get_running_loop().create_future()
         try:
-            self.watchdog.running(batch, on_loop=inline)
-            if inline:
-                result = self.runner.run(batch)
-            else:
-                result = await self._on_forward_thread(self.runner.run, batch)
+            done.set_result(self.runner.run(batch) if inline else await self._on_forward_thread(self.runner.run, batch))
+        except RankFailure:
+            raise
+        except Exception as e:  # a failing forward fails its batch, not the engine
+            done.set_exception(e)
+        await self._complete(batch, done, t0, inline)
+
+    async def _complete(self, batch: ScheduledBatch, forward: asyncio.Future, t0: float, inline: bool = False) -> None:
+        """The results of ``batch`` (its forward's future) processed: tokens appended, streams told."""
+        if self._inflight is not None and self._inflight[0] is batch:
+            self._inflight = None
+        try:
+            result = await forward
         except RankFailure:
             raise
         except Exception as e:  # a failing forward fails its batch, not the engine
@@ -361,7 +393,7 @@ class AsyncEngine(RequestFrontEnd):
             self._contain("result processing", e, batch.reqs)
             return
         for req, _ in updates:
-            req.queue.put_nowait(True)
+            req.notify()
             if req.finished:
                 self._finished(req, notify=False)
         if inline or batch.is_prefill:  # (after a prefill: first tokens out before a decode holds the loop)
@@ -431,8 +463,8 @@ class AsyncEngine(RequestFrontEnd):
             _call_guarded(listener, message)
 
     def _finished(self, req: Req, notify: bool = True) -> None:
-        if notify and req.queue is not None:
-            req.queue.put_nowait(True)
+        if notify:
+            req.notify()
         ttft = None if req.first_token_time is None else req.first_token_time - req.arrival
         log.info("request.finished", rid=req.rid, prompt_tokens=len(req.prompt_ids), completion_tokens=len(req.output_ids),
                  ttft=None if ttft is None else round(ttft, 4), latency=round((req.finish_time or time.perf_counter()) - req.arrival, 4),
@@ -480,7 +512,7 @@ class AsyncEngine(RequestFrontEnd):
         if self.is_classifier:
             pooling, normalize, head = "last", False, self.model.classify
         else:
-            (pooling, normalize), head = _pooling_config(self.model_config.path), None
+            (pooling, normalize), head = pooling_config(self.model_config.path), None
         return await self._on_forward_thread(self.runner.encode, prompt_ids_list, self._scratch_backend,
                                              pooling, normalize, head)
 
@@ -592,37 +624,6 @@ class AsyncEngine(RequestFrontEnd):
             self.tp_group.stop()
         self.grammar.shutdown()
         self.plugins.pm.hook.on_shutdown(engine=self)
-
-
-def _pooling_config(path) -> tuple[str, bool]:
-    """(pooling, normalize) from the sentence-transformers files (modules.json and its
-    Pooling module's config.json) when the model has them; else last token, normalised
-    (SGLang's default for embedding models)."""
-    import json
-    from pathlib import Path
-
-    path = Path(path)
-    try:
-        modules = json.loads((path / "modules.json").read_text())
-    except (OSError, ValueError):
-        return "last", True
-    pooling, normalize = "last", False
-    for m in modules:
-        kind = str(m.get("type", ""))
-        if kind.endswith("Normalize"):
-            normalize = True
-        elif kind.endswith("Pooling"):
-            try:
-                cfg = json.loads((path / m.get("path", "") / "config.json").read_text())
-            except (OSError, ValueError):
-                cfg = {}
-            if cfg.get("pooling_mode_mean_tokens"):
-                pooling = "mean"
-            elif cfg.get("pooling_mode_cls_token"):
-                pooling = "cls"
-            elif cfg.get("pooling_mode_lasttoken"):
-                pooling = "last"
-    return pooling, normalize
 
 
 async def _drain_loop(max_rounds: int = 64) -> None:

@@ -86,6 +86,10 @@ class EngineArgs:
                                                        "streaming between them, while no request waits; on the CPU "
                                                        "a greedy batch runs them as one call (faster decoding, "
                                                        "tokens streamed in bursts)")
+    disable_overlap_schedule: bool = _arg(False, MEMORY, "process each step's results before scheduling the next "
+                                                         "(overlap scheduling is the default on CUDA)")
+    enable_overlap_schedule: bool = _arg(False, MEMORY, "overlap scheduling on the CPU too, where the host's work "
+                                                        "shares the cores with the forward (off there by default)")
     schedule_policy: str = _arg("fcfs", MEMORY, "order of the waiting queue (lpm, dfs-weight: cache-aware)",
                                 choices=SCHEDULE_POLICIES)
     schedule_conservativeness: float = _arg(1.0, MEMORY, "larger: admit fewer requests (estimate more future KV use), "
@@ -228,3 +232,16 @@ def engine_args_from_kwargs(kwargs: dict[str, Any]) -> EngineArgs:
     if unknown:
         raise CoreError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
     return resolve_hub_args(EngineArgs(**{k: v for k, v in kwargs.items() if k in names}))
+
+
+def overlap_schedule(args: EngineArgs, device: torch.device) -> bool:
+    """Whether steps overlap (``AsyncEngine._step``): by default on CUDA, where the host's work
+    hides behind the device's; on the CPU only when asked (``--enable-overlap-schedule``): there
+    the host's Python and the forward's threads share the cores (docs/benchmarks.md has the figures)."""
+    from core.errors import CoreError
+
+    if args.disable_overlap_schedule and args.enable_overlap_schedule:
+        raise CoreError("--disable-overlap-schedule and --enable-overlap-schedule contradict each other; pass one")
+    if args.disable_overlap_schedule:
+        return False
+    return args.enable_overlap_schedule or device.type == "cuda"

@@ -310,14 +310,14 @@ class DataParallelEngine(RequestFrontEnd):
         if d.finish_reason is not None:
             self._finish(req, d.finish_reason)
         else:
-            req.queue.put_nowait(True)
+            req.notify()
 
     def _finish(self, req: Req, reason: dict) -> None:
         req.finish_reason, req.finish_time = reason, time.perf_counter()
         for r in self.replicas:
             if r.inflight.get(req.rid) is req:
                 del r.inflight[req.rid]
-        req.queue.put_nowait(True)
+        req.notify()
         for listener in self.finish_listeners:
             listener(req)
 

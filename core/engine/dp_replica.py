@@ -81,6 +81,10 @@ class _Replica:
         self.index, self.engine, self.conn, self.loop = index, engine, conn, loop
         self.outbox: list[tuple] = []
         self.flush_scheduled = False
+        # the requests notified since the last flush (in order), and what each has been sent so far:
+        # [output ids, text chars, logprobs, prompt logprobs sent]
+        self.dirty: dict[Req, None] = {}
+        self.sent: dict[Req, list] = {}
         self.done: asyncio.Future = loop.create_future()
         engine.step_listeners.append(self._on_step)
         engine.fatal_listeners.append(lambda message: loop.call_later(0.2, self._finish, 1))
@@ -134,14 +138,17 @@ class _Replica:
                                              s.top_logprobs_num, priority=s.priority)
             except Exception as e:  # validated by the front end already; report rather than crash
                 self._send_now(("delta", s.rid, ReqDelta([], "", [], [], None, 0, {"type": "abort", "message": str(e)})))
+        for r in reqs:
+            self.sent[r] = [0, 0, 0, False]
+            r.watcher = self._on_update
         try:
             engine.submit(reqs)
         except Exception as e:  # the engine has stopped
             for r in reqs:
+                r.watcher = None
+                self.sent.pop(r, None)
+                self.dirty.pop(r, None)
                 self._send_now(("delta", r.rid, ReqDelta([], "", [], [], None, 0, {"type": "abort", "message": str(e)})))
-            return
-        for r in reqs:
-            asyncio.ensure_future(self._pump(r))
 
     async def _call(self, call_id: int, what: str, args: tuple) -> None:
         try:
@@ -161,29 +168,36 @@ class _Replica:
         if sampling:
             self.outbox.append(("step", batch.is_prefill, duration, sampling, batch.steps_run))
 
-    async def _pump(self, req: Req) -> None:
-        """Send what the request gained after each step it took, until it finishes."""
-        n_ids = n_text = n_lp = 0
-        input_sent = False
-        while True:
-            await req.queue.get()
-            while not req.queue.empty():
-                req.queue.get_nowait()
+    def _on_update(self, req: Req) -> None:
+        """A request's ``notify`` (after each step it took, at its finish): its delta is built at
+        the next flush, so steps taken before it coalesce; no task or wake-up per request."""
+        self.dirty[req] = None
+        if not self.flush_scheduled:
+            self.flush_scheduled = True
+            self.loop.call_soon(self._flush)
+
+    def _deltas(self) -> None:
+        """What each notified request gained since it was last sent, into the outbox."""
+        dirty, self.dirty = self.dirty, {}
+        for req in dirty:
+            sent = self.sent.get(req)
+            if sent is None:
+                continue
+            n_ids, n_text, n_lp, input_sent = sent
             inputs = None
             if not input_sent and req.input_logprobs:
-                inputs, input_sent = (list(req.input_logprobs), list(req.input_top_logprobs)), True
+                inputs, sent[3] = (list(req.input_logprobs), list(req.input_top_logprobs)), True
             delta = ReqDelta(req.output_ids[n_ids:], req.text[n_text:], req.output_logprobs[n_lp:],
                              req.output_top_logprobs[n_lp:], inputs, req.cached_tokens, req.finish_reason)
-            n_ids, n_text, n_lp = len(req.output_ids), len(req.text), len(req.output_logprobs)
+            sent[0], sent[1], sent[2] = len(req.output_ids), len(req.text), len(req.output_logprobs)
             self.outbox.append(("delta", req.rid, delta))
-            if not self.flush_scheduled:
-                self.flush_scheduled = True
-                self.loop.call_soon(self._flush)
             if req.finished:
-                return
+                req.watcher = None
+                del self.sent[req]
 
     def _flush(self) -> None:
         self.flush_scheduled = False
+        self._deltas()
         events, self.outbox = self.outbox, []
         self._send_raw(("events", events, self.engine.load()))
 

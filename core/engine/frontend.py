@@ -76,7 +76,7 @@ class RequestFrontEnd:
                                                stop=params.stop, no_stop_trim=params.no_stop_trim,
                                                stop_regex=params.stop_regex)
             reqs.append(Req(rid if params.n == 1 else f"{rid}-{i}", prompt_ids, params, return_logprob, top_logprobs_num,
-                            logprob_start_len, gen, detok, asyncio.Queue(), priority=priority, group=group or rid))
+                            logprob_start_len, gen, detok, priority=priority, group=group or rid))
         return reqs
 
     async def prepare_grammars(self, reqs: list[Req]) -> None:
@@ -87,13 +87,12 @@ class RequestFrontEnd:
                 r.grammar = await self.grammar.compile(*r.constraint)
 
     async def stream(self, req: Req) -> AsyncIterator[dict]:
-        """Yield the request's cumulative output after each step until it finishes;
-        an abandoned consumer (cancelled task, closed generator) aborts the request."""
+        """Yield the request's cumulative output after each step until it finishes (steps the
+        consumer fell behind on coalesce into one chunk: the newest output, the final one never
+        lost); an abandoned consumer (cancelled task, closed generator) aborts the request."""
         try:
             while True:
-                await req.queue.get()
-                while not req.queue.empty():  # coalesce steps the consumer fell behind on
-                    req.queue.get_nowait()
+                await req.next_update()
                 done = req.finished  # read before yielding: it may finish while the consumer is away
                 yield self.output(req)
                 if done:
@@ -139,45 +138,79 @@ class RequestFrontEnd:
         return outs if batch or len(outs) > 1 else outs[0]
 
     async def drain(self, req: Req) -> None:
-        """Wait until the request finishes (aborting it if the wait is cancelled)."""
-        async for _ in self.stream(req):
-            pass
+        """Wait until the request finishes (aborting it if the wait is cancelled); one wake-up, at the end."""
+        try:
+            await req.wait_finished()
+        finally:
+            if not req.finished:
+                self.abort(req.rid)
 
     async def _stream_many(self, reqs: list[Req]) -> AsyncIterator[dict]:
         async for i, out in self.stream_many(reqs):
             yield out if len(reqs) == 1 else {**out, "index": i}
 
     async def stream_many(self, reqs: list[Req]) -> AsyncIterator[tuple[int, dict]]:
-        """(index, cumulative output) as each request advances, until all finish;
-        closing the iterator early aborts the unfinished ones."""
+        """(index, cumulative output) as each request advances, until all finish (a request's
+        steps the consumer fell behind on coalesce, as in ``stream``); closing the iterator early
+        aborts the unfinished ones. The requests' ``notify`` feeds one shared ready set: no task
+        per request, one wake-up per step at most."""
         if len(reqs) == 1:
             async for out in self.stream(reqs[0]):
                 yield 0, out
             return
-        merged: asyncio.Queue = asyncio.Queue()
-
-        async def pump(i: int, r: Req) -> None:
-            try:
-                async for out in self.stream(r):
-                    merged.put_nowait((i, out))
-            finally:
-                merged.put_nowait((i, None))
-
-        tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(reqs)]
+        feed = _Feed()
+        watch = feed.watch  # one bound method, compared by identity below
+        index = {r: i for i, r in enumerate(reqs)}
+        for r in reqs:
+            r.watcher = watch
+            if r.updated:
+                feed.ready[r] = None
+        left = len(reqs)
         try:
-            left = len(tasks)
             while left:
-                i, out = await merged.get()
-                if out is None:
-                    left -= 1
-                else:
-                    yield i, out
+                if not feed.ready:
+                    await feed.wait()
+                while feed.ready:
+                    r = next(iter(feed.ready))
+                    del feed.ready[r]
+                    r.updated = False
+                    done = r.finished  # read before yielding, as in stream
+                    if done:
+                        r.watcher = None
+                        left -= 1
+                    yield index[r], self.output(r)
         finally:
-            for t in tasks:
-                t.cancel()
             for r in reqs:
+                if r.watcher is watch:
+                    r.watcher = None
                 if not r.finished:
                     self.abort(r.rid)
+
+
+class _Feed:
+    """``stream_many``'s shared state: the requests notified since it last looked (in order) and
+    the future its consumer waits on while there are none."""
+
+    __slots__ = ("ready", "fut")
+
+    def __init__(self) -> None:
+        self.ready: dict[Req, None] = {}
+        self.fut: asyncio.Future | None = None
+
+    def watch(self, req: Req) -> None:
+        self.ready[req] = None
+        if (f := self.fut) is not None:
+            self.fut = None
+            if not f.done():
+                f.set_result(None)
+
+    async def wait(self) -> None:
+        fut = self.fut = asyncio.get_running_loop().create_future()
+        try:
+            await fut
+        finally:
+            if self.fut is fut:
+                self.fut = None
 
 
 def _asdict(params: SamplingParams) -> dict:

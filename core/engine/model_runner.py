@@ -91,6 +91,7 @@ class ModelRunner:
     grammar = None  # core.engine.grammar.GrammarManager, set by the engine
     tp = None  # core.engine.distributed.TensorParallelGroup on rank 0 of a --tp-size > 1 engine, set by the engine
     graphs: CudaGraphRunner | None = None  # decode CUDA graphs, set by the engine when captured
+    _last_tokens: list[int] | None = None  # the last batch's sampled tokens (what future ids stand for)
 
     def __init__(self, model: torch.nn.Module, attn_backend, table: ReqToTokenTable, sampler: Sampler,
                  eos_ids: tuple[int, ...], device: torch.device) -> None:
@@ -103,10 +104,10 @@ class ModelRunner:
 
         Records the batch's slots in the request -> token table first (one copy of the
         entries and the batch's rows, then a scatter on the table's device)."""
-        reqs, table = batch.reqs, self.table.table
+        reqs, table, rows = batch.reqs, self.table.table, batch.rows
         w_rows, w_cols, w_slots = batch.table_writes
         w, b = len(w_rows), len(reqs)
-        seq_lens = [r.kv_len for r in reqs]
+        seq_lens = batch.seq_lens  # as built: the requests' own fields may have moved on (overlap)
         n = max(seq_lens)  # the columns in use
         if (view := self.table.host) is not None:  # through numpy: ~3 us, where 5 torch indexing ops took ~50
             if w > 8:
@@ -116,10 +117,10 @@ class ModelRunner:
                     view[r, c] = slot
             # one sequence's row is a slice (numpy's list indexing: another ~40 us with cold caches);
             # several, a contiguous copy of their columns in use
-            row = reqs[0].row
-            kv_indices = torch.from_numpy(view[row : row + 1, :n] if b == 1 else view[[r.row for r in reqs], :n])
+            row = rows[0]
+            kv_indices = torch.from_numpy(view[row : row + 1, :n] if b == 1 else view[rows, :n])
         else:
-            packed = upload(w_rows + w_cols + w_slots + [r.row for r in reqs], torch.int64, table.device)
+            packed = upload(w_rows + w_cols + w_slots + rows, torch.int64, table.device)
             if w:
                 table[packed[:w], packed[w : 2 * w]] = packed[2 * w : 3 * w]
             kv_indices = table[packed[3 * w :], :n]
@@ -127,12 +128,12 @@ class ModelRunner:
             return StepInputs(batch.input_ids, batch.positions, batch.out_cache_loc, seq_lens, batch.extend_lens,
                               kv_indices, [(0, b)]), list(range(b)), {}
         ends = [n - 1 for n in itertools.accumulate(batch.extend_lens)]
-        live = [i for i, r in enumerate(reqs) if r.kv_len >= r.seq_len]  # a non-final prefill chunk samples nothing
+        live = batch.live  # a non-final prefill chunk samples nothing
         logit_rows: list[Any] = [[ends[i] for i in live]] if live else []
         prompt_rows: dict[int, int] = {}
         for i, r in enumerate(reqs):
             # only a prefill from position 0 (prompt-logprob requests never use a cached prefix or chunks)
-            if r.return_logprob and r.logprob_start_len >= 0 and r.kv_len == batch.extend_lens[i]:
+            if r.return_logprob and r.logprob_start_len >= 0 and seq_lens[i] == batch.extend_lens[i]:
                 start, first, n = ends[i] - batch.extend_lens[i] + 1, max(r.logprob_start_len, 1), len(r.prompt_ids)
                 prompt_rows[i] = len(logit_rows) if first < n else -1
                 if first < n:
@@ -143,8 +144,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> StepResult:
+        """One batch: the forward, sampling, prompt logprobs. Batches run in the order they were
+        built, so a batch built while another was in flight (overlap scheduling) finds that one's
+        sampled tokens here, for its future ids."""
+        last, self._last_tokens = self._last_tokens, None  # (a failed batch leaves none to resolve)
+        if batch.futures:
+            batch.input_ids = [t if t >= 0 else (last[-1 - t] if last is not None else 0) for t in batch.input_ids]
         if batch.steps > 1:
             return self._run_steps(batch)
+        result = self._run_one(batch)
+        self._last_tokens = result.sample.token_ids
+        return result
+
+    def _run_one(self, batch: ScheduledBatch) -> StepResult:
         inputs, live, prompt_rows = self.step_inputs(batch)
         hidden, all_logits, argmax_ids = self._forward(inputs)
         reqs = all_reqs = batch.reqs
@@ -153,8 +165,8 @@ class ModelRunner:
         if reqs:
             logits = all_logits[0]
             eos = self.eos_ids
-            rows_ = [SamplingRow(r.params, r.prompt_ids, r.output_ids, r.generator, eos, r.return_logprob,
-                                 r.top_logprobs_num, r.row) for r in reqs]
+            rows = batch.rows if len(live) == len(all_reqs) else [batch.rows[i] for i in live]
+            rows_ = [_sampling_row(r, row, eos) for r, row in zip(reqs, rows)]
             grammar = self.grammar if self.grammar is not None and any(r.grammar is not None for r in reqs) else None
             if grammar is not None:  # one [B, V/32] bitmask for the batch, applied before sampling
                 grammar.apply(logits, reqs)
@@ -185,7 +197,7 @@ class ModelRunner:
         and one sampling a step, without the scheduler and the result processing between them.
         ``batch.steps_run`` becomes the steps run."""
         k, reqs, b = batch.steps, batch.reqs, len(batch.reqs)
-        seq0 = [r.kv_len - k + 1 for r in reqs]
+        seq0 = [n - k + 1 for n in batch.seq_lens]
         step = StepInputs(batch.input_ids, batch.positions, batch.out_cache_loc[:b], seq0, batch.extend_lens,
                           self.step_inputs(batch)[0].kv_indices, [(0, b)])
         stop = batch_stop_ids(reqs, self.eos_ids)
@@ -195,7 +207,8 @@ class ModelRunner:
             if (tokens := fast(whole, self.attn_backend, k, stop)) is not None:
                 batch.steps_run = len(tokens)
                 return StepResult(SampleOutput(tokens[0], None, None), tokens[1:])
-        rows = [SamplingRow(r.params, r.prompt_ids, r.output_ids, r.generator, self.eos_ids, False, 0, r.row) for r in reqs]
+        rows = [SamplingRow(r.params, r.prompt_ids, r.output_ids, r.generator, self.eos_ids, False, 0, row)
+                for r, row in zip(reqs, batch.rows)]
         stops = set(stop)
         tokens: list[list[int]] = []
         for j in range(k):
@@ -271,6 +284,16 @@ def batch_stop_ids(reqs: list, eos_ids: tuple[int, ...]) -> list[int]:
     if not all(r.params.ignore_eos for r in reqs):
         ids.update(eos_ids)
     return sorted(ids)
+
+
+def _sampling_row(req, row: int, eos: tuple[int, ...]) -> SamplingRow:
+    """The request's ``SamplingRow``, made once per table row it holds (its fields do not change:
+    ``output_ids`` is the request's own list), not once a step."""
+    sr = req.sampling_row
+    if sr is None or sr.slot != row:
+        sr = req.sampling_row = SamplingRow(req.params, req.prompt_ids, req.output_ids, req.generator, eos,
+                                            req.return_logprob, req.top_logprobs_num, row)
+    return sr
 
 
 def _scatter(sample: SampleOutput, live: list[int], n: int) -> SampleOutput:

@@ -61,45 +61,61 @@ class Engine:
 
     async def _iter_async(self, agen) -> AsyncIterator[dict]:
         """The engine loop's stream, re-yielded on the caller's loop. A pump task on the engine
-        loop hands each chunk over with one ``call_soon_threadsafe`` (at 256 streams, two futures
-        per chunk cost more than the forward of a small model); chunks that pile up while the
-        caller is busy are coalesced to the newest per request (they are cumulative). Leaving early
-        cancels the pump, which closes the stream and aborts what is unfinished."""
-        caller = asyncio.get_running_loop()
-        inbox: asyncio.Queue = asyncio.Queue()
+        loop hands the chunks over in batches: those yielded in one turn of the engine loop (a
+        step's worth, at most one per request) go over with one ``call_soon_threadsafe`` (one
+        cross-thread wake-up per step, not per chunk: at 256 streams, a wake-up per chunk cost
+        more than the forward of a small model); chunks that pile up while the caller is busy are
+        coalesced to the newest per request (they are cumulative). Leaving early cancels the pump,
+        which closes the stream and aborts what is unfinished."""
+        caller, engine_loop = asyncio.get_running_loop(), self._loop
+        inbox: asyncio.Queue = asyncio.Queue()  # lists of chunks; a list ends with `done` or an error at the end
         done = object()
 
         async def pump() -> None:
+            batch: list = []
+
+            def send() -> None:  # on the engine loop, once the chunks of this turn are in
+                if batch:
+                    items = batch[:]
+                    batch.clear()
+                    caller.call_soon_threadsafe(inbox.put_nowait, items)
+
             try:
                 async for chunk in agen:
-                    caller.call_soon_threadsafe(inbox.put_nowait, chunk)
+                    if not batch:
+                        engine_loop.call_soon(send)
+                    batch.append(chunk)
             except BaseException as e:  # an engine error reaches the caller; a cancel ends the pump
                 if not isinstance(e, asyncio.CancelledError):
-                    caller.call_soon_threadsafe(inbox.put_nowait, e)
+                    batch.append(e)
+                    send()
                 raise
             finally:
                 await agen.aclose()  # an unfinished request is aborted
-            caller.call_soon_threadsafe(inbox.put_nowait, done)
+            batch.append(done)
+            send()
 
-        fut = asyncio.run_coroutine_threadsafe(pump(), self._loop)
+        fut = asyncio.run_coroutine_threadsafe(pump(), engine_loop)
         try:
             while True:
                 pending = {}  # request index -> newest chunk, in arrival order
-                item = await inbox.get()
+                end = None
+                items = await inbox.get()
                 while True:
-                    if item is done or isinstance(item, BaseException):
+                    for item in items:
+                        if item is done or isinstance(item, BaseException):
+                            end = item
+                            break
+                        pending[item.get("index")] = item
+                    if end is not None or inbox.empty():
                         break
-                    pending[item.get("index")] = item
-                    if inbox.empty():
-                        item = None
-                        break
-                    item = inbox.get_nowait()
+                    items = inbox.get_nowait()
                 for chunk in pending.values():
                     yield chunk
-                if item is done:
+                if end is done:
                     return
-                if isinstance(item, BaseException):
-                    raise item
+                if end is not None:
+                    raise end
         finally:
             if not fut.done():
                 fut.cancel()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from typing import Any, Callable
 
 import attrs
 import torch
@@ -25,7 +25,6 @@ class Req:
     logprob_start_len: int = -1  # >= 0: also return logprobs of prompt tokens from this index
     generator: torch.Generator | None = None
     detokenizer: Any = None  # IncrementalDetokenizer, or None without a tokenizer
-    queue: asyncio.Queue | None = None  # receives ReqOutput snapshots; None when finished streams are not wanted
     priority: int | None = None  # with --enable-priority-scheduling (higher first unless --schedule-low-priority-values-first)
     grammar: Any = None  # core.interfaces.Grammar matcher of a constrained request (core.engine.grammar)
     # the API request this sequence belongs to (its n > 1 copies and batch items share it): what an
@@ -46,6 +45,13 @@ class Req:
     row: int = -1
     pages: list[int] = attrs.field(factory=list)
     kv_len: int = 0
+    # KV positions whose forward has been processed (the rest of kv_len is in flight under overlap
+    # scheduling): what may enter the prefix cache
+    kv_done: int = 0
+    # this request's index in the last batch built with it: a batch built while that one is in
+    # flight refers to its sampled token by this index (core.engine.scheduler.future_id)
+    future_index: int = -1
+    sampling_row: Any = None  # the model runner's SamplingRow for this request (made once per table row)
     cached_tokens: int = 0
     tree_pages: int = 0  # leading entries of ``pages`` owned by the radix cache (locked through last_node)
     last_node: Any = None  # radix node locked by this request, or None
@@ -58,6 +64,48 @@ class Req:
     arrival: float = attrs.field(factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None
+
+    # update delivery (``notify``): what the consumers (core.engine.frontend, dp_replica) wait on
+    updated: bool = attrs.field(default=False, init=False, repr=False)  # notified since a consumer last looked
+    watcher: Callable[[Req], None] | None = attrs.field(default=None, init=False, repr=False)  # stream_many's feed
+    _next: asyncio.Future | None = attrs.field(default=None, init=False, repr=False)  # a stream's: the next notify
+    _done: asyncio.Future | None = attrs.field(default=None, init=False, repr=False)  # a drain's: the finish
+
+    def notify(self) -> None:
+        """The engine's signal after each step the request took and when it finished: O(1), and
+        wakes nobody unless a consumer waits on it (a stream's next update, a drain's finish)."""
+        self.updated = True
+        if (f := self._next) is not None:
+            self._next = None
+            if not f.done():
+                f.set_result(None)
+        if self.watcher is not None:
+            self.watcher(self)
+        if self.finish_reason is not None and (f := self._done) is not None:
+            self._done = None
+            if not f.done():
+                f.set_result(None)
+
+    async def next_update(self) -> None:
+        """Return once notified since the last call (at once if already): notifies that came while
+        the consumer was away coalesce into one. One such consumer per request."""
+        if not self.updated:
+            fut = self._next = asyncio.get_running_loop().create_future()
+            try:
+                await fut
+            finally:
+                if self._next is fut:
+                    self._next = None
+        self.updated = False
+
+    async def wait_finished(self) -> None:
+        """Return once the request has finished (its finishing ``notify``); no wake-up before."""
+        if self.finish_reason is not None:
+            return
+        fut = self._done
+        if fut is None or fut.done():
+            fut = self._done = asyncio.get_running_loop().create_future()
+        await asyncio.shield(fut)  # several waiters may share it; a cancelled one leaves it to the others
 
     def answers_to(self, rid: str) -> bool:
         """Whether an abort or a duplicate check for ``rid`` concerns this sequence."""

@@ -22,45 +22,16 @@ from __future__ import annotations
 import time
 from collections import deque
 
-import attrs
 import structlog
 
 from core.engine.kv_cache import PageAllocator, ReqToTokenTable
 from core.engine.radix_cache import RadixCache
 from core.engine.request import Req
+from core.engine.schedule_batch import ScheduledBatch, StepResult, future_id
 from core.engine.schedule_policy import SchedulePolicy
-from core.engine.sampler import SampleOutput, penalised
+from core.engine.sampler import penalised
 
 log = structlog.get_logger("core.engine.scheduler")
-
-
-@attrs.define
-class ScheduledBatch:
-    """One forward's worth of work, as plain Python data: the model runner owns every device
-    tensor and builds them from these lists (the scheduler never touches the device)."""
-
-    reqs: list[Req]
-    extend_lens: list[int]
-    input_ids: list[int]  # [T] flattened new tokens
-    positions: list[int]  # [T] absolute position of each new token
-    out_cache_loc: list[int]  # [T] KV slot of each new token
-    is_prefill: bool
-    # (table rows, positions, slots) the runner records in the request -> token table before the
-    # forward: the new tokens' slots plus any cached-prefix slots of these requests not yet written
-    table_writes: tuple[list[int], list[int], list[int]] = ([], [], [])
-    # decode steps this batch may run (--num-continuous-decode-steps): ``input_ids`` and
-    # ``positions`` are the first step's, ``out_cache_loc`` holds step k's slots at [k * B, (k + 1) * B)
-    steps: int = 1
-    steps_run: int = 1  # those the runner ran (a stop token ends them early)
-
-
-@attrs.define
-class StepResult:
-    sample: SampleOutput  # the (first) step's tokens
-    # the tokens of a multi-step decode's later steps, one list per step (``ScheduledBatch.steps``)
-    more_tokens: list[list[int]] = attrs.field(factory=list)
-    # per request index: (logprobs of prompt tokens from logprob_start_len, their top logprobs)
-    input_logprobs: dict[int, tuple[list[float | None], list[list[tuple[int, float]]]]] = attrs.field(factory=dict)
 
 
 # SGLang's scheduling constants (global_config / schedule_policy.py)
@@ -183,20 +154,20 @@ class Scheduler:
         duplicates and the partial last page to the free list; unlock its cached prefix."""
         tree, ps = self.tree_cache, self.ps
         if tree is not None and cache:
-            n = req.kv_len // ps * ps
+            n = req.kv_done // ps * ps  # KV still in flight is not cached (its forward may yet fail)
             already = tree.insert(req.fill_ids()[:n], req.pages[: n // ps]) if n else 0
             self.allocator.free(req.pages[req.tree_pages : max(req.tree_pages, already // ps)] + req.pages[n // ps :])
         else:
             self.allocator.free(req.pages[req.tree_pages :])
         if req.last_node is not None:
             tree.dec_lock_ref(req.last_node)
-        req.pages, req.tree_pages, req.last_node = [], 0, None
+        req.pages, req.tree_pages, req.last_node, req.kv_done = [], 0, None, 0
 
     def _cache_unfinished(self, req: Req) -> None:
         """After a prefill (chunk), share the request's computed prefix through the tree right away,
         so requests admitted next reuse it (SGLang's cache_unfinished_req)."""
         tree, ps = self.tree_cache, self.ps
-        n = req.kv_len // ps * ps
+        n = req.kv_done // ps * ps
         if tree is None or n <= req.tree_pages * ps:
             return
         ids = req.fill_ids()[:n]
@@ -232,7 +203,9 @@ class Scheduler:
     def schedule(self) -> tuple[ScheduledBatch | None, list[Req]]:
         """Form the next batch; also returns requests finished by abort since the last step."""
         aborted = self._reap_aborted()
-        decodable = [r for r in self.running if r.kv_len == r.seq_len - 1]
+        # a request decodes from its last token, or (overlap scheduling) from the token the
+        # in-flight batch is sampling for it, unless that token ends it for sure
+        decodable = [r for r in self.running if r.kv_len == r.seq_len - 1 or (r.kv_len == r.seq_len and self._continues(r))]
         prefill: list[tuple[Req, int]] = []
         if not (self._chunk_ran_last and decodable and not self.enable_mixed_chunk):
             prefill = self._get_prefill(decodable)
@@ -250,8 +223,26 @@ class Scheduler:
             self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay, self.min_new_token_ratio)
             if (steps := self._continuous_steps(decodable)) > 1:
                 return self._build_steps(decodable, steps), aborted
-            return self._build(decodable, [1] * len(decodable), prefill=False), aborted
+            return self._build_decode(decodable), aborted
         return None, aborted
+
+    def _continues(self, req: Req) -> bool:
+        """Whether a request whose next token is in flight may still decode after it: not aborted,
+        and that token reaches neither ``max_new_tokens`` nor the context length."""
+        return (not req.aborted and len(req.output_ids) + 1 < req.params.max_new_tokens
+                and req.seq_len + 1 < self.context_len)
+
+    def needs_results(self) -> bool:
+        """Whether the next batch must wait for the in-flight one's results (overlap scheduling):
+        multi-step decodes, and requests whose sampling reads their outputs on the host (a grammar,
+        penalties, ``min_new_tokens`` not reached yet) with a token in flight."""
+        if self.decode_steps > 1:
+            return True
+        for r in self.running:
+            if r.kv_len == r.seq_len and (r.grammar is not None or len(r.output_ids) < r.params.min_new_tokens
+                                          or penalised(r.params)):
+                return True
+        return False
 
     def _continuous_steps(self, reqs: list[Req]) -> int:
         """How many decode steps ``reqs`` run in one batch: up to ``decode_steps`` while nothing
@@ -292,8 +283,10 @@ class Scheduler:
                 cols.append(pos)
                 slots.append(slot)
             req.kv_len = start + steps  # process() sets it back to the tokens kept
+            req.future_index = -1  # (needs_results: nothing is built on a multi-step batch's tokens)
         return ScheduledBatch(reqs, [1] * b, [r.token_at(r.kv_len - steps) for r in reqs],
-                              [r.kv_len - steps for r in reqs], locs, False, writes, steps)
+                              [r.kv_len - steps for r in reqs], locs, False, writes, steps,
+                              rows=[r.row for r in reqs], seq_lens=[r.kv_len for r in reqs], live=list(range(b)))
 
     def _get_prefill(self, decodable: list[Req]) -> list[tuple[Req, int]]:
         """Admit what fits: the ongoing chunked request first, then waiting requests in policy order."""
@@ -359,6 +352,7 @@ class Scheduler:
             self.waiting.popleft()
             req.row = self.table.alloc_row()
             req.pages, req.tree_pages, req.last_node, req.kv_len = list(pages), len(pages), node, prefix
+            req.kv_done = prefix
             self._write_row(req, 0, prefix)
             if req.num_retractions == 0:
                 req.cached_tokens = prefix
@@ -439,25 +433,56 @@ class Scheduler:
         positions: list[int] = []
         locs: list[int] = []
         extra: tuple[list[int], list[int], list[int]] = ([], [], [])
-        for req, n in zip(reqs, extend_lens):
+        live: list[int] = []
+        futures = False
+        for i, (req, n) in enumerate(zip(reqs, extend_lens)):
             self._take_queued(req, extra)
             start = end = req.kv_len
             end += n
             self._grow(req, end)
             pages = req.pages
-            if n == 1:  # decode: the common case, kept short
-                positions.append(start)
-                locs.append(pages[start // ps] * ps + start % ps)
-                rows.append(req.row)
-                input_ids.append(req.token_at(start))
-            else:
-                positions.extend(range(start, end))
-                locs.extend(pages[start:end] if ps == 1 else (pages[p // ps] * ps + p % ps for p in range(start, end)))
-                rows.extend([req.row] * n)
+            positions.extend(range(start, end))
+            locs.extend(pages[start:end] if ps == 1 else (pages[p // ps] * ps + p % ps for p in range(start, end)))
+            rows.extend([req.row] * n)
+            if start < req.seq_len:
                 input_ids.extend(_tokens(req, start, end))
+            else:  # a decode under overlap scheduling: the token the in-flight batch samples for it
+                input_ids.append(future_id(req.future_index))
+                futures = True
             req.kv_len = end
+            if end >= req.seq_len:  # samples a token (a non-final prompt chunk does not)
+                live.append(i)
+                req.future_index = i
         writes = (rows, positions, locs) if not extra[0] else (extra[0] + rows, extra[1] + positions, extra[2] + locs)
-        return ScheduledBatch(reqs, extend_lens, input_ids, positions, locs, prefill, writes)
+        return ScheduledBatch(reqs, extend_lens, input_ids, positions, locs, prefill, writes, rows=[r.row for r in reqs],
+                              seq_lens=[r.kv_len for r in reqs], live=live, futures=futures)
+
+    def _build_decode(self, reqs: list[Req]) -> ScheduledBatch:
+        """A decode batch: ``_build`` for one token each, in a few passes over the batch (its pages
+        taken in one allocation, in the same order): ~3 us a request a step was ``_build``'s loop."""
+        ps, b = self.ps, len(reqs)
+        extra: tuple[list[int], list[int], list[int]] = ([], [], [])
+        for req in reqs if self._table_pending else ():
+            self._take_queued(req, extra)
+        positions = [r.kv_len for r in reqs]
+        grow = [r for r, p in zip(reqs, positions) if p >= len(r.pages) * ps]  # at a page boundary
+        for r, page in zip(grow, self._alloc(len(grow)) if grow else ()):
+            r.pages.append(page)
+        locs = ([r.pages[p] for r, p in zip(reqs, positions)] if ps == 1
+                else [r.pages[p // ps] * ps + p % ps for r, p in zip(reqs, positions)])
+        input_ids: list[int] = []
+        futures = False
+        for i, (r, p) in enumerate(zip(reqs, positions)):
+            if p < len(r.prompt_ids) + len(r.output_ids):
+                input_ids.append(r.token_at(p))
+            else:  # overlap scheduling: the token the in-flight batch samples for it
+                input_ids.append(future_id(r.future_index))
+                futures = True
+            r.kv_len, r.future_index = p + 1, i
+        rows = [r.row for r in reqs]
+        writes = (rows, positions, locs) if not extra[0] else (extra[0] + rows, extra[1] + positions, extra[2] + locs)
+        return ScheduledBatch(reqs, [1] * b, input_ids, positions, locs, False, writes, rows=rows,
+                              seq_lens=[p + 1 for p in positions], live=list(range(b)), futures=futures)
 
     # ------------------------------------------------------------------ results
     def process(self, batch: ScheduledBatch, result: StepResult) -> list[tuple[Req, str]]:
@@ -468,14 +493,17 @@ class Scheduler:
         s = result.sample
         updates = []
         for i, req in enumerate(batch.reqs):
+            if req.row != batch.rows[i]:  # retracted (or failed) after this batch was built (overlap):
+                continue  # its token is dropped, recomputed after readmission, as SGLang does
+            req.kv_done = batch.seq_lens[i]  # this batch's KV is written
             if i in result.input_logprobs:
                 req.input_logprobs, req.input_top_logprobs = result.input_logprobs[i]
             if req.finished or req.aborted:  # aborted while the forward ran: dropped at the next step
                 if batch.steps > 1:  # a multi-step decode's entries after the first are not kept
-                    req.kv_len = req.seq_len
+                    req.kv_len = req.kv_done = req.seq_len
                 updates.append((req, ""))
                 continue
-            if req.kv_len < req.seq_len:  # a chunk of a longer prompt: nothing sampled yet
+            if batch.seq_lens[i] < req.seq_len:  # a chunk of a longer prompt: nothing sampled yet
                 self._cache_unfinished(req)
                 continue
             if req.params.max_new_tokens == 0:  # prompt-only request (e.g. for prompt logprobs)
@@ -485,6 +513,7 @@ class Scheduler:
             tok = s.token_ids[i]
             if batch.steps > 1:  # a multi-step decode: its tokens up to the first that finishes the request
                 delta = self._append_steps(req, [tok] + [t[i] for t in result.more_tokens], now)
+                req.kv_done = req.kv_len
                 updates.append((req, delta))
                 continue
             req.output_ids.append(tok)

@@ -326,16 +326,11 @@ class Job:
         return usage
 
     async def final_outputs(self) -> list[dict]:
-        async def last(req: Any) -> dict:
-            out = None
-            async for out in self.engine.stream(req):
-                pass
-            return out
-
         try:
-            outs = await asyncio.gather(*(last(r) for r in self.reqs))
+            await asyncio.gather(*(self.engine.drain(r) for r in self.reqs))  # one wake-up each, at the finish
         finally:
             self.abort()
+        outs = [self.engine.output(r) for r in self.reqs]
         for out in outs:
             raise_if_aborted(out)
         return outs

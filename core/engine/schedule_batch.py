@@ -1,0 +1,50 @@
+"""What the scheduler hands the model runner for one forward, and what comes back: plain Python
+data, so that the scheduler never touches the device and a test can drive it without a model."""
+
+from __future__ import annotations
+
+import attrs
+
+from core.engine.request import Req
+from core.engine.sampler import SampleOutput
+
+
+@attrs.define
+class ScheduledBatch:
+    """One forward's worth of work, as plain Python data: the model runner owns every device
+    tensor and builds them from these lists (the scheduler never touches the device)."""
+
+    reqs: list[Req]
+    extend_lens: list[int]
+    input_ids: list[int]  # [T] flattened new tokens
+    positions: list[int]  # [T] absolute position of each new token
+    out_cache_loc: list[int]  # [T] KV slot of each new token
+    is_prefill: bool
+    # (table rows, positions, slots) the runner records in the request -> token table before the
+    # forward: the new tokens' slots plus any cached-prefix slots of these requests not yet written
+    table_writes: tuple[list[int], list[int], list[int]] = ([], [], [])
+    # decode steps this batch may run (--num-continuous-decode-steps): ``input_ids`` and
+    # ``positions`` are the first step's, ``out_cache_loc`` holds step k's slots at [k * B, (k + 1) * B)
+    steps: int = 1
+    steps_run: int = 1  # those the runner ran (a stop token ends them early)
+    # per request, as built (the runner reads these, never the requests' own fields, which the
+    # scheduler changes while an overlapped forward runs): table row, KV length after the batch
+    rows: list[int] = attrs.field(factory=list)
+    seq_lens: list[int] = attrs.field(factory=list)
+    live: list[int] = attrs.field(factory=list)  # the indices that sample a token (a prompt's last chunk or a decode)
+    futures: bool = False  # some input id is a future_id: the previous batch's sampled token, resolved by the runner
+
+
+def future_id(index: int) -> int:
+    """The input id standing for the token the in-flight batch samples at ``index`` (overlap
+    scheduling: the batch is built before that token is on the host)."""
+    return -1 - index
+
+
+@attrs.define
+class StepResult:
+    sample: SampleOutput  # the (first) step's tokens
+    # the tokens of a multi-step decode's later steps, one list per step (``ScheduledBatch.steps``)
+    more_tokens: list[list[int]] = attrs.field(factory=list)
+    # per request index: (logprobs of prompt tokens from logprob_start_len, their top logprobs)
+    input_logprobs: dict[int, tuple[list[float | None], list[list[tuple[int, float]]]]] = attrs.field(factory=dict)

@@ -1,0 +1,164 @@
+"""Overlap scheduling (issue 42): the next batch is scheduled, and handed to the forward thread,
+before the running one's results are processed. Outputs are those of the plain loop, request
+for request: greedy and seeded samples, stop strings and tokens, max_new_tokens, grammars,
+logprobs, penalties, min_new_tokens, n > 1, chunked prefill, retraction, continuous decode
+steps and abort; the host's work of step n + 1 happens while step n's forward runs; a request
+aborted while its token is in flight frees its pages exactly once."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import build_tiny_llama, make_engine
+
+PROMPTS = [[5 + (i * 7 + j) % 90 for j in range(n)] for i, n in enumerate([12, 40, 7, 25, 33, 9, 61, 18])]
+
+# one entry per behaviour, all in one batch (different lengths, so requests finish at different steps)
+REQUESTS: list[dict[str, Any]] = [
+    {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True},
+    {"max_new_tokens": 17, "temperature": 0.8, "top_p": 0.9, "sampling_seed": 7, "ignore_eos": True},
+    {"max_new_tokens": 30, "temperature": 0, "stop": ["ff"]},  # (seed 3's model writes "...sefff..." here)
+    {"max_new_tokens": 25, "temperature": 0, "stop_token_ids": [216], "ignore_eos": True},  # its 5th token
+    {"max_new_tokens": 12, "temperature": 0, "frequency_penalty": 0.7, "presence_penalty": 0.3, "ignore_eos": True},
+    {"max_new_tokens": 15, "temperature": 0, "min_new_tokens": 9},
+    {"max_new_tokens": 9, "temperature": 1.0, "top_k": 5, "sampling_seed": 3, "ignore_eos": True},
+    {"max_new_tokens": 1, "temperature": 0},
+]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tiny-overlap")
+    build_tiny_llama(path, seed=3)
+    return path
+
+
+def run_all(path: Path, overlap: bool, **kwargs: Any) -> tuple[list[dict], int]:
+    """Every request of REQUESTS in one batch: (outputs, retractions)."""
+    eng = make_engine(path, dtype="float32", device="cpu", enable_overlap_schedule=overlap,
+                      disable_overlap_schedule=not overlap, **kwargs)
+    try:
+        assert eng.engine.overlap == overlap
+        outs = eng.generate(input_ids=PROMPTS, sampling_params=REQUESTS, return_logprob=True, top_logprobs_num=2)
+        return [{"ids": o["output_ids"], "text": o["text"], "finish": o["meta_info"]["finish_reason"],
+                 "lp": [round(lp, 4) for lp, _ in o["meta_info"]["output_token_logprobs"]]} for o in outs], \
+            eng.engine.scheduler.num_retracted
+    finally:
+        eng.engine.scheduler.check_accounting()
+        eng.shutdown()
+
+
+@pytest.mark.parametrize("variant", [
+    {},
+    {"chunked_prefill_size": 16},  # prompts in chunks, with decodes between them
+    {"max_total_tokens": 128, "chunked_prefill_size": 32, "schedule_conservativeness": 0.1},  # a small pool: retraction
+    {"num_continuous_decode_steps": 4},
+    {"disable_radix_cache": True},
+], ids=["plain", "chunked", "retraction", "continuous_steps", "no_radix_cache"])
+def test_outputs_equal_the_plain_loop(tiny, variant):
+    (plain, retracted), (over, retracted_over) = run_all(tiny, False, **variant), run_all(tiny, True, **variant)
+    for i, (a, b) in enumerate(zip(plain, over)):
+        assert a == b, (i, REQUESTS[i])
+    finish = [o["finish"] for o in plain]
+    assert finish[2] == {"type": "stop", "matched": "ff"} and finish[3] == {"type": "stop", "matched": 216}
+    assert [len(o["ids"]) for o in plain][5] >= 9 and len(plain[7]["ids"]) == 1
+    if "schedule_conservativeness" in variant:
+        assert retracted > 0 and retracted_over > 0
+
+
+def test_grammars_and_n_greater_than_one(tiny):
+    """A grammar needs its matcher's state after each token: those steps wait for the results;
+    the others around them overlap."""
+    outs = []
+    for overlap in (False, True):
+        eng = make_engine(tiny, dtype="float32", device="cpu", enable_overlap_schedule=overlap,
+                          disable_overlap_schedule=not overlap)
+        try:
+            got = eng.generate(input_ids=[PROMPTS[0], PROMPTS[1], PROMPTS[2]],
+                               sampling_params=[{"max_new_tokens": 12, "temperature": 0, "regex": "[0-9]{3,8}"},
+                                                {"max_new_tokens": 14, "temperature": 0, "ignore_eos": True},
+                                                {"max_new_tokens": 10, "temperature": 0.7, "n": 3, "sampling_seed": 11,
+                                                 "ignore_eos": True}])
+            outs.append([o["output_ids"] for o in got])
+        finally:
+            eng.shutdown()
+    assert outs[0] == outs[1]
+
+
+def test_the_next_steps_host_work_runs_during_the_forward(tiny):
+    """With a slow forward, step n + 1 is scheduled (and step n - 1 processed) on the loop while
+    step n's forward runs on the forward thread: most schedule() calls find a forward unfinished."""
+    eng = make_engine(tiny, dtype="float32", device="cpu", enable_overlap_schedule=True)
+    ae = eng.engine
+    overlapped = []
+    run, schedule = ae.runner.run, ae.scheduler.schedule
+
+    def slow_run(batch):
+        time.sleep(0.03)
+        return run(batch)
+
+    def watched_schedule():
+        overlapped.append(ae._inflight is not None and not ae._inflight[1].done())
+        return schedule()
+
+    ae.runner.run, ae.scheduler.schedule = slow_run, watched_schedule
+    try:
+        t0 = time.perf_counter()
+        out = eng.generate(input_ids=PROMPTS[0], sampling_params={"max_new_tokens": 16, "temperature": 0, "ignore_eos": True})
+        wall = time.perf_counter() - t0
+        assert len(out["output_ids"]) == 16
+    finally:
+        eng.shutdown()
+    assert sum(overlapped) >= 12, overlapped  # all but the first (nothing in flight) and the last
+    assert wall < 16 * 0.03 * 1.5  # (the forwards back to back, not forward + host work in turn)
+
+
+def test_an_abort_while_a_token_is_in_flight_frees_pages_once(tiny):
+    """Abort a request between its batch's launch and its results: its pages go back once (the
+    pool's accounting holds), the others finish as without the abort."""
+    eng = make_engine(tiny, dtype="float32", device="cpu", enable_overlap_schedule=True, max_total_tokens=512)
+    ae = eng.engine
+    run = ae.runner.run
+    steps = []
+
+    def run_and_abort(batch):
+        steps.append(len(batch.reqs))
+        if len(steps) == 4:
+            ae.scheduler.running[0].aborted = True  # (as abort() marks it) while this batch is in flight
+        time.sleep(0.005)
+        return run(batch)
+
+    ae.runner.run = run_and_abort
+    free_before = ae.allocator.num_free
+    try:
+        outs = eng.generate(input_ids=PROMPTS[:3], sampling_params={"max_new_tokens": 20, "temperature": 0, "ignore_eos": True})
+    finally:
+        ae.scheduler.check_accounting()  # every page free, cached or held: none lost, none twice
+        eng.shutdown()
+    reasons = [o["meta_info"]["finish_reason"]["type"] for o in outs]
+    assert reasons.count("abort") == 1 and reasons.count("length") == 2, reasons
+    assert all(len(o["output_ids"]) == 20 for o, r in zip(outs, reasons) if r == "length")
+    assert ae.allocator.num_free + len(ae.tree_cache.all_pages()) == free_before
+
+
+def test_overlap_flags():
+    from core.engine.config import overlap_schedule
+    from core.engine.config import engine_args_from_kwargs
+    from core.errors import CoreError
+
+    import torch
+
+    def args(**kw):
+        return engine_args_from_kwargs({"model_path": "x", **kw})
+
+    assert overlap_schedule(args(), torch.device("cuda")) and not overlap_schedule(args(), torch.device("cpu"))
+    assert overlap_schedule(args(enable_overlap_schedule=True), torch.device("cpu"))
+    assert not overlap_schedule(args(disable_overlap_schedule=True), torch.device("cuda"))
+    with pytest.raises(CoreError, match="contradict"):
+        overlap_schedule(args(disable_overlap_schedule=True, enable_overlap_schedule=True), torch.device("cpu"))
+    asyncio.get_event_loop_policy()  # (no loop needed: the choice is made before the engine runs)
