@@ -350,6 +350,9 @@ def main() -> None:
     ap.add_argument("--skip-split", action="store_true", help="do not measure the per-step split")
     ap.add_argument("--llama-cpp-python", default=None,
                     help="a Python with llama-cpp-python: llama.cpp's batch-1 decode on the default GGUF, interleaved")
+    ap.add_argument("--overlap", choices=("default", "on", "off", "both"), default="default",
+                    help="overlap scheduling: the engine's default for the device, on, off, or both (one engine "
+                         "each, one after the other: rows 'core' and 'core+overlap')")
     ap.add_argument("--prefill-len", type=int, default=0,
                     help="also time the prefill of one prompt this long (best of 3, a new prompt each time)")
     args = ap.parse_args()
@@ -368,52 +371,57 @@ def main() -> None:
                                      skip_tokenizer_init=args.skip_tokenizer_init or None,
                                      attention_backend=args.attention_backend, quantization=args.quantization,
                                      torchao_config=args.torchao_config, device=args.device).items() if v is not None}
-    engine = Engine(dtype=args.dtype, max_total_tokens=max(max(levels) * (args.input_len + args.output_len), args.prefill_len) + 64,
-                    max_running_requests=max(levels), cpu_threads=args.cpu_threads, log_level="warning",
-                    num_continuous_decode_steps=args.num_continuous_decode_steps, **kwargs)
-    core = engine.engine
-    vocab, dtype, dev = core.vocab_size, core.model_config.dtype, core.device
-    path = core.model_config.path
-    # warm-up
-    engine.generate(input_ids=make_prompts(1, 16, vocab, 0)[0], sampling_params={"max_new_tokens": 4, "ignore_eos": True})
+    modes = {"default": [None], "on": [True], "off": [False], "both": [False, True]}[args.overlap]
     rows = []
-    # the bandwidth right before, between (batch 1) and right after core's runs: on a shared host it
-    # moves by tens of per cent within seconds; the largest (the strictest limit) is the machine's
-    bws = [measure_bandwidth(dev)]
-    wbytes = weight_bytes(core.model)
     paired: list[float] = []  # batch 1: each run's decode rate over the limit of the bandwidth measured around it
     llama: list[tuple[float, float]] = []  # llama.cpp at batch 1: (decode tok/s, that over its paired limit)
-    phases = PhaseTimes(core)
     phase_rows: dict[int, tuple[float, dict[str, float], dict[str, int]]] = {}  # of each level's kept run
-    for c in levels:
-        # batch 1 (a second each) runs five times, the best kept: noise only slows a run, so the
-        # best is the closest to what the machine does, as the best of five copies is for bandwidth
-        # (each time a new prompt: a repeated one would skip its prefill through the prefix cache).
-        # On a shared host the bandwidth itself moves by +-30 % from one second to the next, so each
-        # run is also paired with the larger of the bandwidths measured right before and after it.
-        runs = []
-        phases.take()
-        for i in range(5 if c == 1 else 1):
-            prompts = make_prompts(c, args.input_len, vocab, c + 1000 * i)
-            runs.append((*run_core(engine, prompts, args.output_len,
-                                   {"temperature": args.temperature, "top_p": args.top_p}), *phases.take()))
-            if c == 1:
-                bws.append(measure_bandwidth(dev))
-                paired.append(wbytes / max(bws[-2:]) / statistics.median(runs[-1][2]))
-                if args.llama_cpp_python:
-                    rate = llama_cpp_decode(args.llama_cpp_python, torch.get_num_threads(), prompts[0], args.output_len)
+    bws: list[float] = []
+    for overlap in modes:
+        label = "core+overlap" if overlap and args.overlap == "both" else "core"
+        flags = {} if overlap is None else {"enable_overlap_schedule": overlap, "disable_overlap_schedule": not overlap}
+        engine = Engine(dtype=args.dtype, max_total_tokens=max(max(levels) * (args.input_len + args.output_len), args.prefill_len) + 64,
+                        max_running_requests=max(levels), cpu_threads=args.cpu_threads, log_level="warning",
+                        num_continuous_decode_steps=args.num_continuous_decode_steps, **flags, **kwargs)
+        core = engine.engine
+        vocab, dtype, dev = core.vocab_size, core.model_config.dtype, core.device
+        path = core.model_config.path
+        # warm-up
+        engine.generate(input_ids=make_prompts(1, 16, vocab, 0)[0], sampling_params={"max_new_tokens": 4, "ignore_eos": True})
+        # the bandwidth right before, between (batch 1) and right after core's runs: on a shared host it
+        # moves by tens of per cent within seconds; the largest (the strictest limit) is the machine's
+        bws.append(measure_bandwidth(dev))
+        wbytes = weight_bytes(core.model)
+        phases = PhaseTimes(core)
+        for c in levels:
+            # batch 1 (a second each) runs five times, the best kept: noise only slows a run, so the
+            # best is the closest to what the machine does, as the best of five copies is for bandwidth
+            # (each time a new prompt: a repeated one would skip its prefill through the prefix cache).
+            # On a shared host the bandwidth itself moves by +-30 % from one second to the next, so each
+            # run is also paired with the larger of the bandwidths measured right before and after it.
+            runs = []
+            phases.take()
+            for i in range(5 if c == 1 else 1):
+                prompts = make_prompts(c, args.input_len, vocab, c + 1000 * i)
+                runs.append((*run_core(engine, prompts, args.output_len,
+                                       {"temperature": args.temperature, "top_p": args.top_p}), *phases.take()))
+                if c == 1:
                     bws.append(measure_bandwidth(dev))
-                    llama.append((rate, rate * wbytes / max(bws[-2:])))
-        wall, ttfts, tpots, toks, secs, counts = min(runs, key=lambda r: statistics.median(r[2]))
-        phase_rows[c] = (wall, secs, counts)
-        rows.append(("core", c, toks / wall, statistics.median(ttfts), wall, statistics.median(tpots)))
-    bws.append(measure_bandwidth(dev))
-    splits = {} if args.skip_split else {c: step_split(engine, make_prompts(c, args.input_len, vocab, c + 1))
-                                         for c in sorted({1, max(levels)})}
-    prefill = {}
-    if args.prefill_len:
-        prefill["core"] = min(time_core_prefill(engine, p) for p in make_prompts(3, args.prefill_len, vocab, 7))
-    engine.shutdown()
+                    paired.append(wbytes / max(bws[-2:]) / statistics.median(runs[-1][2]))
+                    if args.llama_cpp_python:
+                        rate = llama_cpp_decode(args.llama_cpp_python, torch.get_num_threads(), prompts[0], args.output_len)
+                        bws.append(measure_bandwidth(dev))
+                        llama.append((rate, rate * wbytes / max(bws[-2:])))
+            wall, ttfts, tpots, toks, secs, counts = min(runs, key=lambda r: statistics.median(r[2]))
+            phase_rows[c] = (wall, secs, counts)
+            rows.append((label, c, toks / wall, statistics.median(ttfts), wall, statistics.median(tpots)))
+        bws.append(measure_bandwidth(dev))
+        splits = {} if args.skip_split else {c: step_split(engine, make_prompts(c, args.input_len, vocab, c + 1))
+                                             for c in sorted({1, max(levels)})}
+        prefill = {}
+        if args.prefill_len:
+            prefill["core"] = min(time_core_prefill(engine, p) for p in make_prompts(3, args.prefill_len, vocab, 7))
+        engine.shutdown()
 
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM
