@@ -162,3 +162,21 @@ def test_overlap_flags():
     with pytest.raises(CoreError, match="contradict"):
         overlap_schedule(args(disable_overlap_schedule=True, enable_overlap_schedule=True), torch.device("cpu"))
     asyncio.get_event_loop_policy()  # (no loop needed: the choice is made before the engine runs)
+
+
+def test_tensor_and_data_parallel_engines_overlap_too(tiny):
+    """--tp-size 2 (rank 0 resolves the future ids before it broadcasts a step) and --dp-size 2
+    (each replica overlaps its own steps) give the plain one-rank engine's tokens."""
+    prompts, params = PROMPTS[:4], {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
+    want = [o["output_ids"] for o in run_engine(tiny, False, prompts, params)]
+    assert [o["output_ids"] for o in run_engine(tiny, True, prompts, params, tp_size=2)] == want
+    assert [o["output_ids"] for o in run_engine(tiny, True, prompts, params, dp_size=2)] == want
+
+
+def run_engine(path: Path, overlap: bool, prompts: list, params: dict, **kwargs: Any) -> list[dict]:
+    eng = make_engine(path, dtype="float32", device="cpu", enable_overlap_schedule=overlap,
+                      disable_overlap_schedule=not overlap, max_total_tokens=512, **kwargs)
+    try:
+        return eng.generate(input_ids=prompts, sampling_params=params)
+    finally:
+        eng.shutdown()
