@@ -13,7 +13,7 @@ engine's objects from here (nothing under core/ is edited).
 The model: ``bench/shapes/null-tiny`` (Llama, 1 layer, hidden 64, vocab 1024), dummy weights,
 no tokenizer (``skip_tokenizer_init``: the detokenizer is None, so ``detokenizer.add`` costs 0 here).
 Requests: greedy, ignore_eos, all submitted at once through the offline ``Engine.generate`` (the
-consumers are ``frontend.stream``/``drain``, one task per request, on the engine loop).
+consumers are ``frontend.stream``/``drain`` on the engine loop, woken through ``Req.notify``).
 
 For each stream count: (1) a plain run (only the start time of each decode forward recorded):
 TPOT = median time between consecutive decode steps; (2) a timed run with every component wrapped;

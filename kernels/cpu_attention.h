@@ -112,13 +112,24 @@ inline __m512 hsum16(const __m512 v[16]) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
 }
 
+// A row's c-th 512-bit chunk (32 bf16); where D is an odd number of 16s, its last chunk is half a
+// chunk (16 bf16, the rest zeros: those products add nothing).
+template <int D>
+inline __m512bh chunk_bf16(const c10::BFloat16* p, int c) {
+  if constexpr (D % 32 != 0) {
+    if (c == D / 32) return (__m512bh)_mm512_maskz_loadu_epi16(static_cast<__mmask32>(0xFFFF), p + 32 * c);
+  }
+  return (__m512bh)_mm512_loadu_si512(p + 32 * c);
+}
+
 // out[j] = scale * (q . k_j) for the n keys at slots idx[0..n), 16 keys per hsum16.
 template <int D>
 inline void scores_bf16(const c10::BFloat16* __restrict q, const c10::BFloat16* __restrict kc, const int64_t* idx,
                         int n, int64_t slot_stride, int64_t head, float scale, float* __restrict out) {
-  constexpr int C = D / 32;  // 512-bit chunks of a row
+  static_assert(D % 16 == 0, "whole 256-bit halves of a row");
+  constexpr int C = (D + 31) / 32;  // 512-bit chunks of a row (the last one maybe half)
   __m512bh qv[C];
-  for (int c = 0; c < C; ++c) qv[c] = (__m512bh)_mm512_loadu_si512(q + 32 * c);
+  for (int c = 0; c < C; ++c) qv[c] = chunk_bf16<D>(q, c);
   for (int j0 = 0; j0 < n; j0 += 16) {
     const int m = std::min(16, n - j0);
     __m512 v[16];
@@ -128,7 +139,7 @@ inline void scores_bf16(const c10::BFloat16* __restrict q, const c10::BFloat16* 
       if (j < m) {
         const c10::BFloat16* k = kc + idx[j0 + j] * slot_stride + head;
 #pragma GCC unroll 4
-        for (int c = 0; c < C; ++c) v[j] = _mm512_dpbf16_ps(v[j], qv[c], (__m512bh)_mm512_loadu_si512(k + 32 * c));
+        for (int c = 0; c < C; ++c) v[j] = _mm512_dpbf16_ps(v[j], qv[c], chunk_bf16<D>(k, c));
       }
     }
     _mm512_mask_storeu_ps(out + j0, static_cast<__mmask16>((1u << m) - 1), _mm512_mul_ps(hsum16(v), _mm512_set1_ps(scale)));
@@ -455,7 +466,7 @@ void decode_bf16(const Params& p, const Task& t, const c10::BFloat16* q, const c
     for (int h = 0; h < nh; ++h) {
       const uint16_t* vrows = reinterpret_cast<const uint16_t*>(vc + (h0 + h) * D);
       float *ph = sc + h * G * kChunk, *ah = acc + h * G * D;
-      switch (D == 64 ? G : D == 128 ? G + 8 : 0) {  // all G heads' accumulators fit in registers
+      switch (D <= 64 ? G : D == 128 ? G + 8 : 0) {  // all G heads' accumulators fit in registers
         case 1: weigh_v<D, 1>(vrows, idx + c0, n, p.slot_stride, ph, ah); break;
         case 2: weigh_v<D, 2>(vrows, idx + c0, n, p.slot_stride, ph, ah); break;
         case 3: weigh_v<D, 3>(vrows, idx + c0, n, p.slot_stride, ph, ah); break;
@@ -730,7 +741,7 @@ void run_task(const Params& p, const Task& t, const T* q, const T* kc, const T* 
   }
 #endif
 #ifdef CORE_BF16_DOT
-  if constexpr (std::is_same_v<T, c10::BFloat16> && (DC == 64 || DC == 128)) {
+  if constexpr (std::is_same_v<T, c10::BFloat16> && (DC == 16 || DC == 32 || DC == 64 || DC == 128)) {
     if (p.cap == 0.0f && p.G <= 16) {  // each query token on its own (the task's keys stay in cache)
       const int64_t first = p.seq_lens[t.b] - p.ext[t.b] + t.r0;
       for (int r = 0; r < t.nr; ++r) decode_bf16<DC>(p, t, q, kc, vc, out, w, first + r, p.q_start[t.b] + t.r0 + r);
@@ -900,8 +911,11 @@ inline void plan(Work& w, int64_t B, const int64_t* sl, const int64_t* el, const
   // Decodes of a bf16 (float32) pool run decode_bf16 (decode_f32), one task per sequence when there
   // are enough of them for the threads: reading a slot's K (V) rows of all heads together streams
   // ~30 % faster than one head's rows.
-  const bool vec_path = cap == 0.0 && (D == 64 || D == 128) && G <= 16 &&
-                        ((dtype == at::kBFloat16 && kDecodeBf16) || (dtype == at::kFloat && kDecodeF32));
+  // (head dims of 16 and 32: bf16 only; decode_f32 would round differently from the extends' tiled
+  // blocks, which the same token computed by a prefill, e.g. after a retraction, must match)
+  const bool vec_path = cap == 0.0 && G <= 16 &&
+                        ((dtype == at::kBFloat16 && kDecodeBf16 && (D == 16 || D == 32 || D == 64 || D == 128)) ||
+                         (dtype == at::kFloat && kDecodeF32 && (D == 64 || D == 128)));
   const bool whole_seqs = vec_path && B >= 4 * nthreads;
   // With fewer decode tasks than two per thread (a few sequences), each decode reads whole slot rows
   // too, its keys split into up to this many parts of kMinPart keys or more (one per thread at

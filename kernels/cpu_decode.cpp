@@ -624,7 +624,9 @@ class DecodeStack : public torch::CustomClassHolder {
     core_attention::Work work;
     core_attention::plan(work, B, sl, el, kv_indices.const_data_ptr<int64_t>(), kv_indices.stride(0), kv_indices.size(1), M, qs, H, Hkv, D,
                          dtype_, scale_, window_, 0.0, nt);
-    const auto attend = D == 64 ? &core_attention::run_tasks<E, 64>
+    const auto attend = D == 16 ? &core_attention::run_tasks<E, 16>
+                        : D == 32 ? &core_attention::run_tasks<E, 32>
+                        : D == 64 ? &core_attention::run_tasks<E, 64>
                         : D == 128 ? &core_attention::run_tasks<E, 128> : &core_attention::run_tasks<E, 0>;
     at::Tensor attn = at::empty({M, H, D}, opt);
     E* pa = attn.data_ptr<E>();

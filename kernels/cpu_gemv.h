@@ -172,34 +172,43 @@ inline void block(const uint8_t* __restrict qw, const uint16_t* __restrict sz, c
   }
 }
 
+// The int32 sums over one run of 32 columns (from column a) of an int8 row block (u = q + 128,
+// block8's layout: eight 64-byte chunks) times the int8 codes of M rows of x: t[m], one lane per row.
+template <int M>
+inline void run_sums_vnni(const uint8_t* __restrict q, const int8_t* __restrict xq, int64_t K, int64_t a, __m512i (&t)[M]) {
+  constexpr int C = M == 1 ? 4 : 2;  // dot chains per row
+  __m512i is[M][C];
+  for (int m = 0; m < M; ++m)
+    for (int j = 0; j < C; ++j) is[m][j] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+  for (int c = 0; c < 8; ++c) {
+    const __m512i v = _mm512_loadu_si512(q + (a + 4 * c) * 16);
+    for (int m = 0; m < M; ++m) {
+      int32_t x4;  // columns a+4c .. +3 of row m
+      std::memcpy(&x4, xq + m * K + a + 4 * c, 4);
+      is[m][c % C] = _mm512_dpbusd_epi32(is[m][c % C], v, _mm512_set1_epi32(x4));
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    t[m] = is[m][0];
+    for (int j = 1; j < C; ++j) t[m] = _mm512_add_epi32(t[m], is[m][j]);
+  }
+}
+
 // Rows [m0, m0 + M) of x (as for block) times int8 row block nb (u = q + 128 per byte, per 16-row
 // block and 4 columns 64 bytes, byte 4 i + j holding row i's column j; sc: per-row bf16 scales).
 template <int M>
 inline void block8(const uint8_t* __restrict qw, const uint16_t* __restrict sc, const int8_t* __restrict xq,
                    const float* __restrict dx, const float* __restrict xs, uint16_t* __restrict out, int64_t K,
                    int64_t N, int64_t nb) {
-  constexpr int C = M == 1 ? 4 : 2;  // dot chains per row
   const uint8_t* q = qw + nb * K * 16;  // 16 rows x K bytes
   __m512 f[M];
   for (int m = 0; m < M; ++m) f[m] = _mm512_setzero_ps();
-  for (int64_t a = 0; a < K; a += 32) {  // 32 columns: eight 64-byte chunks
-    __m512i is[M][C];
+  for (int64_t a = 0; a < K; a += 32) {
+    __m512i t[M];
+    run_sums_vnni<M>(q, xq, K, a, t);
     for (int m = 0; m < M; ++m)
-      for (int j = 0; j < C; ++j) is[m][j] = _mm512_setzero_si512();
-#pragma GCC unroll 8
-    for (int c = 0; c < 8; ++c) {
-      const __m512i v = _mm512_loadu_si512(q + (a + 4 * c) * 16);
-      for (int m = 0; m < M; ++m) {
-        int32_t x4;  // columns a+4c .. +3 of row m
-        std::memcpy(&x4, xq + m * K + a + 4 * c, 4);
-        is[m][c % C] = _mm512_dpbusd_epi32(is[m][c % C], v, _mm512_set1_epi32(x4));
-      }
-    }
-    for (int m = 0; m < M; ++m) {
-      __m512i t = is[m][0];
-      for (int j = 1; j < C; ++j) t = _mm512_add_epi32(t, is[m][j]);
-      f[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_set1_ps(dx[m * (K / 32) + a / 32]), f[m]);
-    }
+      f[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t[m]), _mm512_set1_ps(dx[m * (K / 32) + a / 32]), f[m]);
   }
   const __m512 s = bf16x16(sc + nb * 16);
   for (int m = 0; m < M; ++m) {  // sum_k q_k x_k = sum_k u_k x_k - 128 sum_k x_k
@@ -217,31 +226,17 @@ template <int M>
 inline void block8g_vnni(const uint8_t* __restrict qw, const uint16_t* __restrict sc, const int8_t* __restrict xq,
                          const float* __restrict dx, const float* __restrict xs, float* __restrict out, int64_t K,
                          int64_t N, int64_t nb) {
-  constexpr int C = M == 1 ? 4 : 2;
   const int64_t R = K / 32;
   const uint8_t* q = qw + nb * K * 16;
   const uint16_t* s = sc + nb * R * 16;
   __m512 f[M];
   for (int m = 0; m < M; ++m) f[m] = _mm512_setzero_ps();
   for (int64_t r = 0; r < R; ++r) {
-    const int64_t a = 32 * r;
-    __m512i is[M][C];
-    for (int m = 0; m < M; ++m)
-      for (int j = 0; j < C; ++j) is[m][j] = _mm512_setzero_si512();
-#pragma GCC unroll 8
-    for (int c = 0; c < 8; ++c) {
-      const __m512i v = _mm512_loadu_si512(q + (a + 4 * c) * 16);
-      for (int m = 0; m < M; ++m) {
-        int32_t x4;
-        std::memcpy(&x4, xq + m * K + a + 4 * c, 4);
-        is[m][c % C] = _mm512_dpbusd_epi32(is[m][c % C], v, _mm512_set1_epi32(x4));
-      }
-    }
+    __m512i t[M];
+    run_sums_vnni<M>(q, xq, K, 32 * r, t);
     const __m512 sr = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + r * 16)));
     for (int m = 0; m < M; ++m) {  // the run's sum_k q_k x_k = d * sum_k u_k xq_k - 128 * (d * sum_k xq_k)
-      __m512i t = is[m][0];
-      for (int j = 1; j < C; ++j) t = _mm512_add_epi32(t, is[m][j]);
-      const __m512 y = _mm512_fmsub_ps(_mm512_cvtepi32_ps(t), _mm512_set1_ps(dx[m * R + r]),
+      const __m512 y = _mm512_fmsub_ps(_mm512_cvtepi32_ps(t[m]), _mm512_set1_ps(dx[m * R + r]),
                                        _mm512_set1_ps(128.0f * xs[m * R + r]));
       f[m] = _mm512_fmadd_ps(y, sr, f[m]);
     }
@@ -359,39 +354,48 @@ inline void block(const uint8_t* __restrict qw, const uint16_t* __restrict sz, c
   }
 }
 
+// The int32 sums over one run of 32 columns (from column a) of an int8 row block (block8's layout)
+// times M rows of x's codes, per half of the block's 16 output rows: s32[m][h]. The codes go back
+// to signed (u ^ 0x80) and the sign of x moves onto them, so vpmaddubsw multiplies |x| by
+// q * sign(x): pairs of at most 127 * 127, no saturation.
+template <int M>
+inline void run_sums_avx2(const uint8_t* __restrict q, const int8_t* __restrict xq, int64_t K, int64_t a,
+                          __m256i (&s32)[M][2]) {
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  for (int m = 0; m < M; ++m) s32[m][0] = s32[m][1] = _mm256_setzero_si256();
+  for (int c = 0; c < 8; ++c) {
+    __m256i ax[M], xv[M];
+    for (int m = 0; m < M; ++m) {
+      int32_t x4;
+      std::memcpy(&x4, xq + m * K + a + 4 * c, 4);
+      xv[m] = _mm256_set1_epi32(x4);
+      ax[m] = _mm256_sign_epi8(xv[m], xv[m]);
+    }
+    for (int h = 0; h < 2; ++h) {
+      const uint8_t* src = q + (a + 4 * c) * 16 + 32 * h;
+      if (h == 0) _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchBytes), _MM_HINT_T0);
+      const __m256i w = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)), flip);
+      for (int m = 0; m < M; ++m) {
+        s32[m][h] = _mm256_add_epi32(s32[m][h], widen16(_mm256_maddubs_epi16(ax[m], _mm256_sign_epi8(w, xv[m]))));
+        pin(s32[m][h]);
+      }
+    }
+  }
+}
+
 // block8 for float32: rows of x times int8 row block nb (the same layout, u = q + 128; sc fp32
-// per-row scales). The codes go back to signed (u ^ 0x80) and the sign of x moves onto them, so
-// vpmaddubsw multiplies |x| by q * sign(x): pairs of at most 127 * 127, no saturation; and no
-// correction by the sums of x (xs, which the bf16 kernel needs for its + 128) is left to make.
+// per-row scales), through run_sums_avx2: no correction by the sums of x (xs, which the bf16
+// kernel needs for its + 128) is left to make.
 template <int M>
 inline void block8(const uint8_t* __restrict qw, const float* __restrict sc, const int8_t* __restrict xq,
                    const float* __restrict dx, const float* __restrict /*xs*/, float* __restrict out, int64_t K,
                    int64_t N, int64_t nb) {
   const uint8_t* q = qw + nb * K * 16;
-  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
   __m256 f[M][2];
   for (int m = 0; m < M; ++m) f[m][0] = f[m][1] = _mm256_setzero_ps();
   for (int64_t a = 0; a < K; a += 32) {
     __m256i s32[M][2];
-    for (int m = 0; m < M; ++m) s32[m][0] = s32[m][1] = _mm256_setzero_si256();
-    for (int c = 0; c < 8; ++c) {
-      __m256i ax[M], xv[M];
-      for (int m = 0; m < M; ++m) {
-        int32_t x4;
-        std::memcpy(&x4, xq + m * K + a + 4 * c, 4);
-        xv[m] = _mm256_set1_epi32(x4);
-        ax[m] = _mm256_sign_epi8(xv[m], xv[m]);
-      }
-      for (int h = 0; h < 2; ++h) {
-        const uint8_t* src = q + (a + 4 * c) * 16 + 32 * h;
-        if (h == 0) _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchBytes), _MM_HINT_T0);
-        const __m256i w = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)), flip);
-        for (int m = 0; m < M; ++m) {
-          s32[m][h] = _mm256_add_epi32(s32[m][h], widen16(_mm256_maddubs_epi16(ax[m], _mm256_sign_epi8(w, xv[m]))));
-          pin(s32[m][h]);
-        }
-      }
-    }
+    run_sums_avx2<M>(q, xq, K, a, s32);
     for (int m = 0; m < M; ++m) {
       const __m256 d = _mm256_set1_ps(dx[m * (K / 32) + a / 32]);
       for (int h = 0; h < 2; ++h) f[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32[m][h]), d, f[m][h]);
@@ -410,31 +414,11 @@ inline void block8g_avx2(const uint8_t* __restrict qw, const uint16_t* __restric
   const int64_t R = K / 32;
   const uint8_t* q = qw + nb * K * 16;
   const uint16_t* s = sc + nb * R * 16;
-  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
   __m256 f[M][2];
   for (int m = 0; m < M; ++m) f[m][0] = f[m][1] = _mm256_setzero_ps();
   for (int64_t r = 0; r < R; ++r) {
-    const int64_t a = 32 * r;
     __m256i s32[M][2];
-    for (int m = 0; m < M; ++m) s32[m][0] = s32[m][1] = _mm256_setzero_si256();
-    for (int c = 0; c < 8; ++c) {
-      __m256i ax[M], xv[M];
-      for (int m = 0; m < M; ++m) {
-        int32_t x4;
-        std::memcpy(&x4, xq + m * K + a + 4 * c, 4);
-        xv[m] = _mm256_set1_epi32(x4);
-        ax[m] = _mm256_sign_epi8(xv[m], xv[m]);
-      }
-      for (int h = 0; h < 2; ++h) {
-        const uint8_t* src = q + (a + 4 * c) * 16 + 32 * h;
-        if (h == 0) _mm_prefetch(reinterpret_cast<const char*>(src + kPrefetchBytes), _MM_HINT_T0);
-        const __m256i w = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)), flip);
-        for (int m = 0; m < M; ++m) {
-          s32[m][h] = _mm256_add_epi32(s32[m][h], widen16(_mm256_maddubs_epi16(ax[m], _mm256_sign_epi8(w, xv[m]))));
-          pin(s32[m][h]);
-        }
-      }
-    }
+    run_sums_avx2<M>(q, xq, K, 32 * r, s32);
     for (int h = 0; h < 2; ++h) {
       const __m256 sr = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + r * 16 + 8 * h)));
       for (int m = 0; m < M; ++m) {

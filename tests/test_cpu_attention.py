@@ -62,6 +62,7 @@ EXTRA_CASES = [
     AttentionCase("window_blocks", (100, 0), ((1, 80), (1, 1)), num_heads=6, num_kv_heads=2, sliding_window=40),
     AttentionCase("soft_cap_blocks", (70, 0), ((1, 50), (1, 1)), num_heads=8, num_kv_heads=1, logit_cap=5.0),
     AttentionCase("head_dim_16", (20, 0), ((1, 21), (1, 1)), head_dim=16),
+    AttentionCase("head_dim_32", (30, 5), ((1, 13), (1, 1)), head_dim=32),
     AttentionCase("head_dim_96_mha", (40, 3), ((1, 29),), num_heads=3, num_kv_heads=3, head_dim=96, page_size=1),
     # a head dim that is no whole number of vectors: the scalar extend path, windowed and capped
     AttentionCase("head_dim_20_window_cap", (60, 0), ((1, 45), (1, 1)), num_heads=4, num_kv_heads=2, head_dim=20,

@@ -11,8 +11,8 @@
 // few (fewer than two tasks per thread), each decode's keys split into parts, merged afterwards.
 // Keys stream in blocks with an online softmax in fp32; on CPUs with AVX512-BF16, q . k of a
 // bf16 pool multiplies the bf16 rows directly (exact products summed in fp32; the keys are never
-// converted), and every query token of a bf16 pool (decode or extend, no soft cap) runs
-// decode_bf16: all its scores over a chunk of up to 256 keys, one softmax over them, then the V
+// converted), and every query token of a bf16 pool (decode or extend, no soft cap; head dims of 16,
+// 32, 64 and 128) runs decode_bf16: all its scores over a chunk of up to 256 keys, one softmax over them, then the V
 // rows; decodes of a float32 pool run its AVX2 twin, decode_f32. Extends of the other pools
 // (extend_tiled) hold the task's query vectors side by side in the lanes (transposed once per
 // task): per block of 32 keys, every key row as it lies in the pool is broadcast against them, so
@@ -48,6 +48,8 @@ void run_all(const Work& w, const at::Tensor& q, const at::Tensor& kc, const at:
 template <typename T>
 void dispatch_dim(const Work& w, const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, at::Tensor& out) {
   switch (w.p.D) {
+    case 16: return run_all<T, 16>(w, q, kc, vc, out);
+    case 32: return run_all<T, 32>(w, q, kc, vc, out);
     case 64: return run_all<T, 64>(w, q, kc, vc, out);
     case 128: return run_all<T, 128>(w, q, kc, vc, out);
     default: return run_all<T, 0>(w, q, kc, vc, out);
