@@ -6,6 +6,7 @@ engine's objects from here (nothing under core/ is edited).
     python bench/profile_host.py --streams 1,64,256 --input-len 128 --output-len 128 --cpu-threads 2
     python bench/profile_host.py --cprofile 256                   # + cProfile of the loop and forward threads
     python bench/profile_host.py --isolate --plain-only           # runner's part replayed alone (+ its cProfile)
+    python bench/profile_host.py --plain-only [--overlap]         # TPOT, forward and exposed host time per step
     python bench/profile_host.py --stream                         # consumers: async_generate(stream=True) (bench_offline)
     python bench/profile_host.py --inline-rows 1024               # experiment: every decode on the loop thread
     python bench/profile_host.py --switch-interval 0.0002         # experiment: shorter GIL switch interval
@@ -99,7 +100,7 @@ def instrument(eng) -> None:
     c = eng.engine
     s, r = c.scheduler, c.runner
     for n in ("schedule", "_reap_aborted", "_get_prefill", "_ensure_decode_memory", "_continuous_steps", "_build",
-              "process", "_check_finish", "_free"):
+              "_build_decode", "process", "_check_finish", "_free"):
         wrap(s, n, f"sched.{n}")
     for n in ("run", "step_inputs", "_forward"):
         wrap(r, n, f"runner.{n}")
@@ -212,21 +213,28 @@ def go(eng, bs, args):
 
 
 def plain_tpot(eng, bs, args):
+    """(TPOT median ms, mean ms, wall s, decode steps, forward ms per decode step): the forward is
+    ``runner.run`` on its thread, so TPOT - forward is the host time a step leaves exposed (the rest
+    of the host's work, with overlap scheduling, ran while the forward did)."""
     r = eng.engine.runner
     orig = r.run
-    starts = []
+    starts, busy = [], []
 
     def run(batch):
-        if not batch.is_prefill:
-            starts.append(PC())
-        return orig(batch)
+        t = PC()
+        try:
+            return orig(batch)
+        finally:
+            if not batch.is_prefill:
+                starts.append(t)
+                busy.append(PC() - t)
     r.run = run
     t = PC()
     go(eng, bs, args)
     wall = PC() - t
     r.run = orig
     d = [b - a for a, b in zip(starts, starts[1:])][2:]
-    return statistics.median(d) * 1e3, statistics.mean(d) * 1e3, wall, len(starts)
+    return statistics.median(d) * 1e3, statistics.mean(d) * 1e3, wall, len(starts), statistics.median(busy[2:]) * 1e3
 
 
 def main() -> None:
@@ -246,6 +254,7 @@ def main() -> None:
                          "(no loop, no consumers, no second thread) and cProfile that replay")
     ap.add_argument("--stream", action="store_true", help="consume through async_generate(stream=True) on the caller's loop")
     ap.add_argument("--plain-only", action="store_true", help="TPOT only, no timed run")
+    ap.add_argument("--overlap", action="store_true", help="overlap scheduling on (--enable-overlap-schedule)")
     args = ap.parse_args()
     if args.switch_interval is not None:
         import sys
@@ -253,7 +262,7 @@ def main() -> None:
     levels = [int(x) for x in args.streams.split(",")]
     eng = Engine(model_path=args.model_path, load_format="dummy", skip_tokenizer_init=True, log_level="warning",
                  max_running_requests=max(levels), max_total_tokens=max(levels) * (args.input_len + args.output_len + 16),
-                 cpu_threads=args.cpu_threads)
+                 cpu_threads=args.cpu_threads, enable_overlap_schedule=args.overlap)
     if args.inline_rows is not None:
         eng.engine.inline_decode_rows = args.inline_rows
     eng.generate(input_ids=prompts(4, 16), sampling_params={"max_new_tokens": 8, "ignore_eos": True})
@@ -265,7 +274,8 @@ def main() -> None:
         med = min(x[0] for x in res)
         tp[bs] = med
         print(f"plain bs={bs}: TPOT median {[round(x[0], 3) for x in res]} ms, mean {[round(x[1], 3) for x in res]} ms, "
-              f"wall {[round(x[2], 3) for x in res]} s, decode steps {res[0][3]}", flush=True)
+              f"wall {[round(x[2], 3) for x in res]} s, decode steps {res[0][3]}; forward {[round(x[4], 3) for x in res]} "
+              f"ms, host time exposed (TPOT - forward) {[round(x[0] - x[4], 3) for x in res]} ms", flush=True)
     if args.cprofile:
         run_cprofile(eng, args.cprofile, args)
     if args.isolate:
@@ -288,7 +298,7 @@ def main() -> None:
                          sum(d.get(k, [0, 0])[1] for d in steps) / len(steps)) for k in names}
     order = ["_step wall", "gap between steps (wall)", "gap between steps (loop cpu)", "watchdog.begin", "sched.schedule",
              "sched._reap_aborted", "sched._get_prefill", "sched._ensure_decode_memory", "sched._continuous_steps",
-             "sched._build", "watchdog.running", "await_fwd_wall", "loop_cpu_during_fwd", "runner.run", "runner.step_inputs",
+             "sched._build", "sched._build_decode", "watchdog.running", "await_fwd_wall", "loop_cpu_during_fwd", "runner.run", "runner.step_inputs",
              "runner._forward", "sampler.sample", "sampler._output", "step_listeners", "sched.process", "sched._check_finish",
              "sched._free", "req.queue.put_nowait", "req.notify", "engine._finished", "_drain_loop(inline)", "consumer.output(req)"]
     names = order + sorted({k for t in table.values() for k in t} - set(order) - {"is_prefill"})
@@ -303,7 +313,8 @@ def main() -> None:
         g = lambda k: t.get(k, (0, 0))[0]
         derived[b] = {
             "schedule: filter+rest (self)": g("sched.schedule") - sum(g(k) for k in ("sched._reap_aborted", "sched._get_prefill",
-                                                                                   "sched._ensure_decode_memory", "sched._continuous_steps", "sched._build")),
+                                                                                   "sched._ensure_decode_memory", "sched._continuous_steps", "sched._build",
+                                                                                   "sched._build_decode")),
             "runner.run: SamplingRow list etc (self)": g("runner.run") - g("runner.step_inputs") - g("runner._forward") - g("sampler.sample"),
             "process: per-req loop (self)": g("sched.process") - g("sched._check_finish") - g("sched._free"),
             "fwd thread hop (await - run)": g("await_fwd_wall") - g("runner.run") if g("await_fwd_wall") else 0.0,
