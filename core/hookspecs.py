@@ -129,6 +129,21 @@ def register_grammar_backends(register: Register) -> None:
     """
 
 
+@hookspec
+def register_speculative_algorithms(register: Register) -> None:
+    """Register speculative decoding drafters, selected with ``--speculative-algorithm``.
+
+    Called once at start-up. ``target`` resolves to a class (or factory) called as
+    ``target(args)`` (the engine's ``EngineArgs``) returning a :class:`core.interfaces.Drafter`.
+
+    Example::
+
+        @hookimpl
+        def register_speculative_algorithms(register):
+            register("NGRAM", "core_plugins.speculative.ngram:NgramDrafter")
+    """
+
+
 @hookspec(firstresult=True)
 def choose_attention_backend(device: Any, model_config: Any, available: list[str]) -> str | tuple[str, str] | None:
     """Pick the attention backend used when ``--attention-backend`` is not given.

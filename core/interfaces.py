@@ -11,12 +11,12 @@ query/key-value heads, ``D`` the head dimension.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Protocol, runtime_checkable
+from typing import Any, Iterable, Protocol, Sequence, runtime_checkable
 
 import attrs
 import torch
 
-PLUGIN_API_VERSION = "1.1"  # 1.1: the optional CUDA-graph capture hooks of attention backends
+PLUGIN_API_VERSION = "1.2"  # 1.1: the optional CUDA-graph capture hooks of attention backends; 1.2: drafters
 
 
 # --------------------------------------------------------------------------- batches
@@ -391,6 +391,19 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
         logits[:, n:] = float("-inf")
 
 
+class Drafter(Protocol):
+    """Proposes draft tokens for speculative decoding, constructed as ``drafter(args)`` (the
+    engine's ``EngineArgs``). The engine verifies a draft in one forward of the target model and
+    keeps the longest prefix the target agrees with (sampling it as plain decoding would), so a
+    drafter only changes speed, never outputs; it owns no KV and never sees rejected tokens."""
+
+    def propose(self, state: dict, tokens: Sequence[int], max_tokens: int) -> list[int]:
+        """Up to ``max_tokens`` tokens likely to follow ``tokens`` (the request's prompt and output
+        so far), as a chain; ``[]`` for none. ``state`` is a dict the engine keeps per request for
+        the drafter's own bookkeeping (empty at the first call; ``tokens`` only grows between
+        calls, except that a retracted request's may be shorter than before: start again)."""
+
+
 EXTENSION_KINDS: dict[str, str] = {
     # kind -> hook name
     "attention_backend": "register_attention_backends",
@@ -399,4 +412,5 @@ EXTENSION_KINDS: dict[str, str] = {
     "tool_parser": "register_tool_parsers",
     "reasoning_parser": "register_reasoning_parsers",
     "grammar_backend": "register_grammar_backends",
+    "speculative_algorithm": "register_speculative_algorithms",
 }

@@ -295,6 +295,7 @@ INTERFACES: dict[str, type] = {
     "tool_parser": interfaces.ToolParser,
     "reasoning_parser": interfaces.ReasoningParser,
     "grammar_backend": interfaces.GrammarBackend,
+    "speculative_algorithm": interfaces.Drafter,
 }
 
 

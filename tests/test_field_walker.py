@@ -300,6 +300,8 @@ CLASSIFIED: dict[str, dict[str, Any]] = {
         "enable_mixed_chunk": H("tests.test_cpu_attention::test_engine_greedy_tokens_equal_torch_native"),
         "num_continuous_decode_steps": H(
             "tests.test_continuous_decode::test_the_first_token_streams_before_the_first_burst"),
+        "speculative_algorithm": H("tests.test_speculative::test_greedy_tokens_are_plain_decodings_and_drafts_are_partly_kept"),
+        "speculative_num_draft_tokens": H("tests.test_speculative::test_bad_speculative_flags_are_clear_errors"),
         "disable_overlap_schedule": H("tests.test_overlap_schedule::test_overlap_flags"),
         "enable_overlap_schedule": H("tests.test_overlap_schedule::test_overlap_flags"),
         "schedule_policy": H(f"{SCHED}::test_engine_policies_give_the_same_outputs"),

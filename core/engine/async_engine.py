@@ -37,6 +37,7 @@ from core.engine.radix_cache import RadixCache
 from core.engine.request import Req
 from core.engine.sampler import Sampler
 from core.engine.scheduler import ScheduledBatch, Scheduler
+from core.engine.speculative import build_speculator
 from core.engine.watchdog import Watchdog
 
 log = structlog.get_logger("core.engine")
@@ -177,7 +178,7 @@ class AsyncEngine(RequestFrontEnd):
             schedule_conservativeness=args.schedule_conservativeness, enable_mixed_chunk=args.enable_mixed_chunk,
             enable_priority_scheduling=args.enable_priority_scheduling,
             schedule_low_priority_values_first=args.schedule_low_priority_values_first, seed=args.random_seed or 0,
-            decode_steps=args.num_continuous_decode_steps,
+            decode_steps=args.num_continuous_decode_steps, speculator=build_speculator(args, self.plugins),
         )
         backend_name = args.attention_backend
         if backend_name is None:

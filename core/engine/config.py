@@ -86,6 +86,10 @@ class EngineArgs:
                                                        "streaming between them, while no request waits; on the CPU "
                                                        "a greedy batch runs them as one call (faster decoding, "
                                                        "tokens streamed in bursts)")
+    speculative_algorithm: str | None = _arg(None, MEMORY, "speculative decoding: a registered drafter (NGRAM: "
+                                                           "drafts copied from the request's own context)")
+    speculative_num_draft_tokens: int | None = _arg(None, MEMORY, "tokens per speculative verify, the last "
+                                                                  "known one included (default 12)")
     disable_overlap_schedule: bool = _arg(False, MEMORY, "process each step's results before scheduling the next "
                                                          "(overlap scheduling is the default on CUDA)")
     enable_overlap_schedule: bool = _arg(False, MEMORY, "overlap scheduling on the CPU too, where the host's work "
@@ -201,7 +205,7 @@ def engine_args_from_namespace(ns: argparse.Namespace, plugin_dests: Sequence[st
 # value is refused: compared by type and value, so True is not taken for pp_size's 1, nor 1 for False.
 UNSUPPORTED_SGLANG_ARGS: dict[str, tuple[Any, ...]] = {
     "pp_size": (1,), "ep_size": (1,), "enable_lora": (None, False), "lora_paths": (None, [], {}),
-    "speculative_algorithm": (None,), "disaggregation_mode": (None, "null"), "enable_dp_attention": (False,),
+    "disaggregation_mode": (None, "null"), "enable_dp_attention": (False,),
     "enable_torch_compile": (False,),
 }
 
@@ -242,6 +246,6 @@ def overlap_schedule(args: EngineArgs, device: torch.device) -> bool:
 
     if args.disable_overlap_schedule and args.enable_overlap_schedule:
         raise CoreError("--disable-overlap-schedule and --enable-overlap-schedule contradict each other; pass one")
-    if args.disable_overlap_schedule:
+    if args.disable_overlap_schedule or args.speculative_algorithm:  # (each verify decides the next batch)
         return False
     return args.enable_overlap_schedule or device.type == "cuda"

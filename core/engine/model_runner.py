@@ -124,9 +124,9 @@ class ModelRunner:
             if w:
                 table[packed[:w], packed[w : 2 * w]] = packed[2 * w : 3 * w]
             kv_indices = table[packed[3 * w :], :n]
-        if not batch.is_prefill:  # decode: every request samples, no prompt logprobs
+        if not batch.is_prefill:  # decode (or a speculative verify: every row): every request samples, no prompt logprobs
             return StepInputs(batch.input_ids, batch.positions, batch.out_cache_loc, seq_lens, batch.extend_lens,
-                              kv_indices, [(0, b)]), list(range(b)), {}
+                              kv_indices, [(0, len(batch.input_ids))]), list(range(b)), {}
         ends = [n - 1 for n in itertools.accumulate(batch.extend_lens)]
         live = batch.live  # a non-final prefill chunk samples nothing
         logit_rows: list[Any] = [[ends[i] for i in live]] if live else []
@@ -167,6 +167,8 @@ class ModelRunner:
             eos = self.eos_ids
             rows = batch.rows if len(live) == len(all_reqs) else [batch.rows[i] for i in live]
             rows_ = [_sampling_row(r, row, eos) for r, row in zip(reqs, rows)]
+            if batch.drafts is not None:  # a verify: each request's rows sample as its decodes would
+                rows_ = [sr for sr, d in zip(rows_, batch.drafts) for _ in range(1 + len(d))]
             grammar = self.grammar if self.grammar is not None and any(r.grammar is not None for r in reqs) else None
             if grammar is not None:  # one [B, V/32] bitmask for the batch, applied before sampling
                 grammar.apply(logits, reqs)

@@ -52,6 +52,11 @@ class Req:
     # flight refers to its sampled token by this index (core.engine.scheduler.future_id)
     future_index: int = -1
     sampling_row: Any = None  # the model runner's SamplingRow for this request (made once per table row)
+    # speculative decoding: the drafter's own state, and SGLang's counts (meta_info spec_*)
+    spec_state: dict = attrs.field(factory=dict)
+    spec_verify_ct: int = 0  # decode forwards (verifies) that produced this request's tokens
+    spec_num_proposed_drafts: int = 0
+    spec_num_correct_drafts: int = 0
     cached_tokens: int = 0
     tree_pages: int = 0  # leading entries of ``pages`` owned by the radix cache (locked through last_node)
     last_node: Any = None  # radix node locked by this request, or None
@@ -145,6 +150,13 @@ class Req:
             "finish_reason": self.finish_reason,
             "e2e_latency": (self.finish_time or time.perf_counter()) - self.arrival,
         }
+        if self.spec_verify_ct:  # SGLang's speculative decoding fields
+            info["spec_verify_ct"] = self.spec_verify_ct
+            info["spec_accept_length"] = len(self.output_ids) / self.spec_verify_ct
+            info["spec_num_correct_drafts"] = self.spec_num_correct_drafts
+            info["spec_num_proposed_drafts"] = self.spec_num_proposed_drafts
+            if self.spec_num_proposed_drafts:
+                info["spec_accept_rate"] = self.spec_num_correct_drafts / self.spec_num_proposed_drafts
         if self.return_logprob:
             info["output_token_logprobs"] = [(lp, t) for lp, t in zip(self.output_logprobs, self.output_ids)]
             if self.top_logprobs_num:

@@ -33,6 +33,9 @@ class ScheduledBatch:
     seq_lens: list[int] = attrs.field(factory=list)
     live: list[int] = attrs.field(factory=list)  # the indices that sample a token (a prompt's last chunk or a decode)
     futures: bool = False  # some input id is a future_id: the previous batch's sampled token, resolved by the runner
+    # speculative decoding: each request's draft (its extend is its last token and the draft; every
+    # position samples), or None
+    drafts: list[list[int]] | None = None
 
 
 def future_id(index: int) -> int:

@@ -6,15 +6,13 @@ decode batch (every running request adds one token), prefill first, as SGLang do
 While a long prompt is being prefilled in chunks, chunks and decode steps alternate
 (or share one forward with ``enable_mixed_chunk``), so running streams keep moving.
 
-KV memory: requests reuse the longest cached prefix from the radix cache
-(core/engine/radix_cache.py) and prefill only the rest. Admission does not reserve pages; it
-*estimates* future needs (SGLang's ``new_token_ratio``, scaled by
-``schedule_conservativeness``), and when a decode step finds the pool empty (after
-evicting unused cached prefixes), the most recently admitted requests are retracted to
-the front of the queue, keeping their generated tokens; they re-prefill prompt+output
-(minus whatever prefix is still cached) when they come back. The order in which waiting
-requests are considered is a ``SchedulePolicy`` (core/engine/schedule_policy.py). Pure
-bookkeeping: no asyncio, no model; the engine drives it.
+KV memory: requests reuse the longest cached prefix from the radix cache and prefill only the
+rest. Admission does not reserve pages; it *estimates* future needs (SGLang's
+``new_token_ratio``, scaled by ``schedule_conservativeness``), and when a decode step finds the
+pool empty (after evicting unused cached prefixes), the most recently admitted requests are
+retracted to the front of the queue, keeping their generated tokens, to re-prefill prompt+output
+later. Waiting requests are ordered by a ``SchedulePolicy``. Pure bookkeeping: no asyncio, no
+model; the engine drives it (overlap scheduling: see ``needs_results``).
 """
 
 from __future__ import annotations
@@ -28,8 +26,8 @@ from core.engine.kv_cache import PageAllocator, ReqToTokenTable
 from core.engine.radix_cache import RadixCache
 from core.engine.request import Req
 from core.engine.schedule_batch import ScheduledBatch, StepResult, future_id
+from core.engine.speculative import Speculator, multi_token_ok
 from core.engine.schedule_policy import SchedulePolicy
-from core.engine.sampler import penalised
 
 log = structlog.get_logger("core.engine.scheduler")
 
@@ -61,6 +59,7 @@ class Scheduler:
         schedule_low_priority_values_first: bool = False,
         seed: int = 0,
         decode_steps: int = 1,
+        speculator: Speculator | None = None,
     ) -> None:
         self.allocator, self.table = allocator, table
         self.tree_cache = tree_cache
@@ -73,6 +72,7 @@ class Scheduler:
                                      low_priority_values_first=schedule_low_priority_values_first, seed=seed)
         self.enable_mixed_chunk = enable_mixed_chunk
         self.decode_steps = decode_steps  # --num-continuous-decode-steps: the most decode steps one batch runs
+        self.speculator = speculator  # --speculative-algorithm (core.engine.speculative)
         self.init_new_token_ratio = min(INIT_NEW_TOKEN_RATIO * schedule_conservativeness, 1.0)
         self.min_new_token_ratio = min(self.init_new_token_ratio * MIN_NEW_TOKEN_RATIO_FACTOR, 1.0)
         self.new_token_ratio_decay = (self.init_new_token_ratio - self.min_new_token_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS
@@ -223,42 +223,35 @@ class Scheduler:
             self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay, self.min_new_token_ratio)
             if (steps := self._continuous_steps(decodable)) > 1:
                 return self._build_steps(decodable, steps), aborted
+            if self.speculator is not None and (verify := self.speculator.verify_batch(self, decodable)) is not None:
+                return verify, aborted
             return self._build_decode(decodable), aborted
         return None, aborted
 
     def _continues(self, req: Req) -> bool:
-        """Whether a request whose next token is in flight may still decode after it: not aborted,
-        and that token reaches neither ``max_new_tokens`` nor the context length."""
-        return (not req.aborted and len(req.output_ids) + 1 < req.params.max_new_tokens
-                and req.seq_len + 1 < self.context_len)
+        """Whether a request whose next token is in flight may decode after it (not aborted, below its limits)."""
+        return not req.aborted and len(req.output_ids) + 1 < req.params.max_new_tokens and req.seq_len + 1 < self.context_len
 
     def needs_results(self) -> bool:
         """Whether the next batch must wait for the in-flight one's results (overlap scheduling):
-        multi-step decodes, and requests whose sampling reads their outputs on the host (a grammar,
-        penalties, ``min_new_tokens`` not reached yet) with a token in flight."""
-        if self.decode_steps > 1:
+        multi-step decodes and verifies, and a request with a token in flight whose sampling reads
+        its outputs on the host (not ``multi_token_ok``: a grammar, penalties, ``min_new_tokens``)."""
+        if self.decode_steps > 1 or self.speculator is not None:
             return True
-        for r in self.running:
-            if r.kv_len == r.seq_len and (r.grammar is not None or len(r.output_ids) < r.params.min_new_tokens
-                                          or penalised(r.params)):
-                return True
-        return False
+        return any(r.kv_len == r.seq_len and not multi_token_ok(r) for r in self.running)
 
     def _continuous_steps(self, reqs: list[Req]) -> int:
         """How many decode steps ``reqs`` run in one batch: up to ``decode_steps`` while nothing
         waits for admission (a new request then waits for at most one batch), where no request
-        needs a step's result before the next step (a grammar, logprobs, penalties or a
-        ``min_new_tokens`` still to reach), without passing any request's ``max_new_tokens`` or
-        the context length, and where the pool holds every step's pages; else 1."""
+        needs a step's result before the next (``multi_token_ok``), within every request's
+        ``max_new_tokens`` and the context length, and where the pool holds every step's pages."""
         k = self.decode_steps
-        if k <= 1 or self.waiting or self.chunked_req is not None:
+        if k <= 1 or self.waiting or self.chunked_req is not None or self.speculator is not None:
             return 1
         for r in reqs:
-            p = r.params
-            if (r.grammar is not None or r.return_logprob or r.top_logprobs_num or penalised(p)
-                    or len(r.output_ids) < p.min_new_tokens):
+            if not multi_token_ok(r):
                 return 1
-            k = min(k, p.max_new_tokens - len(r.output_ids), self.context_len - r.seq_len)
+            k = min(k, r.params.max_new_tokens - len(r.output_ids), self.context_len - r.seq_len)
         if k > 1:
             pages_for = self.allocator.pages_for
             if not self._can_alloc(sum(max(0, pages_for(r.kv_len + k) - len(r.pages)) for r in reqs)):
@@ -266,8 +259,7 @@ class Scheduler:
         return max(k, 1)
 
     def _build_steps(self, reqs: list[Req], steps: int) -> ScheduledBatch:
-        """A decode batch of ``steps`` steps: every step's pages and slots taken now (step-major
-        ``out_cache_loc``), every step's table entries written with the first."""
+        """``steps`` decode steps: their pages, slots (step-major) and table entries taken now."""
         ps, b = self.ps, len(reqs)
         locs = [0] * (b * steps)
         writes: tuple[list[int], list[int], list[int]] = ([], [], [])
@@ -492,10 +484,19 @@ class Scheduler:
         now = time.perf_counter()
         s = result.sample
         updates = []
+        drafts, k = batch.drafts, 0  # (a verify: each request's first row among the sampled ones)
         for i, req in enumerate(batch.reqs):
             if req.row != batch.rows[i]:  # retracted (or failed) after this batch was built (overlap):
                 continue  # its token is dropped, recomputed after readmission, as SGLang does
-            req.kv_done = batch.seq_lens[i]  # this batch's KV is written
+            # this batch's KV is written (a verify's draft positions: only those kept below)
+            req.kv_done = batch.seq_lens[i] - (len(drafts[i]) if drafts else 0)
+            if drafts is not None:
+                k += 1 + len(drafts[i])
+                if not (req.finished or req.aborted):  # the draft tokens the target agrees with, and its own next
+                    kept = self.speculator.kept(req, drafts[i], s.token_ids[k - 1 - len(drafts[i]):k])
+                    updates.append((req, self._append_steps(req, kept, now)))
+                    req.kv_done = req.kv_len
+                    continue
             if i in result.input_logprobs:
                 req.input_logprobs, req.input_top_logprobs = result.input_logprobs[i]
             if req.finished or req.aborted:  # aborted while the forward ran: dropped at the next step
@@ -517,6 +518,7 @@ class Scheduler:
                 updates.append((req, delta))
                 continue
             req.output_ids.append(tok)
+            req.spec_verify_ct += self.speculator is not None and not batch.is_prefill  # (SGLang counts every decode)
             if req.first_token_time is None:
                 req.first_token_time = now
             if s.logprobs is not None and req.return_logprob:
@@ -534,10 +536,9 @@ class Scheduler:
         return updates
 
     def _append_steps(self, req: Req, tokens: list[int], now: float) -> str:
-        """Append a multi-step decode's ``tokens`` until one finishes the request (the rest are
-        dropped) and return the new text. The request keeps the cache entries of the appended
-        tokens' inputs, so ``kv_len`` stays one behind ``seq_len`` as after single steps (the slots
-        of entries not kept stay in its pages, to be rewritten by later steps or freed)."""
+        """Append a multi-step decode's or a verify's ``tokens`` until one finishes the request
+        and return the new text; ``kv_len`` ends one behind ``seq_len`` (the slots of entries not
+        kept stay in its pages, to be rewritten or freed)."""
         req.kv_len = req.seq_len - 1
         delta = ""
         for tok in tokens:

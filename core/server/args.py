@@ -96,7 +96,6 @@ NOT_SUPPORTED_YET: dict[str, tuple[Callable[[Any], bool], str]] = {
     "enable_dp_attention": (_off(), ""),
     "enable_lora": (_off(), ""),
     "lora_paths": (_off(), ""),
-    "speculative_algorithm": (_off(), ""),
     "disaggregation_mode": (_off("null"), ""),
     "enable_torch_compile": (_off(), ""),
     "enable_multimodal": (_off(), ""),
@@ -378,9 +377,6 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g = s("LoRA")
     g.add_argument("--enable-lora", action="store_true", default=None, help="not supported yet")
     g.add_argument("--lora-paths", nargs="*", default=None, help="not supported yet")
-
-    g = s("Speculative decoding")
-    g.add_argument("--speculative-algorithm", default=None, help="not supported yet")
 
     g = s("Expert parallelism")
     g.add_argument("--expert-parallel-size", "--ep-size", "--ep", dest="ep_size", type=int, default=1,

@@ -21,6 +21,7 @@ suite                                     required fixture        checked agains
 ``tool_parser_conformance``               ``tool_parser``         its own ``parse``, samples, round trips
 ``reasoning_parser_conformance``          ``reasoning_parser``    its own ``parse``, samples
 ``grammar_backend_conformance``           ``grammar_backend``     oracles for JSON schema, regex, EBNF
+``drafter_conformance``                   ``speculative_algorithm``  the engine's contract for drafts
 ========================================  ======================  ===================================
 
 Outside pytest, :func:`check_plugin` runs a suite and returns a :class:`CaseResult` per case.
@@ -33,8 +34,8 @@ from core.testing.grammar import GRAMMAR_CASES
 from core.testing.parser_samples import REASONING_SAMPLES, TOOL_FORMATS, TOOL_SAMPLES, ReasoningSample, ToolSample
 from core.testing.suite import Case, CaseResult, ConformanceError, Skipped
 from core.testing.suites import (
-    AttentionBackendConformance, GrammarBackendConformance, ModelConformance, QuantMethodConformance,
-    ReasoningParserConformance, Suite, ToolParserConformance,
+    AttentionBackendConformance, DrafterConformance, GrammarBackendConformance, ModelConformance,
+    QuantMethodConformance, ReasoningParserConformance, Suite, ToolParserConformance,
 )
 
 attention_backend_conformance = AttentionBackendConformance
@@ -43,12 +44,13 @@ model_conformance = ModelConformance
 tool_parser_conformance = ToolParserConformance
 reasoning_parser_conformance = ReasoningParserConformance
 grammar_backend_conformance = GrammarBackendConformance
+drafter_conformance = DrafterConformance
 
 __all__ = [
     "attention_backend_conformance", "quant_method_conformance", "model_conformance", "tool_parser_conformance",
-    "reasoning_parser_conformance", "grammar_backend_conformance",
+    "reasoning_parser_conformance", "grammar_backend_conformance", "drafter_conformance",
     "AttentionBackendConformance", "QuantMethodConformance", "ModelConformance", "ToolParserConformance",
-    "ReasoningParserConformance", "GrammarBackendConformance", "Suite",
+    "ReasoningParserConformance", "GrammarBackendConformance", "DrafterConformance", "Suite",
     "check_plugin", "format_results", "Case", "CaseResult", "ConformanceError", "Skipped",
     "ToolSample", "ReasoningSample", "TOOL_SAMPLES", "TOOL_FORMATS", "REASONING_SAMPLES",
     "AttentionCase", "ATTENTION_CASES", "TOLERANCES", "GRAMMAR_CASES",

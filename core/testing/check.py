@@ -8,6 +8,7 @@ from typing import Any, Callable, TextIO
 
 from core.errors import UnknownNameError
 from core.testing.attention import AttentionSubject, attention_cases
+from core.testing.drafter import DrafterSubject, drafter_cases
 from core.testing.grammar import GrammarSubject, grammar_cases
 from core.testing.models import ModelSubject, model_cases
 from core.testing.parsers import ReasoningParserSubject, ToolParserSubject, reasoning_parser_cases, tool_parser_cases
@@ -21,6 +22,7 @@ SUITES: dict[str, tuple[Callable[..., Any], Callable[[], list[Case]]]] = {
     "tool_parser": (ToolParserSubject.build, tool_parser_cases),
     "reasoning_parser": (ReasoningParserSubject.build, reasoning_parser_cases),
     "grammar_backend": (GrammarSubject.build, grammar_cases),
+    "speculative_algorithm": (DrafterSubject.build, drafter_cases),
 }
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from core.testing.attention import AttentionSubject, attention_cases
+from core.testing.drafter import DrafterSubject, drafter_cases
 from core.testing.grammar import GrammarSubject, grammar_cases
 from core.testing.models import ModelSubject, model_cases
 from core.testing.parsers import ReasoningParserSubject, ToolParserSubject, reasoning_parser_cases, tool_parser_cases
@@ -124,3 +125,12 @@ class GrammarBackendConformance(Suite):
         key = ("grammar", grammar_backend, conformance_plugins)
         run_in_pytest(case, _cached(key, lambda: GrammarSubject.build(grammar_backend, plugins=conformance_plugins)))
 
+
+class DrafterConformance(Suite):
+    """Fixture ``speculative_algorithm`` (a drafter for speculative decoding)."""
+
+    kind = "speculative_algorithm"
+    cases = staticmethod(drafter_cases)
+
+    def test_speculative_algorithm(self, case, speculative_algorithm, conformance_plugins):
+        run_in_pytest(case, DrafterSubject.build(speculative_algorithm, plugins=conformance_plugins))

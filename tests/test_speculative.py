@@ -1,0 +1,125 @@
+"""Speculative decoding (issue 43, first part): the drafter plugin kind, the NGRAM drafter, and
+verification by the target model. Greedy decoding gives exactly plain decoding's tokens whatever
+the drafts are; a verify keeps the drafted prefix the target agrees with plus the target's own
+next token; the KV of rejected tokens never reaches the prefix cache; SGLang's meta_info counts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from core.engine.speculative import accepted
+from core_plugins.speculative.ngram import NgramDrafter
+from tests.conftest import build_tiny_llama, make_engine
+
+PROMPTS = [[5 + (i * 7 + j) % 13 for j in range(30 + 5 * i)] for i in range(4)]
+GREEDY = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tiny-spec")
+    build_tiny_llama(path, seed=3)
+    return path
+
+
+class OracleDrafter:
+    """Drafts the reference continuation with every third token wrong: some accepted, some not."""
+
+    def __init__(self, want: dict[tuple[int, ...], list[int]]) -> None:
+        self.want, self.calls = want, 0
+
+    def propose(self, state: dict, tokens, max_tokens: int) -> list[int]:
+        self.calls += 1
+        prompt = next(p for p in self.want if tuple(tokens[:len(p)]) == p)
+        done = len(tokens) - len(prompt)
+        draft = list(self.want[prompt][done:done + max_tokens])
+        return [t + 1 if (done + j) % 3 == 2 else t for j, t in enumerate(draft)]
+
+
+def generate(path: Path, drafter: Any = None, **kwargs: Any) -> tuple[list[dict], Any]:
+    eng = make_engine(path, dtype="float32", device="cpu", **kwargs)
+    try:
+        if drafter is not None:
+            eng.engine.scheduler.speculator.drafter = drafter
+        outs = eng.generate(input_ids=PROMPTS, sampling_params=[GREEDY] * len(PROMPTS))
+        eng.engine.scheduler.check_accounting()
+        return outs, eng.engine
+    finally:
+        eng.shutdown()
+
+
+def test_greedy_tokens_are_plain_decodings_and_drafts_are_partly_kept(tiny):
+    plain, _ = generate(tiny)
+    want = {tuple(p): o["output_ids"] for p, o in zip(PROMPTS, plain)}
+    oracle = OracleDrafter(want)
+    spec, engine = generate(tiny, oracle, speculative_algorithm="NGRAM", speculative_num_draft_tokens=5)
+    assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in plain]
+    assert oracle.calls > 0
+    for o in spec:
+        m = o["meta_info"]
+        assert 0 < m["spec_num_correct_drafts"] < m["spec_num_proposed_drafts"]
+        assert m["spec_verify_ct"] < len(o["output_ids"])  # fewer target forwards than tokens
+        assert m["spec_accept_length"] == pytest.approx(len(o["output_ids"]) / m["spec_verify_ct"])
+        assert m["spec_accept_rate"] == pytest.approx(m["spec_num_correct_drafts"] / m["spec_num_proposed_drafts"])
+    # the prefix cache holds the prompts and kept tokens only: a second round reuses them and still
+    # gives the plain tokens (a rejected draft's KV in the cache would change them)
+    again, _ = generate(tiny, OracleDrafter(want), speculative_algorithm="NGRAM", speculative_num_draft_tokens=5)
+    assert [o["output_ids"] for o in again] == [o["output_ids"] for o in plain]
+
+
+def test_the_ngram_drafter_copies_the_requests_own_context():
+    d, state = NgramDrafter(), {}
+    tokens = [1, 2, 3, 4, 5, 9, 1, 2, 3]
+    assert d.propose(state, tokens, 4) == [4, 5, 9, 1]  # "1 2 3" seen before: what followed it
+    assert d.propose(state, tokens + [4], 2) == [5, 9]  # the index grows with the tokens
+    assert d.propose({}, [7, 8, 9], 3) == []  # nothing repeats
+    assert d.propose({}, [1, 2, 1, 2], 0) == []
+    assert d.propose(state, [1, 2, 3, 1, 2], 3) == [3, 1, 2]  # fewer tokens than indexed (retracted): starts again
+    assert state["done"] == 5 and (3, 1) in state["index"] and (9, 1) not in state["index"]
+
+
+def test_the_builtin_ngram_drafter_keeps_plain_tokens(tiny):
+    """Through the plugin registry (``--speculative-algorithm NGRAM``): the tiny random model's
+    answers hardly repeat, so few drafts; its tokens stay plain decoding's (bench/bench_speculative.py
+    measures a copying answer of the default model)."""
+    plain, _ = generate(tiny)
+    spec, _ = generate(tiny, speculative_algorithm="NGRAM")
+    assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in plain]
+    assert all(o["meta_info"]["spec_verify_ct"] >= 1 for o in spec)
+
+
+def test_accepted_counts_the_agreeing_prefix():
+    assert accepted([4, 5, 6], [4, 5, 7, 8]) == 2
+    assert accepted([4, 5, 6], [4, 5, 6, 8]) == 3
+    assert accepted([4], [3, 4]) == 0
+    assert accepted([], [3]) == 0
+
+
+def test_sampled_requests_and_constrained_ones_around_drafts(tiny):
+    """A batch with a sampled request is drafted for (its positions sample as decodes would); one
+    with a grammar or logprobs decodes plainly; all finish with their lengths."""
+    eng = make_engine(tiny, dtype="float32", device="cpu", speculative_algorithm="NGRAM")
+    try:
+        outs = eng.generate(input_ids=PROMPTS[:3], sampling_params=[
+            {"max_new_tokens": 12, "temperature": 0.8, "sampling_seed": 5, "ignore_eos": True},
+            {"max_new_tokens": 10, "temperature": 0, "regex": "[0-9]{4,9}"},
+            {"max_new_tokens": 9, "temperature": 0, "ignore_eos": True}], return_logprob=True)
+        assert [len(o["output_ids"]) for o in outs][0::2] == [12, 9]
+        eng.engine.scheduler.check_accounting()
+    finally:
+        eng.shutdown()
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"speculative_algorithm": "EAGLE9"}, "EAGLE9"),
+    ({"speculative_num_draft_tokens": 4}, "needs --speculative-algorithm"),
+    ({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 1}, "must be >= 2"),
+])
+def test_bad_speculative_flags_are_clear_errors(tiny, kwargs, match):
+    from core.errors import CoreError
+
+    with pytest.raises(CoreError, match=match):
+        make_engine(tiny, dtype="float32", device="cpu", **kwargs)
