@@ -210,6 +210,11 @@ UNSUPPORTED_SGLANG_ARGS: dict[str, tuple[Any, ...]] = {
 }
 
 
+# SGLang's speculative algorithms that need a draft model or head (not supported yet; NGRAM and
+# drafters from plugins are): refused when the arguments are read, before anything loads
+DRAFT_MODEL_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "DFLASH", "DSPARK", "UNO")
+
+
 def _is_off(value: Any, defaults: tuple[Any, ...]) -> bool:
     """Whether ``value`` is one of ``defaults``, by exact type: ``True == 1`` must not pass."""
     return any(type(value) is type(d) and value == d for d in defaults)
@@ -227,6 +232,8 @@ def engine_args_from_kwargs(kwargs: dict[str, Any]) -> EngineArgs:
         kwargs["model_path"] = kwargs.pop("model")
     names = {f.name for f in attrs.fields(EngineArgs)}
     unsupported = [k for k in kwargs if k in UNSUPPORTED_SGLANG_ARGS and not _is_off(kwargs[k], UNSUPPORTED_SGLANG_ARGS[k])]
+    if str(kwargs.get("speculative_algorithm")).upper() in DRAFT_MODEL_ALGORITHMS:
+        unsupported.append(f"speculative_algorithm={kwargs['speculative_algorithm']} (NGRAM is supported)")
     if unsupported:
         raise CoreError(f"SGLang option(s) not supported by this engine yet: {', '.join(unsupported)}")
     unknown = [k for k in kwargs if k not in names and k not in UNSUPPORTED_SGLANG_ARGS]

@@ -22,7 +22,7 @@ from typing import Any, Callable, NoReturn, Sequence
 
 import attrs
 
-from core.engine.config import add_engine_args, engine_args_from_namespace  # noqa: F401 (engine_args_from_namespace: re-exported)
+from core.engine.config import DRAFT_MODEL_ALGORITHMS, add_engine_args, engine_args_from_namespace  # noqa: F401 (engine_args_from_namespace: re-exported)
 from core.engine.sglang_flags import SGLANG_FLAGS_LACKING
 from core.errors import CoreError
 from core.server.limits import DEFAULT_MAX_BODY_BYTES
@@ -96,6 +96,7 @@ NOT_SUPPORTED_YET: dict[str, tuple[Callable[[Any], bool], str]] = {
     "enable_dp_attention": (_off(), ""),
     "enable_lora": (_off(), ""),
     "lora_paths": (_off(), ""),
+    "speculative_algorithm": (lambda v: str(v).upper() not in DRAFT_MODEL_ALGORITHMS, "NGRAM is supported"),
     "disaggregation_mode": (_off("null"), ""),
     "enable_torch_compile": (_off(), ""),
     "enable_multimodal": (_off(), ""),
