@@ -32,6 +32,7 @@ class RequestResult:
     ttft: float = 0.0
     latency: float = 0.0
     itl: list[float] = attrs.field(factory=list)  # per-token gaps after the first token
+    spec_verify_ct: int = 0  # speculative decoding (sglang backend): the server's verifies for it, 0: none
 
 
 # ---------------------------------------------------------------------------- CLI
@@ -147,6 +148,7 @@ async def _send(client: Any, ns: argparse.Namespace, model: str | None, ids: lis
                 now = time.perf_counter()
                 if ns.backend == "sglang":
                     count = chunk["meta_info"]["completion_tokens"]
+                    res.spec_verify_ct = chunk["meta_info"].get("spec_verify_ct", 0)
                 else:
                     usage = chunk.get("usage") or {}
                     if not chunk.get("choices"):
@@ -261,6 +263,9 @@ def summarize(results: Sequence[RequestResult], duration: float, ns: argparse.Na
         "request_throughput": len(ok) / duration if duration > 0 else 0.0,
         "input_throughput": total_in / duration if duration > 0 else 0.0,
         "output_throughput": total_out / duration if duration > 0 else 0.0,
+        # SGLang's accept length: generated tokens per verify forward, over requests the server speculated for
+        "accept_length": (sum(r.output_len for r in ok if r.spec_verify_ct) / verifies
+                          if (verifies := sum(r.spec_verify_ct for r in ok)) else None),
         **_stats([r.ttft for r in ok], "ttft"),
         **_stats([g for r in ok for g in r.itl], "itl"),
         **_stats([r.latency for r in ok], "e2e_latency"),
@@ -281,6 +286,8 @@ def format_report(r: dict[str, Any]) -> str:
         ("Input token throughput (tok/s)", f"{r['input_throughput']:.2f}"),
         ("Output token throughput (tok/s)", f"{r['output_throughput']:.2f}"),
     ]
+    if r.get("accept_length") is not None:
+        rows.append(("Accept length", f"{r['accept_length']:.2f}"))
     lines = ["{s:{c}^60}".format(s=" Serving Benchmark Result ", c="=")]
     lines += [f"{k:<44}{v:>16}" for k, v in rows]
     for title, key, short in (("Time to First Token", "ttft", "TTFT"), ("Inter-Token Latency", "itl", "ITL"),

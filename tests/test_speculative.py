@@ -123,3 +123,48 @@ def test_bad_speculative_flags_are_clear_errors(tiny, kwargs, match):
 
     with pytest.raises(CoreError, match=match):
         make_engine(tiny, dtype="float32", device="cpu", **kwargs)
+
+
+def test_http_meta_info_metrics_and_bench_serving_report_the_accept_length(tiny):
+    """Through the server: /generate's meta_info carries SGLang's spec_* fields, /metrics SGLang's
+    accept-length and accept-rate gauges, and ``core bench serving`` reports the accept length."""
+    import argparse
+    import asyncio
+
+    import httpx
+
+    from core.bench_serving import RequestResult, format_report, summarize
+    from core.engine import AsyncEngine
+    from core.engine.config import engine_args_from_kwargs
+    from core.server.app import create_app
+    from core.server.args import ServerArgs
+    from core.server.state import build_state
+
+    async def go():
+        args = engine_args_from_kwargs(dict(model_path=str(tiny), dtype="float32", max_total_tokens=1024, cpu_threads=1,
+                                            device="cpu", grammar_backend="none", speculative_algorithm="NGRAM"))
+        engine = AsyncEngine(args)
+        state = build_state(engine, ServerArgs(enable_metrics=True))
+        state.ready = True
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(state)), base_url="http://t") as c:
+            engine.scheduler.speculator.drafter = OracleDrafter({})  # no drafts: plain decoding's tokens
+            engine.scheduler.speculator.drafter.propose = lambda state, tokens, k: []
+            r = await c.post("/generate", json={"input_ids": PROMPTS[0], "sampling_params": GREEDY})
+            want = r.json()["output_ids"]
+            engine.scheduler.speculator.drafter = OracleDrafter({tuple(PROMPTS[0]): want})
+            r = await c.post("/generate", json={"input_ids": PROMPTS[0], "sampling_params": GREEDY})
+            assert r.status_code == 200 and r.json()["output_ids"] == want, r.text
+            meta = r.json()["meta_info"]
+            metrics = (await c.get("/metrics")).text
+        await engine.shutdown()
+        return meta, metrics
+
+    meta, metrics = asyncio.run(go())
+    assert meta["spec_verify_ct"] < 24 and meta["spec_num_correct_drafts"] > 0  # fewer forwards than tokens
+    assert meta["spec_accept_length"] > 1
+    assert "sglang:spec_accept_length{" in metrics and "sglang:spec_accept_rate{" in metrics
+    ns = argparse.Namespace(backend="sglang", request_rate=float("inf"), max_concurrency=None)
+    results = [RequestResult(10, 24, True, ttft=0.1, latency=1.0, spec_verify_ct=8),
+               RequestResult(10, 12, True, ttft=0.1, latency=1.0, spec_verify_ct=4)]
+    report = summarize(results, 2.0, ns)
+    assert report["accept_length"] == 3.0 and "Accept length" in format_report(report)

@@ -81,6 +81,11 @@ class Metrics:
         self.max_total_num_tokens = gauge("sglang:max_total_num_tokens", "Maximum total number of tokens in the KV pool.")
         self.max_running_requests = gauge("sglang:max_running_requests", "Maximum number of running requests.")
         self.is_ready = gauge("sglang:is_ready", "1 when the server is ready to serve requests.")
+        self.spec_accept_length = gauge("sglang:spec_accept_length", "Mean acceptance length of speculative decoding "
+                                        "(tokens per verify forward, over finished requests).")
+        self.spec_accept_rate = gauge("sglang:spec_accept_rate", "Speculative acceptance rate (accepted drafts / "
+                                      "proposed drafts, over finished requests).")
+        self._spec = [0, 0, 0, 0]  # tokens, verifies, correct drafts, proposed drafts of finished requests
 
     # ------------------------------------------------------------------ wiring
     def attach(self, engine: AsyncEngine) -> None:
@@ -129,6 +134,13 @@ class Metrics:
                 self.num_aborted_requests.labels(m).inc()
             end = req.finish_time or time.perf_counter()
             self.e2e.labels(m).observe(end - req.arrival)
+            if req.spec_verify_ct:
+                t = self._spec
+                t[0], t[1] = t[0] + n_out, t[1] + req.spec_verify_ct
+                t[2], t[3] = t[2] + req.spec_num_correct_drafts, t[3] + req.spec_num_proposed_drafts
+                self.spec_accept_length.labels(m).set(t[0] / t[1])
+                if t[3]:
+                    self.spec_accept_rate.labels(m).set(t[2] / t[3])
             if req.first_token_time is not None:
                 self.ttft.labels(m).observe(req.first_token_time - req.arrival)
                 if n_out > 1:
