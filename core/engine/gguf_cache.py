@@ -25,8 +25,8 @@ import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
-import structlog
 import numpy as np
+import structlog
 import torch
 
 from core.errors import ModelLoadError

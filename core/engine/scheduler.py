@@ -26,8 +26,8 @@ from core.engine.kv_cache import PageAllocator, ReqToTokenTable
 from core.engine.radix_cache import RadixCache
 from core.engine.request import Req
 from core.engine.schedule_batch import ScheduledBatch, StepResult, future_id
-from core.engine.speculative import Speculator, multi_token_ok
 from core.engine.schedule_policy import SchedulePolicy
+from core.engine.speculative import Speculator, multi_token_ok
 
 log = structlog.get_logger("core.engine.scheduler")
 
@@ -495,7 +495,6 @@ class Scheduler:
                 if not (req.finished or req.aborted):  # the draft tokens the target agrees with, and its own next
                     kept = self.speculator.kept(req, drafts[i], s.token_ids[k - 1 - len(drafts[i]):k])
                     updates.append((req, self._append_steps(req, kept, now)))
-                    req.kv_done = req.kv_len
                     continue
             if i in result.input_logprobs:
                 req.input_logprobs, req.input_top_logprobs = result.input_logprobs[i]
@@ -514,7 +513,6 @@ class Scheduler:
             tok = s.token_ids[i]
             if batch.steps > 1:  # a multi-step decode: its tokens up to the first that finishes the request
                 delta = self._append_steps(req, [tok] + [t[i] for t in result.more_tokens], now)
-                req.kv_done = req.kv_len
                 updates.append((req, delta))
                 continue
             req.output_ids.append(tok)
@@ -537,8 +535,8 @@ class Scheduler:
 
     def _append_steps(self, req: Req, tokens: list[int], now: float) -> str:
         """Append a multi-step decode's or a verify's ``tokens`` until one finishes the request
-        and return the new text; ``kv_len`` ends one behind ``seq_len`` (the slots of entries not
-        kept stay in its pages, to be rewritten or freed)."""
+        and return the new text; ``kv_len`` (and ``kv_done``) end one behind ``seq_len`` (the slots of
+        entries not kept stay in its pages, to be rewritten or freed)."""
         req.kv_len = req.seq_len - 1
         delta = ""
         for tok in tokens:
@@ -550,6 +548,7 @@ class Scheduler:
         if req.first_token_time is None:
             req.first_token_time = now
         req.text += delta
+        req.kv_done = req.kv_len  # the kept tokens' inputs: their KV is written
         return delta
 
     def _check_finish(self, req: Req, tok: int) -> str:

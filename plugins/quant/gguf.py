@@ -25,10 +25,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 
 from core import hookimpl
+from core.engine.gguf_cache import raw_rows
 from core.errors import ModelLoadError
 from core_plugins.quant import packed
 
@@ -110,12 +110,13 @@ def head_blocks(gguf_file: str, head: list, embedding: torch.nn.Module) -> tuple
     rows, k = table.shape
     if k % 32 or not vocab or nbytes % vocab:
         return None
-    data = np.fromfile(gguf_file, dtype=np.uint8, count=nbytes, offset=offset)
-    if data.size != nbytes:
+    try:
+        raw = raw_rows(gguf_file, [offset, ggml_type, vocab, nbytes])
+    except ModelLoadError:  # the file ends early: the table is packed instead
         return None
     start = getattr(embedding, "vocab_start", 0)
     n = max(0, min(rows, vocab - start))
-    raw = torch.from_numpy(data).reshape(vocab, -1)[start:start + n]
+    raw = raw[start:start + n]
     if ggml_type == Q8_0:
         if raw.shape[1] != k // 32 * 34:
             return None

@@ -47,7 +47,7 @@ class Speculator:
         for r in reqs:
             room = min(self.num_draft_tokens - 1, r.params.max_new_tokens - len(r.output_ids) - 1,
                        context_len - r.seq_len - 1)
-            out.append(self.drafter.propose(r.spec_state, r.fill_ids(), room)[:max(room, 0)] if room > 0 else [])
+            out.append(self.drafter.propose(r.spec_state, r.fill_ids(), room)[:room] if room > 0 else [])
         return out if any(out) else None
 
 
