@@ -16,7 +16,8 @@ from typing import Any, Iterable, Protocol, Sequence, runtime_checkable
 import attrs
 import torch
 
-PLUGIN_API_VERSION = "1.2"  # 1.1: the optional CUDA-graph capture hooks of attention backends; 1.2: drafters
+PLUGIN_API_VERSION = "1.3"  # 1.1: the optional CUDA-graph capture hooks of attention backends; 1.2: drafters;
+# 1.3: model drafters
 
 
 # --------------------------------------------------------------------------- batches
@@ -395,13 +396,75 @@ class Drafter(Protocol):
     """Proposes draft tokens for speculative decoding, constructed as ``drafter(args)`` (the
     engine's ``EngineArgs``). The engine verifies a draft in one forward of the target model and
     keeps the longest prefix the target agrees with (sampling it as plain decoding would), so a
-    drafter only changes speed, never outputs; it owns no KV and never sees rejected tokens."""
+    drafter only changes speed, never outputs; it owns no KV and never sees rejected tokens.
+    A drafter that runs a model of its own implements :class:`ModelDrafter` instead."""
 
     def propose(self, state: dict, tokens: Sequence[int], max_tokens: int) -> list[int]:
         """Up to ``max_tokens`` tokens likely to follow ``tokens`` (the request's prompt and output
         so far), as a chain; ``[]`` for none. ``state`` is a dict the engine keeps per request for
         the drafter's own bookkeeping (empty at the first call; ``tokens`` only grows between
         calls, except that a retracted request's may be shorter than before: start again)."""
+
+
+@attrs.define
+class DraftSeq:
+    """One sequence of a draft model's forward: ``tokens`` at positions ``start`` onwards, their
+    KV written to ``slots[start:start + len(tokens)]`` and attending to ``slots[:start + len(tokens)]``."""
+
+    tokens: list[int]
+    start: int
+    slots: torch.Tensor  # [>= start + len(tokens)] int64 KV slots of positions 0.. (CPU)
+
+
+@attrs.define
+class DraftRequest:
+    """What a :class:`ModelDrafter` sees of one request of a verify batch."""
+
+    state: dict  # the drafter's own, kept per request; emptied when the request's KV is dropped (retraction)
+    tokens: Sequence[int]  # prompt and output so far; the last one is not in the target's KV yet
+    kv_len: int  # tokens whose target KV is written (= len(tokens) - 1: the last token's position)
+    room: int  # the draft tokens wanted: exactly this many
+    slots: torch.Tensor  # [kv_len + room] int64 KV slots of positions 0.., the target's page table row
+
+
+class DraftModel(Protocol):
+    """A draft model the engine loaded for a :class:`ModelDrafter` (``DraftContext.load_model``):
+    same device and dtype as the target, and a KV pool of its own laid out like the target's, so
+    a request's draft KV lives at the target's slots. Which of those slots hold valid draft KV
+    is the drafter's to track (``DraftRequest.state``)."""
+
+    model: torch.nn.Module
+    hf_config: Any
+
+    def run(self, seqs: Sequence[DraftSeq], features: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward over ``seqs``: (hidden states [T, hidden] of every new token, float32
+        logits [B, vocab] of each sequence's last token). ``features`` [T, F] go to a model whose
+        forward takes them (``model(batch, features)`` returning the hidden states for the logits
+        and those for the next step, as EAGLE heads do); its second hidden states are returned."""
+
+
+class DraftContext(Protocol):
+    """What the engine gives a :class:`ModelDrafter` once its own model and KV pool are built."""
+
+    args: Any  # the engine's EngineArgs
+    target: torch.nn.Module  # the target model (a head may share its embeddings and LM head)
+
+    def load_model(self, path: str) -> DraftModel:
+        """The model at ``path`` (a checkpoint folder, as ``--model-path`` takes), with its KV pool."""
+
+
+class ModelDrafter(Protocol):
+    """A drafter running a model of its own (SGLang's STANDALONE, EAGLE): constructed as
+    ``drafter(args)``, loaded with :meth:`load` when the target is ready, then asked for a batch's
+    drafts at once on the engine's forward thread, just before the target verifies them."""
+
+    def load(self, ctx: DraftContext) -> None:
+        """Load the draft model(s) through ``ctx``; raise ``core.errors.ModelLoadError`` naming what is wrong."""
+
+    def propose_batch(self, reqs: Sequence[DraftRequest]) -> list[list[int]]:
+        """Exactly ``req.room`` draft tokens per request, as chains. A request's draft KV may be
+        written at its ``slots`` (positions past ``kv_len`` are rejected or rewritten later: the
+        drafter learns what the target kept from the next call's ``tokens``)."""
 
 
 EXTENSION_KINDS: dict[str, str] = {

@@ -313,6 +313,8 @@ def protocol_methods(protocol: type) -> tuple[str, ...]:
 # What a registered class must define, per kind (checked for classes only: a factory
 # function is trusted until it is called).
 REQUIRED_METHODS: dict[str, tuple[str, ...]] = {kind: protocol_methods(p) for kind, p in INTERFACES.items()}
+# A kind's other interface a class may implement instead (a drafter with a model of its own).
+ALTERNATIVE_METHODS: dict[str, tuple[str, ...]] = {"speculative_algorithm": protocol_methods(interfaces.ModelDrafter)}
 
 
 def _missing_methods(kind: str, target: Any) -> list[str]:
@@ -321,7 +323,10 @@ def _missing_methods(kind: str, target: Any) -> list[str]:
         return ["__call__"]
     if not isinstance(target, type):
         return []
-    return [m for m in REQUIRED_METHODS.get(kind, ()) if not callable(getattr(target, m, None))]
+    missing = [m for m in REQUIRED_METHODS.get(kind, ()) if not callable(getattr(target, m, None))]
+    if missing and (other := ALTERNATIVE_METHODS.get(kind)) and all(callable(getattr(target, m, None)) for m in other):
+        return []
+    return missing
 
 
 def api_compatible(declared: str, provided: str = PLUGIN_API_VERSION) -> bool:

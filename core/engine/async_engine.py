@@ -18,7 +18,7 @@ import torch
 from core.engine.collectives import KVSpec
 from core.engine.device import check_openmp_policy, configure_cpu_runtime, pick_device
 from core.engine.distributed import RankFailure, start_tensor_parallel
-from core.engine.config import EngineArgs, overlap_schedule
+from core.engine.config import EngineArgs, check_scheduling_args, overlap_schedule
 from core.errors import CoreError, InvalidRequest, ModelLoadError, Unavailable
 from core.interfaces import AttentionConfig
 from core.layers import fused, local_heads
@@ -38,6 +38,7 @@ from core.engine.request import Req
 from core.engine.sampler import Sampler
 from core.engine.scheduler import ScheduledBatch, Scheduler
 from core.engine.speculative import build_speculator
+from core.engine.speculative.draft_model import EngineDraftContext
 from core.engine.watchdog import Watchdog
 
 log = structlog.get_logger("core.engine")
@@ -84,7 +85,7 @@ class AsyncEngine(RequestFrontEnd):
             self.runner.tp = self.tp_group
             self.tp_group.on_failure = self._on_rank_failure
         self.grammar = GrammarManager(self.plugins, args.grammar_backend, self.tokenizer, self.vocab_size, mc.eos_ids)
-        self.runner.grammar = self.grammar
+        self.runner.grammar, self.runner.speculator = self.grammar, self.scheduler.speculator
         self.runner.graphs = self._capture_cuda_graphs()
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="core-forward")
         # small CPU decodes run on the loop's thread (_runs_inline); 0: every forward on the executor
@@ -155,17 +156,7 @@ class AsyncEngine(RequestFrontEnd):
         self.max_total_tokens = self.allocator.capacity * ps
         max_running = args.max_running_requests or max(1, min(256, self.max_total_tokens // 16))
         self.table = ReqToTokenTable(max_running, mc.context_len + ps, self.device)
-        from core.engine.radix_cache import EVICTION_POLICIES
-        from core.engine.schedule_policy import SCHEDULE_POLICIES
-
-        if args.schedule_policy not in SCHEDULE_POLICIES:
-            raise CoreError(f"--schedule-policy {args.schedule_policy!r} is not one of {', '.join(SCHEDULE_POLICIES)}")
-        if args.radix_eviction_policy not in EVICTION_POLICIES:
-            raise CoreError(f"--radix-eviction-policy {args.radix_eviction_policy!r} is not one of {', '.join(EVICTION_POLICIES)}")
-        if args.num_continuous_decode_steps < 1:
-            raise CoreError(f"--num-continuous-decode-steps must be >= 1, got {args.num_continuous_decode_steps}")
-        if args.schedule_conservativeness <= 0:
-            raise CoreError(f"--schedule-conservativeness must be > 0, got {args.schedule_conservativeness}")
+        check_scheduling_args(args)
         self.tree_cache = None if args.disable_radix_cache else RadixCache(ps, args.radix_eviction_policy)
         chunk = args.chunked_prefill_size
         if chunk is None:  # SGLang picks by GPU memory; 2048 (its small-GPU value) keeps a CPU forward short
@@ -190,6 +181,8 @@ class AsyncEngine(RequestFrontEnd):
         )
         if self.tp_group is not None:
             self.tp_group.setup_kv(KVSpec(num_pages, ps, kv_dtype, backend_name))
+        if (spec := self.scheduler.speculator) is not None:  # a model drafter's models, with the target's KV geometry
+            spec.load(EngineDraftContext(args, self.model, self.plugins, mc, self.device, num_pages, ps, kv_dtype, backend_name))
         log.info("engine.ready", model=mc.source, architecture=mc.architecture, dtype=str(mc.dtype), device=str(self.device),
                  kv_tokens=self.max_total_tokens, page_size=ps, max_running_requests=max_running,
                  radix_cache=self.tree_cache is not None, chunked_prefill_size=self.chunked_prefill_size,

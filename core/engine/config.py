@@ -87,9 +87,16 @@ class EngineArgs:
                                                        "a greedy batch runs them as one call (faster decoding, "
                                                        "tokens streamed in bursts)")
     speculative_algorithm: str | None = _arg(None, MEMORY, "speculative decoding: a registered drafter (NGRAM: "
-                                                           "drafts copied from the request's own context)")
+                                                           "drafts copied from the request's own context; "
+                                                           "STANDALONE: a smaller draft model)")
     speculative_num_draft_tokens: int | None = _arg(None, MEMORY, "tokens per speculative verify, the last "
-                                                                  "known one included (default 12)")
+                                                                  "known one included (default 12; a draft "
+                                                                  "model's: --speculative-num-steps + 1)")
+    speculative_num_steps: int | None = _arg(None, MEMORY, "draft tokens a draft model proposes per verify (default 5)")
+    speculative_eagle_topk: int | None = _arg(None, MEMORY, "draft branches per step (1: chains, the only kind "
+                                                            "supported yet)")
+    speculative_draft_model_path: str | None = _arg(None, MEMORY, "the draft model of STANDALONE (a smaller model "
+                                                                  "with the target's vocabulary)")
     disable_overlap_schedule: bool = _arg(False, MEMORY, "process each step's results before scheduling the next "
                                                          "(overlap scheduling is the default on CUDA)")
     enable_overlap_schedule: bool = _arg(False, MEMORY, "overlap scheduling on the CPU too, where the host's work "
@@ -210,9 +217,9 @@ UNSUPPORTED_SGLANG_ARGS: dict[str, tuple[Any, ...]] = {
 }
 
 
-# SGLang's speculative algorithms that need a draft model or head (not supported yet; NGRAM and
+# SGLang's speculative algorithms that need a draft head (not supported yet; NGRAM, STANDALONE and
 # drafters from plugins are): refused when the arguments are read, before anything loads
-DRAFT_MODEL_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE", "DFLASH", "DSPARK", "UNO")
+DRAFT_MODEL_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "DFLASH", "DSPARK", "UNO")
 
 
 def _is_off(value: Any, defaults: tuple[Any, ...]) -> bool:
@@ -233,7 +240,7 @@ def engine_args_from_kwargs(kwargs: dict[str, Any]) -> EngineArgs:
     names = {f.name for f in attrs.fields(EngineArgs)}
     unsupported = [k for k in kwargs if k in UNSUPPORTED_SGLANG_ARGS and not _is_off(kwargs[k], UNSUPPORTED_SGLANG_ARGS[k])]
     if str(kwargs.get("speculative_algorithm")).upper() in DRAFT_MODEL_ALGORITHMS:
-        unsupported.append(f"speculative_algorithm={kwargs['speculative_algorithm']} (NGRAM is supported)")
+        unsupported.append(f"speculative_algorithm={kwargs['speculative_algorithm']} (NGRAM and STANDALONE are supported)")
     if unsupported:
         raise CoreError(f"SGLang option(s) not supported by this engine yet: {', '.join(unsupported)}")
     unknown = [k for k in kwargs if k not in names and k not in UNSUPPORTED_SGLANG_ARGS]
@@ -243,6 +250,21 @@ def engine_args_from_kwargs(kwargs: dict[str, Any]) -> EngineArgs:
     if unknown:
         raise CoreError(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
     return resolve_hub_args(EngineArgs(**{k: v for k, v in kwargs.items() if k in names}))
+
+
+def check_scheduling_args(args: EngineArgs) -> None:
+    """Refuse scheduling options no scheduler can run, naming the flag."""
+    from core.engine.radix_cache import EVICTION_POLICIES
+    from core.errors import CoreError
+
+    if args.schedule_policy not in SCHEDULE_POLICIES:
+        raise CoreError(f"--schedule-policy {args.schedule_policy!r} is not one of {', '.join(SCHEDULE_POLICIES)}")
+    if args.radix_eviction_policy not in EVICTION_POLICIES:
+        raise CoreError(f"--radix-eviction-policy {args.radix_eviction_policy!r} is not one of {', '.join(EVICTION_POLICIES)}")
+    if args.num_continuous_decode_steps < 1:
+        raise CoreError(f"--num-continuous-decode-steps must be >= 1, got {args.num_continuous_decode_steps}")
+    if args.schedule_conservativeness <= 0:
+        raise CoreError(f"--schedule-conservativeness must be > 0, got {args.schedule_conservativeness}")
 
 
 def overlap_schedule(args: EngineArgs, device: torch.device) -> bool:

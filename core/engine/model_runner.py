@@ -46,11 +46,23 @@ def forward_step(model: torch.nn.Module, attn_backend, inputs: StepInputs, devic
     else None). The same on every tensor-parallel rank (their collectives pair up).
 
     A CPU model's ``decode_step`` (``CausalLM``) may take the whole step from the lists. Otherwise
-    the per-token and per-sequence lists reach the device in one copy (pinned, non-blocking on a
-    GPU); a decode step that ``graphs`` captured replays its CUDA graph instead of the eager forward."""
+    the model runs on ``forward_batch(inputs)``, or a decode step that ``graphs`` captured replays
+    its CUDA graph instead of the eager forward."""
     if device.type == "cpu" and (fast := getattr(model, "decode_step", None)) is not None:
         if (out := fast(inputs, attn_backend)) is not None:
             return out[0], [out[1]], out[2]
+    fb = forward_batch(inputs, attn_backend, device)
+    if graphs is not None and graphs.can_run(fb):
+        hidden = graphs.replay(fb)
+    else:
+        attn_backend.prepare(fb)
+        hidden = model(fb)
+    return hidden, step_logits(model, hidden, inputs.logit_rows, device), None
+
+
+def forward_batch(inputs: StepInputs, attn_backend, device: torch.device) -> ForwardBatch:
+    """The ``ForwardBatch`` of ``inputs``: the per-token and per-sequence lists reach the device in
+    one copy (pinned, non-blocking on a GPU)."""
     t, b = len(inputs.input_ids), len(inputs.seq_lens)
     packed = upload(inputs.input_ids + _ints(inputs.positions) + _ints(inputs.out_cache_loc) + inputs.seq_lens
                     + inputs.extend_lens, torch.int64, device)
@@ -61,18 +73,17 @@ def forward_step(model: torch.nn.Module, attn_backend, inputs: StepInputs, devic
     n = max(inputs.seq_lens)
     kv_indices = inputs.kv_indices[:, :n].to(device)
     kv_indices = kv_indices.masked_fill(torch.arange(n, device=device)[None, :] >= seq_lens[:, None], 0)
-    fb = ForwardBatch(
+    return ForwardBatch(
         input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc, seq_lens=seq_lens,
         extend_lens=extend_lens, kv_indices=kv_indices, seq_lens_cpu=inputs.seq_lens,
         extend_lens_cpu=inputs.extend_lens, attn_backend=attn_backend,
     )
-    if graphs is not None and graphs.can_run(fb):
-        hidden = graphs.replay(fb)
-    else:
-        attn_backend.prepare(fb)
-        hidden = model(fb)
+
+
+def step_logits(model: torch.nn.Module, hidden: torch.Tensor, logit_rows: list[Any], device: torch.device) -> list[torch.Tensor]:
+    """One ``compute_logits`` per entry of ``logit_rows`` (a list of rows or a (start, stop) range)."""
     logits = []
-    for rows in inputs.logit_rows:
+    for rows in logit_rows:
         if isinstance(rows, tuple):  # all of hidden (a decode step) passes as itself: see LlamaModel.step_logits
             sel = hidden if rows == (0, hidden.shape[0]) else hidden[rows[0] : rows[1]]
         elif len(rows) == hidden.shape[0] and rows[0] == 0 and rows[-1] == len(rows) - 1:
@@ -80,7 +91,7 @@ def forward_step(model: torch.nn.Module, attn_backend, inputs: StepInputs, devic
         else:
             sel = hidden.index_select(0, upload(rows, torch.int64, device))
         logits.append(model.compute_logits(sel))
-    return hidden, logits, None
+    return logits
 
 
 class ModelRunner:
@@ -89,6 +100,7 @@ class ModelRunner:
     The one host sync of a step is the sampled token ids coming back."""
 
     grammar = None  # core.engine.grammar.GrammarManager, set by the engine
+    speculator = None  # core.engine.speculative.Speculator with --speculative-algorithm, set by the engine
     tp = None  # core.engine.distributed.TensorParallelGroup on rank 0 of a --tp-size > 1 engine, set by the engine
     graphs: CudaGraphRunner | None = None  # decode CUDA graphs, set by the engine when captured
     _last_tokens: list[int] | None = None  # the last batch's sampled tokens (what future ids stand for)
@@ -158,6 +170,8 @@ class ModelRunner:
 
     def _run_one(self, batch: ScheduledBatch) -> StepResult:
         inputs, live, prompt_rows = self.step_inputs(batch)
+        if batch.draft_pending:  # a model drafter's drafts, into the verify's input ids
+            self.speculator.fill(batch, inputs.kv_indices)
         hidden, all_logits, argmax_ids = self._forward(inputs)
         reqs = all_reqs = batch.reqs
         if len(live) < len(reqs):

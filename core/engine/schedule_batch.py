@@ -36,6 +36,7 @@ class ScheduledBatch:
     # speculative decoding: each request's draft (its extend is its last token and the draft; every
     # position samples), or None
     drafts: list[list[int]] | None = None
+    draft_pending: bool = False  # ``drafts`` are a model drafter's, made by the runner (Speculator.fill)
 
 
 def future_id(index: int) -> int:

@@ -23,46 +23,82 @@ from __future__ import annotations
 from typing import Any
 
 import attrs
+import structlog
+import torch
 
 from core.engine.request import Req
 from core.engine.sampler import penalised
 from core.errors import CoreError
+from core.interfaces import DraftRequest
+
+log = structlog.get_logger("core.engine.speculative")
 
 DEFAULT_NUM_DRAFT_TOKENS = 12  # SGLang's default for NGRAM: the last token and 11 drafted
+DEFAULT_NUM_STEPS = 5  # model drafters' chain length (SGLang's usual choice of --speculative-num-steps)
 
 
 @attrs.define
 class Speculator:
-    """What the scheduler asks for drafts (``drafts``) and uses to count what a verify kept."""
+    """What the scheduler asks for a verify batch (``verify_batch``), the runner for a model
+    drafter's drafts (``fill``), and the scheduler uses to count what a verify kept (``kept``)."""
 
-    drafter: Any  # core.interfaces.Drafter
+    drafter: Any  # core.interfaces.Drafter or ModelDrafter
     num_draft_tokens: int  # tokens per verify and request, the last known one included (SGLang's meaning)
+    batched: bool = attrs.field(init=False)  # a ModelDrafter: drafts come from the runner (``fill``)
 
-    def drafts(self, reqs: list[Req], context_len: int) -> list[list[int]] | None:
-        """A draft per request (maybe empty), or None where the batch decodes plainly: some
-        request cannot be drafted for, or no draft was proposed."""
-        if any(not multi_token_ok(r) for r in reqs):
-            return None
-        out = []
-        for r in reqs:
-            room = min(self.num_draft_tokens - 1, r.params.max_new_tokens - len(r.output_ids) - 1,
-                       context_len - r.seq_len - 1)
-            out.append(self.drafter.propose(r.spec_state, r.fill_ids(), room)[:room] if room > 0 else [])
-        return out if any(out) else None
+    def __attrs_post_init__(self) -> None:
+        self.batched = hasattr(self.drafter, "propose_batch")
 
+    def load(self, ctx: Any) -> None:
+        """Load a model drafter's models (``ctx``: a ``core.interfaces.DraftContext``)."""
+        if self.batched:
+            self.drafter.load(ctx)
+
+    def room(self, r: Req, context_len: int) -> int:
+        """The draft tokens a verify of ``r`` may hold: within its ``max_new_tokens`` and the context."""
+        return max(0, min(self.num_draft_tokens - 1, r.params.max_new_tokens - len(r.output_ids) - 1,
+                          context_len - r.seq_len - 1))
 
     def verify_batch(self, scheduler: Any, reqs: list[Req]) -> Any:
         """A verify batch of ``reqs`` (each one's last token and draft as one extend), or None where
-        the batch decodes plainly: no drafts, or the pool cannot hold the verify's pages."""
-        drafts = self.drafts(reqs, scheduler.context_len)
-        pages_for = scheduler.allocator.pages_for
-        if drafts is None or not scheduler._can_alloc(sum(max(0, pages_for(r.kv_len + 1 + len(d)) - len(r.pages))
-                                                          for r, d in zip(reqs, drafts))):
+        the batch decodes plainly: some request cannot be drafted for (``multi_token_ok``), no draft
+        is proposed, or the pool cannot hold the verify's pages. A model drafter's drafts are
+        placeholders here, filled by the runner (``fill``) on the forward thread."""
+        if any(not multi_token_ok(r) for r in reqs):
             return None
-        batch = scheduler._build(reqs, [1 + len(d) for d in drafts], prefill=False)
+        rooms = [self.room(r, scheduler.context_len) for r in reqs]
+        drafts = None
+        if not self.batched:
+            drafts = [self.drafter.propose(r.spec_state, r.fill_ids(), n)[:n] if n > 0 else [] for r, n in zip(reqs, rooms)]
+            rooms = [len(d) for d in drafts]
+        pages_for = scheduler.allocator.pages_for
+        if not any(rooms) or not scheduler._can_alloc(sum(max(0, pages_for(r.kv_len + 1 + n) - len(r.pages))
+                                                          for r, n in zip(reqs, rooms))):
+            return None
+        batch = scheduler._build(reqs, [1 + n for n in rooms], prefill=False)
+        drafts = drafts or [[0] * n for n in rooms]
         batch.input_ids = [t for r, n, d in zip(reqs, batch.extend_lens, drafts) for t in (r.token_at(r.kv_len - n), *d)]
         batch.drafts = drafts
+        batch.draft_pending = self.batched
         return batch
+
+    def fill(self, batch: Any, kv_indices: torch.Tensor) -> None:
+        """A model drafter's drafts for ``batch`` (on the forward thread, after the runner recorded
+        the verify's slots in ``kv_indices``), written into its ``input_ids`` and ``drafts``."""
+        reqs = []
+        for i, (r, d) in enumerate(zip(batch.reqs, batch.drafts)):
+            if r.spec_state.get("retractions", 0) != r.num_retractions:  # its KV was dropped and recomputed
+                r.spec_state = {"retractions": r.num_retractions}
+            kv_len = batch.seq_lens[i] - 1 - len(d)
+            reqs.append(DraftRequest(r.spec_state, r.fill_ids()[:kv_len + 1], kv_len, len(d), kv_indices[i, :kv_len + len(d)]))
+        drafts = self.drafter.propose_batch(reqs)
+        pos = 0
+        for r, got, d in zip(reqs, drafts, batch.drafts):
+            if len(got) != r.room:
+                raise RuntimeError(f"the drafter proposed {len(got)} tokens where {r.room} were asked for")
+            batch.input_ids[pos + 1:pos + 1 + r.room] = d[:] = got
+            pos += 1 + r.room
+        batch.draft_pending = False
 
     @staticmethod
     def kept(req: Req, draft: list[int], sampled: list[int]) -> list[int]:
@@ -92,13 +128,32 @@ def accepted(draft: list[int], sampled: list[int]) -> int:
 
 
 def build_speculator(args: Any, plugins: Any) -> Speculator | None:
-    """The speculator ``--speculative-algorithm`` asks for, or None."""
+    """The speculator ``--speculative-algorithm`` asks for, or None. A model drafter's chain is
+    ``--speculative-num-steps`` long (``--speculative-num-draft-tokens`` is then one more, as
+    SGLang sets it for chains); others draft up to ``--speculative-num-draft-tokens`` - 1."""
     name = args.speculative_algorithm
     if not name:
-        if args.speculative_num_draft_tokens is not None:
-            raise CoreError("--speculative-num-draft-tokens needs --speculative-algorithm (e.g. NGRAM)")
+        for flag in ("num_draft_tokens", "num_steps", "eagle_topk", "draft_model_path"):
+            if getattr(args, "speculative_" + flag) is not None:
+                raise CoreError(f"--speculative-{flag.replace('_', '-')} needs --speculative-algorithm (e.g. NGRAM)")
         return None
-    n = args.speculative_num_draft_tokens or DEFAULT_NUM_DRAFT_TOKENS
+    if (args.speculative_eagle_topk or 1) != 1:
+        raise CoreError(f"--speculative-eagle-topk {args.speculative_eagle_topk}: draft trees are not supported yet; "
+                        "drafts are chains (--speculative-eagle-topk 1)")
+    drafter = plugins.resolve("speculative_algorithm", name)(args)
+    n = args.speculative_num_draft_tokens
+    if hasattr(drafter, "propose_batch"):
+        steps = args.speculative_num_steps if args.speculative_num_steps is not None else DEFAULT_NUM_STEPS
+        if steps < 1:
+            raise CoreError(f"--speculative-num-steps must be >= 1, got {steps}")
+        if n is not None and n != steps + 1:
+            log.warning("speculative.num_draft_tokens_adjusted", asked=n, used=steps + 1, why="a chain of "
+                        "--speculative-num-steps drafts and the last token")
+        n = steps + 1
+    else:
+        if args.speculative_draft_model_path is not None:
+            raise CoreError(f"--speculative-draft-model-path is not used by --speculative-algorithm {name}")
+        n = n or DEFAULT_NUM_DRAFT_TOKENS
     if n < 2:
         raise CoreError(f"--speculative-num-draft-tokens must be >= 2 (the last token and a draft), got {n}")
-    return Speculator(plugins.resolve("speculative_algorithm", name)(args), n)
+    return Speculator(drafter, n)

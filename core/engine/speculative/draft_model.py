@@ -1,0 +1,101 @@
+"""Draft models of model drafters (STANDALONE, EAGLE): loaded like the target, each with a KV pool
+laid out like the target's, so that a request's draft KV lives at the target's slots.
+
+Mirroring the target's pages means a draft needs no allocator, page table or radix cache of its
+own: a verify batch allocates the slots of its draft positions before the drafter runs, and a
+request's pages (its own, or a cached prefix it shares) hold its draft KV beside the target's. A
+shared prefix's draft KV may have been written by another request or not at all, so a drafter
+tracks per request which positions it computed itself (``DraftRequest.state``) and recomputes the
+rest: the same tokens at the same positions write the same values.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import attrs
+import structlog
+import torch
+
+from core.engine.kv_cache import allocate_kv_cache
+from core.engine.loader import load_model_config
+from core.engine.model_build import build_model
+from core.engine.model_runner import StepInputs, forward_batch, forward_step, step_logits
+from core.errors import ModelLoadError
+from core.interfaces import AttentionConfig, DraftSeq
+
+log = structlog.get_logger("core.engine.speculative")
+
+
+@attrs.define
+class EngineDraftModel:
+    """``core.interfaces.DraftModel``: a draft model, its KV pool and attention backend."""
+
+    model: torch.nn.Module
+    hf_config: Any
+    backend: Any
+    device: torch.device
+
+    @torch.inference_mode()
+    def run(self, seqs: Sequence[DraftSeq], features: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        ends = [s.start + len(s.tokens) for s in seqs]
+        kv_indices = torch.zeros(len(seqs), max(ends), dtype=torch.int64)
+        for i, (s, n) in enumerate(zip(seqs, ends)):
+            kv_indices[i, :n] = s.slots[:n]
+        last, rows = -1, []
+        for s in seqs:
+            last += len(s.tokens)
+            rows.append(last)
+        inputs = StepInputs([t for s in seqs for t in s.tokens], [p for s, n in zip(seqs, ends) for p in range(s.start, n)],
+                            torch.cat([s.slots[s.start:n] for s, n in zip(seqs, ends)]).tolist(), ends,
+                            [len(s.tokens) for s in seqs], kv_indices, [rows])
+        if features is None:
+            hidden, logits, _ = forward_step(self.model, self.backend, inputs, self.device)
+            return hidden, logits[0]
+        fb = forward_batch(inputs, self.backend, self.device)
+        self.backend.prepare(fb)
+        for_logits, for_next = self.model(fb, features)
+        return for_next, step_logits(self.model, for_logits, inputs.logit_rows, self.device)[0]
+
+
+@attrs.define
+class EngineDraftContext:
+    """``core.interfaces.DraftContext``: loads draft models the way the target was loaded (its
+    plugins, device, dtype and KV geometry)."""
+
+    args: Any
+    target: torch.nn.Module
+    plugins: Any
+    target_config: Any  # the target's ModelConfig
+    device: torch.device
+    num_pages: int
+    page_size: int
+    kv_dtype: torch.dtype
+    backend_name: str
+
+    def load_model(self, path: str) -> EngineDraftModel:
+        t = self.target_config
+        try:
+            mc = load_model_config(path, str(t.dtype).removeprefix("torch."), self.device, None)
+        except Exception as e:
+            raise ModelLoadError(f"cannot load the draft model {path!r}: {e}") from e
+        cfg = mc.hf_config
+        if cfg.vocab_size != t.hf_config.vocab_size:
+            raise ModelLoadError(f"the draft model {path!r} has a vocabulary of {cfg.vocab_size} tokens and the target "
+                                 f"{t.hf_config.vocab_size}: a draft must share the target's vocabulary")
+        if mc.context_len < t.context_len:
+            raise ModelLoadError(f"the draft model {path!r} takes {mc.context_len} positions, fewer than the target's "
+                                 f"{t.context_len}: lower --context-length to {mc.context_len}")
+        # the draft's own checkpoint decides its quantization; dummy weights when the target has them (benchmarks)
+        args = attrs.evolve(self.args, quantization=None, torchao_config=None)
+        model = build_model(self.plugins, args, mc, self.device, "dummy" if self.args.load_format == "dummy" else "auto")
+        heads = cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        kv = allocate_kv_cache(cfg.num_hidden_layers, self.num_pages, self.page_size, kv_heads, head_dim, self.kv_dtype,
+                               self.device)
+        backend = self.plugins.resolve("attention_backend", self.backend_name)(
+            AttentionConfig(cfg.num_hidden_layers, heads, kv_heads, head_dim, mc.dtype, self.device, kv))
+        log.info("speculative.draft_model", path=path, architecture=mc.architecture, layers=cfg.num_hidden_layers,
+                 kv_slots=self.num_pages * self.page_size)
+        return EngineDraftModel(model, cfg, backend, self.device)
