@@ -188,6 +188,7 @@ def test_sampled_verification_keeps_the_target_distribution(tiny):
     eng = make_engine(tiny, dtype="float32", device="cpu", max_running_requests=256, random_seed=2,
                       speculative_algorithm="NGRAM")
     try:
+        eng.engine.scheduler.speculator.token_budget = 100_000  # (1,500 requests: past any device's budget)
         eng.engine.scheduler.speculator.drafter = OracleDrafter({tuple(prompt): greedy})
         eng.engine.scheduler.speculator.drafter.propose = (
             lambda state, tokens, k: greedy[len(tokens) - len(prompt):][:k])  # the greedy continuation, as is
@@ -209,3 +210,38 @@ def test_sampled_verification_keeps_the_target_distribution(tiny):
     # an always-accepting verify would be caught: the drafted second token after the drafted first
     both = [o[:2] == greedy[:2] for o in plain].count(True), [o[:2] == greedy[:2] for o in spec].count(True)
     assert abs(both[0] - both[1]) < 0.05 * n, both
+
+
+def test_drafts_shrink_back_off_and_stop_under_load(tiny):
+    """A request's drafts follow what its verifies kept (about twice that, plus one); after a verify
+    keeping nothing it decodes plainly for 1, 2, 4, ... 16 steps; a batch with more requests than
+    the verify token budget decodes plainly (speculation switches itself off under load)."""
+    from core.engine.speculative import Pace
+
+    pace = Pace()
+    assert pace.want(11) == 5  # a new request: 1 + 2 * 2
+    waits = []
+    for _ in range(6):  # verifies keeping nothing: the plain steps before each next draft double
+        pace.update(0)
+        waits.append(0)
+        while pace.want(11) == 0:
+            waits[-1] += 1
+    assert waits == [1, 2, 4, 8, 16, 16] and pace.want(11) == 2  # drafts of 1 + ceil(2 * ~0)
+    pace.update(3)
+    assert pace.backoff == 0 and pace.want(11) == 5 and pace.want(2) == 2
+
+    plain, _ = generate(tiny)
+    want = {tuple(p): o["output_ids"] for p, o in zip(PROMPTS, plain)}
+    oracle = OracleDrafter(want)
+    eng = make_engine(tiny, dtype="float32", device="cpu", speculative_algorithm="NGRAM")
+    try:
+        eng.engine.scheduler.speculator.drafter = oracle
+        eng.engine.scheduler.speculator.token_budget = len(PROMPTS)  # no room for a draft beside the batch's tokens
+        outs = eng.generate(input_ids=PROMPTS, sampling_params=[GREEDY] * len(PROMPTS))
+        assert oracle.calls == 0 and [o["output_ids"] for o in outs] == [o["output_ids"] for o in plain]
+        eng.engine.scheduler.speculator.token_budget = len(PROMPTS) + 6  # six draft tokens a verify, the most kept first
+        outs = eng.generate(input_ids=PROMPTS, sampling_params=[GREEDY] * len(PROMPTS))
+        assert oracle.calls > 0 and [o["output_ids"] for o in outs] == [o["output_ids"] for o in plain]
+        assert sum(o["meta_info"]["spec_num_proposed_drafts"] for o in outs) <= 6 * max(o["meta_info"]["spec_verify_ct"] for o in outs)
+    finally:
+        eng.shutdown()

@@ -54,6 +54,7 @@ class Req:
     sampling_row: Any = None  # the model runner's SamplingRow for this request (made once per table row)
     # speculative decoding: the drafter's own state, and SGLang's counts (meta_info spec_*)
     spec_state: dict = attrs.field(factory=dict)
+    spec_pace: Any = None  # core.engine.speculative.Pace: how long its drafts should be, kept by the engine
     spec_verify_ct: int = 0  # decode forwards (verifies) that produced this request's tokens
     spec_num_proposed_drafts: int = 0
     spec_num_correct_drafts: int = 0

@@ -20,6 +20,7 @@ the CPU): each verify's results decide the next batch.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import attrs
@@ -35,6 +36,36 @@ log = structlog.get_logger("core.engine.speculative")
 
 DEFAULT_NUM_DRAFT_TOKENS = 12  # SGLang's default for NGRAM: the last token and 11 drafted
 DEFAULT_NUM_STEPS = 5  # model drafters' chain length (SGLang's usual choice of --speculative-num-steps)
+# Tokens one verify forward may hold, the batch's last tokens included, per device kind: about where
+# the forward stops being bound by reading the weights and its cost starts to grow with its tokens
+# (2 Zen 4 cores: a 135M model's batch-1 decode reads ~0.1 GB in ~5 ms, a token's GEMMs take ~0.3 ms).
+# A batch of more requests decodes plainly: speculation switches itself off under load.
+VERIFY_TOKEN_BUDGET = {"cpu": 32, "cuda": 256}
+MAX_BACKOFF = 16  # decode steps a request waits, at most, before drafting again after a verify kept nothing
+
+
+@attrs.define
+class Pace:
+    """A request's recent acceptance, which sizes its next drafts: about twice the draft tokens
+    its recent verifies kept, plus one; after a verify that kept none it waits 1, 2, 4, ... 16
+    steps before drafting again, so an answer that does not repeat costs few failed verifies."""
+
+    kept: float = 2.0  # moving average of draft tokens kept per verify
+    wait: int = 0  # steps to decode plainly before the next draft
+    backoff: int = 0  # the next wait after a verify that keeps nothing
+
+    def want(self, room: int) -> int:
+        if self.wait > 0:
+            self.wait -= 1
+            return 0
+        return min(room, 1 + math.ceil(2 * self.kept))
+
+    def update(self, n: int) -> None:
+        self.kept = 0.5 * self.kept + 0.5 * n
+        if n:
+            self.backoff = 0
+        else:
+            self.wait = self.backoff = min(MAX_BACKOFF, max(1, 2 * self.backoff))
 
 
 @attrs.define
@@ -45,12 +76,14 @@ class Speculator:
     drafter: Any  # core.interfaces.Drafter or ModelDrafter
     num_draft_tokens: int  # tokens per verify and request, the last known one included (SGLang's meaning)
     batched: bool = attrs.field(init=False)  # a ModelDrafter: drafts come from the runner (``fill``)
+    token_budget: int = VERIFY_TOKEN_BUDGET["cpu"]  # tokens per verify forward, set for the device by ``load``
 
     def __attrs_post_init__(self) -> None:
         self.batched = hasattr(self.drafter, "propose_batch")
 
     def load(self, ctx: Any) -> None:
         """Load a model drafter's models (``ctx``: a ``core.interfaces.DraftContext``)."""
+        self.token_budget = VERIFY_TOKEN_BUDGET.get(ctx.device.type, VERIFY_TOKEN_BUDGET["cuda"])
         if self.batched:
             self.drafter.load(ctx)
 
@@ -64,9 +97,13 @@ class Speculator:
         the batch decodes plainly: some request cannot be drafted for (``multi_token_ok``), no draft
         is proposed, or the pool cannot hold the verify's pages. A model drafter's drafts are
         placeholders here, filled by the runner (``fill``) on the forward thread."""
-        if any(not multi_token_ok(r) for r in reqs):
+        budget = self.token_budget - len(reqs)  # draft tokens this verify may hold
+        if budget <= 0 or any(not multi_token_ok(r) for r in reqs):
             return None
-        rooms = [self.room(r, scheduler.context_len) for r in reqs]
+        rooms = [(r.spec_pace or Pace()).want(self.room(r, scheduler.context_len)) for r in reqs]
+        for i in sorted(range(len(reqs)), key=lambda i: -(reqs[i].spec_pace or Pace()).kept):  # the most kept first
+            rooms[i] = min(rooms[i], budget)
+            budget -= rooms[i]
         drafts = None
         if not self.batched:
             drafts = [self.drafter.propose(r.spec_state, r.fill_ids(), n)[:n] if n > 0 else [] for r, n in zip(reqs, rooms)]
@@ -100,11 +137,14 @@ class Speculator:
             pos += 1 + r.room
         batch.draft_pending = False
 
-    @staticmethod
-    def kept(req: Req, draft: list[int], sampled: list[int]) -> list[int]:
+    def kept(self, req: Req, draft: list[int], sampled: list[int]) -> list[int]:
         """The tokens a verify keeps: the draft's prefix the target sampled too, then the target's
         own token at the first position where they differ (or after the whole draft)."""
         n = accepted(draft, sampled)
+        if draft:
+            if req.spec_pace is None:
+                req.spec_pace = Pace()
+            req.spec_pace.update(n)
         req.spec_verify_ct += 1
         req.spec_num_proposed_drafts += len(draft)
         req.spec_num_correct_drafts += n
