@@ -98,6 +98,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    # Residual-stream inputs of these layers (``len(layers)``: the stream after the last layer,
+    # before the final norm) are kept as ``captured`` (their concatenation along the last dim, in
+    # this order) by every forward: the features an EAGLE draft model reads. Set after construction.
+    capture_layers: tuple[int, ...] = ()
+
     def __init__(self, config, ctx: ModelContext, layer_cls: type[nn.Module] = LlamaDecoderLayer, **attn_options: Any) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size, ctx.dtype)
@@ -113,6 +118,8 @@ class LlamaModel(nn.Module):
         logits for :meth:`step_logits`."""
         self.__dict__.pop("_step_logits", None)
         x = self.embed_tokens(batch.input_ids)
+        if (capture := self.capture_layers):  # the per-layer path below: the fused stack keeps no layer inputs
+            return self._forward_capturing(x, batch, capture)
         if x.device.type == "cpu" and (stack := self._cpu_stack(batch.attn_backend, head)) is not None and x.shape[0] < stack["max_rows"]:
             if x.shape[0] == len(batch.seq_lens_cpu) and x.shape[0] < stack["head_rows"]:  # one row per sequence: all sample
                 hidden, logits = cpu_decode.run_stack_head(stack, x, batch)
@@ -130,6 +137,28 @@ class LlamaModel(nn.Module):
                 x, pending = x + pending, None
             x = layer(x, batch)
         return self.norm(x if pending is None else x + pending)
+
+    def _forward_capturing(self, x: torch.Tensor, batch: ForwardBatch, capture: tuple[int, ...]) -> torch.Tensor:
+        """:meth:`forward`'s per-layer path, keeping the residual stream at the input of each
+        layer in ``capture`` as ``self.captured``."""
+        n = len(self.layers)
+        if any(not 0 <= i <= n for i in capture):
+            raise ValueError(f"capture_layers {capture} out of range for {n} layers (0..{n})")
+        stream: dict[int, torch.Tensor] = {}
+        pending = None  # as in forward
+        for i, layer in enumerate(self.layers):
+            if i in capture:
+                stream[i] = x if pending is None else x + pending
+            plan = getattr(layer, "_cpu_decode", None)
+            if x.device.type == "cpu" and plan is not None and (fast := plan(batch.attn_backend)) is not None:
+                x, pending = cpu_decode.run(fast, x, batch, pending)
+                continue
+            if pending is not None:
+                x, pending = x + pending, None
+            x = layer(x, batch)
+        stream[n] = x if pending is None else x + pending
+        self.captured = torch.cat([stream[i] for i in capture], dim=-1)
+        return self.norm(stream[n])
 
     def _cpu_stack(self, backend: Any, head: VocabEmbedding | None) -> dict[str, Any] | None:
         """Every layer as one C++ op (``kernels/cpu_decode.run_stack``), with the final norm and
@@ -183,19 +212,21 @@ class LlamaForCausalLM(nn.Module):
 
     def _decode_stack(self, inputs: Any, attn_backend: Any) -> tuple[dict[str, Any], int] | None:
         """(the CPU decode stack's plan, the vocabulary size) where the stack serves ``inputs``'s
-        batch (a decode: one token per sequence, every one sampling), else None. What serves is
+        batch (a decode: one token per sequence, every one sampling; never while the model
+        captures layer inputs, which only the per-layer path keeps), else None. What serves is
         decided once per attention backend (this runs every step, where each attribute lookup
         through nn.Module costs)."""
         cached = self.__dict__.get("_decode_plan")
         if cached is None or cached[0] is not attn_backend:
             head = self._stack_head() if isinstance(self.model, LlamaModel) else None
             stack = self.model._cpu_stack(attn_backend, head) if head is not None else None
-            cached = (attn_backend, stack if stack is not None and stack["embeds"] else None, self.config.vocab_size)
+            cached = (attn_backend, stack if stack is not None and stack["embeds"] else None, self.config.vocab_size,
+                      self.model)
             self.__dict__["_decode_plan"] = cached
-        _, stack, vocab = cached
+        _, stack, vocab, model = cached
         b = len(inputs.seq_lens)
-        if (stack is None or b >= stack["max_rows"] or b >= stack["head_rows"] or len(inputs.input_ids) != b
-                or not isinstance(inputs.positions, list) or not isinstance(inputs.out_cache_loc, list)
+        if (stack is None or model.capture_layers or b >= stack["max_rows"] or b >= stack["head_rows"]
+                or len(inputs.input_ids) != b or not isinstance(inputs.positions, list) or not isinstance(inputs.out_cache_loc, list)
                 or inputs.kv_indices.device.type != "cpu"
                 or (inputs.logit_rows != [(0, b)] and inputs.logit_rows != [list(range(b))])):  # (a prefill of one token each)
             return None
