@@ -134,13 +134,23 @@ def register_speculative_algorithms(register: Register) -> None:
     """Register speculative decoding drafters, selected with ``--speculative-algorithm``.
 
     Called once at start-up. ``target`` resolves to a class (or factory) called as
-    ``target(args)`` (the engine's ``EngineArgs``) returning a :class:`core.interfaces.Drafter`.
+    ``target(args)`` (the engine's ``EngineArgs``) returning either a
+    :class:`core.interfaces.Drafter` (``propose``: a chain per request, from the tokens alone) or,
+    since plugin API 1.3, a :class:`core.interfaces.ModelDrafter` (one with ``propose_batch``):
+    the engine calls its ``load(ctx)`` once the target is loaded (the drafter loads its model with
+    ``ctx.load_model(path)``, whose KV pool mirrors the target's: a request's draft KV lives at the
+    target's slots, and which of those positions hold valid draft KV is the drafter's to track in
+    the request's ``state``), then ``propose_batch(reqs)`` on the forward thread right before each
+    verify, for exactly ``req.room`` tokens per request, in chains of up to
+    ``--speculative-num-steps``. Built-in: ``NGRAM`` (a Drafter) and ``STANDALONE`` (a ModelDrafter,
+    ``--speculative-draft-model-path PATH``).
 
     Example::
 
         @hookimpl
         def register_speculative_algorithms(register):
             register("NGRAM", "core_plugins.speculative.ngram:NgramDrafter")
+            register("STANDALONE", "core_plugins.speculative.standalone:StandaloneDrafter")
     """
 
 

@@ -1,12 +1,16 @@
-"""The drafter suite of the conformance kit: the built-in NGRAM drafter passes it, and drafters
-that break the engine's contract are caught by case."""
+"""The drafter suite of the conformance kit: the built-in NGRAM (a chain drafter) and STANDALONE
+(a model drafter) pass it, and drafters that break the engine's contract are caught by case."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
+from core.interfaces import DraftSeq
 from core.testing import check_plugin, drafter_conformance  # noqa: F401  (collected as a test class)
+from core.testing.drafter import CHAIN_CASES, MODEL_CASES
 from core_plugins.speculative.ngram import NgramDrafter
+from core_plugins.speculative.standalone import StandaloneDrafter
 
 pytest_plugins = ["core.testing.pytest_plugin"]
 
@@ -14,6 +18,26 @@ pytest_plugins = ["core.testing.pytest_plugin"]
 @pytest.fixture
 def speculative_algorithm():
     return "NGRAM"
+
+
+class TestStandaloneConformance(drafter_conformance):
+    """The same suite against the model drafter (its own cases pass, the chain ones are skipped)."""
+
+    @pytest.fixture
+    def speculative_algorithm(self):
+        return "STANDALONE"
+
+
+@pytest.mark.parametrize("name,runs,skips", [("NGRAM", CHAIN_CASES, MODEL_CASES),
+                                             ("STANDALONE", MODEL_CASES, CHAIN_CASES)])
+def test_each_interface_gets_its_own_cases(name, runs, skips):
+    results = {r.case: r for r in check_plugin(name, "speculative_algorithm")}
+    assert set(results) == set(runs) | set(skips)
+    assert all(results[c].status == "passed" for c in runs), [results[c].message for c in runs]
+    assert all(results[c].status == "skipped" for c in skips)
+
+
+# --------------------------------------------------------------------------- chain drafters breaking the contract
 
 
 class TooLong(NgramDrafter):
@@ -39,8 +63,70 @@ class NoShrink(NgramDrafter):
         return super().propose(state, tokens, max_tokens)
 
 
+# --------------------------------------------------------------------------- model drafters breaking the contract
+
+
+class OneTooMany(StandaloneDrafter):
+    """One token more than the room (the engine refuses the verify)."""
+
+    def propose_batch(self, reqs):
+        return [d + [0] for d in super().propose_batch(reqs)]
+
+
+class PastItsRoom(StandaloneDrafter):
+    """Also writes the last draft token's KV, at the slot after the request's last one (another request's)."""
+
+    def propose_batch(self, reqs):
+        drafts = super().propose_batch(reqs)
+        seqs = [DraftSeq([d[-1]], r.kv_len + r.room, torch.cat([r.slots, r.slots[-1:] + 1]))
+                for r, d in zip(reqs, drafts) if d]
+        if seqs:
+            self.draft.run(seqs)
+        return drafts
+
+
+class TrustsItsKV(StandaloneDrafter):
+    """Once it drafted for a request, takes all its draft KV as valid: rejected drafts' KV included."""
+
+    def propose_batch(self, reqs):
+        for r in reqs:
+            if "kv" in r.state:
+                r.state["kv"], r.state["chain"] = r.kv_len, []
+        return super().propose_batch(reqs)
+
+
+class KeepsStateItself(StandaloneDrafter):
+    """Keeps its bookkeeping per prompt in the drafter, not in ``state``: a retraction goes unseen."""
+
+    def __init__(self, args):
+        super().__init__(args)
+        self.mine: dict = {}
+
+    def propose_batch(self, reqs):
+        real = [r.state for r in reqs]
+        for r in reqs:
+            r.state = self.mine.setdefault(tuple(r.tokens[:2]), {})
+        try:
+            return super().propose_batch(reqs)
+        finally:
+            for r, st in zip(reqs, real):
+                r.state = st
+
+
+class NoLoad:
+    """propose_batch without load: the engine treats it as a model drafter and calls load."""
+
+    def __init__(self, args):
+        pass
+
+    def propose_batch(self, reqs):
+        return [[0] * r.room for r in reqs]
+
+
 @pytest.mark.parametrize("bad,case", [(TooLong, "valid_drafts"), (Stateful, "state_is_a_cache"),
-                                      (NoShrink, "shorter_sequences")])
+                                      (NoShrink, "shorter_sequences"), (OneTooMany, "batch_drafts"),
+                                      (PastItsRoom, "draft_kv_slots"), (TrustsItsKV, "growing_requests"),
+                                      (KeepsStateItself, "retracted_requests"), (NoLoad, "batch_drafts")])
 def test_a_drafter_breaking_the_contract_fails_its_case(bad, case):
     results = {r.case: r for r in check_plugin(bad, "speculative_algorithm")}
     assert results[case].status == "failed" and case in results[case].message

@@ -1,5 +1,6 @@
-"""The conformance kit: check an attention backend, quant method, model, parser or grammar
-backend against core's references, from pytest or from ``core plugins --check NAME``.
+"""The conformance kit: check an attention backend, quant method, model, parser, grammar
+backend or speculative drafter against core's references, from pytest or from
+``core plugins --check NAME``.
 
 In a plugin's tests, import the suite for its kind and name the plugin in a fixture::
 
@@ -21,7 +22,8 @@ suite                                     required fixture        checked agains
 ``tool_parser_conformance``               ``tool_parser``         its own ``parse``, samples, round trips
 ``reasoning_parser_conformance``          ``reasoning_parser``    its own ``parse``, samples
 ``grammar_backend_conformance``           ``grammar_backend``     oracles for JSON schema, regex, EBNF
-``drafter_conformance``                   ``speculative_algorithm``  the engine's contract for drafts
+``drafter_conformance``                   ``speculative_algorithm``  the engine's contract for drafts (a
+                                                                     model drafter on a fake draft model)
 ========================================  ======================  ===================================
 
 Outside pytest, :func:`check_plugin` runs a suite and returns a :class:`CaseResult` per case.
