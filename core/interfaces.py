@@ -424,7 +424,21 @@ class DraftRequest:
     tokens: Sequence[int]  # prompt and output so far; the last one is not in the target's KV yet
     kv_len: int  # tokens whose target KV is written (= len(tokens) - 1: the last token's position)
     room: int  # the draft tokens wanted: exactly this many
-    slots: torch.Tensor  # [kv_len + room] int64 KV slots of positions 0.., the target's page table row
+    slots: torch.Tensor  # [kv_len + room] int64 KV slots of positions 0.. (a copy of the target's page table row)
+
+
+@attrs.define
+class DraftObservation:
+    """What a :class:`ModelDrafter` that asked for the target's features (``DraftContext.capture``)
+    sees of one request after a target forward, once its tokens are sampled: the positions whose
+    results stand (a verify's: the last token and the drafts the target kept) and the token that
+    follows each, which is what an EAGLE head reads at a position beside the target's features."""
+
+    state: dict  # as in DraftRequest
+    start: int  # the first position the target processed
+    next_ids: list[int]  # the token at position p + 1 for each p of start, start + 1, ...
+    row: int  # the features of those positions: ``features[row:row + len(next_ids)]``
+    slots: torch.Tensor  # [start + len(next_ids)] int64 KV slots of positions 0.. (a copy)
 
 
 class DraftModel(Protocol):
@@ -437,10 +451,11 @@ class DraftModel(Protocol):
     hf_config: Any
 
     def run(self, seqs: Sequence[DraftSeq], features: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """One forward over ``seqs``: (hidden states [T, hidden] of every new token, float32
-        logits [B, vocab] of each sequence's last token). ``features`` [T, F] go to a model whose
-        forward takes them (``model(batch, features)`` returning the hidden states for the logits
-        and those for the next step, as EAGLE heads do); its second hidden states are returned."""
+        """One forward over ``seqs`` (at least one, each with at least one token): (hidden states
+        [T, hidden] of every new token, float32 logits [B, vocab] of each sequence's last token).
+        ``features`` [T, F] go to a model whose forward takes them (``model(batch, features)``
+        returning the hidden states for the logits and those for the next step, as EAGLE heads
+        do); its second hidden states are returned."""
 
 
 class DraftContext(Protocol):
@@ -448,15 +463,25 @@ class DraftContext(Protocol):
 
     args: Any  # the engine's EngineArgs
     target: torch.nn.Module  # the target model (a head may share its embeddings and LM head)
+    device: torch.device
 
     def load_model(self, path: str) -> DraftModel:
         """The model at ``path`` (a checkpoint folder, as ``--model-path`` takes), with its KV pool."""
+
+    def capture(self, layers: Sequence[int]) -> None:
+        """Hand ``ModelDrafter.observe`` the target's features after every forward: its residual
+        stream at the input of ``layers``, concatenated (``()``: its final, normed hidden states).
+        Raises ``core.errors.ModelLoadError`` where the target's architecture cannot."""
 
 
 class ModelDrafter(Protocol):
     """A drafter running a model of its own (SGLang's STANDALONE, EAGLE): constructed as
     ``drafter(args)``, loaded with :meth:`load` when the target is ready, then asked for a batch's
-    drafts at once on the engine's forward thread, just before the target verifies them."""
+    drafts at once on the engine's forward thread, just before the target verifies them.
+
+    One that called ``ctx.capture`` also implements ``observe(reqs: Sequence[DraftObservation],
+    features: Tensor)``, called on the forward thread after every target forward (prefill chunks,
+    plain decodes and verifies) with that forward's features, one row per token it processed."""
 
     def load(self, ctx: DraftContext) -> None:
         """Load the draft model(s) through ``ctx``; raise ``core.errors.ModelLoadError`` naming what is wrong."""

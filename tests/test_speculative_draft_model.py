@@ -116,3 +116,15 @@ def test_bad_draft_set_ups_are_clear_errors(models):
     with pytest.raises(CoreError, match="--speculative-num-steps must be >= 1"):
         make_engine(models["target"], speculative_algorithm="STANDALONE", speculative_num_steps=0,
                     speculative_draft_model_path=str(models["small"]))
+
+
+def test_a_long_catch_up_runs_in_chunks(models, plain, monkeypatch):
+    """A prompt longer than the catch-up chunk reaches the draft model in pieces, and the drafts
+    (the target as its own draft: all accepted) show the pieces' KV is whole."""
+    import core_plugins.speculative.standalone as standalone
+
+    monkeypatch.setattr(standalone, "CATCH_UP_CHUNK", 8)
+    spec, _ = generate(models["target"], speculative_algorithm="STANDALONE", speculative_num_steps=4,
+                       speculative_draft_model_path=str(models["target"]))
+    assert [o["output_ids"] for o in spec] == plain
+    assert all(o["meta_info"]["spec_num_correct_drafts"] >= 0.9 * o["meta_info"]["spec_num_proposed_drafts"] for o in spec)

@@ -476,7 +476,7 @@ class AsyncEngine(RequestFrontEnd):
         """Decode CUDA graphs for this model and backend, or None (eager) with the reason logged."""
         args = self.args
         why = why_no_cuda_graph(self.device, self.attn_backend, self.attention_backend_name, args.disable_cuda_graph,
-                                self.tp_group is not None)
+                                self.tp_group is not None, getattr(self.scheduler.speculator, "features", None) is not None)
         if why is not None:
             log.info("cuda_graph.off", reason=why)
             return None

@@ -219,7 +219,7 @@ UNSUPPORTED_SGLANG_ARGS: dict[str, tuple[Any, ...]] = {
 
 # SGLang's speculative algorithms that need a draft head (not supported yet; NGRAM, STANDALONE and
 # drafters from plugins are): refused when the arguments are read, before anything loads
-DRAFT_MODEL_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "DFLASH", "DSPARK", "UNO")
+DRAFT_MODEL_ALGORITHMS = ("NEXTN", "DFLASH", "DSPARK", "UNO")
 
 
 def _is_off(value: Any, defaults: tuple[Any, ...]) -> bool:
@@ -240,7 +240,7 @@ def engine_args_from_kwargs(kwargs: dict[str, Any]) -> EngineArgs:
     names = {f.name for f in attrs.fields(EngineArgs)}
     unsupported = [k for k in kwargs if k in UNSUPPORTED_SGLANG_ARGS and not _is_off(kwargs[k], UNSUPPORTED_SGLANG_ARGS[k])]
     if str(kwargs.get("speculative_algorithm")).upper() in DRAFT_MODEL_ALGORITHMS:
-        unsupported.append(f"speculative_algorithm={kwargs['speculative_algorithm']} (NGRAM and STANDALONE are supported)")
+        unsupported.append(f"speculative_algorithm={kwargs['speculative_algorithm']} (NGRAM, STANDALONE, EAGLE and EAGLE3 are supported)")
     if unsupported:
         raise CoreError(f"SGLang option(s) not supported by this engine yet: {', '.join(unsupported)}")
     unknown = [k for k in kwargs if k not in names and k not in UNSUPPORTED_SGLANG_ARGS]

@@ -41,7 +41,7 @@ def capture_sizes(max_bs: int) -> list[int]:
 
 
 def why_no_cuda_graph(device: torch.device, backend: Any, backend_name: str, disabled: bool,
-                      tensor_parallel: bool = False) -> str | None:
+                      tensor_parallel: bool = False, draft_features: bool = False) -> str | None:
     """Why decode steps run without CUDA graphs here, or None when they can be captured."""
     if disabled:
         return "--disable-cuda-graph"
@@ -52,6 +52,8 @@ def why_no_cuda_graph(device: torch.device, backend: Any, backend_name: str, dis
                 "(init_cuda_graph, prepare_capture, prepare_replay)")
     if tensor_parallel:
         return "tensor parallelism runs every rank eagerly"
+    if draft_features:
+        return "an EAGLE draft head reads the target's hidden states of every step, which replayed graphs do not keep"
     return None
 
 

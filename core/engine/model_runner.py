@@ -172,6 +172,7 @@ class ModelRunner:
         inputs, live, prompt_rows = self.step_inputs(batch)
         if batch.draft_pending:  # a model drafter's drafts, into the verify's input ids
             self.speculator.fill(batch, inputs.kv_indices)
+            inputs.input_ids = batch.input_ids
         hidden, all_logits, argmax_ids = self._forward(inputs)
         reqs = all_reqs = batch.reqs
         if len(live) < len(reqs):
@@ -194,6 +195,8 @@ class ModelRunner:
             result = StepResult(SampleOutput([], None, None))
         if reqs is not all_reqs:
             result.sample = _scatter(result.sample, live, len(all_reqs))
+        if self.speculator is not None and self.speculator.features is not None:  # an EAGLE head reads the target's features
+            self.speculator.observe(batch, result.sample.token_ids, inputs.kv_indices)
         for i, k in prompt_rows.items():
             result.input_logprobs[i] = self._prompt_logprobs(all_logits[k] if k >= 0 else None, all_reqs[i])
         return result

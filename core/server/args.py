@@ -96,7 +96,7 @@ NOT_SUPPORTED_YET: dict[str, tuple[Callable[[Any], bool], str]] = {
     "enable_dp_attention": (_off(), ""),
     "enable_lora": (_off(), ""),
     "lora_paths": (_off(), ""),
-    "speculative_algorithm": (lambda v: str(v).upper() not in DRAFT_MODEL_ALGORITHMS, "NGRAM and STANDALONE are supported"),
+    "speculative_algorithm": (lambda v: str(v).upper() not in DRAFT_MODEL_ALGORITHMS, "NGRAM, STANDALONE, EAGLE and EAGLE3 are supported"),
     "disaggregation_mode": (_off("null"), ""),
     "enable_torch_compile": (_off(), ""),
     "enable_multimodal": (_off(), ""),

@@ -17,6 +17,8 @@ from core import hookimpl
 from core.errors import ModelLoadError
 from core.interfaces import DraftContext, DraftModel, DraftRequest, DraftSeq
 
+CATCH_UP_CHUNK = 2048  # tokens of one request per catch-up forward (the engine's CPU prefill chunk)
+
 
 class StandaloneDrafter:
     def __init__(self, args: Any) -> None:
@@ -35,6 +37,11 @@ class StandaloneDrafter:
         live = [i for i, r in enumerate(reqs) if r.room > 0]
         seqs = [DraftSeq(list(reqs[i].tokens[done:reqs[i].kv_len + 1]), done, reqs[i].slots)
                 for i in live for done in [_valid(reqs[i])]]
+        while any(len(s.tokens) > CATCH_UP_CHUNK for s in seqs):  # a long prompt's catch-up: in chunks
+            self.draft.run([DraftSeq(s.tokens[:CATCH_UP_CHUNK], s.start, s.slots) for s in seqs
+                            if len(s.tokens) > CATCH_UP_CHUNK])
+            seqs = [DraftSeq(s.tokens[CATCH_UP_CHUNK:], s.start + CATCH_UP_CHUNK, s.slots)
+                    if len(s.tokens) > CATCH_UP_CHUNK else s for s in seqs]
         for j in range(max((r.room for r in reqs), default=0)):
             if j:
                 live = [i for i in live if reqs[i].room > j]

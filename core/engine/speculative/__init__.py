@@ -30,7 +30,7 @@ import torch
 from core.engine.request import Req
 from core.engine.sampler import penalised
 from core.errors import CoreError
-from core.interfaces import DraftRequest
+from core.interfaces import DraftObservation, DraftRequest
 
 log = structlog.get_logger("core.engine.speculative")
 
@@ -53,6 +53,7 @@ class Pace:
     kept: float = 2.0  # moving average of draft tokens kept per verify
     wait: int = 0  # steps to decode plainly before the next draft
     backoff: int = 0  # the next wait after a verify that keeps nothing
+    retractions: int = 0  # the request's retractions its drafter's state has seen (Speculator.fill)
 
     def want(self, room: int) -> int:
         if self.wait > 0:
@@ -77,6 +78,7 @@ class Speculator:
     num_draft_tokens: int  # tokens per verify and request, the last known one included (SGLang's meaning)
     batched: bool = attrs.field(init=False)  # a ModelDrafter: drafts come from the runner (``fill``)
     token_budget: int = VERIFY_TOKEN_BUDGET["cpu"]  # tokens per verify forward, set for the device by ``load``
+    features: Any = None  # () -> the last target forward's features, where the drafter asked (``observe``)
 
     def __attrs_post_init__(self) -> None:
         self.batched = hasattr(self.drafter, "propose_batch")
@@ -86,6 +88,7 @@ class Speculator:
         self.token_budget = VERIFY_TOKEN_BUDGET.get(ctx.device.type, VERIFY_TOKEN_BUDGET["cuda"])
         if self.batched:
             self.drafter.load(ctx)
+            self.features = getattr(ctx, "features", None)
 
     def room(self, r: Req, context_len: int) -> int:
         """The draft tokens a verify of ``r`` may hold: within its ``max_new_tokens`` and the context."""
@@ -124,18 +127,39 @@ class Speculator:
         the verify's slots in ``kv_indices``), written into its ``input_ids`` and ``drafts``."""
         reqs = []
         for i, (r, d) in enumerate(zip(batch.reqs, batch.drafts)):
-            if r.spec_state.get("retractions", 0) != r.num_retractions:  # its KV was dropped and recomputed
-                r.spec_state = {"retractions": r.num_retractions}
             kv_len = batch.seq_lens[i] - 1 - len(d)
-            reqs.append(DraftRequest(r.spec_state, r.fill_ids()[:kv_len + 1], kv_len, len(d), kv_indices[i, :kv_len + len(d)]))
+            reqs.append(DraftRequest(_state(r), r.fill_ids()[:kv_len + 1], kv_len, len(d), kv_indices[i, :kv_len + len(d)].clone()))
         drafts = self.drafter.propose_batch(reqs)
         pos = 0
         for r, got, d in zip(reqs, drafts, batch.drafts):
             if len(got) != r.room:
-                raise RuntimeError(f"the drafter proposed {len(got)} tokens where {r.room} were asked for")
+                raise RuntimeError(f"the drafter {type(self.drafter).__name__} proposed {len(got)} tokens where "
+                                   f"{r.room} were asked for")
             batch.input_ids[pos + 1:pos + 1 + r.room] = d[:] = got
             pos += 1 + r.room
         batch.draft_pending = False
+
+    def observe(self, batch: Any, sampled: list[int], kv_indices: torch.Tensor) -> None:
+        """Hand the drafter the last target forward's features (``DraftContext.capture``), per
+        request the positions whose results stand and the token after each (on the forward thread,
+        after sampling; ``sampled``: the batch's sampled tokens, a verify's rows in order)."""
+        obs, row, k, live = [], 0, 0, set(batch.live)
+        for i, (r, n) in enumerate(zip(batch.reqs, batch.extend_lens)):
+            start, ids = batch.seq_lens[i] - n, batch.input_ids[row + 1:row + n]
+            if batch.drafts is not None:  # a verify: the last token and the kept drafts stand
+                kept = accepted(batch.drafts[i], sampled[k:k + n])
+                ids, k = ids[:kept] + [sampled[k + kept]], k + n
+            elif i in live:  # the token sampled after the last position
+                ids = ids + [sampled[i]]
+            elif start + n < len(r.prompt_ids):  # a prompt's chunk: the next prompt token
+                ids = ids + [r.prompt_ids[start + n]]
+            else:
+                ids = ids[:n - 1]
+            if ids:
+                obs.append(DraftObservation(_state(r), start, ids, row, kv_indices[i, :start + len(ids)].clone()))
+            row += n
+        if obs:
+            self.drafter.observe(obs, self.features())
 
     def kept(self, req: Req, draft: list[int], sampled: list[int]) -> list[int]:
         """The tokens a verify keeps: the draft's prefix the target sampled too, then the target's
@@ -149,6 +173,14 @@ class Speculator:
         req.spec_num_proposed_drafts += len(draft)
         req.spec_num_correct_drafts += n
         return sampled[:n + 1]
+
+
+def _state(r: Req) -> dict:
+    """The drafter's state of ``r``, emptied where the request was retracted since (its KV dropped)."""
+    pace = r.spec_pace = r.spec_pace or Pace()
+    if pace.retractions != r.num_retractions:
+        pace.retractions, r.spec_state = r.num_retractions, {}
+    return r.spec_state
 
 
 def multi_token_ok(req: Req) -> bool:

@@ -11,7 +11,7 @@ rest: the same tokens at the same positions write the same values.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import attrs
 import structlog
@@ -72,6 +72,18 @@ class EngineDraftContext:
     page_size: int
     kv_dtype: torch.dtype
     backend_name: str
+    features: Callable[[], torch.Tensor] | None = None  # set by ``capture``: the last target forward's features
+
+    def capture(self, layers: Sequence[int]) -> None:
+        inner = getattr(self.target, "model", None)
+        if not hasattr(inner, "capture_layers"):
+            raise ModelLoadError(f"the target's architecture ({self.target_config.architecture}) cannot hand a draft "
+                                 "head its hidden states: EAGLE needs a Llama-family target")
+        n = len(inner.layers)
+        if any(not 0 <= i <= n for i in layers):
+            raise ModelLoadError(f"the draft head reads the target's layers {list(layers)}; the target has {n}")
+        inner.capture_layers = tuple(layers) or (n,)  # (): the stream after the last layer, normed below
+        self.features = (lambda: inner.captured) if layers else (lambda: inner.norm(inner.captured))
 
     def load_model(self, path: str) -> EngineDraftModel:
         t = self.target_config
