@@ -1,14 +1,17 @@
-"""The drafter suite of the conformance kit: the built-in NGRAM (a chain drafter) and STANDALONE
-(a model drafter) pass it, and drafters that break the engine's contract are caught by case."""
+"""The drafter suite of the conformance kit: the built-in NGRAM (a chain drafter), STANDALONE (a
+model drafter) and EAGLE / EAGLE3 (model drafters whose heads read the target's features through
+``observe``) pass it, and drafters that break the engine's contract are caught by case."""
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import torch
 
 from core.interfaces import DraftSeq
 from core.testing import check_plugin, drafter_conformance  # noqa: F401  (collected as a test class)
 from core.testing.drafter import CHAIN_CASES, MODEL_CASES
+from core_plugins.speculative.eagle import Eagle3Drafter, EagleDrafter
 from core_plugins.speculative.ngram import NgramDrafter
 from core_plugins.speculative.standalone import StandaloneDrafter
 
@@ -28,8 +31,19 @@ class TestStandaloneConformance(drafter_conformance):
         return "STANDALONE"
 
 
+class TestEagleConformance(drafter_conformance):
+    """The same suite against a head drafter: loaded on the kit's fake EAGLE head, handed the fake
+    target's features after every simulated forward."""
+
+    @pytest.fixture
+    def speculative_algorithm(self):
+        return "EAGLE"
+
+
 @pytest.mark.parametrize("name,runs,skips", [("NGRAM", CHAIN_CASES, MODEL_CASES),
-                                             ("STANDALONE", MODEL_CASES, CHAIN_CASES)])
+                                             ("STANDALONE", MODEL_CASES, CHAIN_CASES),
+                                             ("EAGLE", MODEL_CASES, CHAIN_CASES),
+                                             ("EAGLE3", MODEL_CASES, CHAIN_CASES)])
 def test_each_interface_gets_its_own_cases(name, runs, skips):
     results = {r.case: r for r in check_plugin(name, "speculative_algorithm")}
     assert set(results) == set(runs) | set(skips)
@@ -113,6 +127,36 @@ class KeepsStateItself(StandaloneDrafter):
                 r.state = st
 
 
+class StaleHeadState(EagleDrafter):
+    """Observes a request's first forward only, then drafts from that state as if it were current:
+    its head's KV and hidden state lag the target's."""
+
+    def observe(self, reqs, features):
+        if new := [o for o in reqs if "pos" not in o.state]:
+            super().observe(new, features)
+
+    def propose_batch(self, reqs):
+        for r in reqs:
+            if "pos" in r.state:
+                r.state["pos"] = r.kv_len
+        return super().propose_batch(reqs)
+
+
+class IgnoresRow(Eagle3Drafter):
+    """Reads every observation's features from the forward's first row instead of its ``row``."""
+
+    def observe(self, reqs, features):
+        super().observe([attrs.evolve(o, row=0) for o in reqs], features)
+
+
+class CapturesWithoutObserve(StandaloneDrafter):
+    """Asks for the target's features but has no ``observe`` to take them (the engine would crash)."""
+
+    def load(self, ctx):
+        super().load(ctx)
+        ctx.capture(())
+
+
 class NoLoad:
     """propose_batch without load: the engine treats it as a model drafter and calls load."""
 
@@ -126,7 +170,9 @@ class NoLoad:
 @pytest.mark.parametrize("bad,case", [(TooLong, "valid_drafts"), (Stateful, "state_is_a_cache"),
                                       (NoShrink, "shorter_sequences"), (OneTooMany, "batch_drafts"),
                                       (PastItsRoom, "draft_kv_slots"), (TrustsItsKV, "growing_requests"),
-                                      (KeepsStateItself, "retracted_requests"), (NoLoad, "batch_drafts")])
+                                      (KeepsStateItself, "retracted_requests"), (NoLoad, "batch_drafts"),
+                                      (StaleHeadState, "growing_requests"), (IgnoresRow, "growing_requests"),
+                                      (CapturesWithoutObserve, "batch_drafts")])
 def test_a_drafter_breaking_the_contract_fails_its_case(bad, case):
     results = {r.case: r for r in check_plugin(bad, "speculative_algorithm")}
     assert results[case].status == "failed" and case in results[case].message

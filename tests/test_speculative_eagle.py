@@ -90,7 +90,8 @@ def generate(path: Path, params: Any = GREEDY, prompts: list[list[int]] = PROMPT
     eng = make_engine(path, dtype="float32", device="cpu", **kwargs)
     try:
         outs = eng.generate(input_ids=prompts, sampling_params=[params] * len(prompts) if isinstance(params, dict) else params)
-        eng.engine.scheduler.check_accounting()
+        if hasattr(eng.engine, "scheduler"):  # (a --dp-size engine's replicas keep theirs)
+            eng.engine.scheduler.check_accounting()
         return outs, eng.engine
     finally:
         eng.shutdown()
@@ -178,3 +179,20 @@ def test_bad_heads_are_clear_errors(deep, mirror):
         make_engine(target, speculative_algorithm="EAGLE")
     with pytest.raises(ModelLoadError, match=r"target layers to capture, of 0\.\.1; got \[1, 2, 3\]"):  # a one-layer target
         make_engine(mirror[0], speculative_algorithm="EAGLE3", speculative_draft_model_path=str(eagle3))
+
+
+@pytest.mark.parametrize("parallel", [{"tp_size": 2}, {"dp_size": 2}], ids=["tp2", "dp2"])
+def test_tensor_and_data_parallel_engines_speculate(deep, parallel):
+    """--tp-size 2: a draft model runs whole on rank 0 beside its shard of the target; --dp-size 2:
+    each replica speculates (here with an EAGLE-3 head) and SGLang's meta_info counts come back. A
+    head sharing a sharded target's embeddings is refused."""
+    target, eagle3, _ = deep
+    draft = {"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": str(target)} if "tp_size" in parallel \
+        else {"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": str(eagle3)}
+    plain, _ = generate(target, prompts=PROMPTS[:2], max_total_tokens=512)
+    spec, _ = generate(target, prompts=PROMPTS[:2], max_total_tokens=512, speculative_num_steps=3, **draft, **parallel)
+    assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in plain]
+    assert all(o["meta_info"]["spec_num_proposed_drafts"] > 0 and o["meta_info"]["spec_verify_ct"] > 0 for o in spec)
+    if "tp_size" in parallel:
+        with pytest.raises(ModelLoadError, match="run EAGLE with --tp-size 1"):
+            make_engine(target, speculative_algorithm="EAGLE3", speculative_draft_model_path=str(eagle3), tp_size=2)

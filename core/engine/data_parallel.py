@@ -306,6 +306,7 @@ class DataParallelEngine(RequestFrontEnd):
         if d.input_logprobs is not None:
             req.input_logprobs, req.input_top_logprobs = d.input_logprobs
         req.cached_tokens = d.cached_tokens
+        req.spec_verify_ct, req.spec_num_proposed_drafts, req.spec_num_correct_drafts = d.spec
         req.kv_len = req.seq_len
         if d.finish_reason is not None:
             self._finish(req, d.finish_reason)

@@ -50,6 +50,7 @@ class ReqDelta:
     input_logprobs: tuple[list, list] | None  # (logprobs, top logprobs) of the prompt, sent once
     cached_tokens: int
     finish_reason: dict | None
+    spec: tuple[int, int, int] = (0, 0, 0)  # speculative decoding's counts: verifies, drafts proposed, kept
 
 
 def replica_main(index: int, args: EngineArgs, conn) -> None:
@@ -188,7 +189,8 @@ class _Replica:
             if not input_sent and req.input_logprobs:
                 inputs, sent[3] = (list(req.input_logprobs), list(req.input_top_logprobs)), True
             delta = ReqDelta(req.output_ids[n_ids:], req.text[n_text:], req.output_logprobs[n_lp:],
-                             req.output_top_logprobs[n_lp:], inputs, req.cached_tokens, req.finish_reason)
+                             req.output_top_logprobs[n_lp:], inputs, req.cached_tokens, req.finish_reason,
+                             (req.spec_verify_ct, req.spec_num_proposed_drafts, req.spec_num_correct_drafts))
             sent[0], sent[1], sent[2] = len(req.output_ids), len(req.text), len(req.output_logprobs)
             self.outbox.append(("delta", req.rid, delta))
             if req.finished:

@@ -79,6 +79,9 @@ class EngineDraftContext:
         if not hasattr(inner, "capture_layers"):
             raise ModelLoadError(f"the target's architecture ({self.target_config.architecture}) cannot hand a draft "
                                  "head its hidden states: EAGLE needs a Llama-family target")
+        if self.args.tp_size > 1:  # (SGLang shards the head too: not yet here)
+            raise ModelLoadError("a draft head shares the target's embeddings and LM head, which --tp-size shards: run "
+                                 "EAGLE with --tp-size 1 (NGRAM and STANDALONE run with tensor parallelism)")
         n = len(inner.layers)
         if any(not 0 <= i <= n for i in layers):
             raise ModelLoadError(f"the draft head reads the target's layers {list(layers)}; the target has {n}")
