@@ -16,8 +16,8 @@ from typing import Any, Iterable, Protocol, Sequence, runtime_checkable
 import attrs
 import torch
 
-PLUGIN_API_VERSION = "1.3"  # 1.1: the optional CUDA-graph capture hooks of attention backends; 1.2: drafters;
-# 1.3: model drafters
+PLUGIN_API_VERSION = "1.4"  # 1.1: the optional CUDA-graph capture hooks of attention backends; 1.2: drafters;
+# 1.3: model drafters; 1.4: tree masks (ForwardBatch.tree_mask, AttentionBackend.supports_tree_mask), draft trees
 
 
 # --------------------------------------------------------------------------- batches
@@ -41,6 +41,12 @@ class ForwardBatch:
     extend_lens_cpu: list[int]
     attn_backend: AttentionBackend
     attn_metadata: Any = None
+    # A speculative verify of draft trees: per sequence in batch order, an [n, n] bool matrix (n its
+    # extend length, row-major, flattened and concatenated) saying which of its new tokens each new
+    # token attends to, besides every cached token before them; None: causal. A tree's new tokens
+    # sit in kv_indices in batch order, while ``positions`` are their depths in the tree. Only for
+    # backends with ``supports_tree_mask``.
+    tree_mask: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -115,6 +121,10 @@ class AttentionBackend(Protocol):
     this protocol; it then runs without CUDA graphs): the capture hooks of
     :class:`CudaGraphBackend`. Core captures decode steps in CUDA graphs only with a backend
     that defines all three.
+
+    Optional since plugin API 1.4: a class attribute ``supports_tree_mask = True`` says the
+    backend honours ``ForwardBatch.tree_mask`` (speculative draft trees); without it, core never
+    hands it a tree.
     """
 
     def prepare(self, batch: ForwardBatch) -> None:
