@@ -340,7 +340,7 @@ def test_api_version(installed, declared, ok):
         assert load_plugins("v").plugins[0].api_version == str(declared)
         return
     with pytest.raises(PluginError, match=rf"plugin 'v' \(dist vdist\) targets core plugin API {declared}, "
-                                          r"this core provides 1\.3"):
+                                          r"this core provides 1\.4"):
         load_plugins("v")
     skipped = load_plugins().plugins[0]
     assert "targets core plugin API" in skipped.error and load_plugins().names("model") == []
