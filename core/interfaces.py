@@ -411,9 +411,21 @@ class Drafter(Protocol):
 
     def propose(self, state: dict, tokens: Sequence[int], max_tokens: int) -> list[int]:
         """Up to ``max_tokens`` tokens likely to follow ``tokens`` (the request's prompt and output
-        so far), as a chain; ``[]`` for none. ``state`` is a dict the engine keeps per request for
+        so far), as a chain, or a :class:`DraftTree` of up to ``max_tokens`` nodes; ``[]`` for none. ``state`` is a dict the engine keeps per request for
         the drafter's own bookkeeping (empty at the first call; ``tokens`` only grows between
         calls, except that a retracted request's may be shorter than before: start again)."""
+
+
+@attrs.define
+class DraftTree:
+    """A draft tree (plugin API 1.4): ``tokens[j]`` follows ``tokens[parents[j]]``, or the request's
+    last token where ``parents[j]`` is -1; a parent precedes its children. A drafter may return one
+    wherever it returns a chain (a list of tokens); its size counts against the same budget. The
+    engine verifies the whole tree in one forward where the attention backend takes tree masks,
+    else the chain through each node's first child."""
+
+    tokens: list[int]
+    parents: list[int]
 
 
 @attrs.define
@@ -491,13 +503,15 @@ class ModelDrafter(Protocol):
 
     One that called ``ctx.capture`` also implements ``observe(reqs: Sequence[DraftObservation],
     features: Tensor)``, called on the forward thread after every target forward (prefill chunks,
-    plain decodes and verifies) with that forward's features, one row per token it processed."""
+    plain decodes and verifies) with that forward's features: ``features[o.row:o.row +
+    len(o.next_ids)]`` are those of observation ``o``'s positions."""
 
     def load(self, ctx: DraftContext) -> None:
         """Load the draft model(s) through ``ctx``; raise ``core.errors.ModelLoadError`` naming what is wrong."""
 
     def propose_batch(self, reqs: Sequence[DraftRequest]) -> list[list[int]]:
-        """Exactly ``req.room`` draft tokens per request, as chains. A request's draft KV may be
+        """Exactly ``req.room`` draft tokens per request, as chains (or :class:`DraftTree` of that
+        many nodes). A request's draft KV may be
         written at its ``slots`` (positions past ``kv_len`` are rejected or rewritten later: the
         drafter learns what the target kept from the next call's ``tokens``)."""
 

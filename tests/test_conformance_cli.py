@@ -24,7 +24,7 @@ def test_check_a_builtin_backend_from_the_shell():
     lines = proc.stdout.splitlines()
     assert lines[0].split() == ["KIND", "NAME", "CASE", "RESULT", "SECONDS", "DETAIL"]
     assert any(line.split()[:4] == ["attention_backend", "torch_native", "sliding_window_decode", "PASSED"] for line in lines)
-    assert lines[-1] == "16 passed, 0 failed, 1 skipped"
+    assert lines[-1] == "17 passed, 0 failed, 1 skipped"
 
 
 def test_check_a_name_registered_as_two_kinds(capsys):
@@ -69,7 +69,7 @@ def test_a_broken_installed_plugin_fails_with_a_table_naming_the_cases(monkeypat
     assert ["attention_backend", "broken_window", "sliding_window_prefill", "FAILED"] in rows
     assert ["attention_backend", "broken_window", "decode", "PASSED"] in rows
     assert "failures:\n  attention_backend 'broken_window' case 'sliding_window_prefill': step 1 of 1" in out
-    assert out.rstrip().endswith("14 passed, 2 failed, 1 skipped")
+    assert out.rstrip().endswith("15 passed, 2 failed, 1 skipped")
     # a parser the kit has no samples for still gets the format-independent cases
     assert main(["plugins", "--check", "broken_qwen25"]) == 1
     rows = {line.split()[2]: line.split()[3] for line in capsys.readouterr().out.splitlines()[1:] if line.count("  ") > 3}

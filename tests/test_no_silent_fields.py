@@ -140,7 +140,7 @@ def test_unsupported_engine_args_are_refused_by_type_and_value() -> None:
     from core.errors import CoreError
 
     for kw in ({"enable_lora": True}, {"pp_size": 2}, {"pp_size": True}, {"enable_dp_attention": 1},
-               {"lora_paths": ["x"]}, {"speculative_algorithm": "EAGLE"}):
+               {"lora_paths": ["x"]}, {"speculative_algorithm": "NEXTN"}):
         with pytest.raises(CoreError, match=next(iter(kw))):
             engine_args_from_kwargs({"model_path": "/m", **kw})
     args = engine_args_from_kwargs({"model_path": "/m", "enable_lora": False, "pp_size": 1, "lora_paths": None,

@@ -106,7 +106,7 @@ def test_bad_draft_set_ups_are_clear_errors(models):
         make_engine(models["target"], speculative_algorithm="STANDALONE", speculative_draft_model_path=str(models["vocab"]))
     with pytest.raises(ModelLoadError, match="cannot load the draft model"):
         make_engine(models["target"], speculative_algorithm="STANDALONE", speculative_draft_model_path="/nonexistent/draft")
-    with pytest.raises(CoreError, match="draft trees are not supported yet"):
+    with pytest.raises(CoreError, match="STANDALONE drafts chains"):
         make_engine(models["target"], speculative_algorithm="STANDALONE", speculative_eagle_topk=4,
                     speculative_draft_model_path=str(models["small"]))
     with pytest.raises(CoreError, match="not used by --speculative-algorithm NGRAM"):

@@ -97,19 +97,23 @@ def generate(path: Path, params: Any = GREEDY, prompts: list[list[int]] = PROMPT
         eng.shutdown()
 
 
-def test_a_head_mirroring_the_target_has_its_drafts_accepted(mirror):
+@pytest.mark.parametrize("topk", [1, 2])
+def test_a_head_mirroring_the_target_has_its_drafts_accepted(mirror, topk):
+    """Chains, and trees of two branches per level (whose kept paths move their KV)."""
     target, head = mirror
     plain, _ = generate(target)
     spec, engine = generate(target, speculative_algorithm="EAGLE", speculative_draft_model_path=str(head),
-                            speculative_num_steps=3)
+                            speculative_num_steps=3, speculative_eagle_topk=topk)
     assert engine.scheduler.speculator.features is not None and engine.model.model.capture_layers == (1,)
+    assert engine.scheduler.speculator.num_draft_tokens == 3 * topk + 1
     assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in plain]
     m = [o["meta_info"] for o in spec]
-    assert sum(x["spec_num_correct_drafts"] for x in m) >= 0.6 * sum(x["spec_num_proposed_drafts"] for x in m) > 0
+    kept = sum(x["spec_num_correct_drafts"] for x in m)
+    assert kept >= 0.6 * sum(x["spec_num_proposed_drafts"] for x in m) / topk > 0
     assert all(x["spec_verify_ct"] < len(o["output_ids"]) / 2 for x, o in zip(m, spec))
 
 
-@pytest.mark.parametrize("algo", ["EAGLE3", "EAGLE"])
+@pytest.mark.parametrize("algo", ["EAGLE3", "EAGLE", "EAGLE3-tree"])
 @pytest.mark.parametrize("variant", [
     {},
     {"chunked_prefill_size": 16},
@@ -119,7 +123,9 @@ def test_a_head_mirroring_the_target_has_its_drafts_accepted(mirror):
 def test_random_heads_give_plain_greedy_tokens(deep, algo, variant):
     target, eagle3, eagle = deep
     plain, _ = generate(target, **variant)
-    spec, engine = generate(target, speculative_algorithm=algo, speculative_num_steps=3,
+    tree = algo.endswith("-tree")
+    algo = algo.removesuffix("-tree")
+    spec, engine = generate(target, speculative_algorithm=algo, speculative_num_steps=3, speculative_eagle_topk=3 if tree else 1,
                             speculative_draft_model_path=str(eagle3 if algo == "EAGLE3" else eagle), **variant)
     assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in plain]
     assert all(o["meta_info"]["spec_num_proposed_drafts"] > 0 for o in spec)
@@ -128,7 +134,7 @@ def test_random_heads_give_plain_greedy_tokens(deep, algo, variant):
         assert engine.scheduler.num_retracted > 0
 
 
-@pytest.mark.parametrize("algo", ["EAGLE3", "EAGLE"])
+@pytest.mark.parametrize("algo", ["EAGLE3", "EAGLE", "EAGLE3-tree"])
 def test_the_head_is_handed_the_targets_features_and_the_next_tokens(deep, algo):
     """Every observation's features are transformers' hidden states of the final sequence at its
     positions (EAGLE-3: the inputs of layers 1, 2, 3 side by side; EAGLE: the final normed ones), and
@@ -138,8 +144,11 @@ def test_the_head_is_handed_the_targets_features_and_the_next_tokens(deep, algo)
 
     target, eagle3, eagle = deep
     seen: list[tuple[int, list[int], torch.Tensor]] = []
+    tree = algo.endswith("-tree")
+    algo = algo.removesuffix("-tree")
     eng = make_engine(target, dtype="float32", device="cpu", chunked_prefill_size=16, speculative_algorithm=algo,
-                      speculative_num_steps=3, speculative_draft_model_path=str(eagle3 if algo == "EAGLE3" else eagle))
+                      speculative_num_steps=3, speculative_eagle_topk=3 if tree else 1,
+                      speculative_draft_model_path=str(eagle3 if algo == "EAGLE3" else eagle))
     try:
         drafter = eng.engine.scheduler.speculator.drafter
         observe = drafter.observe

@@ -85,7 +85,7 @@ class AsyncEngine(RequestFrontEnd):
             self.runner.tp = self.tp_group
             self.tp_group.on_failure = self._on_rank_failure
         self.grammar = GrammarManager(self.plugins, args.grammar_backend, self.tokenizer, self.vocab_size, mc.eos_ids)
-        self.runner.grammar, self.runner.speculator = self.grammar, self.scheduler.speculator
+        self.runner.grammar, self.runner.speculator, self.runner.kv_cache = self.grammar, self.scheduler.speculator, self.kv_cache
         self.runner.graphs = self._capture_cuda_graphs()
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="core-forward")
         # small CPU decodes run on the loop's thread (_runs_inline); 0: every forward on the executor

@@ -13,11 +13,12 @@ from typing import Any
 import attrs
 import torch
 
-from core.interfaces import ForwardBatch
+from core.interfaces import ForwardBatch, KVCache
 from core.engine.kv_cache import ReqToTokenTable
 from core.engine.cuda_graph import CudaGraphRunner
 from core.engine.sampler import SampleOutput, Sampler, SamplingRow, finite_logprobs, upload
 from core.engine.scheduler import ScheduledBatch, StepResult
+from core.engine.speculative.tree import mask_rows
 
 
 @attrs.define
@@ -33,6 +34,8 @@ class StepInputs:
     extend_lens: list[int]
     kv_indices: torch.Tensor  # [B, max(seq_lens)]
     logit_rows: list[Any]  # per compute_logits call, in order: a list of hidden-state rows or a (start, stop) range
+    tree_mask: torch.Tensor | None = None  # a verify of draft trees: ForwardBatch.tree_mask, on the host
+    kv_moves: tuple[list[int], list[int]] | None = None  # (source, destination) KV slots to copy first (a tree's kept path)
 
 
 def _ints(x: list[int] | torch.Tensor) -> list[int]:
@@ -40,14 +43,17 @@ def _ints(x: list[int] | torch.Tensor) -> list[int]:
 
 
 def forward_step(model: torch.nn.Module, attn_backend, inputs: StepInputs, device: torch.device,
-                 graphs: CudaGraphRunner | None = None) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor | None]:
+                 graphs: CudaGraphRunner | None = None, kv: KVCache | None = None
+                 ) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor | None]:
     """The model forward over ``inputs`` and one ``compute_logits`` per entry of ``logit_rows``:
     (hidden states, logits, each sampling row's argmax where the model computed it with the logits,
     else None). The same on every tensor-parallel rank (their collectives pair up).
 
     A CPU model's ``decode_step`` (``CausalLM``) may take the whole step from the lists. Otherwise
     the model runs on ``forward_batch(inputs)``, or a decode step that ``graphs`` captured replays
-    its CUDA graph instead of the eager forward."""
+    its CUDA graph instead of the eager forward. ``inputs.kv_moves`` are copied in ``kv`` first."""
+    if inputs.kv_moves is not None and kv is not None:
+        move_kv(kv, *inputs.kv_moves)
     if device.type == "cpu" and (fast := getattr(model, "decode_step", None)) is not None:
         if (out := fast(inputs, attn_backend)) is not None:
             return out[0], [out[1]], out[2]
@@ -77,7 +83,16 @@ def forward_batch(inputs: StepInputs, attn_backend, device: torch.device) -> For
         input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc, seq_lens=seq_lens,
         extend_lens=extend_lens, kv_indices=kv_indices, seq_lens_cpu=inputs.seq_lens,
         extend_lens_cpu=inputs.extend_lens, attn_backend=attn_backend,
+        tree_mask=None if inputs.tree_mask is None else inputs.tree_mask.to(device, non_blocking=True),
     )
+
+
+def move_kv(kv: KVCache, src: list[int], dst: list[int]) -> None:
+    """Copy every layer's K and V rows at slots ``src`` to ``dst`` (gathered before written)."""
+    s, d = (torch.tensor(x, dtype=torch.int64, device=kv.k[0].device) for x in (src, dst))
+    for pool in (*kv.k, *kv.v):
+        p = pool.view(torch.uint8) if pool.element_size() == 1 else pool  # (no fp8 index_copy_ on the CPU)
+        p.index_copy_(0, d, p.index_select(0, s))
 
 
 def step_logits(model: torch.nn.Module, hidden: torch.Tensor, logit_rows: list[Any], device: torch.device) -> list[torch.Tensor]:
@@ -101,6 +116,8 @@ class ModelRunner:
 
     grammar = None  # core.engine.grammar.GrammarManager, set by the engine
     speculator = None  # core.engine.speculative.Speculator with --speculative-algorithm, set by the engine
+    kv_cache: KVCache | None = None  # the pool, for a tree verify's KV moves; set by the engine
+    _kv_moves: tuple[list[int], list[int]] | None = None  # moves the next forward makes first (on every rank)
     tp = None  # core.engine.distributed.TensorParallelGroup on rank 0 of a --tp-size > 1 engine, set by the engine
     graphs: CudaGraphRunner | None = None  # decode CUDA graphs, set by the engine when captured
     _last_tokens: list[int] | None = None  # the last batch's sampled tokens (what future ids stand for)
@@ -138,7 +155,7 @@ class ModelRunner:
             kv_indices = table[packed[3 * w :], :n]
         if not batch.is_prefill:  # decode (or a speculative verify: every row): every request samples, no prompt logprobs
             return StepInputs(batch.input_ids, batch.positions, batch.out_cache_loc, seq_lens, batch.extend_lens,
-                              kv_indices, [(0, len(batch.input_ids))]), list(range(b)), {}
+                              kv_indices, [(0, len(batch.input_ids))], tree_masks(batch)), list(range(b)), {}
         ends = [n - 1 for n in itertools.accumulate(batch.extend_lens)]
         live = batch.live  # a non-final prefill chunk samples nothing
         logit_rows: list[Any] = [[ends[i] for i in live]] if live else []
@@ -172,7 +189,7 @@ class ModelRunner:
         inputs, live, prompt_rows = self.step_inputs(batch)
         if batch.draft_pending:  # a model drafter's drafts, into the verify's input ids
             self.speculator.fill(batch, inputs.kv_indices)
-            inputs.input_ids = batch.input_ids
+            inputs.input_ids, inputs.positions, inputs.tree_mask = batch.input_ids, batch.positions, tree_masks(batch)
         hidden, all_logits, argmax_ids = self._forward(inputs)
         reqs = all_reqs = batch.reqs
         if len(live) < len(reqs):
@@ -195,6 +212,8 @@ class ModelRunner:
             result = StepResult(SampleOutput([], None, None))
         if reqs is not all_reqs:
             result.sample = _scatter(result.sample, live, len(all_reqs))
+        if batch.draft_parents:  # the kept paths' KV to their positions, before the next forward reads it
+            self._kv_moves = self.speculator.verified(batch, result.sample.token_ids, inputs.kv_indices)
         if self.speculator is not None and self.speculator.features is not None:  # an EAGLE head reads the target's features
             self.speculator.observe(batch, result.sample.token_ids, inputs.kv_indices)
         for i, k in prompt_rows.items():
@@ -202,11 +221,14 @@ class ModelRunner:
         return result
 
     def _forward(self, inputs: StepInputs) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor | None]:
-        """``forward_step`` over ``inputs``; with tensor parallelism on every rank (their
-        collectives pair up), else with this runner's CUDA graphs."""
+        """``forward_step`` over ``inputs`` (after the last tree verify's KV moves); with tensor
+        parallelism on every rank (their collectives pair up), else with this runner's CUDA graphs."""
+        if self._kv_moves is not None:
+            inputs, self._kv_moves = attrs.evolve(inputs, kv_moves=self._kv_moves), None
         if self.tp is not None:
-            return self.tp.forward(inputs, lambda: forward_step(self.model, self.attn_backend, inputs, self.device))
-        return forward_step(self.model, self.attn_backend, inputs, self.device, self.graphs)
+            return self.tp.forward(inputs, lambda: forward_step(self.model, self.attn_backend, inputs, self.device,
+                                                                kv=self.kv_cache))
+        return forward_step(self.model, self.attn_backend, inputs, self.device, self.graphs, self.kv_cache)
 
     def _run_steps(self, batch: ScheduledBatch) -> StepResult:
         """A decode batch of ``batch.steps`` steps (``--num-continuous-decode-steps``), each step's
@@ -294,6 +316,14 @@ class ModelRunner:
         if normalize:
             pooled = torch.nn.functional.normalize(pooled, p=2, dim=-1)
         return pooled.tolist()
+
+
+def tree_masks(batch: ScheduledBatch) -> torch.Tensor | None:
+    """A verify of draft trees' ForwardBatch.tree_mask (chains among them causal), else None."""
+    if not batch.draft_parents:
+        return None
+    return torch.tensor([m for d, p in zip(batch.drafts, batch.draft_parents) for m in mask_rows(p, 1 + len(d))],
+                        dtype=torch.bool)
 
 
 def batch_stop_ids(reqs: list, eos_ids: tuple[int, ...]) -> list[int]:

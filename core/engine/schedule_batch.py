@@ -37,6 +37,7 @@ class ScheduledBatch:
     # position samples), or None
     drafts: list[list[int]] | None = None
     draft_pending: bool = False  # ``drafts`` are a model drafter's, made by the runner (Speculator.fill)
+    draft_parents: list[list[int] | None] | None = None  # per request, its draft tree's parents (None: a chain)
 
 
 def future_id(index: int) -> int:

@@ -493,7 +493,8 @@ class Scheduler:
             if drafts is not None:
                 k += 1 + len(drafts[i])
                 if not (req.finished or req.aborted):  # the draft tokens the target agrees with, and its own next
-                    kept = self.speculator.kept(req, drafts[i], s.token_ids[k - 1 - len(drafts[i]):k])
+                    kept = self.speculator.kept(req, drafts[i], s.token_ids[k - 1 - len(drafts[i]):k],
+                                                batch.draft_parents and batch.draft_parents[i])
                     updates.append((req, self._append_steps(req, kept, now)))
                     continue
             if i in result.input_logprobs:

@@ -71,9 +71,9 @@ def _serve(rank: int, args: EngineArgs, plan: DistPlan) -> int:
         return 1
     kind, spec = broadcast(control)
     assert kind == "kv" and isinstance(spec, KVSpec)
-    backend, error = None, None
+    backend, kv, error = None, None, None
     try:
-        backend = _attention_backend(plugins, mc, spec, tp, device)
+        backend, kv = _attention_backend(plugins, mc, spec, tp, device)
     except Exception as e:
         error = describe(e)
     if any(agree(control, error)):
@@ -83,7 +83,7 @@ def _serve(rank: int, args: EngineArgs, plan: DistPlan) -> int:
         while True:
             msg = broadcast(control)
             if msg[0] == "step":
-                forward_step(model, backend, msg[1], device)
+                forward_step(model, backend, msg[1], device, kv=kv)
             elif msg[0] == "reload":
                 model = _reload(plugins, args, mc, msg[1], device, tp, control) or model
             elif msg[0] == "stop":
@@ -93,14 +93,14 @@ def _serve(rank: int, args: EngineArgs, plan: DistPlan) -> int:
 
 
 def _attention_backend(plugins, mc, spec: KVSpec, tp, device: torch.device):
-    """This rank's shard of the KV pool (its KV heads, rank 0's page count) and its backend."""
+    """This rank's backend and its shard of the KV pool (its KV heads, rank 0's page count)."""
     cfg = mc.hf_config
     heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     heads, kv_heads = local_heads(heads, getattr(cfg, "num_key_value_heads", None) or heads, tp)
     kv = allocate_kv_cache(cfg.num_hidden_layers, spec.num_pages, spec.page_size, kv_heads, head_dim, spec.dtype, device)
     return plugins.resolve("attention_backend", spec.backend)(
-        AttentionConfig(cfg.num_hidden_layers, heads, kv_heads, head_dim, mc.dtype, device, kv))
+        AttentionConfig(cfg.num_hidden_layers, heads, kv_heads, head_dim, mc.dtype, device, kv)), kv
 
 
 def _reload(plugins, args: EngineArgs, old, model_path: str, device: torch.device, tp, control):

@@ -11,6 +11,11 @@ changed. Later steps read what the backend itself wrote earlier.
 CUDA-graph capture and replay run only on a GPU, and only for a backend with the capture hooks
 of plugin API 1.1 (``init_cuda_graph``, ``prepare_capture``, ``prepare_replay``), driven as
 core's graph runner drives them; otherwise that case is skipped with the reason.
+
+The ``tree_mask`` case runs only for a backend declaring ``supports_tree_mask`` (plugin API 1.4):
+a verify batch of draft trees (random trees, a chain and a one-token sequence over cached
+prefixes) against attention computed here from the definition, then tree masks that are the
+causal lower triangle against the backend's own causal forward.
 """
 
 from __future__ import annotations
@@ -22,7 +27,9 @@ import torch
 
 from core.errors import CoreError
 from core.interfaces import AttentionConfig, AttentionLayerSpec, ForwardBatch
-from core.testing.paged import PagedPool, Seq, batch_tensors, make_batch
+from core.testing.paged import (
+    PagedPool, Seq, ancestor_mask, batch_tensors, chain_parents, make_batch, make_tree_batch, random_parents,
+)
 from core.testing.suite import (
     Case, Skipped, assert_close, default_device, fail, reference, resolve_target, seed_for,
 )
@@ -245,8 +252,103 @@ def check_cuda_graph(s: AttentionSubject) -> None:
                     raise fail(s, "cuda_graph", f"replay {k + 1}: the {part} pool of layer {l} differs from the reference")
 
 
+def _tree_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: Any, layer: AttentionLayerSpec,
+                    seqs: list[Seq], parents: list[list[int]]) -> torch.Tensor:
+    """float32 attention from the definition: node i of a sequence (``n`` new tokens after ``P``
+    cached ones, the cached K/V in ``kv``) sees all ``P`` cached keys and the new keys of itself
+    and its ancestors."""
+    group = layer.num_heads // layer.num_kv_heads
+    out, start = [], 0
+    for seq, par in zip(seqs, parents):
+        n = len(par)
+        prefix = torch.tensor(seq.slots[: seq.length - n], dtype=torch.int64, device=q.device)
+        keys = torch.cat([kv.k[layer.layer_id][prefix].float(), k[start:start + n].float()])  # [P + n, Hkv, D]
+        vals = torch.cat([kv.v[layer.layer_id][prefix].float(), v[start:start + n].float()])
+        keys, vals = keys.repeat_interleave(group, 1), vals.repeat_interleave(group, 1)
+        scores = torch.einsum("nhd,lhd->hnl", q[start:start + n].float(), keys) * layer.scaling
+        if layer.logit_cap:
+            scores = layer.logit_cap * torch.tanh(scores / layer.logit_cap)
+        sees = torch.cat([torch.ones(n, len(prefix), dtype=torch.bool), ancestor_mask(par)], 1).to(q.device)
+        scores = scores.masked_fill(~sees[None], float("-inf"))
+        out.append(torch.einsum("hnl,lhd->nhd", scores.softmax(-1), vals))
+        start += n
+    return torch.cat(out)
+
+
+def check_tree_mask(s: AttentionSubject) -> None:
+    """Plugin API 1.4: a verify of draft trees (``ForwardBatch.tree_mask``). One batch mixes two
+    random trees (each node's parent drawn among the nodes before it, so positions, the depths,
+    repeat and are no guide to who sees whom), a chain and a one-token sequence over cached
+    prefixes of different lengths, GQA, one layer soft-capped; its outputs must equal attention
+    computed from the definition and its K/V land at ``out_cache_loc``. Then causal lower
+    triangles as tree masks (mixed lengths, and one token per sequence) must give the backend's
+    own causal forward."""
+    if not getattr(s.factory, "supports_tree_mask", False):
+        raise Skipped("the backend does not declare supports_tree_mask (plugin API 1.4): core never hands it a tree")
+    if s.device.type == "cuda" and not torch.cuda.is_available():
+        raise Skipped("no CUDA device")
+    name = "tree_mask"
+    atol, rtol = TOLERANCES.get(s.dtype, TOLERANCES[torch.bfloat16])
+    # steps: the tree verify, then two causal-equivalence steps (chains of mixed lengths; one token each)
+    c = AttentionCase(name, (9, 14, 5, 2), ((7, 4, 1, 5), (3, 1, 6, 2), (1, 1, 1, 1)), num_heads=8, num_kv_heads=2)
+    pool, seqs, gen = _setup(s, c)
+    ref_kv = pool.clone(torch.float32)
+    cfg = lambda kv, dt: AttentionConfig(2, c.num_heads, c.num_kv_heads, c.head_dim, dt, s.device, kv)  # noqa: E731
+    backend = _construct(s, cfg(pool.kv, s.dtype))
+    layers = [AttentionLayerSpec(0, c.num_heads, c.num_kv_heads, c.head_dim, c.head_dim ** -0.5),
+              AttentionLayerSpec(1, c.num_heads, c.num_kv_heads, c.head_dim, c.head_dim ** -0.5, logit_cap=5.0)]
+    qkv = lambda t, layer: (  # noqa: E731
+        _randn((t, c.num_heads, c.head_dim), gen, 4.0 if layer.logit_cap else 1.0).to(s.device, s.dtype),
+        _randn((t, c.num_kv_heads, c.head_dim), gen).to(s.device, s.dtype),
+        _randn((t, c.num_kv_heads, c.head_dim), gen).to(s.device, s.dtype))
+
+    # 1) trees against the definition
+    parents = [random_parents(7, gen), chain_parents(4), [-1], random_parents(5, gen)]
+    for seq, par in zip(seqs, parents):
+        pool.grow(seq, len(par))
+    batch = make_tree_batch(seqs, parents, backend, s.device)
+    before = {**batch_tensors(batch), "tree_mask": batch.tree_mask.clone()}
+    backend.prepare(batch)
+    for field, t in before.items():
+        if not torch.equal(getattr(batch, field), t):
+            raise fail(s, name, f"tree verify: prepare() changed batch.{field}")
+    t = sum(len(p) for p in parents)
+    for layer in layers:
+        q, kk, v = qkv(t, layer)
+        out = backend.forward(q, kk, v, layer, batch)
+        want = _tree_reference(q, kk, v, ref_kv, layer, seqs, parents)
+        if out.dtype != q.dtype:
+            raise fail(s, name, f"tree verify layer {layer.layer_id}: output dtype {out.dtype}, expected {q.dtype}")
+        assert_close(s, name, f"tree verify (parents {parents}) layer {layer.layer_id} output", out, want, atol, rtol)
+        for buf, x in ((ref_kv.k[layer.layer_id], kk), (ref_kv.v[layer.layer_id], v)):
+            buf[batch.out_cache_loc] = x.float()
+    for l in range(2):
+        for part, got, exp in (("K", pool.kv.k[l], ref_kv.k[l]), ("V", pool.kv.v[l], ref_kv.v[l])):
+            if not torch.equal(got.float(), exp):
+                raise fail(s, name, f"tree verify: the {part} pool of layer {l} differs from the reference "
+                                    "(new tokens go to batch.out_cache_loc, nothing else changes)")
+
+    # 2) causal lower triangles as tree masks: the backend's own causal forward
+    for step in c.steps[1:]:
+        chains = [chain_parents(n) for n in step]
+        for seq, n in zip(seqs, step):
+            pool.grow(seq, n)
+        tree, causal = make_tree_batch(seqs, chains, backend, s.device), make_batch(seqs, list(step), backend, s.device)
+        if not torch.equal(tree.positions, causal.positions):
+            raise fail(s, name, "the suite's chain positions differ from a causal batch's")  # (the suite's own check)
+        backend.prepare(causal)
+        backend.prepare(tree)
+        for layer in layers:
+            q, kk, v = qkv(sum(step), layer)
+            want = backend.forward(q, kk, v, layer, causal)
+            got = backend.forward(q, kk, v, layer, tree)
+            assert_close(s, name, f"lower-triangle tree masks (new tokens {list(step)}) layer {layer.layer_id}: "
+                                  "against the causal forward", got, want, atol, rtol)
+
+
 def attention_cases() -> list[Case]:
     """Every case of the suite, in order; ``run(subject)`` takes an :class:`AttentionSubject`."""
     cases = [Case(c.name, lambda s, c=c: check_case(s, c), c.doc) for c in ATTENTION_CASES]
     cases.append(Case("cuda_graph", check_cuda_graph, "capture/replay through the plugin API 1.1 hooks, on a GPU"))
+    cases.append(Case("tree_mask", check_tree_mask, "draft-tree verify batches (plugin API 1.4 supports_tree_mask)"))
     return cases

@@ -89,3 +89,45 @@ def batch_tensors(batch: ForwardBatch) -> dict[str, torch.Tensor]:
     """Copies of the batch's tensors, to check that ``prepare`` left them alone."""
     names = ("input_ids", "positions", "out_cache_loc", "seq_lens", "extend_lens", "kv_indices")
     return {n: getattr(batch, n).clone() for n in names}
+
+
+# --------------------------------------------------------------------------- draft trees (plugin API 1.4)
+
+
+def ancestor_mask(parents: list[int]) -> torch.Tensor:
+    """``[n, n]`` bool: node i sees node j iff j is i or an ancestor of i (``parents[i]``: its
+    parent, which precedes it; -1: a root, following the cached tokens)."""
+    n = len(parents)
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    for i, p in enumerate(parents):
+        if not -1 <= p < i:
+            raise ValueError(f"node {i}'s parent {p} does not precede it")
+        if p >= 0:
+            mask[i] = mask[p]
+        mask[i, i] = True
+    return mask
+
+
+def random_parents(n: int, gen: torch.Generator) -> list[int]:
+    """A random tree of ``n`` nodes in batch order: node 0 the root, every other node's parent
+    drawn among the nodes before it."""
+    return [-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]
+
+
+def chain_parents(n: int) -> list[int]:
+    """A chain of ``n`` nodes (its ancestor mask is the causal lower triangle)."""
+    return list(range(-1, n - 1))
+
+
+def make_tree_batch(seqs: list[Seq], parents: list[list[int]], backend: Any, device: torch.device,
+                    input_ids: list[int] | None = None) -> ForwardBatch:
+    """:func:`make_batch` for a verify of draft trees: ``seqs[i]``'s last ``len(parents[i])`` slots
+    (already grown) hold the nodes of tree ``parents[i]`` in order; ``positions`` are the cached
+    length plus each node's depth, ``tree_mask`` the trees' ancestor masks, flattened and
+    concatenated (``ForwardBatch.tree_mask``)."""
+    masks = [ancestor_mask(p) for p in parents]
+    batch = make_batch(seqs, [len(p) for p in parents], backend, device, input_ids)
+    pos = [s.length - len(p) + depth for s, p, m in zip(seqs, parents, masks) for depth in (m.sum(1) - 1).tolist()]
+    batch.positions = torch.tensor(pos, dtype=torch.int64, device=device)
+    batch.tree_mask = torch.cat([m.flatten() for m in masks]).to(device)
+    return batch

@@ -10,7 +10,9 @@ the same kernel (several query tokens per task, causal over prefix + new tokens)
 engine's shapes it beats torch_native's masked SDPA, and torch's flash SDPA on a prompt alone
 (SmolLM2 heads, 2,048 tokens, 2 threads, float32 on an AVX2-only EPYC: 44-48 against 54-62 ms
 per layer).
-A pool the kernel does not read (fp8, ``--kv-cache-dtype fp8_e4m3``) is left to torch_native.
+A pool the kernel does not read (fp8, ``--kv-cache-dtype fp8_e4m3``) is left to torch_native, and
+so is a speculative verify of draft trees (``ForwardBatch.tree_mask``; the kernel is causal): its
+forward runs torch_native's path over the same pool.
 """
 
 from __future__ import annotations
@@ -67,12 +69,15 @@ def kernel_status(build: bool = True) -> tuple[bool, str]:
 
 
 class CpuBackend:
+    supports_tree_mask = True  # plugin API 1.4: tree batches take torch_native's path over the same pool
+
     def __init__(self, config: AttentionConfig) -> None:
         if config.device.type != "cpu":
             raise CoreError(f"attention backend 'cpu' runs on the CPU, but the engine runs on {config.device}")
         self._op = load_kernel()
-        self.kv = config.kv_cache
+        self.config, self.kv = config, config.kv_cache
         self._native = None
+        self._tree: TorchNativeBackend | None = None  # made on the first tree batch
         if (dtype := self.kv.k[0].dtype) not in POOL_DTYPES:
             log.info("cpu_attention.torch_native", reason=f"the kernel does not read a {dtype} KV pool")
             self._native = TorchNativeBackend(config)
@@ -86,12 +91,21 @@ class CpuBackend:
         """Nothing to precompute: the kernel reads the batch's slot rows and lengths directly."""
         if self._native is not None:
             self._native.prepare(batch)
+        elif batch.tree_mask is not None:
+            self._tree_backend().prepare(batch)
+
+    def _tree_backend(self) -> TorchNativeBackend:
+        if self._tree is None:
+            self._tree = TorchNativeBackend(self.config)
+        return self._tree
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch
     ) -> torch.Tensor:
         if self._native is not None:
             return self._native.forward(q, k, v, layer, batch)
+        if batch.tree_mask is not None:  # the kernel is causal: torch_native's masked path (prepared above)
+            return self._tree_backend().forward(q, k, v, layer, batch)
         kc, vc = self.kv.k[layer.layer_id], self.kv.v[layer.layer_id]
         if cpu_ops.available():  # one memcpy per row (as the one-op decoder layer stores them)
             cpu_ops.store_kv(kc, vc, batch.out_cache_loc, k, v)

@@ -2,7 +2,9 @@
 
 Every forward, the sequences' cached keys are gathered into a padded
 ``[B, max_len]`` block and attended with one ``scaled_dot_product_attention`` call
-per layer under a boolean mask (causal within each sequence, padding masked out).
+per layer under a boolean mask (causal within each sequence, padding masked out; for a
+speculative verify of draft trees, ``ForwardBatch.tree_mask`` says which new tokens each new
+token sees, besides the whole cached prefix).
 It runs wherever torch runs, CPU included, and faster backends are tested against it.
 An fp8 pool (``--kv-cache-dtype fp8_e4m3``) is written scaled and saturated, and
 dequantized to the model dtype as it is gathered.
@@ -28,6 +30,8 @@ class _Metadata:
 
 
 class TorchNativeBackend:
+    supports_tree_mask = True  # plugin API 1.4: ForwardBatch.tree_mask is honoured
+
     def __init__(self, config: AttentionConfig) -> None:
         self.config = config
         self.kv = config.kv_cache
@@ -40,7 +44,10 @@ class TorchNativeBackend:
         q_valid = i[None, :] < ext[:, None]
         q_pos = (seq - ext)[:, None] + i[None, :]  # absolute position of query i
         j = torch.arange(kmax, device=dev)
-        key_ok = (j[None, None, :] <= q_pos[:, :, None]) & (j[None, None, :] < seq[:, None, None])
+        if batch.tree_mask is None:
+            key_ok = (j[None, None, :] <= q_pos[:, :, None]) & (j[None, None, :] < seq[:, None, None])
+        else:
+            key_ok = _tree_key_ok(batch, q_valid, j)
         # padded query rows attend to slot 0 only, so their softmax stays finite; they are dropped.
         key_ok = key_ok | (~q_valid[:, :, None] & (j == 0)[None, None, :])
         q_index = out_index = None
@@ -93,6 +100,27 @@ class TorchNativeBackend:
         if md.out_index is None:
             return out.reshape(b, h, d)
         return out.reshape(-1, h, d).index_select(0, md.out_index)
+
+
+def _tree_key_ok(batch: ForwardBatch, q_valid: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+    """``[B, Qmax, Kmax]``: query i of sequence b (``n`` new tokens after ``P`` cached ones) sees
+    every cached key (columns ``< P``) and new key ``c`` (column ``P + c``) where its tree-mask
+    row says so; never a column derived from ``positions`` (tree depths)."""
+    ext, seq, ns = batch.extend_lens, batch.seq_lens, batch.extend_lens_cpu
+    tree = batch.tree_mask.reshape(-1).to(device=j.device, dtype=torch.bool)
+    if tree.numel() != sum(n * n for n in ns):
+        raise ValueError(f"tree_mask has {tree.numel()} entries; extend lengths {ns} need {sum(n * n for n in ns)}")
+    qmax, dev = q_valid.shape[1], j.device
+    i = torch.arange(qmax, device=dev)
+    sq = ext * ext
+    off = torch.cumsum(sq, 0) - sq  # where each sequence's n x n block starts
+    prefix = seq - ext
+    col = j[None, :] - prefix[:, None]  # [B, Kmax] index among the new tokens
+    is_new = (col >= 0) & (col < ext[:, None])
+    idx = off[:, None, None] + i[None, :, None] * ext[:, None, None] + col[:, None, :]  # [B, Qmax, Kmax]
+    ok_new = is_new[:, None, :] & q_valid[:, :, None]
+    bits = tree[torch.where(ok_new, idx, 0)] & ok_new
+    return (j[None, None, :] < prefix[:, None, None]) | bits
 
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)

@@ -4,7 +4,8 @@
 ``kv_indptr`` / ``kv_indices`` with a device kernel (sizes come from the lengths the batch
 already holds as Python ints, so nothing is read back from the device). Each layer stores
 its new K/V into the pool, then runs the split-KV decode kernel for a pure decode step or the
-extend kernel (cached prefix + causal new tokens) otherwise. Triton itself is imported only
+extend kernel (cached prefix + causal new tokens; for a verify of draft trees, new tokens as
+``ForwardBatch.tree_mask`` says) otherwise. Triton itself is imported only
 when the backend is built, so importing this plugin costs nothing on machines that never use it.
 
 Decode steps can be captured in CUDA graphs (plugin API 1.1 hooks): the captured kernels read
@@ -30,6 +31,8 @@ class _Metadata:
     qo_indptr: torch.Tensor | None  # [B + 1] int32 new-token offsets (None for a pure decode step)
     max_extend_len: int
     num_kv_splits: int
+    # a verify of draft trees: (the flat tree mask as uint8, [B] int32 start of each sequence's n x n block)
+    tree: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 def _require_triton(device: torch.device) -> None:
@@ -48,6 +51,7 @@ def _require_triton(device: torch.device) -> None:
 
 class TritonBackend:
     supports_cuda_graph = True  # the decode path captures (read by the conformance kit)
+    supports_tree_mask = True  # plugin API 1.4: the extend kernel reads ForwardBatch.tree_mask
 
     def __init__(self, config: AttentionConfig) -> None:
         _require_triton(config.device)
@@ -73,7 +77,12 @@ class TritonBackend:
         qo_indptr[1:] = torch.cumsum(batch.extend_lens, 0)
         prefix_total = sum(batch.seq_lens_cpu) - sum(batch.extend_lens_cpu)
         indptr, indices = self._indices(table, rows, batch.seq_lens - batch.extend_lens, prefix_total)
-        batch.attn_metadata = _Metadata(indptr, indices, qo_indptr, max(batch.extend_lens_cpu), 1)
+        tree = None
+        if batch.tree_mask is not None:  # a verify of draft trees: the mask, and where each sequence's starts
+            sq = batch.extend_lens * batch.extend_lens
+            tree = (batch.tree_mask.reshape(-1).to(table.device, torch.uint8),
+                    (torch.cumsum(sq, 0) - sq).to(torch.int32))
+        batch.attn_metadata = _Metadata(indptr, indices, qo_indptr, max(batch.extend_lens_cpu), 1, tree)
 
     # ---- CUDA-graph capture hooks (plugin API 1.1)
     def init_cuda_graph(self, max_bs: int, max_len: int) -> None:
@@ -109,6 +118,10 @@ class TritonBackend:
         opts = dict(scale=layer.scaling, logit_cap=layer.logit_cap, sliding_window=layer.sliding_window)
         if md.qo_indptr is None:
             return self._decode.decode_attention(q, kc, vc, md.kv_indptr, md.kv_indices, num_kv_splits=md.num_kv_splits, **opts)
+        if md.tree is not None:
+            return self._extend.extend_attention(q, k, v, kc, vc, md.qo_indptr, md.kv_indptr, md.kv_indices,
+                                                 md.max_extend_len, tree_mask=md.tree[0], tree_offsets=md.tree[1],
+                                                 **opts)
         return self._extend.extend_attention(q, k, v, kc, vc, md.qo_indptr, md.kv_indptr, md.kv_indices,
                                              md.max_extend_len, **opts)
 

@@ -79,7 +79,8 @@ class LlamaDecoderLayer(nn.Module):
                         bias=getattr(config, "mlp_bias", False))
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        if x.device.type == "cpu" and (fast := self._cpu_decode(batch.attn_backend)) is not None:
+        # (the op's attention is causal: a verify of draft trees takes the Python path below)
+        if x.device.type == "cpu" and (fast := self._cpu_decode(batch.attn_backend)) is not None and batch.tree_mask is None:
             h, mlp_out = cpu_decode.run(fast, x, batch)
             return h + mlp_out
         # the residual adds happen in the output projections (one GEMM each on a GPU: core.layers)
@@ -120,7 +121,9 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(batch.input_ids)
         if (capture := self.capture_layers):  # the per-layer path below: the fused stack keeps no layer inputs
             return self._forward_capturing(x, batch, capture)
-        if x.device.type == "cpu" and (stack := self._cpu_stack(batch.attn_backend, head)) is not None and x.shape[0] < stack["max_rows"]:
+        # the C++ ops attend causally: a verify of draft trees (batch.tree_mask) takes the Python layers
+        fused = x.device.type == "cpu" and batch.tree_mask is None
+        if fused and (stack := self._cpu_stack(batch.attn_backend, head)) is not None and x.shape[0] < stack["max_rows"]:
             if x.shape[0] == len(batch.seq_lens_cpu) and x.shape[0] < stack["head_rows"]:  # one row per sequence: all sample
                 hidden, logits = cpu_decode.run_stack_head(stack, x, batch)
                 self.__dict__["_step_logits"] = (hidden, logits)
@@ -130,7 +133,7 @@ class LlamaModel(nn.Module):
         pending = None  # a one-op layer's MLP output, added by the next one-op layer with its first norm
         for layer in self.layers:
             plan = getattr(layer, "_cpu_decode", None)
-            if x.device.type == "cpu" and plan is not None and (fast := plan(batch.attn_backend)) is not None:
+            if fused and plan is not None and (fast := plan(batch.attn_backend)) is not None:
                 x, pending = cpu_decode.run(fast, x, batch, pending)
                 continue
             if pending is not None:
@@ -146,11 +149,12 @@ class LlamaModel(nn.Module):
             raise ValueError(f"capture_layers {capture} out of range for {n} layers (0..{n})")
         stream: dict[int, torch.Tensor] = {}
         pending = None  # as in forward
+        fused = x.device.type == "cpu" and batch.tree_mask is None  # as in forward: no C++ ops for a draft tree
         for i, layer in enumerate(self.layers):
             if i in capture:
                 stream[i] = x if pending is None else x + pending
             plan = getattr(layer, "_cpu_decode", None)
-            if x.device.type == "cpu" and plan is not None and (fast := plan(batch.attn_backend)) is not None:
+            if fused and plan is not None and (fast := plan(batch.attn_backend)) is not None:
                 x, pending = cpu_decode.run(fast, x, batch, pending)
                 continue
             if pending is not None:

@@ -4,9 +4,11 @@
 After every target forward the head extends over the positions whose results stand (``observe``):
 at position p it reads the token at p + 1 beside the target's features at p (EAGLE: the final
 normed hidden states; EAGLE-3: three layers' inputs), writing its KV at the target's slots. Its
-output at the last position gives the first draft token, and its hidden state there stands in for
-the target's features on the chain's later steps (``propose_batch``), one decode step each. A
-request's KV is thus always as current as the target's, also for prefixes other requests cached.
+output at the last position gives the first draft tokens, and its hidden state there stands in
+for the target's features on the draft's later levels (``propose_batch``): chains, or trees of
+the top ``--speculative-eagle-topk`` tokens per level. A request's head KV is as current as the
+target's, except where a prefix another request cached ends: there the head read that request's
+next token (costing acceptance, never correctness).
 """
 
 from __future__ import annotations
@@ -17,14 +19,15 @@ import torch
 
 from core import hookimpl
 from core.errors import ModelLoadError
-from core.interfaces import DraftContext, DraftModel, DraftObservation, DraftRequest, DraftSeq
+from core.interfaces import DraftContext, DraftModel, DraftObservation, DraftRequest, DraftSeq, DraftTree
 
 
 class EagleDrafter:
-    name, eagle3 = "EAGLE", False
+    name, eagle3, trees = "EAGLE", False, True
 
     def __init__(self, args: Any) -> None:
         self.args = args
+        self.topk = args.speculative_eagle_topk or 1
         self.draft: DraftModel | None = None
 
     def load(self, ctx: DraftContext) -> None:
@@ -51,27 +54,80 @@ class EagleDrafter:
         feats = torch.cat([features[o.row:o.row + len(o.next_ids)] for o in reqs])
         hidden, logits = self.draft.run([DraftSeq(o.next_ids, o.start, o.slots) for o in reqs], feats)
         ends = torch.tensor([len(o.next_ids) for o in reqs]).cumsum(0) - 1
-        for o, h, t in zip(reqs, hidden[ends.to(hidden.device)], logits.argmax(-1).tolist()):
-            o.state.update(pos=o.start + len(o.next_ids), hidden=h, next=t)
+        top = torch.log_softmax(logits.float(), -1).topk(self.topk, -1)
+        for o, h, lp, ids in zip(reqs, hidden[ends.to(hidden.device)], top.values.tolist(), top.indices.tolist()):
+            o.state.update(pos=o.start + len(o.next_ids), hidden=h, top=(lp, ids))
 
-    def propose_batch(self, reqs: Sequence[DraftRequest]) -> list[list[int]]:
-        drafts: list[list[int]] = [[] for _ in reqs]
-        hidden: dict[int, torch.Tensor] = {}
-        for i, r in enumerate(reqs):
-            if r.room and r.state.get("pos") != r.kv_len:  # its last forward was not observed: nothing to draft from
-                drafts[i] = [r.tokens[-1]] * r.room  # (verified and rejected; the engine's pacing backs off)
-            elif r.room:
-                drafts[i], hidden[i] = [r.state["next"]], r.state["hidden"]
-        live = list(hidden)
-        for j in range(1, max((r.room for r in reqs), default=0)):
-            if not (live := [i for i in live if reqs[i].room > j]):
-                break
-            seqs = [DraftSeq([drafts[i][-1]], reqs[i].kv_len + j - 1, reqs[i].slots) for i in live]
-            out, logits = self.draft.run(seqs, torch.stack([hidden[i] for i in live]))
-            for n, (i, t) in enumerate(zip(live, logits.argmax(-1).tolist())):
-                drafts[i].append(t)
-                hidden[i] = out[n]
-        return drafts
+    def propose_batch(self, reqs: Sequence[DraftRequest]) -> list[list[int] | DraftTree]:
+        """Per request a tree grown level by level: the top-k tokens after the last one, then at
+        each level the k best children (by the path's summed log-probability) of the last level's
+        nodes, until ``room`` nodes (a chain where k is 1). A node's draft KV sits at its own slot
+        of the verify (column ``kv_len + 1 + node``), so branches never share one."""
+        trees = [_Tree(r, self.topk) for r in reqs]
+        frontier = {i: nodes for i, t in enumerate(trees) if t.live and (nodes := t.first())}
+        while frontier:
+            owners = [(i, node) for i, nodes in frontier.items() for node in nodes]
+            seqs = [trees[i].seq(node) for i, node in owners]
+            out, logits = self.draft.run(seqs, torch.stack([trees[i].feature[node] for i, node in owners]))
+            top = torch.log_softmax(logits.float(), -1).topk(self.topk, -1)
+            grown: dict[int, list[tuple[float, int, int, torch.Tensor]]] = {}
+            for n, ((i, node), lps, ids) in enumerate(zip(owners, top.values.tolist(), top.indices.tolist())):
+                score = trees[i].score[node]
+                grown.setdefault(i, []).extend((score + lp, t, node, out[n]) for lp, t in zip(lps, ids))
+            frontier = {i: nodes for i, cands in grown.items() if (nodes := trees[i].grow(cands))}
+        return [t.result() for t in trees]
+
+
+class _Tree:
+    """One request's draft tree as it grows (``EagleDrafter.propose_batch``)."""
+
+    def __init__(self, r: DraftRequest, k: int) -> None:
+        self.r, self.k = r, k
+        self.tokens: list[int] = []
+        self.parents: list[int] = []
+        self.score: list[float] = []
+        self.feature: dict[int, torch.Tensor] = {}  # node -> the hidden state its expansion reads
+        self.depth: list[int] = []
+        # its last forward was not observed (nothing to draft from): a draft the verify rejects
+        self.stale = bool(r.room) and r.state.get("pos") != r.kv_len
+        self.live = bool(r.room) and not self.stale
+
+    def first(self) -> list[int]:
+        lps, ids = self.r.state["top"]
+        cands = [(lp, t, -1, self.r.state["hidden"]) for lp, t in zip(lps, ids)]
+        return self.grow(cands)
+
+    def grow(self, cands: list[tuple[float, int, int, torch.Tensor]]) -> list[int]:
+        """Add the best candidates (score, token, parent, the hidden their expansion reads) as a
+        level; return the new nodes worth expanding (those with room left for children)."""
+        take = min(self.k, self.r.room - len(self.tokens))
+        new = []
+        for score, t, parent, h in sorted(cands, key=lambda c: -c[0])[:take]:
+            new.append(len(self.tokens))
+            self.feature[new[-1]] = h
+            self.tokens.append(t)
+            self.parents.append(parent)
+            self.score.append(score)
+            self.depth.append(1 if parent < 0 else self.depth[parent] + 1)
+        return new if len(self.tokens) < self.r.room else []
+
+    def seq(self, node: int) -> DraftSeq:
+        """The draft's input at ``node``: its token at the position before its own, seeing the
+        prefix and its ancestors' KV."""
+        r, path = self.r, []
+        j = node
+        while j >= 0:
+            path.append(j)
+            j = self.parents[j]
+        slots = torch.cat([r.slots[:r.kv_len], r.slots[[r.kv_len + 1 + a for a in reversed(path)]]])
+        return DraftSeq([self.tokens[node]], r.kv_len + self.depth[node] - 1, slots)
+
+    def result(self) -> list[int] | DraftTree:
+        if self.stale:
+            return [self.r.tokens[-1]] * self.r.room
+        if self.k == 1 or not self.tokens:
+            return self.tokens
+        return DraftTree(self.tokens, self.parents)
 
 
 class Eagle3Drafter(EagleDrafter):

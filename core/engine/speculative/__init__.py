@@ -1,21 +1,26 @@
 """Speculative decoding: drafts verified by the target model in one forward.
 
 A drafter plugin (``--speculative-algorithm NAME``, hook ``register_speculative_algorithms``)
-proposes a chain of tokens per request. The scheduler builds a verify batch (each request's last
-token and its draft, one extend per request) and the model runner samples every position as plain
-decoding would, with the request's own parameters and RNG. A draft token is kept while it equals
-what the target sampled at its position, and the first position where they differ keeps the
-target's token, so a step yields one to ``len(draft) + 1`` tokens for one read of the weights.
-Greedy decoding gives exactly plain decoding's tokens. With sampling, accepting a draft token ``d``
-when the target's sample equals ``d`` is rejection sampling against a drafter that proposes
-deterministically (``q = onehot(d)``: accept with probability ``p(d)``, else draw from ``p``
-without ``d``), so the output distribution is the target's. The KV slots of rejected tokens stay
-in the request's pages and are written over; the prefix cache never sees them.
+proposes per request a chain of tokens or a tree (``core.engine.speculative.tree``): NGRAM from
+the request's own context on the scheduler's thread, a model drafter (STANDALONE, EAGLE, EAGLE3;
+``draft_model``) on the forward thread just before the verify. The verify batch holds each
+request's last token and its draft as one extend; the model runner samples every position as
+plain decoding would, with the request's own parameters and RNG. Walking from the last token, a
+draft token is kept while it is what the target sampled at its parent, and the target's own next
+sample follows the kept path, so a step yields one to depth + 1 tokens for one read of the weights.
+In float32, greedy decoding gives plain decoding's tokens; in bf16, or with the CPU's int8 LM head,
+a verify's rows take the extend path, whose rounding differs from the decode kernels', so a
+near-tie may resolve the other way. With sampling, keeping a draft token ``d`` when the target's
+sample equals ``d`` is rejection sampling against a drafter that proposes deterministically
+(``q = onehot(d)``), so the output distribution is the target's. The KV of rejected tokens stays
+in the request's pages and is written over; a tree's kept nodes have their KV moved to their
+positions before the next forward (``ModelRunner``); the prefix cache never sees rejected KV.
 
-Requests whose sampling reads their own outputs on the host between positions (a grammar,
-penalties, ``min_new_tokens`` not reached) or that return logprobs are not drafted for; a batch
-holding one decodes plainly. Overlap scheduling is off with speculation (as SGLang turns it off on
-the CPU): each verify's results decide the next batch.
+Drafts are paced per request (``Pace``) and a verify holds at most ``VERIFY_TOKEN_BUDGET`` tokens,
+so a large batch decodes plainly. Requests whose sampling reads their own outputs on the host
+between positions (a grammar, penalties, ``min_new_tokens`` not reached) or that return logprobs
+are not drafted for; a batch holding one decodes plainly. Overlap scheduling is off with
+speculation (as SGLang turns it off on the CPU): each verify's results decide the next batch.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import torch
 from core.engine.request import Req
 from core.engine.sampler import penalised
 from core.errors import CoreError
+from core.engine.speculative.tree import as_tree, depths, first_chain, kv_moves, walk
 from core.interfaces import DraftObservation, DraftRequest
 
 log = structlog.get_logger("core.engine.speculative")
@@ -47,10 +53,12 @@ MAX_BACKOFF = 16  # decode steps a request waits, at most, before drafting again
 @attrs.define
 class Pace:
     """A request's recent acceptance, which sizes its next drafts: about twice the draft tokens
-    its recent verifies kept, plus one; after a verify that kept none it waits 1, 2, 4, ... 16
-    steps before drafting again, so an answer that does not repeat costs few failed verifies."""
+    its recent verifies kept, plus one (times the last draft's nodes per level, for a tree); after
+    a verify that kept none it waits 1, 2, 4, ... 16 steps before drafting again, so an answer
+    that does not repeat costs few failed verifies."""
 
     kept: float = 2.0  # moving average of draft tokens kept per verify
+    width: float = 1.0  # the last draft's nodes per level (1: a chain)
     wait: int = 0  # steps to decode plainly before the next draft
     backoff: int = 0  # the next wait after a verify that keeps nothing
     retractions: int = 0  # the request's retractions its drafter's state has seen (Speculator.fill)
@@ -59,10 +67,10 @@ class Pace:
         if self.wait > 0:
             self.wait -= 1
             return 0
-        return min(room, 1 + math.ceil(2 * self.kept))
+        return min(room, math.ceil((1 + 2 * self.kept) * self.width))
 
-    def update(self, n: int) -> None:
-        self.kept = 0.5 * self.kept + 0.5 * n
+    def update(self, n: int, nodes: int = 1, depth: int = 1) -> None:
+        self.kept, self.width = 0.5 * self.kept + 0.5 * n, nodes / max(depth, 1)
         if n:
             self.backoff = 0
         else:
@@ -79,6 +87,7 @@ class Speculator:
     batched: bool = attrs.field(init=False)  # a ModelDrafter: drafts come from the runner (``fill``)
     token_budget: int = VERIFY_TOKEN_BUDGET["cpu"]  # tokens per verify forward, set for the device by ``load``
     features: Any = None  # () -> the last target forward's features, where the drafter asked (``observe``)
+    trees: bool = False  # the attention backend takes tree masks: draft trees are verified whole (``load``)
 
     def __attrs_post_init__(self) -> None:
         self.batched = hasattr(self.drafter, "propose_batch")
@@ -86,6 +95,11 @@ class Speculator:
     def load(self, ctx: Any) -> None:
         """Load a model drafter's models (``ctx``: a ``core.interfaces.DraftContext``)."""
         self.token_budget = VERIFY_TOKEN_BUDGET.get(ctx.device.type, VERIFY_TOKEN_BUDGET["cuda"])
+        self.trees = bool(getattr(ctx, "trees", False))
+        if (ctx.args.speculative_eagle_topk or 1) > 1 and not self.trees:
+            raise CoreError(f"--speculative-eagle-topk {ctx.args.speculative_eagle_topk}: draft trees need an attention "
+                            "backend that takes tree masks (cpu, torch_native, triton) and no sliding-window layers; "
+                            "use --speculative-eagle-topk 1")
         if self.batched:
             self.drafter.load(ctx)
             self.features = getattr(ctx, "features", None)
@@ -107,9 +121,11 @@ class Speculator:
         for i in sorted(range(len(reqs)), key=lambda i: -(reqs[i].spec_pace or Pace()).kept):  # the most kept first
             rooms[i] = min(rooms[i], budget)
             budget -= rooms[i]
-        drafts = None
+        drafts, parents = None, None
         if not self.batched:
-            drafts = [self.drafter.propose(r.spec_state, r.fill_ids(), n)[:n] if n > 0 else [] for r, n in zip(reqs, rooms)]
+            trees = [self._tree(self.drafter.propose(r.spec_state, r.fill_ids(), n), n) if n > 0 else ([], None)
+                     for r, n in zip(reqs, rooms)]
+            drafts, parents = [t for t, _ in trees], [p for _, p in trees]
             rooms = [len(d) for d in drafts]
         pages_for = scheduler.allocator.pages_for
         if not any(rooms) or not scheduler._can_alloc(sum(max(0, pages_for(r.kv_len + 1 + n) - len(r.pages))
@@ -120,7 +136,19 @@ class Speculator:
         batch.input_ids = [t for r, n, d in zip(reqs, batch.extend_lens, drafts) for t in (r.token_at(r.kv_len - n), *d)]
         batch.drafts = drafts
         batch.draft_pending = self.batched
+        if parents is not None:
+            _set_trees(batch, parents)
         return batch
+
+    def _tree(self, draft: Any, room: int) -> tuple[list[int], list[int] | None]:
+        """A proposal's (tokens, parents), cut to ``room`` nodes, and to its first chain where the
+        attention backend takes no tree masks."""
+        tokens, parents = as_tree(draft)
+        if parents is not None and not self.trees:
+            tokens, parents = first_chain(tokens, parents), None
+        if len(tokens) > room:  # (a tree cut after ``room`` nodes stays a tree: parents precede children)
+            tokens, parents = tokens[:room], parents[:room] if parents is not None else None
+        return tokens, parents
 
     def fill(self, batch: Any, kv_indices: torch.Tensor) -> None:
         """A model drafter's drafts for ``batch`` (on the forward thread, after the runner recorded
@@ -129,26 +157,30 @@ class Speculator:
         for i, (r, d) in enumerate(zip(batch.reqs, batch.drafts)):
             kv_len = batch.seq_lens[i] - 1 - len(d)
             reqs.append(DraftRequest(_state(r), r.fill_ids()[:kv_len + 1], kv_len, len(d), kv_indices[i, :kv_len + len(d)].clone()))
-        drafts = self.drafter.propose_batch(reqs)
-        pos = 0
-        for r, got, d in zip(reqs, drafts, batch.drafts):
-            if len(got) != r.room:
-                raise RuntimeError(f"the drafter {type(self.drafter).__name__} proposed {len(got)} tokens where "
-                                   f"{r.room} were asked for")
-            batch.input_ids[pos + 1:pos + 1 + r.room] = d[:] = got
+        pos, parents = 0, []
+        for r, got, d in zip(reqs, self.drafter.propose_batch(reqs), batch.drafts):
+            tokens, tree = as_tree(got)
+            if len(tokens) != r.room or (tree is not None and not self.trees):
+                raise RuntimeError(f"the drafter {type(self.drafter).__name__} proposed {len(tokens)} tokens "
+                                   f"{'as a tree ' if tree else ''}where a {'chain' if not self.trees else 'draft'} "
+                                   f"of {r.room} was asked for")
+            batch.input_ids[pos + 1:pos + 1 + r.room] = d[:] = tokens
+            parents.append(tree)
             pos += 1 + r.room
         batch.draft_pending = False
+        if any(p is not None for p in parents):
+            _set_trees(batch, parents)
 
     def observe(self, batch: Any, sampled: list[int], kv_indices: torch.Tensor) -> None:
         """Hand the drafter the last target forward's features (``DraftContext.capture``), per
         request the positions whose results stand and the token after each (on the forward thread,
         after sampling; ``sampled``: the batch's sampled tokens, a verify's rows in order)."""
-        obs, row, k, live = [], 0, 0, set(batch.live)
+        obs, rows, row, live = [], [], 0, set(batch.live)
         for i, (r, n) in enumerate(zip(batch.reqs, batch.extend_lens)):
-            start, ids = batch.seq_lens[i] - n, batch.input_ids[row + 1:row + n]
-            if batch.drafts is not None:  # a verify: the last token and the kept drafts stand
-                kept = accepted(batch.drafts[i], sampled[k:k + n])
-                ids, k = ids[:kept] + [sampled[k + kept]], k + n
+            start, ids, at = batch.seq_lens[i] - n, batch.input_ids[row + 1:row + n], list(range(row, row + n))
+            if batch.drafts is not None:  # a verify: the last token and the kept nodes stand, at their rows
+                path, nxt = walk(batch.drafts[i], batch.draft_parents[i] if batch.draft_parents else None, sampled[row:row + n])
+                ids, at = [batch.drafts[i][j] for j in path] + [nxt], [row] + [row + 1 + j for j in path]
             elif i in live:  # the token sampled after the last position
                 ids = ids + [sampled[i]]
             elif start + n < len(r.prompt_ids):  # a prompt's chunk: the next prompt token
@@ -156,23 +188,52 @@ class Speculator:
             else:
                 ids = ids[:n - 1]
             if ids:
-                obs.append(DraftObservation(_state(r), start, ids, row, kv_indices[i, :start + len(ids)].clone()))
+                obs.append(DraftObservation(_state(r), start, ids, len(rows), kv_indices[i, :start + len(ids)].clone()))
+                rows += at[:len(ids)]
             row += n
         if obs:
-            self.drafter.observe(obs, self.features())
+            features = self.features()
+            self.drafter.observe(obs, features if rows == list(range(len(features))) else
+                                 features.index_select(0, torch.tensor(rows, device=features.device)))
 
-    def kept(self, req: Req, draft: list[int], sampled: list[int]) -> list[int]:
-        """The tokens a verify keeps: the draft's prefix the target sampled too, then the target's
-        own token at the first position where they differ (or after the whole draft)."""
-        n = accepted(draft, sampled)
+    def verified(self, batch: Any, sampled: list[int], kv_indices: torch.Tensor) -> tuple[list[int], list[int]] | None:
+        """The KV moves (source, destination slots) that bring a tree verify's kept nodes to their
+        positions, or None (no trees, or every kept path a prefix of the layout)."""
+        if not batch.draft_parents:
+            return None
+        src, dst, row = [], [], 0
+        for i, (d, p) in enumerate(zip(batch.drafts, batch.draft_parents)):
+            if p is not None:
+                path, _ = walk(d, p, sampled[row:row + 1 + len(d)])
+                s, t = kv_moves(batch.seq_lens[i] - 1 - len(d), path, kv_indices[i])
+                src, dst = src + s, dst + t
+            row += 1 + len(d)
+        return (src, dst) if src else None
+
+    def kept(self, req: Req, draft: list[int], sampled: list[int], parents: list[int] | None = None) -> list[int]:
+        """The tokens a verify keeps: the drafted path the target sampled too (a chain's prefix, a
+        tree's path from the root), then the target's own token after it."""
+        path, nxt = walk(draft, parents, sampled)
+        n = len(path)
         if draft:
             if req.spec_pace is None:
                 req.spec_pace = Pace()
-            req.spec_pace.update(n)
+            req.spec_pace.update(n, len(draft), max(depths(parents)) if parents else len(draft))
         req.spec_verify_ct += 1
         req.spec_num_proposed_drafts += len(draft)
         req.spec_num_correct_drafts += n
-        return sampled[:n + 1]
+        return [draft[j] for j in path] + [nxt]
+
+
+def _set_trees(batch: Any, parents: list[list[int] | None]) -> None:
+    """Mark ``batch``'s trees (``draft_parents``) and give their nodes their depths as positions
+    (a new list: the batch's table writes share the old one, whose columns are the layout's)."""
+    batch.draft_parents, batch.positions, row = parents, list(batch.positions), 0
+    for i, (d, p) in enumerate(zip(batch.drafts, parents)):
+        if p is not None:
+            base = batch.positions[row]
+            batch.positions[row + 1:row + 1 + len(d)] = [base + k for k in depths(p)]
+        row += 1 + len(d)
 
 
 def _state(r: Req) -> dict:
@@ -202,26 +263,31 @@ def accepted(draft: list[int], sampled: list[int]) -> int:
 def build_speculator(args: Any, plugins: Any) -> Speculator | None:
     """The speculator ``--speculative-algorithm`` asks for, or None. A model drafter's chain is
     ``--speculative-num-steps`` long (``--speculative-num-draft-tokens`` is then one more, as
-    SGLang sets it for chains); others draft up to ``--speculative-num-draft-tokens`` - 1."""
+    SGLang sets it for chains); a tree (``--speculative-eagle-topk`` k > 1, for a drafter whose
+    ``trees`` is true) has ``--speculative-num-draft-tokens`` - 1 nodes, by default k per level;
+    other drafters draft up to ``--speculative-num-draft-tokens`` - 1 tokens."""
     name = args.speculative_algorithm
     if not name:
         for flag in ("num_draft_tokens", "num_steps", "eagle_topk", "draft_model_path"):
             if getattr(args, "speculative_" + flag) is not None:
                 raise CoreError(f"--speculative-{flag.replace('_', '-')} needs --speculative-algorithm (e.g. NGRAM)")
         return None
-    if (args.speculative_eagle_topk or 1) != 1:
-        raise CoreError(f"--speculative-eagle-topk {args.speculative_eagle_topk}: draft trees are not supported yet; "
-                        "drafts are chains (--speculative-eagle-topk 1)")
     drafter = plugins.resolve("speculative_algorithm", name)(args)
-    n = args.speculative_num_draft_tokens
+    n, topk = args.speculative_num_draft_tokens, args.speculative_eagle_topk or 1
+    if topk < 1 or (topk > 1 and not getattr(drafter, "trees", False)):
+        raise CoreError(f"--speculative-eagle-topk {topk}: --speculative-algorithm {name} drafts chains "
+                        "(--speculative-eagle-topk 1); EAGLE and EAGLE3 draft trees")
     if hasattr(drafter, "propose_batch"):
         steps = args.speculative_num_steps if args.speculative_num_steps is not None else DEFAULT_NUM_STEPS
         if steps < 1:
             raise CoreError(f"--speculative-num-steps must be >= 1, got {steps}")
-        if n is not None and n != steps + 1:
-            log.warning("speculative.num_draft_tokens_adjusted", asked=n, used=steps + 1, why="a chain of "
-                        "--speculative-num-steps drafts and the last token")
-        n = steps + 1
+        if topk > 1:
+            n = min(n or topk * steps + 1, topk * steps + 1)
+        else:
+            if n is not None and n != steps + 1:
+                log.warning("speculative.num_draft_tokens_adjusted", asked=n, used=steps + 1, why="a chain of "
+                            "--speculative-num-steps drafts and the last token")
+            n = steps + 1
     else:
         if args.speculative_draft_model_path is not None:
             raise CoreError(f"--speculative-draft-model-path is not used by --speculative-algorithm {name}")

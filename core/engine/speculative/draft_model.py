@@ -74,6 +74,16 @@ class EngineDraftContext:
     backend_name: str
     features: Callable[[], torch.Tensor] | None = None  # set by ``capture``: the last target forward's features
 
+    @property
+    def trees(self) -> bool:
+        """Whether draft trees are verified whole: the backend takes tree masks and no layer of the
+        target attends through a sliding window (tree positions are depths, not columns)."""
+        cfg = self.target_config.hf_config
+        types = getattr(cfg, "layer_types", None)
+        sliding = "sliding_attention" in types if types is not None else bool(getattr(cfg, "sliding_window", None))
+        backend = self.plugins.resolve("attention_backend", self.backend_name)
+        return bool(getattr(backend, "supports_tree_mask", False)) and not sliding
+
     def capture(self, layers: Sequence[int]) -> None:
         inner = getattr(self.target, "model", None)
         if not hasattr(inner, "capture_layers"):

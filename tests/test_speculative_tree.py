@@ -1,0 +1,109 @@
+"""Draft trees (issue 43): a drafter may return a ``DraftTree``; the engine verifies it in one
+forward under a tree mask (positions are depths), keeps the path the target's samples follow, and
+moves the kept nodes' KV to their positions before the next forward reads it. An oracle tree
+whose right branch is never the first child makes every kept node move: greedy output equals
+plain decoding's, also from a second round that reads the moved KV from the prefix cache."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from core.engine.speculative.tree import depths, first_chain, kv_moves, mask_rows, walk
+from core.interfaces import DraftTree
+from tests.conftest import build_tiny_llama, make_engine
+
+PROMPTS = [[5 + (i * 7 + j) % 13 for j in range(30 + 5 * i)] for i in range(4)]
+GREEDY = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tiny-tree")
+    build_tiny_llama(path, seed=3)
+    return path
+
+
+class TreeOracle:
+    """Per depth a wrong sibling first, then the reference token, each under the previous
+    reference node: the kept path runs through second children only."""
+
+    def __init__(self, want: dict[tuple[int, ...], list[int]]) -> None:
+        self.want, self.calls = want, 0
+
+    def propose(self, state: dict, tokens, max_tokens: int) -> DraftTree:
+        self.calls += 1
+        prompt = next(p for p in self.want if tuple(tokens[:len(p)]) == p)
+        done = len(tokens) - len(prompt)
+        toks, parents, last = [], [], -1
+        for t in self.want[prompt][done:done + max_tokens // 2]:
+            toks += [(t + 1) % 256, t]
+            parents += [last, last]
+            last = len(toks) - 1
+        return DraftTree(toks, parents)
+
+
+def generate(path: Path, drafter: Any = None, trees: bool | None = None, **kwargs: Any) -> tuple[list[dict], Any]:
+    eng = make_engine(path, dtype="float32", device="cpu", **kwargs)
+    try:
+        if drafter is not None:
+            eng.engine.scheduler.speculator.drafter = drafter
+        if trees is not None:
+            eng.engine.scheduler.speculator.trees = trees
+        outs = eng.generate(input_ids=PROMPTS, sampling_params=[GREEDY] * len(PROMPTS))
+        eng.engine.scheduler.check_accounting()
+        return outs, eng.engine
+    finally:
+        eng.shutdown()
+
+
+def test_tree_helpers():
+    parents = [-1, -1, 1, 1, 3]  # node 0 and 1 under the root; 2 and 3 under 1; 4 under 3
+    assert depths(parents) == [1, 1, 2, 2, 3]
+    m = mask_rows(parents, 6)
+    rows = [[j for j in range(6) if m[i * 6 + j]] for i in range(6)]
+    assert rows == [[0], [0, 1], [0, 2], [0, 2, 3], [0, 2, 4], [0, 2, 4, 5]]
+    assert mask_rows(None, 3) == [True, False, False, True, True, False, True, True, True]
+    tokens = [10, 11, 12, 13, 14]
+    assert walk(tokens, parents, [11, 0, 13, 0, 14, 99]) == ([1, 3, 4], 99)  # root -> 11 -> 13 -> 14, then 99
+    assert walk(tokens, parents, [10, 7, 0, 0, 0, 0]) == ([0], 7)
+    assert walk(tokens, parents, [42, 0, 0, 0, 0, 0]) == ([], 42)
+    assert walk([10, 11], None, [10, 11, 5]) == ([0, 1], 5)  # a chain
+    assert first_chain(tokens, parents) == [10]
+    assert first_chain([1, 2, 3, 4], [-1, 0, 0, 1]) == [1, 2, 4]
+    import torch
+
+    slots = torch.arange(100, 120)
+    # kv_len 4: the root at column 4, node j at 5 + j; kept nodes 1, 3, 4 belong at columns 5, 6, 7
+    assert kv_moves(4, [1, 3, 4], slots) == ([106, 108, 109], [105, 106, 107])
+    assert kv_moves(4, [0, 1], slots) == ([], [])
+
+
+@pytest.mark.parametrize("variant", [{}, {"page_size": 4}, {"chunked_prefill_size": 16}, {"attention_backend": "torch_native"}],
+                         ids=["cpu", "page_size_4", "chunked", "torch_native"])
+def test_trees_verify_in_one_forward_and_keep_the_targets_path(tiny, variant):
+    plain, _ = generate(tiny, **variant)
+    want = {tuple(p): o["output_ids"] for p, o in zip(PROMPTS, plain)}
+    oracle = TreeOracle(want)
+    spec, engine = generate(tiny, oracle, speculative_algorithm="NGRAM", speculative_num_draft_tokens=9, **variant)
+    assert engine.scheduler.speculator.trees  # the backend takes tree masks
+    assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in plain]
+    assert oracle.calls > 0
+    for o in spec:
+        m = o["meta_info"]
+        assert m["spec_num_correct_drafts"] * 2 >= m["spec_num_proposed_drafts"] - 2  # every right node kept
+        assert m["spec_verify_ct"] <= len(o["output_ids"]) // 4 + 2
+    # the kept nodes' moved KV went to the prefix cache: a second round over it gives plain tokens
+    again, _ = generate(tiny, TreeOracle(want), speculative_algorithm="NGRAM", speculative_num_draft_tokens=9, **variant)
+    assert [o["output_ids"] for o in again] == [o["output_ids"] for o in plain]
+
+
+def test_without_tree_masks_the_first_chain_is_verified(tiny):
+    plain, _ = generate(tiny)
+    want = {tuple(p): o["output_ids"] for p, o in zip(PROMPTS, plain)}
+    spec, _ = generate(tiny, TreeOracle(want), trees=False, speculative_algorithm="NGRAM", speculative_num_draft_tokens=9)
+    assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in plain]
+    # the first chain is the wrong first child alone: nothing is kept
+    assert all(o["meta_info"]["spec_num_correct_drafts"] == 0 < o["meta_info"]["spec_num_proposed_drafts"] for o in spec)
