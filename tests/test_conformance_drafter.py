@@ -1,6 +1,7 @@
-"""The drafter suite of the conformance kit: the built-in NGRAM (a chain drafter), STANDALONE (a
-model drafter) and EAGLE / EAGLE3 (model drafters whose heads read the target's features through
-``observe``) pass it, and drafters that break the engine's contract are caught by case."""
+"""The drafter suite of the conformance kit: the built-in NGRAM (a chain drafter, drafting trees
+too), STANDALONE (a model drafter) and EAGLE / EAGLE3 (model drafters whose heads read the target's
+features through ``observe``, drafting trees with ``speculative_eagle_topk`` 2) pass it, and
+drafters that break the engine's contract are caught by case."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import attrs
 import pytest
 import torch
 
-from core.interfaces import DraftSeq
+from core.interfaces import DraftSeq, DraftTree
 from core.testing import check_plugin, drafter_conformance  # noqa: F401  (collected as a test class)
-from core.testing.drafter import CHAIN_CASES, MODEL_CASES
+from core.testing.drafter import CHAIN_CASES, MODEL_CASES, DrafterSubject, _check_slots, _simulate
+from core_plugins.speculative import eagle
 from core_plugins.speculative.eagle import Eagle3Drafter, EagleDrafter
 from core_plugins.speculative.ngram import NgramDrafter
 from core_plugins.speculative.standalone import StandaloneDrafter
@@ -51,6 +53,31 @@ def test_each_interface_gets_its_own_cases(name, runs, skips):
     assert all(results[c].status == "skipped" for c in skips)
 
 
+def test_eagle_trees_are_checked_with_topk_2():
+    """The kit runs a drafter whose ``trees`` is true with ``speculative_eagle_topk`` 2 too: EAGLE's
+    trees (room nodes, branching) pass the slot checks, each node's KV in its own verify slot."""
+    e = _simulate(DrafterSubject.build("EAGLE"), "draft_kv_slots", steps=8, retract_at=5, topk=2)
+    trees = [(t, p) for c in e.calls if c.drafts is not None for t, p in c.drafts if p is not None]
+    assert len(trees) > 5 and any(len(set(p)) < len(p) for _, p in trees)  # siblings: real trees
+    for call in e.calls:
+        _check_slots(e, call)
+
+
+def test_eagle_trees_in_a_chains_slot_layout_fail(monkeypatch):
+    """EAGLE with every tree node's KV at its position's own slot (siblings share it, a child sees
+    whichever sibling wrote last) fails draft_kv_slots, on the topk 2 run."""
+
+    def seq(self, node):
+        r, d = self.r, self.depth[node]
+        return DraftSeq([self.tokens[node]], r.kv_len + d - 1, r.slots[:r.kv_len + d])
+
+    monkeypatch.setattr(eagle._Tree, "seq", seq)
+    results = {r.case: r for r in check_plugin("EAGLE", "speculative_algorithm")}
+    assert results["draft_kv_slots"].status == "failed"
+    assert "speculative_eagle_topk 2" in results["draft_kv_slots"].message
+    assert results["batch_drafts"].status == "passed"
+
+
 # --------------------------------------------------------------------------- chain drafters breaking the contract
 
 
@@ -65,6 +92,22 @@ class Stateful(NgramDrafter):
     def propose(self, state, tokens, max_tokens):
         state["calls"] = state.get("calls", 0) + 1
         return [state["calls"] % 7][:max_tokens]
+
+
+class ParentAfterNode(NgramDrafter):
+    """A tree whose first node's parent is a later node."""
+
+    def propose(self, state, tokens, max_tokens):
+        draft = super().propose(state, tokens, max_tokens)
+        tokens = draft.tokens if isinstance(draft, DraftTree) else draft
+        return DraftTree(tokens, [len(tokens) - 1] + list(range(len(tokens) - 1))) if len(tokens) > 1 else draft
+
+
+class TreeTooBig(NgramDrafter):
+    """A valid tree of one node more than max_tokens."""
+
+    def propose(self, state, tokens, max_tokens):
+        return DraftTree([1] * (max_tokens + 1), [-1] * (max_tokens + 1)) if max_tokens else []
 
 
 class NoShrink(NgramDrafter):
@@ -157,6 +200,14 @@ class CapturesWithoutObserve(StandaloneDrafter):
         ctx.capture(())
 
 
+class TreeOfTooFewNodes(EagleDrafter):
+    """Drops a tree's last node (the engine wants exactly room nodes)."""
+
+    def propose_batch(self, reqs):
+        return [DraftTree(d.tokens[:-1], d.parents[:-1]) if isinstance(d, DraftTree) else d
+                for d in super().propose_batch(reqs)]
+
+
 class NoLoad:
     """propose_batch without load: the engine treats it as a model drafter and calls load."""
 
@@ -167,7 +218,9 @@ class NoLoad:
         return [[0] * r.room for r in reqs]
 
 
-@pytest.mark.parametrize("bad,case", [(TooLong, "valid_drafts"), (Stateful, "state_is_a_cache"),
+@pytest.mark.parametrize("bad,case", [(TooLong, "valid_drafts"), (ParentAfterNode, "valid_drafts"),
+                                      (TreeTooBig, "valid_drafts"), (TreeOfTooFewNodes, "batch_drafts"),
+                                      (Stateful, "state_is_a_cache"),
                                       (NoShrink, "shorter_sequences"), (OneTooMany, "batch_drafts"),
                                       (PastItsRoom, "draft_kv_slots"), (TrustsItsKV, "growing_requests"),
                                       (KeepsStateItself, "retracted_requests"), (NoLoad, "batch_drafts"),

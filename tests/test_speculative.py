@@ -1,7 +1,8 @@
-"""Speculative decoding (issue 43, first part): the drafter plugin kind, the NGRAM drafter, and
-verification by the target model. Greedy decoding gives exactly plain decoding's tokens whatever
-the drafts are; a verify keeps the drafted prefix the target agrees with plus the target's own
-next token; the KV of rejected tokens never reaches the prefix cache; SGLang's meta_info counts."""
+"""Speculative decoding (issue 43, first part): the drafter plugin kind, the NGRAM drafter (chains
+and trees from the request's own context), and verification by the target model. Greedy decoding
+gives exactly plain decoding's tokens whatever the drafts are; a verify keeps the drafted prefix
+the target agrees with plus the target's own next token; the KV of rejected tokens never reaches
+the prefix cache; SGLang's meta_info counts."""
 
 from __future__ import annotations
 
@@ -79,6 +80,95 @@ def test_the_ngram_drafter_copies_the_requests_own_context():
     assert d.propose({}, [1, 2, 1, 2], 0) == []
     assert d.propose(state, [1, 2, 3, 1, 2], 3) == [3, 1, 2]  # fewer tokens than indexed (retracted): starts again
     assert state["done"] == 5 and (3, 1) in state["index"] and (9, 1) not in state["index"]
+
+
+def test_the_ngram_drafter_proposes_a_tree_of_earlier_occurrences():
+    """Several earlier occurrences of the context's suffix, followed by different tokens: a trie of
+    their continuations whose first chain is the latest occurrence's (today's chain), the older
+    ones branching off where they differ, the longest match's before shorter ones'."""
+    from core.engine.speculative.tree import first_chain
+    from core.interfaces import DraftTree
+
+    d = NgramDrafter()
+    tokens = [1, 2, 3, 4, 9, 1, 2, 5, 6, 1, 2]  # "1 2" followed by "3 4 .." then, later, by "5 6 .."
+    tree = d.propose({}, tokens, 8)
+    assert isinstance(tree, DraftTree)
+    assert first_chain(tree.tokens, tree.parents) == [5, 6, 1, 2]  # the latest occurrence's continuation, as is
+    assert tree == DraftTree([5, 6, 1, 2, 3, 4, 9, 1], [-1, 0, 1, 2, -1, 4, 5, 6])  # the older one: a root branch
+    # the node cap: at most max_tokens nodes, the latest continuation first, parents before children
+    assert d.propose({}, tokens, 6) == DraftTree([5, 6, 1, 2, 3, 4], [-1, 0, 1, 2, -1, 4])
+    assert d.propose({}, tokens, 4) == [5, 6, 1, 2]  # the chain fills the cap: a plain list
+    # shared prefixes merge: "7 1 2" twice, followed by "3 5 .." (the latest) and "3 8 .."
+    tree = d.propose({}, [1, 2, 3, 4, 0, 7, 1, 2, 3, 8, 0, 7, 1, 2, 3, 5, 7, 1, 2], 8)
+    assert tree == DraftTree([3, 5, 7, 1, 2, 8, 0, 7], [-1, 0, 1, 2, 3, 0, 5, 6])
+    # the longest match first ("7 1 2": "5 0 .."), though a shorter one ("1 2": "3 7 ..") occurred later
+    tree = d.propose({}, [7, 1, 2, 5, 0, 1, 2, 3, 7, 1, 2], 12)
+    assert tree == DraftTree([5, 0, 1, 2, 3, 7, 1, 2, 3, 7, 1, 2], [-1, 0, 1, 2, 3, 4, 5, 6, -1, 8, 9, 10])
+    # one occurrence, or occurrences that agree: a chain, as a list
+    assert d.propose({}, [1, 2, 3, 4, 5, 9, 1, 2, 3], 4) == [4, 5, 9, 1]
+    assert d.propose({}, [1, 2, 3, 1, 2, 3, 1, 2], 8) == [3, 1, 2]  # the latest continuation is never extended
+    # the index keeps the latest ``ENDS`` ends per n-gram, and a kept state drafts what a fresh one does
+    state: dict = {}
+    seq = [1, 2, 3, 1, 2, 4, 1, 2, 5, 1, 2, 6, 1, 2, 7, 1, 2]
+    for n in range(1, len(seq) + 1):
+        assert d.propose(state, seq[:n], 8) == d.propose({}, seq[:n], 8)
+    assert state["index"][(1, 2)] == [5, 8, 11, 14]  # (the one ending at 2 dropped)
+    tree = d.propose(state, seq, 40)
+    assert [tree.tokens[j] for j, p in enumerate(tree.parents) if p == -1] == [7, 6, 5, 4]  # most recent first
+
+
+@pytest.fixture(scope="module")
+def bigram(tmp_path_factory) -> Path:
+    """A tiny model whose attention output is zeroed: its next token depends on the last token
+    only, so its greedy answers cycle and follow whatever a prompt says comes next."""
+    import torch
+
+    path = tmp_path_factory.mktemp("tiny-bigram")
+    model = build_tiny_llama(path, seed=3)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+    model.save_pretrained(path)
+    return path
+
+
+def test_ngram_trees_keep_plain_tokens_and_at_least_the_chains_drafts(bigram):
+    """Prompts where the suffix's latest occurrence is followed by the wrong tokens and an older
+    one by the answer: the chain drafts the wrong ones, the tree also the older continuation as a
+    branch. Greedy tokens are plain decoding's either way, and trees keep at least as many drafts."""
+    from core.interfaces import DraftTree
+
+    plain = make_engine(bigram)
+    try:
+        starts = [[c] for c in (5, 17, 40, 99)]
+        outs = plain.generate(input_ids=starts, sampling_params=[GREEDY] * 4)
+        runs = [s + o["output_ids"] for s, o in zip(starts, outs)]  # greedy runs t0 t1 t2 ...
+        # "t0 t1" followed by the answer, then later by wrong tokens; the prompt ends with t0, whose
+        # next token t1 makes "t0 t1" the suffix the first draft looks up
+        prompts = [t[:8] + [3] + t[:2] + [t[5] + 1, t[6] + 1] + t[:1] for t in runs]
+        want = [o["output_ids"] for o in plain.generate(input_ids=prompts, sampling_params=[GREEDY] * 4)]
+    finally:
+        plain.shutdown()
+    assert [w[:6] for w in want] == [t[1:7] for t in runs]  # the answer: the older occurrence's continuation
+
+    def run(trees: bool) -> tuple[int, int]:
+        eng = make_engine(bigram, speculative_algorithm="NGRAM")
+        try:
+            spec = eng.engine.scheduler.speculator
+            assert spec.trees  # the CPU's attention backends take tree masks
+            spec.trees = trees
+            propose, proposed = spec.drafter.propose, []
+            spec.drafter.propose = lambda state, tokens, k: proposed.append(propose(state, tokens, k)) or proposed[-1]
+            outs = eng.generate(input_ids=prompts, sampling_params=[GREEDY] * 4)
+            eng.engine.scheduler.check_accounting()
+        finally:
+            eng.shutdown()
+        assert [o["output_ids"] for o in outs] == want
+        kept = sum(o["meta_info"]["spec_num_correct_drafts"] for o in outs)
+        return kept, sum(isinstance(t, DraftTree) for t in proposed)
+
+    (tree_kept, tree_drafts), (chain_kept, _) = run(True), run(False)
+    assert tree_drafts > 0 and tree_kept >= chain_kept > 0, (tree_kept, chain_kept)
 
 
 def test_the_builtin_ngram_drafter_keeps_plain_tokens(tiny):

@@ -22,10 +22,10 @@ suite                                     required fixture        checked agains
 ``tool_parser_conformance``               ``tool_parser``         its own ``parse``, samples, round trips
 ``reasoning_parser_conformance``          ``reasoning_parser``    its own ``parse``, samples
 ``grammar_backend_conformance``           ``grammar_backend``     oracles for JSON schema, regex, EBNF
-``drafter_conformance``                   ``speculative_algorithm``  the engine's contract for drafts (a
-                                                                     model drafter on a fake draft model
-                                                                     or EAGLE head, observing a fake
-                                                                     target's features)
+``drafter_conformance``                   ``speculative_algorithm``  the engine's contract for drafts,
+                                                                     chains and trees (a model drafter on
+                                                                     a fake draft model or EAGLE head,
+                                                                     observing a fake target's features)
 ========================================  ======================  ===================================
 
 Outside pytest, :func:`check_plugin` runs a suite and returns a :class:`CaseResult` per case.
