@@ -123,7 +123,7 @@ def test_step_inputs_record_the_slots_and_gather_each_sequences_row(writes, seqs
     w_rows, w_cols, w_slots = map(list, zip(*entries))
     batch = SimpleNamespace(reqs=reqs, table_writes=(w_rows, w_cols, w_slots), is_prefill=False, input_ids=[1] * seqs,
                             positions=[n - 1 for n in lens], out_cache_loc=[0] * seqs, extend_lens=[1] * seqs,
-                            rows=rows, seq_lens=lens, live=list(range(seqs)))
+                            rows=rows, seq_lens=lens, live=list(range(seqs)), draft_parents=None)
     inputs, live, _ = runner.step_inputs(batch)
     for r, p, s in entries:
         assert table.table[r, p].item() == s
