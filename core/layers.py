@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Callable, Iterable, Mapping
+from typing import AbstractSet as Set, Callable, Iterable, Mapping
 
 import attrs
 import torch
@@ -465,6 +465,7 @@ def load_packed_weights(
     weights: Iterable[tuple[str, torch.Tensor]],
     packed: Mapping[str, tuple[str, object]] = {},
     skip: Callable[[str], bool] = lambda name: False,
+    optional: Set[str] = frozenset(),
 ) -> set[str]:
     """Copy checkpoint tensors into ``model``'s parameters by name.
 
@@ -495,7 +496,7 @@ def load_packed_weights(
     for pname in params:
         shards = [pname.replace(f".{dst}.", f".{src}.") for src, (dst, _) in packed.items() if f".{dst}." in pname]
         expected.update(shards or [pname])
-    missing = sorted(expected - seen)
+    missing = sorted(expected - seen - optional)  # an ``optional`` one the caller fills itself (e.g. shared)
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise ModelLoadError(f"checkpoint is missing {len(missing)} tensor(s): {', '.join(missing[:5])}{more}")

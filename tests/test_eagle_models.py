@@ -223,7 +223,7 @@ def test_eagle_bad_checkpoints(eagle_case):
     missing = {k: v for k, v in ck.items() if k != "layers.1.mlp.down_proj.weight"}
     with pytest.raises(ModelLoadError, match="down_proj"):
         LlamaForCausalLMEagle(cfg, ctx()).load_weights(missing.items())
-    with pytest.raises(ModelLoadError, match="no matching parameter"):
+    with pytest.raises(ModelLoadError, match="no matching model parameter"):
         LlamaForCausalLMEagle(cfg, ctx()).load_weights({**ck, "layers.5.mlp.up_proj.weight": torch.zeros(1)}.items())
 
 

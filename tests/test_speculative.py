@@ -260,28 +260,27 @@ def test_http_meta_info_metrics_and_bench_serving_report_the_accept_length(tiny)
     assert report["accept_length"] == 3.0 and "Accept length" in format_report(report)
 
 
-def test_sampled_verification_keeps_the_target_distribution(tiny):
-    """Rejection sampling against a deterministic draft: with drafts of the greedy continuation,
-    sampled outputs (temperature 1, top-k 4) have the plain engine's distribution. Position by
-    position, the total variation distance between the two samples stays within what 1,500 draws
-    each allow; accepting every draft instead would move most of the mass onto the drafted token."""
+def check_sampled_distribution(path: Path, drafter_for: Any, max_new_tokens: int = 3, **engine: Any) -> None:
+    """1,500 sampled outputs (temperature 1, top-k 4) of the speculating engine, its drafter
+    ``drafter_for(prompt, greedy continuation)``, against the plain engine's: position by position
+    the total variation distance stays within what the draws allow (noise ~0.03-0.05 for these few
+    categories), and the drafted greedy pair is not over-represented (as an always-accepting
+    verify would make it)."""
     from collections import Counter
 
     n, prompt = 1500, PROMPTS[1]
-    sampled = {"max_new_tokens": 3, "temperature": 1.0, "top_k": 4, "ignore_eos": True}
-    plain_eng = make_engine(tiny, dtype="float32", device="cpu", max_running_requests=256, random_seed=1)
+    sampled = {"max_new_tokens": max_new_tokens, "temperature": 1.0, "top_k": 4, "ignore_eos": True}
+    plain_eng = make_engine(path, dtype="float32", device="cpu", max_running_requests=256, random_seed=1)
     try:
-        greedy = plain_eng.generate(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 3})["output_ids"]
+        greedy = plain_eng.generate(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": max_new_tokens})["output_ids"]
         plain = [o["output_ids"] for o in plain_eng.generate(input_ids=[prompt] * n, sampling_params=sampled)]
     finally:
         plain_eng.shutdown()
-    eng = make_engine(tiny, dtype="float32", device="cpu", max_running_requests=256, random_seed=2,
-                      speculative_algorithm="NGRAM")
+    eng = make_engine(path, dtype="float32", device="cpu", max_running_requests=256, random_seed=2,
+                      speculative_algorithm="NGRAM", **engine)
     try:
         eng.engine.scheduler.speculator.token_budget = 100_000  # (1,500 requests: past any device's budget)
-        eng.engine.scheduler.speculator.drafter = OracleDrafter({tuple(prompt): greedy})
-        eng.engine.scheduler.speculator.drafter.propose = (
-            lambda state, tokens, k: greedy[len(tokens) - len(prompt):][:k])  # the greedy continuation, as is
+        eng.engine.scheduler.speculator.drafter = drafter_for(prompt, greedy)
         outs = eng.generate(input_ids=[prompt] * n, sampling_params=sampled)
         spec = [o["output_ids"] for o in outs]
         assert sum(o["meta_info"]["spec_num_correct_drafts"] for o in outs) > n // 10  # drafts were verified and kept
@@ -292,14 +291,24 @@ def test_sampled_verification_keeps_the_target_distribution(tiny):
         ca, cb = Counter(a), Counter(b)
         return sum(abs(ca[k] - cb[k]) for k in ca.keys() | cb.keys()) / (2 * len(a))
 
-    # the first two positions (the first token from the prefill, the second from a verify where the
-    # first matched the draft): few categories, so 1,500 draws pin them down (noise ~0.03-0.05)
     assert tv([o[0] for o in plain], [o[0] for o in spec]) < 0.07
     assert tv([o[1] for o in plain], [o[1] for o in spec]) < 0.08
     assert tv([tuple(o[:2]) for o in plain], [tuple(o[:2]) for o in spec]) < 0.1
-    # an always-accepting verify would be caught: the drafted second token after the drafted first
     both = [o[:2] == greedy[:2] for o in plain].count(True), [o[:2] == greedy[:2] for o in spec].count(True)
     assert abs(both[0] - both[1]) < 0.05 * n, both
+
+
+def test_sampled_verification_keeps_the_target_distribution(tiny):
+    """Rejection sampling against a deterministic draft: with drafts of the greedy continuation as
+    is, sampled outputs keep the plain engine's distribution (the first token from the prefill, the
+    second from a verify where the first matched the draft)."""
+
+    def drafter_for(prompt: list[int], greedy: list[int]) -> Any:
+        d = OracleDrafter({tuple(prompt): greedy})
+        d.propose = lambda state, tokens, k: greedy[len(tokens) - len(prompt):][:k]  # the greedy continuation, as is
+        return d
+
+    check_sampled_distribution(tiny, drafter_for)
 
 
 def test_drafts_shrink_back_off_and_stop_under_load(tiny):

@@ -119,39 +119,30 @@ class LlamaModel(nn.Module):
         logits for :meth:`step_logits`."""
         self.__dict__.pop("_step_logits", None)
         x = self.embed_tokens(batch.input_ids)
-        if (capture := self.capture_layers):  # the per-layer path below: the fused stack keeps no layer inputs
-            return self._forward_capturing(x, batch, capture)
+        capture = self.capture_layers  # (the fused stack keeps no layer inputs: captures take the per-layer path)
         # the C++ ops attend causally: a verify of draft trees (batch.tree_mask) takes the Python layers
         fused = x.device.type == "cpu" and batch.tree_mask is None
-        if fused and (stack := self._cpu_stack(batch.attn_backend, head)) is not None and x.shape[0] < stack["max_rows"]:
+        if (fused and not capture and (stack := self._cpu_stack(batch.attn_backend, head)) is not None
+                and x.shape[0] < stack["max_rows"]):
             if x.shape[0] == len(batch.seq_lens_cpu) and x.shape[0] < stack["head_rows"]:  # one row per sequence: all sample
                 hidden, logits = cpu_decode.run_stack_head(stack, x, batch)
                 self.__dict__["_step_logits"] = (hidden, logits)
                 return hidden
             h, mlp_out = cpu_decode.run_stack(stack, x, batch)
             return self.norm(h + mlp_out)
-        pending = None  # a one-op layer's MLP output, added by the next one-op layer with its first norm
-        for layer in self.layers:
-            plan = getattr(layer, "_cpu_decode", None)
-            if fused and plan is not None and (fast := plan(batch.attn_backend)) is not None:
-                x, pending = cpu_decode.run(fast, x, batch, pending)
-                continue
-            if pending is not None:
-                x, pending = x + pending, None
-            x = layer(x, batch)
-        return self.norm(x if pending is None else x + pending)
+        return self.norm(self._layers(x, batch, fused, capture))
 
-    def _forward_capturing(self, x: torch.Tensor, batch: ForwardBatch, capture: tuple[int, ...]) -> torch.Tensor:
-        """:meth:`forward`'s per-layer path, keeping the residual stream at the input of each
-        layer in ``capture`` as ``self.captured``."""
+    def _layers(self, x: torch.Tensor, batch: ForwardBatch, fused: bool, capture: tuple[int, ...] = ()) -> torch.Tensor:
+        """The residual stream after every layer, each run as one C++ op where it has one and
+        ``fused`` allows; with ``capture``, the stream at the input of those layers (``len(layers)``:
+        after the last) is kept as ``self.captured``, concatenated in that order."""
         n = len(self.layers)
-        if any(not 0 <= i <= n for i in capture):
+        if capture and any(not 0 <= i <= n for i in capture):
             raise ValueError(f"capture_layers {capture} out of range for {n} layers (0..{n})")
         stream: dict[int, torch.Tensor] = {}
-        pending = None  # as in forward
-        fused = x.device.type == "cpu" and batch.tree_mask is None  # as in forward: no C++ ops for a draft tree
+        pending = None  # a one-op layer's MLP output, added by the next one-op layer with its first norm
         for i, layer in enumerate(self.layers):
-            if i in capture:
+            if capture and i in capture:
                 stream[i] = x if pending is None else x + pending
             plan = getattr(layer, "_cpu_decode", None)
             if fused and plan is not None and (fast := plan(batch.attn_backend)) is not None:
@@ -160,9 +151,11 @@ class LlamaModel(nn.Module):
             if pending is not None:
                 x, pending = x + pending, None
             x = layer(x, batch)
-        stream[n] = x if pending is None else x + pending
-        self.captured = torch.cat([stream[i] for i in capture], dim=-1)
-        return self.norm(stream[n])
+        x = x if pending is None else x + pending
+        if capture:
+            stream[n] = x
+            self.captured = torch.cat([stream[i] for i in capture], dim=-1)
+        return x
 
     def _cpu_stack(self, backend: Any, head: VocabEmbedding | None) -> dict[str, Any] | None:
         """Every layer as one C++ op (``kernels/cpu_decode.run_stack``), with the final norm and

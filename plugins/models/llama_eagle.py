@@ -26,8 +26,7 @@ from torch import nn
 from core import hookimpl
 from core.errors import ModelLoadError
 from core.interfaces import ForwardBatch, ModelContext
-from core.layers import (QKVParallelLinear, RMSNorm, RotaryEmbedding, VocabEmbedding, checkpoint_target,
-                         default_weight_loader)
+from core.layers import QKVParallelLinear, RMSNorm, RotaryEmbedding, VocabEmbedding, load_packed_weights
 from core_plugins.models.llama import LlamaDecoderLayer, head_dim_of
 
 PACKED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v")}
@@ -39,35 +38,13 @@ def _rotary(config) -> RotaryEmbedding:
 
 def _load(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], rename: Callable[[str], str | None],
           optional: set[str]) -> set[str]:
-    """Copy checkpoint tensors into ``model``'s parameters (``rename``: checkpoint name to parameter
-    name, None to skip). Unknown names, bad shapes and missing parameters raise ModelLoadError,
-    except missing ``optional`` ones, which are returned."""
-    params = dict(model.named_parameters())
-    seen: set[str] = set()
-    for name, tensor in weights:
-        if (mapped := rename(name)) is None:
-            continue
-        target, shard = checkpoint_target(mapped, PACKED)
-        if target not in params:
-            raise ModelLoadError(f"draft checkpoint tensor {name!r} has no matching parameter")
-        param = params[target]
-        loader = getattr(param, "weight_loader", None)
-        try:
-            if loader is None:
-                default_weight_loader(param, tensor.to(param.dtype))
-            else:
-                loader(param, tensor.to(param.dtype), shard)
-        except ValueError as e:
-            raise ModelLoadError(f"draft checkpoint tensor {name!r}: {e}") from None
-        seen.add(mapped)
-    expected: set[str] = set()
-    for pname in params:
-        parts = [pname.replace(f".{dst}.", f".{src}.") for src, (dst, _) in PACKED.items() if f".{dst}." in pname]
-        expected.update(parts or [pname])
-    missing = expected - seen
-    if bad := sorted(n for n in missing if n not in optional):
-        raise ModelLoadError(f"draft checkpoint is missing {len(bad)} tensor(s): {', '.join(bad[:5])}")
-    return {n for n in missing if n in optional}
+    """Load the draft checkpoint under SGLang's names (``rename``: checkpoint name to parameter
+    name, None to skip); returns the ``optional`` parameters it lacked (taken from the target)."""
+    named = ((m, t) for n, t in weights if (m := rename(n)) is not None)
+    try:
+        return optional - load_packed_weights(model, named, PACKED, optional=optional)
+    except ModelLoadError as e:
+        raise ModelLoadError(f"draft {e}") from None
 
 
 def _target_head(target: nn.Module) -> VocabEmbedding:
