@@ -130,7 +130,7 @@ def test_a_typo_exits_2_in_one_line_without_loading(tmp_path: Path) -> None:
     ("enable_metrics: 3\n", "enable_metrics: 3 is not allowed (allowed: true or false)"),
     ("schedule_policy: [lpm, fcfs]\n", "schedule_policy: takes one value, got the list ['lpm', 'fcfs']"),
     ("max_runing_requests: 3\n", "unknown flag --max-runing-requests; did you mean --max-running-requests"),
-    ("enable_hierarchical_cache: true\n", "--enable-hierarchical-cache is an SGLang flag this server does not support yet"),
+    ("enable_lmcache: true\n", "--enable-lmcache is an SGLang flag this server does not support yet"),
 ])
 def test_a_bad_config_value_names_the_file_and_key(capsys: pytest.CaptureFixture, tmp_path: Path, text: str,
                                                    expected: str) -> None:

@@ -147,10 +147,10 @@ def test_unsupported_engine_args_are_refused_by_type_and_value() -> None:
                                     "disaggregation_mode": "null"})
     assert args.model_path == "/m"
     # any other SGLang server argument is named as one, not as an unknown argument
-    with pytest.raises(CoreError, match="SGLang option.*not supported by this engine yet: enable_hierarchical_cache"):
-        engine_args_from_kwargs({"model_path": "/m", "enable_hierarchical_cache": True})
-    with pytest.raises(CoreError, match="unknown engine argument.*: enable_hierarchical_cach$"):
-        engine_args_from_kwargs({"model_path": "/m", "enable_hierarchical_cach": True})
+    with pytest.raises(CoreError, match="SGLang option.*not supported by this engine yet: enable_lmcache"):
+        engine_args_from_kwargs({"model_path": "/m", "enable_lmcache": True})
+    with pytest.raises(CoreError, match="unknown engine argument.*: enable_lmcach$"):
+        engine_args_from_kwargs({"model_path": "/m", "enable_lmcach": True})
 
 
 def test_embedding_endpoints_honour_refuse_or_log_every_field(two_models) -> None:

@@ -33,7 +33,7 @@ from core.engine.model_build import build_model
 from core.engine.cuda_graph import DEFAULT_MAX_BS, CudaGraphRunner, why_no_cuda_graph
 from core.engine.model_runner import ModelRunner
 from core.plugins import PluginManager, load_plugins
-from core.engine.radix_cache import RadixCache
+from core.engine.mem_cache.hierarchical import build_tree_cache
 from core.engine.request import Req
 from core.engine.sampler import Sampler
 from core.engine.scheduler import ScheduledBatch, Scheduler
@@ -157,7 +157,7 @@ class AsyncEngine(RequestFrontEnd):
         max_running = args.max_running_requests or max(1, min(256, self.max_total_tokens // 16))
         self.table = ReqToTokenTable(max_running, mc.context_len + ps, self.device)
         check_scheduling_args(args)
-        self.tree_cache = None if args.disable_radix_cache else RadixCache(ps, args.radix_eviction_policy)
+        self.tree_cache = build_tree_cache(args, self.allocator, self.kv_cache, per_token)  # (+ host tier: mem_cache)
         chunk = args.chunked_prefill_size
         if chunk is None:  # SGLang picks by GPU memory; 2048 (its small-GPU value) keeps a CPU forward short
             chunk = 8192 if self.device.type == "cuda" else DEFAULT_CPU_CHUNKED_PREFILL_SIZE

@@ -17,6 +17,9 @@ from typing import Any, Iterator, Sequence
 
 import attrs
 
+from core.engine.mem_cache import (
+    HICACHE_IO_BACKENDS, HICACHE_MEM_LAYOUTS, HICACHE_STORAGE_PREFETCH_POLICIES, HICACHE_WRITE_POLICIES,
+)
 from core.engine.radix_cache import EVICTION_POLICIES
 from core.engine.schedule_policy import SCHEDULE_POLICIES
 
@@ -112,6 +115,27 @@ class EngineArgs:
     disable_radix_cache: bool = _arg(False, MEMORY, "no prefix cache: every prompt is prefilled in full")
     radix_eviction_policy: str = _arg("lru", MEMORY, "which unused cached prefixes are evicted first when the KV pool "
                                                      "runs low", choices=EVICTION_POLICIES)
+    enable_hierarchical_cache: bool = _arg(False, MEMORY, "HiCache: prefixes evicted from the KV pool are kept in "
+                                                          "a host-memory pool and loaded back instead of re-prefilled "
+                                                          "(host tier only; not with --tp-size > 1 yet)",
+                                           aliases=("--enable-hicache",))
+    hicache_ratio: float = _arg(2.0, MEMORY, "host KV pool size as a multiple of the device pool's (must be > 1)")
+    hicache_size: int = _arg(0, MEMORY, "host KV pool size in GB; overrides --hicache-ratio when > 0")
+    hicache_write_policy: str = _arg("write_through", MEMORY, "when KV is copied to the host pool: write_back (at "
+                                                              "eviction), write_through (once computed), "
+                                                              "write_through_selective (once hit twice)",
+                                     choices=HICACHE_WRITE_POLICIES)
+    hicache_io_backend: str = _arg("kernel", MEMORY, "SGLang's host-device transfer kernels; accepted for "
+                                                     "compatibility, no effect here (copies are torch index copies)",
+                                   choices=HICACHE_IO_BACKENDS)
+    hicache_mem_layout: str = _arg("layer_first", MEMORY, "SGLang's host pool layouts; accepted for compatibility, no "
+                                                          "effect here (the host pool is laid out like the device "
+                                                          "pool, layer first)", choices=HICACHE_MEM_LAYOUTS)
+    hicache_storage_backend: str | None = _arg(None, MEMORY, "storage tier under the host pool: not supported yet "
+                                                             "(any value is refused)")
+    hicache_storage_prefetch_policy: str = _arg("best_effort", MEMORY, "storage tier prefetch: not supported yet "
+                                                                       "(only the default is accepted)",
+                                                choices=HICACHE_STORAGE_PREFETCH_POLICIES)
     page_size: int = _arg(1, MEMORY, "tokens per KV cache page")
     kv_cache_dtype: str = _arg("auto", MEMORY, "KV cache dtype (auto: the model's; fp8_e4m3 / fp8_e5m2 store K/V in "
                                                "8 bits, twice the tokens in the same memory)", choices=KV_CACHE_DTYPES)

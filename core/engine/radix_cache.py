@@ -11,6 +11,12 @@ returns their pages to the caller, which owns the allocator.
 
 Pure bookkeeping over ints: no tensors, no allocator. Every page held by the tree is
 either ``evictable`` (no running request uses it) or ``protected`` (locked).
+
+Tiers (``core.engine.mem_cache.hierarchical``): a node's ``pages`` are its device pages, ``host``
+its pages in the host pool ([] when none). A node whose device pages were evicted keeps its key
+and its host pages, with ``pages == []``; the device-resident nodes always form a subtree at the
+root, so a match stops at the first node that is not on the device. This class never evicts to a
+lower tier itself; it only keeps such nodes consistent (``_split``, ``insert``, ``check``).
 """
 
 from __future__ import annotations
@@ -23,11 +29,12 @@ EVICTION_POLICIES = ("lru", "lfu")
 
 
 class TreeNode:
-    __slots__ = ("key", "pages", "parent", "children", "lock_ref", "last_access", "hit_count", "id")
+    __slots__ = ("key", "pages", "host", "parent", "children", "lock_ref", "last_access", "hit_count", "id")
     _ids = itertools.count()
 
     def __init__(self, key: list[int], pages: list[int], parent: TreeNode | None) -> None:
         self.key, self.pages, self.parent = key, pages, parent
+        self.host: list[int] = []  # pages in the host tier (core.engine.mem_cache), [] when none
         self.children: dict[tuple[int, ...], TreeNode] = {}
         self.lock_ref = 0
         self.last_access = 0
@@ -101,16 +108,18 @@ class RadixCache:
             m += ps
         return m
 
-    def match_prefix(self, ids: list[int]) -> tuple[list[int], TreeNode]:
+    def match_prefix(self, ids: list[int], load_back: bool = False) -> tuple[list[int], TreeNode]:
         """The pages of the longest cached page-aligned prefix of ``ids`` and the node it ends at.
 
-        A match ending inside an edge splits it, so the returned node covers exactly the match."""
+        A match ending inside an edge splits it, so the returned node covers exactly the match.
+        ``load_back`` (the match that admits a request) matters only to a tiered cache
+        (``mem_cache.hierarchical``): there, host-resident nodes continuing the match are loaded first."""
         ids = ids[: len(ids) // self.page_size * self.page_size]
         node, pages, i = self.root, [], 0
         now = next(self._clock)
         while i < len(ids):
             child = node.children.get(self._child_key(ids, i))
-            if child is None:
+            if child is None or not child.pages:  # (not on the device: a lower tier's, see mem_cache)
                 break
             m = self._match_len(child.key, ids, i)
             partial = m < len(child.key)
@@ -129,6 +138,7 @@ class RadixCache:
         ps = self.page_size
         upper = TreeNode(child.key[:m], child.pages[: m // ps], child.parent)
         upper.lock_ref, upper.last_access, upper.hit_count = child.lock_ref, child.last_access, child.hit_count
+        upper.host, child.host = child.host[: m // ps], child.host[m // ps :]
         child.parent.children[self._child_key(child.key, 0)] = upper
         child.key, child.pages, child.parent = child.key[m:], child.pages[m // ps :], upper
         upper.children[self._child_key(child.key, 0)] = child
@@ -138,10 +148,14 @@ class RadixCache:
     def insert(self, ids: list[int], pages: list[int]) -> int:
         """Insert ``ids`` (page-aligned) with their ``pages``; returns how many leading tokens were
         already cached: the caller's pages for those are duplicates it must free (unless they are
-        the very pages the tree holds, i.e. the prefix it matched)."""
+        the very pages the tree holds, i.e. the prefix it matched).
+
+        A node no longer on the device (its KV in a lower tier only) takes the caller's pages for
+        its tokens: those, and everything after them, are the tree's then, so the count returned
+        stops before the first such node."""
         ps = self.page_size
         assert len(ids) % ps == 0 and len(pages) == len(ids) // ps, (len(ids), len(pages), ps)
-        node, i = self.root, 0
+        node, i, adopted = self.root, 0, None
         now = next(self._clock)
         while i < len(ids):
             child = node.children.get(self._child_key(ids, i))
@@ -150,13 +164,25 @@ class RadixCache:
                 new.last_access = now
                 node.children[self._child_key(ids, i)] = new
                 self.evictable_pages += len(new.pages)  # a new leaf is unlocked
-                return i
+                self._inserted(new)
+                return i if adopted is None else adopted
             m = self._match_len(child.key, ids, i)
             if m < len(child.key):
                 child = self._split(child, m)
             child.last_access = now
+            if not child.pages:  # evicted to a lower tier: the caller's pages bring it back
+                child.pages = pages[i // ps : (i + m) // ps]
+                if child.lock_ref:
+                    self.protected_pages += len(child.pages)
+                else:
+                    self.evictable_pages += len(child.pages)
+                adopted = i if adopted is None else adopted
+                self._inserted(child)
             node, i = child, i + m
-        return i
+        return i if adopted is None else adopted
+
+    def _inserted(self, node: TreeNode) -> None:
+        """Called for each node ``insert`` creates or brings back to the device (a tiered cache's hook)."""
 
     def inc_lock_ref(self, node: TreeNode) -> None:
         while node is not self.root:
@@ -202,8 +228,11 @@ class RadixCache:
         """Assert the counters agree with the tree (used by tests)."""
         ev = pr = 0
         for n in self._nodes():
-            assert len(n.key) == len(n.pages) * self.page_size and n.key
+            assert n.key and len(n.key) == len(n.pages or n.host) * self.page_size, n
             assert n.parent.children[self._child_key(n.key, 0)] is n
+            assert n.pages or not n.lock_ref, ("a locked node is not on the device", n)
+            if n.pages:  # the device-resident nodes form a subtree at the root
+                assert n.parent is self.root or n.parent.pages, ("device node under an evicted one", n)
             if n.lock_ref:
                 pr += len(n.pages)
             else:

@@ -143,11 +143,11 @@ class Scheduler:
             cols.extend(range(start, end))
             slots.extend(req.pages[p // ps] * ps + p % ps for p in range(start, end))
 
-    def _match(self, req: Req) -> tuple[list[int], object]:
-        """Cached prefix of a waiting request: at least its last token is always recomputed (for logits)."""
+    def _match(self, req: Req, load: bool = False) -> tuple[list[int], object]:
+        """Cached prefix of a waiting request (its last token always recomputed); ``load``: admission's (mem_cache)."""
         if self.tree_cache is None or req.needs_prompt_logprobs:
             return [], None
-        return self.tree_cache.match_prefix(req.fill_ids()[: req.seq_len - 1])
+        return self.tree_cache.match_prefix(req.fill_ids()[: req.seq_len - 1], load_back=load)
 
     def _release_kv(self, req: Req, cache: bool = True) -> None:
         """Give back a request's pages: its computed tokens go into the prefix cache (page-aligned),
@@ -316,7 +316,7 @@ class Scheduler:
             req = self.waiting[0]
             if req.aborted:  # aborted between reap and now: dropped at the next step
                 break
-            pages, node = self._match(req)
+            pages, node = self._match(req, load=True)
             prefix = len(pages) * ps
             extend = req.seq_len - prefix
             if out and extend > rem_input:

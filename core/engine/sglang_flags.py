@@ -42,7 +42,7 @@ enable-deterministic-inference enable-dp-attention-local-control-broadcast enabl
 enable-draft-weights-cpu-backup enable-dsa-cache-layer-split enable-dsa-fused-indexer enable-dynamic-batch-tokenizer
 enable-dynamic-chunking enable-elastic-expert-backup enable-encoder-swa-bounded-replay enable-eplb
 enable-flashinfer-allreduce-fusion enable-flexkv enable-forward-pass-metrics enable-fp32-lm-head
-enable-fused-moe-sum-all-reduce enable-fused-qk-norm-rope enable-hicache enable-hierarchical-cache enable-hisparse
+enable-fused-moe-sum-all-reduce enable-fused-qk-norm-rope enable-hisparse
 enable-http-worker-reuseport enable-http2 enable-int8-mamba-checkpoint enable-kv-cache-sharding enable-layernorm-sp
 enable-layerwise-nvtx-marker enable-lean-attention enable-linear-replayssm enable-linear-replayssm-spec
 enable-linker-mla-dedup enable-lmcache enable-lora-overlap-loading enable-mamba-cache-stochastic-rounding
@@ -67,9 +67,9 @@ flashinfer-autotune-skip-ops flashinfer-mla-disable-ragged flashinfer-mxfp4-moe-
 forward-hooks forward-pass-metrics-ipc-name forward-pass-metrics-worker-id fp4-gemm-backend fp8-gemm-backend
 fuseep-mode gated-launch-port gc-threshold gc-warning-threshold-secs generation-tokens-buckets gpu-id-step
 grpc-http-sidecar-port grpc-mode grpc-port grpc-response-timeout-secs hf-chat-template-name
-hicache-host-memory-fraction hicache-host-memory-mode hicache-io-backend hicache-mem-layout hicache-ratio
-hicache-size hicache-storage-backend hicache-storage-backend-extra-config hicache-storage-prefetch-policy
-hicache-storage-prefetch-retry-max-attempts hicache-storage-prefetch-retry-poll-interval hicache-write-policy
+hicache-host-memory-fraction hicache-host-memory-mode 
+hicache-storage-backend-extra-config 
+hicache-storage-prefetch-retry-max-attempts hicache-storage-prefetch-retry-poll-interval 
 hierarchical-sparse-attention-extra-config hisparse-config http2-initial-connection-window-size
 http2-max-concurrent-streams image-processor-backend incremental-streaming-output init-expert-location
 int8-mamba-ckpt-size kt-cpuinfer kt-max-deferred-experts-per-token kt-method kt-num-gpu-experts kt-threadpool-count

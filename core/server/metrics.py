@@ -86,6 +86,24 @@ class Metrics:
         self.spec_accept_rate = gauge("sglang:spec_accept_rate", "Speculative acceptance rate (accepted drafts / "
                                       "proposed drafts, over finished requests).")
         self._spec = [0, 0, 0, 0]  # tokens, verifies, correct drafts, proposed drafts of finished requests
+        # HiCache's host tier (core.engine.mem_cache.hierarchical; SGLang exports none of its own for it):
+        # counters follow the cache's cumulative stats at scrape time, zero while the tier is off
+        self.hicache = {
+            "host_hit_tokens": counter("core:hicache_host_hit_tokens", "Prompt tokens served from the host tier "
+                                       "(loaded back instead of prefilled)."),
+            "bytes_to_host": counter("core:hicache_device_to_host_bytes", "KV bytes copied from the device pool "
+                                     "to the host pool (backups)."),
+            "bytes_to_device": counter("core:hicache_host_to_device_bytes", "KV bytes copied from the host pool "
+                                       "back to the device pool (load-backs)."),
+            "load_seconds": counter("core:hicache_load_back_seconds", "Seconds spent loading KV back from the "
+                                    "host tier."),
+            "backup_seconds": counter("core:hicache_backup_seconds", "Seconds spent copying KV to the host tier."),
+            "host_evicted_pages": counter("core:hicache_host_evicted_pages", "Host-tier pages dropped to make room "
+                                          "in the host pool."),
+        }
+        self.hicache_host_used_tokens = gauge("core:hicache_host_used_tokens", "Tokens held by the host KV pool.")
+        self.hicache_host_total_tokens = gauge("core:hicache_host_total_tokens", "Capacity of the host KV pool in tokens.")
+        self._hicache_seen: dict[str, float] = {}
 
     # ------------------------------------------------------------------ wiring
     def attach(self, engine: AsyncEngine) -> None:
@@ -174,6 +192,20 @@ class Metrics:
         self.token_usage.labels(m).set(load["token_usage"])
         self.cache_hit_rate.labels(m).set(load["cache_hit_rate"])  # cumulative cached / prompt tokens of admitted prefills
         self.gen_throughput.labels(m).set(self.throughput())
+        self._refresh_hicache(engine)
+
+    def _refresh_hicache(self, engine: AsyncEngine) -> None:
+        """Bring the host tier's counters up to the cache's cumulative stats (a no-op without the tier)."""
+        stats_of = getattr(getattr(engine, "tree_cache", None), "tier_stats", None)
+        if stats_of is None:
+            return
+        m, stats = self.model_name, stats_of()
+        for key, c in self.hicache.items():
+            if (delta := stats[key] - self._hicache_seen.get(key, 0)) > 0:
+                c.labels(m).inc(delta)
+            self._hicache_seen[key] = stats[key]
+        self.hicache_host_used_tokens.labels(m).set(stats["host_used_tokens"])
+        self.hicache_host_total_tokens.labels(m).set(stats["host_total_tokens"])
 
     def render(self, ready: bool = True) -> bytes:
         self.refresh(ready)

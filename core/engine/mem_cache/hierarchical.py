@@ -1,0 +1,316 @@
+"""HiCache's host tier under the radix tree (SGLang's HiRadixCache, host tier only).
+
+A node's KV lives on the device (``pages``), on the host (``host``) or both. When the device
+pool runs low, ``evict`` takes device-resident leaves (nodes with no device-resident child) in
+LRU/LFU order: a leaf backed up on the host only gives back its device pages and stays in the
+tree, host-resident; one without a host copy is backed up first under ``write_back``, else it
+leaves the tree (with the host-only nodes under it). Backups are made:
+
+* ``write_back``: when a node is evicted from the device;
+* ``write_through``: when a node's KV is complete (``insert``);
+* ``write_through_selective``: when an admission match hits a node for the second time or more
+  (``hit_count >= 2``: SGLang's ``write_through_threshold``).
+
+A match at admission (``match_prefix(ids, load_back=True)``) that runs into host-resident nodes
+loads them back into freshly allocated device pages (evicting other unused prefixes if needed)
+before the prefill that needs them: a synchronous index copy per K/V buffer (on the CPU a memcpy
+of a few ms for thousands of tokens; on a GPU it is queued on the stream ahead of the forward).
+The host pool evicts its own LRU host-only leaves when a backup needs room; they leave the tree.
+
+Pure page-id bookkeeping here and in ``RadixCache``; the tensors and the copies are the
+``HostKVPool``'s. Tensor parallelism is refused with the host tier for now (``check_hicache_args``).
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import structlog
+
+from core.engine.kv_cache import GIB, PageAllocator
+from core.engine.mem_cache import (
+    HICACHE_IO_BACKENDS, HICACHE_MEM_LAYOUTS, HICACHE_STORAGE_PREFETCH_POLICIES, HICACHE_WRITE_POLICIES,
+)
+from core.engine.mem_cache.host_pool import HostKVPool
+from core.engine.radix_cache import RadixCache, TreeNode
+from core.errors import CoreError
+
+if TYPE_CHECKING:
+    from core.engine.config import EngineArgs
+    from core.interfaces import KVCache
+
+log = structlog.get_logger("core.engine.mem_cache")
+
+WRITE_THROUGH_SELECTIVE_THRESHOLD = 2  # SGLang: write_through_threshold = 1 if write_through else 2
+HICACHE_SIZE_UNIT = 10**9  # --hicache-size is in GB (SGLang: host_size * 1e9 bytes)
+
+
+@attrs.define
+class HiCacheStats:
+    """Cumulative counters of the host tier (kept across /flush_cache; read by the metrics)."""
+
+    host_hit_tokens: int = 0  # tokens of admitted prefixes loaded back from the host
+    bytes_to_host: int = 0  # backups, device -> host
+    bytes_to_device: int = 0  # load-backs, host -> device
+    load_seconds: float = 0.0  # time spent loading back
+    backup_seconds: float = 0.0  # time spent backing up
+    host_evicted_pages: int = 0  # host-only pages dropped to make room in the host pool
+
+
+def check_hicache_args(args: EngineArgs) -> None:
+    """Refuse --hicache-* values this engine cannot honour, naming the flag."""
+    if args.hicache_storage_backend is not None:
+        raise CoreError(f"--hicache-storage-backend {args.hicache_storage_backend!r} is not supported yet: only "
+                        "the host tier of --enable-hierarchical-cache is built; leave --hicache-storage-backend unset")
+    if args.hicache_storage_prefetch_policy != "best_effort":
+        bad = args.hicache_storage_prefetch_policy
+        why = "is not one of " + ", ".join(HICACHE_STORAGE_PREFETCH_POLICIES) if bad not in HICACHE_STORAGE_PREFETCH_POLICIES \
+            else "applies to a storage tier, which is not supported yet; leave it at best_effort"
+        raise CoreError(f"--hicache-storage-prefetch-policy {bad!r} {why}")
+    for flag, value, choices in (("--hicache-write-policy", args.hicache_write_policy, HICACHE_WRITE_POLICIES),
+                                 ("--hicache-io-backend", args.hicache_io_backend, HICACHE_IO_BACKENDS),
+                                 ("--hicache-mem-layout", args.hicache_mem_layout, HICACHE_MEM_LAYOUTS)):
+        if value not in choices:
+            raise CoreError(f"{flag} {value!r} is not one of {', '.join(choices)}")
+    if args.hicache_ratio <= 0 or args.hicache_size < 0:
+        raise CoreError(f"--hicache-ratio must be > 0 and --hicache-size >= 0, got {args.hicache_ratio} and "
+                        f"{args.hicache_size}")
+    if not args.enable_hierarchical_cache:
+        return
+    if args.disable_radix_cache:
+        raise CoreError("--enable-hierarchical-cache extends the radix prefix cache; it cannot be used with "
+                        "--disable-radix-cache")
+    if args.tp_size > 1:
+        raise CoreError("--enable-hierarchical-cache is not supported with --tp-size > 1 yet (each rank would need "
+                        "its own shard's host copy); use --tp-size 1 or leave the host tier off")
+
+
+def build_tree_cache(args: EngineArgs, allocator: PageAllocator, kv_cache: KVCache, per_token: int) -> RadixCache | None:
+    """The prefix cache the flags ask for: none, the radix cache, or the radix cache with a host tier."""
+    check_hicache_args(args)
+    ps = allocator.page_size
+    if args.disable_radix_cache:
+        return None
+    if not args.enable_hierarchical_cache:
+        return RadixCache(ps, args.radix_eviction_policy)
+    device_tokens = allocator.capacity * ps
+    if args.hicache_size > 0:
+        tokens, how = int(args.hicache_size * HICACHE_SIZE_UNIT // per_token), f"--hicache-size {args.hicache_size}"
+    else:
+        tokens, how = int(device_tokens * args.hicache_ratio), f"--hicache-ratio {args.hicache_ratio}"
+    pages = tokens // ps
+    if pages * ps <= device_tokens:  # SGLang: the host pool must be larger than the device pool
+        raise CoreError(f"{how} gives a host KV pool of {pages * ps} tokens, not larger than the device pool's "
+                        f"{device_tokens}; the host tier must be larger (raise {how.split()[0]})")
+    host = HostKVPool(kv_cache, pages)
+    log.info("hicache.host_pool", host_tokens=pages * ps, host_gib=round(pages * host.bytes_per_page / GIB, 3),
+             device_tokens=device_tokens, write_policy=args.hicache_write_policy,
+             io_backend=args.hicache_io_backend, mem_layout=args.hicache_mem_layout)
+    return HiRadixCache(ps, args.radix_eviction_policy, allocator, host, args.hicache_write_policy)
+
+
+class HiRadixCache(RadixCache):
+    """The radix cache with a host tier; the scheduler uses it like a ``RadixCache``, passing
+    ``load_back=True`` to the match that admits a request."""
+
+    def __init__(self, page_size: int, eviction_policy: str, allocator: PageAllocator, host: HostKVPool,
+                 write_policy: str = "write_through") -> None:
+        if write_policy not in HICACHE_WRITE_POLICIES:
+            raise CoreError(f"--hicache-write-policy {write_policy!r} is not one of {', '.join(HICACHE_WRITE_POLICIES)}")
+        self.allocator, self.host_pool, self.write_policy = allocator, host, write_policy
+        self.stats = HiCacheStats()
+        super().__init__(page_size, eviction_policy)
+
+    # ------------------------------------------------------------------ queries
+    def reset(self) -> list[int]:
+        """Empty the tree (every tier); returns the device pages it held."""
+        pages = super().reset()
+        self.host_pool.reset()
+        return pages
+
+    @property
+    def host_used_pages(self) -> int:
+        return self.host_pool.capacity - self.host_pool.allocator.num_free
+
+    def host_pages(self) -> list[int]:
+        return [p for n in self._nodes() for p in n.host]
+
+    def tier_stats(self) -> dict[str, Any]:
+        """The metrics' view: cumulative counters plus the host pool's occupancy in tokens."""
+        ps = self.page_size
+        return {**attrs.asdict(self.stats), "host_used_tokens": self.host_used_pages * ps,
+                "host_total_tokens": self.host_pool.capacity * ps}
+
+    def _prio(self, n: TreeNode) -> tuple:
+        return (n.last_access, n.id) if self.eviction_policy == "lru" else (n.hit_count, n.last_access, n.id)
+
+    # ------------------------------------------------------------------ match / load back
+    def match_prefix(self, ids: list[int], load_back: bool = False) -> tuple[list[int], TreeNode]:
+        """The device-resident match; with ``load_back``, host-resident nodes that continue it are
+        loaded into new device pages first (as many whole nodes as the device pool can take)."""
+        pages, node = super().match_prefix(ids)
+        if not load_back:
+            return pages, node
+        if self.write_policy == "write_through_selective":
+            n = node
+            while n is not self.root:
+                if not n.host and n.hit_count >= WRITE_THROUGH_SELECTIVE_THRESHOLD:
+                    self._backup(n)
+                n = n.parent
+        host_nodes = self._host_path(node, ids, len(pages) * self.page_size)
+        if not host_nodes:
+            return pages, node
+        loaded = self._load_back(host_nodes)
+        return pages + [p for n in loaded for p in n.pages], (loaded[-1] if loaded else node)
+
+    def _host_path(self, node: TreeNode, ids: list[int], i: int) -> list[TreeNode]:
+        """The host-resident nodes matching ``ids[i:]`` below ``node`` (the last split to the match)."""
+        ps = self.page_size
+        ids = ids[: len(ids) // ps * ps]
+        now = next(self._clock)
+        out: list[TreeNode] = []
+        while i < len(ids):
+            child = node.children.get(self._child_key(ids, i))
+            if child is None or child.pages:
+                break
+            m = self._match_len(child.key, ids, i)
+            partial = m < len(child.key)
+            if partial:
+                child = self._split(child, m)
+            child.last_access = now
+            child.hit_count += 1
+            out.append(child)
+            node, i = child, i + m
+            if partial:
+                break
+        return out
+
+    def _load_back(self, host_nodes: list[TreeNode]) -> list[TreeNode]:
+        """Give the leading ``host_nodes`` that fit device pages and copy their KV there."""
+        t0 = time.perf_counter()
+        self.inc_lock_ref(host_nodes[-1])  # the path stays: no device or host eviction takes it
+        try:
+            avail = self.allocator.num_free + self.evictable_pages
+            take, need = [], 0
+            for n in host_nodes:
+                if need + len(n.host) > avail:
+                    break
+                take.append(n)
+                need += len(n.host)
+            if not take:
+                return []
+            if (short := need - self.allocator.num_free) > 0:
+                self.allocator.free(self.evict(short))
+            dev = self.allocator.allocate(need)
+            host, j = [], 0
+            for n in take:
+                n.pages = dev[j : j + len(n.host)]
+                j += len(n.host)
+                host += n.host
+                self.protected_pages += len(n.pages)  # (locked: unlocked below)
+            self.stats.bytes_to_device += self.host_pool.load(host, dev)
+        finally:
+            self.dec_lock_ref(host_nodes[-1])
+        self.stats.host_hit_tokens += need * self.page_size
+        self.stats.load_seconds += time.perf_counter() - t0
+        return take
+
+    # ------------------------------------------------------------------ backup / eviction
+    def _inserted(self, node: TreeNode) -> None:
+        if node.host:  # a host-resident node took the caller's pages: the tree's copy wins (as on the
+            # device, where a duplicate is freed and the request moves to the tree's pages), so both
+            # tiers hold the same KV and a later load-back gives what this request went on with
+            self.stats.bytes_to_device += self.host_pool.load(node.host, node.pages)
+        elif self.write_policy == "write_through":
+            self._backup(node)
+
+    def _backup(self, node: TreeNode) -> bool:
+        """Copy a device-resident node's KV to new host pages (making room by dropping the host
+        pool's LRU host-only leaves); False when the host pool cannot hold it."""
+        need = len(node.pages)
+        hp = self.host_pool.allocator
+        if need > hp.num_free:
+            self._evict_host(need - hp.num_free)
+            if need > hp.num_free:
+                return False
+        t0 = time.perf_counter()
+        node.host = hp.allocate(need)
+        self.stats.bytes_to_host += self.host_pool.backup(node.pages, node.host)
+        self.stats.backup_seconds += time.perf_counter() - t0
+        return True
+
+    def evict(self, num_pages: int) -> list[int]:
+        """Free at least ``num_pages`` device pages (or all that can be): device-resident leaves
+        with a host copy stay in the tree, host-resident; the others leave it (``write_back``
+        backs them up first)."""
+        if num_pages <= 0:
+            return []
+
+        def device_leaf(n: TreeNode) -> bool:
+            return bool(n.pages) and n.lock_ref == 0 and not any(c.pages for c in n.children.values())
+
+        heap = [(self._prio(n), n.id, n) for n in self._nodes() if device_leaf(n)]
+        heapq.heapify(heap)
+        freed: list[int] = []
+        while heap and len(freed) < num_pages:
+            _, _, n = heapq.heappop(heap)
+            if not n.host and self.write_policy == "write_back":
+                self._backup(n)
+            freed += n.pages
+            self.evictable_pages -= len(n.pages)
+            parent = n.parent
+            if n.host:
+                n.pages = []
+            else:
+                self._drop(n)
+            if parent is not self.root and device_leaf(parent):
+                heapq.heappush(heap, (self._prio(parent), parent.id, parent))
+        return freed
+
+    def _drop(self, node: TreeNode) -> None:
+        """Remove ``node`` (already off the device) and its subtree, all host-only, from the tree."""
+        del node.parent.children[self._child_key(node.key, 0)]
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            assert n is node or not n.pages, "a device-resident node under an evicted one"
+            self.host_pool.allocator.free(n.host)
+            n.host = []
+            stack.extend(n.children.values())
+
+    def _evict_host(self, num_pages: int) -> int:
+        """Drop host-only leaves, least recently used first, until ``num_pages`` host pages are free
+        or none is left; returns the pages freed."""
+        def host_leaf(n: TreeNode) -> bool:
+            return not n.pages and not n.children and n.lock_ref == 0
+
+        heap = [(self._prio(n), n.id, n) for n in self._nodes() if host_leaf(n)]
+        heapq.heapify(heap)
+        freed = 0
+        while heap and freed < num_pages:
+            _, _, n = heapq.heappop(heap)
+            parent = n.parent
+            freed += len(n.host)
+            self._drop(n)
+            if parent is not self.root and host_leaf(parent):
+                heapq.heappush(heap, (self._prio(parent), parent.id, parent))
+        self.stats.host_evicted_pages += freed
+        return freed
+
+    # ------------------------------------------------------------------ debugging
+    def check(self) -> None:
+        """``RadixCache.check`` plus the host tier: every host page is free or held by exactly one
+        node, an evicted node keeps a host copy, and nothing below it is on the device."""
+        super().check()
+        ps = self.page_size
+        for n in self._nodes():
+            if n.host:
+                assert len(n.host) * ps == len(n.key), n
+            if not n.pages:
+                assert n.host, ("an evicted node without a host copy", n)
+                assert not any(c.pages for c in n.children.values()), ("device node under a host-only one", n)
+        hp = self.host_pool.allocator
+        assert sorted(hp._free + self.host_pages()) == list(range(1, hp.num_pages)), "host pages leaked or double-owned"

@@ -1,0 +1,247 @@
+"""HiCache's host tier (issue 46): the tiered radix bookkeeping on its own (evict -> host-resident ->
+match -> load back, the bytes included), then engines over a tiny float32 Llama with a deliberately
+small device pool: a long prefix evicted by other prompts and requested again is loaded back from
+the host and gives the tokens of a fresh prefill, under each write policy and page size; flush
+clears every tier; a full host pool drops its LRU entries and the tree stays consistent."""
+
+from __future__ import annotations
+
+import random
+import re
+
+import pytest
+import torch
+
+from core.engine.config import EngineArgs, engine_args_from_kwargs
+from core.engine.kv_cache import PageAllocator, allocate_kv_cache
+from core.engine.mem_cache.hierarchical import HiRadixCache, build_tree_cache, check_hicache_args
+from core.engine.mem_cache.host_pool import HostKVPool
+from core.errors import CoreError
+from core.server.metrics import Metrics
+from tests.conftest import assert_pool_free, greedy
+
+POLICIES = ("write_back", "write_through", "write_through_selective")
+
+
+# --------------------------------------------------------------------------- the tiered tree, model-free
+def _tiered(ps: int, device_pages: int, host_pages: int, policy: str):
+    alloc = PageAllocator(device_pages + 1, ps)
+    kv = allocate_kv_cache(2, device_pages + 1, ps, 2, 3, torch.float32, torch.device("cpu"))
+    tree = HiRadixCache(ps, "lru", alloc, HostKVPool(kv, host_pages), policy)
+    return alloc, kv, tree
+
+
+def _fill(kv, pages: list[int], ids: list[int]) -> None:
+    """Write a recognisable K/V for each token: its id (K) and minus its id (V), every layer."""
+    ps = kv.page_size
+    for pos, tok in enumerate(ids):
+        slot = pages[pos // ps] * ps + pos % ps
+        for layer in range(len(kv.k)):
+            kv.k[layer][slot] = tok + layer
+            kv.v[layer][slot] = -tok - layer
+
+
+def _read(kv, pages: list[int], n: int) -> list[float]:
+    ps = kv.page_size
+    return [kv.k[1][pages[p // ps] * ps + p % ps][0, 0].item() for p in range(n)] + \
+           [kv.v[0][pages[p // ps] * ps + p % ps][1, 2].item() for p in range(n)]
+
+
+def _insert(alloc, kv, tree, ids):
+    pages = alloc.allocate(len(ids) // alloc.page_size)
+    _fill(kv, pages, ids)
+    assert tree.insert(ids, pages) == 0
+    return pages
+
+
+@pytest.mark.parametrize("ps", [1, 4])
+def test_evicted_prefix_stays_host_resident_and_loads_back_with_its_kv(ps):
+    alloc, kv, tree = _tiered(ps, device_pages=8, host_pages=12, policy="write_back")
+    a = list(range(100, 100 + 6 * ps))
+    pages = _insert(alloc, kv, tree, a)
+    want = _read(kv, pages, len(a))
+    assert tree.host_used_pages == 0  # write_back: nothing on the host before an eviction
+    alloc.free(tree.evict(6))
+    tree.check()
+    assert alloc.num_free == alloc.capacity and tree.total_pages == 0
+    assert tree.host_used_pages == 6 and tree.stats.bytes_to_host == 6 * tree.host_pool.bytes_per_page
+    # the node stays, host-resident: a plain match sees nothing on the device
+    assert tree.match_prefix(a) == ([], tree.root)
+    _fill(kv, list(range(1, 9)), [0] * 8 * ps)  # the device pool is overwritten meanwhile
+    got, node = tree.match_prefix(a[: 5 * ps], load_back=True)  # a match ending inside the node splits it
+    tree.check()
+    assert len(got) == 5 and _read(kv, got, 5 * ps) == [x for i, x in enumerate(want) if i % len(a) < 5 * ps]
+    assert tree.stats.host_hit_tokens == 5 * ps and tree.stats.bytes_to_device == 5 * tree.host_pool.bytes_per_page
+    assert tree.evictable_pages == 5 and tree.host_used_pages == 6  # loaded pages keep their host copy
+    tree.inc_lock_ref(node)
+    assert tree.evict(8) == [] and tree.protected_pages == 5  # locked: neither tier lets go of it
+    tree.dec_lock_ref(node)
+    # the rest of the prefix loads too; a second eviction needs no new copy (already backed up)
+    got, _ = tree.match_prefix(a, load_back=True)
+    assert len(got) == 6 and _read(kv, got, len(a)) == want
+    before = tree.stats.bytes_to_host
+    alloc.free(tree.evict(6))
+    assert tree.stats.bytes_to_host == before and tree.host_used_pages == 6
+    tree.check()
+
+
+def test_insert_over_a_host_resident_node_takes_the_callers_pages():
+    alloc, kv, tree = _tiered(1, device_pages=8, host_pages=12, policy="write_back")
+    a = list(range(10, 16))
+    want = _read(kv, _insert(alloc, kv, tree, a[:4]), 4)
+    alloc.free(tree.evict(4))
+    pages = alloc.allocate(6)
+    _fill(kv, pages, [0] * 6)  # the caller's own (numerically different) KV for the same tokens
+    assert tree.insert(a, pages) == 0  # nothing was on the device: every page is the tree's now
+    tree.check()
+    assert tree.match_prefix(a)[0] == pages and tree.total_pages == 6
+    assert _read(kv, pages, 4) == want  # the tree's copy wins, as on the device: both tiers agree
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_write_policies_back_up_at_their_moment(policy):
+    alloc, kv, tree = _tiered(2, device_pages=8, host_pages=12, policy=policy)
+    a = list(range(40, 48))
+    _insert(alloc, kv, tree, a)
+    assert tree.host_used_pages == (4 if policy == "write_through" else 0)
+    for hit in range(1, 3):
+        tree.match_prefix(a, load_back=True)
+        assert tree.host_used_pages == (0 if policy == "write_back" or (policy.endswith("selective") and hit < 2) else 4)
+    alloc.free(tree.evict(4))
+    assert tree.host_used_pages == 4 and tree.total_pages == 0  # all three keep it on the host now
+    tree.check()
+
+
+def test_unbacked_leaf_leaves_the_tree_and_host_pool_drops_its_lru_entries():
+    alloc, kv, tree = _tiered(1, device_pages=4, host_pages=6, policy="write_back")
+    a, b = [1, 2, 3, 4], [9, 8, 7, 6]
+    _insert(alloc, kv, tree, a)
+    alloc.free(tree.evict(4))  # a -> host (4 of 6 host pages)
+    _insert(alloc, kv, tree, b)
+    alloc.free(tree.evict(4))  # b needs 4: a, the least recently used host entry, leaves the tree
+    tree.check()
+    assert tree.stats.host_evicted_pages == 4 and tree.host_used_pages == 4
+    assert tree.match_prefix(a, load_back=True)[0] == [] and not tree.root.children.get((1,))
+    assert len(tree.match_prefix(b, load_back=True)[0]) == 4
+    # write_through with a full host pool: a backup that cannot fit is skipped, eviction drops the node
+    alloc, kv, tree = _tiered(1, device_pages=10, host_pages=9, policy="write_through")
+    _insert(alloc, kv, tree, list(range(20, 28)))  # 8 host pages
+    _insert(alloc, kv, tree, [50, 51])  # no room (nothing host-only to drop): not backed up
+    assert tree.host_used_pages == 8
+    tree.match_prefix(list(range(20, 28)))  # (the other one is the least recently used)
+    alloc.free(tree.evict(2))
+    tree.check()
+    assert tree.match_prefix([50, 51], load_back=True)[0] == [] and tree.host_used_pages == 8
+
+
+def test_reset_clears_every_tier():
+    alloc, kv, tree = _tiered(1, device_pages=8, host_pages=12, policy="write_through")
+    _insert(alloc, kv, tree, [1, 2, 3])
+    alloc.free(tree.evict(2))
+    assert tree.host_used_pages == 3
+    alloc.free(tree.reset())
+    tree.check()
+    assert tree.host_used_pages == 0 and alloc.num_free == alloc.capacity and not tree.root.children
+
+
+# --------------------------------------------------------------------------- flags
+def test_flags_parse_and_bad_values_are_clear_errors():
+    args = engine_args_from_kwargs({"model_path": "/m", "enable_hierarchical_cache": True, "hicache_ratio": 3.0,
+                                    "hicache_write_policy": "write_back", "hicache_io_backend": "direct",
+                                    "hicache_mem_layout": "page_first", "hicache_size": 0})
+    assert args.enable_hierarchical_cache and args.hicache_write_policy == "write_back"
+    check_hicache_args(args)
+    for kw, flag in [({"hicache_storage_backend": "file"}, "--hicache-storage-backend"),
+                     ({"hicache_storage_prefetch_policy": "wait_complete"}, "--hicache-storage-prefetch-policy"),
+                     ({"hicache_write_policy": "write_around"}, "--hicache-write-policy"),
+                     ({"hicache_mem_layout": "head_first"}, "--hicache-mem-layout"),
+                     ({"hicache_io_backend": "fast"}, "--hicache-io-backend"),
+                     ({"enable_hierarchical_cache": True, "tp_size": 2}, "--tp-size"),
+                     ({"enable_hierarchical_cache": True, "disable_radix_cache": True}, "--disable-radix-cache")]:
+        with pytest.raises(CoreError, match=re.escape(flag)):
+            check_hicache_args(EngineArgs(model_path="/m", **kw))
+    # the host pool must be larger than the device pool (SGLang's rule)
+    alloc = PageAllocator(65, 1)
+    kv = allocate_kv_cache(1, 65, 1, 1, 2, torch.float32, torch.device("cpu"))
+    with pytest.raises(CoreError, match="--hicache-ratio"):
+        build_tree_cache(EngineArgs(model_path="/m", enable_hierarchical_cache=True, hicache_ratio=1.0), alloc, kv, 16)
+    tree = build_tree_cache(EngineArgs(model_path="/m", enable_hierarchical_cache=True, hicache_size=1), alloc, kv, 16)
+    assert tree.host_pool.capacity == 10**9 // 16  # --hicache-size is in GB and overrides the ratio
+
+
+# --------------------------------------------------------------------------- engines
+def _ids(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(5, 250) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def fresh(tiny_llama, engine_factory):
+    path, _ = tiny_llama()
+    return engine_factory(path, max_total_tokens=1024, disable_radix_cache=True)
+
+
+def _host_hit_metric(metrics: Metrics) -> float:
+    text = metrics.render().decode()
+    return float(re.search(r'^core:hicache_host_hit_tokens_total\{[^}]*\} (\S+)$', text, re.M).group(1))
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_prefix_evicted_by_other_prompts_is_served_from_the_host(tiny_llama, engine_factory, fresh, policy, page_size):
+    path, _ = tiny_llama()
+    eng = engine_factory(path, max_total_tokens=160, page_size=page_size, enable_hierarchical_cache=True,
+                         hicache_write_policy=policy, hicache_ratio=4.0)
+    ae = eng.engine
+    metrics = Metrics("tiny")
+    metrics.attach(ae)
+    rng = random.Random(7)
+    prefix = _ids(rng, 100)
+    a, others = prefix + _ids(rng, 5), [_ids(rng, 110) for _ in range(2)]
+    ref = fresh.generate(input_ids=a, sampling_params=greedy(6))["output_ids"]
+    first = eng.generate(input_ids=a, sampling_params=greedy(6))
+    again = eng.generate(input_ids=a, sampling_params=greedy(6))  # (a second hit: selective backs up)
+    assert first["output_ids"] == again["output_ids"] == ref
+    for p in others:  # each alone nearly fills the device pool: the prefix leaves the device
+        eng.generate(input_ids=p, sampling_params=greedy(6))
+    tree = ae.tree_cache
+    assert tree.match_prefix(prefix)[0] == [] and tree.host_used_pages > 0
+    hits = tree.stats.host_hit_tokens
+    out = eng.generate(input_ids=a, sampling_params=greedy(6))
+    assert out["output_ids"] == ref  # loaded back: the tokens of a fresh prefill
+    assert out["meta_info"]["cached_tokens"] >= 100 // page_size * page_size - page_size
+    assert tree.stats.host_hit_tokens - hits >= 96 and tree.stats.bytes_to_device > 0
+    assert _host_hit_metric(metrics) == tree.stats.host_hit_tokens > 0
+    ae.scheduler.check_accounting()
+    assert_pool_free(eng)
+    assert ae.flush_cache()  # /flush_cache clears the host tier too
+    assert tree.host_used_pages == 0 and tree.total_pages == 0 and not tree.root.children
+    assert_pool_free(eng)
+    out = eng.generate(input_ids=a, sampling_params=greedy(6))
+    assert out["output_ids"] == ref and out["meta_info"]["cached_tokens"] == 0
+
+
+def test_full_host_pool_drops_its_lru_prefixes_and_stays_consistent(tiny_llama, engine_factory, fresh):
+    path, _ = tiny_llama()
+    eng = engine_factory(path, max_total_tokens=128, enable_hierarchical_cache=True, hicache_ratio=1.5,
+                         hicache_write_policy="write_back")
+    ae, rng = eng.engine, random.Random(3)
+    prompts = [_ids(rng, 90) for _ in range(5)]  # 5 x ~95 tokens through a 192-token host pool
+    refs = [o["output_ids"] for o in fresh.generate(input_ids=prompts, sampling_params=greedy(4))]
+    for p, ref in zip(prompts, refs):
+        assert eng.generate(input_ids=p, sampling_params=greedy(4))["output_ids"] == ref
+        ae.scheduler.check_accounting()
+    tree = ae.tree_cache
+    assert tree.stats.host_evicted_pages > 0 and tree.host_used_pages <= tree.host_pool.capacity
+    assert tree.match_prefix(prompts[0], load_back=True)[0] == []  # the oldest left every tier
+    tree.check()
+    out = eng.generate(input_ids=prompts[-2], sampling_params=greedy(4))  # recent: still on the host
+    assert out["output_ids"] == refs[-2] and out["meta_info"]["cached_tokens"] >= 80
+    assert_pool_free(eng)
+
+
+def test_storage_backend_is_a_start_up_error(tiny_llama):
+    from tests.conftest import make_engine
+
+    path, _ = tiny_llama()
+    with pytest.raises(CoreError, match="--hicache-storage-backend"):
+        make_engine(path, enable_hierarchical_cache=True, hicache_storage_backend="file")
