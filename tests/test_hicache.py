@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from core.engine.config import EngineArgs, engine_args_from_kwargs
-from core.engine.kv_cache import PageAllocator, allocate_kv_cache
+from core.engine.mem_cache.kv_cache import PageAllocator, allocate_kv_cache
 from core.engine.mem_cache.hierarchical import HiRadixCache, build_tree_cache, check_hicache_args
 from core.engine.mem_cache.host_pool import HostKVPool
 from core.errors import CoreError

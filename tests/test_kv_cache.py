@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from core.engine.kv_cache import PageAllocator, ReqToTokenTable, allocate_kv_cache, kv_bytes_per_token
+from core.engine.mem_cache.kv_cache import PageAllocator, ReqToTokenTable, allocate_kv_cache, kv_bytes_per_token
 
 
 def test_needs_two_pages():

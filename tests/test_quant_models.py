@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.engine.kv_cache import allocate_kv_cache, kv_bytes_per_token
+from core.engine.mem_cache.kv_cache import allocate_kv_cache, kv_bytes_per_token
 from core.errors import CoreError
 from core.interfaces import AttentionConfig, ForwardBatch
 from core.layers import Linear

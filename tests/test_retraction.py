@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from core.engine.kv_cache import PageAllocator, ReqToTokenTable
-from core.engine.radix_cache import RadixCache
+from core.engine.mem_cache.kv_cache import PageAllocator, ReqToTokenTable
+from core.engine.mem_cache.radix_cache import RadixCache
 from core.engine.request import Req
 from core.engine.sampler import SampleOutput
 from core.engine.sampling_params import SamplingParams

@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from core.engine.kv_cache import GIB, cpu_kv_tokens, kv_bytes_per_token
+from core.engine.mem_cache.kv_cache import GIB, cpu_kv_tokens, kv_bytes_per_token
 from core.errors import ModelLoadError
 
 # SmolLM2-135M (the default model): 30 layers, 3 KV heads of 64, bf16, 8192-token context

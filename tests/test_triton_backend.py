@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 pytest.importorskip("triton")
 
-from core.engine.kv_cache import allocate_kv_cache  # noqa: E402
+from core.engine.mem_cache.kv_cache import allocate_kv_cache  # noqa: E402
 from core.errors import CoreError  # noqa: E402
 from core.interfaces import AttentionConfig, AttentionLayerSpec, ForwardBatch  # noqa: E402
 from core_plugins.attention.torch_native import TorchNativeBackend  # noqa: E402

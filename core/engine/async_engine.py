@@ -23,7 +23,7 @@ from core.errors import CoreError, InvalidRequest, ModelLoadError, Unavailable
 from core.interfaces import AttentionConfig
 from core.layers import fused, local_heads
 from core.engine.frontend import RequestFrontEnd
-from core.engine.kv_cache import (
+from core.engine.mem_cache.kv_cache import (
     PageAllocator, ReqToTokenTable, allocate_kv_cache, cpu_kv_tokens, kv_bytes_per_token, kv_cache_dtype,
 )
 from core.engine.loader import ModelConfig, load_model_config, pooling_config

@@ -20,7 +20,7 @@ import attrs
 from core.engine.mem_cache import (
     HICACHE_IO_BACKENDS, HICACHE_MEM_LAYOUTS, HICACHE_STORAGE_PREFETCH_POLICIES, HICACHE_WRITE_POLICIES,
 )
-from core.engine.radix_cache import EVICTION_POLICIES
+from core.engine.mem_cache.radix_cache import EVICTION_POLICIES
 from core.engine.schedule_policy import SCHEDULE_POLICIES
 
 FLAG = "core.flag"  # attrs metadata key
@@ -278,7 +278,7 @@ def engine_args_from_kwargs(kwargs: dict[str, Any]) -> EngineArgs:
 
 def check_scheduling_args(args: EngineArgs) -> None:
     """Refuse scheduling options no scheduler can run, naming the flag."""
-    from core.engine.radix_cache import EVICTION_POLICIES
+    from core.engine.mem_cache.radix_cache import EVICTION_POLICIES
     from core.errors import CoreError
 
     if args.schedule_policy not in SCHEDULE_POLICIES:

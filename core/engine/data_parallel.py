@@ -31,7 +31,7 @@ from core.engine.dp_replica import ReqDelta, ReqSpec, replica_main
 from core.engine.dp_router import Router
 from core.engine.frontend import RequestFrontEnd
 from core.engine.grammar import GrammarManager
-from core.engine.kv_cache import PageAllocator
+from core.engine.mem_cache.kv_cache import PageAllocator
 from core.engine.loader import load_model_config
 from core.engine.request import Req
 from core.errors import CoreError, InvalidRequest, ModelLoadError, Unavailable

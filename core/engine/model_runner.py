@@ -14,7 +14,7 @@ import attrs
 import torch
 
 from core.interfaces import ForwardBatch, KVCache
-from core.engine.kv_cache import ReqToTokenTable
+from core.engine.mem_cache.kv_cache import ReqToTokenTable
 from core.engine.cuda_graph import CudaGraphRunner
 from core.engine.sampler import SampleOutput, Sampler, SamplingRow, finite_logprobs, upload
 from core.engine.scheduler import ScheduledBatch, StepResult

@@ -19,7 +19,7 @@ import random
 from typing import TYPE_CHECKING, Any, Callable
 
 if TYPE_CHECKING:
-    from core.engine.radix_cache import RadixCache
+    from core.engine.mem_cache.radix_cache import RadixCache
     from core.engine.request import Req
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")

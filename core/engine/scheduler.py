@@ -22,8 +22,8 @@ from collections import deque
 
 import structlog
 
-from core.engine.kv_cache import PageAllocator, ReqToTokenTable
-from core.engine.radix_cache import RadixCache
+from core.engine.mem_cache.kv_cache import PageAllocator, ReqToTokenTable
+from core.engine.mem_cache.radix_cache import RadixCache
 from core.engine.request import Req
 from core.engine.schedule_batch import ScheduledBatch, StepResult, future_id
 from core.engine.schedule_policy import SchedulePolicy

@@ -23,7 +23,7 @@ import torch
 from core.engine.config import EngineArgs
 from core.engine.collectives import DistPlan, KVSpec, agree, broadcast, describe, init_rank, rank_device
 from core.engine.device import configure_cpu_runtime
-from core.engine.kv_cache import allocate_kv_cache
+from core.engine.mem_cache.kv_cache import allocate_kv_cache
 from core.engine.loader import load_model_config
 from core.engine.model_build import build_model
 from core.engine.model_runner import forward_step

@@ -12,7 +12,7 @@ from typing import Any
 import attrs
 import torch
 
-from core.engine.kv_cache import allocate_kv_cache
+from core.engine.mem_cache.kv_cache import allocate_kv_cache
 from core.interfaces import ForwardBatch, KVCache
 
 

@@ -1,5 +1,5 @@
-"""KV cache memory tiers (SGLang's mem_cache): the device pool (``core.engine.kv_cache``), the radix
-tree over it (``core.engine.radix_cache``) and HiCache's host tier (``host_pool``, ``hierarchical``).
+"""KV cache memory tiers (SGLang's mem_cache): the device pool (``core.engine.mem_cache.kv_cache``), the radix
+tree over it (``core.engine.mem_cache.radix_cache``) and HiCache's host tier (``host_pool``, ``hierarchical``).
 
 The option values live here, free of heavy imports, for ``core.engine.config``'s flags."""
 

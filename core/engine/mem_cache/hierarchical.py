@@ -30,12 +30,12 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import structlog
 
-from core.engine.kv_cache import GIB, PageAllocator
+from core.engine.mem_cache.kv_cache import GIB, PageAllocator
 from core.engine.mem_cache import (
     HICACHE_IO_BACKENDS, HICACHE_MEM_LAYOUTS, HICACHE_STORAGE_PREFETCH_POLICIES, HICACHE_WRITE_POLICIES,
 )
 from core.engine.mem_cache.host_pool import HostKVPool
-from core.engine.radix_cache import RadixCache, TreeNode
+from core.engine.mem_cache.radix_cache import RadixCache, TreeNode
 from core.errors import CoreError
 
 if TYPE_CHECKING:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from core.engine.kv_cache import PageAllocator
+from core.engine.mem_cache.kv_cache import PageAllocator
 from core.interfaces import KVCache
 
 

@@ -17,7 +17,7 @@ import attrs
 import structlog
 import torch
 
-from core.engine.kv_cache import allocate_kv_cache
+from core.engine.mem_cache.kv_cache import allocate_kv_cache
 from core.engine.loader import load_model_config
 from core.engine.model_build import build_model
 from core.engine.model_runner import StepInputs, forward_batch, forward_step, step_logits

@@ -5,7 +5,7 @@ slots are what padded gathers read), so it is never handed out. The scheduler
 allocates pages as tokens land (``can_allocate`` / ``allocate``) and returns them with
 ``free``; admission only *estimates* future needs (``--schedule-conservativeness``) and
 decode retracts requests when the pool runs out. Pages shared through the radix prefix
-cache are owned by the cache (core/engine/radix_cache.py), not by requests.
+cache are owned by the cache (core/engine/mem_cache/radix_cache.py), not by requests.
 """
 
 from __future__ import annotations
