@@ -45,14 +45,15 @@ class TreeOracle:
         return DraftTree(toks, parents)
 
 
-def generate(path: Path, drafter: Any = None, trees: bool | None = None, **kwargs: Any) -> tuple[list[dict], Any]:
+def generate(path: Path, drafter: Any = None, trees: bool | None = None, prompts: list[list[int]] = PROMPTS,
+             **kwargs: Any) -> tuple[list[dict], Any]:
     eng = make_engine(path, dtype="float32", device="cpu", **kwargs)
     try:
         if drafter is not None:
             eng.engine.scheduler.speculator.drafter = drafter
         if trees is not None:
             eng.engine.scheduler.speculator.trees = trees
-        outs = eng.generate(input_ids=PROMPTS, sampling_params=[GREEDY] * len(PROMPTS))
+        outs = eng.generate(input_ids=prompts, sampling_params=[GREEDY] * len(prompts))
         eng.engine.scheduler.check_accounting()
         return outs, eng.engine
     finally:
@@ -87,8 +88,9 @@ def test_trees_verify_in_one_forward_and_keep_the_targets_path(tiny, variant):
     plain, _ = generate(tiny, **variant)
     want = {tuple(p): o["output_ids"] for p, o in zip(PROMPTS, plain)}
     oracle = TreeOracle(want)
-    spec, engine = generate(tiny, oracle, speculative_algorithm="NGRAM", speculative_num_draft_tokens=9, **variant)
-    assert engine.scheduler.speculator.trees  # the backend takes tree masks
+    assert not generate(tiny, None, prompts=PROMPTS[:1], speculative_algorithm="NGRAM")[1].scheduler.speculator.trees
+    # (a chain drafter's trees are cut to chains on the CPU, where they cost the fused layers; verified whole here)
+    spec, engine = generate(tiny, oracle, True, speculative_algorithm="NGRAM", speculative_num_draft_tokens=9, **variant)
     assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in plain]
     assert oracle.calls > 0
     for o in spec:
@@ -96,7 +98,7 @@ def test_trees_verify_in_one_forward_and_keep_the_targets_path(tiny, variant):
         assert m["spec_num_correct_drafts"] * 2 >= m["spec_num_proposed_drafts"] - 2  # every right node kept
         assert m["spec_verify_ct"] <= len(o["output_ids"]) // 4 + 2
     # the kept nodes' moved KV went to the prefix cache: a second round over it gives plain tokens
-    again, _ = generate(tiny, TreeOracle(want), speculative_algorithm="NGRAM", speculative_num_draft_tokens=9, **variant)
+    again, _ = generate(tiny, TreeOracle(want), True, speculative_algorithm="NGRAM", speculative_num_draft_tokens=9, **variant)
     assert [o["output_ids"] for o in again] == [o["output_ids"] for o in plain]
 
 
@@ -109,11 +111,19 @@ def test_without_tree_masks_the_first_chain_is_verified(tiny):
     assert all(o["meta_info"]["spec_num_correct_drafts"] == 0 < o["meta_info"]["spec_num_proposed_drafts"] for o in spec)
 
 
-def test_sampled_tree_verification_keeps_the_target_distribution(tiny):
+def test_sampled_tree_verification_keeps_the_target_distribution(tiny, monkeypatch):
     """Sampling through trees: per level a wrong first child and the greedy token; the kept path
     follows the target's own samples, so the sampled outputs keep the plain engine's distribution
     (and a verify that kept the first child regardless fails this)."""
+    from core.engine.speculative import Speculator
     from tests.test_speculative import check_sampled_distribution
 
+    load = Speculator.load
+
+    def load_with_trees(self: Speculator, ctx: Any) -> None:  # (the CPU cuts a chain drafter's trees by default)
+        load(self, ctx)
+        self.trees = True
+
+    monkeypatch.setattr(Speculator, "load", load_with_trees)
     check_sampled_distribution(tiny, lambda prompt, greedy: TreeOracle({tuple(prompt): greedy}), max_new_tokens=4,
                                speculative_num_draft_tokens=5)

@@ -87,7 +87,7 @@ class Speculator:
     batched: bool = attrs.field(init=False)  # a ModelDrafter: drafts come from the runner (``fill``)
     token_budget: int = VERIFY_TOKEN_BUDGET["cpu"]  # tokens per verify forward, set for the device by ``load``
     features: Any = None  # () -> the last target forward's features, where the drafter asked (``observe``)
-    trees: bool = False  # the attention backend takes tree masks: draft trees are verified whole (``load``)
+    trees: bool = False  # draft trees are verified whole (``load``: the backend takes tree masks, and they pay)
 
     def __attrs_post_init__(self) -> None:
         self.batched = hasattr(self.drafter, "propose_batch")
@@ -95,8 +95,12 @@ class Speculator:
     def load(self, ctx: Any) -> None:
         """Load a model drafter's models (``ctx``: a ``core.interfaces.DraftContext``)."""
         self.token_budget = VERIFY_TOKEN_BUDGET.get(ctx.device.type, VERIFY_TOKEN_BUDGET["cuda"])
-        self.trees = bool(getattr(ctx, "trees", False))
-        if (ctx.args.speculative_eagle_topk or 1) > 1 and not self.trees:
+        topk = ctx.args.speculative_eagle_topk or 1
+        # On the CPU a tree verify leaves the fused C++ layers for the Python ones (their attention is
+        # causal): a chain drafter's trees (NGRAM's) are cut to their first chain there, as without
+        # tree masks; trees asked for with --speculative-eagle-topk are verified whole.
+        self.trees = bool(getattr(ctx, "trees", False)) and (ctx.device.type != "cpu" or topk > 1)
+        if topk > 1 and not self.trees:
             raise CoreError(f"--speculative-eagle-topk {ctx.args.speculative_eagle_topk}: draft trees need an attention "
                             "backend that takes tree masks (cpu, torch_native, triton) and no sliding-window layers; "
                             "use --speculative-eagle-topk 1")
