@@ -1,8 +1,8 @@
 """Speculative decoding (issue 43, first part): the drafter plugin kind, the NGRAM drafter (chains
-and trees from the request's own context), and verification by the target model. Greedy decoding
-gives exactly plain decoding's tokens whatever the drafts are; a verify keeps the drafted prefix
-the target agrees with plus the target's own next token; the KV of rejected tokens never reaches
-the prefix cache; SGLang's meta_info counts."""
+and trees from the request's own context and from recent requests' shared index), and
+verification by the target model. Greedy decoding gives exactly plain decoding's tokens whatever
+the drafts are; a verify keeps the drafted prefix the target agrees with plus the target's own
+next token; the KV of rejected tokens never reaches the prefix cache; SGLang's meta_info counts."""
 
 from __future__ import annotations
 
@@ -117,6 +117,113 @@ def test_the_ngram_drafter_proposes_a_tree_of_earlier_occurrences():
     assert [tree.tokens[j] for j, p in enumerate(tree.parents) if p == -1] == [7, 6, 5, 4]  # most recent first
 
 
+def test_the_ngram_drafter_drafts_other_requests_continuations():
+    """The shared index: a request whose own context has no match drafts what followed its suffix
+    in an earlier request, as the chain; where its own context matches, the other's continuation
+    is a branch after its own. A request publishes from its second proposal on."""
+    from core.interfaces import DraftTree
+
+    d, first = NgramDrafter(), {}
+    answer = [10, 11, 12, 13, 14, 15, 16, 17, 18]
+    d.propose(first, answer[:5], 4)
+    assert d.propose({}, [90, 91, 12, 13], 4) == []  # a state's first proposal publishes nothing
+    d.propose(first, answer, 4)
+    assert d.propose({}, [90, 91, 12, 13], 4) == [14, 15, 16, 17]  # nothing of its own: the other's answer
+    assert d.propose({}, [90, 91, 12, 13], 9) == [14, 15, 16, 17, 18]  # (as far as it was published)
+    # its own context first (the first chain unchanged), then the other's continuation as a root branch
+    assert d.propose({}, [12, 13, 50, 12, 13], 6) == DraftTree([50, 12, 13, 14, 15, 16], [-1, 0, 1, -1, 3, 4])
+    assert d.propose({}, [12, 13, 50, 12, 13], 3) == [50, 12, 13]
+    # the longest match first: "11 12 13" in the other request beats "12 13" elsewhere
+    other = {}
+    d.propose(other, [7, 12, 13, 99], 4)
+    d.propose(other, [7, 12, 13, 99, 98], 4)
+    assert d.propose({}, [0, 11, 12, 13], 2) == [14, 15]
+    assert d.propose({}, [0, 5, 12, 13], 8) == DraftTree([99, 98, 14, 15, 16, 17, 18], [-1, 0, -1, 2, 3, 4, 5])
+
+
+def test_the_shared_index_is_bounded(monkeypatch):
+    """At most ``SHARED_TOKENS`` tokens of recent requests: the least recently grown request
+    leaves first, with its n-grams; a request that keeps growing stays."""
+    from core_plugins.speculative import ngram
+
+    monkeypatch.setattr(ngram, "SHARED_TOKENS", 20)
+    d = NgramDrafter()
+    a, b, c = ({}, [10 + i for i in range(8)]), ({}, [40 + i for i in range(8)]), ({}, [70 + i for i in range(8)])
+    for state, tokens in (a, b, a, b):  # a then b published: 16 tokens
+        d.propose(state, tokens, 4)
+    assert d.propose({}, [0, 10, 11], 2) == [12, 13] and d.propose({}, [0, 40, 41], 2) == [42, 43]
+    d.propose(a[0], a[1] + [18, 19], 4)  # a grows (18 tokens): b is now the least recent
+    for _ in range(2):
+        d.propose(c[0], c[1], 4)  # c published: 26 tokens, b out
+    assert d.total <= 20 and len(d.seqs) == 2
+    assert d.propose({}, [0, 40, 41], 2) == [] and d.propose({}, [0, 10, 11], 2) == [12, 13]
+    assert not any(sid == 1 for ends in d.index.values() for sid, _ in ends)  # b's n-grams left with it
+    d.propose(c[0], c[1] + list(range(100, 120)), 4)  # c alone over the bound: out too, and stops publishing
+    assert d.total <= 20 and d.propose({}, [0, 70, 71], 2) == []
+
+
+def test_a_request_never_drafts_from_what_it_published():
+    """A stored sequence that is a prefix of the request's tokens (its own, however its state was
+    kept) never drafts: a kept state drafts what a fresh one does, and what a drafter that never
+    saw the request does. Along requests sharing phrases, with evictions and a retraction, kept
+    states draft what fresh ones do (the conformance kit's state_is_a_cache, across requests)."""
+    import random
+
+    from core.testing.drafter import _sequences
+    from core_plugins.speculative import ngram
+
+    d, state = NgramDrafter(), {}
+    seq = _sequences()[0]
+    for n in range(1, len(seq) + 1):
+        kept = d.propose(state, seq[:n], 6)
+        assert kept == d.propose({}, seq[:n], 6) == NgramDrafter().propose({}, seq[:n], 6)
+    assert d.seqs[state["sid"]] == seq  # (published, and never drafted from)
+    # retracted (fewer tokens): it starts again as a new request, and what it published before is
+    # another's now, drafted from (its likely future), by the kept state as by a fresh one
+    answer = list(range(10, 30))
+    d.propose(state, answer[:5], 4)
+    d.propose(state, answer, 4)
+    assert d.propose(state, answer[:8], 4) == d.propose({}, answer[:8], 4) == [18, 19, 20, 21]
+    for bound in (40, 150, ngram.SHARED_TOKENS):
+        ngram.SHARED_TOKENS, old = bound, ngram.SHARED_TOKENS
+        try:
+            d, rng = NgramDrafter(), random.Random(bound)
+            seqs = _sequences() * 2
+            states, lens = [{} for _ in seqs], [1] * len(seqs)
+            for _ in range(500):
+                i = rng.randrange(len(seqs))
+                if rng.random() < 0.05:
+                    lens[i] = rng.randrange(1, lens[i] + 1)  # retracted, state kept
+                tokens = seqs[i][:lens[i]]
+                assert d.propose(states[i], tokens, 6) == d.propose({}, tokens, 6)
+                assert d.total <= bound
+                lens[i] = min(len(seqs[i]), lens[i] + rng.randrange(1, 4))
+        finally:
+            ngram.SHARED_TOKENS = old
+
+
+def test_a_repeated_prompt_drafts_the_earlier_answer(tiny):
+    """Two identical prompts one after the other, through the engine: the second drafts the
+    first's answer from the shared index (its prompt repeats nothing of its own), so more of its
+    drafts are kept; both give plain decoding's tokens."""
+    prompt = [3 + (j * 37) % 250 for j in range(40)]  # no n-gram twice
+    eng = make_engine(tiny, dtype="float32", device="cpu")
+    try:
+        want = eng.generate(input_ids=[prompt], sampling_params=[GREEDY])[0]["output_ids"]
+    finally:
+        eng.shutdown()
+    eng = make_engine(tiny, dtype="float32", device="cpu", speculative_algorithm="NGRAM")
+    try:
+        first, second = (eng.generate(input_ids=[prompt], sampling_params=[GREEDY])[0] for _ in range(2))
+        eng.engine.scheduler.check_accounting()
+    finally:
+        eng.shutdown()
+    assert first["output_ids"] == second["output_ids"] == want
+    kept = [o["meta_info"]["spec_num_correct_drafts"] for o in (first, second)]
+    assert kept[1] > kept[0] and kept[1] >= len(want) // 2, kept
+    assert second["meta_info"]["spec_verify_ct"] < first["meta_info"]["spec_verify_ct"]
+
+
 @pytest.fixture(scope="module")
 def bigram(tmp_path_factory) -> Path:
     """A tiny model whose attention output is zeroed: its next token depends on the last token
@@ -155,8 +262,8 @@ def test_ngram_trees_keep_plain_tokens_and_at_least_the_chains_drafts(bigram):
         eng = make_engine(bigram, speculative_algorithm="NGRAM")
         try:
             spec = eng.engine.scheduler.speculator
-            assert spec.trees  # the CPU's attention backends take tree masks
-            spec.trees = trees
+            assert not spec.trees  # the CPU verifies a chain drafter's trees as their first chain (faster there)
+            spec.trees = trees  # ... though its attention backends take tree masks: whole trees, for this test
             propose, proposed = spec.drafter.propose, []
             spec.drafter.propose = lambda state, tokens, k: proposed.append(propose(state, tokens, k)) or proposed[-1]
             outs = eng.generate(input_ids=prompts, sampling_params=[GREEDY] * 4)
