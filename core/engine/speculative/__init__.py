@@ -47,15 +47,19 @@ DEFAULT_NUM_STEPS = 5  # model drafters' chain length (SGLang's usual choice of 
 # (2 Zen 4 cores: a 135M model's batch-1 decode reads ~0.1 GB in ~5 ms, a token's GEMMs take ~0.3 ms).
 # A batch of more requests decodes plainly: speculation switches itself off under load.
 VERIFY_TOKEN_BUDGET = {"cpu": 32, "cuda": 256}
-MAX_BACKOFF = 16  # decode steps a request waits, at most, before drafting again after a verify kept nothing
+MAX_BACKOFF = 16  # decode steps a request waits, at most, before drafting again after a verify kept too few
+# Draft tokens a verify must keep to have paid for itself, per device kind: on the CPU a verify
+# runs the extend path, which costs two to three fused decode steps even for a few tokens; on a
+# GPU a short verify costs about one decode step.
+MIN_KEPT = {"cpu": 2, "cuda": 1}
 
 
 @attrs.define
 class Pace:
     """A request's recent acceptance, which sizes its next drafts: about twice the draft tokens
     its recent verifies kept, plus one (times the last draft's nodes per level, for a tree); after
-    a verify that kept none it waits 1, 2, 4, ... 16 steps before drafting again, so an answer
-    that does not repeat costs few failed verifies."""
+    a verify that kept fewer than ``min_kept`` it waits 1, 2, 4, ... 16 steps before drafting
+    again, so an answer that does not repeat costs few verifies that do not pay."""
 
     kept: float = 2.0  # moving average of draft tokens kept per verify
     width: float = 1.0  # the last draft's nodes per level (1: a chain)
@@ -69,9 +73,9 @@ class Pace:
             return 0
         return min(room, math.ceil((1 + 2 * self.kept) * self.width))
 
-    def update(self, n: int, nodes: int = 1, depth: int = 1) -> None:
+    def update(self, n: int, nodes: int = 1, depth: int = 1, min_kept: int = 1) -> None:
         self.kept, self.width = 0.5 * self.kept + 0.5 * n, nodes / max(depth, 1)
-        if n:
+        if n >= min_kept:
             self.backoff = 0
         else:
             self.wait = self.backoff = min(MAX_BACKOFF, max(1, 2 * self.backoff))
@@ -86,6 +90,7 @@ class Speculator:
     num_draft_tokens: int  # tokens per verify and request, the last known one included (SGLang's meaning)
     batched: bool = attrs.field(init=False)  # a ModelDrafter: drafts come from the runner (``fill``)
     token_budget: int = VERIFY_TOKEN_BUDGET["cpu"]  # tokens per verify forward, set for the device by ``load``
+    min_kept: int = MIN_KEPT["cpu"]  # a verify keeping fewer backs its request off (``Pace``), set by ``load``
     features: Any = None  # () -> the last target forward's features, where the drafter asked (``observe``)
     trees: bool = False  # draft trees are verified whole (``load``: the backend takes tree masks, and they pay)
 
@@ -95,6 +100,7 @@ class Speculator:
     def load(self, ctx: Any) -> None:
         """Load a model drafter's models (``ctx``: a ``core.interfaces.DraftContext``)."""
         self.token_budget = VERIFY_TOKEN_BUDGET.get(ctx.device.type, VERIFY_TOKEN_BUDGET["cuda"])
+        self.min_kept = MIN_KEPT.get(ctx.device.type, MIN_KEPT["cuda"])
         topk = ctx.args.speculative_eagle_topk or 1
         # On the CPU a tree verify leaves the fused C++ layers for the Python ones (their attention is
         # causal): a chain drafter's trees (NGRAM's) are cut to their first chain there, as without
@@ -222,7 +228,7 @@ class Speculator:
         if draft:
             if req.spec_pace is None:
                 req.spec_pace = Pace()
-            req.spec_pace.update(n, len(draft), max(depths(parents)) if parents else len(draft))
+            req.spec_pace.update(n, len(draft), max(depths(parents)) if parents else len(draft), min(self.min_kept, len(draft)))
         req.spec_verify_ct += 1
         req.spec_num_proposed_drafts += len(draft)
         req.spec_num_correct_drafts += n
