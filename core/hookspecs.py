@@ -154,6 +154,25 @@ def register_speculative_algorithms(register: Register) -> None:
     """
 
 
+@hookspec
+def register_hicache_storage_backends(register: Register) -> None:
+    """Register HiCache storage backends, selected with ``--hicache-storage-backend NAME``
+    (with ``--enable-hierarchical-cache``).
+
+    Called once at start-up (plugin API 1.5). ``target`` resolves to a class (or factory) called as
+    ``target(config)`` (a :class:`core.interfaces.HiCacheStorageConfig`: the key namespace, the
+    folder or URI, the page size in bytes) returning a :class:`core.interfaces.HiCacheStorage`:
+    ``get``/``set``/``exists``/``clear`` over KV pages keyed by prefix hashes. Built-in: ``file``
+    (one file per page under ``$SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR``).
+
+    Example::
+
+        @hookimpl
+        def register_hicache_storage_backends(register):
+            register("file", "core_plugins.hicache.file:FileStorage")
+    """
+
+
 @hookspec(firstresult=True)
 def choose_attention_backend(device: Any, model_config: Any, available: list[str]) -> str | tuple[str, str] | None:
     """Pick the attention backend used when ``--attention-backend`` is not given.

@@ -16,8 +16,9 @@ from typing import Any, Iterable, Protocol, Sequence, runtime_checkable
 import attrs
 import torch
 
-PLUGIN_API_VERSION = "1.4"  # 1.1: the optional CUDA-graph capture hooks of attention backends; 1.2: drafters;
-# 1.3: model drafters; 1.4: tree masks (ForwardBatch.tree_mask, AttentionBackend.supports_tree_mask), draft trees
+PLUGIN_API_VERSION = "1.5"  # 1.1: the optional CUDA-graph capture hooks of attention backends; 1.2: drafters;
+# 1.3: model drafters; 1.4: tree masks (ForwardBatch.tree_mask, AttentionBackend.supports_tree_mask), draft trees;
+# 1.5: HiCache storage backends (HiCacheStorage)
 
 
 # --------------------------------------------------------------------------- batches
@@ -516,6 +517,38 @@ class ModelDrafter(Protocol):
         drafter learns what the target kept from the next call's ``tokens``)."""
 
 
+@attrs.define(frozen=True)
+class HiCacheStorageConfig:
+    """What a :class:`HiCacheStorage` backend is built with (plugin API 1.5)."""
+
+    namespace: str  # the model/dtype/page-size/KV-layout/TP-rank identity every key of this engine starts with
+    path: str | None = None  # folder or URI; None: the backend's default (``file``: $SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR)
+    page_bytes: int = 0  # the size of one value (a page's K and V, every layer)
+
+
+class HiCacheStorage(Protocol):
+    """HiCache's storage tier under the host pool (SGLang's ``HiCacheStorage``, ``--hicache-storage-backend``):
+    a key-value store of KV pages, constructed as ``backend(config)`` (a :class:`HiCacheStorageConfig`).
+
+    A key is an opaque string of ``[0-9A-Za-z._-]`` (at most 200 characters), ``<namespace>_<hash>``
+    (``config.namespace``, an underscore, then a hash chain over the token ids up to and including the page: a key
+    names the whole prefix). A value is a page's bytes. Called from the engine's thread (reads, at
+    admission) and from one background writer thread; a backend must never raise into the engine:
+    a failed write returns False, a missing or damaged value reads as None."""
+
+    def get(self, key: str) -> bytes | None:
+        """The value stored under ``key``, or None when it is missing or fails the backend's integrity check."""
+
+    def set(self, key: str, value: bytes) -> bool:
+        """Store ``value`` under ``key`` (replacing any); False when it could not be stored."""
+
+    def exists(self, key: str) -> bool:
+        """Whether ``key`` holds a value (a cheap check: ``get`` may still find it damaged)."""
+
+    def clear(self) -> None:
+        """Drop every value of this backend's namespace."""
+
+
 EXTENSION_KINDS: dict[str, str] = {
     # kind -> hook name
     "attention_backend": "register_attention_backends",
@@ -525,4 +558,5 @@ EXTENSION_KINDS: dict[str, str] = {
     "reasoning_parser": "register_reasoning_parsers",
     "grammar_backend": "register_grammar_backends",
     "speculative_algorithm": "register_speculative_algorithms",
+    "hicache_storage_backend": "register_hicache_storage_backends",
 }

@@ -296,6 +296,7 @@ INTERFACES: dict[str, type] = {
     "reasoning_parser": interfaces.ReasoningParser,
     "grammar_backend": interfaces.GrammarBackend,
     "speculative_algorithm": interfaces.Drafter,
+    "hicache_storage_backend": interfaces.HiCacheStorage,
 }
 
 

@@ -151,8 +151,10 @@ def test_flags_parse_and_bad_values_are_clear_errors():
                                     "hicache_mem_layout": "page_first", "hicache_size": 0})
     assert args.enable_hierarchical_cache and args.hicache_write_policy == "write_back"
     check_hicache_args(args)
-    for kw, flag in [({"hicache_storage_backend": "file"}, "--hicache-storage-backend"),
-                     ({"hicache_storage_prefetch_policy": "wait_complete"}, "--hicache-storage-prefetch-policy"),
+    for policy in ("best_effort", "wait_complete", "timeout"):  # SGLang's values (the storage tier: test_hicache_storage)
+        check_hicache_args(EngineArgs(model_path="/m", hicache_storage_prefetch_policy=policy))
+    for kw, flag in [({"hicache_storage_backend": "file"}, "--enable-hierarchical-cache"),
+                     ({"hicache_storage_prefetch_policy": "eager"}, "--hicache-storage-prefetch-policy"),
                      ({"hicache_write_policy": "write_around"}, "--hicache-write-policy"),
                      ({"hicache_mem_layout": "head_first"}, "--hicache-mem-layout"),
                      ({"hicache_io_backend": "fast"}, "--hicache-io-backend"),
@@ -239,9 +241,9 @@ def test_full_host_pool_drops_its_lru_prefixes_and_stays_consistent(tiny_llama, 
     assert_pool_free(eng)
 
 
-def test_storage_backend_is_a_start_up_error(tiny_llama):
+def test_unknown_storage_backend_is_a_start_up_error(tiny_llama):
     from tests.conftest import make_engine
 
     path, _ = tiny_llama()
-    with pytest.raises(CoreError, match="--hicache-storage-backend"):
-        make_engine(path, enable_hierarchical_cache=True, hicache_storage_backend="file")
+    with pytest.raises(CoreError, match="--hicache-storage-backend 'nfs'"):
+        make_engine(path, enable_hierarchical_cache=True, hicache_storage_backend="nfs")

@@ -157,7 +157,7 @@ class AsyncEngine(RequestFrontEnd):
         max_running = args.max_running_requests or max(1, min(256, self.max_total_tokens // 16))
         self.table = ReqToTokenTable(max_running, mc.context_len + ps, self.device)
         check_scheduling_args(args)
-        self.tree_cache = build_tree_cache(args, self.allocator, self.kv_cache, per_token)  # (+ host tier: mem_cache)
+        self.tree_cache = build_tree_cache(args, self.allocator, self.kv_cache, per_token, self.plugins, mc)  # (mem_cache)
         chunk = args.chunked_prefill_size
         if chunk is None:  # SGLang picks by GPU memory; 2048 (its small-GPU value) keeps a CPU forward short
             chunk = 8192 if self.device.type == "cuda" else DEFAULT_CPU_CHUNKED_PREFILL_SIZE
@@ -220,9 +220,11 @@ class AsyncEngine(RequestFrontEnd):
                 self._finished(r)
 
     def flush_cache(self) -> bool:
-        """Empty the radix prefix cache; False (nothing done) while requests are queued or running."""
+        """Empty the radix prefix cache, every tier of it (storage too); False (nothing done) while
+        requests are queued or running."""
         ok = not self._held and self.scheduler.flush_cache()
         if ok:
+            getattr(self.tree_cache, "clear_storage", bool)()
             log.info("engine.cache_flushed")
         return ok
 
@@ -546,6 +548,7 @@ class AsyncEngine(RequestFrontEnd):
                 ok, message = await self._on_forward_thread(self._reload_weights, model_path, load_format)
                 if ok and flush_cache and self.scheduler.flush_cache():  # idle: always succeeds
                     log.info("engine.cache_flushed", reason="weights updated")
+                    getattr(self.tree_cache, "clear_storage", bool)()  # a stored page has no weight version
                 if torch_empty_cache and self.device.type == "cuda":
                     torch.cuda.empty_cache()
                 return ok, message
@@ -617,6 +620,7 @@ class AsyncEngine(RequestFrontEnd):
         if self.tp_group is not None:
             self.tp_group.stop()
         self.grammar.shutdown()
+        getattr(self.tree_cache, "close", bool)()  # (the storage tier's queued writes land: mem_cache)
         self.plugins.pm.hook.on_shutdown(engine=self)
 
 

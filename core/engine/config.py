@@ -131,10 +131,13 @@ class EngineArgs:
     hicache_mem_layout: str = _arg("layer_first", MEMORY, "SGLang's host pool layouts; accepted for compatibility, no "
                                                           "effect here (the host pool is laid out like the device "
                                                           "pool, layer first)", choices=HICACHE_MEM_LAYOUTS)
-    hicache_storage_backend: str | None = _arg(None, MEMORY, "storage tier under the host pool: not supported yet "
-                                                             "(any value is refused)")
-    hicache_storage_prefetch_policy: str = _arg("best_effort", MEMORY, "storage tier prefetch: not supported yet "
-                                                                       "(only the default is accepted)",
+    hicache_storage_backend: str | None = _arg(None, MEMORY, "storage tier under the host pool (any registered "
+                                                             "backend; built in: file, one file per page under "
+                                                             "$SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR, default "
+                                                             "/tmp/hicache); needs --enable-hierarchical-cache")
+    hicache_storage_prefetch_policy: str = _arg("best_effort", MEMORY, "storage reads at admission (synchronous): "
+                                                                       "best_effort and wait_complete read all that "
+                                                                       "is stored, timeout stops at SGLang's budget",
                                                 choices=HICACHE_STORAGE_PREFETCH_POLICIES)
     page_size: int = _arg(1, MEMORY, "tokens per KV cache page")
     kv_cache_dtype: str = _arg("auto", MEMORY, "KV cache dtype (auto: the model's; fp8_e4m3 / fp8_e5m2 store K/V in "

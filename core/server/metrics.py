@@ -86,7 +86,7 @@ class Metrics:
         self.spec_accept_rate = gauge("sglang:spec_accept_rate", "Speculative acceptance rate (accepted drafts / "
                                       "proposed drafts, over finished requests).")
         self._spec = [0, 0, 0, 0]  # tokens, verifies, correct drafts, proposed drafts of finished requests
-        # HiCache's host tier (core.engine.mem_cache.hierarchical; SGLang exports none of its own for it):
+        # HiCache's host and storage tiers (core.engine.mem_cache.hierarchical; SGLang exports none of its own for them):
         # counters follow the cache's cumulative stats at scrape time, zero while the tier is off
         self.hicache = {
             "host_hit_tokens": counter("core:hicache_host_hit_tokens", "Prompt tokens served from the host tier "
@@ -100,6 +100,16 @@ class Metrics:
             "backup_seconds": counter("core:hicache_backup_seconds", "Seconds spent copying KV to the host tier."),
             "host_evicted_pages": counter("core:hicache_host_evicted_pages", "Host-tier pages dropped to make room "
                                           "in the host pool."),
+            "storage_hit_tokens": counter("core:hicache_storage_hit_tokens", "Prompt tokens served from the storage "
+                                          "tier (read into the host pool and loaded back)."),
+            "bytes_to_storage": counter("core:hicache_host_to_storage_bytes", "KV bytes written to the storage tier."),
+            "bytes_from_storage": counter("core:hicache_storage_to_host_bytes", "KV bytes read from the storage tier."),
+            "storage_read_seconds": counter("core:hicache_storage_read_seconds", "Seconds admissions spent reading "
+                                            "the storage tier."),
+            "storage_write_seconds": counter("core:hicache_storage_write_seconds", "Seconds the background writer "
+                                             "spent writing to the storage tier."),
+            "storage_failed_writes": counter("core:hicache_storage_failed_writes", "Pages the storage backend could "
+                                             "not store."),
         }
         self.hicache_host_used_tokens = gauge("core:hicache_host_used_tokens", "Tokens held by the host KV pool.")
         self.hicache_host_total_tokens = gauge("core:hicache_host_total_tokens", "Capacity of the host KV pool in tokens.")

@@ -1,5 +1,5 @@
 """The conformance kit: check an attention backend, quant method, model, parser, grammar
-backend or speculative drafter against core's references, from pytest or from
+backend, speculative drafter or HiCache storage backend against core's references, from pytest or from
 ``core plugins --check NAME``.
 
 In a plugin's tests, import the suite for its kind and name the plugin in a fixture::
@@ -26,6 +26,8 @@ suite                                     required fixture        checked agains
                                                                      chains and trees (a model drafter on
                                                                      a fake draft model or EAGLE head,
                                                                      observing a fake target's features)
+``hicache_storage_conformance``           ``hicache_storage_backend``  round trips, missing keys, overwrite,
+                                                                     clear, a failed write
 ========================================  ======================  ===================================
 
 Outside pytest, :func:`check_plugin` runs a suite and returns a :class:`CaseResult` per case.
@@ -38,8 +40,8 @@ from core.testing.grammar import GRAMMAR_CASES
 from core.testing.parser_samples import REASONING_SAMPLES, TOOL_FORMATS, TOOL_SAMPLES, ReasoningSample, ToolSample
 from core.testing.suite import Case, CaseResult, ConformanceError, Skipped
 from core.testing.suites import (
-    AttentionBackendConformance, DrafterConformance, GrammarBackendConformance, ModelConformance,
-    QuantMethodConformance, ReasoningParserConformance, Suite, ToolParserConformance,
+    AttentionBackendConformance, DrafterConformance, GrammarBackendConformance, HiCacheStorageConformance,
+    ModelConformance, QuantMethodConformance, ReasoningParserConformance, Suite, ToolParserConformance,
 )
 
 attention_backend_conformance = AttentionBackendConformance
@@ -49,10 +51,12 @@ tool_parser_conformance = ToolParserConformance
 reasoning_parser_conformance = ReasoningParserConformance
 grammar_backend_conformance = GrammarBackendConformance
 drafter_conformance = DrafterConformance
+hicache_storage_conformance = HiCacheStorageConformance
 
 __all__ = [
     "attention_backend_conformance", "quant_method_conformance", "model_conformance", "tool_parser_conformance",
     "reasoning_parser_conformance", "grammar_backend_conformance", "drafter_conformance",
+    "hicache_storage_conformance", "HiCacheStorageConformance",
     "AttentionBackendConformance", "QuantMethodConformance", "ModelConformance", "ToolParserConformance",
     "ReasoningParserConformance", "GrammarBackendConformance", "DrafterConformance", "Suite",
     "check_plugin", "format_results", "Case", "CaseResult", "ConformanceError", "Skipped",

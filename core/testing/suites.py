@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 from core.testing.attention import AttentionSubject, attention_cases
 from core.testing.drafter import DrafterSubject, drafter_cases
 from core.testing.grammar import GrammarSubject, grammar_cases
+from core.testing.hicache_storage import StorageSubject, hicache_storage_cases
 from core.testing.models import ModelSubject, model_cases
 from core.testing.parsers import ReasoningParserSubject, ToolParserSubject, reasoning_parser_cases, tool_parser_cases
 from core.testing.quant import QuantSubject, quant_cases
@@ -134,3 +135,13 @@ class DrafterConformance(Suite):
 
     def test_speculative_algorithm(self, case, speculative_algorithm, conformance_plugins):
         run_in_pytest(case, DrafterSubject.build(speculative_algorithm, plugins=conformance_plugins))
+
+
+class HiCacheStorageConformance(Suite):
+    """Fixture ``hicache_storage_backend`` (a HiCache storage backend)."""
+
+    kind = "hicache_storage_backend"
+    cases = staticmethod(hicache_storage_cases)
+
+    def test_hicache_storage_backend(self, case, hicache_storage_backend, conformance_plugins):
+        run_in_pytest(case, StorageSubject.build(hicache_storage_backend, plugins=conformance_plugins))

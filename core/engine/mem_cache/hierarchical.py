@@ -17,6 +17,15 @@ before the prefill that needs them: a synchronous index copy per K/V buffer (on 
 of a few ms for thousands of tokens; on a GPU it is queued on the stream ahead of the forward).
 The host pool evicts its own LRU host-only leaves when a backup needs room; they leave the tree.
 
+With ``--hicache-storage-backend`` a storage tier sits under the host pool (``storage``): every
+backup to the host is also written to storage in the background, and an admission match that runs
+past the device and host tiers reads the stored continuation of the prompt into host pages (a new
+host-resident node) and loads it back with the host hits. Storage outlives the engine (a restart
+reads it). ``/flush_cache`` empties every tier: ``reset`` the device and host tiers, then the engine
+``clear_storage`` (SGLang's /flush_cache leaves storage to its /clear_hicache_storage_backend; here a
+flush means no cached KV is served afterwards); a weight update clears storage too (a stored page
+carries no weight version). A failed step's reset leaves storage alone.
+
 Pure page-id bookkeeping here and in ``RadixCache``; the tensors and the copies are the
 ``HostKVPool``'s. Tensor parallelism is refused with the host tier for now (``check_hicache_args``).
 """
@@ -36,7 +45,8 @@ from core.engine.mem_cache import (
 )
 from core.engine.mem_cache.host_pool import HostKVPool
 from core.engine.mem_cache.radix_cache import RadixCache, TreeNode
-from core.errors import CoreError
+from core.engine.mem_cache.storage import StorageTier, storage_namespace
+from core.errors import CoreError, UnknownNameError
 
 if TYPE_CHECKING:
     from core.engine.config import EngineArgs
@@ -58,19 +68,23 @@ class HiCacheStats:
     load_seconds: float = 0.0  # time spent loading back
     backup_seconds: float = 0.0  # time spent backing up
     host_evicted_pages: int = 0  # host-only pages dropped to make room in the host pool
+    storage_hit_tokens: int = 0  # tokens of admitted prefixes read from the storage tier
+    bytes_to_storage: int = 0  # pages written to storage (background writer)
+    bytes_from_storage: int = 0  # pages read from storage into the host pool
+    storage_read_seconds: float = 0.0  # time admissions spent probing and reading storage
+    storage_write_seconds: float = 0.0  # time the background writer spent writing
+    storage_failed_writes: int = 0  # pages the backend could not store
+    storage_skipped_pages: int = 0  # pages not written because the writer's queue was full
 
 
 def check_hicache_args(args: EngineArgs) -> None:
     """Refuse --hicache-* values this engine cannot honour, naming the flag."""
-    if args.hicache_storage_backend is not None:
-        raise CoreError(f"--hicache-storage-backend {args.hicache_storage_backend!r} is not supported yet: only "
-                        "the host tier of --enable-hierarchical-cache is built; leave --hicache-storage-backend unset")
-    if args.hicache_storage_prefetch_policy != "best_effort":
-        bad = args.hicache_storage_prefetch_policy
-        why = "is not one of " + ", ".join(HICACHE_STORAGE_PREFETCH_POLICIES) if bad not in HICACHE_STORAGE_PREFETCH_POLICIES \
-            else "applies to a storage tier, which is not supported yet; leave it at best_effort"
-        raise CoreError(f"--hicache-storage-prefetch-policy {bad!r} {why}")
+    if args.hicache_storage_backend is not None and not args.enable_hierarchical_cache:
+        raise CoreError(f"--hicache-storage-backend {args.hicache_storage_backend!r} is the tier under the host "
+                        "pool: it needs --enable-hierarchical-cache")
     for flag, value, choices in (("--hicache-write-policy", args.hicache_write_policy, HICACHE_WRITE_POLICIES),
+                                 ("--hicache-storage-prefetch-policy", args.hicache_storage_prefetch_policy,
+                                  HICACHE_STORAGE_PREFETCH_POLICIES),
                                  ("--hicache-io-backend", args.hicache_io_backend, HICACHE_IO_BACKENDS),
                                  ("--hicache-mem-layout", args.hicache_mem_layout, HICACHE_MEM_LAYOUTS)):
         if value not in choices:
@@ -88,8 +102,10 @@ def check_hicache_args(args: EngineArgs) -> None:
                         "its own shard's host copy); use --tp-size 1 or leave the host tier off")
 
 
-def build_tree_cache(args: EngineArgs, allocator: PageAllocator, kv_cache: KVCache, per_token: int) -> RadixCache | None:
-    """The prefix cache the flags ask for: none, the radix cache, or the radix cache with a host tier."""
+def build_tree_cache(args: EngineArgs, allocator: PageAllocator, kv_cache: KVCache, per_token: int,
+                     plugins: Any = None, model: Any = None) -> RadixCache | None:
+    """The prefix cache the flags ask for: none, the radix cache, or the radix cache with a host tier
+    (and a storage tier: its backend from ``plugins``, its key namespace from ``model``, the ModelConfig)."""
     check_hicache_args(args)
     ps = allocator.page_size
     if args.disable_radix_cache:
@@ -109,7 +125,31 @@ def build_tree_cache(args: EngineArgs, allocator: PageAllocator, kv_cache: KVCac
     log.info("hicache.host_pool", host_tokens=pages * ps, host_gib=round(pages * host.bytes_per_page / GIB, 3),
              device_tokens=device_tokens, write_policy=args.hicache_write_policy,
              io_backend=args.hicache_io_backend, mem_layout=args.hicache_mem_layout)
-    return HiRadixCache(ps, args.radix_eviction_policy, allocator, host, args.hicache_write_policy)
+    tree = HiRadixCache(ps, args.radix_eviction_policy, allocator, host, args.hicache_write_policy)
+    if (name := args.hicache_storage_backend) is not None:
+        tree.storage = _build_storage(name, args, host, tree.stats, plugins, model)
+    return tree
+
+
+def _build_storage(name: str, args: EngineArgs, host: HostKVPool, stats: HiCacheStats, plugins: Any,
+                   model: Any) -> StorageTier:
+    from core.interfaces import HiCacheStorageConfig
+
+    if plugins is None:
+        from core.plugins import load_plugins
+
+        plugins = load_plugins()
+    try:
+        factory = plugins.resolve("hicache_storage_backend", name)
+    except UnknownNameError as e:
+        raise CoreError(f"--hicache-storage-backend {name!r}: {e}") from e
+    ident = model if isinstance(model, str) else \
+        "|".join(str(getattr(model, a, "")) for a in ("path", "source", "dtype", "quant_config"))
+    namespace = storage_namespace(ident or str(args.model_path), args, host)
+    backend = factory(HiCacheStorageConfig(namespace=namespace, page_bytes=host.bytes_per_page))
+    log.info("hicache.storage", backend=name, namespace=namespace, folder=getattr(backend, "folder", None),
+             prefetch_policy=args.hicache_storage_prefetch_policy)
+    return StorageTier(backend, name, namespace, host, stats, args.hicache_storage_prefetch_policy)
 
 
 class HiRadixCache(RadixCache):
@@ -122,14 +162,29 @@ class HiRadixCache(RadixCache):
             raise CoreError(f"--hicache-write-policy {write_policy!r} is not one of {', '.join(HICACHE_WRITE_POLICIES)}")
         self.allocator, self.host_pool, self.write_policy = allocator, host, write_policy
         self.stats = HiCacheStats()
+        self.storage: StorageTier | None = None  # the tier under the host pool (--hicache-storage-backend)
         super().__init__(page_size, eviction_policy)
 
     # ------------------------------------------------------------------ queries
     def reset(self) -> list[int]:
-        """Empty the tree (every tier); returns the device pages it held."""
+        """Empty the tree (the device and host tiers; storage is ``clear_storage``'s); returns the
+        device pages it held."""
         pages = super().reset()
         self.host_pool.reset()
         return pages
+
+    def clear_storage(self) -> bool:
+        """Drop this engine's pages from the storage tier (SGLang's /clear_hicache_storage_backend);
+        False without one."""
+        if self.storage is None:
+            return False
+        self.storage.clear()
+        return True
+
+    def close(self) -> None:
+        """Finish the queued storage writes and stop the writer (engine shutdown)."""
+        if self.storage is not None:
+            self.storage.close()
 
     @property
     def host_used_pages(self) -> int:
@@ -161,9 +216,15 @@ class HiRadixCache(RadixCache):
                     self._backup(n)
                 n = n.parent
         host_nodes = self._host_path(node, ids, len(pages) * self.page_size)
+        stored = [] if self.storage is None else self._storage_path(
+            host_nodes[-1] if host_nodes else node, ids, host_nodes,
+            len(pages) * self.page_size + sum(len(n.key) for n in host_nodes))
+        host_nodes += stored
         if not host_nodes:
             return pages, node
         loaded = self._load_back(host_nodes)
+        if stored and stored[0] in loaded:  # counted as a storage hit, not a host one
+            self.stats.host_hit_tokens -= len(stored[0].key)
         return pages + [p for n in loaded for p in n.pages], (loaded[-1] if loaded else node)
 
     def _host_path(self, node: TreeNode, ids: list[int], i: int) -> list[TreeNode]:
@@ -187,6 +248,33 @@ class HiRadixCache(RadixCache):
             if partial:
                 break
         return out
+
+    def _storage_path(self, node: TreeNode, ids: list[int], host_nodes: list[TreeNode], i: int) -> list[TreeNode]:
+        """The stored continuation of ``ids[:i]`` (which ends at ``node``), read into host pages as a
+        new host-resident child of ``node``: [] or [that node]. As much as the device can take."""
+        ps = self.page_size
+        ids = ids[: len(ids) // ps * ps]
+        if i + ps > len(ids) or self._child_key(ids, i) in node.children:
+            return []
+        self.inc_lock_ref(node)  # neither the path nor its host pages are evicted meanwhile
+        try:
+            room = self.allocator.num_free + self.evictable_pages - sum(len(n.host) for n in host_nodes)
+
+            def take_host(n: int) -> list[int]:
+                hp = self.host_pool.allocator
+                if n > hp.num_free:
+                    self._evict_host(n - hp.num_free)
+                return hp.allocate(min(n, hp.num_free))
+
+            host = self.storage.read(ids, i, room, take_host, self.host_pool.allocator.free)
+        finally:
+            self.dec_lock_ref(node)
+        if not host:
+            return []
+        new = TreeNode(ids[i : i + len(host) * ps], [], node)
+        new.host, new.last_access, new.hit_count = host, next(self._clock), 1
+        node.children[self._child_key(ids, i)] = new
+        return [new]
 
     def _load_back(self, host_nodes: list[TreeNode]) -> list[TreeNode]:
         """Give the leading ``host_nodes`` that fit device pages and copy their KV there."""
@@ -240,7 +328,17 @@ class HiRadixCache(RadixCache):
         node.host = hp.allocate(need)
         self.stats.bytes_to_host += self.host_pool.backup(node.pages, node.host)
         self.stats.backup_seconds += time.perf_counter() - t0
+        if self.storage is not None:
+            self.storage.backup(self._path_ids(node.parent), node.key, node.host)
         return True
+
+    def _path_ids(self, node: TreeNode) -> list[int]:
+        """The token ids from the root to ``node`` included."""
+        keys = []
+        while node is not self.root:
+            keys.append(node.key)
+            node = node.parent
+        return [t for k in reversed(keys) for t in k]
 
     def evict(self, num_pages: int) -> list[int]:
         """Free at least ``num_pages`` device pages (or all that can be): device-resident leaves

@@ -55,6 +55,20 @@ class HostKVPool:
         """Copy host pages back into device pages (same order); returns the bytes moved."""
         return self._copy(self.k, self.v, host_pages, self.device.k, self.device.v, device_pages)
 
+    def pack(self, host_pages: list[int]) -> torch.Tensor:
+        """A copy of host pages' KV as bytes, ``[2 * layers, pages * page_size, Hkv, D * itemsize]`` uint8
+        (K of every layer, then V): page ``j`` is ``[:, j * page_size:(j + 1) * page_size]``."""
+        idx = self._slots(host_pages, torch.device("cpu"))
+        with torch.no_grad():
+            return torch.stack([b.view(torch.uint8).index_select(0, idx) for b in (*self.k, *self.v)])
+
+    def unpack(self, host_pages: list[int], data: torch.Tensor) -> None:
+        """Write ``data`` (as ``pack`` gives it) into host pages."""
+        idx = self._slots(host_pages, torch.device("cpu"))
+        with torch.no_grad():
+            for b, d in zip((*self.k, *self.v), data):
+                b.view(torch.uint8).index_copy_(0, idx, d)
+
     def _copy(self, src_k: list[torch.Tensor], src_v: list[torch.Tensor], src_pages: list[int],
               dst_k: list[torch.Tensor], dst_v: list[torch.Tensor], dst_pages: list[int]) -> int:
         assert len(src_pages) == len(dst_pages)

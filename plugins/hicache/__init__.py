@@ -1,0 +1,1 @@
+"""HiCache storage backends (``--hicache-storage-backend``): ``file`` (``core_plugins.hicache.file``)."""
