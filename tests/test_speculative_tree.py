@@ -127,3 +127,32 @@ def test_sampled_tree_verification_keeps_the_target_distribution(tiny, monkeypat
     monkeypatch.setattr(Speculator, "load", load_with_trees)
     check_sampled_distribution(tiny, lambda prompt, greedy: TreeOracle({tuple(prompt): greedy}), max_new_tokens=4,
                                speculative_num_draft_tokens=5)
+
+
+def test_a_batch_of_chains_is_verified_causally(tiny):
+    """Chains alone never build a tree mask: the verify keeps the causal path (the CPU's fused
+    layers), as a batch holding a tree does not."""
+    import core.engine.model_runner as runner
+
+    seen: list[bool] = []
+    forward = runner.forward_batch
+
+    def spy(inputs, backend, device):
+        seen.append(inputs.tree_mask is not None)
+        return forward(inputs, backend, device)
+
+    runner.forward_batch = spy
+    try:
+        plain, _ = generate(tiny)
+        want = {tuple(p): o["output_ids"] for p, o in zip(PROMPTS, plain)}
+        seen.clear()
+        from tests.test_speculative import OracleDrafter
+
+        spec, _ = generate(tiny, OracleDrafter(want), speculative_algorithm="NGRAM", speculative_num_draft_tokens=5)
+        assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in plain]
+        assert seen and not any(seen)
+        seen.clear()
+        generate(tiny, TreeOracle(want), True, speculative_algorithm="NGRAM", speculative_num_draft_tokens=9)
+        assert any(seen)
+    finally:
+        runner.forward_batch = forward

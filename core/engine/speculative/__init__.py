@@ -146,7 +146,7 @@ class Speculator:
         batch.input_ids = [t for r, n, d in zip(reqs, batch.extend_lens, drafts) for t in (r.token_at(r.kv_len - n), *d)]
         batch.drafts = drafts
         batch.draft_pending = self.batched
-        if parents is not None:
+        if parents is not None and any(p is not None for p in parents):  # (chains alone: causal, the fused layers)
             _set_trees(batch, parents)
         return batch
 
