@@ -387,6 +387,7 @@ def check_sampled_distribution(path: Path, drafter_for: Any, max_new_tokens: int
                       speculative_algorithm="NGRAM", **engine)
     try:
         eng.engine.scheduler.speculator.token_budget = 100_000  # (1,500 requests: past any device's budget)
+        eng.engine.scheduler.speculator.min_draft_share = 0  # (a verify however few drafts: sampled ones stand)
         eng.engine.scheduler.speculator.drafter = drafter_for(prompt, greedy)
         outs = eng.generate(input_ids=[prompt] * n, sampling_params=sampled)
         spec = [o["output_ids"] for o in outs]

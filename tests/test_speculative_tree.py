@@ -156,3 +156,25 @@ def test_a_batch_of_chains_is_verified_causally(tiny):
         assert any(seen)
     finally:
         runner.forward_batch = forward
+
+
+def test_a_large_batch_with_few_drafts_decodes_plainly(tiny):
+    """More than SMALL_BATCH requests and under ``min_draft_share`` draft tokens per request: the
+    batch decodes plainly (a verify would run every row through the extend path for little)."""
+    from core.engine.speculative import SMALL_BATCH
+
+    prompts = [[5 + (i * 7 + j) % 13 for j in range(20 + i)] for i in range(SMALL_BATCH + 2)]
+
+    class OneRequest:  # drafts one (right or wrong) token for the first prompt only
+        def propose(self, state, tokens, max_tokens):
+            return [7] if tokens[:len(prompts[0])] == prompts[0] and len(tokens) >= len(prompts[0]) else []
+
+    for share, drafted in ((0.5, False), (0.0, True)):
+        eng = make_engine(tiny, dtype="float32", device="cpu", speculative_algorithm="NGRAM")
+        try:
+            eng.engine.scheduler.speculator.drafter = OneRequest()
+            eng.engine.scheduler.speculator.min_draft_share = share
+            outs = eng.generate(input_ids=prompts, sampling_params=[GREEDY] * len(prompts))
+            assert (outs[0]["meta_info"].get("spec_num_proposed_drafts", 0) > 0) is drafted
+        finally:
+            eng.shutdown()

@@ -52,6 +52,7 @@ MAX_BACKOFF = 16  # decode steps a request waits, at most, before drafting again
 # runs the extend path, which costs two to three fused decode steps even for a few tokens; on a
 # GPU a short verify costs about one decode step.
 MIN_KEPT = {"cpu": 2, "cuda": 1}
+SMALL_BATCH = 4  # a larger batch verifies only with at least ``min_draft_share`` draft tokens per request
 
 
 @attrs.define
@@ -91,6 +92,7 @@ class Speculator:
     batched: bool = attrs.field(init=False)  # a ModelDrafter: drafts come from the runner (``fill``)
     token_budget: int = VERIFY_TOKEN_BUDGET["cpu"]  # tokens per verify forward, set for the device by ``load``
     min_kept: int = MIN_KEPT["cpu"]  # a verify keeping fewer backs its request off (``Pace``), set by ``load``
+    min_draft_share: float = 0.5  # draft tokens per request a verify of more than SMALL_BATCH requests needs
     features: Any = None  # () -> the last target forward's features, where the drafter asked (``observe``)
     trees: bool = False  # draft trees are verified whole (``load``: the backend takes tree masks, and they pay)
 
@@ -138,8 +140,11 @@ class Speculator:
             drafts, parents = [t for t, _ in trees], [p for _, p in trees]
             rooms = [len(d) for d in drafts]
         pages_for = scheduler.allocator.pages_for
-        if not any(rooms) or not scheduler._can_alloc(sum(max(0, pages_for(r.kv_len + 1 + n) - len(r.pages))
-                                                          for r, n in zip(reqs, rooms))):
+        # a large batch with few drafts: its verify (the extend path for every row) would cost more
+        # than the plain, fused decode it replaces, for too little to keep
+        if (not any(rooms) or (len(reqs) > SMALL_BATCH and sum(rooms) < self.min_draft_share * len(reqs))
+                or not scheduler._can_alloc(sum(max(0, pages_for(r.kv_len + 1 + n) - len(r.pages))
+                                                for r, n in zip(reqs, rooms)))):
             return None
         batch = scheduler._build(reqs, [1 + n for n in rooms], prefill=False)
         drafts = drafts or [[0] * n for n in rooms]
