@@ -13,17 +13,8 @@ import pytest
 
 from core.engine.speculative.tree import depths, first_chain, kv_moves, mask_rows, walk
 from core.interfaces import DraftTree
-from tests.conftest import build_tiny_llama, make_engine
-
-PROMPTS = [[5 + (i * 7 + j) % 13 for j in range(30 + 5 * i)] for i in range(4)]
-GREEDY = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("tiny-tree")
-    build_tiny_llama(path, seed=3)
-    return path
+from tests.conftest import make_engine
+from tests.test_speculative import GREEDY, PROMPTS, tiny  # noqa: F401  (tiny: the fixture, shared)
 
 
 class TreeOracle:

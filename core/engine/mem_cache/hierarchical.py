@@ -229,25 +229,7 @@ class HiRadixCache(RadixCache):
 
     def _host_path(self, node: TreeNode, ids: list[int], i: int) -> list[TreeNode]:
         """The host-resident nodes matching ``ids[i:]`` below ``node`` (the last split to the match)."""
-        ps = self.page_size
-        ids = ids[: len(ids) // ps * ps]
-        now = next(self._clock)
-        out: list[TreeNode] = []
-        while i < len(ids):
-            child = node.children.get(self._child_key(ids, i))
-            if child is None or child.pages:
-                break
-            m = self._match_len(child.key, ids, i)
-            partial = m < len(child.key)
-            if partial:
-                child = self._split(child, m)
-            child.last_access = now
-            child.hit_count += 1
-            out.append(child)
-            node, i = child, i + m
-            if partial:
-                break
-        return out
+        return list(self.walk(node, ids, i, on_device=False))
 
     def _storage_path(self, node: TreeNode, ids: list[int], host_nodes: list[TreeNode], i: int) -> list[TreeNode]:
         """The stored continuation of ``ids[:i]`` (which ends at ``node``), read into host pages as a

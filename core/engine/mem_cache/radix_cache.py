@@ -114,24 +114,31 @@ class RadixCache:
         A match ending inside an edge splits it, so the returned node covers exactly the match.
         ``load_back`` (the match that admits a request) matters only to a tiered cache
         (``mem_cache.hierarchical``): there, host-resident nodes continuing the match are loaded first."""
+        node, pages = self.root, []
+        for node in self.walk(self.root, ids, 0, on_device=True):
+            pages += node.pages
+        return pages, node
+
+    def walk(self, node: TreeNode, ids: list[int], i: int, on_device: bool) -> Iterator[TreeNode]:
+        """The nodes below ``node`` matching the page-aligned ``ids[i:]`` whose KV is on the device
+        (``on_device``), or is not (a lower tier's, see mem_cache), each touched as used; a match
+        ending inside an edge splits it, so the last node covers exactly the match."""
         ids = ids[: len(ids) // self.page_size * self.page_size]
-        node, pages, i = self.root, [], 0
         now = next(self._clock)
         while i < len(ids):
             child = node.children.get(self._child_key(ids, i))
-            if child is None or not child.pages:  # (not on the device: a lower tier's, see mem_cache)
-                break
+            if child is None or bool(child.pages) != on_device:
+                return
             m = self._match_len(child.key, ids, i)
             partial = m < len(child.key)
             if partial:
                 child = self._split(child, m)
             child.last_access = now
             child.hit_count += 1
-            pages += child.pages
+            yield child
             node, i = child, i + m
             if partial:
-                break
-        return pages, node
+                return
 
     def _split(self, child: TreeNode, m: int) -> TreeNode:
         """Split ``child`` after ``m`` tokens; returns the new upper node (which keeps child's lock)."""
