@@ -231,3 +231,48 @@ def test_the_suite_catches_broken_backends():
     failed = lambda target: {r.case for r in check_plugin(target, "hicache_storage_backend") if not r.ok}  # noqa: E731
     assert failed(_KeepsFirst) == {"overwrite"}
     assert failed(_Raises) == {"failed_write"}
+
+
+def test_sglangs_clear_storage_endpoints(tiny_llama, folder):
+    """SGLang's GET|POST /clear_hicache_storage_backend and POST /hicache/storage-backend/clear drop
+    the stored pages (200, SGLang's JSON message); a server without a storage tier answers 400."""
+    import asyncio
+
+    import httpx
+
+    from core.engine import AsyncEngine
+    from core.engine.config import engine_args_from_kwargs
+    from core.server.app import create_app
+    from core.server.args import ServerArgs
+    from core.server.state import build_state
+
+    path, _ = tiny_llama()
+
+    async def go(**hicache) -> list[int]:
+        args = engine_args_from_kwargs(dict(model_path=str(path), dtype="float32", max_total_tokens=160, cpu_threads=1,
+                                            device="cpu", grammar_backend="none", **hicache))
+        engine = AsyncEngine(args)
+        state = build_state(engine, ServerArgs())
+        state.ready = True
+        codes = []
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(state)), base_url="http://t") as c:
+            for k, (method, url) in enumerate((("GET", "/clear_hicache_storage_backend"),
+                                               ("POST", "/clear_hicache_storage_backend"),
+                                               ("POST", "/hicache/storage-backend/clear"))):
+                r = await c.post("/generate", json={"input_ids": _prompt(23 + k)[1], "sampling_params": greedy(4)})
+                assert r.status_code == 200, r.text
+                if hicache:
+                    await asyncio.to_thread(engine.tree_cache.storage.wait)
+                    assert any(f.suffix == ".bin" for f in folder.iterdir())
+                r = await c.request(method, url)
+                codes.append(r.status_code)
+                if r.status_code == 200:
+                    assert r.json() == "Hierarchical cache storage backend cleared."
+                    assert not any(f.suffix == ".bin" for f in folder.iterdir())
+                else:
+                    assert "--hicache-storage-backend" in r.text
+        await engine.shutdown()
+        return codes
+
+    assert asyncio.run(go(enable_hierarchical_cache=True, hicache_ratio=4.0, hicache_storage_backend="file")) == [200] * 3
+    assert asyncio.run(go()) == [400] * 3

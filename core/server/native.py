@@ -13,7 +13,7 @@ import msgspec
 import structlog
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import PlainTextResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from core.engine.request import Req
 from core.engine.sampling_params import SamplingParams
@@ -488,6 +488,16 @@ async def flush_cache(request: Request) -> Response:
         return PlainTextResponse("Cache not flushed: there are running or waiting requests; retry when the server is idle.\n",
                                  status_code=400)
     return PlainTextResponse("Cache flushed.\n")
+
+
+async def clear_hicache_storage_backend(request: Request) -> Response:
+    """SGLang's /clear_hicache_storage_backend (and POST /hicache/storage-backend/clear): drop the
+    HiCache storage tier's pages (``/flush_cache`` empties it too); 400 without one."""
+    clear = getattr(getattr(state_of(request).engine, "tree_cache", None), "clear_storage", None)
+    if clear is None or not await asyncio.to_thread(clear):  # (waits for the queued writes first)
+        return PlainTextResponse("No HiCache storage backend to clear: start with --enable-hierarchical-cache "
+                                 "--hicache-storage-backend file.\n", status_code=400)
+    return JSONResponse("Hierarchical cache storage backend cleared.")
 
 
 class AbortReq(msgspec.Struct, forbid_unknown_fields=True):
