@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from core.engine.speculative import accepted
+from core.engine.speculative.tree import walk
 from core_plugins.speculative.ngram import NgramDrafter
 from tests.conftest import build_tiny_llama, make_engine
 
@@ -289,10 +289,10 @@ def test_the_builtin_ngram_drafter_keeps_plain_tokens(tiny):
 
 
 def test_accepted_counts_the_agreeing_prefix():
-    assert accepted([4, 5, 6], [4, 5, 7, 8]) == 2
-    assert accepted([4, 5, 6], [4, 5, 6, 8]) == 3
-    assert accepted([4], [3, 4]) == 0
-    assert accepted([], [3]) == 0
+    assert walk([4, 5, 6], None, [4, 5, 7, 8]) == ([0, 1], 7)
+    assert walk([4, 5, 6], None, [4, 5, 6, 8]) == ([0, 1, 2], 8)
+    assert walk([4], None, [3, 4]) == ([], 3)
+    assert walk([], None, [3]) == ([], 3)
 
 
 def test_sampled_requests_and_constrained_ones_around_drafts(tiny):

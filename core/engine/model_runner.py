@@ -212,10 +212,12 @@ class ModelRunner:
             result = StepResult(SampleOutput([], None, None))
         if reqs is not all_reqs:
             result.sample = _scatter(result.sample, live, len(all_reqs))
-        if batch.draft_parents:  # the kept paths' KV to their positions, before the next forward reads it
-            self._kv_moves = self.speculator.verified(batch, result.sample.token_ids, inputs.kv_indices)
+        if batch.drafts is not None:  # a verify: the kept paths; a tree's KV to their positions before the next forward
+            result.kept = self.speculator.walks(batch, result.sample.token_ids)
+            if batch.draft_parents:
+                self._kv_moves = self.speculator.verified(batch, result.kept, inputs.kv_indices)
         if self.speculator is not None and self.speculator.features is not None:  # an EAGLE head reads the target's features
-            self.speculator.observe(batch, result.sample.token_ids, inputs.kv_indices)
+            self.speculator.observe(batch, result.sample.token_ids, result.kept, inputs.kv_indices)
         for i, k in prompt_rows.items():
             result.input_logprobs[i] = self._prompt_logprobs(all_logits[k] if k >= 0 else None, all_reqs[i])
         return result

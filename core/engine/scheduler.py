@@ -484,17 +484,15 @@ class Scheduler:
         now = time.perf_counter()
         s = result.sample
         updates = []
-        drafts, k = batch.drafts, 0  # (a verify: each request's first row among the sampled ones)
+        drafts = batch.drafts  # (a verify: ``result.kept`` holds each request's kept path)
         for i, req in enumerate(batch.reqs):
             if req.row != batch.rows[i]:  # retracted (or failed) after this batch was built (overlap):
                 continue  # its token is dropped, recomputed after readmission, as SGLang does
             # this batch's KV is written (a verify's draft positions: only those kept below)
             req.kv_done = batch.seq_lens[i] - (len(drafts[i]) if drafts else 0)
             if drafts is not None:
-                k += 1 + len(drafts[i])
                 if not (req.finished or req.aborted):  # the draft tokens the target agrees with, and its own next
-                    kept = self.speculator.kept(req, drafts[i], s.token_ids[k - 1 - len(drafts[i]):k],
-                                                batch.draft_parents and batch.draft_parents[i])
+                    kept = self.speculator.kept(req, drafts[i], *result.kept[i], batch.draft_parents and batch.draft_parents[i])
                     updates.append((req, self._append_steps(req, kept, now)))
                     continue
             if i in result.input_logprobs:

@@ -186,15 +186,25 @@ class Speculator:
         if any(p is not None for p in parents):
             _set_trees(batch, parents)
 
-    def observe(self, batch: Any, sampled: list[int], kv_indices: torch.Tensor) -> None:
+    def walks(self, batch: Any, sampled: list[int]) -> list[tuple[list[int], int]]:
+        """Per request of a verify: the draft nodes the target's samples keep (root to leaf) and its
+        token after them (``tree.walk``; ``sampled``: every row's sample, in order)."""
+        out, row = [], 0
+        for i, d in enumerate(batch.drafts):
+            out.append(walk(d, batch.draft_parents[i] if batch.draft_parents else None, sampled[row:row + 1 + len(d)]))
+            row += 1 + len(d)
+        return out
+
+    def observe(self, batch: Any, sampled: list[int], kept: list[tuple[list[int], int]] | None,
+                kv_indices: torch.Tensor) -> None:
         """Hand the drafter the last target forward's features (``DraftContext.capture``), per
         request the positions whose results stand and the token after each (on the forward thread,
-        after sampling; ``sampled``: the batch's sampled tokens, a verify's rows in order)."""
+        after sampling; ``sampled``: the batch's sampled tokens; ``kept``: a verify's ``walks``)."""
         obs, rows, row, live = [], [], 0, set(batch.live)
         for i, (r, n) in enumerate(zip(batch.reqs, batch.extend_lens)):
             start, ids, at = batch.seq_lens[i] - n, batch.input_ids[row + 1:row + n], list(range(row, row + n))
-            if batch.drafts is not None:  # a verify: the last token and the kept nodes stand, at their rows
-                path, nxt = walk(batch.drafts[i], batch.draft_parents[i] if batch.draft_parents else None, sampled[row:row + n])
+            if kept is not None:  # a verify: the last token and the kept nodes stand, at their rows
+                path, nxt = kept[i]
                 ids, at = [batch.drafts[i][j] for j in path] + [nxt], [row] + [row + 1 + j for j in path]
             elif i in live:  # the token sampled after the last position
                 ids = ids + [sampled[i]]
@@ -211,24 +221,20 @@ class Speculator:
             self.drafter.observe(obs, features if rows == list(range(len(features))) else
                                  features.index_select(0, torch.tensor(rows, device=features.device)))
 
-    def verified(self, batch: Any, sampled: list[int], kv_indices: torch.Tensor) -> tuple[list[int], list[int]] | None:
-        """The KV moves (source, destination slots) that bring a tree verify's kept nodes to their
-        positions, or None (no trees, or every kept path a prefix of the layout)."""
-        if not batch.draft_parents:
-            return None
-        src, dst, row = [], [], 0
+    def verified(self, batch: Any, kept: list[tuple[list[int], int]], kv_indices: torch.Tensor
+                 ) -> tuple[list[int], list[int]] | None:
+        """The KV moves (source, destination slots) that bring a tree verify's kept nodes
+        (``walks``) to their positions, or None (every kept path a prefix of the layout)."""
+        src, dst = [], []
         for i, (d, p) in enumerate(zip(batch.drafts, batch.draft_parents)):
             if p is not None:
-                path, _ = walk(d, p, sampled[row:row + 1 + len(d)])
-                s, t = kv_moves(batch.seq_lens[i] - 1 - len(d), path, kv_indices[i])
+                s, t = kv_moves(batch.seq_lens[i] - 1 - len(d), kept[i][0], kv_indices[i])
                 src, dst = src + s, dst + t
-            row += 1 + len(d)
         return (src, dst) if src else None
 
-    def kept(self, req: Req, draft: list[int], sampled: list[int], parents: list[int] | None = None) -> list[int]:
-        """The tokens a verify keeps: the drafted path the target sampled too (a chain's prefix, a
-        tree's path from the root), then the target's own token after it."""
-        path, nxt = walk(draft, parents, sampled)
+    def kept(self, req: Req, draft: list[int], path: list[int], nxt: int, parents: list[int] | None = None) -> list[int]:
+        """The tokens a verify keeps (``path`` and ``nxt``: its ``walks``): the drafted path the target
+        sampled too (a chain's prefix, a tree's path from the root), then the target's own token."""
         n = len(path)
         if draft:
             if req.spec_pace is None:
@@ -265,14 +271,6 @@ def multi_token_ok(req: Req) -> bool:
     p = req.params
     return (req.grammar is None and not req.return_logprob and not req.top_logprobs_num and not penalised(p)
             and len(req.output_ids) >= p.min_new_tokens)
-
-
-def accepted(draft: list[int], sampled: list[int]) -> int:
-    """How many draft tokens the target's samples at their positions agree with (a prefix)."""
-    n = 0
-    while n < len(draft) and sampled[n] == draft[n]:
-        n += 1
-    return n
 
 
 def build_speculator(args: Any, plugins: Any) -> Speculator | None:
