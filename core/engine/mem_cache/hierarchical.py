@@ -32,7 +32,6 @@ Pure page-id bookkeeping here and in ``RadixCache``; the tensors and the copies 
 
 from __future__ import annotations
 
-import heapq
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -199,9 +198,6 @@ class HiRadixCache(RadixCache):
         return {**attrs.asdict(self.stats), "host_used_tokens": self.host_used_pages * ps,
                 "host_total_tokens": self.host_pool.capacity * ps}
 
-    def _prio(self, n: TreeNode) -> tuple:
-        return (n.last_access, n.id) if self.eviction_policy == "lru" else (n.hit_count, n.last_access, n.id)
-
     # ------------------------------------------------------------------ match / load back
     def match_prefix(self, ids: list[int], load_back: bool = False) -> tuple[list[int], TreeNode]:
         """The device-resident match; with ``load_back``, host-resident nodes that continue it are
@@ -332,22 +328,18 @@ class HiRadixCache(RadixCache):
         def device_leaf(n: TreeNode) -> bool:
             return bool(n.pages) and n.lock_ref == 0 and not any(c.pages for c in n.children.values())
 
-        heap = [(self._prio(n), n.id, n) for n in self._nodes() if device_leaf(n)]
-        heapq.heapify(heap)
         freed: list[int] = []
-        while heap and len(freed) < num_pages:
-            _, _, n = heapq.heappop(heap)
+        for n in self.eviction_order(device_leaf):
+            if len(freed) >= num_pages:
+                break
             if not n.host and self.write_policy == "write_back":
                 self._backup(n)
             freed += n.pages
             self.evictable_pages -= len(n.pages)
-            parent = n.parent
             if n.host:
                 n.pages = []
             else:
                 self._drop(n)
-            if parent is not self.root and device_leaf(parent):
-                heapq.heappush(heap, (self._prio(parent), parent.id, parent))
         return freed
 
     def _drop(self, node: TreeNode) -> None:
@@ -364,19 +356,12 @@ class HiRadixCache(RadixCache):
     def _evict_host(self, num_pages: int) -> int:
         """Drop host-only leaves, least recently used first, until ``num_pages`` host pages are free
         or none is left; returns the pages freed."""
-        def host_leaf(n: TreeNode) -> bool:
-            return not n.pages and not n.children and n.lock_ref == 0
-
-        heap = [(self._prio(n), n.id, n) for n in self._nodes() if host_leaf(n)]
-        heapq.heapify(heap)
         freed = 0
-        while heap and freed < num_pages:
-            _, _, n = heapq.heappop(heap)
-            parent = n.parent
+        for n in self.eviction_order(lambda n: not n.pages and not n.children and n.lock_ref == 0):
+            if freed >= num_pages:
+                break
             freed += len(n.host)
             self._drop(n)
-            if parent is not self.root and host_leaf(parent):
-                heapq.heappush(heap, (self._prio(parent), parent.id, parent))
         self.stats.host_evicted_pages += freed
         return freed
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from typing import Iterator
+from typing import Callable, Iterator
 
 EVICTION_POLICIES = ("lru", "lfu")
 
@@ -213,22 +213,28 @@ class RadixCache:
         ``num_pages`` pages are freed or nothing evictable is left; returns the freed pages."""
         if num_pages <= 0:
             return []
+        freed: list[int] = []
+        for n in self.eviction_order(lambda n: not n.children and n.lock_ref == 0):
+            if len(freed) >= num_pages:
+                break
+            freed += n.pages
+            self.evictable_pages -= len(n.pages)
+            del n.parent.children[self._child_key(n.key, 0)]
+        return freed
 
+    def eviction_order(self, leaf: Callable[[TreeNode], bool]) -> Iterator[TreeNode]:
+        """The nodes ``leaf`` holds evictable, least recently (or least frequently) used first; once
+        the caller has dealt with one, its parent follows in its turn where ``leaf`` now holds it."""
         def prio(n: TreeNode) -> tuple:
             return (n.last_access, n.id) if self.eviction_policy == "lru" else (n.hit_count, n.last_access, n.id)
 
-        heap = [(prio(n), n.id, n) for n in self._nodes() if not n.children and n.lock_ref == 0]
+        heap = [(prio(n), n.id, n) for n in self._nodes() if leaf(n)]
         heapq.heapify(heap)
-        freed: list[int] = []
-        while heap and len(freed) < num_pages:
-            _, _, n = heapq.heappop(heap)
-            freed += n.pages
-            self.evictable_pages -= len(n.pages)
-            parent = n.parent
-            del parent.children[self._child_key(n.key, 0)]
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+        while heap:
+            n = heapq.heappop(heap)[2]
+            yield n
+            if (parent := n.parent) is not self.root and leaf(parent):
                 heapq.heappush(heap, (prio(parent), parent.id, parent))
-        return freed
 
     # ------------------------------------------------------------------ debugging
     def check(self) -> None:
