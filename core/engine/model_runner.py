@@ -14,7 +14,7 @@ import attrs
 import torch
 
 from core.interfaces import ForwardBatch, KVCache
-from core.engine.mem_cache.kv_cache import ReqToTokenTable
+from core.engine.mem_cache.kv_cache import ReqToTokenTable, copy_rows
 from core.engine.cuda_graph import CudaGraphRunner
 from core.engine.sampler import SampleOutput, Sampler, SamplingRow, finite_logprobs, upload
 from core.engine.scheduler import ScheduledBatch, StepResult
@@ -90,9 +90,7 @@ def forward_batch(inputs: StepInputs, attn_backend, device: torch.device) -> For
 def move_kv(kv: KVCache, src: list[int], dst: list[int]) -> None:
     """Copy every layer's K and V rows at slots ``src`` to ``dst`` (gathered before written)."""
     s, d = (torch.tensor(x, dtype=torch.int64, device=kv.k[0].device) for x in (src, dst))
-    for pool in (*kv.k, *kv.v):
-        p = pool.view(torch.uint8) if pool.element_size() == 1 else pool  # (no fp8 index_copy_ on the CPU)
-        p.index_copy_(0, d, p.index_select(0, s))
+    copy_rows([*kv.k, *kv.v], s, [*kv.k, *kv.v], d)
 
 
 def step_logits(model: torch.nn.Module, hidden: torch.Tensor, logit_rows: list[Any], device: torch.device) -> list[torch.Tensor]:

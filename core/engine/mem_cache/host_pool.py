@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from core.engine.mem_cache.kv_cache import PageAllocator
+from core.engine.mem_cache.kv_cache import PageAllocator, copy_rows
 from core.interfaces import KVCache
 
 
@@ -74,9 +74,6 @@ class HostKVPool:
         assert len(src_pages) == len(dst_pages)
         if not src_pages:
             return 0
-        s_idx, d_idx = self._slots(src_pages, src_k[0].device), self._slots(dst_pages, dst_k[0].device)
-        with torch.no_grad():
-            for src, dst in zip((*src_k, *src_v), (*dst_k, *dst_v)):  # as bytes: any dtype, fp8 included
-                src, dst = src.view(torch.uint8), dst.view(torch.uint8)
-                dst.index_copy_(0, d_idx, src.index_select(0, s_idx).to(dst.device))
+        copy_rows([*src_k, *src_v], self._slots(src_pages, src_k[0].device), [*dst_k, *dst_v],
+                  self._slots(dst_pages, dst_k[0].device))
         return len(src_pages) * self.bytes_per_page

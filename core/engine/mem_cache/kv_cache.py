@@ -29,6 +29,15 @@ def allocate_kv_cache(
     return KVCache(k=[buf() for _ in range(num_layers)], v=[buf() for _ in range(num_layers)], page_size=page_size)
 
 
+def copy_rows(src: list[torch.Tensor], src_slots: torch.Tensor, dst: list[torch.Tensor], dst_slots: torch.Tensor) -> None:
+    """Copy rows ``src_slots`` of each KV buffer in ``src`` to rows ``dst_slots`` of its peer in
+    ``dst`` (the same buffer or another pool's, on any device), gathered before written; as bytes,
+    so any dtype copies (CPU torch has no fp8 ``index_copy_``)."""
+    with torch.no_grad():
+        for s, d in zip(src, dst):
+            d.view(torch.uint8).index_copy_(0, dst_slots, s.view(torch.uint8).index_select(0, src_slots).to(d.device))
+
+
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     return 2 * num_layers * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
 
