@@ -118,12 +118,9 @@ class TritonBackend:
         opts = dict(scale=layer.scaling, logit_cap=layer.logit_cap, sliding_window=layer.sliding_window)
         if md.qo_indptr is None:
             return self._decode.decode_attention(q, kc, vc, md.kv_indptr, md.kv_indices, num_kv_splits=md.num_kv_splits, **opts)
-        if md.tree is not None:
-            return self._extend.extend_attention(q, k, v, kc, vc, md.qo_indptr, md.kv_indptr, md.kv_indices,
-                                                 md.max_extend_len, tree_mask=md.tree[0], tree_offsets=md.tree[1],
-                                                 **opts)
+        tree_mask, tree_offsets = md.tree or (None, None)  # (a verify of draft trees)
         return self._extend.extend_attention(q, k, v, kc, vc, md.qo_indptr, md.kv_indptr, md.kv_indices,
-                                             md.max_extend_len, **opts)
+                                             md.max_extend_len, tree_mask=tree_mask, tree_offsets=tree_offsets, **opts)
 
 
 @hookimpl
