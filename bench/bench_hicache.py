@@ -30,6 +30,7 @@ import time
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model-path", default=None, help="default: the embedded SmolLM2-135M-Instruct")
+    ap.add_argument("--load-format", default="auto", help="dummy: random weights of --model-path's config.json")
     ap.add_argument("--prefix-len", type=int, default=3000)
     ap.add_argument("--suffix-len", type=int, default=16)
     ap.add_argument("--evictors", type=int, default=2)
@@ -55,7 +56,8 @@ def main() -> None:
     os.environ["SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR"] = folder
     kw = dict(model_path=a.model_path, max_total_tokens=a.max_total_tokens, enable_hierarchical_cache=True,
               hicache_ratio=4.0, hicache_write_policy=a.policy, random_seed=0, dtype=a.dtype, page_size=a.page_size,
-              hicache_storage_backend="file" if a.storage else None)
+              hicache_storage_backend="file" if a.storage else None, load_format=a.load_format,
+              skip_tokenizer_init=a.load_format == "dummy")
     eng = core.Engine(**kw)
     try:
         ae = eng.engine

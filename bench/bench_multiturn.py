@@ -26,7 +26,9 @@ def run(args: argparse.Namespace, hicache: bool) -> tuple[list[float], int, list
     import core
 
     eng = core.Engine(max_total_tokens=args.max_total_tokens, enable_hierarchical_cache=hicache, dtype=args.dtype,
-                      hicache_ratio=args.hicache_ratio, random_seed=0, log_level="warning", cpu_threads=args.cpu_threads)
+                      hicache_ratio=args.hicache_ratio, random_seed=0, log_level="warning", cpu_threads=args.cpu_threads,
+                      model_path=args.model_path, load_format=args.load_format,
+                      skip_tokenizer_init=args.load_format == "dummy")
     try:
         vocab = eng.engine.vocab_size
         rng = random.Random(0)
@@ -67,6 +69,8 @@ def main() -> None:
                     help="device pool (default: about a quarter of the conversations' final length)")
     ap.add_argument("--hicache-ratio", type=float, default=6.0)
     ap.add_argument("--cpu-threads", type=int, default=2)
+    ap.add_argument("--model-path", default=None, help="default: the embedded SmolLM2-135M-Instruct")
+    ap.add_argument("--load-format", default="auto", help="dummy: random weights of --model-path's config.json")
     ap.add_argument("--dtype", default="auto", help="float32: the two modes' answers are comparable token for token")
     args = ap.parse_args()
     final = args.system_tokens + args.turns * (args.user_tokens + args.answer_tokens)
@@ -74,7 +78,7 @@ def main() -> None:
     from core.engine.device import cpu_model_name
 
     results = {mode: run(args, mode == "host tier") for mode in ("device only", "host tier")}
-    print(f"# {cpu_model_name()}, {args.cpu_threads} threads; default model; {args.conversations} conversations x "
+    print(f"# {cpu_model_name()}, {args.cpu_threads} threads; {args.model_path or 'default model'}; {args.conversations} conversations x "
           f"{args.turns} turns round-robin, {args.system_tokens}-token system prompts, {args.user_tokens}-token "
           f"messages, {args.answer_tokens}-token answers; device pool {args.max_total_tokens} tokens "
           f"(conversations end at ~{final} tokens)")

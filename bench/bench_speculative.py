@@ -10,6 +10,13 @@ per target forward). Each round has new prompts (another slice of the README to 
 story), so no answer repeats an earlier one: NGRAM's index is shared across requests.
 
     python bench/bench_speculative.py --cpu-threads 2 [--max-new-tokens 128] [--repeats 3] [--streams 64]
+
+Real shapes without a checkpoint (a GPU machine): ``--model-path CONFIG_DIR`` loads dummy weights and
+sends token ids. A random model's answers are not text, so the repeating answer is a repeated
+request: each round sends a new random prompt twice and times the second answer, which NGRAM's
+shared index drafts from the first (the first answer is timed as "new prompt").
+
+    python bench/bench_speculative.py --model-path bench/shapes/llama-3.1-8b --repeats 3
 """
 
 from __future__ import annotations
@@ -47,6 +54,50 @@ def run_batch(engine, prompts: list[str], max_new: int) -> tuple[float, list[lis
     return sum(map(len, ids)) / dt, ids, accept
 
 
+def dummy_main(args: argparse.Namespace) -> None:
+    """Batch 1 on dummy weights of ``--model-path``'s shapes: a new random prompt, then the same again."""
+    import random
+
+    from core import Engine
+
+    modes = {"plain": {}, "NGRAM": {"speculative_algorithm": "NGRAM",
+                                    "speculative_num_draft_tokens": args.num_draft_tokens}}
+    common = {"model_path": args.model_path, "load_format": "dummy", "skip_tokenizer_init": True, "log_level": "warning"}
+    runs: dict[tuple[str, str], list[tuple]] = {}
+    for m, kw in modes.items():  # one engine at a time: an 8B's weights twice may not fit
+        eng = Engine(**common, **kw)
+        vocab = eng.engine.model_config.hf_config.vocab_size
+        params = {"temperature": 0, "max_new_tokens": args.max_new_tokens, "ignore_eos": True}
+        for r in range(args.repeats + 1):  # round 0 warms the engine up (kernels, graphs)
+            prompt = [random.Random(1000 + r).randrange(100, vocab) for _ in range(128)]
+            for name in ("new prompt, batch 1", "repeated request, batch 1"):
+                first, out = None, None
+                for chunk in eng.generate(input_ids=prompt, sampling_params=params, stream=True):
+                    if first is None and chunk["output_ids"]:
+                        first = time.perf_counter()
+                    out = chunk
+                rate = (len(out["output_ids"]) - 1) / (time.perf_counter() - first)
+                if r:
+                    runs.setdefault((name, m), []).append((rate, out["output_ids"],
+                                                           out["meta_info"].get("spec_accept_length", 1.0)))
+        eng.shutdown()
+        del eng
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else cpu_model_name()
+    print(f"# {dev}, torch {torch.__version__}; {args.model_path} dummy weights, greedy, 128 in / "
+          f"{args.max_new_tokens} out, best of {args.repeats}")
+    _table(runs)
+
+
+def _table(runs: dict[tuple[str, str], list[tuple]]) -> None:
+    print(f"{'workload':<28}{'mode':<8}{'tok/s':>10}{'accept length':>15}  same tokens  speed-up")
+    for (name, m), rounds in runs.items():
+        plain = runs[name, "plain"]
+        rate, _, accept = max(rounds, key=lambda x: x[0])
+        same = all(a[1] == b[1] for a, b in zip(rounds, plain))
+        print(f"{name:<28}{m:<8}{rate:>10.1f}{accept:>15.2f}  {str(same):<11}  {rate / max(x[0] for x in plain):.2f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cpu-threads", type=int, default=2)
@@ -54,7 +105,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--num-draft-tokens", type=int, default=12)
     ap.add_argument("--streams", type=int, default=64)
+    ap.add_argument("--model-path", help="a config.json folder: dummy weights of its shapes, token ids (see above)")
     args = ap.parse_args()
+    if args.model_path:
+        return dummy_main(args)
     from core import Engine
 
     modes = {"plain": {}, "NGRAM": {"speculative_algorithm": "NGRAM",
@@ -94,12 +148,7 @@ def main() -> None:
         eng.shutdown()
     print(f"# {cpu_model_name()}, {args.cpu_threads} threads, torch {torch.__version__}; default model, greedy, "
           f"{args.max_new_tokens} new tokens at batch 1 and {args.max_new_tokens // 2} in the batch, best of {args.repeats}")
-    print(f"{'workload':<22}{'mode':<8}{'tok/s':>10}{'accept length':>15}  same tokens  speed-up")
-    for (name, m), rounds in runs.items():
-        plain = runs[name, "plain"]
-        rate, _, accept = max(rounds, key=lambda x: x[0])
-        same = all(a[1] == b[1] for a, b in zip(rounds, plain))
-        print(f"{name:<22}{m:<8}{rate:>10.1f}{accept:>15.2f}  {str(same):<11}  {rate / max(x[0] for x in plain):.2f}x")
+    _table(runs)
 
 
 if __name__ == "__main__":

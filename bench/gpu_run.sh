@@ -10,6 +10,8 @@
 #                                   # ~220 after 150 s on an H200 with -n 8): the gpu tests, the weight-only GEMMs,
 #                                   # SmolLM2 shapes against transformers (greedy) and sampled, the 8B shapes,
 #                                   # fp8 and int8wo at 8B
+#   bench/gpu_run.sh wave [SMALL BIG]  # overlap on/off (SmolLM2 and 8B shapes), NGRAM at batch 1, the host tier's
+#                                   # load-back, the 8B through HTTP, then the gpu tests (~8 min; SMALL/BIG: shape dirs)
 #   The tests import openai and jsonschema: besides GPU.md's list, carry in .whl openai, httpx2,
 #   httpcore2, truststore, jiter, distro, sniffio, anyio, idna, jsonschema, referencing,
 #   jsonschema-specifications, rpds-py (the image's pytest-xdist runs them: tests -n 8, ~90 s on an H200).
@@ -50,6 +52,28 @@ case $mode in
     for q in "--quantization fp8" "--torchao-config int8wo"; do
       timeout 55 "$0" bench --model-path bench/shapes/llama-3.1-8b $d --concurrency 1,16 --skip-hf $q
     done ;;
+  wave)
+    small=${1:-bench/shapes/smollm2-135m}; big=${2:-bench/shapes/llama-3.1-8b}
+    d="--load-format dummy --skip-tokenizer-init --skip-split --skip-hf"
+    timeout 100 "$0" bench --model-path "$small" $d --concurrency 1,64,256 --overlap both
+    timeout 140 "$0" bench --model-path "$big" $d --concurrency 1,64,256 --overlap both
+    timeout 90 python3 bench/bench_speculative.py --model-path "$big" --repeats 2 2>&1 | grep -v -i warn | tee -a "$OUT/spec.log"
+    timeout 60 python3 bench/bench_hicache.py --model-path "$big" --load-format dummy --no-storage --check-tokens 4 \
+      2>&1 | grep -v "\[info\|warn" | tee -a "$OUT/hicache.log"
+    timeout 110 "$0" serve "$big"
+    timeout 120 "$0" tests -n 8 -rfE ;;
+  serve)  # core serve on dummy weights + core bench serving: issue 42's HTTP workload (400 prompts, all at once)
+    port=30123
+    python3 -m core.cli serve --model-path "$1" --load-format dummy --skip-tokenizer-init --port $port \
+      --log-level warning > "$OUT/serve.log" 2>&1 &
+    pid=$!
+    python3 -c "import time, urllib.request as u
+for _ in range(240):
+    try: u.urlopen('http://127.0.0.1:$port/health', timeout=1); break
+    except Exception: time.sleep(0.5)"
+    python3 -m core.cli bench serving --port $port --num-prompts ${2:-400} --random-input-len ${3:-1024} \
+      --random-output-len ${4:-512} --random-range-ratio 0.25 --request-rate inf 2>&1 | tee -a "$OUT/serving.log" | tail -22
+    kill $pid; wait $pid ;;
   fisave)
     find /tmp/fiws -name '*.so' | tar czf "$OUT/fi_jit.tgz" -T - && ls -la "$OUT/fi_jit.tgz" ;;
 esac
