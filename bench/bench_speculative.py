@@ -62,7 +62,8 @@ def dummy_main(args: argparse.Namespace) -> None:
 
     modes = {"plain": {}, "NGRAM": {"speculative_algorithm": "NGRAM",
                                     "speculative_num_draft_tokens": args.num_draft_tokens}}
-    common = {"model_path": args.model_path, "load_format": "dummy", "skip_tokenizer_init": True, "log_level": "warning"}
+    common = {"model_path": args.model_path, "load_format": "dummy", "skip_tokenizer_init": True, "log_level": "warning",
+              "max_total_tokens": 16384}  # (not a memory fraction: the engine before may not have let go of its pool yet)
     runs: dict[tuple[str, str], list[tuple]] = {}
     for m, kw in modes.items():  # one engine at a time: an 8B's weights twice may not fit
         eng = Engine(**common, **kw)

@@ -55,13 +55,21 @@ case $mode in
   wave)
     small=${1:-bench/shapes/smollm2-135m}; big=${2:-bench/shapes/llama-3.1-8b}
     d="--load-format dummy --skip-tokenizer-init --skip-split --skip-hf"
-    timeout 100 "$0" bench --model-path "$small" $d --concurrency 1,64,256 --overlap both
-    timeout 140 "$0" bench --model-path "$big" $d --concurrency 1,64,256 --overlap both
-    timeout 90 python3 bench/bench_speculative.py --model-path "$big" --repeats 2 2>&1 | grep -v -i warn | tee -a "$OUT/spec.log"
-    timeout 60 python3 bench/bench_hicache.py --model-path "$big" --load-format dummy --no-storage --check-tokens 4 \
+    timeout 50 python3 -m pytest -q -p no:cacheprovider -m gpu -x tests/test_lora_engine.py tests/test_lora_kernels.py \
+      tests/test_triton_kernels.py tests/test_speculative_tree.py -k "lora or tree or mixed" 2>&1 | tee -a "$OUT/gpu_tests.log" | tail -6
+    timeout 75 "$0" bench --model-path "$small" $d --concurrency 1,64,256 --overlap both
+    timeout 115 "$0" bench --model-path "$big" $d --concurrency 1,64,256 --overlap both
+    timeout 70 python3 bench/bench_speculative.py --model-path "$big" --repeats 2 2>&1 | grep -v -i warn | tee -a "$OUT/spec.log"
+    timeout 45 python3 bench/bench_hicache.py --model-path "$big" --load-format dummy --no-storage --check-tokens 4 \
       2>&1 | grep -v "\[info\|warn" | tee -a "$OUT/hicache.log"
-    timeout 110 "$0" serve "$big"
-    timeout 120 "$0" tests -n 8 -rfE ;;
+    timeout 95 "$0" serve "$big" ;;
+  wave2)
+    big=${1:-bench/shapes/llama-3.1-8b}
+    timeout 80 python3 bench/bench_speculative.py --model-path "$big" --repeats 2 2>&1 | grep -v -i warn | tee -a "$OUT/spec.log"
+    timeout 150 python3 bench/bench_lora.py --model-path "$big" --load-format dummy --streams 64 --adapters 16 --repeats 2 \
+      2>&1 | grep -v -i warn | tee -a "$OUT/lora.log"
+    timeout 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_lora_kernels.py tests/test_speculative_tree.py \
+      tests/test_triton_kernels.py -k "lora or tree" 2>&1 | tee -a "$OUT/gpu_tests.log" | tail -6 ;;
   serve)  # core serve on dummy weights + core bench serving: issue 42's HTTP workload (400 prompts, all at once)
     port=30123
     python3 -m core.cli serve --model-path "$1" --load-format dummy --skip-tokenizer-init --port $port \

@@ -16,9 +16,9 @@ from typing import Any, Iterable, Protocol, Sequence, runtime_checkable
 import attrs
 import torch
 
-PLUGIN_API_VERSION = "1.5"  # 1.1: the optional CUDA-graph capture hooks of attention backends; 1.2: drafters;
+PLUGIN_API_VERSION = "1.6"  # 1.1: the optional CUDA-graph capture hooks of attention backends; 1.2: drafters;
 # 1.3: model drafters; 1.4: tree masks (ForwardBatch.tree_mask, AttentionBackend.supports_tree_mask), draft trees;
-# 1.5: HiCache storage backends (HiCacheStorage)
+# 1.5: HiCache storage backends (HiCacheStorage); 1.6: ForwardBatch.lora (LoRA adapters in the batch)
 
 
 # --------------------------------------------------------------------------- batches
@@ -48,6 +48,10 @@ class ForwardBatch:
     # sit in kv_indices in batch order, while ``positions`` are their depths in the tree. Only for
     # backends with ``supports_tree_mask``.
     tree_mask: torch.Tensor | None = None
+    # Some token of the batch runs through a LoRA adapter (``core.engine.lora``): the adapters act
+    # inside ``core.layers.Linear``'s forward, so a model path that bypasses it (a fused CPU layer
+    # op) must not serve this batch.
+    lora: bool = False
 
     @property
     def batch_size(self) -> int:

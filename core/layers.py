@@ -124,7 +124,14 @@ class Linear(nn.Module):
         default_weight_loader(param.data.narrow(0, start, size), loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.quant_method.apply(self, x)
+        return with_lora(self, x, self.quant_method.apply(self, x))
+
+
+def with_lora(layer: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``y``, the output of ``layer`` for ``x``, plus the current batch's LoRA deltas where a
+    pool (``core.engine.lora``) attached its one object, ``layer.__dict__["lora"]``."""
+    lora = layer.__dict__.get("lora")
+    return y if lora is None else lora(x, y)
 
 
 def _dense(layer: Linear) -> bool:
@@ -242,8 +249,8 @@ class RowParallelLinear(Linear):
         (a dense weight on a GPU, one rank, no bias), the sum is one GEMM that adds into
         ``residual`` in place: the caller hands ``residual`` over and uses only the result."""
         if residual is not None and self.__dict__.get("add_in_gemm"):
-            return residual.addmm_(x, self.weight.t())
-        y = self.quant_method.apply(self, x)
+            return with_lora(self, x, residual.addmm_(x, self.weight.t()))
+        y = with_lora(self, x, self.quant_method.apply(self, x))  # (a partial sum under TP, as the delta is)
         if self.reduce:
             self.tp.all_reduce(y)
         return y if residual is None else residual + y
@@ -374,6 +381,7 @@ class GatedMLP(nn.Module):
         """The MLP's output, plus ``residual`` when given (see :meth:`RowParallelLinear.forward`)."""
         if (w := self.__dict__.get("gate_up")) is not None:
             gate, up = F.linear(x, w, self.__dict__["gate_up_bias"]).chunk(2, dim=-1)
+            gate, up = with_lora(self.gate_proj, x, gate), with_lora(self.up_proj, x, up)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(gated_act(self.act, gate, up), residual)

@@ -57,7 +57,7 @@ def test_a_typo_with_equals_and_a_stray_word(capsys: pytest.CaptureFixture) -> N
     assert "unexpected argument 'my-model'" in _exit_line(capsys, "my-model")
 
 
-@pytest.mark.parametrize("flag", ["--cpu-offload-gb", "--lora-backend", "--speculative-draft-model-revision",
+@pytest.mark.parametrize("flag", ["--cpu-offload-gb", "--max-lora-chunk-size", "--speculative-draft-model-revision",
                                   "--enable-p2p-check", "--tool-server"])
 def test_an_sglang_flag_core_lacks_is_named_as_one(capsys: pytest.CaptureFixture, flag: str) -> None:
     assert flag in SGLANG_FLAGS_LACKING

@@ -57,6 +57,7 @@ NAT, OAI, VLLM, EMB, NSF = ("tests.test_server_native", "tests.test_openai_api",
 SAMPLER, ENGINE, ME = "tests.test_sampler", "tests.test_engine", "tests.test_field_proofs"
 DETOK, SCHED, STRUCT = "tests.test_detokenizer", "tests.test_schedule_policy", "tests.test_structured_output"
 HUB = "tests.test_hub_ids"
+LORA = "tests.test_lora_server"
 
 # the fields each chat and completion request shares (_GenerationRequest)
 _GENERATION = {
@@ -83,6 +84,7 @@ _GENERATION = {
     "no_stop_trim": H(f"{DETOK}::test_no_stop_trim_keeps_stop"),
     "rid": H(f"{NAT}::test_request_ids_abort_their_own_group_only"),
     "priority": H(f"{SCHED}::test_priority_field_reaches_the_request"),
+    "lora_path": H(f"{LORA}::test_completions_prompts_get_their_adapters"),
     "regex": H(f"{VLLM}::test_regex"),
     "json_schema": H(f"{STRUCT}::test_generate_constraints"),
     "ebnf": H(f"{STRUCT}::test_generate_constraints"),
@@ -113,8 +115,19 @@ CLASSIFIED: dict[str, dict[str, Any]] = {
         "log_metrics": H(f"{ME}::test_log_metrics_false_keeps_a_generate_out_of_the_metrics"),
         "priority": H(f"{SCHED}::test_priority_field_reaches_the_request"),
         "no_logs": H(f"{NAT}::test_no_logs_keeps_a_request_out_of_the_request_log"),
+        "lora_path": H(f"{LORA}::test_served_adapter_changes_greedy_tokens_and_repeats"),
         **dict.fromkeys(("routing_key", "conversation_id", "custom_labels", "external_trace_header",
                          "received_time"), P),
+    },
+    "LoadLoRAAdapterReqInput": {
+        "lora_name": H(f"{LORA}::test_served_adapters_load_and_unload_at_run_time"),
+        "lora_path": H(f"{LORA}::test_served_adapters_load_and_unload_at_run_time"),
+        "pinned": H("tests.test_lora_adapter::test_manager_evicts_least_recently_used_unpinned_unused"),
+        "lora_id": R("7"),  # SGLang's internal id
+    },
+    "UnloadLoRAAdapterReqInput": {
+        "lora_name": H(f"{LORA}::test_served_adapters_load_and_unload_at_run_time"),
+        "lora_id": R("7"),
     },
     "AbortReq": {
         "rid": H(f"{NAT}::test_abort_request"),
@@ -317,6 +330,14 @@ CLASSIFIED: dict[str, dict[str, Any]] = {
         "enable_hierarchical_cache": H("tests.test_hicache::test_prefix_evicted_by_other_prompts_is_served_from_the_host"),
         "hicache_ratio": H("tests.test_hicache::test_full_host_pool_drops_its_lru_prefixes_and_stays_consistent"),
         "hicache_size": H("tests.test_hicache::test_flags_parse_and_bad_values_are_clear_errors"),
+        "enable_lora": H("tests.test_lora_engine::test_load_and_unload_at_run_time"),
+        "lora_paths": H("tests.test_lora_engine::test_max_loaded_loras_and_the_slot_eviction_policy"),
+        "max_loras_per_batch": H("tests.test_lora_engine::test_max_loaded_loras_and_the_slot_eviction_policy"),
+        "max_lora_rank": H("tests.test_lora_engine::test_load_and_unload_at_run_time"),
+        "lora_target_modules": H("tests.test_lora_engine::test_load_and_unload_at_run_time"),
+        "max_loaded_loras": H("tests.test_lora_engine::test_max_loaded_loras_and_the_slot_eviction_policy"),
+        "lora_backend": H("tests.test_lora_engine::test_sglang_lora_flags_parse_into_engine_args"),
+        "lora_eviction_policy": H("tests.test_lora_engine::test_max_loaded_loras_and_the_slot_eviction_policy"),
         "hicache_write_policy": H("tests.test_hicache::test_prefix_evicted_by_other_prompts_is_served_from_the_host"),
         "hicache_io_backend": H("tests.test_hicache::test_flags_parse_and_bad_values_are_clear_errors"),
         "hicache_mem_layout": H("tests.test_hicache::test_flags_parse_and_bad_values_are_clear_errors"),
@@ -354,11 +375,11 @@ CLASSIFIED: dict[str, dict[str, Any]] = {
 def _structs() -> dict[str, Any]:
     from core.engine.config import EngineArgs
     from core.engine.sampling_params import SamplingParams
-    from core.server import anthropic, embeddings, native, tokenize
+    from core.server import anthropic, embeddings, lora, native, tokenize
     from core.server.openai import protocol, responses
 
     out: dict[str, Any] = {}
-    for module in (native, tokenize, embeddings, anthropic, protocol, responses):
+    for module in (native, lora, tokenize, embeddings, anthropic, protocol, responses):
         for name, obj in vars(module).items():
             if (isinstance(obj, type) and issubclass(obj, msgspec.Struct) and obj.__module__ == module.__name__
                     and not name.startswith("_")
@@ -535,6 +556,8 @@ def _sample_value(hint: Any) -> Any:
 ENDPOINTS = {
     "GenerateReqInput": ("/generate", {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1}}, "app"),
     "AbortReq": ("/abort_request", {"rid": "none-such"}, "app"),
+    "LoadLoRAAdapterReqInput": ("/load_lora_adapter", {"lora_name": "a", "lora_path": "/none"}, "app"),
+    "UnloadLoRAAdapterReqInput": ("/unload_lora_adapter", {"lora_name": "a"}, "app"),
     "ProfileReqInput": ("/start_profile", {}, "app"),
     "UpdateWeightFromDiskReqInput": ("/update_weights_from_disk", {"model_path": "<model>"}, "app"),
     "EmbeddingRequest": ("/v1/embeddings", {"input": PROMPT}, "embed_app"),

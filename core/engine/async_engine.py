@@ -18,6 +18,7 @@ import torch
 from core.engine.collectives import KVSpec
 from core.engine.device import check_openmp_policy, configure_cpu_runtime, pick_device
 from core.engine.distributed import RankFailure, start_tensor_parallel
+from core.engine.lora.serving import attach_lora
 from core.engine.config import EngineArgs, check_scheduling_args, overlap_schedule
 from core.errors import CoreError, InvalidRequest, ModelLoadError, Unavailable
 from core.interfaces import AttentionConfig
@@ -107,6 +108,7 @@ class AsyncEngine(RequestFrontEnd):
         self.finish_listeners: list[Callable[[Req], None]] = []
         self.profiler = StepProfiler(self._executor, self.device)  # /start_profile, /stop_profile
         self.step_listeners.append(self.profiler.on_step)
+        self.lora = attach_lora(self)  # --enable-lora (core.engine.lora)
         self.plugins.pm.hook.on_startup(engine=self)
 
     # ------------------------------------------------------------------ start-up
@@ -192,6 +194,8 @@ class AsyncEngine(RequestFrontEnd):
     # ------------------------------------------------------------------ requests
     def submit(self, reqs: list[Req]) -> None:
         self._ensure_running()
+        if self.lora is not None:  # each request holds its adapter until it finishes
+            reqs = self.lora.admit(reqs, self._finished)
         if self._held is not None:  # a weight update is under way: no prefix of the old weights may be reused
             self._held.extend(reqs)
             return

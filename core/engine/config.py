@@ -32,10 +32,12 @@ MEMORY = "Memory and scheduling"
 BACKENDS = "Kernel backends and plugins"
 PARALLEL = "Parallelism and multi-node serving"
 LOGGING = "Logging"
+LORA = "LoRA"
 
 DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+LORA_BACKENDS = ("csgmv", "triton", "torch_native")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "prefix")  # core.engine.dp_router
 
 
@@ -48,11 +50,12 @@ class Flag:
     aliases: tuple[str, ...] = ()  # more option strings, e.g. ``--model`` for ``--model-path``
     choices: tuple[str, ...] | None = None
     serve_only: bool = False  # only ``core serve`` offers it (the option means nothing to ``core generate``)
+    nargs: str | None = None  # argparse's nargs: "*" takes a list (``--lora-paths a=x b=y``)
 
 
 def _arg(default: Any, group: str, help: str | None = None, *, aliases: tuple[str, ...] = (),
-         choices: tuple[str, ...] | None = None, serve_only: bool = False) -> Any:
-    return attrs.field(default=default, metadata={FLAG: Flag(group, help, aliases, choices, serve_only)})
+         choices: tuple[str, ...] | None = None, serve_only: bool = False, nargs: str | None = None) -> Any:
+    return attrs.field(default=default, metadata={FLAG: Flag(group, help, aliases, choices, serve_only, nargs)})
 
 
 @attrs.define(kw_only=True)
@@ -178,6 +181,22 @@ class EngineArgs:
     node_rank: int = _arg(0, PARALLEL, "this machine's index among --nnodes (0 serves HTTP, the others only run ranks)")
     dist_timeout: float | None = _arg(None, PARALLEL, "seconds a collective or the ranks' rendezvous may wait before "
                                                       "the engine fails its requests and stops (default 300)")
+    # ---- LoRA (core.engine.lora)
+    enable_lora: bool = _arg(False, LORA, "serve LoRA adapters on top of the base model (implied by --lora-paths)")
+    lora_paths: list[str] | None = _arg(None, LORA, "adapters loaded at start: PATH, NAME=PATH, or JSON "
+                                                    '{"lora_name": ..., "lora_path": ..., "pinned": ...}', nargs="*")
+    max_loras_per_batch: int = _arg(8, LORA, "distinct adapters one batch may use (adapter slots in device memory)")
+    max_lora_rank: int | None = _arg(None, LORA, "largest adapter rank (default: the largest of --lora-paths; set it to "
+                                                 "load larger adapters at run time)")
+    lora_target_modules: list[str] | None = _arg(None, LORA, "modules adapters may target: q_proj k_proj v_proj o_proj "
+                                                             "gate_proj up_proj down_proj, or all (default: those "
+                                                             "of --lora-paths)", nargs="*")
+    max_loaded_loras: int | None = _arg(None, LORA, "adapters kept in host memory; past it the least recently used "
+                                                    "unpinned, idle one is dropped (default: no limit)")
+    lora_backend: str = _arg("csgmv", LORA, "LoRA GEMMs: csgmv and triton (segmented Triton kernels on a GPU), "
+                                            "torch_native; the CPU always runs torch_native", choices=LORA_BACKENDS)
+    lora_eviction_policy: str = _arg("lru", LORA, "which adapter slot is reused first when a batch needs one",
+                                     choices=("lru", "fifo"))
     # ---- logging
     log_level: str = _arg("info", LOGGING, None, choices=LOG_LEVELS)
     # plugin-defined options (their flags come from the add_cli_options hook); no flag of its own
@@ -217,7 +236,7 @@ def add_engine_args(parser: argparse.ArgumentParser, *, serve: bool = False) -> 
             group.add_argument(*names, dest=field.name, action="store_true", help=flag.help)
         else:
             group.add_argument(*names, dest=field.name, type=kind, default=field.default, help=flag.help,
-                               choices=list(flag.choices) if flag.choices else None)
+                               choices=list(flag.choices) if flag.choices else None, nargs=flag.nargs)
 
 
 def engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
@@ -238,7 +257,7 @@ def engine_args_from_namespace(ns: argparse.Namespace, plugin_dests: Sequence[st
 # SGLang options of features this engine lacks -> their "off" values (SGLang's defaults). Any other
 # value is refused: compared by type and value, so True is not taken for pp_size's 1, nor 1 for False.
 UNSUPPORTED_SGLANG_ARGS: dict[str, tuple[Any, ...]] = {
-    "pp_size": (1,), "ep_size": (1,), "enable_lora": (None, False), "lora_paths": (None, [], {}),
+    "pp_size": (1,), "ep_size": (1,),
     "disaggregation_mode": (None, "null"), "enable_dp_attention": (False,),
     "enable_torch_compile": (False,),
 }

@@ -17,11 +17,13 @@ import torch
 
 from core.engine.request import Req
 from core.engine.sampling_params import SamplingParams
-from core.errors import InvalidRequest
+from core.errors import CoreError, InvalidRequest
 
 
 class RequestFrontEnd:
     """Request building and output streaming over an engine's ``submit`` / ``abort``."""
+
+    lora: Any = None  # core.engine.lora.LoRAServing with --enable-lora (one engine in this process only)
 
     def tokenize(self, prompt: str | None, input_ids: list[int] | None) -> list[int]:
         if input_ids is not None:
@@ -39,10 +41,12 @@ class RequestFrontEnd:
 
     def make_requests(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None,
                       return_logprob: bool = False, logprob_start_len: int = -1, top_logprobs_num: int = 0,
-                      priority: int | None = None, group: str | None = None) -> list[Req]:
+                      priority: int | None = None, group: str | None = None, lora_path: str | None = None) -> list[Req]:
         """Validate and build the sequences of one prompt (n of them); raises InvalidRequest.
-        ``group``: the API request they belong to (default ``rid``), which an abort by id also reaches."""
+        ``group``: the API request they belong to (default ``rid``), which an abort by id also reaches.
+        ``lora_path``: the name of a loaded LoRA adapter (SGLang's field name), None: the base model."""
         params.validate(self.vocab_size)
+        lora_id = self._lora_id(lora_path)
         if (c := params.constraint()) is not None and not self.grammar.enabled:
             raise InvalidRequest(f"{c[0]} constraints need a grammar backend, but the server runs with --grammar-backend none"
                                  if self.tokenizer is not None else f"{c[0]} constraints need the tokenizer", param=c[0])
@@ -76,8 +80,39 @@ class RequestFrontEnd:
                                                stop=params.stop, no_stop_trim=params.no_stop_trim,
                                                stop_regex=params.stop_regex)
             reqs.append(Req(rid if params.n == 1 else f"{rid}-{i}", prompt_ids, params, return_logprob, top_logprobs_num,
-                            logprob_start_len, gen, detok, priority=priority, group=group or rid))
+                            logprob_start_len, gen, detok, priority=priority, group=group or rid, lora_id=lora_id))
         return reqs
+
+    def _lora_id(self, name: Any) -> int:
+        """The uid of LoRA adapter ``name`` (0: none named); InvalidRequest naming the problem."""
+        if name is None or name == "":
+            return 0
+        if not isinstance(name, str):
+            raise InvalidRequest(f"lora_path must be an adapter name (a string), got {type(name).__name__}", param="lora_path")
+        if self.lora is None:
+            raise InvalidRequest(f"LoRA adapter {name!r} requested, but the server runs without --enable-lora",
+                                 param="lora_path")
+        try:
+            return self.lora.resolve(name)
+        except CoreError as e:
+            raise InvalidRequest(str(e), param="lora_path") from e
+
+    # ---- LoRA adapters at run time (SGLang's /load_lora_adapter, /unload_lora_adapter)
+    def lora_adapters(self) -> dict[str, str]:
+        """Loaded adapter name -> path ({} without --enable-lora)."""
+        return {} if self.lora is None else self.lora.adapters()
+
+    async def load_lora_adapter(self, name: str, path: str, pinned: bool = False) -> None:
+        """Load the peft adapter in folder ``path`` as ``name``; CoreError naming the problem."""
+        if self.lora is None:
+            raise InvalidRequest("LoRA adapters need a server started with --enable-lora", param="lora_name")
+        await self.lora.load(name, path, pinned)
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        """Stop serving adapter ``name``: new requests cannot name it, running ones finish with it."""
+        if self.lora is None:
+            raise InvalidRequest("LoRA adapters need a server started with --enable-lora", param="lora_name")
+        self.lora.unload(name)
 
     async def prepare_grammars(self, reqs: list[Req]) -> None:
         """Compile (off the loop, cached) and attach each constrained request's matcher;
@@ -108,21 +143,26 @@ class RequestFrontEnd:
     async def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
                        input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool = False,
                        logprob_start_len: int = -1, top_logprobs_num: int = 0, stream: bool = False,
-                       rid: str | None = None) -> Any:
+                       rid: str | None = None, lora_path: str | list[str | None] | None = None) -> Any:
         """SGLang's generate: one prompt -> dict (a list when n > 1); a batch -> list.
-        With ``stream`` an async iterator of cumulative outputs (batch chunks carry ``index``)."""
+        With ``stream`` an async iterator of cumulative outputs (batch chunks carry ``index``).
+        ``lora_path``: an adapter name for every prompt, or a list aligned with the batch."""
         batch = isinstance(prompt, list) or (isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], list))
         prompts: list = (prompt if isinstance(prompt, list) else input_ids) if batch else [input_ids if input_ids is not None else prompt]
         is_ids = input_ids is not None
         sps = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         if len(sps) != len(prompts):
             raise InvalidRequest("sampling_params list must match the number of prompts", param="sampling_params")
+        loras = lora_path if isinstance(lora_path, list) else [lora_path] * len(prompts)
+        if len(loras) != len(prompts):
+            raise InvalidRequest("lora_path list must match the number of prompts", param="lora_path")
         groups = []
         for i, (p, sp) in enumerate(zip(prompts, sps)):
             params = sp if isinstance(sp, SamplingParams) else SamplingParams.from_dict(sp)
             ids = self.tokenize(None if is_ids else p, p if is_ids else None)
             groups.append(self.make_requests(ids, params, None if rid is None else (rid if not batch else f"{rid}-{i}"),
-                                             return_logprob, logprob_start_len, top_logprobs_num, group=rid))
+                                             return_logprob, logprob_start_len, top_logprobs_num, group=rid,
+                                             lora_path=loras[i]))
         reqs = [r for g in groups for r in g]
         await self.prepare_grammars(reqs)
         self.submit(reqs)

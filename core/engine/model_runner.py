@@ -36,6 +36,7 @@ class StepInputs:
     logit_rows: list[Any]  # per compute_logits call, in order: a list of hidden-state rows or a (start, stop) range
     tree_mask: torch.Tensor | None = None  # a verify of draft trees: ForwardBatch.tree_mask, on the host
     kv_moves: tuple[list[int], list[int]] | None = None  # (source, destination) KV slots to copy first (a tree's kept path)
+    lora: bool = False  # some token runs through a LoRA adapter (ForwardBatch.lora): the runner set the pool's segments
 
 
 def _ints(x: list[int] | torch.Tensor) -> list[int]:
@@ -54,11 +55,11 @@ def forward_step(model: torch.nn.Module, attn_backend, inputs: StepInputs, devic
     its CUDA graph instead of the eager forward. ``inputs.kv_moves`` are copied in ``kv`` first."""
     if inputs.kv_moves is not None and kv is not None:
         move_kv(kv, *inputs.kv_moves)
-    if device.type == "cpu" and (fast := getattr(model, "decode_step", None)) is not None:
+    if device.type == "cpu" and not inputs.lora and (fast := getattr(model, "decode_step", None)) is not None:
         if (out := fast(inputs, attn_backend)) is not None:
             return out[0], [out[1]], out[2]
     fb = forward_batch(inputs, attn_backend, device)
-    if graphs is not None and graphs.can_run(fb):
+    if graphs is not None and not inputs.lora and graphs.can_run(fb):  # (graphs are captured without adapters)
         hidden = graphs.replay(fb)
     else:
         attn_backend.prepare(fb)
@@ -83,7 +84,7 @@ def forward_batch(inputs: StepInputs, attn_backend, device: torch.device) -> For
         input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc, seq_lens=seq_lens,
         extend_lens=extend_lens, kv_indices=kv_indices, seq_lens_cpu=inputs.seq_lens,
         extend_lens_cpu=inputs.extend_lens, attn_backend=attn_backend,
-        tree_mask=None if inputs.tree_mask is None else inputs.tree_mask.to(device, non_blocking=True),
+        tree_mask=None if inputs.tree_mask is None else inputs.tree_mask.to(device, non_blocking=True), lora=inputs.lora,
     )
 
 
@@ -118,6 +119,7 @@ class ModelRunner:
     _kv_moves: tuple[list[int], list[int]] | None = None  # moves the next forward makes first (on every rank)
     tp = None  # core.engine.distributed.TensorParallelGroup on rank 0 of a --tp-size > 1 engine, set by the engine
     graphs: CudaGraphRunner | None = None  # decode CUDA graphs, set by the engine when captured
+    lora = None  # core.engine.lora.LoRAServing with --enable-lora, set by the engine
     _last_tokens: list[int] | None = None  # the last batch's sampled tokens (what future ids stand for)
 
     def __init__(self, model: torch.nn.Module, attn_backend, table: ReqToTokenTable, sampler: Sampler,
@@ -188,7 +190,7 @@ class ModelRunner:
         if batch.draft_pending:  # a model drafter's drafts, into the verify's input ids
             self.speculator.fill(batch, inputs.kv_indices)
             inputs.input_ids, inputs.positions, inputs.tree_mask = batch.input_ids, batch.positions, tree_masks(batch)
-        hidden, all_logits, argmax_ids = self._forward(inputs)
+        hidden, all_logits, argmax_ids = self._forward(inputs, batch.reqs)
         reqs = all_reqs = batch.reqs
         if len(live) < len(reqs):
             reqs = [reqs[i] for i in live]
@@ -220,11 +222,14 @@ class ModelRunner:
             result.input_logprobs[i] = self._prompt_logprobs(all_logits[k] if k >= 0 else None, all_reqs[i])
         return result
 
-    def _forward(self, inputs: StepInputs) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor | None]:
-        """``forward_step`` over ``inputs`` (after the last tree verify's KV moves); with tensor
-        parallelism on every rank (their collectives pair up), else with this runner's CUDA graphs."""
+    def _forward(self, inputs: StepInputs, reqs: list) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor | None]:
+        """``forward_step`` over ``inputs`` (after the last tree verify's KV moves, each request's
+        tokens through its LoRA adapter); with tensor parallelism on every rank (their collectives
+        pair up), else with this runner's CUDA graphs."""
         if self._kv_moves is not None:
             inputs, self._kv_moves = attrs.evolve(inputs, kv_moves=self._kv_moves), None
+        if self.lora is not None:  # each request's tokens through its adapter (the pool's segments for this forward)
+            inputs.lora = self.lora.prepare([r.lora_id for r in reqs], inputs.extend_lens)
         if self.tp is not None:
             return self.tp.forward(inputs, lambda: forward_step(self.model, self.attn_backend, inputs, self.device,
                                                                 kv=self.kv_cache))
@@ -242,7 +247,7 @@ class ModelRunner:
         step = StepInputs(batch.input_ids, batch.positions, batch.out_cache_loc[:b], seq0, batch.extend_lens,
                           self.step_inputs(batch)[0].kv_indices, [(0, b)])
         stop = batch_stop_ids(reqs, self.eos_ids)
-        if (self.tp is None and self.device.type == "cpu" and all(r.params.is_greedy and not r.params.logit_bias for r in reqs)
+        if (self.tp is None and self.device.type == "cpu" and self.lora is None and all(r.params.is_greedy and not r.params.logit_bias for r in reqs)
                 and (fast := getattr(self.model, "decode_steps", None)) is not None):
             whole = attrs.evolve(step, out_cache_loc=batch.out_cache_loc)
             if (tokens := fast(whole, self.attn_backend, k, stop)) is not None:
@@ -256,7 +261,7 @@ class ModelRunner:
             if j:
                 step = StepInputs(tokens[-1], [p + j for p in batch.positions], batch.out_cache_loc[j * b : (j + 1) * b],
                                   [n + j for n in seq0], batch.extend_lens, step.kv_indices, [(0, b)])
-            _, logits, argmax_ids = self._forward(step)
+            _, logits, argmax_ids = self._forward(step, reqs)
             tokens.append(self.sampler.sample(logits[0], rows, argmax_ids).token_ids)
             if not stops.isdisjoint(tokens[-1]):
                 break

@@ -1,9 +1,10 @@
 """SGLang's offline API: ``Engine`` runs an ``AsyncEngine`` on a private loop thread and
-offers blocking and async ``generate``, ``encode`` and ``shutdown``."""
+offers blocking and async ``generate``, ``encode``, LoRA adapter loading and ``shutdown``."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 from typing import Any, AsyncIterator, Iterator
 
@@ -15,8 +16,30 @@ from core.engine.config import engine_args_from_kwargs  # noqa: E402
 from core.engine.data_parallel import create_engine  # noqa: E402
 
 
+@dataclasses.dataclass
+class LoRAUpdateOutput:
+    """SGLang's answer to a LoRA load or unload: the adapters loaded now (name -> path). A
+    refusal raises instead of answering ``success=False``."""
+
+    success: bool = True
+    error_message: str = ""
+    loaded_adapters: dict[str, str] = dataclasses.field(default_factory=dict)
+
+
+def _lora(lora_path: Any) -> dict[str, Any]:
+    """``AsyncEngine.generate`` keyword arguments for ``lora_path`` (none when unset)."""
+    return {} if lora_path is None else {"lora_path": lora_path}
+
+
+async def _lora_update(engine: Any, update: Any) -> LoRAUpdateOutput:
+    """Run a load or unload on the engine loop; answer with the adapters loaded after it."""
+    await update
+    return LoRAUpdateOutput(loaded_adapters=dict(engine.lora_adapters()))
+
+
 class Engine:
-    """SGLang's offline engine: ``Engine(model_path=...)``, ``generate``, ``async_generate``, ``shutdown``."""
+    """SGLang's offline engine: ``Engine(model_path=...)``, ``generate``, ``async_generate``,
+    ``load_lora_adapter`` / ``unload_lora_adapter``, ``shutdown``."""
 
     def __init__(self, **kwargs: Any) -> None:
         args = engine_args_from_kwargs(kwargs)
@@ -35,9 +58,12 @@ class Engine:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     def generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob: bool = False,
-                 logprob_start_len: int = -1, top_logprobs_num: int = 0, stream: bool = False, rid: str | None = None) -> Any:
+                 logprob_start_len: int = -1, top_logprobs_num: int = 0, stream: bool = False, rid: str | None = None,
+                 lora_path: str | list[str | None] | None = None) -> Any:
+        """``lora_path``: a loaded LoRA adapter's name for every prompt, or a list aligned with a
+        batch of prompts (None or "" = the base model)."""
         result = self._call(self.engine.generate(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
-                                                 top_logprobs_num, stream, rid))
+                                                 top_logprobs_num, stream, rid, **_lora(lora_path)))
         return self._iter_sync(result) if stream else result
 
     def _iter_sync(self, agen) -> Iterator[dict]:
@@ -52,9 +78,10 @@ class Engine:
 
     async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob: bool = False,
                              logprob_start_len: int = -1, top_logprobs_num: int = 0, stream: bool = False,
-                             rid: str | None = None) -> Any:
+                             rid: str | None = None, lora_path: str | list[str | None] | None = None) -> Any:
         fut = asyncio.run_coroutine_threadsafe(
-            self.engine.generate(prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num, stream, rid),
+            self.engine.generate(prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num, stream, rid,
+                                 **_lora(lora_path)),
             self._loop)
         result = await asyncio.wrap_future(fut)
         return self._iter_async(result) if stream else result
@@ -133,6 +160,23 @@ class Engine:
         embs = self._call(self.engine.encode(ids))
         outs = [{"embedding": e, "meta_info": {"prompt_tokens": len(i)}} for e, i in zip(embs, ids)]
         return outs if batch else outs[0]
+
+    # ---- LoRA adapters (``--enable-lora``), SGLang's offline methods; a refusal raises CoreError
+    def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False) -> LoRAUpdateOutput:
+        """Load a peft adapter folder as ``lora_name`` (``pinned``: never evicted)."""
+        return self._call(_lora_update(self.engine, self.engine.load_lora_adapter(lora_name, lora_path, pinned)))
+
+    def unload_lora_adapter(self, lora_name: str) -> LoRAUpdateOutput:
+        """Unload an adapter; requests already running under it finish first."""
+        return self._call(_lora_update(self.engine, self.engine.unload_lora_adapter(lora_name)))
+
+    async def async_load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False) -> LoRAUpdateOutput:
+        coro = _lora_update(self.engine, self.engine.load_lora_adapter(lora_name, lora_path, pinned))
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
+
+    async def async_unload_lora_adapter(self, lora_name: str) -> LoRAUpdateOutput:
+        coro = _lora_update(self.engine, self.engine.unload_lora_adapter(lora_name))
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
 
     def abort_request(self, rid: str) -> bool:
         return self._call(_run(self.engine.abort, rid))

@@ -30,6 +30,7 @@ class Req:
     # the API request this sequence belongs to (its n > 1 copies and batch items share it): what an
     # abort by id reaches besides the exact rid; "" for none
     group: str = ""
+    lora_id: int = 0  # the LoRA adapter's uid (core.engine.lora), 0: the base model
     log_metrics: bool = True  # SGLang's log_metrics: False keeps the request out of the /metrics counters
     # (kind, spec) the sampling params constrain the output to, or None; derived once, here
     constraint: tuple[str, str] | None = attrs.field(init=False)
@@ -136,6 +137,25 @@ class Req:
 
     def fill_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    def cache_ids(self) -> list[int]:
+        """``fill_ids`` as the prefix cache keys them: an adapter's tokens carry its uid in the bits
+        above 32 (token ids are below 2**32), so a prefix computed under one adapter is never
+        matched by a request of another or of the base model, in any cache tier."""
+        ids = self.prompt_ids + self.output_ids
+        if not self.lora_id:
+            return ids
+        tag = self.lora_id << 32
+        return [tag | t for t in ids]
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """``fill_ids()[start:end]`` without building the whole list."""
+        n = len(self.prompt_ids)
+        if end <= n:
+            return self.prompt_ids[start:end]
+        if start >= n:
+            return self.output_ids[start - n : end - n]
+        return self.prompt_ids[start:] + self.output_ids[: end - n]
 
     def token_at(self, pos: int) -> int:
         n = len(self.prompt_ids)

@@ -73,6 +73,7 @@ class Scheduler:
         self.enable_mixed_chunk = enable_mixed_chunk
         self.decode_steps = decode_steps  # --num-continuous-decode-steps: the most decode steps one batch runs
         self.speculator = speculator  # --speculative-algorithm (core.engine.speculative)
+        self.max_loras = 0  # --max-loras-per-batch with --enable-lora: distinct adapters among running requests
         self.init_new_token_ratio = min(INIT_NEW_TOKEN_RATIO * schedule_conservativeness, 1.0)
         self.min_new_token_ratio = min(self.init_new_token_ratio * MIN_NEW_TOKEN_RATIO_FACTOR, 1.0)
         self.new_token_ratio_decay = (self.init_new_token_ratio - self.min_new_token_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS
@@ -147,7 +148,7 @@ class Scheduler:
         """Cached prefix of a waiting request (its last token always recomputed); ``load``: admission's (mem_cache)."""
         if self.tree_cache is None or req.needs_prompt_logprobs:
             return [], None
-        return self.tree_cache.match_prefix(req.fill_ids()[: req.seq_len - 1], load_back=load)
+        return self.tree_cache.match_prefix(req.cache_ids()[: req.seq_len - 1], load_back=load)
 
     def _release_kv(self, req: Req, cache: bool = True) -> None:
         """Give back a request's pages: its computed tokens go into the prefix cache (page-aligned),
@@ -155,7 +156,7 @@ class Scheduler:
         tree, ps = self.tree_cache, self.ps
         if tree is not None and cache:
             n = req.kv_done // ps * ps  # KV still in flight is not cached (its forward may yet fail)
-            already = tree.insert(req.fill_ids()[:n], req.pages[: n // ps]) if n else 0
+            already = tree.insert(req.cache_ids()[:n], req.pages[: n // ps]) if n else 0
             self.allocator.free(req.pages[req.tree_pages : max(req.tree_pages, already // ps)] + req.pages[n // ps :])
         else:
             self.allocator.free(req.pages[req.tree_pages :])
@@ -170,7 +171,7 @@ class Scheduler:
         n = req.kv_done // ps * ps
         if tree is None or n <= req.tree_pages * ps:
             return
-        ids = req.fill_ids()[:n]
+        ids = req.cache_ids()[:n]
         already = tree.insert(ids, req.pages[: n // ps])
         pages, node = tree.match_prefix(ids)
         assert len(pages) == n // ps, "radix insert/match disagree"
@@ -312,10 +313,14 @@ class Scheduler:
                      for r in self.running)
         for _, n in out:
             offset -= n
+        skipped: list[Req] = []  # waiting requests whose LoRA adapter would exceed --max-loras-per-batch
         while self.waiting and len(self.running) < self.max_running and self.table.num_free:
             req = self.waiting[0]
             if req.aborted:  # aborted between reap and now: dropped at the next step
                 break
+            if req.lora_id and self.max_loras and len({r.lora_id for r in self.running if r.lora_id} | {req.lora_id}) > self.max_loras:
+                skipped.append(self.waiting.popleft())
+                continue
             pages, node = self._match(req, load=True)
             prefix = len(pages) * ps
             extend = req.seq_len - prefix
@@ -362,6 +367,7 @@ class Scheduler:
                 break
             if rem_input <= 0 or (rem_chunk is not None and rem_chunk <= 0):
                 break
+        self.waiting.extendleft(reversed(skipped))
         return out
 
     def _ensure_decode_memory(self, decodable: list[Req]) -> list[Req]:
@@ -437,7 +443,7 @@ class Scheduler:
             locs.extend(pages[start:end] if ps == 1 else (pages[p // ps] * ps + p % ps for p in range(start, end)))
             rows.extend([req.row] * n)
             if start < req.seq_len:
-                input_ids.extend(_tokens(req, start, end))
+                input_ids.extend(req.tokens(start, end))
             else:  # a decode under overlap scheduling: the token the in-flight batch samples for it
                 input_ids.append(future_id(req.future_index))
                 futures = True
@@ -637,12 +643,3 @@ class Scheduler:
         req.row = -1
         self.running.remove(req)
 
-
-def _tokens(req: Req, start: int, end: int) -> list[int]:
-    """``req.fill_ids()[start:end]`` without building the whole list."""
-    n = len(req.prompt_ids)
-    if end <= n:
-        return req.prompt_ids[start:end]
-    if start >= n:
-        return req.output_ids[start - n : end - n]
-    return req.prompt_ids[start:] + req.output_ids[: end - n]

@@ -76,11 +76,11 @@ int8-mamba-ckpt-size kt-cpuinfer kt-max-deferred-experts-per-token kt-method kt-
 kt-weight-path kv-canary kv-canary-real-data kv-canary-sweep-interval kv-events-config language-model-only
 language-only limit-mm-data-per-request linear-attn-backend linear-attn-decode-backend linear-attn-prefill-backend
 linear-attn-verify-backend linear-replayssm-cache-len lmcache-config-file load-publish-endpoint
-load-snapshot-publish-interval log-level-http log-requests-format log-requests-target lora-backend
-lora-drain-wait-threshold lora-eviction-policy lora-strict-loading lora-target-modules lora-use-virtual-experts
+load-snapshot-publish-interval log-level-http log-requests-format log-requests-target 
+lora-drain-wait-threshold lora-strict-loading lora-use-virtual-experts
 mamba-backend mamba-cache-philox-rounds mamba-full-memory-ratio mamba-max-states-per-path mamba-radix-cache-strategy
-mamba-ssm-dtype mamba-track-interval max-ep-size max-loaded-loras max-lora-chunk-size max-lora-rank
-max-loras-per-batch max-mamba-cache-size media-url-max-file-size-mb min-free-slots-delay mlx-enable-sampling
+mamba-ssm-dtype mamba-track-interval max-ep-size max-lora-chunk-size 
+max-mamba-cache-size media-url-max-file-size-mb min-free-slots-delay mlx-enable-sampling
 mm-attention-backend mm-enable-dp-encoder mm-feature-transport mm-global-cache-backend mm-io-worker-num
 mm-preprocess-cache-size-mb mm-process-config mm-processor-worker-num model-checksum model-config-parser model-impl
 model-loader-extra-config modelexpress-config modelopt-checkpoint-restore-path modelopt-checkpoint-save-path

@@ -56,6 +56,7 @@ _ENGINE_GROUP_MAP = {
     "Kernel backends and plugins": "Kernel backends (attention, sampling, grammar, GEMM)",
     "Parallelism and multi-node serving": "Runtime options",
     "Logging": "Logging",
+    "LoRA": "LoRA",
 }
 _FLAG_SECTION = {
     "--dtype": "Quantization and data type",
@@ -94,8 +95,6 @@ NOT_SUPPORTED_YET: dict[str, tuple[Callable[[Any], bool], str]] = {
     "pp_size": (_off(1), "only 1 is supported"),
     "ep_size": (_off(1), "only 1 is supported"),
     "enable_dp_attention": (_off(), ""),
-    "enable_lora": (_off(), ""),
-    "lora_paths": (_off(), ""),
     "speculative_algorithm": (lambda v: str(v).upper() not in DRAFT_MODEL_ALGORITHMS, "NGRAM, STANDALONE, EAGLE and EAGLE3 are supported"),
     "disaggregation_mode": (_off("null"), ""),
     "enable_torch_compile": (_off(), ""),
@@ -374,10 +373,6 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="a prompt longer than the context keeps its first context-length - 1 tokens (the tail is "
                         "dropped, as SGLang does) instead of being rejected; max tokens are cut to what fits. "
                         "Same rule on /generate, /v1/completions and /v1/chat/completions")
-
-    g = s("LoRA")
-    g.add_argument("--enable-lora", action="store_true", default=None, help="not supported yet")
-    g.add_argument("--lora-paths", nargs="*", default=None, help="not supported yet")
 
     g = s("Expert parallelism")
     g.add_argument("--expert-parallel-size", "--ep-size", "--ep", dest="ep_size", type=int, default=1,

@@ -79,8 +79,10 @@ class LlamaDecoderLayer(nn.Module):
                         bias=getattr(config, "mlp_bias", False))
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        # (the op's attention is causal: a verify of draft trees takes the Python path below)
-        if x.device.type == "cpu" and (fast := self._cpu_decode(batch.attn_backend)) is not None and batch.tree_mask is None:
+        # (the op's attention is causal: a verify of draft trees takes the Python path below; so do
+        # LoRA adapters, which the op's projections do not apply)
+        if (x.device.type == "cpu" and batch.tree_mask is None and not batch.lora
+                and (fast := self._cpu_decode(batch.attn_backend)) is not None):
             h, mlp_out = cpu_decode.run(fast, x, batch)
             return h + mlp_out
         # the residual adds happen in the output projections (one GEMM each on a GPU: core.layers)
@@ -120,8 +122,9 @@ class LlamaModel(nn.Module):
         self.__dict__.pop("_step_logits", None)
         x = self.embed_tokens(batch.input_ids)
         capture = self.capture_layers  # (the fused stack keeps no layer inputs: captures take the per-layer path)
-        # the C++ ops attend causally: a verify of draft trees (batch.tree_mask) takes the Python layers
-        fused = x.device.type == "cpu" and batch.tree_mask is None
+        # the C++ ops attend causally and know no adapters: a verify of draft trees (batch.tree_mask)
+        # and a batch with LoRA adapters (batch.lora) take the Python layers
+        fused = x.device.type == "cpu" and batch.tree_mask is None and not batch.lora
         if (fused and not capture and (stack := self._cpu_stack(batch.attn_backend, head)) is not None
                 and x.shape[0] < stack["max_rows"]):
             if x.shape[0] == len(batch.seq_lens_cpu) and x.shape[0] < stack["head_rows"]:  # one row per sequence: all sample

@@ -1,0 +1,137 @@
+"""Multi-LoRA decode cost (issue 44; not a timed test): ``--streams`` concurrent requests, each
+through its own random rank-``--rank`` adapter over every linear layer, against the same batch on
+the base model, in one run.
+
+Rows (one engine with ``--enable-lora`` and the adapters, the modes taking turns ``--repeats``
+times; the best of each): ``base`` (no request names an adapter: the model's fastest path),
+``lora`` (each stream its own adapter), and ``plain`` (an engine without ``--enable-lora``, the
+reference for what enabling LoRA costs a base-only batch). Printed: TPOT p50 (ms) of the
+streams, output tok/s, and the step ratio lora / base (issue 44's CPU bar: <= 1.3x).
+
+The adapters are written as peft checkpoints (``adapter_config.json`` +
+``adapter_model.safetensors``) for the model's shapes, with random A and B.
+
+    python bench/bench_lora.py --cpu-threads 2                  # default model (SmolLM2-135M GGUF)
+    python bench/bench_lora.py --model-path bench/shapes/llama-3.1-8b --load-format dummy --streams 64 --adapters 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import core  # noqa: F401  (before torch: its OpenMP wait policy)
+import torch
+
+MODULES = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+
+
+def write_adapter(folder: Path, cfg, rank: int, seed: int) -> None:
+    """A peft LoRA checkpoint over every linear layer of a Llama-shaped ``cfg``, random A and B."""
+    from safetensors.torch import save_file
+
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    d = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
+    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+              "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for i in range(cfg.num_hidden_layers):
+        for m, (fin, fout) in shapes.items():
+            key = f"base_model.model.model.layers.{i}.{MODULES[m]}.{m}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fin, generator=g) / fin**0.5
+            tensors[f"{key}.lora_B.weight"] = torch.randn(fout, rank, generator=g) * 0.01
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(MODULES),
+        "bias": "none", "base_model_name_or_path": None, "task_type": "CAUSAL_LM"}))
+
+
+def run(eng, prompts: list[list[int]], names: list[str | None], new: int) -> tuple[float, float]:
+    """(TPOT p50 in ms over the streams, output tok/s) of one batch, all submitted at once."""
+    import asyncio
+
+    params = {"temperature": 0, "max_new_tokens": new, "ignore_eos": True}
+
+    async def one(p, name):
+        first = n = None
+        async for chunk in await eng.async_generate(input_ids=p, sampling_params=params, stream=True, lora_path=name):
+            n = len(chunk["output_ids"])
+            if first is None and n:
+                first = time.perf_counter()
+        return (time.perf_counter() - first) / max(1, n - 1), n
+
+    async def all_():
+        return await asyncio.gather(*(one(p, nm) for p, nm in zip(prompts, names)))
+
+    t0 = time.perf_counter()
+    res = asyncio.run(all_())
+    wall = time.perf_counter() - t0
+    return statistics.median(t for t, _ in res) * 1e3, sum(n for _, n in res) / wall
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model-path", default=None, help="default: the embedded SmolLM2-135M-Instruct")
+    ap.add_argument("--load-format", default="auto")
+    ap.add_argument("--cpu-threads", type=int, default=2)
+    ap.add_argument("--streams", type=int, default=8)
+    ap.add_argument("--adapters", type=int, default=0, help="distinct adapters (default: one per stream)")
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--input-len", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    from core import Engine
+    from core.engine.device import cpu_model_name
+
+    n_ad = args.adapters or args.streams
+    common = dict(cpu_threads=args.cpu_threads, log_level="warning", random_seed=0, load_format=args.load_format,
+                  skip_tokenizer_init=args.load_format == "dummy",
+                  max_total_tokens=max(4096, 2 * args.streams * (args.input_len + args.output_len)))
+    if args.model_path:
+        common["model_path"] = args.model_path
+    with tempfile.TemporaryDirectory() as tmp:
+        plain = Engine(**common)
+        cfg = plain.engine.model_config.hf_config
+        paths = []
+        for i in range(n_ad):
+            write_adapter(Path(tmp) / f"a{i}", cfg, args.rank, seed=i)
+            paths.append(f"a{i}={Path(tmp) / f'a{i}'}")
+        vocab = cfg.vocab_size
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(100, vocab - 100, (args.input_len,), generator=g).tolist() for _ in range(args.streams)]
+        results: dict[str, list[tuple[float, float]]] = {"plain": [], "base": [], "lora": []}
+        run(plain, prompts, [None] * args.streams, 8)  # warm-up
+        for _ in range(args.repeats):
+            results["plain"].append(run(plain, prompts, [None] * args.streams, args.output_len))
+        plain.shutdown()
+        eng = Engine(**common, enable_lora=True, lora_paths=paths, max_loras_per_batch=min(n_ad, args.streams),
+                     disable_radix_cache=True)
+        names = [f"a{i % n_ad}" for i in range(args.streams)]
+        run(eng, prompts, names, 8)
+        for _ in range(args.repeats):
+            results["base"].append(run(eng, prompts, [None] * args.streams, args.output_len))
+            results["lora"].append(run(eng, prompts, names, args.output_len))
+        eng.shutdown()
+    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else f"{cpu_model_name()}, {args.cpu_threads} threads"
+    print(f"# {dev}, torch {torch.__version__}; {args.model_path or 'default model'}; {args.streams} streams over "
+          f"{n_ad} rank-{args.rank} adapters (all 7 linear layers), {args.input_len} in / {args.output_len} out, "
+          f"best of {args.repeats}")
+    best = {k: min(v) for k, v in results.items()}
+    print(f"{'mode':<8}{'TPOT p50 ms':>14}{'output tok/s':>14}")
+    for k, (tpot, tps) in best.items():
+        print(f"{k:<8}{tpot:>14.2f}{tps:>14.1f}")
+    print(f"lora / base step: {best['lora'][0] / best['base'][0]:.2f}x   lora / plain: "
+          f"{best['lora'][0] / best['plain'][0]:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,289 @@
+"""Device-side adapter slots, and the per-layer hook that adds their deltas to a batch.
+
+The pool owns, per targeted :class:`core.layers.Linear`, one A and one B buffer holding every
+slot's matrices zero-padded to ``max_rank``, so one batch can mix adapters (and the base
+model) with no per-adapter shapes. A layer learns about adapters through one object only,
+``layer.__dict__["lora"]`` (a :class:`LayerLoRA`), which ``core.layers`` calls on the layer's
+output: ``lora(x, y) -> y``. When the current batch uses no adapter that call returns ``y`` at
+once, so serving without adapters costs one attribute check per projection.
+
+Packed layers: ``qkv_proj`` has parts q, k, v, each adapted on its own (peft adapts the
+checkpoint's ``q_proj`` etc.). Part ``p``'s A rows sit at ``[p * max_rank, (p + 1) * max_rank)``
+of the layer's A buffer (one shrink for all parts), its B rows at the part's output span.
+"""
+
+from __future__ import annotations
+
+from typing import Collection, Mapping
+
+import torch
+import torch.nn.functional as F
+
+from core.engine.lora.adapter import LoRAAdapter, LoRAError
+from core.layers import Linear, RowParallelLinear
+
+BACKENDS = ("torch", "triton")
+# peft's names for the projections of a decoder layer; a fused name stands for its parts and back
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+KNOWN_TARGETS = (*DEFAULT_TARGETS, *FUSED, "all")
+
+Part = tuple[str, object]  # (last component of a layer's name, shard or None)
+
+
+def resolve_targets(names: Collection[str] | None, layer_names: Collection[str],
+                    packed: Mapping[str, tuple[str, object]]) -> set[Part]:
+    """The (layer name, shard) parts that user target names (peft's / SGLang's, or None for
+    all) select in a model whose Linear layers are called ``layer_names`` (last components).
+    A name the model packs maps to its part; a fused name to its parts; a part name in a
+    model that has only the fused layer (Phi-3's ``qkv_proj``) to that whole layer."""
+    explicit = names is not None and "all" not in names
+    wanted = list(names) if explicit else list(DEFAULT_TARGETS)
+    for n in wanted:
+        if n not in KNOWN_TARGETS:
+            raise LoRAError(f"LoRA target module {n!r} is unknown; choose from {', '.join(KNOWN_TARGETS)}")
+    out: set[Part] = set()
+    for n in wanted:
+        parts = _parts_of(n, layer_names, packed)
+        if not parts and explicit:
+            raise LoRAError(f"LoRA target module {n!r}: this model has no such projection; "
+                            f"its linear layers are {', '.join(sorted(layer_names))}")
+        out |= parts
+    return out
+
+
+def _parts_of(name: str, layer_names: Collection[str], packed: Mapping[str, tuple[str, object]]) -> set[Part]:
+    if name in packed:
+        return {packed[name]}
+    if name in layer_names:
+        shards = {(dst, s) for dst, s in packed.values() if dst == name}
+        return shards or {(name, None)}
+    if name in FUSED:  # a fused name in a model with separate layers
+        return set().union(*(_parts_of(p, layer_names, packed) for p in FUSED[name]))
+    fused = [f for f, members in FUSED.items() if name in members and f in layer_names]
+    return {(fused[0], None)} if fused else set()
+
+
+class LayerLoRA:
+    """What one layer knows about adapters: its slice of the pool's buffers and how to add the
+    current batch's deltas to its output. ``A`` ``[slots, parts * R, in]``, ``B`` ``[slots, out, R]``;
+    ``spans[p]`` is part ``p``'s (first output column, width)."""
+
+    def __init__(self, pool: LoRAPool, layer: Linear, shards: list[object], slots: int, rank: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.pool, self.layer, self.shards, self.rank = pool, layer, shards, rank
+        self.spans = [(0, layer.out_features) if s is None else layer.shard_span(s) for s in shards]
+        self.A = torch.zeros(slots, len(shards) * rank, layer.in_features, dtype=dtype, device=device)
+        self.B = torch.zeros(slots, layer.out_features, rank, dtype=dtype, device=device)
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``y`` (the layer's ``[T, out]`` output for input ``x`` ``[T, in]``) plus each token's
+        adapter delta, added in place; untouched when the batch uses no adapter."""
+        pool = self.pool
+        if not pool._active:
+            return y
+        if pool.backend == "triton":
+            return self._sgmv(x, y)
+        r = self.rank
+        for slot, rows in pool._groups:
+            h = F.linear(x[rows], self.A[slot])
+            for p, (start, size) in enumerate(self.spans):
+                y[rows, start : start + size] += F.linear(h[:, p * r : (p + 1) * r], self.B[slot, start : start + size])
+        return y
+
+    def _sgmv(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        from core_kernels.lora import sgmv_expand, sgmv_shrink
+
+        pool, r = self.pool, self.rank
+        n = pool._num_segments
+        seg_start, seg_slot = pool._seg_start[: n + 1], pool._seg_slot[:n]
+        h = torch.empty(x.shape[0], self.A.shape[1], dtype=x.dtype, device=x.device)
+        sgmv_shrink(x, self.A, seg_start, seg_slot, pool._max_seg_len, h)
+        for p, (start, size) in enumerate(self.spans):
+            sgmv_expand(h[:, p * r : (p + 1) * r], self.B[:, start : start + size], seg_start, seg_slot,
+                        pool._max_seg_len, y[:, start : start + size])
+        return y
+
+    def clear(self, slot: int) -> None:
+        self.A[slot].zero_()
+        self.B[slot].zero_()
+
+    def copy(self, slot: int, shard: object, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Write one part's (this rank's slice of) ``a`` ``[r, in]`` and scaled ``b`` ``[out, r]``."""
+        p, r = self.shards.index(shard), a.shape[0]
+        start, size = self.spans[p]
+        self.A[slot, p * self.rank : p * self.rank + r].copy_(a)
+        self.B[slot, start : start + size, :r].copy_(b)
+
+
+def _expected(layer: Linear, shard: object) -> tuple[int, int]:
+    """(in, out) features of ``shard``'s part of ``layer`` in the checkpoint, before any
+    tensor-parallel split."""
+    tp = getattr(layer, "tp", None)
+    ranks = tp.size if tp is not None and isinstance(layer, RowParallelLinear) else 1
+    sizes = getattr(layer, "global_sizes", layer.output_sizes)
+    out = sum(sizes) if shard is None else sizes[layer.shard_index(shard)]
+    return layer.in_features * ranks, out
+
+
+def _local(layer: Linear, shard: object, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's slice of a part's (A, B): a row-parallel layer's input columns of A, a
+    column-parallel layer's output rows of B (each packed part split on its own)."""
+    tp = getattr(layer, "tp", None)
+    if tp is None or tp.size == 1:
+        return a, b
+    if isinstance(layer, RowParallelLinear):
+        n = layer.in_features
+        return a.narrow(1, tp.rank * n, n), b
+    if shard is None and len(layer.output_sizes) > 1:
+        parts = b.split(layer.global_sizes, dim=0)
+        return a, torch.cat([p.narrow(0, layer.source_start(i), layer.output_sizes[i]) for i, p in enumerate(parts)])
+    i = layer.shard_index(shard)
+    return a, b.narrow(0, layer.source_start(i), layer.output_sizes[i])
+
+
+class LoRAPool:
+    """``slots`` device-resident adapters for ``model``'s targeted layers, and the current
+    batch's segment -> slot assignment that the layers read.
+
+    ``target_modules``: peft / SGLang names (``q_proj`` ... ``down_proj``, ``qkv_proj``,
+    ``gate_up_proj``, ``all``; None: all). ``backend``: ``torch`` (any device; loops over the
+    distinct slots of a batch) or ``triton`` (``core_kernels.lora``'s SGMV kernels; the segment
+    tensors are persistent device buffers updated in place, so a CUDA graph can capture them)."""
+
+    def __init__(self, model: torch.nn.Module, *, slots: int, max_rank: int, target_modules: Collection[str] | None,
+                 dtype: torch.dtype, device: torch.device, backend: str = "torch") -> None:
+        if backend not in BACKENDS:
+            raise LoRAError(f"LoRA backend {backend!r} is unknown; choose from {', '.join(BACKENDS)}")
+        if slots < 1 or max_rank < 1:
+            raise LoRAError(f"LoRA pool needs at least one slot and a positive max rank (got {slots}, {max_rank})")
+        self.slots, self.max_rank, self.backend, self.device = slots, max_rank, backend, torch.device(device)
+        packed = {k: v for k, v in getattr(model, "packed_modules", {}).items() if "." not in k}
+        linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
+        self.target_names = sorted(target_modules) if target_modules is not None else ["all"]
+        self.targets = resolve_targets(target_modules, {n.rsplit(".", 1)[-1] for n in linears}, packed)
+        self._linears = linears
+        self.layers: dict[str, LayerLoRA] = {}
+        for name, layer in linears.items():
+            layer.__dict__.pop("lora", None)  # a previous pool's
+            last = name.rsplit(".", 1)[-1]
+            shards = sorted((s for m, s in self.targets if m == last), key=lambda s: -1 if s is None else layer.shard_index(s))
+            if shards:
+                self.layers[name] = layer.__dict__["lora"] = LayerLoRA(self, layer, shards, slots, max_rank, dtype,
+                                                                       self.device)
+        self._names: list[str | None] = [None] * slots
+        self._active = False
+        self._groups: list[tuple[int, slice | torch.Tensor]] = []  # torch backend: (slot, token rows)
+        self._num_segments, self._max_seg_len = 0, 0
+        self._seg_start = torch.zeros(0, dtype=torch.int32, device=self.device)  # triton backend: [capacity + 1]
+        self._seg_slot = torch.zeros(0, dtype=torch.int32, device=self.device)
+
+    @property
+    def active(self) -> bool:
+        """Whether the current batch uses any adapter (layers that bypass ``Linear.forward``,
+        such as the CPU's fused decoder-layer ops, must step aside while it does)."""
+        return self._active
+
+    def check(self, adapter: LoRAAdapter) -> None:
+        """Raise :class:`LoRAError` unless ``adapter`` fits this pool: rank, target modules, shapes."""
+        name = adapter.name
+        if adapter.rank > self.max_rank:
+            raise LoRAError(f"LoRA adapter {name!r} has rank {adapter.rank}, above the server's max LoRA rank "
+                            f"{self.max_rank}; restart with --max-lora-rank {adapter.rank} or more")
+        for (module, shard), (a, b) in adapter.weights.items():
+            layer = self._linears.get(module)
+            if layer is None:
+                raise LoRAError(f"LoRA adapter {name!r} adapts {module!r}, which this model does not have; "
+                                f"was it trained for another base model ({adapter.base_model})?")
+            state = self.layers.get(module)
+            if state is None or shard not in state.shards:
+                what = module if shard is None else f"{module} (part {shard})"
+                raise LoRAError(f"LoRA adapter {name!r} adapts {what}, which is not among the server's LoRA "
+                                f"target modules ({', '.join(self.target_names)}); restart with --lora-target-modules all")
+            want_in, want_out = _expected(layer, shard)
+            if a.shape[1] != want_in or b.shape[0] != want_out:
+                raise LoRAError(f"LoRA adapter {name!r}: {module} expects lora_A [r, {want_in}] and lora_B "
+                                f"[{want_out}, r], got {tuple(a.shape)} and {tuple(b.shape)}; was it trained for "
+                                f"another base model ({adapter.base_model})?")
+
+    def slot_of(self, name: str) -> int | None:
+        """The slot holding adapter ``name``, or None."""
+        return self._names.index(name) if name in self._names else None
+
+    def name_in(self, slot: int) -> str | None:
+        """The adapter ``slot`` holds, or None when it is empty."""
+        return self._names[slot]
+
+    def load(self, adapter: LoRAAdapter, slot: int) -> None:
+        """Copy ``adapter`` into ``slot`` (replacing what it held): ranks zero-padded to the max,
+        ``scaling`` folded into B, the layers it does not adapt zeroed."""
+        if not 0 <= slot < self.slots:
+            raise LoRAError(f"LoRA slot {slot} is out of range (the pool has {self.slots})")
+        self.check(adapter)
+        self._names[slot] = None
+        for state in self.layers.values():
+            state.clear(slot)
+        for (module, shard), (a, b) in adapter.weights.items():
+            state = self.layers[module]
+            a, b = _local(state.layer, shard, a, b * adapter.scaling)
+            state.copy(slot, shard, a, b)
+        self._names[slot] = adapter.name
+
+    def free(self, slot: int) -> None:
+        """Forget what ``slot`` holds (its adapter was removed): ``slot_of`` no longer finds it."""
+        self._names[slot] = None
+
+    def set_batch(self, seg_lens: list[int], seg_slots: list[int]) -> None:
+        """The next forward's tokens: consecutive segments of ``seg_lens[i]`` tokens, each using
+        slot ``seg_slots[i]`` (-1: the base model). Tokens past the segments are left alone."""
+        if len(seg_lens) != len(seg_slots):
+            raise ValueError(f"set_batch: {len(seg_lens)} segment lengths for {len(seg_slots)} slots")
+        if any(not -1 <= s < self.slots for s in seg_slots):
+            raise ValueError(f"set_batch: slots {seg_slots} out of range [-1, {self.slots})")
+        if all(s < 0 for s in seg_slots):
+            return self.clear_batch()
+        if self.backend == "triton":
+            self._set_segments(seg_lens, seg_slots)
+        else:
+            self._groups = self._token_groups(seg_lens, seg_slots)
+        self._active = True
+
+    def clear_batch(self) -> None:
+        """The next forward uses no adapter: every layer skips LoRA."""
+        self._active = False
+        self._groups = []
+
+    def _token_groups(self, seg_lens: list[int], seg_slots: list[int]) -> list[tuple[int, slice | torch.Tensor]]:
+        """(slot, token rows) per distinct slot in use: a slice where its tokens are one run."""
+        runs: dict[int, list[tuple[int, int]]] = {}
+        start = 0
+        for n, s in zip(seg_lens, seg_slots):
+            if s >= 0 and n > 0:
+                spans = runs.setdefault(s, [])
+                if spans and spans[-1][1] == start:
+                    spans[-1] = (spans[-1][0], start + n)
+                else:
+                    spans.append((start, start + n))
+            start += n
+        groups: list[tuple[int, slice | torch.Tensor]] = []
+        for s, spans in runs.items():
+            if len(spans) == 1:
+                groups.append((s, slice(*spans[0])))
+            else:
+                rows = torch.cat([torch.arange(a, b) for a, b in spans]).to(self.device)
+                groups.append((s, rows))
+        return groups
+
+    def _set_segments(self, seg_lens: list[int], seg_slots: list[int]) -> None:
+        """Write the segments into the persistent device buffers (grown, rarely, when too small)."""
+        n = len(seg_lens)
+        if self._seg_slot.shape[0] < n:
+            cap = max(256, 2 * n)
+            self._seg_start = torch.zeros(cap + 1, dtype=torch.int32, device=self.device)
+            self._seg_slot = torch.zeros(cap, dtype=torch.int32, device=self.device)
+        starts = [0]
+        for length in seg_lens:
+            starts.append(starts[-1] + length)
+        self._seg_start[: n + 1].copy_(torch.tensor(starts, dtype=torch.int32))
+        self._seg_slot[:n].copy_(torch.tensor(seg_slots, dtype=torch.int32))
+        self._num_segments, self._max_seg_len = n, max(seg_lens, default=0)
