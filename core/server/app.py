@@ -19,7 +19,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from core.errors import CoreError
-from core.server import anthropic, embeddings, native, tokenize
+from core.server import anthropic, embeddings, lora, native, tokenize
 from core.server.http import ApiError, ApiKeyMiddleware, api_error
 from core.server.openai import batches, files, responses, routes
 from core.server.state import ServerState
@@ -46,6 +46,8 @@ ROUTES = [
     Route("/start_profile", native.start_profile, methods=["GET", "POST"]),
     Route("/stop_profile", native.stop_profile, methods=["GET", "POST"]),
     Route("/update_weights_from_disk", native.update_weights_from_disk, methods=["POST"]),
+    Route("/load_lora_adapter", lora.load_lora_adapter, methods=["POST"]),
+    Route("/unload_lora_adapter", lora.unload_lora_adapter, methods=["POST"]),
     Route("/metrics", native.metrics_endpoint, methods=["GET"]),  # 404 without --enable-metrics
     Route("/tokenize", tokenize.tokenize, methods=["POST"]),
     Route("/v1/tokenize", tokenize.tokenize, methods=["POST"]),

@@ -33,6 +33,7 @@ from core.server.http import (
     state_of,
 )
 from core.server.limits import check_sampling_limits, check_sequences
+from core.server.lora import adapters_per_item, lora_kwargs
 from core.server.metrics import CONTENT_TYPE
 from core.server.state import ServerState
 
@@ -60,6 +61,7 @@ class GenerateReqInput(msgspec.Struct):
     log_metrics: bool = True  # honoured: false keeps the request out of the /metrics counters
     priority: Any = None
     no_logs: bool = False  # honoured: the request is not written to the --log-requests log
+    lora_path: str | list[str | None] | None = None  # adapter name(s), one per prompt (core.server.lora)
     # routing and tracing hints that do not change the output
     routing_key: Any = None
     conversation_id: Any = None
@@ -71,8 +73,7 @@ class GenerateReqInput(msgspec.Struct):
     video_data: Any = None
     audio_data: Any = None
     input_embeds: Any = None
-    lora_path: Any = None
-    lora_id: Any = None
+    lora_id: Any = None  # SGLang's internal adapter id (lora_path names the adapter)
     custom_logit_processor: Any = None
     session_params: Any = None
     session_id: Any = None
@@ -203,6 +204,7 @@ def build_generate_requests(state: ServerState, obj: GenerateReqInput) -> tuple[
     starts = _per_item(obj.logprob_start_len, n, "logprob_start_len", -1)
     tops = _per_item(obj.top_logprobs_num, n, "top_logprobs_num", 0)
     prios = _per_item(obj.priority, n, "priority", None)
+    loras = adapters_per_item(engine, obj.lora_path, n)
     parsed = [_sampling_params(sp) for sp in sps]
     # a scoring request (return_logprob, no new tokens) without logprob_start_len gets the whole
     # prompt's logprobs: SGLang would return none, which leaves such a request nothing to read
@@ -221,7 +223,7 @@ def build_generate_requests(state: ServerState, obj: GenerateReqInput) -> tuple[
         rid = rids[i]  # a rid that is running, or given twice, is refused by ServerState.submit
         group = obj.rid if batch and isinstance(obj.rid, str) else None  # /abort_request {rid} reaches every item
         reqs += engine.make_requests(token_ids, params, rid or uuid.uuid4().hex, bool(lps[i]), starts[i], tops[i],
-                                     priority=prios[i], group=group)
+                                     priority=prios[i], group=group, **lora_kwargs(loras[i]))
     for r in reqs:
         r.log_metrics = obj.log_metrics
     return reqs, batch, interval

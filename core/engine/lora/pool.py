@@ -23,6 +23,11 @@ from core.engine.lora.adapter import LoRAAdapter, LoRAError
 from core.layers import Linear, RowParallelLinear
 
 BACKENDS = ("torch", "triton")
+# the torch backend computes a batch of at most this many tokens against every slot at once (one
+# GEMM of [T, in] x [in, slots * parts * R], a mask, one GEMM back: the FLOPs are T x slots x a
+# rank-R product, negligible for a decode step, while a loop over the batch's adapters costs ops
+# per adapter); a larger batch (a prefill) loops over the adapters it uses
+DENSE_MAX_TOKENS = 64
 # peft's names for the projections of a decoder layer; a fused name stands for its parts and back
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -75,6 +80,10 @@ class LayerLoRA:
         self.spans = [(0, layer.out_features) if s is None else layer.shard_span(s) for s in shards]
         self.A = torch.zeros(slots, len(shards) * rank, layer.in_features, dtype=dtype, device=device)
         self.B = torch.zeros(slots, layer.out_features, rank, dtype=dtype, device=device)
+        # the torch backend's small batches: every slot's B side by side, [out, slots * parts * R], part p
+        # of slot s in columns s * parts * R + p * R (its output span's rows only; zeros elsewhere)
+        self.B_all = (torch.zeros(layer.out_features, slots * len(shards) * rank, dtype=dtype, device=device)
+                      if pool.backend == "torch" else None)
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` (the layer's ``[T, out]`` output for input ``x`` ``[T, in]``) plus each token's
@@ -85,6 +94,10 @@ class LayerLoRA:
         if pool.backend == "triton":
             return self._sgmv(x, y)
         r = self.rank
+        if x.shape[0] <= DENSE_MAX_TOKENS:  # every slot at once: three ops, however many adapters the batch mixes
+            h = F.linear(x, self.A.view(-1, self.A.shape[2]))  # [T, slots * parts * R]
+            h *= pool.token_mask(h.shape[1] // pool.slots, x.shape[0])  # each token keeps its own slot's block
+            return y.addmm_(h, self.B_all.t())
         for slot, rows in pool._groups:
             h = F.linear(x[rows], self.A[slot])
             for p, (start, size) in enumerate(self.spans):
@@ -107,6 +120,9 @@ class LayerLoRA:
     def clear(self, slot: int) -> None:
         self.A[slot].zero_()
         self.B[slot].zero_()
+        if self.B_all is not None:
+            w = self.A.shape[1]
+            self.B_all[:, slot * w : (slot + 1) * w].zero_()
 
     def copy(self, slot: int, shard: object, a: torch.Tensor, b: torch.Tensor) -> None:
         """Write one part's (this rank's slice of) ``a`` ``[r, in]`` and scaled ``b`` ``[out, r]``."""
@@ -114,6 +130,9 @@ class LayerLoRA:
         start, size = self.spans[p]
         self.A[slot, p * self.rank : p * self.rank + r].copy_(a)
         self.B[slot, start : start + size, :r].copy_(b)
+        if self.B_all is not None:
+            col = slot * self.A.shape[1] + p * self.rank
+            self.B_all[start : start + size, col : col + r].copy_(b)
 
 
 def _expected(layer: Linear, shard: object) -> tuple[int, int]:
@@ -173,6 +192,8 @@ class LoRAPool:
                                                                        self.device)
         self._names: list[str | None] = [None] * slots
         self._active = False
+        self._dtype = dtype
+        self._masks: dict[int, torch.Tensor] = {}  # token_mask's, per block width, for the current batch
         self._groups: list[tuple[int, slice | torch.Tensor]] = []  # torch backend: (slot, token rows)
         self._num_segments, self._max_seg_len = 0, 0
         self._seg_start = torch.zeros(0, dtype=torch.int32, device=self.device)  # triton backend: [capacity + 1]
@@ -246,12 +267,26 @@ class LoRAPool:
             self._set_segments(seg_lens, seg_slots)
         else:
             self._groups = self._token_groups(seg_lens, seg_slots)
+            self._masks = {}
         self._active = True
 
     def clear_batch(self) -> None:
         """The next forward uses no adapter: every layer skips LoRA."""
         self._active = False
         self._groups = []
+        self._masks = {}
+
+    def token_mask(self, width: int, tokens: int) -> torch.Tensor:
+        """``[T, slots * width]``: 1 in each token's own slot's ``width`` columns, else 0 (base
+        tokens all 0); made once per forward and block width (LayerLoRA's small-batch path)."""
+        mask = self._masks.get(width)
+        if mask is None:
+            slot_of = torch.full((tokens,), -1, dtype=torch.int64)
+            for s, rows in self._groups:
+                slot_of[rows if isinstance(rows, slice) else rows.cpu()] = s
+            cols = torch.arange(self.slots * width) // width
+            mask = self._masks[width] = (cols[None, :] == slot_of[:, None]).to(self._dtype).to(self.device)
+        return mask
 
     def _token_groups(self, seg_lens: list[int], seg_slots: list[int]) -> list[tuple[int, slice | torch.Tensor]]:
         """(slot, token rows) per distinct slot in use: a slice where its tokens are one run."""

@@ -233,6 +233,7 @@ def prepare_chat(state: Any, r: ChatCompletionRequest, rid: str | None = None) -
     n, constraint = common_checks(r)
     job = ChatJob(state, "chat", r, rid)
     job.n = n
+    job.select_adapters(1)
     job.logprobs = bool(r.logprobs)
     top = r.top_logprobs or 0
     check(0 <= top <= MAX_TOP_LOGPROBS, f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {top}", "top_logprobs")

@@ -66,6 +66,7 @@ def prepare_completion(state: Any, r: CompletionRequest, rid: str | None = None)
     prompts = _split_prompt(r.prompt)
     check(len(prompts) * n <= MAX_SEQUENCES, f"a request may ask for at most {MAX_SEQUENCES} completions "
           f"(prompts x n), got {len(prompts) * n}", "prompt")
+    job.select_adapters(len(prompts))
     echo = bool(r.echo)
     engine = state.engine
     texts = []

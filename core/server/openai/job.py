@@ -17,6 +17,7 @@ from core.engine.sampling_params import SamplingParams
 from core.errors import InvalidRequest
 from core.server.http import SSE_DONE, ApiError, log_ignored_field, sse_error
 from core.server.limits import MAX_N, MAX_SEQUENCES, check_sampling_limits  # noqa: F401 (MAX_SEQUENCES: re-exported)
+from core.server.lora import lora_kwargs, request_adapters
 from core.server.openai.logprobs import vocab_of
 from core.server.openai.protocol import IGNORED_FIELDS, NOOP_FIELDS, PromptTokensDetails, UsageInfo
 
@@ -283,17 +284,23 @@ class Job:
         self.reqs: list[Any] = []
         self.logprobs = False
         self.top = 0
+        self.adapters: list[str | None] = []  # the LoRA adapter of each prompt (core.server.lora)
 
     @property
     def vocab(self) -> Any:
         return vocab_of(self.engine)
 
     # ---- building
+    def select_adapters(self, num_prompts: int) -> None:
+        """Each prompt's LoRA adapter, from ``model`` or ``lora_path`` (400 for one not loaded)."""
+        self.adapters = request_adapters(self.state, self.r.model, self.r.lora_path, num_prompts)
+
     def add_prompt(self, ids: list[int], params: SamplingParams, p: int, start_len: int = -1) -> None:
         rid = self.id if p < 0 else f"{self.id}-{p}"
+        adapter = self.adapters[max(p, 0)] if self.adapters else None
         try:
             self.reqs += self.engine.make_requests(ids, params, rid, self.logprobs, start_len, self.top,
-                                                   priority=self.r.priority, group=self.id)
+                                                   priority=self.r.priority, group=self.id, **lora_kwargs(adapter))
         except InvalidRequest as e:
             raise engine_error(e) from None
 

@@ -90,6 +90,7 @@ class _GenerationRequest(Struct, kw_only=True):
     no_stop_trim: bool | None = False
     rid: str | None = None  # SGLang: the request id (for /abort_request); also the response id
     priority: int | None = None  # SGLang: scheduling priority (with --enable-priority-scheduling)
+    lora_path: str | list[str | None] | None = None  # SGLang: the LoRA adapter(s); ``model`` wins (core.server.lora)
     # structured output (at most one; compiled by the grammar backend)
     regex: str | None = None
     json_schema: str | None = None
@@ -161,7 +162,7 @@ _NOOP_COMMON: dict[str, tuple[Any, ...]] = {
     "thinking_token_budget": (None, -1), "repetition_detection": (None,), "logprob_token_ids": (None,),
     "watermarking": (None, False),
     # SGLang
-    "lora_path": (None,), "return_hidden_states": (None, False),
+    "return_hidden_states": (None, False),
 }
 _NOOP_CHAT: dict[str, tuple[Any, ...]] = {
     # vLLM
@@ -303,6 +304,7 @@ class ModelCard(Struct, kw_only=True):
     created: int
     owned_by: str = "core"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int | None = None
 
 

@@ -5,8 +5,12 @@
 Policies (SGLang's behaviour unless noted):
 
 * Model names: any ``model`` value is accepted, as SGLang does; responses echo the
-  requested name (the served name when the request has none). ``GET /v1/models/{id}``
-  answers 404 for any id but the served name.
+  requested name (the served name when the request has none). With ``--enable-lora``,
+  ``"<base>:<adapter>"`` or a loaded adapter's name runs the request under that adapter
+  (SGLang's rule, in ``core.server.lora``; it wins over the ``lora_path`` extension); an adapter
+  that is not loaded is a 400 naming it. ``/v1/models`` lists the served model, then each loaded
+  adapter (``root`` its path, ``parent`` the served name); ``GET /v1/models/{id}`` answers 404
+  for any id but those.
 * Unknown request fields are a 400 naming the field, except a documented allowlist of other
   servers' harmless fields, ignored with a warning, and of features this server lacks, accepted
   when off (see ``core.server.openai.protocol``); known but unsupported ones (``suffix``,
@@ -65,6 +69,7 @@ from core.server.http import (
     read_body,
     state_of,
 )
+from core.server.lora import loaded_adapters
 from core.server.openai.chat import chat_response, chat_stream, prepare_chat
 from core.server.openai.completions import completion_response, completion_stream, prepare_completion
 from core.server.openai.job import check_fields
@@ -130,22 +135,25 @@ async def run_request(state: Any, endpoint: str, body: Any, request_id: str | No
         return err.status, err.to_dict()
 
 
-def _model_card(state: Any) -> ModelCard:
+def _model_cards(state: Any) -> list[ModelCard]:
+    """The served model, then each loaded LoRA adapter (as SGLang lists them)."""
     mc = state.engine.model_config
     root = state.model_path or str(getattr(mc, "source", "")) or None
-    return ModelCard(id=state.served_model_name, created=_STARTED, root=root, max_model_len=mc.context_len)
+    base = ModelCard(id=state.served_model_name, created=_STARTED, root=root, max_model_len=mc.context_len)
+    return [base] + [ModelCard(id=name, created=_STARTED, root=path, parent=state.served_model_name)
+                     for name, path in loaded_adapters(state.engine).items()]
 
 
 async def list_models(request: Request) -> Response:
-    return json_response(ModelList(data=[_model_card(state_of(request))]))
+    return json_response(ModelList(data=_model_cards(state_of(request))))
 
 
 async def retrieve_model(request: Request) -> Response:
-    state = state_of(request)
     model_id = request.path_params["model_id"]
-    if model_id != state.served_model_name:
-        raise ApiError(404, f"The model '{model_id}' does not exist", param="model", code="model_not_found")
-    return json_response(_model_card(state))
+    for card in _model_cards(state_of(request)):
+        if card.id == model_id:
+            return json_response(card)
+    raise ApiError(404, f"The model '{model_id}' does not exist", param="model", code="model_not_found")
 
 
 # ----------------------------------------------------------------------------- SGLang's parser endpoints
