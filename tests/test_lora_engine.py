@@ -5,10 +5,14 @@ adapters; adapters load and unload at run time; bad input is a clear error."""
 from __future__ import annotations
 
 import copy
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():  # peft imports triton: the kernel tests after this module need its interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tests.conftest import assert_pool_free, build_tiny_llama, greedy, make_engine
 from tests.model_utils import prompt
@@ -216,3 +220,49 @@ def test_unloading_an_adapter_in_use_lets_its_requests_finish(setup, eng):
         eng.generate(input_ids=p, sampling_params=greedy(2), lora_path="mlp4rs")
     eng.load_lora_adapter("mlp4rs", str(root / "mlp4rs"))  # (the module's other tests use it)
     assert_pool_free(eng)
+
+
+def test_decode_graphs_hold_the_lora_kernels_and_replays_write_each_rows_slot(setup):
+    """The CUDA-graph protocol of the triton pool, checked on the host: a graph of ``bs`` rows is
+    captured with ``bs`` one-row segments on no adapter; before a replay the real rows' slots (and
+    -1 for padding rows, or for every row of a batch without adapters) land in the same buffers."""
+    from core.engine.lora.pool import LoRAPool
+
+    root = setup[0]
+    e = make_engine(root / "base")
+    try:
+        pool = LoRAPool(e.engine.model, slots=2, max_rank=8, target_modules=["q_proj"], dtype=torch.float32,
+                        device=torch.device("cpu"), backend="triton")
+        pool.reserve_segments(8)
+        start, slot = pool._seg_start, pool._seg_slot
+        with pool.capturing(4):
+            assert pool.active and pool._num_segments == 4 and pool._max_seg_len == 1
+            assert slot[:4].tolist() == [-1] * 4 and start[:5].tolist() == [0, 1, 2, 3, 4]
+        assert not pool.active
+        pool.set_batch([1, 1, 1], [0, -1, 1])
+        pool.graph_segments(3, 4)
+        assert slot[:4].tolist() == [0, -1, 1, -1] and start[:5].tolist() == [0, 1, 2, 3, 4]
+        pool.clear_batch()  # a decode without adapters replays the same graph: every row on none
+        pool.graph_segments(2, 4)
+        assert slot[:4].tolist() == [-1] * 4
+        assert pool._seg_start is start and pool._seg_slot is slot  # never reallocated: graphs keep the addresses
+    finally:
+        e.shutdown()
+
+
+def test_cuda_decodes_with_adapters_replay_graphs(setup, eng, device):
+    if device != "cuda":
+        pytest.skip("CUDA graphs need a CUDA GPU")
+    graphs = eng.engine.runner.graphs
+    assert graphs is not None and graphs.lora is not None  # the pool's kernels are captured
+    replays = []
+    orig = graphs.replay
+    graphs.replay = lambda batch: replays.append(batch.batch_size) or orig(batch)
+    try:
+        p = [prompt(9, seed=21), prompt(11, seed=22)]
+        outs = eng.generate(input_ids=p, sampling_params=greedy(N_NEW), lora_path=["qv8", None])
+    finally:
+        graphs.replay = orig
+    assert replays, "decode steps with an adapter ran eagerly"
+    assert outs[0]["output_ids"] == hf_greedy(setup[2]["qv8"], p[0], N_NEW)
+    assert outs[1]["output_ids"] == hf_greedy(setup[1], p[1], N_NEW)

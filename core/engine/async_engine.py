@@ -87,6 +87,7 @@ class AsyncEngine(RequestFrontEnd):
             self.tp_group.on_failure = self._on_rank_failure
         self.grammar = GrammarManager(self.plugins, args.grammar_backend, self.tokenizer, self.vocab_size, mc.eos_ids)
         self.runner.grammar, self.runner.speculator, self.runner.kv_cache = self.grammar, self.scheduler.speculator, self.kv_cache
+        self.lora = attach_lora(self)  # --enable-lora (core.engine.lora): before the graphs capture its kernels
         self.runner.graphs = self._capture_cuda_graphs()
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="core-forward")
         # small CPU decodes run on the loop's thread (_runs_inline); 0: every forward on the executor
@@ -105,10 +106,9 @@ class AsyncEngine(RequestFrontEnd):
         self.log = log
         # Observers (metrics, request logs): called on the loop thread, must be cheap and never raise.
         self.step_listeners: list[Callable[[ScheduledBatch, float], None]] = []
-        self.finish_listeners: list[Callable[[Req], None]] = []
+        self.finish_listeners: list[Callable[[Req], None]] = [] if self.lora is None else [self.lora.release]
         self.profiler = StepProfiler(self._executor, self.device)  # /start_profile, /stop_profile
         self.step_listeners.append(self.profiler.on_step)
-        self.lora = attach_lora(self)  # --enable-lora (core.engine.lora)
         self.plugins.pm.hook.on_startup(engine=self)
 
     # ------------------------------------------------------------------ start-up
@@ -488,7 +488,7 @@ class AsyncEngine(RequestFrontEnd):
             return None
         max_bs = min(args.cuda_graph_max_bs or DEFAULT_MAX_BS, self.scheduler.max_running)
         try:
-            return CudaGraphRunner(self.model, self.attn_backend, max_bs, self.table.table.shape[1], self.device).capture()
+            return CudaGraphRunner(self.model, self.attn_backend, max_bs, self.table.table.shape[1], self.device, self.lora).capture()
         except Exception as e:  # e.g. a model that syncs with the host in its forward: run it eagerly
             log.warning("cuda_graph.capture_failed", error=f"{type(e).__name__}: {e}", exc_info=True)
             return None
@@ -599,7 +599,8 @@ class AsyncEngine(RequestFrontEnd):
         self.runner.model = model
         self.model_config = new
         if self.runner.graphs is not None:  # the captured graphs read the old weights
-            self.runner.graphs = self._capture_cuda_graphs()
+            self.lora = attach_lora(self)  # --enable-lora (core.engine.lora): before the graphs capture its kernels
+        self.runner.graphs = self._capture_cuda_graphs()
         log.info("engine.weights_updated", model_path=model_path)
         return True, "Succeeded to update model weights."
 

@@ -17,6 +17,7 @@ prefill and mixed batches, and batches above the largest captured size.
 from __future__ import annotations
 
 import bisect
+import contextlib
 from typing import Any
 
 import structlog
@@ -61,9 +62,12 @@ class CudaGraphRunner:
     """Captured decode forwards of one model over one attention backend, by batch size."""
 
     def __init__(self, model: torch.nn.Module, attn_backend: Any, max_bs: int, max_len: int,
-                 device: torch.device) -> None:
+                 device: torch.device, lora: Any = None) -> None:
         self.model, self.backend, self.device = model, attn_backend, device
         self.sizes = capture_sizes(max_bs)
+        # with LoRA (core.engine.lora.LoRAServing), the pool whose kernels the graphs hold (triton backend):
+        # every replay runs them, over the rows' adapter slots (-1: none); None: batches with adapters run eagerly
+        self.lora = lora.graph_pool(self.sizes[-1]) if lora is not None else None
         self.max_bs = self.sizes[-1]
         # static inputs, rows: input ids, positions, KV slots, KV lengths; padding values in `_pad`
         self._inputs = torch.zeros(4, self.max_bs, dtype=torch.int64, device=device)
@@ -89,7 +93,8 @@ class CudaGraphRunner:
             self._inputs.copy_(self._pad)
             fb = self._static_batch(bs, torch.zeros(bs, 1, dtype=torch.int64, device=self.device), [1] * bs)
             self.backend.prepare_capture(bs, fb)
-            self._graphs[bs], self._outputs[bs] = self._record(fb)
+            with self.lora.capturing(bs) if self.lora is not None else contextlib.nullcontext():
+                self._graphs[bs], self._outputs[bs] = self._record(fb)
         log.info("cuda_graph.captured", sizes=self.sizes)
         return self
 
@@ -125,5 +130,7 @@ class CudaGraphRunner:
         kv = batch.kv_indices if bs == n else torch.nn.functional.pad(batch.kv_indices, (0, 0, 0, bs - n))
         padded = self._static_batch(bs, kv, batch.seq_lens_cpu + [1] * (bs - n))
         self.backend.prepare_replay(bs, padded)
+        if self.lora is not None:
+            self.lora.graph_segments(n, bs)
         self._graphs[bs].replay()
         return self._outputs[bs][:n]

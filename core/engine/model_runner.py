@@ -59,7 +59,7 @@ def forward_step(model: torch.nn.Module, attn_backend, inputs: StepInputs, devic
         if (out := fast(inputs, attn_backend)) is not None:
             return out[0], [out[1]], out[2]
     fb = forward_batch(inputs, attn_backend, device)
-    if graphs is not None and not inputs.lora and graphs.can_run(fb):  # (graphs are captured without adapters)
+    if graphs is not None and (not inputs.lora or graphs.lora is not None) and graphs.can_run(fb):
         hidden = graphs.replay(fb)
     else:
         attn_backend.prepare(fb)

@@ -14,6 +14,7 @@ of the layer's A buffer (one shrink for all parts), its B rows at the part's out
 
 from __future__ import annotations
 
+import contextlib
 from typing import Collection, Mapping
 
 import torch
@@ -84,6 +85,10 @@ class LayerLoRA:
         # of slot s in columns s * parts * R + p * R (its output span's rows only; zeros elsewhere)
         self.B_all = (torch.zeros(layer.out_features, slots * len(shards) * rank, dtype=dtype, device=device)
                       if pool.backend == "torch" else None)
+        # the CPU's fused decode ops (kernels/cpu_decode): B by 16-output blocks, [slots, out / 16, R, 16],
+        # so that what one block of their GEMMs adds is R x 16 contiguous values (a copy of B, kept in step)
+        self.B_blocks = (torch.zeros(slots, layer.out_features // 16, rank, 16, dtype=dtype, device=device)
+                         if pool.backend == "torch" and device.type == "cpu" and layer.out_features % 16 == 0 else None)
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` (the layer's ``[T, out]`` output for input ``x`` ``[T, in]``) plus each token's
@@ -123,6 +128,8 @@ class LayerLoRA:
         if self.B_all is not None:
             w = self.A.shape[1]
             self.B_all[:, slot * w : (slot + 1) * w].zero_()
+        if self.B_blocks is not None:
+            self.B_blocks[slot].zero_()
 
     def copy(self, slot: int, shard: object, a: torch.Tensor, b: torch.Tensor) -> None:
         """Write one part's (this rank's slice of) ``a`` ``[r, in]`` and scaled ``b`` ``[out, r]``."""
@@ -133,6 +140,8 @@ class LayerLoRA:
         if self.B_all is not None:
             col = slot * self.A.shape[1] + p * self.rank
             self.B_all[start : start + size, col : col + r].copy_(b)
+        if self.B_blocks is not None:
+            self.B_blocks[slot].copy_(self.B[slot].view(-1, 16, self.rank).transpose(1, 2))
 
 
 def _expected(layer: Linear, shard: object) -> tuple[int, int]:
@@ -194,10 +203,13 @@ class LoRAPool:
         self._active = False
         self._dtype = dtype
         self._masks: dict[int, torch.Tensor] = {}  # token_mask's, per block width, for the current batch
+        self._token_slots: torch.Tensor | None = None  # token_slots', for the current batch
         self._groups: list[tuple[int, slice | torch.Tensor]] = []  # torch backend: (slot, token rows)
         self._num_segments, self._max_seg_len = 0, 0
         self._seg_start = torch.zeros(0, dtype=torch.int32, device=self.device)  # triton backend: [capacity + 1]
         self._seg_slot = torch.zeros(0, dtype=torch.int32, device=self.device)
+        self._rows = torch.zeros(1, dtype=torch.int32, device=self.device)  # 0, 1, 2, ...: a decode's segment starts
+        self._row_slots: list[int] | None = None
 
     @property
     def active(self) -> bool:
@@ -268,6 +280,7 @@ class LoRAPool:
         else:
             self._groups = self._token_groups(seg_lens, seg_slots)
             self._masks = {}
+            self._token_slots = None
         self._active = True
 
     def clear_batch(self) -> None:
@@ -275,6 +288,7 @@ class LoRAPool:
         self._active = False
         self._groups = []
         self._masks = {}
+        self._token_slots = None
 
     def token_mask(self, width: int, tokens: int) -> torch.Tensor:
         """``[T, slots * width]``: 1 in each token's own slot's ``width`` columns, else 0 (base
@@ -287,6 +301,18 @@ class LoRAPool:
             cols = torch.arange(self.slots * width) // width
             mask = self._masks[width] = (cols[None, :] == slot_of[:, None]).to(self._dtype).to(self.device)
         return mask
+
+    def token_slots(self, tokens: int) -> torch.Tensor:
+        """int32 ``[T]`` on the host: each token's slot (-1: the base model), what the CPU's fused
+        decode ops (``kernels/cpu_decode``) read instead of masks; made once per forward (torch backend)."""
+        slots = self._token_slots
+        if slots is None or slots.shape[0] != tokens:
+            rows = [-1] * tokens
+            for s, r in self._groups:
+                for t in range(tokens)[r] if isinstance(r, slice) else r.tolist():
+                    rows[t] = s
+            slots = self._token_slots = torch.tensor(rows, dtype=torch.int32)
+        return slots
 
     def _token_groups(self, seg_lens: list[int], seg_slots: list[int]) -> list[tuple[int, slice | torch.Tensor]]:
         """(slot, token rows) per distinct slot in use: a slice where its tokens are one run."""
@@ -312,13 +338,41 @@ class LoRAPool:
     def _set_segments(self, seg_lens: list[int], seg_slots: list[int]) -> None:
         """Write the segments into the persistent device buffers (grown, rarely, when too small)."""
         n = len(seg_lens)
-        if self._seg_slot.shape[0] < n:
-            cap = max(256, 2 * n)
-            self._seg_start = torch.zeros(cap + 1, dtype=torch.int32, device=self.device)
-            self._seg_slot = torch.zeros(cap, dtype=torch.int32, device=self.device)
+        if self._seg_slot.shape[0] < n:  # (never once graphs are captured: reserve_segments sized them)
+            self.reserve_segments(max(256, 2 * n))
         starts = [0]
         for length in seg_lens:
             starts.append(starts[-1] + length)
         self._seg_start[: n + 1].copy_(torch.tensor(starts, dtype=torch.int32))
         self._seg_slot[:n].copy_(torch.tensor(seg_slots, dtype=torch.int32))
         self._num_segments, self._max_seg_len = n, max(seg_lens, default=0)
+        self._row_slots = seg_slots if self._max_seg_len == 1 else None  # (graph_segments: a decode's rows)
+
+    # ---- CUDA graphs (triton backend): a decode graph of ``bs`` rows has ``bs`` one-token segments
+    # baked in; ``capturing`` records it with every row on no adapter (the kernels then exit at
+    # once), ``graph_segments`` writes the real rows' slots (padding: -1) into the same buffers
+    def reserve_segments(self, n: int) -> None:
+        """Size the segment buffers for up to ``n`` segments now: a captured graph keeps their
+        addresses, so they must never be reallocated afterwards."""
+        if self._seg_slot.shape[0] < n:
+            self._seg_start = torch.zeros(n + 1, dtype=torch.int32, device=self.device)
+            self._seg_slot = torch.zeros(n, dtype=torch.int32, device=self.device)
+            self._rows = torch.arange(n + 1, dtype=torch.int32, device=self.device)
+
+    @contextlib.contextmanager
+    def capturing(self, bs: int):
+        """While a decode graph of ``bs`` rows is recorded: the layers launch the kernels over
+        ``bs`` one-row segments, all on no adapter."""
+        self.graph_segments(0, bs)
+        self._active, self._num_segments, self._max_seg_len = True, bs, 1
+        try:
+            yield
+        finally:
+            self.clear_batch()
+
+    def graph_segments(self, n: int, bs: int) -> None:
+        """Before replaying a ``bs``-row decode graph for ``n`` real rows: one segment per row,
+        the rows' slots as the last ``set_batch`` gave them (none when it cleared), -1 past ``n``."""
+        slots = (self._row_slots if self._active and self._row_slots is not None else [])[:n]
+        self._seg_start[: bs + 1].copy_(self._rows[: bs + 1])
+        self._seg_slot[:bs].copy_(torch.tensor(slots + [-1] * (bs - len(slots)), dtype=torch.int32), non_blocking=True)

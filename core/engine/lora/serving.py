@@ -15,11 +15,14 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
+import structlog
 import torch
 
 from core.engine.lora.adapter import LoRAError, read_adapter
 from core.engine.lora.manager import LoRAManager
 from core.engine.lora.pool import LoRAPool
+
+log = structlog.get_logger("core.engine.lora")
 
 
 def parse_lora_paths(items: Any) -> list[tuple[str, str, bool]]:
@@ -148,6 +151,14 @@ class LoRAServing:
             self._paths.pop(name, None)
         self.log.info("lora.unloaded", name=name)
 
+    def graph_pool(self, max_bs: int) -> LoRAPool | None:
+        """The pool, for decode CUDA graphs that hold its kernels (``CudaGraphRunner``), when its
+        kernels can be captured (the triton backend's); else None: batches with adapters run eagerly."""
+        if self.pool.backend != "triton":
+            return None
+        self.pool.reserve_segments(max_bs)
+        return self.pool
+
     # ---- the forward thread's side
     def prepare(self, uids: Sequence[int], extend_lens: Sequence[int]) -> bool:
         """Set the next forward's adapter segments (one per request: its ``extend_lens`` tokens);
@@ -169,14 +180,15 @@ def kernel_backend(lora_backend: str, device: torch.device) -> str:
 
 def attach_lora(engine: Any) -> LoRAServing | None:
     """With ``--enable-lora`` (or ``--lora-paths``): the engine's adapters, wired into its model
-    runner (segments per forward), scheduler (adapters per batch) and finish listeners."""
+    runner (segments per forward) and scheduler (adapters per batch); the engine registers
+    ``release`` as a finish listener."""
     args = engine.args
     if not (args.enable_lora or args.lora_paths):
         return None
-    lora = LoRAServing(args, engine.model, engine.model_config.dtype, engine.device, engine.log)
+    lora = LoRAServing(args, engine.model, engine.model_config.dtype, engine.device, log)
     engine.runner.lora = lora
     engine.scheduler.max_loras = args.max_loras_per_batch
-    engine.finish_listeners.append(lora.release)
+    lora.pool.reserve_segments(engine.scheduler.max_running)  # (before any graph keeps their addresses)
     return lora
 
 
