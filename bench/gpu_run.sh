@@ -70,6 +70,10 @@ case $mode in
       2>&1 | grep -v -i warn | tee -a "$OUT/lora.log"
     timeout 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_lora_kernels.py tests/test_speculative_tree.py \
       tests/test_triton_kernels.py -k "lora or tree" 2>&1 | tee -a "$OUT/gpu_tests.log" | tail -6 ;;
+  wave3)
+    timeout 60 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_lora_engine.py 2>&1 | tee -a "$OUT/gpu_tests.log" | tail -4
+    timeout 100 python3 bench/bench_lora.py --model-path bench/shapes/llama-3.1-8b --load-format dummy --streams 64 \
+      --adapters 16 --repeats 2 2>&1 | grep -v -i warn | tee -a "$OUT/lora.log" ;;
   serve)  # core serve on dummy weights + core bench serving: issue 42's HTTP workload (400 prompts, all at once)
     port=30123
     python3 -m core.cli serve --model-path "$1" --load-format dummy --skip-tokenizer-init --port $port \
