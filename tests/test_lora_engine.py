@@ -135,6 +135,9 @@ def test_unknown_adapter_and_disabled_lora_are_clear_errors(setup, eng, tmp_path
         make_engine(root / "base", enable_lora=True)
     with pytest.raises(Exception, match="rank"):  # rank 16 adapter over a rank-8 pool
         make_engine(root / "base", lora_paths=[f"a={root / 'all16'}"], max_lora_rank=8)
+    for parallel in ({"dp_size": 2}, {"tp_size": 2}):  # refused before any replica or rank starts
+        with pytest.raises(Exception, match="--dp-size|--tp-size"):
+            make_engine(root / "base", lora_paths=[f"a={root / 'qv8'}"], **parallel)
 
 
 def test_sglang_lora_flags_parse_into_engine_args():

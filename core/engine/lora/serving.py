@@ -61,8 +61,6 @@ class LoRAServing:
     """Adapters by name for the front end, adapter slots per batch for the model runner."""
 
     def __init__(self, args: Any, model: torch.nn.Module, dtype: torch.dtype, device: torch.device, log: Any) -> None:
-        if args.tp_size > 1 or args.dp_size > 1:
-            raise LoRAError("--enable-lora with --tp-size or --dp-size > 1 is not supported yet; serve adapters on one rank")
         initial = parse_lora_paths(args.lora_paths)
         packed = {k: v for k, v in getattr(model, "packed_modules", {}).items() if "." not in k}
         adapters = [read_adapter(n, p, packed) for n, p, _ in initial]
