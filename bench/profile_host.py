@@ -369,7 +369,7 @@ def isolate(eng, levels, args, n=60):
                 t0 = PC()
                 inputs, live, _ = r.step_inputs(batch)
                 t1 = PC()
-                hidden, logits, am = r._forward(inputs)
+                hidden, logits, am = r._forward(inputs, batch.reqs)
                 t2 = PC()
                 rows = [SamplingRow(q.params, q.prompt_ids, q.output_ids, q.generator, r.eos_ids, q.return_logprob,
                                     q.top_logprobs_num, q.row) for q in batch.reqs]
@@ -383,7 +383,7 @@ def isolate(eng, levels, args, n=60):
             prof.enable()
             for i in range(20):
                 inputs, live, _ = r.step_inputs(batch)
-                hidden, logits, am = r._forward(inputs)
+                hidden, logits, am = r._forward(inputs, batch.reqs)
                 rows = [SamplingRow(q.params, q.prompt_ids, q.output_ids, q.generator, r.eos_ids, q.return_logprob,
                                     q.top_logprobs_num, q.row) for q in batch.reqs]
                 r.sampler.sample(logits[0], rows, am)
