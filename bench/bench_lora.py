@@ -8,8 +8,8 @@ times; the best of each): ``base`` (no request names an adapter: the model's fas
 reference for what enabling LoRA costs a base-only batch). Printed: TPOT p50 (ms) of the
 streams, output tok/s, and the step ratio lora / base (issue 44's CPU bar: <= 1.3x).
 
-The adapters are written as peft checkpoints (``adapter_config.json`` +
-``adapter_model.safetensors``) for the model's shapes, with random A and B.
+The adapters are peft checkpoints for the model's shapes with random A and B
+(``core.testing.lora.write_random_adapter``).
 
     python bench/bench_lora.py --cpu-threads 2                  # default model (SmolLM2-135M GGUF)
     python bench/bench_lora.py --model-path bench/shapes/llama-3.1-8b --load-format dummy --streams 64 --adapters 16
@@ -18,7 +18,6 @@ The adapters are written as peft checkpoints (``adapter_config.json`` +
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -26,33 +25,6 @@ from pathlib import Path
 
 import core  # noqa: F401  (before torch: its OpenMP wait policy)
 import torch
-
-MODULES = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
-           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
-
-
-def write_adapter(folder: Path, cfg, rank: int, seed: int) -> None:
-    """A peft LoRA checkpoint over every linear layer of a Llama-shaped ``cfg``, random A and B."""
-    from safetensors.torch import save_file
-
-    h, inter = cfg.hidden_size, cfg.intermediate_size
-    d = getattr(cfg, "head_dim", None) or h // cfg.num_attention_heads
-    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
-    shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
-              "gate_proj": (h, inter), "up_proj": (h, inter), "down_proj": (inter, h)}
-    g = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for i in range(cfg.num_hidden_layers):
-        for m, (fin, fout) in shapes.items():
-            key = f"base_model.model.model.layers.{i}.{MODULES[m]}.{m}"
-            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fin, generator=g) / fin**0.5
-            tensors[f"{key}.lora_B.weight"] = torch.randn(fout, rank, generator=g) * 0.01
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(folder / "adapter_model.safetensors"))
-    (folder / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(MODULES),
-        "bias": "none", "base_model_name_or_path": None, "task_type": "CAUSAL_LM"}))
-
 
 def run(eng, prompts: list[list[int]], names: list[str | None], new: int) -> tuple[float, float]:
     """(TPOT p50 in ms over the streams, output tok/s) of one batch, all submitted at once."""
@@ -91,6 +63,7 @@ def main() -> None:
     args = ap.parse_args()
     from core import Engine
     from core.engine.device import cpu_model_name
+    from core.testing.lora import write_random_adapter
 
     n_ad = args.adapters or args.streams
     common = dict(cpu_threads=args.cpu_threads, log_level="warning", random_seed=0, load_format=args.load_format,
@@ -103,7 +76,7 @@ def main() -> None:
         cfg = plain.engine.model_config.hf_config
         paths = []
         for i in range(n_ad):
-            write_adapter(Path(tmp) / f"a{i}", cfg, args.rank, seed=i)
+            write_random_adapter(Path(tmp) / f"a{i}", cfg, args.rank, seed=i)
             paths.append(f"a{i}={Path(tmp) / f'a{i}'}")
         vocab = cfg.vocab_size
         g = torch.Generator().manual_seed(0)

@@ -4,8 +4,6 @@ transformers' dequantization of the same file, as closely as the base alone does
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
@@ -18,39 +16,18 @@ TEXT = ("The quick brown fox jumps over the lazy dog. Paris is the capital of Fr
 MIN_AGREEMENT = 0.9  # the base model alone: tests/test_quant_models.MIN_AGREEMENT
 
 
-def write_adapter(folder, cfg, rank: int = 8, seed: int = 0) -> None:
-    """A peft checkpoint over every projection of the model, large enough deltas to move its argmax."""
-    from safetensors.torch import save_file
-
-    h, inter, d = cfg.hidden_size, cfg.intermediate_size, cfg.hidden_size // cfg.num_attention_heads
-    kv = cfg.num_key_value_heads * d
-    shapes = {"self_attn.q_proj": (h, h), "self_attn.k_proj": (h, kv), "self_attn.v_proj": (h, kv),
-              "self_attn.o_proj": (h, h), "mlp.gate_proj": (h, inter), "mlp.up_proj": (h, inter),
-              "mlp.down_proj": (inter, h)}
-    g = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for i in range(cfg.num_hidden_layers):
-        for m, (fin, fout) in shapes.items():
-            key = f"base_model.model.model.layers.{i}.{m}"
-            tensors[f"{key}.lora_A.weight"] = torch.randn(rank, fin, generator=g) / fin**0.5
-            tensors[f"{key}.lora_B.weight"] = torch.randn(fout, rank, generator=g) * 0.15
-    folder.mkdir()
-    save_file(tensors, str(folder / "adapter_model.safetensors"))
-    (folder / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": rank, "lora_alpha": rank, "bias": "none", "task_type": "CAUSAL_LM",
-        "target_modules": [m.split(".")[1] for m in shapes]}))
-
-
 def test_adapter_on_the_packed_gguf_base_agrees_with_peft_on_the_dequantized_model(tmp_path):
     from transformers import AutoModelForCausalLM
 
     import core
     from core.engine.gguf_cache import gguf_dense_folder
+    from core.testing.lora import write_random_adapter
 
     eng = core.Engine(dtype="bfloat16", max_total_tokens=2048, cpu_threads=1, device="cpu")  # (the embedded GGUF)
     try:
         mc = eng.engine.model_config
-        write_adapter(tmp_path / "a", mc.hf_config)
+        # deltas large enough to move the model's argmax; alpha = rank: scaling 1
+        write_random_adapter(tmp_path / "a", mc.hf_config, rank=8, b_scale=0.15, alpha=8)
         dense = gguf_dense_folder(mc.gguf_file, mc.path)
         ids = eng.tokenizer.encode(TEXT)
     finally:
