@@ -269,3 +269,34 @@ def test_cuda_decodes_with_adapters_replay_graphs(setup, eng, device):
     assert replays, "decode steps with an adapter ran eagerly"
     assert outs[0]["output_ids"] == hf_greedy(setup[2]["qv8"], p[0], N_NEW)
     assert outs[1]["output_ids"] == hf_greedy(setup[1], p[1], N_NEW)
+
+
+def test_graph_replays_with_and_without_adapters_match_peft(setup, monkeypatch):
+    """The CUDA-graph path of LoRA without a GPU: triton attention and the SGMV kernels in
+    triton's interpreter behind ``tests.test_cuda_graph``'s stand-in graphs (a replay reruns the
+    captured forward over the same static buffers). Batches with adapters replay the graphs that
+    hold the LoRA kernels, over the slots ``graph_segments`` wrote; batches without, the others."""
+    pytest.importorskip("triton")
+    from core.engine.lora import serving
+    from tests.test_cuda_graph import EagerGraphRunner
+
+    root, base, adapters = setup
+    monkeypatch.setattr(serving, "kernel_backend", lambda backend, device: "triton")
+    e = make_engine(root / "base", attention_backend="triton", disable_cuda_graph=True, max_loras_per_batch=2,
+                    lora_paths=[f"{n}={root / n}" for n in ("qv8", "all16")])
+    try:
+        ae = e.engine
+        runner = EagerGraphRunner(ae.model, ae.attn_backend, 4, ae.table.table.shape[1], ae.device, ae.lora).capture()
+        assert runner.lora is ae.lora.pool and sorted(runner._graphs) == [(b, w) for b in (1, 2, 4) for w in (False, True)]
+        ae.runner.graphs = runner
+        p = [prompt(7, seed=31), prompt(9, seed=32), prompt(5, seed=33)]
+        outs = e.generate(input_ids=p, sampling_params=greedy(4), lora_path=["all16", None, "qv8"])
+        assert [o["output_ids"] for o in outs] == [hf_greedy(adapters["all16"], p[0], 4), hf_greedy(base, p[1], 4),
+                                                   hf_greedy(adapters["qv8"], p[2], 4)]
+        assert runner._graphs[4, True].replays == 3 and runner._graphs[4, False].replays == 0
+        plain = e.generate(input_ids=p[1], sampling_params=greedy(4))
+        # (4: its prompt is cached but for the last token, whose one-token extend is a decode too)
+        assert plain["output_ids"] == hf_greedy(base, p[1], 4) and runner._graphs[1, False].replays == 4
+        assert runner._graphs[1, True].replays == 0
+    finally:
+        e.shutdown()

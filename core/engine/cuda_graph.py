@@ -74,8 +74,8 @@ class CudaGraphRunner:
         self._pad = torch.zeros(4, self.max_bs, dtype=torch.int64, device=device)
         self._pad[3] = 1  # a padding row holds one key (slot 0)
         self._ones = torch.ones(self.max_bs, dtype=torch.int64, device=device)
-        self._graphs: dict[int, Any] = {}  # bs -> torch.cuda.CUDAGraph
-        self._outputs: dict[int, torch.Tensor] = {}
+        self._graphs: dict[tuple[int, bool], Any] = {}  # (bs, with the LoRA kernels) -> torch.cuda.CUDAGraph
+        self._outputs: dict[tuple[int, bool], torch.Tensor] = {}
         self._pool: Any = None  # one memory pool for every captured size
         self._stream: Any = None
         attn_backend.init_cuda_graph(self.max_bs, max_len)
@@ -93,8 +93,10 @@ class CudaGraphRunner:
             self._inputs.copy_(self._pad)
             fb = self._static_batch(bs, torch.zeros(bs, 1, dtype=torch.int64, device=self.device), [1] * bs)
             self.backend.prepare_capture(bs, fb)
-            with self.lora.capturing(bs) if self.lora is not None else contextlib.nullcontext():
-                self._graphs[bs], self._outputs[bs] = self._record(fb)
+            self._graphs[bs, False], self._outputs[bs, False] = self._record(fb)
+            if self.lora is not None:  # a second graph with the LoRA kernels: batches without adapters skip them
+                with self.lora.capturing(bs):
+                    self._graphs[bs, True], self._outputs[bs, True] = self._record(fb)
         log.info("cuda_graph.captured", sizes=self.sizes)
         return self
 
@@ -130,7 +132,8 @@ class CudaGraphRunner:
         kv = batch.kv_indices if bs == n else torch.nn.functional.pad(batch.kv_indices, (0, 0, 0, bs - n))
         padded = self._static_batch(bs, kv, batch.seq_lens_cpu + [1] * (bs - n))
         self.backend.prepare_replay(bs, padded)
-        if self.lora is not None:
+        key = (bs, self.lora is not None and batch.lora)
+        if key[1]:
             self.lora.graph_segments(n, bs)
-        self._graphs[bs].replay()
-        return self._outputs[bs][:n]
+        self._graphs[key].replay()
+        return self._outputs[key][:n]
