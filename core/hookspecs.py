@@ -173,6 +173,28 @@ def register_hicache_storage_backends(register: Register) -> None:
     """
 
 
+@hookspec
+def register_multimodal_processors(register: Register) -> None:
+    """Register multimodal processors, keyed by the Hugging Face architecture name of the
+    vision-language model they prepare requests for (as ``register_models``).
+
+    Called once at start-up (plugin API 1.7). Used when the server runs that architecture with
+    ``--enable-multimodal`` (or SGLang's auto-detection of a vision-language model). ``target``
+    resolves to a class (or factory) called once as ``target(model_path: str, hf_config,
+    tokenizer)`` returning a :class:`core.interfaces.MultimodalProcessor`: ``image_token_id``,
+    ``max_images`` and ``process(prompt, images) -> core.engine.multimodal.ImageInputs`` (the
+    prompt's token ids with each image placeholder expanded to the image's tokens, the pixel
+    tensors, each image's span and content hash). Built-in: ``Qwen2VLForConditionalGeneration``
+    and ``Qwen2_5_VLForConditionalGeneration`` (transformers' Qwen2-VL image processor).
+
+    Example::
+
+        @hookimpl
+        def register_multimodal_processors(register):
+            register("Qwen2VLForConditionalGeneration", "core_plugins.multimodal.qwen2_vl:Qwen2VLInputProcessor")
+    """
+
+
 @hookspec(firstresult=True)
 def choose_attention_backend(device: Any, model_config: Any, available: list[str]) -> str | tuple[str, str] | None:
     """Pick the attention backend used when ``--attention-backend`` is not given.

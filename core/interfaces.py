@@ -16,9 +16,10 @@ from typing import Any, Iterable, Protocol, Sequence, runtime_checkable
 import attrs
 import torch
 
-PLUGIN_API_VERSION = "1.6"  # 1.1: the optional CUDA-graph capture hooks of attention backends; 1.2: drafters;
+PLUGIN_API_VERSION = "1.7"  # 1.1: the optional CUDA-graph capture hooks of attention backends; 1.2: drafters;
 # 1.3: model drafters; 1.4: tree masks (ForwardBatch.tree_mask, AttentionBackend.supports_tree_mask), draft trees;
-# 1.5: HiCache storage backends (HiCacheStorage); 1.6: ForwardBatch.lora (LoRA adapters in the batch)
+# 1.5: HiCache storage backends (HiCacheStorage); 1.6: ForwardBatch.lora (LoRA adapters in the batch);
+# 1.7: multimodal processors, ForwardBatch.mm_rows / mm_embeds / mrope_positions
 
 
 # --------------------------------------------------------------------------- batches
@@ -52,6 +53,13 @@ class ForwardBatch:
     # inside ``core.layers.Linear``'s forward, so a model path that bypasses it (a fused CPU layer
     # op) must not serve this batch.
     lora: bool = False
+    # Images (``core.engine.multimodal``, since 1.7): the rows of the flattened batch whose input
+    # embeddings a vision-language model replaces (int64 [n]) by ``mm_embeds`` ([n, hidden], its
+    # vision tower's output), and M-RoPE positions ([3, T] int64: temporal, height, width) where the
+    # model rotates by three position rows; None: none in this batch (``positions`` for all rows).
+    mm_rows: torch.Tensor | None = None
+    mm_embeds: torch.Tensor | None = None
+    mrope_positions: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -553,6 +561,28 @@ class HiCacheStorage(Protocol):
         """Drop every value of this backend's namespace."""
 
 
+class MultimodalProcessor(Protocol):
+    """A vision-language architecture's request processor (plugin API 1.7, kind
+    ``multimodal_processor``, registered under the model's architecture name): built once as
+    ``factory(model_path: str, hf_config, tokenizer)``, then called for every request with images
+    (from the request's thread, never the forward's).
+
+    ``image_token_id`` is the placeholder token the model's chat template puts once per image
+    (Qwen2-VL's ``<|image_pad|>``), and the token every image token carries in ``input_ids``;
+    ``max_images`` the most images one prompt may hold (None: no limit of the model's own)."""
+
+    image_token_id: int
+    max_images: int | None
+
+    def process(self, prompt: str | list[int], images: list[Any]) -> Any:
+        """A :class:`core.engine.multimodal.ImageInputs` for ``prompt`` (a text, or token ids)
+        with ``images`` (decoded RGB ``PIL.Image.Image`` objects, in prompt order): ``input_ids`` with
+        each placeholder expanded to its image's tokens, ``pixel_values`` / ``image_grid_thw``
+        for the model's ``encode_images``, ``spans`` and ``hashes``; the M-RoPE fields are left
+        to the engine. A prompt whose placeholders do not match the images one to one raises
+        :class:`core.errors.InvalidRequest` naming both counts."""
+
+
 EXTENSION_KINDS: dict[str, str] = {
     # kind -> hook name
     "attention_backend": "register_attention_backends",
@@ -563,4 +593,5 @@ EXTENSION_KINDS: dict[str, str] = {
     "grammar_backend": "register_grammar_backends",
     "speculative_algorithm": "register_speculative_algorithms",
     "hicache_storage_backend": "register_hicache_storage_backends",
+    "multimodal_processor": "register_multimodal_processors",
 }

@@ -297,6 +297,7 @@ INTERFACES: dict[str, type] = {
     "grammar_backend": interfaces.GrammarBackend,
     "speculative_algorithm": interfaces.Drafter,
     "hicache_storage_backend": interfaces.HiCacheStorage,
+    "multimodal_processor": interfaces.MultimodalProcessor,
 }
 
 

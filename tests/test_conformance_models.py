@@ -21,6 +21,18 @@ def model_architecture(request):
     return request.param
 
 
+@pytest.fixture
+def model_config(model_architecture):
+    """None (the kit derives a tiny config from the transformers class) except for a composite
+    (text + vision) config, which the kit cannot shrink: Qwen2-VL's is its own tests' tiny config.
+    The cases' text-only prompts check its language model; tests/test_model_qwen2_vl.py the images."""
+    if model_architecture == "Qwen2VLForConditionalGeneration":
+        from tests.test_model_qwen2_vl import tiny_config
+
+        return tiny_config()
+    return None
+
+
 class FullContextMistral(MistralForCausalLM):
     """Attends to the whole context although the config has a sliding window."""
 

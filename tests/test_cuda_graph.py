@@ -80,8 +80,8 @@ def test_reasons_for_running_without_graphs():
 
 
 def test_a_1_0_backend_is_accepted_and_runs_without_graphs(monkeypatch, tiny):
-    assert PLUGIN_API_VERSION == "1.6"  # (1.1 brought the capture hooks)
-    assert api_compatible("1.0") and api_compatible(">=1.0,<2") and not api_compatible(">=1.7")
+    assert PLUGIN_API_VERSION == "1.7"  # (1.1 brought the capture hooks)
+    assert api_compatible("1.0") and api_compatible(">=1.0,<2") and not api_compatible(">=1.8")
     mod = types.ModuleType("legacy_attention")
     mod.CORE_PLUGIN_API = "1.0"
 

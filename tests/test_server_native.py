@@ -830,7 +830,7 @@ def test_parallel_flags_parse_with_sglangs_spellings() -> None:
     (["--num-continuous-decode-steps", "0"], "--num-continuous-decode-steps must be >= 1, got 0"),
     (["--pp-size", "2"], "--pp-size 2 is not supported yet"),
     (["--ep", "2"], "--ep-size 2 is not supported yet"),
-    (["--enable-multimodal"], "--enable-multimodal is not supported yet"),
+    (["--enable-dp-attention"], "--enable-dp-attention is not supported yet"),
     (["--speculative-algorithm", "NEXTN"], "--speculative-algorithm NEXTN is not supported yet"),
 ])
 def test_unsupported_flags_are_errors(argv: list[str], message: str) -> None:
@@ -855,10 +855,10 @@ def test_supported_values_pass_validation(argv: list[str]) -> None:
 
 
 def test_unsupported_flag_exits_2_with_one_line() -> None:
-    proc = subprocess.run([sys.executable, "-m", "core.cli", "serve", "--enable-multimodal"],
+    proc = subprocess.run([sys.executable, "-m", "core.cli", "serve", "--enable-dp-attention"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1] == "core serve: error: --enable-multimodal is not supported yet"
+    assert proc.stderr.strip().splitlines()[-1] == "core serve: error: --enable-dp-attention is not supported yet"
 
 
 def test_defaults_match_sglang() -> None:

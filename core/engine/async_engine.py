@@ -19,6 +19,7 @@ from core.engine.collectives import KVSpec
 from core.engine.device import check_openmp_policy, configure_cpu_runtime, pick_device
 from core.engine.distributed import RankFailure, start_tensor_parallel
 from core.engine.lora.serving import attach_lora
+from core.engine.multimodal.engine import attach_multimodal
 from core.engine.config import EngineArgs, check_scheduling_args, overlap_schedule
 from core.errors import CoreError, InvalidRequest, ModelLoadError, Unavailable
 from core.interfaces import AttentionConfig
@@ -74,7 +75,7 @@ class AsyncEngine(RequestFrontEnd):
         try:
             self.model = self.tp_group.load(self._load_model) if self.tp_group else self._load_model()
             fused(torch.empty(0, device=self.device))  # compile the fused-op kernels now, not in the first (watched) step
-            self.vocab_size = mc.hf_config.vocab_size
+            self.vocab_size = mc.text_config.vocab_size
             self._build_kv_pool()
         except BaseException:
             if self.tp_group is not None:
@@ -87,7 +88,7 @@ class AsyncEngine(RequestFrontEnd):
             self.tp_group.on_failure = self._on_rank_failure
         self.grammar = GrammarManager(self.plugins, args.grammar_backend, self.tokenizer, self.vocab_size, mc.eos_ids)
         self.runner.grammar, self.runner.speculator, self.runner.kv_cache = self.grammar, self.scheduler.speculator, self.kv_cache
-        self.lora = attach_lora(self)  # --enable-lora (core.engine.lora): before the graphs capture its kernels
+        self.lora, self.multimodal = attach_lora(self), attach_multimodal(self)  # (before the graphs capture LoRA)
         self.runner.graphs = self._capture_cuda_graphs()
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="core-forward")
         # small CPU decodes run on the loop's thread (_runs_inline); 0: every forward on the executor
@@ -125,7 +126,7 @@ class AsyncEngine(RequestFrontEnd):
         return build_model(self.plugins, self.args, mc or self.model_config, self.device, load_format)
 
     def _build_kv_pool(self) -> None:
-        args, mc, cfg = self.args, self.model_config, self.model_config.hf_config
+        args, mc, cfg = self.args, self.model_config, self.model_config.text_config
         heads = cfg.num_attention_heads
         kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
@@ -234,8 +235,7 @@ class AsyncEngine(RequestFrontEnd):
 
     def abort(self, rid: str) -> bool:
         """Abort a queued or running request (every sequence of its group: n > 1 copies, batch items);
-        False when none matched.
-        Its KV pages go back at the next step boundary."""
+        False when none matched. Its KV pages go back at the next step boundary."""
         found = self.scheduler.abort(rid)
         for req in self._held or ():  # finished as aborted when admitted after the update
             if req.answers_to(rid):
@@ -521,7 +521,7 @@ class AsyncEngine(RequestFrontEnd):
         k0 = self.kv_cache.k[0]
         layers, (hkv, d) = len(self.kv_cache.k), k0.shape[1:]
         kv = allocate_kv_cache(layers, num_slots, 1, hkv, d, k0.dtype, self.device)
-        heads = self.model_config.hf_config.num_attention_heads
+        heads = self.model_config.text_config.num_attention_heads
         return self.plugins.resolve("attention_backend", self.attention_backend_name)(
             AttentionConfig(layers, heads, hkv, d, self.model_config.dtype, self.device, kv))
 
@@ -599,7 +599,7 @@ class AsyncEngine(RequestFrontEnd):
         self.runner.model = model
         self.model_config = new
         if self.runner.graphs is not None:  # the captured graphs read the old weights
-            self.lora = attach_lora(self)  # --enable-lora (core.engine.lora): before the graphs capture its kernels
+            self.lora, self.multimodal = attach_lora(self), attach_multimodal(self)  # (before the graphs capture LoRA)
         self.runner.graphs = self._capture_cuda_graphs()
         log.info("engine.weights_updated", model_path=model_path)
         return True, "Succeeded to update model weights."

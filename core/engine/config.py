@@ -181,6 +181,16 @@ class EngineArgs:
     node_rank: int = _arg(0, PARALLEL, "this machine's index among --nnodes (0 serves HTTP, the others only run ranks)")
     dist_timeout: float | None = _arg(None, PARALLEL, "seconds a collective or the ranks' rendezvous may wait before "
                                                       "the engine fails its requests and stops (default 300)")
+    enable_multimodal: bool | None = _arg(None, MODEL, "serve a vision-language model's image inputs (the default "
+                                                       "for an architecture with a multimodal processor; no effect "
+                                                       "on a text-only model; False in the offline Engine turns "
+                                                       "images off)")
+    limit_mm_data_per_request: str | None = _arg(None, MODEL, 'most images one request may carry, as JSON: \'{"image": 4}\'')
+    allowed_media_domains: list[str] | None = _arg(None, MODEL, "hosts image URLs may be fetched from (default: any; "
+                                                               "none while HF_HUB_OFFLINE is set)", nargs="*")
+    media_url_max_file_size_mb: int = _arg(64, MODEL, "largest image a request may send or point to, in MB (0: no limit)")
+    allowed_local_media_path: str | None = _arg(None, MODEL, "a folder whose files requests may name as images "
+                                                             "(vLLM's flag; default: local paths are refused)")
     # ---- LoRA (core.engine.lora)
     enable_lora: bool = _arg(False, LORA, "serve LoRA adapters on top of the base model (implied by --lora-paths)")
     lora_paths: list[str] | None = _arg(None, LORA, "adapters loaded at start: PATH, NAME=PATH, or JSON "
@@ -214,7 +224,7 @@ def engine_flags(serve: bool = True) -> Iterator[tuple[attrs.Attribute, Flag, ty
 
 
 def _value_type(hint: Any) -> type | None:
-    if hint is bool:
+    if hint is bool or set(typing.get_args(hint)) == {bool, type(None)}:  # a switch (None: not given)
         return None
     kinds = set(typing.get_args(hint)) or {hint}
     for kind in (int, float):
@@ -233,7 +243,7 @@ def add_engine_args(parser: argparse.ArgumentParser, *, serve: bool = False) -> 
             group = groups[flag.group] = parser.add_argument_group(flag.group)
         names = ("--" + field.name.replace("_", "-"), *flag.aliases)
         if kind is None:
-            group.add_argument(*names, dest=field.name, action="store_true", help=flag.help)
+            group.add_argument(*names, dest=field.name, action="store_true", default=field.default, help=flag.help)
         else:
             group.add_argument(*names, dest=field.name, type=kind, default=field.default, help=flag.help,
                                choices=list(flag.choices) if flag.choices else None, nargs=flag.nargs)

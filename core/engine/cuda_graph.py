@@ -117,8 +117,10 @@ class CudaGraphRunner:
         return graph, out
 
     def can_run(self, batch: ForwardBatch) -> bool:
-        """A pure decode batch no larger than the largest captured size."""
-        return 0 < batch.batch_size <= self.max_bs and batch.is_decode
+        """A pure decode batch no larger than the largest captured size, without image rows or an
+        M-RoPE table (a decode's M-RoPE positions come as plain positions: core.engine.multimodal)."""
+        return (0 < batch.batch_size <= self.max_bs and batch.is_decode and batch.mm_rows is None
+                and batch.mrope_positions is None)
 
     def replay(self, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states ``[n, hidden]`` of a decode batch of ``n`` sequences, from the graph of the

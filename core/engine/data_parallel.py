@@ -79,7 +79,7 @@ class DataParallelEngine(RequestFrontEnd):
         self.model_config = load_model_config(args.model_path, args.dtype, self.device, args.context_length,
                                               args.served_model_name, args.json_model_override_args)
         self.tokenizer = None if args.skip_tokenizer_init else _load_tokenizer(args, self.model_config.path)
-        self.vocab_size = self.model_config.hf_config.vocab_size
+        self.vocab_size = self.model_config.text_config.vocab_size
         self.grammar = GrammarManager(self.plugins, args.grammar_backend, self.tokenizer, self.vocab_size,
                                       self.model_config.eos_ids)
         self.router = Router(args.dp_size, args.load_balance_method)

@@ -24,6 +24,7 @@ class RequestFrontEnd:
     """Request building and output streaming over an engine's ``submit`` / ``abort``."""
 
     lora: Any = None  # core.engine.lora.LoRAServing with --enable-lora (one engine in this process only)
+    multimodal: Any = None  # core.engine.multimodal.engine.MultimodalServing of a vision-language model
 
     def tokenize(self, prompt: str | None, input_ids: list[int] | None) -> list[int]:
         if input_ids is not None:
@@ -41,12 +42,21 @@ class RequestFrontEnd:
 
     def make_requests(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None,
                       return_logprob: bool = False, logprob_start_len: int = -1, top_logprobs_num: int = 0,
-                      priority: int | None = None, group: str | None = None, lora_path: str | None = None) -> list[Req]:
+                      priority: int | None = None, group: str | None = None, lora_path: str | None = None,
+                      images: list | None = None) -> list[Req]:
         """Validate and build the sequences of one prompt (n of them); raises InvalidRequest.
         ``group``: the API request they belong to (default ``rid``), which an abort by id also reaches.
-        ``lora_path``: the name of a loaded LoRA adapter (SGLang's field name), None: the base model."""
+        ``lora_path``: the name of a loaded LoRA adapter (SGLang's field name), None: the base model.
+        ``images``: decoded images (PIL) for the prompt's image placeholders, in order."""
         params.validate(self.vocab_size)
         lora_id = self._lora_id(lora_path)
+        mm = None
+        if images:
+            if self.multimodal is None:
+                raise InvalidRequest(f"the model {self.model_config.source} is text-only (or runs without "
+                                     "--enable-multimodal): image inputs are not accepted", param="image_data")
+            mm = self.multimodal.prepare(prompt_ids, images)
+            prompt_ids = mm.input_ids
         if (c := params.constraint()) is not None and not self.grammar.enabled:
             raise InvalidRequest(f"{c[0]} constraints need a grammar backend, but the server runs with --grammar-backend none"
                                  if self.tokenizer is not None else f"{c[0]} constraints need the tokenizer", param=c[0])
@@ -80,7 +90,7 @@ class RequestFrontEnd:
                                                stop=params.stop, no_stop_trim=params.no_stop_trim,
                                                stop_regex=params.stop_regex)
             reqs.append(Req(rid if params.n == 1 else f"{rid}-{i}", prompt_ids, params, return_logprob, top_logprobs_num,
-                            logprob_start_len, gen, detok, priority=priority, group=group or rid, lora_id=lora_id))
+                            logprob_start_len, gen, detok, priority=priority, group=group or rid, lora_id=lora_id, mm=mm))
         return reqs
 
     def _lora_id(self, name: Any) -> int:
@@ -96,6 +106,16 @@ class RequestFrontEnd:
             return self.lora.resolve(name)
         except CoreError as e:
             raise InvalidRequest(str(e), param="lora_path") from e
+
+    def decode_images(self, items: list) -> list:
+        """PIL images of the offline API's image items (PIL images pass through; local paths allowed:
+        the caller runs on this machine; URLs unless the process runs offline)."""
+        if not items:
+            return []
+        from core.engine.multimodal.images import MediaPolicy, load_images
+
+        policy = attrs.evolve(MediaPolicy.from_args(self.args), allow_local=True)
+        return load_images(items, policy)
 
     # ---- LoRA adapters at run time (SGLang's /load_lora_adapter, /unload_lora_adapter)
     def lora_adapters(self) -> dict[str, str]:
@@ -143,10 +163,13 @@ class RequestFrontEnd:
     async def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
                        input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool = False,
                        logprob_start_len: int = -1, top_logprobs_num: int = 0, stream: bool = False,
-                       rid: str | None = None, lora_path: str | list[str | None] | None = None) -> Any:
+                       rid: str | None = None, lora_path: str | list[str | None] | None = None,
+                       image_data: Any = None) -> Any:
         """SGLang's generate: one prompt -> dict (a list when n > 1); a batch -> list.
         With ``stream`` an async iterator of cumulative outputs (batch chunks carry ``index``).
-        ``lora_path``: an adapter name for every prompt, or a list aligned with the batch."""
+        ``lora_path``: an adapter name for every prompt, or a list aligned with the batch.
+        ``image_data``: SGLang's forms: an image (a PIL image, a path, a URL, a data URI or base64)
+        or a list of them for one prompt; for a batch, a list aligned with it."""
         batch = isinstance(prompt, list) or (isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], list))
         prompts: list = (prompt if isinstance(prompt, list) else input_ids) if batch else [input_ids if input_ids is not None else prompt]
         is_ids = input_ids is not None
@@ -156,13 +179,16 @@ class RequestFrontEnd:
         loras = lora_path if isinstance(lora_path, list) else [lora_path] * len(prompts)
         if len(loras) != len(prompts):
             raise InvalidRequest("lora_path list must match the number of prompts", param="lora_path")
+        from core.engine.multimodal.images import images_per_prompt
+
+        images = images_per_prompt(image_data, len(prompts), batch)
         groups = []
         for i, (p, sp) in enumerate(zip(prompts, sps)):
             params = sp if isinstance(sp, SamplingParams) else SamplingParams.from_dict(sp)
             ids = self.tokenize(None if is_ids else p, p if is_ids else None)
             groups.append(self.make_requests(ids, params, None if rid is None else (rid if not batch else f"{rid}-{i}"),
                                              return_logprob, logprob_start_len, top_logprobs_num, group=rid,
-                                             lora_path=loras[i]))
+                                             lora_path=loras[i], images=self.decode_images(images[i])))
         reqs = [r for g in groups for r in g]
         await self.prepare_grammars(reqs)
         self.submit(reqs)
@@ -255,3 +281,4 @@ class _Feed:
 
 def _asdict(params: SamplingParams) -> dict:
     return attrs.asdict(params, recurse=False)
+

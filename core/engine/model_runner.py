@@ -37,6 +37,10 @@ class StepInputs:
     tree_mask: torch.Tensor | None = None  # a verify of draft trees: ForwardBatch.tree_mask, on the host
     kv_moves: tuple[list[int], list[int]] | None = None  # (source, destination) KV slots to copy first (a tree's kept path)
     lora: bool = False  # some token runs through a LoRA adapter (ForwardBatch.lora): the runner set the pool's segments
+    # images (core.engine.multimodal): ForwardBatch.mm_rows / mm_embeds / mrope_positions, on the device
+    mm_rows: torch.Tensor | None = None
+    mm_embeds: torch.Tensor | None = None
+    mrope_positions: torch.Tensor | None = None
 
 
 def _ints(x: list[int] | torch.Tensor) -> list[int]:
@@ -55,7 +59,8 @@ def forward_step(model: torch.nn.Module, attn_backend, inputs: StepInputs, devic
     its CUDA graph instead of the eager forward. ``inputs.kv_moves`` are copied in ``kv`` first."""
     if inputs.kv_moves is not None and kv is not None:
         move_kv(kv, *inputs.kv_moves)
-    if device.type == "cpu" and not inputs.lora and (fast := getattr(model, "decode_step", None)) is not None:
+    if (device.type == "cpu" and (not inputs.lora or getattr(model, "decode_lora", False))  # (adapters: where it adds them)
+            and (fast := getattr(model, "decode_step", None)) is not None):
         if (out := fast(inputs, attn_backend)) is not None:
             return out[0], [out[1]], out[2]
     fb = forward_batch(inputs, attn_backend, device)
@@ -85,6 +90,7 @@ def forward_batch(inputs: StepInputs, attn_backend, device: torch.device) -> For
         extend_lens=extend_lens, kv_indices=kv_indices, seq_lens_cpu=inputs.seq_lens,
         extend_lens_cpu=inputs.extend_lens, attn_backend=attn_backend,
         tree_mask=None if inputs.tree_mask is None else inputs.tree_mask.to(device, non_blocking=True), lora=inputs.lora,
+        mm_rows=inputs.mm_rows, mm_embeds=inputs.mm_embeds, mrope_positions=inputs.mrope_positions,
     )
 
 
@@ -120,6 +126,7 @@ class ModelRunner:
     tp = None  # core.engine.distributed.TensorParallelGroup on rank 0 of a --tp-size > 1 engine, set by the engine
     graphs: CudaGraphRunner | None = None  # decode CUDA graphs, set by the engine when captured
     lora = None  # core.engine.lora.LoRAServing with --enable-lora, set by the engine
+    mm = None  # core.engine.multimodal.engine.MultimodalServing of a vision-language model, set by the engine
     _last_tokens: list[int] | None = None  # the last batch's sampled tokens (what future ids stand for)
 
     def __init__(self, model: torch.nn.Module, attn_backend, table: ReqToTokenTable, sampler: Sampler,
@@ -230,6 +237,10 @@ class ModelRunner:
             inputs, self._kv_moves = attrs.evolve(inputs, kv_moves=self._kv_moves), None
         if self.lora is not None:  # each request's tokens through its adapter (the pool's segments for this forward)
             inputs.lora = self.lora.prepare([r.lora_id for r in reqs], inputs.extend_lens)
+        if self.mm is not None and any(r.mm is not None for r in reqs):  # images: their rows, M-RoPE positions
+            starts = [n - e for n, e in zip(inputs.seq_lens, inputs.extend_lens)]
+            inputs.positions, inputs.mm_rows, inputs.mm_embeds, inputs.mrope_positions = self.mm.forward_inputs(
+                reqs, starts, inputs.extend_lens, _ints(inputs.positions))
         if self.tp is not None:
             return self.tp.forward(inputs, lambda: forward_step(self.model, self.attn_backend, inputs, self.device,
                                                                 kv=self.kv_cache))
@@ -247,9 +258,11 @@ class ModelRunner:
         step = StepInputs(batch.input_ids, batch.positions, batch.out_cache_loc[:b], seq0, batch.extend_lens,
                           self.step_inputs(batch)[0].kv_indices, [(0, b)])
         stop = batch_stop_ids(reqs, self.eos_ids)
-        if (self.tp is None and self.device.type == "cpu" and self.lora is None and all(r.params.is_greedy and not r.params.logit_bias for r in reqs)
+        lora = self.lora is not None and self.lora.prepare([r.lora_id for r in reqs], batch.extend_lens)
+        if (self.tp is None and self.device.type == "cpu" and all(r.params.is_greedy and not r.params.logit_bias for r in reqs)
+                and (not lora or getattr(self.model, "decode_lora", False))  # (adapters: where the model adds them)
                 and (fast := getattr(self.model, "decode_steps", None)) is not None):
-            whole = attrs.evolve(step, out_cache_loc=batch.out_cache_loc)
+            whole = attrs.evolve(step, out_cache_loc=batch.out_cache_loc, lora=lora)
             if (tokens := fast(whole, self.attn_backend, k, stop)) is not None:
                 batch.steps_run = len(tokens)
                 return StepResult(SampleOutput(tokens[0], None, None), tokens[1:])

@@ -31,6 +31,7 @@ class Req:
     # abort by id reaches besides the exact rid; "" for none
     group: str = ""
     lora_id: int = 0  # the LoRA adapter's uid (core.engine.lora), 0: the base model
+    mm: Any = None  # core.engine.multimodal.ImageInputs of a request with images (prompt_ids are its input_ids)
     log_metrics: bool = True  # SGLang's log_metrics: False keeps the request out of the /metrics counters
     # (kind, spec) the sampling params constrain the output to, or None; derived once, here
     constraint: tuple[str, str] | None = attrs.field(init=False)
@@ -139,10 +140,13 @@ class Req:
         return self.prompt_ids + self.output_ids
 
     def cache_ids(self) -> list[int]:
-        """``fill_ids`` as the prefix cache keys them: an adapter's tokens carry its uid in the bits
-        above 32 (token ids are below 2**32), so a prefix computed under one adapter is never
-        matched by a request of another or of the base model, in any cache tier."""
+        """``fill_ids`` as the prefix cache keys them: an image's tokens by its content, and an
+        adapter's tokens with its uid in the bits above 32 (token ids are below 2**32), so a prefix
+        computed under one adapter is never matched by a request of another or of the base model,
+        nor one with another image, in any cache tier."""
         ids = self.prompt_ids + self.output_ids
+        if self.mm is not None:  # image tokens keyed by the image's content (core.engine.multimodal)
+            ids = self.mm.cache_ids(ids)
         if not self.lora_id:
             return ids
         tag = self.lora_id << 32

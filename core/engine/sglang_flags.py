@@ -8,7 +8,7 @@ from __future__ import annotations
 # add_argument calls; extracted from the source text, minus the flags core's serve parser knows). A flag core
 # adds later is parsed before this list is consulted, so the list only has to be complete, not minimal.
 SGLANG_FLAGS_LACKING: frozenset[str] = frozenset("--" + name for name in """
-abort-on-priority-when-disabled admin-api-key allowed-media-domains asr-max-buffer-seconds
+abort-on-priority-when-disabled admin-api-key asr-max-buffer-seconds
 asr-max-concurrent-sessions attention-context-parallel-size attention-data-parallel-size attn-cp-size attn-dp-size
 base-gpu-id batch-notify-size bf16-gemm-backend boundary-reduction bucket-e2e-request-latency
 bucket-inter-token-latency bucket-time-to-first-token c128-page-size checkpoint-engine-wait-weights-before-ready
@@ -74,13 +74,13 @@ hierarchical-sparse-attention-extra-config hisparse-config http2-initial-connect
 http2-max-concurrent-streams image-processor-backend incremental-streaming-output init-expert-location
 int8-mamba-ckpt-size kt-cpuinfer kt-max-deferred-experts-per-token kt-method kt-num-gpu-experts kt-threadpool-count
 kt-weight-path kv-canary kv-canary-real-data kv-canary-sweep-interval kv-events-config language-model-only
-language-only limit-mm-data-per-request linear-attn-backend linear-attn-decode-backend linear-attn-prefill-backend
+language-only linear-attn-backend linear-attn-decode-backend linear-attn-prefill-backend
 linear-attn-verify-backend linear-replayssm-cache-len lmcache-config-file load-publish-endpoint
 load-snapshot-publish-interval log-level-http log-requests-format log-requests-target 
 lora-drain-wait-threshold lora-strict-loading lora-use-virtual-experts
 mamba-backend mamba-cache-philox-rounds mamba-full-memory-ratio mamba-max-states-per-path mamba-radix-cache-strategy
 mamba-ssm-dtype mamba-track-interval max-ep-size max-lora-chunk-size 
-max-mamba-cache-size media-url-max-file-size-mb min-free-slots-delay mlx-enable-sampling
+max-mamba-cache-size min-free-slots-delay mlx-enable-sampling
 mm-attention-backend mm-enable-dp-encoder mm-feature-transport mm-global-cache-backend mm-io-worker-num
 mm-preprocess-cache-size-mb mm-process-config mm-processor-worker-num model-checksum model-config-parser model-impl
 model-loader-extra-config modelexpress-config modelopt-checkpoint-restore-path modelopt-checkpoint-save-path

@@ -98,7 +98,6 @@ NOT_SUPPORTED_YET: dict[str, tuple[Callable[[Any], bool], str]] = {
     "speculative_algorithm": (lambda v: str(v).upper() not in DRAFT_MODEL_ALGORITHMS, "NGRAM, STANDALONE, EAGLE and EAGLE3 are supported"),
     "disaggregation_mode": (_off("null"), ""),
     "enable_torch_compile": (_off(), ""),
-    "enable_multimodal": (_off(), ""),
     "trust_remote_code": (_off(), "custom model code is never executed"),
     "tokenizer_mode": (_off("auto"), "only 'auto' is supported"),
     "load_format": (_off("auto", "safetensors", "pt", "gguf", "dummy"), "supported: auto, safetensors, pt, gguf, dummy"),
@@ -328,7 +327,6 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g = s("Model and tokenizer")
     g.add_argument("--tokenizer-mode", default="auto", help="not supported yet except 'auto'")
     g.add_argument("--trust-remote-code", action="store_true", help="not supported: custom model code never runs")
-    g.add_argument("--enable-multimodal", action="store_true", default=None, help="not supported yet")
 
     g = s("HTTP server")
     g.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind (default {DEFAULT_HOST})")

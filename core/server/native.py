@@ -35,6 +35,7 @@ from core.server.http import (
 from core.server.limits import check_sampling_limits, check_sequences
 from core.server.lora import adapters_per_item, lora_kwargs
 from core.server.metrics import CONTENT_TYPE
+from core.server.multimodal import generate_images, images_kwargs, needs_thread
 from core.server.state import ServerState
 
 log = structlog.get_logger("core.server.native")
@@ -62,6 +63,8 @@ class GenerateReqInput(msgspec.Struct):
     priority: Any = None
     no_logs: bool = False  # honoured: the request is not written to the --log-requests log
     lora_path: str | list[str | None] | None = None  # adapter name(s), one per prompt (core.server.lora)
+    image_data: Any = None  # one prompt's image(s), or a list aligned with the batch (core.server.multimodal)
+    modalities: Any = None  # SGLang's "image" / "multi-images" (others are refused)
     # routing and tracing hints that do not change the output
     routing_key: Any = None
     conversation_id: Any = None
@@ -69,7 +72,6 @@ class GenerateReqInput(msgspec.Struct):
     external_trace_header: Any = None
     received_time: Any = None
     # SGLang fields for features core does not have: accepted only when unset (null, false, empty)
-    image_data: Any = None
     video_data: Any = None
     audio_data: Any = None
     input_embeds: Any = None
@@ -87,7 +89,6 @@ class GenerateReqInput(msgspec.Struct):
     data_parallel_rank: Any = None
     routed_dp_rank: Any = None
     disagg_prefill_dp_rank: Any = None
-    modalities: Any = None
     mm_hashes: Any = None
     mm_content_hashes: Any = None
     use_audio_in_video: Any = None
@@ -115,9 +116,9 @@ class GenerateReqInput(msgspec.Struct):
     kv_hints: Any = None
 
 
-# every field from image_data on
+# every field from video_data on
 _UNSUPPORTED_GENERATE_FIELDS = GenerateReqInput.__struct_fields__[
-    GenerateReqInput.__struct_fields__.index("image_data"):]
+    GenerateReqInput.__struct_fields__.index("video_data"):]
 
 # SGLang sampling parameters of features core does not have: accepted only when unset
 # (beam_width 1 is plain sampling)
@@ -205,6 +206,7 @@ def build_generate_requests(state: ServerState, obj: GenerateReqInput) -> tuple[
     tops = _per_item(obj.top_logprobs_num, n, "top_logprobs_num", 0)
     prios = _per_item(obj.priority, n, "priority", None)
     loras = adapters_per_item(engine, obj.lora_path, n)
+    images = generate_images(state, obj.image_data, obj.modalities, n, batch)
     parsed = [_sampling_params(sp) for sp in sps]
     # a scoring request (return_logprob, no new tokens) without logprob_start_len gets the whole
     # prompt's logprobs: SGLang would return none, which leaves such a request nothing to read
@@ -223,7 +225,8 @@ def build_generate_requests(state: ServerState, obj: GenerateReqInput) -> tuple[
         rid = rids[i]  # a rid that is running, or given twice, is refused by ServerState.submit
         group = obj.rid if batch and isinstance(obj.rid, str) else None  # /abort_request {rid} reaches every item
         reqs += engine.make_requests(token_ids, params, rid or uuid.uuid4().hex, bool(lps[i]), starts[i], tops[i],
-                                     priority=prios[i], group=group, **lora_kwargs(loras[i]))
+                                     priority=prios[i], group=group, **lora_kwargs(loras[i]),
+                                     **images_kwargs(images[i]))
     for r in reqs:
         r.log_metrics = obj.log_metrics
     return reqs, batch, interval
@@ -320,7 +323,9 @@ def request_logger(state: ServerState) -> Callable[[Req], None]:
 async def generate(request: Request) -> Response:
     state = state_of(request)
     obj = await read_body_ignoring_unknown(request, GenerateReqInput, "generate.unknown_field_ignored")
-    reqs, batch, req_interval = await prepare_off_loop(request, build_generate_requests, state, obj)
+    reqs, batch, req_interval = await (asyncio.to_thread(build_generate_requests, state, obj)  # images: off the loop
+                                       if needs_thread(obj.image_data) else
+                                       prepare_off_loop(request, build_generate_requests, state, obj))
     await state.engine.prepare_grammars(reqs)  # constrained requests: compile off the loop (400 if invalid)
     state.submit(reqs)
     _log_received(state, reqs, obj)

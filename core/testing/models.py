@@ -49,6 +49,11 @@ def derive_config(architecture: str) -> Any:
     if ref is None or getattr(ref, "config_class", None) is None:
         raise Skipped(f"transformers has no class {architecture!r} to derive a config from and compare with; "
                       f"pass model_config (and model_reference) for it")
+    if "text_config" in (getattr(ref.config_class, "sub_configs", None) or {}):
+        # a composite config (text + vision towers): its defaults are the full-size model, and its
+        # towers' tiny shapes are the model's own business (e.g. Qwen2-VL's M-RoPE sections)
+        raise Skipped(f"transformers' {ref.config_class.__name__} is a composite (text + vision) config; "
+                      f"pass model_config, a tiny one")
     known = ref.config_class().to_dict()
     return ref.config_class(**{k: v for k, v in TINY.items() if k in known}, architectures=[architecture])
 
@@ -233,7 +238,9 @@ def check_classify(s: ModelSubject) -> None:
 
 
 def model_config(s: ModelSubject) -> Any:
-    return s.models()[1].config
+    """The reference's language-model config (a vision-language model's text config): layer and head
+    counts, vocabulary. A text-only prompt exercises a vision-language model's language model."""
+    return s.models()[1].config.get_text_config()
 
 
 def model_cases() -> list[Case]:

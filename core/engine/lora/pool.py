@@ -85,9 +85,9 @@ class LayerLoRA:
         # of slot s in columns s * parts * R + p * R (its output span's rows only; zeros elsewhere)
         self.B_all = (torch.zeros(layer.out_features, slots * len(shards) * rank, dtype=dtype, device=device)
                       if pool.backend == "torch" else None)
-        # the CPU's fused decode ops (kernels/cpu_decode): B by 16-output blocks, [slots, out / 16, R, 16],
-        # so that what one block of their GEMMs adds is R x 16 contiguous values (a copy of B, kept in step)
-        self.B_blocks = (torch.zeros(slots, layer.out_features // 16, rank, 16, dtype=dtype, device=device)
+        # the CPU's fused decode ops (kernels/cpu_decode): B by 16-output blocks, [out / 16, slots, R, 16],
+        # so that the slots' deltas for one block of their GEMMs are contiguous (a copy of B, kept in step)
+        self.B_blocks = (torch.zeros(layer.out_features // 16, slots, rank, 16, dtype=dtype, device=device)
                          if pool.backend == "torch" and device.type == "cpu" and layer.out_features % 16 == 0 else None)
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -129,7 +129,7 @@ class LayerLoRA:
             w = self.A.shape[1]
             self.B_all[:, slot * w : (slot + 1) * w].zero_()
         if self.B_blocks is not None:
-            self.B_blocks[slot].zero_()
+            self.B_blocks[:, slot].zero_()
 
     def copy(self, slot: int, shard: object, a: torch.Tensor, b: torch.Tensor) -> None:
         """Write one part's (this rank's slice of) ``a`` ``[r, in]`` and scaled ``b`` ``[out, r]``."""
@@ -141,7 +141,7 @@ class LayerLoRA:
             col = slot * self.A.shape[1] + p * self.rank
             self.B_all[start : start + size, col : col + r].copy_(b)
         if self.B_blocks is not None:
-            self.B_blocks[slot].copy_(self.B[slot].view(-1, 16, self.rank).transpose(1, 2))
+            self.B_blocks[:, slot].copy_(self.B[slot].view(-1, 16, self.rank).transpose(1, 2))
 
 
 def _expected(layer: Linear, shard: object) -> tuple[int, int]:

@@ -11,6 +11,7 @@ from msgspec import UNSET
 
 from core.errors import CoreError, InvalidRequest
 from core.server.http import ApiError, sse_event
+from core.server.multimodal import chat_images, image_part_url
 from core.server.openai.chat_template import ChatTemplate, check_renders_messages, from_json_file
 from core.server.openai.job import (
     MAX_TOP_LOGPROBS,
@@ -91,11 +92,16 @@ def joined_text(content: Any, where: str, kinds: tuple[str, ...], param: str) ->
     return "\n".join(texts)
 
 
-def _content_text(content: list, i: int) -> str:
+def _content_text(content: list, i: int, images: list[str] | None = None) -> str | list[dict]:
+    """A message's content parts as one string; with image parts (when ``images`` collects them,
+    a vision-language model's request) as the list of text and ``{"type": "image"}`` parts HF
+    chat templates put image placeholders for, each image's URL appended to ``images``."""
     texts = []
+    parts: list[dict] = []
     for j, part in enumerate(content):
         if isinstance(part, str):  # a bare string part: lenient
             texts.append(part)
+            parts.append({"type": "text", "text": part})
             continue
         if not isinstance(part, dict):
             raise InvalidRequest(f"messages[{i}].content[{j}] must be an object", param=f"messages[{i}].content[{j}]")
@@ -105,15 +111,23 @@ def _content_text(content: list, i: int) -> str:
             if not isinstance(text, str):
                 raise InvalidRequest(f"messages[{i}].content[{j}].text must be a string", param=f"messages[{i}].content[{j}].text")
             texts.append(text)
+            parts.append({"type": "text", "text": text})
+        elif kind == "image_url" and images is not None:
+            images.append(image_part_url(part, f"messages[{i}].content[{j}]"))
+            parts.append({"type": "image"})
+        elif images is not None:
+            raise InvalidRequest(f"messages[{i}].content[{j}] has type {kind!r}: only 'text' and 'image_url' content "
+                                 "parts are supported", param=f"messages[{i}].content[{j}].type")
         else:
             raise InvalidRequest(
                 f"messages[{i}].content[{j}] has type {kind!r}, but this model is text-only: only 'text' content parts "
                 f"are supported", param=f"messages[{i}].content[{j}].type")
-    return "\n".join(texts)
+    return parts if len(parts) > len(texts) else "\n".join(texts)
 
 
-def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Validate chat messages and turn them into what HF chat templates expect."""
+def normalize_messages(messages: list[dict[str, Any]], images: list[str] | None = None) -> list[dict[str, Any]]:
+    """Validate chat messages and turn them into what HF chat templates expect. ``images``: a list
+    that collects the URLs of image parts (a vision-language model); None: image parts are a 400."""
     if not messages:
         raise InvalidRequest("messages must be a non-empty list", param="messages")
     out = []
@@ -129,7 +143,7 @@ def normalize_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             msg["role"] = "system"
         content = m.get("content")
         if isinstance(content, list):
-            msg["content"] = _content_text(content, i)
+            msg["content"] = _content_text(content, i, images)
         elif content is None:
             if role != "assistant":
                 raise InvalidRequest(f"messages[{i}] (role {role!r}) is missing 'content'", param=f"messages[{i}].content")
@@ -163,15 +177,18 @@ def _template_tool_call(tc: Any) -> Any:
 
 
 def render_chat(state: Any, r: ChatCompletionRequest, hide_tools: bool | None = None, *,
-                add_generation_prompt: bool = True, fit: bool = True, add_special_tokens: bool = False) -> list[int]:
+                add_generation_prompt: bool = True, fit: bool = True, add_special_tokens: bool = False,
+                images: list[str] | None = None) -> list[int]:
     """Apply the chat template (``--chat-template`` overrides the tokenizer's) and tokenize.
+    ``images``: collects the image parts' URLs (the template gets ``{"type": "image"}`` parts);
+    None refuses image parts.
     ``hide_tools``: give the template no tools (default: when ``tool_choice`` is "none").
     ``fit``: refuse a text that cannot fit the context before tokenizing it (a generation's
     prompt; /tokenize counts any length)."""
     tok = state.engine.tokenizer
     if tok is None:
         raise InvalidRequest("chat completions need the tokenizer, but the server runs with --skip-tokenizer-init")
-    messages = normalize_messages(r.messages)
+    messages = normalize_messages(r.messages, images)
     kwargs = {k: v for k, v in (r.chat_template_kwargs or {}).items() if k not in _RESERVED_TEMPLATE_KWARGS}
     path = state.args.chat_template
     if path:
@@ -249,12 +266,14 @@ def prepare_chat(state: Any, r: ChatCompletionRequest, rid: str | None = None) -
         name = "max_completion_tokens" if r.max_completion_tokens is not None else "max_tokens"
         raise InvalidRequest(f"{name} must be >= 0, got {max_tokens}", param=name)
     check_min_tokens(r, max_tokens, "max_completion_tokens" if r.max_completion_tokens is not None else "max_tokens")
-    ids = render_chat(state, r, hide_tools=plan.hides_tools)
+    urls: list[str] | None = [] if getattr(state.engine, "multimodal", None) is not None else None
+    ids = render_chat(state, r, hide_tools=plan.hides_tools, images=urls)
+    images = chat_images(state, urls or [])  # (the processor checks the template gave each its placeholder)
     ids, max_new = fit_context(state, ids, max_tokens, "messages")
     params = sampling_params(r, max_new, n, constraint)
     if state.args.chat_template:  # a JSON template's stop_str, as SGLang adds its conversation's
         params.stop += [s for s in loaded_chat_template(state.args.chat_template).stop if s and s not in params.stop]
-    job.add_prompt(ids, params, -1)
+    job.add_prompt(ids, params, -1, images=images)
     return job
 
 

@@ -236,7 +236,8 @@ def fit_context(state: Any, ids: list[int], max_tokens: int | None, param: str) 
 
 def engine_error(e: InvalidRequest) -> InvalidRequest:
     """An engine error in the OpenAI API's words (max_tokens, not max_new_tokens)."""
-    names = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "input_ids": "prompt", "text": "prompt"}
+    names = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "input_ids": "prompt", "text": "prompt",
+             "image_data": "messages"}
     if e.param in names:
         msg = e.message
         for old, new in names.items():
@@ -295,12 +296,15 @@ class Job:
         """Each prompt's LoRA adapter, from ``model`` or ``lora_path`` (400 for one not loaded)."""
         self.adapters = request_adapters(self.state, self.r.model, self.r.lora_path, num_prompts)
 
-    def add_prompt(self, ids: list[int], params: SamplingParams, p: int, start_len: int = -1) -> None:
+    def add_prompt(self, ids: list[int], params: SamplingParams, p: int, start_len: int = -1,
+                   images: list | None = None) -> None:
+        """``images``: the prompt's decoded images (its ``ids`` hold their placeholders)."""
         rid = self.id if p < 0 else f"{self.id}-{p}"
         adapter = self.adapters[max(p, 0)] if self.adapters else None
         try:
             self.reqs += self.engine.make_requests(ids, params, rid, self.logprobs, start_len, self.top,
-                                                   priority=self.r.priority, group=self.id, **lora_kwargs(adapter))
+                                                   priority=self.r.priority, group=self.id, **lora_kwargs(adapter),
+                                                   **({"images": images} if images else {}))
         except InvalidRequest as e:
             raise engine_error(e) from None
 

@@ -31,8 +31,12 @@ Policies (SGLang's behaviour unless noted):
   length, is a 400 naming both numbers. With ``--allow-auto-truncate`` the prompt keeps its
   head, the first context-length - 1 tokens, as on /generate and in SGLang, and ``max_tokens``
   is cut to what still fits.
-* Content parts: ``text`` parts of a message are joined with "\\n"; any other part type
-  (``image_url``, ``input_audio``, ``file``...) is a 400, the models are text-only.
+* Content parts: ``text`` parts of a message are joined with "\\n". ``image_url`` parts (a data URI,
+  base64, an http(s) URL unless the server runs offline, a local path under
+  ``--allowed-local-media-path``; ``detail`` is accepted and left to the model's processor) reach a
+  vision-language model served with ``--enable-multimodal``: the template gets ``{"type": "image"}``
+  parts, the engine the decoded images (``core.server.multimodal``); with a text-only model they
+  are a 400 saying so. Any other part type (``input_audio``, ``file``...) is a 400.
   Role ``developer`` is given to the template as ``system``.
 * ``finish_reason`` is ``stop`` (EOS, stop token or stop string; SGLang's ``matched_stop``
   names it), ``length`` or ``tool_calls``. A request the engine aborts (forward failure,
@@ -50,6 +54,7 @@ Policies (SGLang's behaviour unless noted):
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -70,6 +75,7 @@ from core.server.http import (
     state_of,
 )
 from core.server.lora import loaded_adapters
+from core.server.multimodal import has_image_parts
 from core.server.openai.chat import chat_response, chat_stream, prepare_chat
 from core.server.openai.completions import completion_response, completion_stream, prepare_completion
 from core.server.openai.job import check_fields
@@ -88,7 +94,9 @@ async def _read_request(request: Request, typ: type) -> Any:
 
 async def chat_completions(request: Request) -> Response:
     state = state_of(request)
-    job = await prepare_off_loop(request, prepare_chat, state, await _read_request(request, ChatCompletionRequest))
+    r = await _read_request(request, ChatCompletionRequest)
+    job = await (asyncio.to_thread(prepare_chat, state, r) if has_image_parts(r.messages)  # images: off the loop
+                 else prepare_off_loop(request, prepare_chat, state, r))
     await job.start()
     if job.stream:
         return EventStream(job.guarded(chat_stream(job)))
@@ -119,7 +127,8 @@ async def run_request(state: Any, endpoint: str, body: Any, request_id: str | No
         if endpoint == "/v1/chat/completions":
             r: Any = convert_body(body, ChatCompletionRequest)
             check_fields(body, ChatCompletionRequest)
-            job: Any = prepare_chat(state, r, request_id)
+            job: Any = (await asyncio.to_thread(prepare_chat, state, r, request_id) if has_image_parts(r.messages)
+                        else prepare_chat(state, r, request_id))
             respond: Any = chat_response
         elif endpoint == "/v1/completions":
             r = convert_body(body, CompletionRequest)
