@@ -24,12 +24,16 @@ def model_architecture(request):
 @pytest.fixture
 def model_config(model_architecture):
     """None (the kit derives a tiny config from the transformers class) except for a composite
-    (text + vision) config, which the kit cannot shrink: Qwen2-VL's is its own tests' tiny config.
+    (text + vision) config, which the kit cannot shrink: Qwen2-VL's and Qwen2.5-VL's are their own tests' tiny configs.
     The cases' text-only prompts check its language model; tests/test_model_qwen2_vl.py the images."""
     if model_architecture == "Qwen2VLForConditionalGeneration":
         from tests.test_model_qwen2_vl import tiny_config
 
         return tiny_config()
+    if model_architecture == "Qwen2_5_VLForConditionalGeneration":
+        from tests.test_model_qwen2_5_vl import tiny_config as tiny_config_2_5
+
+        return tiny_config_2_5()
     return None
 
 
