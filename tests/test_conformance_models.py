@@ -24,8 +24,9 @@ def model_architecture(request):
 @pytest.fixture
 def model_config(model_architecture):
     """None (the kit derives a tiny config from the transformers class) except for a composite
-    (text + vision) config, which the kit cannot shrink: Qwen2-VL's and Qwen2.5-VL's are their own tests' tiny configs.
-    The cases' text-only prompts check its language model; tests/test_model_qwen2_vl.py the images."""
+    (text + vision) config, which the kit cannot shrink: Qwen2-VL's, Qwen2.5-VL's and LLaVA's are their own tests' tiny configs.
+    The cases' text-only prompts check its language model; tests/test_model_qwen2_vl.py (and
+    tests/test_model_llava.py) the images."""
     if model_architecture == "Qwen2VLForConditionalGeneration":
         from tests.test_model_qwen2_vl import tiny_config
 
@@ -34,6 +35,10 @@ def model_config(model_architecture):
         from tests.test_model_qwen2_5_vl import tiny_config as tiny_config_2_5
 
         return tiny_config_2_5()
+    if model_architecture == "LlavaForConditionalGeneration":
+        from tests.test_model_llava import tiny_config as tiny_llava_config
+
+        return tiny_llava_config()
     return None
 
 

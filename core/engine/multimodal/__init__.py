@@ -7,7 +7,7 @@ The pieces, and who provides them:
   ``register_multimodal_processors``, registered under the model's architecture name) turns a
   prompt and its images into :class:`ImageInputs`: the token ids with every image's placeholder
   expanded to its tokens, the pixel tensors the vision tower takes, and where each image's tokens
-  sit. Built in: Qwen2-VL (transformers' processor).
+  sit. Built in: Qwen2-VL / Qwen2.5-VL and LLaVA (transformers' image processors).
 - The **model plugin** of a vision-language architecture encodes images
   (``encode_images(pixel_values, image_grid_thw) -> [image tokens, hidden]``), computes M-RoPE
   positions where it uses them (``mrope_positions(input_ids, image_grid_thw) -> ([3, L], delta)``),
