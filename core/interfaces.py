@@ -51,7 +51,8 @@ class ForwardBatch:
     tree_mask: torch.Tensor | None = None
     # Some token of the batch runs through a LoRA adapter (``core.engine.lora``): the adapters act
     # inside ``core.layers.Linear``'s forward, so a model path that bypasses it (a fused CPU layer
-    # op) must not serve this batch.
+    # op) must not serve this batch unless it adds the adapters' deltas itself (Llama's decode
+    # stack does: ``kernels/cpu_decode``, ``LlamaForCausalLM.decode_lora``).
     lora: bool = False
     # Images (``core.engine.multimodal``, since 1.7): the rows of the flattened batch whose input
     # embeddings a vision-language model replaces (int64 [n]) by ``mm_embeds`` ([n, hidden], its

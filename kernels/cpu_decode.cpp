@@ -245,19 +245,6 @@ Weight packed(const at::Tensor& a, const at::Tensor& b, const at::Tensor& bias, 
   return {kind, N, K, G, a.const_data_ptr<uint8_t>(), b.const_data_ptr(), has ? bias.const_data_ptr() : nullptr};
 }
 
-// A GEMM of the stack: out = x w, and out2 = x w2 when w2 is given (gate and up: one pass over both
-// weights' blocks); a, a2 x as each weight's kernel reads it.
-template <typename E>
-struct Job {
-  const Weight* w;
-  Act a;
-  E* out;
-  const Weight* w2 = nullptr;
-  Act a2 = {};
-  E* out2 = nullptr;
-  int64_t blocks() const { return w->N / 16 + (w2 ? w2->N / 16 : 0); }
-};
-
 // Inside a parallel region, every thread: a share of the job's blocks; the threads leave in step,
 // and with `meet` they start in step too (each thread prepared some rows of the job's x). The
 // clock: what came before (the row loops, x quantized for the job) as kRows, this thread's blocks
@@ -276,14 +263,187 @@ void blocks_shared(int64_t blocks, PhaseClock& clock, bool meet, Phase phase, F&
   clock.mark(kGemmWait);
 }
 
+// ---- LoRA adapters (core/engine/lora/pool.py's LayerLoRA buffers, set_lora) on a stack's linears ----
+//
+// Row t of a forward with adapter slot s gets B_s (A_s x_t) added to each adapted linear's output,
+// per part (qkv_proj's q, k, v each its own A rows and output span). The rank is small (16), so the
+// FLOPs are few but the bytes are not: eight rank-16 adapters over SmolLM2's seven projections are
+// 78 MB of bf16 a step, more than its int4 weights. So the loops stream them once each, inside the
+// stack's thread team: before the GEMM the threads share out the shrinks h = A x (by A rows, for
+// every row of its slot: each adapter's A is read once a step, sequentially; where the threads
+// share out the rows, each its own rows, without meeting first), meet, then each adds the deltas
+// of its own 16-column output blocks right after computing them, while the GEMM's weights stream
+// (B is kept by blocks, [N / 16, slots, R, 16]: one thread's blocks are one run of memory). As the Python path (LayerLoRA: y += (x A^T) B^T in the activation dtype) h is
+// rounded to the activation dtype and the delta is added to the output in float32, rounded once.
+
+// One linear's adapters: A [slots, parts * R, K] and B by blocks [N / 16, slots, R, 16], in the
+// stack's dtype; part p's outputs are the columns [spans[p][0], + spans[p][1]) (multiples of 16).
+struct LoraWeight {
+  const void* a = nullptr;  // null: the linear has no adapters
+  const void* b = nullptr;
+  int64_t slots = 0, parts = 0, R = 0, K = 0, N = 0;
+  int64_t spans[3][2] = {};
+  int64_t width() const { return parts * R; }  // h's values per row
+  int part_of(int64_t n0) const {  // the part whose span holds column n0, or -1
+    for (int p = 0; p < parts; ++p)
+      if (n0 >= spans[p][0] && n0 < spans[p][0] + spans[p][1]) return p;
+    return -1;
+  }
+};
+
+// A forward's rows with adapters grouped by slot, and the shrinks' outputs.
+struct LoraBatch {
+  std::vector<int64_t> slot, start{0}, rows;  // group g: adapter slot[g], rows rows[start[g] .. start[g + 1])
+  const int32_t* slot_of = nullptr;  // row t's slot (-1: none)
+  float* h = nullptr;  // [2, M, width]: each row's h (gate's, then up's)
+  int64_t width = 0, M = 0;
+  int64_t groups() const { return static_cast<int64_t>(slot.size()); }
+  float* h_of(int k) const { return h + k * M * width; }
+};
+
+// a . x over K values (K % 32 == 0, as every stack GEMM's), summed in float32 with two sums in
+// flight: bf16 through AVX512-BF16's pair products (exact products, float32 sums), float32 FMAs.
+// out[block] += sum_r h[r] b[r] over a 16-column block b [R, 16], rounded once into out.
+#ifdef CORE_GEMV_BF16
+inline float dot(const uint16_t* a, const uint16_t* x, int64_t K) {
+  const auto pair = [&](__m512 s, int64_t k) {
+    return _mm512_dpbf16_ps(s, (__m512bh)_mm512_loadu_si512(a + k), (__m512bh)_mm512_loadu_si512(x + k));
+  };
+  __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 64 <= K; k += 64) s0 = pair(s0, k), s1 = pair(s1, k + 32);
+  if (k < K) s0 = pair(s0, k);
+  return _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
+}
+
+inline void add_block(const uint16_t* b, const float* h, int64_t R, uint16_t* out) {
+  __m512 s0 = widen_bf16x16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(out))), s1 = _mm512_setzero_ps();
+  int64_t r = 0;
+  for (; r + 2 <= R; r += 2) {
+    s0 = _mm512_fmadd_ps(_mm512_set1_ps(h[r]), bf16x16(b + 16 * r), s0);
+    s1 = _mm512_fmadd_ps(_mm512_set1_ps(h[r + 1]), bf16x16(b + 16 * r + 16), s1);
+  }
+  if (r < R) s0 = _mm512_fmadd_ps(_mm512_set1_ps(h[r]), bf16x16(b + 16 * r), s0);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), f_bf16x16(_mm512_add_ps(s0, s1)));
+}
+#endif
+
+#ifdef CORE_GEMV_F32
+inline float dot(const float* a, const float* x, int64_t K) {
+  using namespace core_attention;
+  vf s0 = vzero(), s1 = vzero();
+  int64_t k = 0;
+  for (; k + 2 * CORE_SIMD <= K; k += 2 * CORE_SIMD)
+    s0 = vfma(vload(a + k), vload(x + k), s0), s1 = vfma(vload(a + k + CORE_SIMD), vload(x + k + CORE_SIMD), s1);
+  for (; k < K; k += CORE_SIMD) s0 = vfma(vload(a + k), vload(x + k), s0);
+  return vsum(vadd(s0, s1));
+}
+
+inline void add_block(const float* b, const float* h, int64_t R, float* out) {
+  using namespace core_attention;
+  for (int c = 0; c < 16; c += CORE_SIMD) {
+    vf s0 = vzero(), s1 = vzero();
+    int64_t r = 0;
+    for (; r + 2 <= R; r += 2)
+      s0 = vfma(vset1(h[r]), vload(b + 16 * r + c), s0), s1 = vfma(vset1(h[r + 1]), vload(b + 16 * r + 16 + c), s1);
+    if (r < R) s0 = vfma(vset1(h[r]), vload(b + 16 * r + c), s0);
+    vstore(out + c, vadd(vload(out + c), vadd(s0, s1)));
+  }
+}
+#endif
+
+// One GEMM's adapters: its weights (null: none), its input x [M, K] and where its h goes.
+template <typename E>
+struct LoraJob {
+  const LoraWeight* w = nullptr;
+  const E* x = nullptr;
+  float* h = nullptr;
+  int64_t items(const LoraBatch& lb) const { return w ? lb.groups() * w->width() : 0; }
+};
+
+// Every thread: its share of the jobs' shrinks h[t, j] = A_slot(t)[j] . x[t], rounded to E; no
+// barrier (the GEMM's meeting follows). Where the threads shared out the rows of x (split), each
+// its own rows [r0, r1), without meeting first; else an item is one A row for the rows of one slot.
+template <typename E>
+void lora_shrink(const LoraBatch& lb, bool split, int64_t r0, int64_t r1, const LoraJob<E>& j0, const LoraJob<E>& j1) {
+  if (split) {
+    for (const LoraJob<E>* j : {&j0, &j1}) {
+      if (!j->w) continue;
+      const LoraWeight& w = *j->w;
+      for (int64_t t = r0; t < r1; ++t) {
+        if (lb.slot_of[t] < 0) continue;
+        const auto* a = raw(static_cast<const E*>(w.a)) + lb.slot_of[t] * w.width() * w.K;
+        for (int64_t r = 0; r < w.width(); ++r) j->h[t * lb.width + r] = rnd<E>(dot(a + r * w.K, raw(j->x + t * w.K), w.K));
+      }
+    }
+    return;
+  }
+  const int64_t n0 = j0.items(lb), total = n0 + j1.items(lb);
+#pragma omp for schedule(static) nowait
+  for (int64_t i = 0; i < total; ++i) {
+    const LoraJob<E>& j = i < n0 ? j0 : j1;
+    const LoraWeight& w = *j.w;
+    const int64_t item = i < n0 ? i : i - n0, g = item / w.width(), r = item % w.width();
+    const auto* a = raw(static_cast<const E*>(w.a)) + (lb.slot[g] * w.width() + r) * w.K;
+    for (int64_t q = lb.start[g]; q < lb.start[g + 1]; ++q) {
+      const int64_t t = lb.rows[q];
+      j.h[t * lb.width + r] = rnd<E>(dot(a, raw(j.x + t * w.K), w.K));  // rounded as the Python path's E GEMM
+    }
+  }
+}
+
+// out[t, block nb] += B_slot(t)[block nb] h[t] (the block's part) for the rows with adapters.
+template <typename E>
+void lora_expand(const LoraBatch& lb, const LoraWeight& w, const float* h, E* out, int64_t nb) {
+  const int p = w.part_of(nb * 16);
+  if (p < 0) return;
+  const auto* b = raw(static_cast<const E*>(w.b)) + nb * w.slots * w.R * 16;
+  for (int64_t g = 0; g < lb.groups(); ++g)
+    for (int64_t q = lb.start[g]; q < lb.start[g + 1]; ++q) {
+      const int64_t t = lb.rows[q];
+      add_block(b + lb.slot[g] * w.R * 16, h + t * lb.width + p * w.R, w.R, raw(out + t * w.N + nb * 16));
+    }
+}
+
+// Before a GEMM whose weights have adapters (a job's w not null): each thread its share of the
+// shrinks (lora_shrink), timed as the GEMM's.
+template <typename E>
+void lora_before(const LoraBatch& lb, bool split, int64_t r0, int64_t r1, PhaseClock& clock, const LoraJob<E>& j0,
+                 const LoraJob<E>& j1 = {}) {
+  if (!j0.w && !j1.w) return;
+  clock.mark(kRows);
+  lora_shrink(lb, split, r0, r1, j0, j1);
+  clock.mark(kGemm);
+}
+
+// A GEMM of the stack: out = x w, and out2 = x w2 when w2 is given (gate and up: one pass over both
+// weights' blocks); a, a2 x as each weight's kernel reads it. With lb, each block of a weight with
+// adapters (lw, lw2) gets its rows' deltas from their h (lh, lh2).
+template <typename E>
+struct Job {
+  const Weight* w;
+  Act a;
+  E* out;
+  const Weight* w2 = nullptr;
+  Act a2 = {};
+  E* out2 = nullptr;
+  const LoraBatch* lb = nullptr;
+  const LoraWeight *lw = nullptr, *lw2 = nullptr;
+  const float *lh = nullptr, *lh2 = nullptr;
+  int64_t blocks() const { return w->N / 16 + (w2 ? w2->N / 16 : 0); }
+};
+
 template <typename E>
 void gemv_shared(const Job<E>& j, int64_t M, PhaseClock& clock, bool meet, Phase phase = kGemm) {
   const int64_t na = j.w->N / 16;
   blocks_shared(j.blocks(), clock, meet, phase, [&](int64_t i) {
-    if (i < na)
+    if (i < na) {
       weight_block(*j.w, j.a, raw(j.out), M, i);
-    else
+      if (j.lw) lora_expand(*j.lb, *j.lw, j.lh, j.out, i);
+    } else {
       weight_block(*j.w2, j.a2, raw(j.out2), M, i - na);
+      if (j.lw2) lora_expand(*j.lb, *j.lw2, j.lh2, j.out2, i - na);
+    }
   });
 }
 
@@ -421,10 +581,12 @@ class DecodeStack : public torch::CustomClassHolder {
 
   // (h, mlp_out) of the last layer for x [rows, hidden] (the stack's dtype), as a chain of
   // decode_layer calls (the first without a residual) returns them; the cache rows of out_loc are written.
+  // lora (every method's last argument; None: no adapters): int32 [rows], each row's adapter slot
+  // of set_lora's buffers, -1 for none.
   std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& out_loc,
                                          const at::Tensor& kv_indices, const at::Tensor& seq_lens,
-                                         const at::Tensor& extend_lens) {
-    const auto out = dispatch(false, x, positions, out_loc, kv_indices, seq_lens, extend_lens);
+                                         const at::Tensor& extend_lens, const std::optional<at::Tensor>& lora) {
+    const auto out = dispatch(false, x, positions, out_loc, kv_indices, seq_lens, extend_lens, lora);
     return {std::get<0>(out), std::get<1>(out)};
   }
 
@@ -432,9 +594,9 @@ class DecodeStack : public torch::CustomClassHolder {
   // as rms_norm and the head's gemv op give them; the stack must have been built with a head.
   std::tuple<at::Tensor, at::Tensor> run_head(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& out_loc,
                                               const at::Tensor& kv_indices, const at::Tensor& seq_lens,
-                                              const at::Tensor& extend_lens) {
+                                              const at::Tensor& extend_lens, const std::optional<at::Tensor>& lora) {
     TORCH_CHECK(!head_.empty(), "DecodeStack: built without a head");
-    const auto out = dispatch(true, x, positions, out_loc, kv_indices, seq_lens, extend_lens);
+    const auto out = dispatch(true, x, positions, out_loc, kv_indices, seq_lens, extend_lens, lora);
     return {std::get<0>(out), std::get<1>(out)};
   }
 
@@ -459,6 +621,44 @@ class DecodeStack : public torch::CustomClassHolder {
 
   std::vector<std::string> phase_names() const { return {std::begin(kPhaseNames), std::end(kPhaseNames)}; }
 
+  // The adapters the calls' lora rows select (core/engine/lora/pool.py's LayerLoRA buffers, in
+  // place: an adapter loaded into a slot later is read as it is): per layer and linear (qkv, o,
+  // gate, up, down; 5 L entries) a [slots, parts * rank, K] and b [N / 16, slots, rank, 16] in the
+  // stack's dtype (empty: no adapters), and spans 6 ints (part p's first output column and width;
+  // width 0: no part p). No tensors: none bound.
+  void set_lora(std::vector<at::Tensor> a, std::vector<at::Tensor> b, std::vector<int64_t> spans, int64_t slots,
+                int64_t rank) {
+#ifdef CORE_GEMV_ANY
+    lora_.clear(), lora_tensors_.clear(), lora_slots_ = 0, lora_width_ = 0;
+    if (a.empty()) return;
+    TORCH_CHECK(static_cast<int64_t>(a.size()) == 5 * L && b.size() == a.size() &&
+                    static_cast<int64_t>(spans.size()) == 30 * L && slots > 0 && rank > 0,
+                "DecodeStack: set_lora: per layer and linear an A, a B and 6 span ints");
+    std::vector<LoraWeight> out(5 * L);
+    for (int64_t i = 0; i < 5 * L; ++i) {
+      if (!a[i].numel()) continue;
+      LoraWeight& w = out[i];
+      w.slots = slots, w.R = rank, w.N = lin_[i].N, w.K = lin_[i].K;
+      for (; w.parts < 3 && spans[6 * i + 2 * w.parts + 1] > 0; ++w.parts) {
+        const int64_t start = spans[6 * i + 2 * w.parts], size = spans[6 * i + 2 * w.parts + 1];
+        TORCH_CHECK(start >= 0 && start % 16 == 0 && size % 16 == 0 && start + size <= w.N,
+                    "DecodeStack: set_lora: linear ", i, ": part spans in 16-column blocks inside its ", w.N, " columns");
+        w.spans[w.parts][0] = start, w.spans[w.parts][1] = size;
+      }
+      TORCH_CHECK(w.parts > 0 && a[i].scalar_type() == dtype_ && b[i].scalar_type() == dtype_ && a[i].is_contiguous() &&
+                      b[i].is_contiguous() && a[i].sizes() == at::IntArrayRef({slots, w.width(), w.K}) &&
+                      b[i].sizes() == at::IntArrayRef({w.N / 16, slots, rank, 16}),
+                  "DecodeStack: set_lora: linear ", i, ": ", dtype_, " A [", slots, ", ", w.width(), ", ", w.K,
+                  "] and B [", w.N / 16, ", ", slots, ", ", rank, ", 16], contiguous");
+      w.a = a[i].const_data_ptr(), w.b = b[i].const_data_ptr();
+      lora_width_ = std::max(lora_width_, w.width());
+      lora_tensors_.push_back(a[i]), lora_tensors_.push_back(b[i]);
+    }
+    lora_ = std::move(out);
+    lora_slots_ = slots;
+#endif
+  }
+
   // The token embedding table [vocab, hidden] (the stack's dtype) that decode() looks ids up in.
   void set_embedding(const at::Tensor& table) {
     TORCH_CHECK(table.dim() == 2 && table.size(1) == hid && table.scalar_type() == dtype_ && table.is_contiguous() &&
@@ -476,7 +676,8 @@ class DecodeStack : public torch::CustomClassHolder {
   std::tuple<at::Tensor, at::Tensor, at::Tensor> decode(const std::vector<int64_t>& ids,
                                                         const std::vector<int64_t>& positions,
                                                         const std::vector<int64_t>& out_loc, const at::Tensor& kv_indices,
-                                                        const std::vector<int64_t>& seq_lens, int64_t vocab) {
+                                                        const std::vector<int64_t>& seq_lens, int64_t vocab,
+                                                        const std::optional<at::Tensor>& lora) {
 #ifndef CORE_GEMV_ANY
     TORCH_CHECK(false, "DecodeStack: this build has no gemv kernels");
 #else
@@ -488,7 +689,7 @@ class DecodeStack : public torch::CustomClassHolder {
     TORCH_CHECK(vocab > 0 && vocab <= head_w_.N, "DecodeStack: decode: vocab ", vocab, " outside 1..", head_w_.N);
     const std::vector<int64_t> ones(B, 1);
     return forward_any(true, embed(ids.data(), B), positions.data(), out_loc.data(), kv_indices, seq_lens.data(),
-                       ones.data(), B, vocab);
+                       ones.data(), B, vocab, lora_slots(lora, B));
 #endif
   }
 
@@ -502,7 +703,7 @@ class DecodeStack : public torch::CustomClassHolder {
   at::Tensor decode_steps(const std::vector<int64_t>& ids, const std::vector<int64_t>& positions,
                           const std::vector<int64_t>& out_loc, const at::Tensor& kv_indices,
                           const std::vector<int64_t>& seq_lens, int64_t vocab, int64_t steps,
-                          const std::vector<int64_t>& stop_ids) {
+                          const std::vector<int64_t>& stop_ids, const std::optional<at::Tensor>& lora) {
 #ifndef CORE_GEMV_ANY
     TORCH_CHECK(false, "DecodeStack: this build has no gemv kernels");
 #else
@@ -523,6 +724,7 @@ class DecodeStack : public torch::CustomClassHolder {
                   ") does not fit ", steps, " steps in the slot table's ", kv_indices.size(1),
                   " columns and the rotary cache's ", cos_.size(0), " positions");
     for (const int64_t loc : out_loc) TORCH_CHECK(loc >= 0 && loc < slots, "DecodeStack: slot ", loc, " outside the pool");
+    const int32_t* lslot = lora_slots(lora, B);
     at::Tensor out = at::empty({steps, B}, at::TensorOptions().dtype(at::kLong));
     int64_t* po = out.data_ptr<int64_t>();
     std::vector<int64_t> pos(positions), sl(seq_lens), cur(ids);
@@ -530,7 +732,8 @@ class DecodeStack : public torch::CustomClassHolder {
     int64_t k = 0;
     while (k < steps) {
       const at::Tensor next = std::get<2>(
-          forward_any(true, embed(cur.data(), B), pos.data(), out_loc.data() + k * B, kv_indices, sl.data(), ones.data(), B, vocab));
+          forward_any(true, embed(cur.data(), B), pos.data(), out_loc.data() + k * B, kv_indices, sl.data(), ones.data(), B, vocab,
+                      lslot));
       const int64_t* pn = next.const_data_ptr<int64_t>();
       std::copy(pn, pn + B, po + k * B);
       ++k;
@@ -549,7 +752,8 @@ class DecodeStack : public torch::CustomClassHolder {
   // run / run_head: the tensors' layouts checked, then forward_any.
   std::tuple<at::Tensor, at::Tensor, at::Tensor> dispatch(bool head, const at::Tensor& x, const at::Tensor& positions,
                                                           const at::Tensor& out_loc, const at::Tensor& kv_indices,
-                                                          const at::Tensor& seq_lens, const at::Tensor& extend_lens) {
+                                                          const at::Tensor& seq_lens, const at::Tensor& extend_lens,
+                                                          const std::optional<at::Tensor>& lora) {
     TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == dtype_ && x.size(1) == hid,
                 "DecodeStack: x [rows, ", hid, "] contiguous ", dtype_);
     const int64_t M = x.size(0);
@@ -560,18 +764,31 @@ class DecodeStack : public torch::CustomClassHolder {
                     extend_lens.scalar_type() == at::kLong && extend_lens.numel() == seq_lens.numel(),
                 "DecodeStack: int64 seq_lens and extend_lens [B]");
     return forward_any(head, x, positions.const_data_ptr<int64_t>(), out_loc.const_data_ptr<int64_t>(), kv_indices,
-                       seq_lens.const_data_ptr<int64_t>(), extend_lens.const_data_ptr<int64_t>(), seq_lens.numel(), 0);
+                       seq_lens.const_data_ptr<int64_t>(), extend_lens.const_data_ptr<int64_t>(), seq_lens.numel(), 0,
+                       lora_slots(lora, M));
+  }
+
+  // The slots of lora (int32 [rows]), checked against set_lora's buffers; null for None.
+  const int32_t* lora_slots(const std::optional<at::Tensor>& lora, int64_t rows) const {
+    if (!lora) return nullptr;
+    TORCH_CHECK(lora->scalar_type() == at::kInt && lora->is_contiguous() && lora->numel() == rows && lora->device().is_cpu(),
+                "DecodeStack: lora: int32 [", rows, "] adapter slots, one per row");
+    const int32_t* s = lora->const_data_ptr<int32_t>();
+    for (int64_t m = 0; m < rows; ++m)
+      TORCH_CHECK(s[m] >= -1 && s[m] < lora_slots_, "DecodeStack: lora: slot ", s[m], " outside -1..", lora_slots_ - 1,
+                  lora_slots_ ? "" : " (set_lora bound no adapters)");
+    return s;
   }
 
   std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_any(bool head, const at::Tensor& x, const int64_t* pos,
                                                              const int64_t* loc, const at::Tensor& kv_indices,
                                                              const int64_t* sl, const int64_t* el, int64_t B,
-                                                             int64_t vocab) {
+                                                             int64_t vocab, const int32_t* lslot) {
 #ifdef CORE_GEMV_BF16
-    if (dtype_ == at::kBFloat16) return forward<bf16>(head, x, pos, loc, kv_indices, sl, el, B, vocab);
+    if (dtype_ == at::kBFloat16) return forward<bf16>(head, x, pos, loc, kv_indices, sl, el, B, vocab, lslot);
 #endif
 #ifdef CORE_GEMV_F32
-    if (dtype_ == at::kFloat) return forward<float>(head, x, pos, loc, kv_indices, sl, el, B, vocab);
+    if (dtype_ == at::kFloat) return forward<float>(head, x, pos, loc, kv_indices, sl, el, B, vocab, lslot);
 #endif
     TORCH_CHECK(false, "DecodeStack: this build has no gemv kernels for ", x.scalar_type());
   }
@@ -596,7 +813,8 @@ class DecodeStack : public torch::CustomClassHolder {
   template <typename E>
   std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(bool with_head, const at::Tensor& x, const int64_t* pos,
                                                          const int64_t* loc, const at::Tensor& kv_indices,
-                                                         const int64_t* sl, const int64_t* el, int64_t B, int64_t vocab) {
+                                                         const int64_t* sl, const int64_t* el, int64_t B, int64_t vocab,
+                                                         const int32_t* lslot) {
     PhaseClock clock{profiling_ ? prof_.data() : nullptr, profiling_ ? seconds() : 0.0};
     const int64_t M = x.size(0);
     for (int64_t m = 0; m < M; ++m) {
@@ -640,6 +858,20 @@ class DecodeStack : public torch::CustomClassHolder {
     float* plogf = with_head && f32_head ? logits.data_ptr<float>() : nullptr;
     const E* fnorm = with_head ? head_[0].const_data_ptr<E>() : nullptr;
     const float ffeps = static_cast<float>(final_eps_);
+    // the rows with adapters, by slot, and their h
+    LoraBatch lb;
+    at::Tensor lora_h;
+    if (lslot) {
+      for (int32_t s = 0; s < lora_slots_; ++s) {
+        for (int64_t m = 0; m < M; ++m)
+          if (lslot[m] == s) lb.rows.push_back(m);
+        if (static_cast<int64_t>(lb.rows.size()) > lb.start.back()) lb.slot.push_back(s), lb.start.push_back(lb.rows.size());
+      }
+      lb.M = M, lb.width = lora_width_, lb.slot_of = lslot;
+      lora_h = at::empty({2, M, lb.width}, opt.dtype(at::kFloat));
+      lb.h = lora_h.data_ptr<float>();
+    }
+    const bool adapters = lb.groups() > 0;
     // One parallel region for the whole stack: the threads meet after each GEMM, after the rotary
     // embedding and the cache store (rows shared out), and after the attention's tasks.
 #pragma omp parallel num_threads(nt)
@@ -678,7 +910,12 @@ class DecodeStack : public torch::CustomClassHolder {
             std::copy(in + m * hid, in + (m + 1) * hid, my_x0 + m * hid);
           norm_row<E>(my_x0 + m * hid, in_norm, my_h + m * hid, hid, feps, 0.0f);
         }
-        gemv_shared<E>({&w[0], prep(w[0], my_h, r0, r1, sc), pqkv}, M, clk, split);
+        // this layer's linears with adapters (null: none); before such a GEMM the shrinks
+        const LoraWeight* lw[5] = {};
+        for (int i = 0; i < 5 && adapters; ++i) lw[i] = lora_[5 * l + i].a ? &lora_[5 * l + i] : nullptr;
+        const Act aq = prep(w[0], my_h, r0, r1, sc);
+        lora_before<E>(lb, split, r0, r1, clk, {lw[0], my_h, lb.h_of(0)});
+        gemv_shared<E>({&w[0], aq, pqkv, nullptr, {}, nullptr, &lb, lw[0], nullptr, lb.h_of(0)}, M, clk, split || lw[0]);
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; ++m) {  // rows shared out (at batch 1 one thread, the others waiting)
           const float* cs = pcos + pos[m] * rot_;
@@ -692,16 +929,22 @@ class DecodeStack : public torch::CustomClassHolder {
         clk.mark(kRotary);
         attend(work, pqr, kc, vc, pa);
         clk.mark(kAttention);
-        gemv_shared<E>({&w[1], prep(w[1], pa, r0, r1, sc), po}, M, clk, split);
+        const Act ao = prep(w[1], pa, r0, r1, sc);
+        lora_before<E>(lb, split, r0, r1, clk, {lw[1], pa, lb.h_of(0)});
+        gemv_shared<E>({&w[1], ao, po, nullptr, {}, nullptr, &lb, lw[1], nullptr, lb.h_of(0)}, M, clk, split || lw[1]);
         for (int64_t m = r0; m < r1; ++m) {
           add_row<E>(my_x0 + m * hid, po + m * hid, my_x1 + m * hid, hid);
           norm_row<E>(my_x1 + m * hid, post_norm, my_h + m * hid, hid, feps, 0.0f);
         }
         const Act ag = prep(w[2], my_h, r0, r1, sc);  // up reads x as gate does unless its groups differ
         const Act au = w[3].G == w[2].G ? ag : prep(w[3], my_h, r0, r1, sc2);
-        gemv_shared<E>({&w[2], ag, pg, &w[3], au, pu}, M, clk, split);
+        lora_before<E>(lb, split, r0, r1, clk, {lw[2], my_h, lb.h_of(0)}, {lw[3], my_h, lb.h_of(1)});
+        gemv_shared<E>({&w[2], ag, pg, &w[3], au, pu, &lb, lw[2], lw[3], lb.h_of(0), lb.h_of(1)}, M, clk,
+                       split || lw[2] || lw[3]);
         silu_mul(pg + r0 * I, pu + r0 * I, my_h + r0 * I, (r1 - r0) * I);  // the activation (into h: the norm's rows are used)
-        gemv_shared<E>({&w[4], prep(w[4], my_h, r0, r1, sc), pmlp}, M, clk, split);
+        const Act ad = prep(w[4], my_h, r0, r1, sc);
+        lora_before<E>(lb, split, r0, r1, clk, {lw[4], my_h, lb.h_of(0)});
+        gemv_shared<E>({&w[4], ad, pmlp, nullptr, {}, nullptr, &lb, lw[4], nullptr, lb.h_of(0)}, M, clk, split || lw[4]);
       }
       if (with_head) {  // norm(h + mlp_out), as the model's final norm computes it, then the head
         for (int64_t m = r0; m < r1; ++m) {
@@ -733,7 +976,7 @@ class DecodeStack : public torch::CustomClassHolder {
   }
 #endif
 
-  std::vector<at::Tensor> layers_, k_caches_, v_caches_, head_;
+  std::vector<at::Tensor> layers_, k_caches_, v_caches_, head_, lora_tensors_;
   std::vector<c10::Storage> storages_;  // what lin_, norms_ and head_w_ point into
   at::Tensor embed_;  // decode()'s token embedding table (set_embedding), or undefined
   at::Tensor cos_, sin_;
@@ -743,12 +986,18 @@ class DecodeStack : public torch::CustomClassHolder {
   bool profiling_ = false;
   std::array<double, kPhases> prof_{};
   int64_t prof_calls_ = 0;
+  int64_t lora_slots_ = 0, lora_width_ = 0;  // set_lora's slots (0: none bound) and the most h values a row has
 #ifdef CORE_GEMV_ANY
+  std::vector<LoraWeight> lora_;  // per layer and linear
   std::vector<Weight> lin_;
   std::vector<const void*> norms_;
   Weight head_w_{};
 #endif
 };
+
+// A method's arguments, the last (lora) None unless given.
+#define CORE_ARGS(...) {__VA_ARGS__, torch::arg("lora") = torch::arg::none()}
+#define ARG(n) torch::arg(#n)
 
 }  // namespace
 
@@ -761,11 +1010,14 @@ TORCH_LIBRARY(core_cpu_decode, m) {
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, double, at::Tensor, at::Tensor, int64_t, int64_t,
                        int64_t, int64_t, std::vector<at::Tensor>, std::vector<at::Tensor>, double, int64_t,
                        std::vector<at::Tensor>, int64_t, double>())
-      .def("run", &DecodeStack::run)
-      .def("run_head", &DecodeStack::run_head)
+      .def("run", &DecodeStack::run, "", CORE_ARGS(ARG(x), ARG(positions), ARG(out_loc), ARG(kv_indices), ARG(seq_lens), ARG(extend_lens)))
+      .def("run_head", &DecodeStack::run_head, "",
+           CORE_ARGS(ARG(x), ARG(positions), ARG(out_loc), ARG(kv_indices), ARG(seq_lens), ARG(extend_lens)))
       .def("set_embedding", &DecodeStack::set_embedding)
-      .def("decode", &DecodeStack::decode)
-      .def("decode_steps", &DecodeStack::decode_steps)
+      .def("set_lora", &DecodeStack::set_lora)
+      .def("decode", &DecodeStack::decode, "", CORE_ARGS(ARG(ids), ARG(positions), ARG(out_loc), ARG(kv_indices), ARG(seq_lens), ARG(vocab)))
+      .def("decode_steps", &DecodeStack::decode_steps, "",
+           CORE_ARGS(ARG(ids), ARG(positions), ARG(out_loc), ARG(kv_indices), ARG(seq_lens), ARG(vocab), ARG(steps), ARG(stop_ids)))
       .def("set_profiling", &DecodeStack::set_profiling)
       .def("profile", &DecodeStack::profile)
       .def("phase_names", &DecodeStack::phase_names);

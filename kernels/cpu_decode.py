@@ -14,6 +14,11 @@ weights), :func:`plan_stack` joins the plans and :func:`run_stack` runs the whol
 same kernels, same order, same bits, without a call, dispatches and thread wake-ups per layer.
 Given the model's final norm and a packed LM head, :func:`run_stack_head` runs those too, for the
 steps whose every row samples (decodes).
+
+The stack also adds LoRA adapters (``core/engine/lora``'s pool, torch backend) to its linears'
+outputs, each row through its own adapter: :func:`serves_lora` binds the pool's buffers once
+(again after a new pool replaced them), and the calls pass the rows' slots. The one-op layers do
+not: batches with adapters that the stack does not serve keep the Python layers.
 """
 
 from __future__ import annotations
@@ -87,6 +92,7 @@ def plan(layer: torch.nn.Module, backend: Any) -> dict[str, Any] | None:
         "heads": (spec.num_heads, spec.num_kv_heads, spec.head_dim),
         "caches": caches,
         "attn": (spec.scaling, spec.sliding_window or 0, 0.0),
+        "linears": (attn.qkv_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj),  # (their LoRA: serves_lora)
     }
 
 
@@ -144,7 +150,57 @@ def plan_stack(plans: list[dict[str, Any] | None], norm: torch.nn.Module | None 
     embeds = bool(tail) and embedding is not None and embedding.dtype == dtype and embedding.device.type == "cpu"
     if embeds:
         stack.set_embedding(embedding.detach().contiguous())
-    return {"stack": stack, "layers": len(plans), "max_rows": max_rows, "head_rows": head_rows, "embeds": embeds}
+    return {"stack": stack, "layers": len(plans), "max_rows": max_rows, "head_rows": head_rows, "embeds": embeds,
+            "linears": [m for p in plans for m in p["linears"]], "dtype": dtype}
+
+
+def serves_lora(p: dict[str, Any]) -> bool:
+    """Whether the stack of ``p`` adds the LoRA adapters of its linears' current pool (a
+    ``LayerLoRA`` at ``layer.__dict__["lora"]``): the pool's buffers are bound to the stack the first
+    time and again when a new pool replaced them (a check of one layer's, per call)."""
+    bound = p.get("lora")
+    if bound is None or bound[0].__dict__.get("lora") is not bound[1]:
+        bound = p["lora"] = _bind_lora(p)
+    return bound[2] is not None
+
+
+def _bind_lora(p: dict[str, Any]) -> tuple[torch.nn.Module, Any, Any]:
+    """(a linear, its LayerLoRA, their pool or None where the stack cannot add its adapters): the
+    pool's A and B-by-blocks buffers handed to the stack (``DecodeStack.set_lora``), read in place."""
+    mods = p["linears"]
+    loras = [m.__dict__.get("lora") for m in mods]
+    i = next((i for i, lora in enumerate(loras) if lora is not None), 0)
+    pool = loras[i].pool if loras[i] is not None else None
+    if pool is not None and (pool.backend != "torch" or any(
+            lora is not None and (lora.pool is not pool or lora.B_blocks is None or lora.A.dtype != p["dtype"]
+                                  or lora.A.device.type != "cpu") for lora in loras)):
+        pool = None
+    if pool is None:
+        p["stack"].set_lora([], [], [], 0, 0)
+        return mods[i], loras[i], None
+    spans = [v for lora in loras for v in _part_spans(lora)]
+    # (on huge pages, in the order a step reads them: the adapters are as many bytes as the weights)
+    into_arena([t for lora in loras if lora is not None for t in (lora.A, lora.B_blocks)])
+    try:
+        p["stack"].set_lora([lora.A if lora else _EMPTY for lora in loras],
+                            [lora.B_blocks if lora else _EMPTY for lora in loras], spans, pool.slots, pool.max_rank)
+    except RuntimeError as e:  # a layout the checks above let through: those batches keep the Python layers
+        structlog.get_logger(__name__).warning("cpu_decode.lora_unavailable", reason=str(e).splitlines()[0],
+                                               fallback="the Python layers for batches with adapters")
+        p["stack"].set_lora([], [], [], 0, 0)
+        pool = None
+    return mods[i], loras[i], pool
+
+
+def _part_spans(lora: Any) -> list[int]:
+    """A linear's parts as (first output column, width) x 3 for ``set_lora``; width 0: no such part."""
+    flat = [v for span in lora.spans for v in span] if lora is not None else []
+    return (flat + [0] * 6)[:6]
+
+
+def _slots(p: dict[str, Any], lora: bool, rows: int) -> torch.Tensor | None:
+    """The rows' adapter slots for a stack call with adapters (``serves_lora`` bound them), else None."""
+    return p["lora"][2].token_slots(rows) if lora else None
 
 
 def into_arena(tensors: list[torch.Tensor]) -> torch.Tensor | None:
@@ -200,30 +256,32 @@ def run_stack_head(p: dict[str, Any], x: torch.Tensor, batch: Any) -> tuple[torc
     """Every layer, the final norm and the head on ``x`` (fewer rows than ``p["max_rows"]`` and
     ``p["head_rows"]``): ``(hidden, logits)``, as the model's norm and ``compute_logits`` give them."""
     return p["stack"].run_head(x.contiguous(), batch.positions, batch.out_cache_loc, batch.kv_indices, batch.seq_lens,
-                               batch.extend_lens)
+                               batch.extend_lens, _slots(p, batch.lora, x.shape[0]))
 
 
 def decode(p: dict[str, Any], ids: list[int], positions: list[int], out_cache_loc: list[int], kv_indices: torch.Tensor,
-           seq_lens: list[int], vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+           seq_lens: list[int], vocab: int, lora: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A decode step of ``len(ids)`` sequences (fewer than ``p["max_rows"]`` and ``p["head_rows"]``;
     planned with an embedding) from the scheduler's lists: ``(hidden, logits, argmax)``, as the
     model's forward, ``compute_logits`` and ``argmax(logits[:, :vocab])`` give them. One call, so
-    the ~8 torch ops a step otherwise makes before and after the stack are not made."""
-    return p["stack"].decode(ids, positions, out_cache_loc, kv_indices, seq_lens, vocab)
+    the ~8 torch ops a step otherwise makes before and after the stack are not made. ``lora``: the
+    rows go through the pool's adapters as its last ``set_batch`` assigned them (``serves_lora``)."""
+    return p["stack"].decode(ids, positions, out_cache_loc, kv_indices, seq_lens, vocab, _slots(p, lora, len(ids)))
 
 
 def decode_steps(p: dict[str, Any], ids: list[int], positions: list[int], out_cache_loc: list[int],
                  kv_indices: torch.Tensor, seq_lens: list[int], vocab: int, steps: int,
-                 stop_ids: list[int]) -> list[list[int]]:
+                 stop_ids: list[int], lora: bool = False) -> list[list[int]]:
     """Up to ``steps`` greedy decode steps in one call (``DecodeStack.decode_steps``): each step's
     tokens (a list per step, one per sequence), ending early after a step that produced any of
     ``stop_ids``. ``out_cache_loc`` holds step k's slots at ``[k * len(ids), (k + 1) * len(ids))``;
-    ``kv_indices`` has the columns of every step's slots."""
-    return p["stack"].decode_steps(ids, positions, out_cache_loc, kv_indices, seq_lens, vocab, steps, stop_ids).tolist()
+    ``kv_indices`` has the columns of every step's slots; ``lora`` as :func:`decode`'s, every step."""
+    return p["stack"].decode_steps(ids, positions, out_cache_loc, kv_indices, seq_lens, vocab, steps, stop_ids,
+                                   _slots(p, lora, len(ids))).tolist()
 
 
 def run_stack(p: dict[str, Any], x: torch.Tensor, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """Every layer on ``x [rows, hidden]`` (fewer rows than ``p["max_rows"]``) as ``(h, mlp_out)`` of
     the last layer, as a chain of :func:`run` calls returns them."""
     return p["stack"].run(x.contiguous(), batch.positions, batch.out_cache_loc, batch.kv_indices, batch.seq_lens,
-                          batch.extend_lens)
+                          batch.extend_lens, _slots(p, batch.lora, x.shape[0]))

@@ -80,7 +80,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         # (the op's attention is causal: a verify of draft trees takes the Python path below; so do
-        # LoRA adapters, which the op's projections do not apply)
+        # LoRA adapters, which the one-op layer's projections do not apply: only the stack's do)
         if (x.device.type == "cpu" and batch.tree_mask is None and not batch.lora
                 and (fast := self._cpu_decode(batch.attn_backend)) is not None):
             h, mlp_out = cpu_decode.run(fast, x, batch)
@@ -122,18 +122,19 @@ class LlamaModel(nn.Module):
         self.__dict__.pop("_step_logits", None)
         x = self.embed_tokens(batch.input_ids)
         capture = self.capture_layers  # (the fused stack keeps no layer inputs: captures take the per-layer path)
-        # the C++ ops attend causally and know no adapters: a verify of draft trees (batch.tree_mask)
-        # and a batch with LoRA adapters (batch.lora) take the Python layers
-        fused = x.device.type == "cpu" and batch.tree_mask is None and not batch.lora
+        # the C++ ops attend causally: a verify of draft trees (batch.tree_mask) takes the Python
+        # layers; a batch with LoRA adapters (batch.lora) does unless the stack serves it (only the
+        # stack adds adapters)
+        fused = x.device.type == "cpu" and batch.tree_mask is None
         if (fused and not capture and (stack := self._cpu_stack(batch.attn_backend, head)) is not None
-                and x.shape[0] < stack["max_rows"]):
+                and x.shape[0] < stack["max_rows"] and (not batch.lora or cpu_decode.serves_lora(stack))):
             if x.shape[0] == len(batch.seq_lens_cpu) and x.shape[0] < stack["head_rows"]:  # one row per sequence: all sample
                 hidden, logits = cpu_decode.run_stack_head(stack, x, batch)
                 self.__dict__["_step_logits"] = (hidden, logits)
                 return hidden
             h, mlp_out = cpu_decode.run_stack(stack, x, batch)
             return self.norm(h + mlp_out)
-        return self.norm(self._layers(x, batch, fused, capture))
+        return self.norm(self._layers(x, batch, fused and not batch.lora, capture))
 
     def _layers(self, x: torch.Tensor, batch: ForwardBatch, fused: bool, capture: tuple[int, ...] = ()) -> torch.Tensor:
         """The residual stream after every layer, each run as one C++ op where it has one and
@@ -191,6 +192,7 @@ class LlamaForCausalLM(nn.Module):
     }
     attn_options: dict[str, Any] = {}
     layer_cls: type[nn.Module] = LlamaDecoderLayer
+    decode_lora = True  # decode_step(s) see batches with LoRA adapters too (and serve them where the stack adds them)
 
     def __init__(self, config, ctx: ModelContext) -> None:
         super().__init__()
@@ -213,7 +215,8 @@ class LlamaForCausalLM(nn.Module):
     def _decode_stack(self, inputs: Any, attn_backend: Any) -> tuple[dict[str, Any], int] | None:
         """(the CPU decode stack's plan, the vocabulary size) where the stack serves ``inputs``'s
         batch (a decode: one token per sequence, every one sampling; never while the model
-        captures layer inputs, which only the per-layer path keeps), else None. What serves is
+        captures layer inputs, which only the per-layer path keeps; with LoRA adapters only where
+        the stack adds them), else None. What serves is
         decided once per attention backend (this runs every step, where each attribute lookup
         through nn.Module costs)."""
         cached = self.__dict__.get("_decode_plan")
@@ -227,7 +230,7 @@ class LlamaForCausalLM(nn.Module):
         b = len(inputs.seq_lens)
         if (stack is None or model.capture_layers or b >= stack["max_rows"] or b >= stack["head_rows"]
                 or len(inputs.input_ids) != b or not isinstance(inputs.positions, list) or not isinstance(inputs.out_cache_loc, list)
-                or inputs.kv_indices.device.type != "cpu"
+                or inputs.kv_indices.device.type != "cpu" or (getattr(inputs, "lora", False) and not cpu_decode.serves_lora(stack))
                 or (inputs.logit_rows != [(0, b)] and inputs.logit_rows != [list(range(b))])):  # (a prefill of one token each)
             return None
         return stack, vocab
@@ -238,7 +241,7 @@ class LlamaForCausalLM(nn.Module):
         if (served := self._decode_stack(inputs, attn_backend)) is None:
             return None
         return cpu_decode.decode(served[0], inputs.input_ids, inputs.positions, inputs.out_cache_loc, inputs.kv_indices,
-                                 inputs.seq_lens, served[1])
+                                 inputs.seq_lens, served[1], getattr(inputs, "lora", False))
 
     def decode_steps(self, inputs: Any, attn_backend: Any, steps: int, stop_ids: list[int]) -> list[list[int]] | None:
         """``CausalLM.decode_steps``: up to ``steps`` greedy CPU decode steps as one call of the
@@ -246,7 +249,8 @@ class LlamaForCausalLM(nn.Module):
         if (served := self._decode_stack(inputs, attn_backend)) is None:
             return None
         return cpu_decode.decode_steps(served[0], inputs.input_ids, inputs.positions, inputs.out_cache_loc,
-                                       inputs.kv_indices, inputs.seq_lens, served[1], steps, stop_ids)
+                                       inputs.kv_indices, inputs.seq_lens, served[1], steps, stop_ids,
+                                       getattr(inputs, "lora", False))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if isinstance(self.model, LlamaModel) and (logits := self.model.step_logits(hidden)) is not None:
