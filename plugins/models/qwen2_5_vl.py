@@ -18,9 +18,8 @@ from torch import nn
 import torch.nn.functional as F
 
 from core import hookimpl
-from core.interfaces import ModelContext
-from core.layers import RMSNorm, VocabEmbedding
-from core_plugins.models.qwen2_vl import Qwen2VLForConditionalGeneration, Qwen2VLTextModel, VisionBlock, VisionTower
+from core.layers import RMSNorm
+from core_plugins.models.qwen2_vl import Qwen2VLForConditionalGeneration, VisionBlock, VisionTower
 
 
 class Qwen2_5_VisionBlock(VisionBlock):
@@ -124,16 +123,7 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
     """Qwen2-VL's model API (``encode_images``, ``mrope_positions``, ``image_token_id``, the
     forward's image splice and M-RoPE) with Qwen2.5-VL's vision tower."""
 
-    def __init__(self, config: Any, ctx: ModelContext) -> None:
-        nn.Module.__init__(self)
-        text = config.get_text_config()
-        self.config, self.vision_config = text, config.vision_config
-        self.image_token_id = config.image_token_id
-        self.model = Qwen2VLTextModel(text, ctx, self.layer_cls, **self.attn_options)
-        self.visual = Qwen2_5_VisionTower(config.vision_config, ctx.dtype)
-        self.tied = bool(getattr(config, "tie_word_embeddings", False))
-        if not self.tied:
-            self.lm_head = VocabEmbedding(text.vocab_size, text.hidden_size, ctx.dtype)
+    vision_cls = Qwen2_5_VisionTower
 
 
 @hookimpl

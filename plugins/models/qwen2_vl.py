@@ -193,6 +193,7 @@ class Qwen2VLForConditionalGeneration(LlamaForCausalLM):
 
     attn_options = {"qkv_bias": True, "o_bias": False}
     layer_cls = Qwen2VLDecoderLayer
+    vision_cls: type[nn.Module] = VisionTower  # (Qwen2.5-VL: its own tower on the same language model)
 
     def __init__(self, config: Any, ctx: ModelContext) -> None:
         nn.Module.__init__(self)
@@ -200,7 +201,7 @@ class Qwen2VLForConditionalGeneration(LlamaForCausalLM):
         self.config, self.vision_config = text, config.vision_config
         self.image_token_id = config.image_token_id
         self.model = Qwen2VLTextModel(text, ctx, self.layer_cls, **self.attn_options)
-        self.visual = VisionTower(config.vision_config, ctx.dtype)
+        self.visual = self.vision_cls(config.vision_config, ctx.dtype)
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tied:
             self.lm_head = VocabEmbedding(text.vocab_size, text.hidden_size, ctx.dtype)

@@ -12,8 +12,7 @@ from typing import Any
 from core import hookimpl
 from core.engine.multimodal import ImageInputs
 from core.engine.multimodal.images import image_hash
-from core.engine.multimodal.processor import expand_placeholders
-from core.errors import ModelLoadError
+from core.engine.multimodal.processor import expand_placeholders, image_token_id
 
 CORE_PLUGIN_API = "1"
 
@@ -52,17 +51,7 @@ class LlavaInputProcessor:
         self.tokens_per_image = tokens_per_image(hf_config)
         configured = getattr(hf_config, "image_token_id", None)
         configured = configured if configured is not None else getattr(hf_config, "image_token_index", None)
-        token_id = None
-        if tokenizer is not None:
-            token_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
-            token_id = None if token_id == getattr(tokenizer, "unk_token_id", None) else token_id
-        if token_id is not None and configured is not None and token_id != configured:
-            raise ModelLoadError(f"the tokenizer's {IMAGE_TOKEN} is token {token_id}, but the model's config has "
-                                 f"image_token_id {configured}")
-        token_id = token_id if token_id is not None else configured
-        if token_id is None:
-            raise ModelLoadError(f"neither the tokenizer nor the model's config names the image token {IMAGE_TOKEN}")
-        self.image_token_id = int(token_id)
+        self.image_token_id = image_token_id(tokenizer, IMAGE_TOKEN, configured)
 
     def process(self, prompt: str | list[int], images: list) -> ImageInputs:
         out = self.image_processor(images=list(images), return_tensors="pt")

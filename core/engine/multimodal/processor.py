@@ -3,7 +3,9 @@ image's tokens into a prompt in place of its placeholder."""
 
 from __future__ import annotations
 
-from core.errors import InvalidRequest
+from typing import Any
+
+from core.errors import InvalidRequest, ModelLoadError
 
 
 def expand_placeholders(ids: list[int], image_token_id: int, counts: list[int],
@@ -26,3 +28,20 @@ def expand_placeholders(ids: list[int], image_token_id: int, counts: list[int],
         prev = pos + 1
     out += ids[prev:]
     return out, spans
+
+
+def image_token_id(tokenizer: Any, token: str, configured: int | None) -> int:
+    """The id of the image placeholder ``token``: the tokenizer's (its ``image_token_id``, else the
+    token looked up), checked against the model config's ``configured`` id, which stands in where
+    there is no tokenizer. ModelLoadError when they disagree or neither names it."""
+    found = getattr(tokenizer, "image_token_id", None) if tokenizer is not None else None
+    if found is None and tokenizer is not None:
+        found = tokenizer.convert_tokens_to_ids(token)
+        found = None if found == getattr(tokenizer, "unk_token_id", None) else found
+    if found is not None and configured is not None and found != configured:
+        raise ModelLoadError(f"the tokenizer's {token} is token {found}, but the model's config has "
+                             f"image_token_id {configured}")
+    found = found if found is not None else configured
+    if found is None:
+        raise ModelLoadError(f"neither the tokenizer nor the model's config names the image token {token}")
+    return int(found)
