@@ -28,6 +28,9 @@ suite                                     required fixture        checked agains
                                                                      observing a fake target's features)
 ``hicache_storage_conformance``           ``hicache_storage_backend``  round trips, missing keys, overwrite,
                                                                      clear, a failed write
+``multimodal_processor_conformance``      ``multimodal_processor``  placeholder expansion, pixels, content
+                                                                     hashes, count mismatches (a built
+                                                                     processor: pytest only)
 ========================================  ======================  ===================================
 
 Outside pytest, :func:`check_plugin` runs a suite and returns a :class:`CaseResult` per case.
@@ -41,7 +44,7 @@ from core.testing.parser_samples import REASONING_SAMPLES, TOOL_FORMATS, TOOL_SA
 from core.testing.suite import Case, CaseResult, ConformanceError, Skipped
 from core.testing.suites import (
     AttentionBackendConformance, DrafterConformance, GrammarBackendConformance, HiCacheStorageConformance,
-    ModelConformance, QuantMethodConformance, ReasoningParserConformance, Suite, ToolParserConformance,
+    ModelConformance, MultimodalProcessorConformance, QuantMethodConformance, ReasoningParserConformance, Suite, ToolParserConformance,
 )
 
 attention_backend_conformance = AttentionBackendConformance
@@ -52,11 +55,13 @@ reasoning_parser_conformance = ReasoningParserConformance
 grammar_backend_conformance = GrammarBackendConformance
 drafter_conformance = DrafterConformance
 hicache_storage_conformance = HiCacheStorageConformance
+multimodal_processor_conformance = MultimodalProcessorConformance
 
 __all__ = [
     "attention_backend_conformance", "quant_method_conformance", "model_conformance", "tool_parser_conformance",
     "reasoning_parser_conformance", "grammar_backend_conformance", "drafter_conformance",
-    "hicache_storage_conformance", "HiCacheStorageConformance",
+    "hicache_storage_conformance", "HiCacheStorageConformance", "multimodal_processor_conformance",
+    "MultimodalProcessorConformance",
     "AttentionBackendConformance", "QuantMethodConformance", "ModelConformance", "ToolParserConformance",
     "ReasoningParserConformance", "GrammarBackendConformance", "DrafterConformance", "Suite",
     "check_plugin", "format_results", "Case", "CaseResult", "ConformanceError", "Skipped",

@@ -11,6 +11,7 @@ from core.testing.attention import AttentionSubject, attention_cases
 from core.testing.drafter import DrafterSubject, drafter_cases
 from core.testing.grammar import GrammarSubject, grammar_cases
 from core.testing.hicache_storage import StorageSubject, hicache_storage_cases
+from core.testing.multimodal import ProcessorSubject, multimodal_processor_cases
 from core.testing.models import ModelSubject, model_cases
 from core.testing.parsers import ReasoningParserSubject, ToolParserSubject, reasoning_parser_cases, tool_parser_cases
 from core.testing.quant import QuantSubject, quant_cases
@@ -25,6 +26,7 @@ SUITES: dict[str, tuple[Callable[..., Any], Callable[[], list[Case]]]] = {
     "grammar_backend": (GrammarSubject.build, grammar_cases),
     "speculative_algorithm": (DrafterSubject.build, drafter_cases),
     "hicache_storage_backend": (StorageSubject.build, hicache_storage_cases),
+    "multimodal_processor": (ProcessorSubject.build, multimodal_processor_cases),  # (pytest only: see the suite)
 }
 
 

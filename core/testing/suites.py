@@ -21,6 +21,7 @@ from core.testing.drafter import DrafterSubject, drafter_cases
 from core.testing.grammar import GrammarSubject, grammar_cases
 from core.testing.hicache_storage import StorageSubject, hicache_storage_cases
 from core.testing.models import ModelSubject, model_cases
+from core.testing.multimodal import ProcessorSubject, multimodal_processor_cases
 from core.testing.parsers import ReasoningParserSubject, ToolParserSubject, reasoning_parser_cases, tool_parser_cases
 from core.testing.quant import QuantSubject, quant_cases
 from core.testing.suite import Case, run_in_pytest
@@ -145,3 +146,14 @@ class HiCacheStorageConformance(Suite):
 
     def test_hicache_storage_backend(self, case, hicache_storage_backend, conformance_plugins):
         run_in_pytest(case, StorageSubject.build(hicache_storage_backend, plugins=conformance_plugins))
+
+
+class MultimodalProcessorConformance(Suite):
+    """Fixture ``multimodal_processor`` (a built processor, or a zero-argument factory of one: a
+    processor is made for one model's folder, config and tokenizer)."""
+
+    kind = "multimodal_processor"
+    cases = staticmethod(multimodal_processor_cases)
+
+    def test_multimodal_processor(self, case, multimodal_processor, conformance_plugins):
+        run_in_pytest(case, ProcessorSubject.build(multimodal_processor, plugins=conformance_plugins))
