@@ -180,3 +180,8 @@ def test_enable_multimodal_false_refuses_images_and_a_text_only_model_ignores_th
         text_only.shutdown()
     with pytest.raises(Exception, match="limit-mm-data-per-request"):
         make_engine(vlm[0], max_total_tokens=1024, limit_mm_data_per_request="{image: 2")
+
+
+def test_data_parallel_replicas_are_refused_for_a_vision_language_model(vlm):
+    with pytest.raises(Exception, match="--dp-size > 1 with the vision-language model"):
+        make_engine(vlm[0], dp_size=2)

@@ -78,6 +78,10 @@ class DataParallelEngine(RequestFrontEnd):
         self.device = torch.device("cpu")  # the front end holds no model
         self.model_config = load_model_config(args.model_path, args.dtype, self.device, args.context_length,
                                               args.served_model_name, args.json_model_override_args)
+        if (args.enable_multimodal is not False
+                and self.model_config.architecture in self.plugins.names("multimodal_processor")):  # (replicas' images)
+            raise CoreError(f"--dp-size > 1 with the vision-language model {self.model_config.architecture} is not "
+                            "supported yet; serve it with --dp-size 1")
         self.tokenizer = None if args.skip_tokenizer_init else _load_tokenizer(args, self.model_config.path)
         self.vocab_size = self.model_config.text_config.vocab_size
         self.grammar = GrammarManager(self.plugins, args.grammar_backend, self.tokenizer, self.vocab_size,
