@@ -53,7 +53,7 @@ def test_groups_in_order_and_plugin_flags_reach_extra():
     p = _parser(serve=True)
     titles = [g.title for g in p._action_groups[2:]]  # after positionals and options (--help)
     assert titles == ["Model and tokenizer", "Memory and scheduling", "Kernel backends and plugins",
-                      "Parallelism and multi-node serving", "Logging"]
+                      "Parallelism and multi-node serving", "LoRA", "Logging"]
     p.add_argument("--myplug-scale", type=float, default=1.0)
     ns = p.parse_args(["--myplug-scale", "3", "--max-total-tokens", "64"])
     args = engine_args_from_namespace(ns, ("myplug_scale",))
