@@ -56,6 +56,12 @@ class LoRAAdapter:
         return {m for m, _ in self.weights}
 
 
+def packed_modules_of(model: torch.nn.Module) -> dict[str, tuple[str, object]]:
+    """The model's map of checkpoint module names to (its packed layer, part), keyed by the last
+    name component only (what ``read_adapter`` and the pool resolve peft's names through)."""
+    return {k: v for k, v in getattr(model, "packed_modules", {}).items() if "." not in k}
+
+
 def read_adapter(name: str, path: str, packed_modules: Mapping[str, tuple[str, object]]) -> LoRAAdapter:
     """The adapter saved by peft's ``save_pretrained`` in folder ``path``, mapped through the
     model's ``packed_modules``. Raises :class:`LoRAError` for a missing folder or file and for

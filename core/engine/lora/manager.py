@@ -56,16 +56,16 @@ class LoRAManager:
         """The loaded adapter called ``name``."""
         return self._entry(name).adapter
 
-    def add(self, name: str, path: str, pinned: bool = False) -> LoRAAdapter:
-        """Read the adapter in folder ``path`` as ``name`` and check it fits the pool; past
-        ``max_loaded`` the least recently used adapter that is neither pinned nor in use is
-        evicted. Raises :class:`LoRAError` (the adapter is then not added)."""
+    def add(self, name: str, path: str, pinned: bool = False, adapter: LoRAAdapter | None = None) -> LoRAAdapter:
+        """Read the adapter in folder ``path`` as ``name`` (or take ``adapter``, already read from
+        it) and check it fits the pool; past ``max_loaded`` the least recently used adapter that is
+        neither pinned nor in use is evicted. Raises :class:`LoRAError` (the adapter is then not added)."""
         if not name:
             raise LoRAError("a LoRA adapter needs a non-empty name")
         if name in self._entries:
             state = "is being removed (its requests are still running)" if self._entries[name].removing else "is already loaded"
             raise LoRAError(f"LoRA adapter {name!r} {state}; remove it first or choose another name")
-        adapter = read_adapter(name, path, self.packed_modules)
+        adapter = adapter if adapter is not None else read_adapter(name, path, self.packed_modules)
         self.pool.check(adapter)
         if self.max_loaded is not None and len(self.names()) >= self.max_loaded:
             victims = [e for e in self._entries.values() if not (e.pinned or e.users or e.removing)]

@@ -20,7 +20,7 @@ from typing import Collection, Mapping
 import torch
 import torch.nn.functional as F
 
-from core.engine.lora.adapter import LoRAAdapter, LoRAError
+from core.engine.lora.adapter import LoRAAdapter, LoRAError, packed_modules_of
 from core.layers import Linear, RowParallelLinear
 
 BACKENDS = ("torch", "triton")
@@ -186,7 +186,7 @@ class LoRAPool:
         if slots < 1 or max_rank < 1:
             raise LoRAError(f"LoRA pool needs at least one slot and a positive max rank (got {slots}, {max_rank})")
         self.slots, self.max_rank, self.backend, self.device = slots, max_rank, backend, torch.device(device)
-        packed = {k: v for k, v in getattr(model, "packed_modules", {}).items() if "." not in k}
+        packed = packed_modules_of(model)
         linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
         self.target_names = sorted(target_modules) if target_modules is not None else ["all"]
         self.targets = resolve_targets(target_modules, {n.rsplit(".", 1)[-1] for n in linears}, packed)

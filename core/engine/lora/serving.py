@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 import structlog
 import torch
 
-from core.engine.lora.adapter import LoRAError, read_adapter
+from core.engine.lora.adapter import LoRAError, packed_modules_of, read_adapter
 from core.engine.lora.manager import LoRAManager
 from core.engine.lora.pool import LoRAPool
 
@@ -60,9 +60,9 @@ def parse_lora_paths(items: Any) -> list[tuple[str, str, bool]]:
 class LoRAServing:
     """Adapters by name for the front end, adapter slots per batch for the model runner."""
 
-    def __init__(self, args: Any, model: torch.nn.Module, dtype: torch.dtype, device: torch.device, log: Any) -> None:
+    def __init__(self, args: Any, model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
         initial = parse_lora_paths(args.lora_paths)
-        packed = {k: v for k, v in getattr(model, "packed_modules", {}).items() if "." not in k}
+        packed = packed_modules_of(model)
         adapters = [read_adapter(n, p, packed) for n, p, _ in initial]
         max_rank = args.max_lora_rank or max((a.rank for a in adapters), default=0)
         targets = args.lora_target_modules
@@ -79,21 +79,19 @@ class LoRAServing:
                              dtype=dtype, device=device, backend=backend)
         self.manager = LoRAManager(self.pool, packed, max_loaded=args.max_loaded_loras, log=log,
                                    eviction_policy=args.lora_eviction_policy)
-        self.max_per_batch = args.max_loras_per_batch
-        self.packed, self.log = packed, log
+        self.packed = packed
         self._lock = threading.Lock()
         self._holding: set = set()  # submitted requests that hold their adapter (Req compares by identity)
-        self._paths: dict[str, str] = {}
-        for name, path, pinned in initial:  # (read again by the manager: the reads above only sized the pool)
-            self._add(name, path, pinned)
-        log.info("lora.ready", adapters=list(self._paths), max_rank=max_rank, targets=sorted(map(str, targets)),
-                 slots=self.max_per_batch, backend=backend)
+        for (name, path, pinned), adapter in zip(initial, adapters):  # (read once: they sized the pool)
+            self._add(name, path, pinned, adapter)
+        log.info("lora.ready", adapters=self.manager.names(), max_rank=max_rank, targets=sorted(map(str, targets)),
+                 slots=args.max_loras_per_batch, backend=backend)
 
     # ---- the event loop's side
     def adapters(self) -> dict[str, str]:
         """Loaded adapter name -> path (what ``/v1/models`` lists)."""
         with self._lock:
-            return {n: self._paths[n] for n in self.manager.names()}
+            return {n: self.manager.adapter(n).path for n in self.manager.names()}
 
     def resolve(self, name: str | None) -> int:
         """The uid of adapter ``name`` (0: the base model); LoRAError naming the loaded ones."""
@@ -136,18 +134,16 @@ class LoRAServing:
         """Read and add an adapter at run time (the files are read on a worker thread)."""
         await asyncio.to_thread(self._add, name, path, pinned)
 
-    def _add(self, name: str, path: str, pinned: bool) -> None:
+    def _add(self, name: str, path: str, pinned: bool, adapter: Any = None) -> None:
+        if adapter is None:  # (the files are read outside the lock: the forward thread's prepare takes it)
+            adapter = read_adapter(name, path, self.packed)
         with self._lock:
-            adapter = self.manager.add(name, path, pinned)
-            self._paths[name] = path
-        self.log.info("lora.loaded", name=name, path=path, rank=adapter.rank, pinned=pinned)
+            self.manager.add(name, path, pinned, adapter=adapter)
 
     def unload(self, name: str) -> None:
         """Remove an adapter: new requests cannot name it; running ones finish with it."""
         with self._lock:
             self.manager.remove(name)
-            self._paths.pop(name, None)
-        self.log.info("lora.unloaded", name=name)
 
     def graph_pool(self, max_bs: int) -> LoRAPool | None:
         """The pool, for decode CUDA graphs that hold its kernels (``CudaGraphRunner``), when its
@@ -183,7 +179,7 @@ def attach_lora(engine: Any) -> LoRAServing | None:
     args = engine.args
     if not (args.enable_lora or args.lora_paths):
         return None
-    lora = LoRAServing(args, engine.model, engine.model_config.dtype, engine.device, log)
+    lora = LoRAServing(args, engine.model, engine.model_config.dtype, engine.device)
     engine.runner.lora = lora
     engine.scheduler.max_loras = args.max_loras_per_batch
     lora.pool.reserve_segments(engine.scheduler.max_running)  # (before any graph keeps their addresses)
