@@ -391,8 +391,12 @@ def test_offline_engine_decodes_image_data(monkeypatch) -> None:
 
     seen = {}
 
+    from core.engine.frontend import RequestFrontEnd
+
     class Inner:
         tokenizer = None
+        args = SimpleNamespace()  # (no media flags: SGLang's defaults)
+        decode_images = RequestFrontEnd.decode_images  # the engine's, which the offline Engine calls
 
         async def generate(self, *a: Any, **kw: Any) -> dict:
             seen.update(kw)

@@ -107,15 +107,15 @@ class RequestFrontEnd:
         except CoreError as e:
             raise InvalidRequest(str(e), param="lora_path") from e
 
-    def decode_images(self, items: list) -> list:
-        """PIL images of the offline API's image items (PIL images pass through; local paths allowed:
-        the caller runs on this machine; URLs unless the process runs offline)."""
+    def decode_images(self, items: list, param: str = "image_data") -> list:
+        """PIL images of the offline API's image items under the engine's media flags (PIL images
+        pass through; local paths allowed: the caller runs on this machine; URLs unless the process
+        runs offline). Thread-safe: the offline ``Engine`` calls it on the caller's thread."""
         if not items:
             return []
         from core.engine.multimodal.images import MediaPolicy, load_images
 
-        policy = attrs.evolve(MediaPolicy.from_args(self.args), allow_local=True)
-        return load_images(items, policy)
+        return load_images(items, attrs.evolve(MediaPolicy.from_args(self.args), allow_local=True), param)
 
     # ---- LoRA adapters at run time (SGLang's /load_lora_adapter, /unload_lora_adapter)
     def lora_adapters(self) -> dict[str, str]:

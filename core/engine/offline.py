@@ -31,20 +31,19 @@ def _lora(lora_path: Any) -> dict[str, Any]:
     return {} if lora_path is None else {"lora_path": lora_path}
 
 
-def _images(image_data: Any, prompt: Any, input_ids: Any) -> dict[str, Any]:
+def _images(engine: Any, image_data: Any, prompt: Any, input_ids: Any) -> dict[str, Any]:
     """``AsyncEngine.generate`` keyword arguments for ``image_data`` (none when unset): SGLang's
-    forms (see ``images_per_prompt``), decoded here, on the caller's thread, so that no URL fetch
-    or decoding runs on the engine loop. The offline engine's caller may name local files; URLs
-    are fetched unless the process runs offline (``HF_HUB_OFFLINE``). Decoded: a list of RGB
-    images for one prompt, a list of such lists for a batch."""
+    forms (see ``images_per_prompt``), decoded here (``engine.decode_images``: its media flags; local
+    files allowed, URLs fetched unless the process runs offline), on the caller's thread, so that no
+    URL fetch or decoding runs on the engine loop. Decoded: a list of RGB images for one prompt, a
+    list of such lists for a batch."""
     if image_data is None:
         return {}
-    from core.engine.multimodal.images import MediaPolicy, images_per_prompt, load_images, offline
+    from core.engine.multimodal.images import images_per_prompt
 
     batch = isinstance(prompt, list) or (isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list))
     n = len(prompt if isinstance(prompt, list) else input_ids) if batch else 1
-    policy = MediaPolicy(allow_url=not offline(), allow_local=True)
-    per_prompt = [load_images(items, policy, f"image_data[{i}]" if batch else "image_data") if items else []
+    per_prompt = [engine.decode_images(items, f"image_data[{i}]" if batch else "image_data")
                   for i, items in enumerate(images_per_prompt(image_data, n, batch))]
     return {"image_data": per_prompt if batch else per_prompt[0]}
 
@@ -83,7 +82,7 @@ class Engine:
         one prompt's image or list of images, or a list aligned with the batch, each a PIL image,
         a path, a data URI, base64, bytes or an http(s) URL; the prompt holds the images'
         placeholders (as the model's chat template writes them)."""
-        images = _images(image_data, prompt, input_ids)
+        images = _images(self.engine, image_data, prompt, input_ids)
         result = self._call(self.engine.generate(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
                                                  top_logprobs_num, stream, rid, **_lora(lora_path), **images))
         return self._iter_sync(result) if stream else result
@@ -102,7 +101,7 @@ class Engine:
                              logprob_start_len: int = -1, top_logprobs_num: int = 0, stream: bool = False,
                              rid: str | None = None, lora_path: str | list[str | None] | None = None,
                              image_data: Any = None) -> Any:
-        images = await asyncio.to_thread(_images, image_data, prompt, input_ids) if image_data is not None else {}
+        images = await asyncio.to_thread(_images, self.engine, image_data, prompt, input_ids) if image_data is not None else {}
         fut = asyncio.run_coroutine_threadsafe(
             self.engine.generate(prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num, stream, rid,
                                  **_lora(lora_path), **images),
