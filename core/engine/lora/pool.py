@@ -295,10 +295,8 @@ class LoRAPool:
         tokens all 0); made once per forward and block width (LayerLoRA's small-batch path)."""
         mask = self._masks.get(width)
         if mask is None:
-            slot_of = torch.full((tokens,), -1, dtype=torch.int64)
-            for s, rows in self._groups:
-                slot_of[rows if isinstance(rows, slice) else rows.cpu()] = s
-            cols = torch.arange(self.slots * width) // width
+            slot_of = self.token_slots(tokens)
+            cols = torch.arange(self.slots * width, dtype=torch.int32) // width
             mask = self._masks[width] = (cols[None, :] == slot_of[:, None]).to(self._dtype).to(self.device)
         return mask
 
