@@ -185,3 +185,19 @@ def test_enable_multimodal_false_refuses_images_and_a_text_only_model_ignores_th
 def test_data_parallel_replicas_are_refused_for_a_vision_language_model(vlm):
     with pytest.raises(Exception, match="--dp-size > 1 with the vision-language model"):
         make_engine(vlm[0], dp_size=2)
+
+
+def test_the_copies_of_an_n_gt_1_request_share_one_encoding(vlm, eng):
+    mm = eng.engine.multimodal
+    calls = []
+    orig = mm.model.encode_images
+    mm.model.encode_images = lambda *a: calls.append(a[0].shape[0]) or orig(*a)
+    try:
+        text, img = f"twice {IMG} over", picture(44, 60, 9)
+        outs = eng.generate(text, greedy(N_NEW, n=2), image_data=img)
+    finally:
+        mm.model.encode_images = orig
+    assert [o["output_ids"] for o in outs] == [hf_greedy(vlm, text, [img])] * 2
+    assert len(calls) == 1  # one call, for one image: the two sequences share its rows
+    one = mm.processor.process(vlm[2].encode(text), [img]).pixel_values.shape[0]
+    assert calls == [one]

@@ -50,10 +50,11 @@ class MultimodalServing:
         """(rotary positions, mm_rows, mm_embeds, mrope_positions) of a forward whose request ``i``
         adds ``extend_lens[i]`` tokens from sequence position ``starts[i]``; ``positions`` are the
         batch's (plain) positions, returned shifted by each image request's delta past its prompt."""
-        todo = [r for r, s, n in zip(reqs, starts, extend_lens)
-                if r.mm is not None and r.mm.embeds is None and _touches_image(r.mm, s, n)]
+        # (the n > 1 copies of a request share one ImageInputs: each is encoded once)
+        todo = {id(r.mm): r.mm for r, s, n in zip(reqs, starts, extend_lens)
+                if r.mm is not None and r.mm.embeds is None and _touches_image(r.mm, s, n)}
         if todo:
-            self._encode([r.mm for r in todo])
+            self._encode(list(todo.values()))
         rows: list[int] = []
         picks: list[torch.Tensor] = []
         prompt_cols: list[tuple[int, int, int, ImageInputs]] = []  # (batch column, from, to, inputs)
