@@ -49,32 +49,32 @@ class Qwen2_5_VisionTower(VisionTower):
     """Patches ``[N, C * T * P * P]`` (merge blocks contiguous) of images with grids ``[n, 3]`` ->
     ``[N / merge**2, out_hidden_size]``, in the processor's order."""
 
+    name, act = "Qwen2.5-VL", "silu"
+
     def __init__(self, vc: Any, dtype: torch.dtype) -> None:
-        nn.Module.__init__(self)
-        if getattr(vc, "hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported vision hidden_act {vc.hidden_act!r}; Qwen2.5-VL's tower uses silu")
-        dim, self.heads = vc.hidden_size, vc.num_heads
-        self.in_channels, self.patch_size, self.temporal_patch_size = vc.in_channels, vc.patch_size, vc.temporal_patch_size
-        self.spatial_merge_size = m = vc.spatial_merge_size
+        super().__init__(vc, dtype)
+        m = self.spatial_merge_size
         self.window = vc.window_size // m // vc.patch_size  # a window's side, in merged tokens
         if self.window < 1:
             raise ValueError(f"window_size {vc.window_size} is smaller than one merged token "
                              f"({m} x {vc.patch_size} pixels)")
         self.full_attention = frozenset(vc.fullatt_block_indexes)
-        self.patch_embed = nn.Module()
-        kernel = (vc.temporal_patch_size, vc.patch_size, vc.patch_size)
-        self.patch_embed.proj = nn.Conv3d(vc.in_channels, dim, kernel, stride=kernel, bias=False, dtype=dtype)
-        self.blocks = nn.ModuleList(Qwen2_5_VisionBlock(dim, vc.num_heads, vc.intermediate_size, dtype)
-                                    for _ in range(vc.depth))
-        self.merger = nn.Module()
-        self.merger.ln_q = RMSNorm(dim, 1e-6).to(dtype)
-        merged = dim * m * m
-        self.merger.mlp = nn.Sequential(nn.Linear(merged, merged, dtype=dtype), nn.GELU(),
-                                        nn.Linear(merged, vc.out_hidden_size, dtype=dtype))
-        theta = (getattr(vc, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
-        half = dim // self.heads // 2
-        inv_freq = 1.0 / theta ** (torch.arange(0, half, 2, dtype=torch.float) / half)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    @staticmethod
+    def width(vc: Any) -> int:
+        return vc.hidden_size
+
+    @staticmethod
+    def out_width(vc: Any) -> int:
+        return vc.out_hidden_size
+
+    @staticmethod
+    def block(vc: Any, dim: int, dtype: torch.dtype) -> nn.Module:
+        return Qwen2_5_VisionBlock(dim, vc.num_heads, vc.intermediate_size, dtype)
+
+    @staticmethod
+    def merger_norm(dim: int, dtype: torch.dtype) -> nn.Module:
+        return RMSNorm(dim, 1e-6).to(dtype)
 
     def windows(self, grids: list[list[int]]) -> tuple[torch.Tensor, list[int]]:
         """(``[N / merge**2]`` the merged tokens in window order: frame by frame, windows row-major,

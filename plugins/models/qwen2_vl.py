@@ -68,27 +68,46 @@ class VisionTower(nn.Module):
     """Patches ``[N, C * T * P * P]`` (the processor's ``pixel_values``, merge blocks contiguous)
     of images with grids ``[n, 3]`` (t, h, w in patches) -> ``[N / merge**2, hidden]``."""
 
+    name, act = "Qwen2-VL", "quick_gelu"  # (for messages; the only activation its blocks have)
+
     def __init__(self, vc: Any, dtype: torch.dtype) -> None:
         super().__init__()
-        if getattr(vc, "hidden_act", "quick_gelu") != "quick_gelu":
-            raise ValueError(f"unsupported vision hidden_act {vc.hidden_act!r}; Qwen2-VL's tower uses quick_gelu")
-        dim, self.heads = vc.embed_dim, vc.num_heads
+        if getattr(vc, "hidden_act", self.act) != self.act:
+            raise ValueError(f"unsupported vision hidden_act {vc.hidden_act!r}; {self.name}'s tower uses {self.act}")
+        dim, self.heads = self.width(vc), vc.num_heads
         self.in_channels, self.patch_size, self.temporal_patch_size = vc.in_channels, vc.patch_size, vc.temporal_patch_size
         self.spatial_merge_size = m = vc.spatial_merge_size
         self.patch_embed = nn.Module()
         kernel = (vc.temporal_patch_size, vc.patch_size, vc.patch_size)
         self.patch_embed.proj = nn.Conv3d(vc.in_channels, dim, kernel, stride=kernel, bias=False, dtype=dtype)
-        self.blocks = nn.ModuleList(VisionBlock(dim, vc.num_heads, vc.mlp_ratio, dtype) for _ in range(vc.depth))
+        self.blocks = nn.ModuleList(self.block(vc, dim, dtype) for _ in range(vc.depth))
         self.merger = nn.Module()
-        self.merger.ln_q = nn.LayerNorm(dim, eps=1e-6, dtype=dtype)
+        self.merger.ln_q = self.merger_norm(dim, dtype)
         merged = dim * m * m
         self.merger.mlp = nn.Sequential(nn.Linear(merged, merged, dtype=dtype), nn.GELU(),
-                                        nn.Linear(merged, vc.hidden_size, dtype=dtype))
+                                        nn.Linear(merged, self.out_width(vc), dtype=dtype))
         # 2D rotary: head_dim / 4 frequencies for the patch's row, the same ones for its column
         theta = (getattr(vc, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
         half = dim // self.heads // 2
         inv_freq = 1.0 / theta ** (torch.arange(0, half, 2, dtype=torch.float) / half)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    # what Qwen2.5-VL's tower changes (its subclass)
+    @staticmethod
+    def width(vc: Any) -> int:
+        return vc.embed_dim
+
+    @staticmethod
+    def out_width(vc: Any) -> int:
+        return vc.hidden_size
+
+    @staticmethod
+    def block(vc: Any, dim: int, dtype: torch.dtype) -> nn.Module:
+        return VisionBlock(dim, vc.num_heads, vc.mlp_ratio, dtype)
+
+    @staticmethod
+    def merger_norm(dim: int, dtype: torch.dtype) -> nn.Module:
+        return nn.LayerNorm(dim, eps=1e-6, dtype=dtype)
 
     def positions(self, grids: list[list[int]]) -> torch.Tensor:
         """``[N, 2]`` (row, column) of every patch, in the processor's order (merge blocks contiguous)."""
