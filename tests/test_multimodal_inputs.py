@@ -396,7 +396,7 @@ def test_offline_engine_decodes_image_data(monkeypatch) -> None:
     class Inner:
         tokenizer = None
         args = SimpleNamespace()  # (no media flags: SGLang's defaults)
-        decode_images = RequestFrontEnd.decode_images  # the engine's, which the offline Engine calls
+        offline_media_policy = RequestFrontEnd.offline_media_policy  # the engine's, which the offline Engine uses
 
         async def generate(self, *a: Any, **kw: Any) -> dict:
             seen.update(kw)

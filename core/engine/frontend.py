@@ -107,15 +107,12 @@ class RequestFrontEnd:
         except CoreError as e:
             raise InvalidRequest(str(e), param="lora_path") from e
 
-    def decode_images(self, items: list, param: str = "image_data") -> list:
-        """PIL images of the offline API's image items under the engine's media flags (PIL images
-        pass through; local paths allowed: the caller runs on this machine; URLs unless the process
-        runs offline). Thread-safe: the offline ``Engine`` calls it on the caller's thread."""
-        if not items:
-            return []
-        from core.engine.multimodal.images import MediaPolicy, load_images
+    def offline_media_policy(self) -> Any:
+        """The offline API's image policy: the engine's media flags, local paths allowed (the caller
+        runs on this machine), URLs unless the process runs offline."""
+        from core.engine.multimodal.images import MediaPolicy
 
-        return load_images(items, attrs.evolve(MediaPolicy.from_args(self.args), allow_local=True), param)
+        return attrs.evolve(MediaPolicy.from_args(self.args), allow_local=True)
 
     # ---- LoRA adapters at run time (SGLang's /load_lora_adapter, /unload_lora_adapter)
     def lora_adapters(self) -> dict[str, str]:
@@ -179,16 +176,18 @@ class RequestFrontEnd:
         loras = lora_path if isinstance(lora_path, list) else [lora_path] * len(prompts)
         if len(loras) != len(prompts):
             raise InvalidRequest("lora_path list must match the number of prompts", param="lora_path")
-        from core.engine.multimodal.images import images_per_prompt
+        from core.engine.multimodal.images import images_per_prompt, load_prompt_images
 
         images = images_per_prompt(image_data, len(prompts), batch)
+        if any(images):  # (the offline Engine sends them decoded, on its caller's thread: these pass through)
+            images = load_prompt_images(images, self.offline_media_policy(), batch)
         groups = []
         for i, (p, sp) in enumerate(zip(prompts, sps)):
             params = sp if isinstance(sp, SamplingParams) else SamplingParams.from_dict(sp)
             ids = self.tokenize(None if is_ids else p, p if is_ids else None)
             groups.append(self.make_requests(ids, params, None if rid is None else (rid if not batch else f"{rid}-{i}"),
                                              return_logprob, logprob_start_len, top_logprobs_num, group=rid,
-                                             lora_path=loras[i], images=self.decode_images(images[i])))
+                                             lora_path=loras[i], images=images[i]))
         reqs = [r for g in groups for r in g]
         await self.prepare_grammars(reqs)
         self.submit(reqs)

@@ -33,18 +33,17 @@ def _lora(lora_path: Any) -> dict[str, Any]:
 
 def _images(engine: Any, image_data: Any, prompt: Any, input_ids: Any) -> dict[str, Any]:
     """``AsyncEngine.generate`` keyword arguments for ``image_data`` (none when unset): SGLang's
-    forms (see ``images_per_prompt``), decoded here (``engine.decode_images``: its media flags; local
-    files allowed, URLs fetched unless the process runs offline), on the caller's thread, so that no
-    URL fetch or decoding runs on the engine loop. Decoded: a list of RGB images for one prompt, a
-    list of such lists for a batch."""
+    forms (see ``images_per_prompt``), decoded here (``engine.offline_media_policy``: its media flags,
+    local files allowed, URLs fetched unless the process runs offline), on the caller's thread, so
+    that no URL fetch or decoding runs on the engine loop. Decoded: a list of RGB images for one
+    prompt, a list of such lists for a batch."""
     if image_data is None:
         return {}
-    from core.engine.multimodal.images import images_per_prompt
+    from core.engine.multimodal.images import images_per_prompt, load_prompt_images
 
     batch = isinstance(prompt, list) or (isinstance(input_ids, list) and bool(input_ids) and isinstance(input_ids[0], list))
     n = len(prompt if isinstance(prompt, list) else input_ids) if batch else 1
-    per_prompt = [engine.decode_images(items, f"image_data[{i}]" if batch else "image_data")
-                  for i, items in enumerate(images_per_prompt(image_data, n, batch))]
+    per_prompt = load_prompt_images(images_per_prompt(image_data, n, batch), engine.offline_media_policy(), batch)
     return {"image_data": per_prompt if batch else per_prompt[0]}
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from core.engine.multimodal.images import MediaPolicy, images_per_prompt, load_images
+from core.engine.multimodal.images import MediaPolicy, images_per_prompt, load_images, load_prompt_images
 from core.errors import InvalidRequest
 
 # SGLang's GenerateReqInput.modalities values for images
@@ -54,9 +54,7 @@ def generate_images(state: Any, image_data: Any, modalities: Any, n: int, batch:
     if not any(per_prompt):
         return per_prompt
     require_multimodal(state, "image_data was sent", "image_data")
-    policy = media_policy(state)
-    return [load_images(items, policy, f"image_data[{i}]" if batch else "image_data") if items else []
-            for i, items in enumerate(per_prompt)]
+    return load_prompt_images(per_prompt, media_policy(state), batch)
 
 
 # ----------------------------------------------------------------------------- OpenAI chat

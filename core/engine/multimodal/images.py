@@ -149,6 +149,13 @@ def image_hash(img: Image.Image) -> int:
     return int.from_bytes(h.digest(), "big")
 
 
+def load_prompt_images(per_prompt: list[list], policy: MediaPolicy, batch: bool) -> list[list[Image.Image]]:
+    """Each prompt's images (``images_per_prompt``'s lists) decoded under ``policy``; errors name
+    ``image_data[i]`` in a batch."""
+    return [load_images(items, policy, f"image_data[{i}]" if batch else "image_data") if items else []
+            for i, items in enumerate(per_prompt)]
+
+
 def load_images(items: list, policy: MediaPolicy, param: str = "image_data") -> list[Image.Image]:
     """One prompt's images under ``policy`` (its ``max_images`` included)."""
     if policy.max_images is not None and len(items) > policy.max_images:
