@@ -174,8 +174,9 @@ def test_async_generate_and_async_stream(eng):
 
 def test_small_cpu_decodes_run_on_the_loop_thread_and_never_beside_another_forward(eng):
     """A CPU decode of a few rows runs on the event loop's thread (no hand-off to the forward
-    thread); prefills and larger batches stay on the forward thread, and while a job such as an
-    embedding forward holds the forward thread, decodes queue behind it there instead."""
+    thread), as does a larger one that the last decode's pace says is short; prefills and long
+    decodes stay on the forward thread, and while a job such as an embedding forward holds the
+    forward thread, decodes queue behind it there instead."""
     ae = eng.engine
     if ae.device.type != "cpu":
         pytest.skip("inline decodes are a CPU path")
@@ -193,10 +194,15 @@ def test_small_cpu_decodes_run_on_the_loop_thread_and_never_beside_another_forwa
         on = {(p, name) for p, _, name in seen}
         assert on == {(True, "core-forward_0"), (False, "core-engine-loop")}, on
         seen.clear()
-        ae.inline_decode_rows = 2  # a batch of 3 decodes is no longer "small"
+        ae.inline_decode_rows, ae.inline_decode_s = 2, 0.0  # a batch of 3 decodes is no longer "small"
         outs = eng.generate([PROMPT] * 3, [greedy(6)] * 3)
         assert [o["output_ids"] for o in outs] == [expected] * 3
         assert {name for p, n, name in seen if not p and n == 3} == {"core-forward_0"}
+        seen.clear()
+        ae.inline_decode_s = 10.0  # at the pace of the decodes before (far below 10 s for 3 rows): inline
+        outs = eng.generate([PROMPT] * 3, [greedy(6)] * 3)
+        assert [o["output_ids"] for o in outs] == [expected] * 3
+        assert {name for p, n, name in seen if not p and n == 3} == {"core-engine-loop"}
         seen.clear()
         ae.inline_decode_rows = 8
         ae._forward_jobs += 1  # as while an encode or a weight reload is queued on the forward thread
@@ -204,7 +210,7 @@ def test_small_cpu_decodes_run_on_the_loop_thread_and_never_beside_another_forwa
         assert {name for _, _, name in seen} == {"core-forward_0"}
     finally:
         ae._forward_jobs = 0
-        ae.inline_decode_rows = 8
+        ae.inline_decode_rows, ae.inline_decode_s = 8, 0.005
         ae.runner.run = run
 
 

@@ -138,6 +138,10 @@ def test_unknown_adapter_and_disabled_lora_are_clear_errors(setup, eng, tmp_path
     for parallel in ({"dp_size": 2}, {"tp_size": 2}):  # refused before any replica or rank starts
         with pytest.raises(Exception, match="--dp-size|--tp-size"):
             make_engine(root / "base", lora_paths=[f"a={root / 'qv8'}"], **parallel)
+    # a weight reload would leave the adapters on the old module: refused, and the adapters still serve
+    ok, message = eng._call(eng.engine.update_weights_from_disk(str(root / "base")))
+    assert not ok and "--enable-lora" in message
+    assert eng.generate(input_ids=prompt(5, seed=1), sampling_params=greedy(2), lora_path="qv8")["output_ids"]
 
 
 def test_sglang_lora_flags_parse_into_engine_args():

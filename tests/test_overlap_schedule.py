@@ -8,6 +8,7 @@ aborted while its token is in flight frees its pages exactly once."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -38,10 +39,13 @@ def tiny(tmp_path_factory) -> Path:
     return path
 
 
-def run_all(path: Path, overlap: bool, **kwargs: Any) -> tuple[list[dict], int]:
-    """Every request of REQUESTS in one batch: (outputs, retractions)."""
+def run_all(path: Path, overlap: bool, defer: bool = False, **kwargs: Any) -> tuple[list[dict], int]:
+    """Every request of REQUESTS in one batch: (outputs, retractions). ``defer``: a decode's tokens
+    stay on the device until the next batch is launched, as overlap scheduling runs on a GPU
+    (``ModelRunner.defer_results``; the CPU stands in for the device)."""
     eng = make_engine(path, dtype="float32", device="cpu", enable_overlap_schedule=overlap,
                       disable_overlap_schedule=not overlap, **kwargs)
+    eng.engine.runner.defer_results = defer
     try:
         assert eng.engine.overlap == overlap
         outs = eng.generate(input_ids=PROMPTS, sampling_params=REQUESTS, return_logprob=True, top_logprobs_num=2)
@@ -62,8 +66,9 @@ def run_all(path: Path, overlap: bool, **kwargs: Any) -> tuple[list[dict], int]:
 ], ids=["plain", "chunked", "retraction", "continuous_steps", "no_radix_cache"])
 def test_outputs_equal_the_plain_loop(tiny, variant):
     (plain, retracted), (over, retracted_over) = run_all(tiny, False, **variant), run_all(tiny, True, **variant)
-    for i, (a, b) in enumerate(zip(plain, over)):
-        assert a == b, (i, REQUESTS[i])
+    deferred, _ = run_all(tiny, True, defer=True, **variant)
+    for i, (a, b, c) in enumerate(zip(plain, over, deferred)):
+        assert a == b == c, (i, REQUESTS[i])
     finish = [o["finish"] for o in plain]
     assert finish[2] == {"type": "stop", "matched": "ff"} and finish[3] == {"type": "stop", "matched": 216}
     assert [len(o["ids"]) for o in plain][5] >= 9 and len(plain[7]["ids"]) == 1
@@ -116,6 +121,56 @@ def test_the_next_steps_host_work_runs_during_the_forward(tiny):
         eng.shutdown()
     assert sum(overlapped) >= 12, overlapped  # all but the first (nothing in flight) and the last
     assert wall < 16 * 0.03 * 1.5  # (the forwards back to back, not forward + host work in turn)
+
+
+def test_deferred_tokens_are_read_after_the_next_launch(tiny):
+    """With ``defer_results`` (overlap scheduling on a GPU) a decode's tokens stay on the device:
+    the next batch is launched with its future ids read there (forward_batch), and only then, on
+    the forward thread, does the engine wait for the copy of the earlier tokens."""
+    eng = make_engine(tiny, dtype="float32", device="cpu", enable_overlap_schedule=True)
+    ae = eng.engine
+    ae.runner.defer_results = True
+    events: list[tuple[str, int]] = []
+    kept: list = []
+    run = ae.runner.run
+    from core.engine import model_runner as mr
+    from core.engine.schedule_batch import StepResult
+
+    resolve = StepResult.resolve
+
+    def spy_run(batch):
+        out = run(batch)
+        kept.append(out)  # (alive: ids stay unique)
+        events.append(("run", id(out)))
+        return out
+
+    def spy_resolve(self):
+        if self.pending is not None:
+            events.append(("resolve", id(self)))
+            assert threading.current_thread().name.startswith("core-forward")
+        return resolve(self)
+
+    seen_futures = []
+    forward_batch = mr.forward_batch
+
+    def spy_forward_batch(inputs, *a):
+        seen_futures.append(inputs.future_tokens is not None and any(t < 0 for t in inputs.input_ids))
+        return forward_batch(inputs, *a)
+
+    ae.runner.run, StepResult.resolve, mr.forward_batch = spy_run, spy_resolve, spy_forward_batch
+    try:
+        out = eng.generate(input_ids=PROMPTS[:2], sampling_params={"max_new_tokens": 10, "temperature": 0, "ignore_eos": True})
+    finally:
+        ae.runner.run, StepResult.resolve, mr.forward_batch = run, resolve, forward_batch
+        eng.shutdown()
+    assert [len(o["output_ids"]) for o in out] == [10, 10]
+    order = {rid: k for k, (kind, rid) in enumerate(e for e in events if e[0] == "run")}  # result -> its batch's number
+    log = [(kind, order[rid]) for kind, rid in events]
+    resolves = [(i, k) for i, (kind, k) in enumerate(log) if kind == "resolve"]
+    assert len(resolves) >= 8, log
+    for i, k in resolves:  # batch k's tokens are waited for only after batch k + 1 was launched (the last: none)
+        assert ("run", k + 1) in log[:i] or k == len(order) - 1, log
+    assert sum(seen_futures) >= 8  # the next batches' input ids read the device tokens
 
 
 def test_an_abort_while_a_token_is_in_flight_frees_pages_once(tiny):

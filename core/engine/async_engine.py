@@ -11,7 +11,6 @@ import concurrent.futures
 import time
 from typing import Any, Callable
 
-import attrs
 import structlog
 import torch
 
@@ -42,12 +41,13 @@ from core.engine.scheduler import ScheduledBatch, Scheduler
 from core.engine.speculative import build_speculator
 from core.engine.speculative.draft_model import EngineDraftContext
 from core.engine.watchdog import Watchdog
+from core.engine.weight_update import update_weights
 
 log = structlog.get_logger("core.engine")
 
 DEFAULT_CPU_CHUNKED_PREFILL_SIZE = 2048
-UPDATE_IDLE_POLL_S = 0.005  # how often a weight update checks whether the running requests have finished
 CPU_INLINE_DECODE_ROWS = 8  # a CPU decode step of up to this many rows runs on the event loop (_runs_inline)
+CPU_INLINE_DECODE_S = 0.010  # as does a larger one that the last decode's pace says takes at most this
 
 
 class AsyncEngine(RequestFrontEnd):
@@ -92,9 +92,12 @@ class AsyncEngine(RequestFrontEnd):
         self.runner.graphs = self._capture_cuda_graphs()
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="core-forward")
         # small CPU decodes run on the loop's thread (_runs_inline); 0: every forward on the executor
-        self.inline_decode_rows = CPU_INLINE_DECODE_ROWS if self.device.type == "cpu" and self.tp_group is None else 0
+        cpu = self.device.type == "cpu" and self.tp_group is None
+        self.inline_decode_rows, self.inline_decode_s = (CPU_INLINE_DECODE_ROWS, CPU_INLINE_DECODE_S) if cpu else (0, 0.0)
+        self._decode_row_s = float("inf")  # the last decode's seconds per row, forward to results (_runs_inline)
         self._forward_jobs = 0  # jobs queued or running on the forward thread (_on_forward_thread)
         self.overlap = overlap_schedule(args, self.device)
+        self.runner.defer_results = self.overlap and self.device.type == "cuda" and self.tp_group is None
         # (batch, its forward's future, start time) scheduled but not yet processed (overlap scheduling)
         self._inflight: tuple[ScheduledBatch, asyncio.Future, float] | None = None
         # a step past --watchdog-timeout stops the engine for good, through the same thread-safe path as a failed rank
@@ -359,7 +362,7 @@ class AsyncEngine(RequestFrontEnd):
         t0 = time.perf_counter()
         if self.overlap:
             self.watchdog.running(batch, on_loop=False)
-            self._inflight = (batch, asyncio.ensure_future(self._on_forward_thread(self.runner.run, batch)), t0)
+            self._inflight = (batch, self._on_forward_thread(self.runner.run, batch), t0)
             if prev is not None:
                 await self._complete(*prev)
             return
@@ -380,13 +383,18 @@ class AsyncEngine(RequestFrontEnd):
             self._inflight = None
         try:
             result = await forward
+            if result.pending is not None:  # its tokens still landing: awaited on the forward thread, behind the next launch
+                result = await self._on_forward_thread(result.resolve)
         except RankFailure:
             raise
         except Exception as e:  # a failing forward fails its batch, not the engine
             self._contain("forward", e, batch.reqs)
             return
+        elapsed = time.perf_counter() - t0
+        if not batch.is_prefill:
+            self._decode_row_s = elapsed / len(batch.reqs)
         for listener in self.step_listeners:
-            _call_guarded(listener, batch, time.perf_counter() - t0)
+            _call_guarded(listener, batch, elapsed)
         try:
             updates = self.scheduler.process(batch, result)
         except Exception as e:
@@ -401,25 +409,31 @@ class AsyncEngine(RequestFrontEnd):
 
     def _runs_inline(self, batch: ScheduledBatch) -> bool:
         """Whether ``batch``'s forward runs on the event loop's thread instead of the forward
-        thread: a CPU decode of at most ``inline_decode_rows`` rows (a few milliseconds). Handing
-        such a step to the other thread and back costs two thread wake-ups, and the streams'
-        work, run on the loop while the forward's threads hold every core, slowed each step:
-        inline, batch-1 decode measured ~6 % faster (2-7 % through the HTTP server). After inline
-        steps and prefills the loop runs until nothing is ready (``_drain_loop``): a prefill's first
-        tokens reach their streams before the next (inline) decode holds the loop, which with
-        ``--num-continuous-decode-steps`` would otherwise add its whole burst to the TTFT. Prefills and large
-        batches stay on the forward thread, so that the server is never blocked for long."""
-        return (not batch.is_prefill and len(batch.reqs) <= self.inline_decode_rows
+        thread: a CPU decode of at most ``inline_decode_rows`` rows, or one that the last decode's
+        pace per row says takes at most ``inline_decode_s`` (a small model's large batch). Handing
+        a step to the other thread and back costs two thread wake-ups, and the streams' work, run
+        on the loop while the forward's threads hold every core, slowed each step (batch 1: ~6 %;
+        a near-null model's 256 streams: ~30 %). After inline steps and prefills the loop runs
+        until nothing is ready (``_drain_loop``): a prefill's first tokens reach their streams
+        before the next (inline) decode holds the loop, which with ``--num-continuous-decode-steps``
+        would otherwise add its whole burst to the TTFT. Prefills and long steps stay on the
+        forward thread, so that the server is never blocked for long."""
+        n = len(batch.reqs)
+        return (not batch.is_prefill and (n <= self.inline_decode_rows or n * self._decode_row_s <= self.inline_decode_s)
                 and not self._forward_jobs and not self.profiler.active)
 
-    async def _on_forward_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(*args)`` on the forward thread. While such a job (an embedding forward, a weight
-        reload) is queued or running, no forward runs inline: forwards never overlap."""
+    def _on_forward_thread(self, fn: Callable[..., Any], *args: Any) -> asyncio.Future:
+        """``fn(*args)`` handed to the forward thread now (its jobs run in the order handed), as a
+        future to await: overlap scheduling relies on the order (a batch's launch before the wait
+        for the one before it). While such a job (an embedding forward, a weight reload) is queued
+        or running, no forward runs inline: forwards never overlap."""
         self._forward_jobs += 1
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
-        finally:
-            self._forward_jobs -= 1
+        fut = asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        fut.add_done_callback(self._forward_job_done)
+        return fut
+
+    def _forward_job_done(self, _: asyncio.Future) -> None:
+        self._forward_jobs -= 1
 
     def _contain(self, stage: str, error: Exception, reqs: list[Req] | None) -> None:
         """Fail ``reqs`` (None: everything the scheduler holds) after ``error`` in ``stage``."""
@@ -540,24 +554,7 @@ class AsyncEngine(RequestFrontEnd):
         False keeps the cache (the caller knows the prefixes are still valid). ``torch_empty_cache``
         returns the old weights' freed CUDA memory to the driver (nothing to do off CUDA);
         ``load_format`` names the checkpoint format to read (``--load-format``'s values). Shielded: a caller that goes away does not leave the swap done without its flush."""
-        return await asyncio.shield(self._update_weights(model_path, flush_cache, torch_empty_cache, load_format))
-
-    async def _update_weights(self, model_path: str, flush_cache: bool, torch_empty_cache: bool,
-                              load_format: str) -> tuple[bool, str]:
-        async with self._update_lock:
-            self._held = []
-            try:
-                while self.scheduler.has_work and self.fatal_error is None:
-                    await asyncio.sleep(UPDATE_IDLE_POLL_S)
-                ok, message = await self._on_forward_thread(self._reload_weights, model_path, load_format)
-                if ok and flush_cache and self.scheduler.flush_cache():  # idle: always succeeds
-                    log.info("engine.cache_flushed", reason="weights updated")
-                    getattr(self.tree_cache, "clear_storage", bool)()  # a stored page has no weight version
-                if torch_empty_cache and self.device.type == "cuda":
-                    torch.cuda.empty_cache()
-                return ok, message
-            finally:
-                self._release_held()
+        return await asyncio.shield(update_weights(self, model_path, flush_cache, torch_empty_cache, load_format))
 
     def _release_held(self) -> None:
         """Admit the requests held during a weight update (or fail them if the engine stopped)."""
@@ -570,39 +567,6 @@ class AsyncEngine(RequestFrontEnd):
             for r in held:
                 r.finish_reason, r.finish_time = {"type": "abort", "message": str(e)}, time.perf_counter()
                 self._finished(r)
-
-    def _reload_weights(self, model_path: str, load_format: str = "auto") -> tuple[bool, str]:
-        old = self.model_config
-        args = self.args
-        try:
-            new = load_model_config(model_path, args.dtype, self.device, args.context_length, args.served_model_name,
-                                    args.json_model_override_args)
-        except Exception as e:
-            return False, f"Failed to get weights iterator: {e}"
-        if new.architecture != old.architecture:
-            return False, (f"Failed to update weights: architecture {new.architecture} differs from the served "
-                           f"{old.architecture}; only weights of the same architecture can be loaded")
-        keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",
-                "intermediate_size", "head_dim", "tie_word_embeddings")
-        diff = [k for k in keys if getattr(new.hf_config, k, None) != getattr(old.hf_config, k, None)]
-        if diff:
-            return False, f"Failed to update weights: the new config differs in {', '.join(diff)}"
-        new = attrs.evolve(new, context_len=old.context_len, served_name=old.served_name, dtype=old.dtype)
-        try:
-            # a fresh module: a failure half-way leaves the served one intact (on every rank)
-            load = lambda: self._load_model(new, load_format)  # noqa: E731
-            model = load() if self.tp_group is None else self.tp_group.reload(model_path, load)
-        except Exception as e:
-            log.warning("engine.update_weights_failed", model_path=model_path, error=str(e))
-            return False, f"Failed to update weights: {type(e).__name__}: {e}"
-        self.model = model
-        self.runner.model = model
-        self.model_config = new
-        if self.runner.graphs is not None:  # the captured graphs read the old weights
-            self.lora, self.multimodal = attach_lora(self), attach_multimodal(self)  # (before the graphs capture LoRA)
-        self.runner.graphs = self._capture_cuda_graphs()
-        log.info("engine.weights_updated", model_path=model_path)
-        return True, "Succeeded to update model weights."
 
     async def shutdown(self) -> None:
         """Abort whatever is queued or running, stop the scheduler and the worker thread."""

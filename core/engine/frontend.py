@@ -191,8 +191,8 @@ class RequestFrontEnd:
         reqs = [r for g in groups for r in g]
         await self.prepare_grammars(reqs)
         self.submit(reqs)
-        if stream:
-            return self._stream_many(reqs)
+        if stream:  # (one request: its stream itself, without the batch's layers around it)
+            return self.stream(reqs[0]) if len(reqs) == 1 else self._stream_many(reqs)
         try:
             await asyncio.gather(*(self.drain(r) for r in reqs))
         finally:

@@ -41,6 +41,9 @@ class StepInputs:
     mm_rows: torch.Tensor | None = None
     mm_embeds: torch.Tensor | None = None
     mrope_positions: torch.Tensor | None = None
+    # the previous batch's sampled tokens still on the device (``ModelRunner.defer_results``): a
+    # negative input id (``schedule_batch.future_id``) reads its token here, on the device
+    future_tokens: torch.Tensor | None = None
 
 
 def _ints(x: list[int] | torch.Tensor) -> list[int]:
@@ -59,7 +62,7 @@ def forward_step(model: torch.nn.Module, attn_backend, inputs: StepInputs, devic
     its CUDA graph instead of the eager forward. ``inputs.kv_moves`` are copied in ``kv`` first."""
     if inputs.kv_moves is not None and kv is not None:
         move_kv(kv, *inputs.kv_moves)
-    if (device.type == "cpu" and (not inputs.lora or getattr(model, "decode_lora", False))  # (adapters: where it adds them)
+    if (device.type == "cpu" and inputs.future_tokens is None and (not inputs.lora or getattr(model, "decode_lora", False))  # (adapters: where it adds them)
             and (fast := getattr(model, "decode_step", None)) is not None):
         if (out := fast(inputs, attn_backend)) is not None:
             return out[0], [out[1]], out[2]
@@ -79,6 +82,8 @@ def forward_batch(inputs: StepInputs, attn_backend, device: torch.device) -> For
     packed = upload(inputs.input_ids + _ints(inputs.positions) + _ints(inputs.out_cache_loc) + inputs.seq_lens
                     + inputs.extend_lens, torch.int64, device)
     input_ids, positions, out_cache_loc, seq_lens, extend_lens = packed.split([t, t, t, b, b])
+    if (future := inputs.future_tokens) is not None:  # future ids -1 - i: the previous batch's i-th token
+        input_ids = torch.where(input_ids < 0, future[(-1 - input_ids).clamp_(min=0)], input_ids)
     # ForwardBatch's promise: columns past a sequence's length hold the zeroed padding slot 0. The
     # table's rows keep an earlier occupant's slots there, and a multi-step decode's later steps'
     # slots are not written yet (fresh pool memory may be NaN, and a padded gather's 0 x NaN is NaN).
@@ -127,7 +132,12 @@ class ModelRunner:
     graphs: CudaGraphRunner | None = None  # decode CUDA graphs, set by the engine when captured
     lora = None  # core.engine.lora.LoRAServing with --enable-lora, set by the engine
     mm = None  # core.engine.multimodal.engine.MultimodalServing of a vision-language model, set by the engine
-    _last_tokens: list[int] | None = None  # the last batch's sampled tokens (what future ids stand for)
+    _last_tokens: list[int] | torch.Tensor | None = None  # the last batch's sampled tokens (what future ids stand for)
+    # a plain decode's sampled tokens stay on the device, their copy to the host started, and the
+    # batch's result is ``pending`` until resolved (``StepResult.resolve``): overlap scheduling on a
+    # GPU, set by the engine. The next batch's future ids read them on the device, so its launch
+    # never waits for the copy (SGLang's future token map).
+    defer_results = False
 
     def __init__(self, model: torch.nn.Module, attn_backend, table: ReqToTokenTable, sampler: Sampler,
                  eos_ids: tuple[int, ...], device: torch.device) -> None:
@@ -184,16 +194,21 @@ class ModelRunner:
         built, so a batch built while another was in flight (overlap scheduling) finds that one's
         sampled tokens here, for its future ids."""
         last, self._last_tokens = self._last_tokens, None  # (a failed batch leaves none to resolve)
-        if batch.futures:
+        future = None
+        if batch.futures and isinstance(last, torch.Tensor) and batch.steps == 1:  # on the device: resolved there (forward_batch)
+            future = last
+        elif batch.futures:
+            last = last.tolist() if isinstance(last, torch.Tensor) else last
             batch.input_ids = [t if t >= 0 else (last[-1 - t] if last is not None else 0) for t in batch.input_ids]
         if batch.steps > 1:
             return self._run_steps(batch)
-        result = self._run_one(batch)
-        self._last_tokens = result.sample.token_ids
+        result = self._run_one(batch, future)
+        self._last_tokens = result.pending.tokens if result.pending is not None else result.sample.token_ids
         return result
 
-    def _run_one(self, batch: ScheduledBatch) -> StepResult:
+    def _run_one(self, batch: ScheduledBatch, future: torch.Tensor | None = None) -> StepResult:
         inputs, live, prompt_rows = self.step_inputs(batch)
+        inputs.future_tokens = future
         if batch.draft_pending:  # a model drafter's drafts, into the verify's input ids
             self.speculator.fill(batch, inputs.kv_indices)
             inputs.input_ids, inputs.positions, inputs.tree_mask = batch.input_ids, batch.positions, tree_masks(batch)
@@ -212,6 +227,9 @@ class ModelRunner:
             if grammar is not None:  # one [B, V/32] bitmask for the batch, applied before sampling
                 grammar.apply(logits, reqs)
                 argmax_ids = None  # the masked logits' argmax may differ
+            if (self.defer_results and grammar is None and not batch.is_prefill and batch.drafts is None
+                    and self.speculator is None):  # a plain decode: every row live, nothing read on the host here
+                return StepResult(None, pending=self.sampler.sample(logits, rows_, argmax_ids, host=False))
             result = StepResult(self.sampler.sample(logits, rows_, argmax_ids))
             if grammar is not None:
                 grammar.accept(reqs, result.sample.token_ids)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from array import array
 from itertools import chain
+from typing import Any
 
 import attrs
 import torch
@@ -45,6 +46,40 @@ class SampleOutput:
     token_ids: list[int]
     logprobs: list[float] | None  # chosen token's logprob per row; None if no row asked
     top_logprobs: list[list[tuple[int, float]]] | None  # desc by logprob; [] where 0 asked
+
+
+@attrs.define(eq=False)
+class DeviceSample:
+    """A step's sampled tokens (and the logprobs asked for) still on the device, their copy to the
+    host started without waiting. Overlap scheduling on a GPU launches the next batch meanwhile
+    (its future ids read ``tokens`` on the device) and waits for the copy only after that launch
+    (``finish``): reading the tokens at once would stall the device between every two steps."""
+
+    tokens: torch.Tensor  # [B] on the device
+    copies: list[torch.Tensor]  # on the host (in flight): tokens, then chosen logprobs, then top values and ids
+    top_nums: list[int] | None  # per row, the top logprobs it asked for (None: no top-k computed)
+    event: Any = None  # a CUDA event recorded after the copies (None: they are done)
+
+    @classmethod
+    def start(cls, parts: list[torch.Tensor], top_nums: list[int] | None) -> DeviceSample:
+        if parts[0].device.type != "cuda":
+            return cls(parts[0], parts, top_nums)
+        copies = [t.to("cpu", non_blocking=True) for t in parts]  # (pinned by torch: a true async copy)
+        event = torch.cuda.Event()
+        event.record()
+        return cls(parts[0], copies, top_nums, event)
+
+    def finish(self) -> SampleOutput:
+        """The lists, once the copies have landed (waits for them, the GIL released)."""
+        if self.event is not None:
+            self.event.synchronize()
+        lists = [t.tolist() for t in self.copies]
+        if len(lists) == 1:
+            return SampleOutput(lists[0], None, None)
+        if self.top_nums is None:
+            return SampleOutput(lists[0], lists[1], None)
+        vals, ids = lists[2], lists[3]
+        return SampleOutput(lists[0], lists[1], [list(zip(ids[i][:n], vals[i][:n])) for i, n in enumerate(self.top_nums)])
 
 
 # The logprob written for a token the distribution rules out (-inf: a grammar-masked token,
@@ -302,8 +337,10 @@ class Sampler:
                 u[i] = torch.rand(1, generator=r.generator).item()
         return u
 
-    def sample(self, logits: torch.Tensor, rows: list[SamplingRow], argmax_ids: torch.Tensor | None = None) -> SampleOutput:
-        """Pick one token per row; may modify ``logits`` in place, never ``rows``.
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow], argmax_ids: torch.Tensor | None = None,
+               host: bool = True) -> SampleOutput | DeviceSample:
+        """Pick one token per row; may modify ``logits`` in place, never ``rows``. ``host`` False:
+        the result stays on the device, its copy to the host started (see ``DeviceSample``).
 
         ``argmax_ids``: each row's argmax over the first ``vocab_size`` columns of ``logits``,
         where the forward computed it with them (the CPU decode stack does); it stands in for
@@ -329,12 +366,12 @@ class Sampler:
         # before any float32 copy: a bf16 / fp16 row's argmax is that of its exact float32 values
         raw_argmax = argmax_ids if argmax_ids is not None else argmax(logits)
         if greedy and plain and not want_lp:
-            return self._output(raw_argmax, rows, None)
+            return self._output(raw_argmax, rows, None, host)
         if logits.dtype != torch.float32:
             logits = logits.float()
         raw_lp = finite_logprobs(torch.log_softmax(logits, dim=-1)) if want_lp else None
         if greedy and plain:
-            return self._output(raw_argmax, rows, raw_lp)
+            return self._output(raw_argmax, rows, raw_lp, host)
 
         advance = self._apply_penalties(logits, rows, pen_rows) if pen_rows else None
         if biased:
@@ -356,7 +393,7 @@ class Sampler:
             tokens[idx] = self._sample_rows(logits[idx], [rows[i] for i in sampled], tokens[idx])
         if advance is not None:
             advance(tokens)
-        return self._output(tokens, rows, raw_lp)
+        return self._output(tokens, rows, raw_lp, host)
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow], which: list[int]):
         """Penalise rows ``which`` in place; returns what counts their sampled tokens afterwards
@@ -428,15 +465,15 @@ class Sampler:
             out[rest] = _pick_sorted(full, full_order, cols[rest], fallback[rest], complete=True)
         return out
 
-    def _output(self, tokens: torch.Tensor, rows: list[SamplingRow], raw_lp: torch.Tensor | None) -> SampleOutput:
-        """Gather the chosen token's logprob and the requested top-k, converting to lists once."""
-        if raw_lp is None:
-            return SampleOutput(tokens.tolist(), None, None)
-        k = min(max(r.top_logprobs_num for r in rows), raw_lp.shape[1])
-        chosen = raw_lp.gather(1, tokens.unsqueeze(1)).squeeze(1)
-        if k <= 0:
-            return SampleOutput(tokens.tolist(), chosen.tolist(), None)
-        vals, ids = raw_lp.topk(k, dim=-1)
-        token_ids, logprobs, vals_l, ids_l = tokens.tolist(), chosen.tolist(), vals.tolist(), ids.tolist()
-        top = [list(zip(ids_l[i][: r.top_logprobs_num], vals_l[i][: r.top_logprobs_num])) for i, r in enumerate(rows)]
-        return SampleOutput(token_ids, logprobs, top)
+    def _output(self, tokens: torch.Tensor, rows: list[SamplingRow], raw_lp: torch.Tensor | None,
+                host: bool = True) -> SampleOutput | DeviceSample:
+        """Gather the chosen token's logprob and the requested top-k; on the host (lists, converted
+        once), or with ``host`` False still on the device, their copy started (``DeviceSample``)."""
+        parts, top_nums = [tokens], None
+        if raw_lp is not None:
+            parts.append(raw_lp.gather(1, tokens.unsqueeze(1)).squeeze(1))
+            if (k := min(max(r.top_logprobs_num for r in rows), raw_lp.shape[1])) > 0:
+                parts += raw_lp.topk(k, dim=-1)
+                top_nums = [r.top_logprobs_num for r in rows]
+        out = DeviceSample.start(parts, top_nums)
+        return out.finish() if host else out

@@ -6,7 +6,7 @@ from __future__ import annotations
 import attrs
 
 from core.engine.request import Req
-from core.engine.sampler import SampleOutput
+from core.engine.sampler import DeviceSample, SampleOutput
 
 
 @attrs.define
@@ -48,7 +48,7 @@ def future_id(index: int) -> int:
 
 @attrs.define
 class StepResult:
-    sample: SampleOutput  # the (first) step's tokens
+    sample: SampleOutput | None  # the (first) step's tokens; None while ``pending``
     # the tokens of a multi-step decode's later steps, one list per step (``ScheduledBatch.steps``)
     more_tokens: list[list[int]] = attrs.field(factory=list)
     # per request index: (logprobs of prompt tokens from logprob_start_len, their top logprobs)
@@ -56,3 +56,12 @@ class StepResult:
     # a verify, per request: the draft nodes kept (root to leaf) and the target's token after them
     # (``Speculator.walks``, computed once by the runner for the KV moves, the drafter and the scheduler)
     kept: list[tuple[list[int], int]] | None = None
+    # the tokens still on their way from the device (``ModelRunner.defer_results``): ``resolve`` waits
+    pending: DeviceSample | None = None
+
+    def resolve(self) -> StepResult:
+        """Itself with ``sample`` on the host (waits for a pending copy: on the forward thread,
+        after the next batch's launch)."""
+        if self.pending is not None:
+            self.sample, self.pending = self.pending.finish(), None
+        return self

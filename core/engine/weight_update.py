@@ -1,0 +1,78 @@
+"""Reloading the served weights in place (SGLang's ``/update_weights_from_disk``): the update waits
+for the running requests, swaps in a freshly loaded module (the old one stays on any failure) and
+flushes the prefix cache, while requests submitted meanwhile are held (``AsyncEngine._held``)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+import attrs
+import structlog
+import torch
+
+from core.engine.loader import load_model_config
+from core.engine.multimodal.engine import attach_multimodal
+
+if TYPE_CHECKING:
+    from core.engine.async_engine import AsyncEngine
+
+log = structlog.get_logger("core.engine")
+UPDATE_IDLE_POLL_S = 0.005  # how often a weight update checks whether the running requests have finished
+
+
+async def update_weights(engine: AsyncEngine, model_path: str, flush_cache: bool, torch_empty_cache: bool,
+                         load_format: str) -> tuple[bool, str]:
+    """``AsyncEngine.update_weights_from_disk``: wait for the running requests, swap, flush, admit the held ones."""
+    async with engine._update_lock:
+        engine._held = []
+        try:
+            while engine.scheduler.has_work and engine.fatal_error is None:
+                await asyncio.sleep(UPDATE_IDLE_POLL_S)
+            ok, message = await engine._on_forward_thread(reload_weights, engine, model_path, load_format)
+            if ok and flush_cache and engine.scheduler.flush_cache():  # idle: always succeeds
+                log.info("engine.cache_flushed", reason="weights updated")
+                getattr(engine.tree_cache, "clear_storage", bool)()  # a stored page has no weight version
+            if torch_empty_cache and engine.device.type == "cuda":
+                torch.cuda.empty_cache()
+            return ok, message
+        finally:
+            engine._release_held()
+
+
+def reload_weights(engine: AsyncEngine, model_path: str, load_format: str = "auto") -> tuple[bool, str]:
+    """A fresh model from ``model_path`` in place of the served one, on the forward thread; (success, message)."""
+    old = engine.model_config
+    args = engine.args
+    if engine.lora is not None:  # its pool's layers are the served module's: the new one would run without them
+        return False, ("Failed to update weights: not supported with --enable-lora (the adapters are bound to the "
+                       "served weights); restart the server with the new model")
+    try:
+        new = load_model_config(model_path, args.dtype, engine.device, args.context_length, args.served_model_name,
+                                args.json_model_override_args)
+    except Exception as e:
+        return False, f"Failed to get weights iterator: {e}"
+    if new.architecture != old.architecture:
+        return False, (f"Failed to update weights: architecture {new.architecture} differs from the served "
+                       f"{old.architecture}; only weights of the same architecture can be loaded")
+    keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "vocab_size",
+            "intermediate_size", "head_dim", "tie_word_embeddings")
+    diff = [k for k in keys if getattr(new.hf_config, k, None) != getattr(old.hf_config, k, None)]
+    if diff:
+        return False, f"Failed to update weights: the new config differs in {', '.join(diff)}"
+    new = attrs.evolve(new, context_len=old.context_len, served_name=old.served_name, dtype=old.dtype)
+    try:
+        # a fresh module: a failure half-way leaves the served one intact (on every rank)
+        load = lambda: engine._load_model(new, load_format)  # noqa: E731
+        model = load() if engine.tp_group is None else engine.tp_group.reload(model_path, load)
+    except Exception as e:
+        log.warning("engine.update_weights_failed", model_path=model_path, error=str(e))
+        return False, f"Failed to update weights: {type(e).__name__}: {e}"
+    engine.model = model
+    engine.runner.model = model
+    engine.model_config = new
+    engine.multimodal = attach_multimodal(engine)  # (its vision tower is the new module's)
+    if engine.runner.graphs is not None:  # the captured graphs read the old weights
+        engine.runner.graphs = engine._capture_cuda_graphs()
+    log.info("engine.weights_updated", model_path=model_path)
+    return True, "Succeeded to update model weights."
