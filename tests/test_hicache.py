@@ -112,6 +112,39 @@ def test_write_policies_back_up_at_their_moment(policy):
     tree.check()
 
 
+def test_write_through_copies_on_the_writer_thread_and_eviction_waits_for_it(monkeypatch):
+    """A write-through backup never runs on the caller's (the scheduler's) thread: ``insert``
+    returns while the copy is still blocked; evicting the node's device pages waits for the copy,
+    and the host copy then holds the node's KV (loaded back intact)."""
+    import threading
+    import time
+
+    from core.engine.mem_cache import host_pool
+
+    gate, threads = threading.Event(), []
+    real = host_pool.copy_rows
+
+    def slow_copy(*a):
+        threads.append(threading.current_thread().name)
+        gate.wait(5)
+        real(*a)
+
+    monkeypatch.setattr(host_pool, "copy_rows", slow_copy)
+    alloc, kv, tree = _tiered(2, device_pages=8, host_pages=12, policy="write_through")
+    a = list(range(60, 68))
+    want = _read(kv, _insert(alloc, kv, tree, a), 8)  # returns with the copy still blocked
+    assert tree.host_used_pages == 4 and len(tree._writing) == 1 and tree.stats.bytes_to_host == 0
+    threading.Timer(0.2, gate.set).start()
+    t0 = time.perf_counter()
+    alloc.free(tree.evict(4))  # the device pages are freed only once the copy is done
+    assert time.perf_counter() - t0 >= 0.15 and not tree._writing
+    assert threads == ["core-hicache-writer_0"] and tree.stats.bytes_to_host == 4 * tree.host_pool.bytes_per_page
+    pages, _ = tree.match_prefix(a, load_back=True)
+    assert _read(kv, pages, 8) == want
+    tree.check()
+    tree.close()
+
+
 def test_unbacked_leaf_leaves_the_tree_and_host_pool_drops_its_lru_entries():
     alloc, kv, tree = _tiered(1, device_pages=4, host_pages=6, policy="write_back")
     a, b = [1, 2, 3, 4], [9, 8, 7, 6]
@@ -132,6 +165,27 @@ def test_unbacked_leaf_leaves_the_tree_and_host_pool_drops_its_lru_entries():
     alloc.free(tree.evict(2))
     tree.check()
     assert tree.match_prefix([50, 51], load_back=True)[0] == [] and tree.host_used_pages == 8
+
+
+def test_lpm_ranks_a_host_resident_prefix_by_its_whole_length():
+    """The lpm queue order counts the tokens a host-tier hit would load back, not just the device
+    match; counting them leaves the host-resident nodes as they were (no split, no hit counted)."""
+    from core.engine.request import Req
+    from core.engine.sampling_params import SamplingParams
+    from core.engine.schedule_policy import SchedulePolicy
+
+    alloc, kv, tree = _tiered(2, device_pages=8, host_pages=12, policy="write_back")
+    host_ids, dev_ids = list(range(10, 22)), [90, 91, 92, 93]
+    _insert(alloc, kv, tree, host_ids)
+    alloc.free(tree.evict(6))  # host-resident now: 12 tokens
+    _insert(alloc, kv, tree, dev_ids)  # on the device: 4 tokens
+    before = [(n.id, n.hit_count, len(n.key)) for n in tree._nodes() if not n.pages]
+    assert tree.cached(host_ids[:10] + [1, 2, 3]) == (10, tree.root)  # (a partial host node counts its pages)
+    assert tree.cached(dev_ids + [5, 6])[0] == 4
+    assert [(n.id, n.hit_count, len(n.key)) for n in tree._nodes() if not n.pages] == before
+    reqs = [Req(rid=str(i), prompt_ids=ids + [7, 7, 7], params=SamplingParams()) for i, ids in enumerate((dev_ids, host_ids))]
+    order = SchedulePolicy("lpm", tree).order(reqs, lambda r: tree.cached(r.prompt_ids[:-1]))
+    assert [r.rid for r in order] == ["1", "0"] and [r.prefix_len for r in order] == [12, 4]
 
 
 def test_reset_clears_every_tier():

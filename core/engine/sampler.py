@@ -66,7 +66,7 @@ class DeviceSample:
             return cls(parts[0], parts, top_nums)
         copies = [t.to("cpu", non_blocking=True) for t in parts]  # (pinned by torch: a true async copy)
         event = torch.cuda.Event()
-        event.record()
+        event.record(torch.cuda.current_stream(parts[0].device))
         return cls(parts[0], copies, top_nums, event)
 
     def finish(self) -> SampleOutput:

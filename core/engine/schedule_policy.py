@@ -3,7 +3,7 @@
 SGLang's ``--schedule-policy`` values. ``fcfs`` keeps arrival order (retracted requests
 are re-queued at the front); ``lof`` puts the longest requested output first; ``random``
 is a seeded shuffle. The cache-aware ones read the radix cache: ``lpm`` puts the longest
-cached prefix first, ``dfs-weight`` walks the tree depth-first, heavier subtrees (more
+cached prefix first (HiCache's host tier counts: its prefixes load back instead of prefilling), ``dfs-weight`` walks the tree depth-first, heavier subtrees (more
 waiting requests under them) first, so requests sharing a prefix run together. Without
 the cache, or with a queue longer than ``LPM_MAX_QUEUE`` (matching every request would
 cost more than it saves), they fall back to fcfs, as SGLang does.
@@ -25,8 +25,8 @@ if TYPE_CHECKING:
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 LPM_MAX_QUEUE = 128  # longer queues fall back to fcfs for the cache-aware policies
 
-# (req) -> (cached pages of its prefix, the radix node where the match ends)
-PrefixMatch = Callable[["Req"], tuple[list[int], Any]]
+# (req) -> (tokens of its prefix cached in any tier, the radix node where its device match ends)
+PrefixMatch = Callable[["Req"], tuple[int, Any]]
 
 
 class SchedulePolicy:
@@ -42,7 +42,7 @@ class SchedulePolicy:
         self.priority_sign = 1 if low_priority_values_first else -1
         self.rng = random.Random(seed)
 
-    def order(self, queue: list[Req], match: PrefixMatch, page_size: int) -> list[Req]:
+    def order(self, queue: list[Req], match: PrefixMatch) -> list[Req]:
         """``queue`` (in arrival order) in the order to admit it; ``match`` finds a request's cached prefix."""
         if len(queue) < 2:
             return list(queue)
@@ -55,9 +55,7 @@ class SchedulePolicy:
         nodes: dict[int, Any] = {}
         if cache_aware and policy != "fcfs":
             for r in q:
-                pages, node = match(r)
-                r.prefix_len = len(pages) * page_size
-                nodes[id(r)] = node
+                r.prefix_len, nodes[id(r)] = match(r)
         if policy == "fcfs":
             if self.enable_priority:
                 q.sort(key=prio)  # stable: queue order (arrival, retracted first) within a priority

@@ -197,8 +197,9 @@ class Scheduler:
 
     # ------------------------------------------------------------------ policy
     def _sort_waiting(self) -> None:
-        if len(self.waiting) > 1:
-            self.waiting = deque(self.policy.order(list(self.waiting), self._match, self.ps))
+        if len(self.waiting) > 1:  # (a cache-aware order counts prefixes cached in any tier: RadixCache.cached)
+            self.waiting = deque(self.policy.order(list(self.waiting), lambda r: self.tree_cache.cached(
+                r.cache_ids()[: r.seq_len - 1]) if self.tree_cache is not None and not r.needs_prompt_logprobs else (0, None)))
 
     # ------------------------------------------------------------------ batching
     def schedule(self) -> tuple[ScheduledBatch | None, list[Req]]:

@@ -11,6 +11,11 @@ leaves the tree (with the host-only nodes under it). Backups are made:
 * ``write_through_selective``: when an admission match hits a node for the second time or more
   (``hit_count >= 2``: SGLang's ``write_through_threshold``).
 
+The write-through policies copy on the host pool's writer thread (on a GPU from a side stream),
+never on the scheduler's path: the host pages are taken at once, and the node's device pages are
+not freed until its copy is done (``evict`` waits for the copies still running, ``settle``).
+``write_back`` copies inside ``evict``, whose caller reuses the pages at once.
+
 A match at admission (``match_prefix(ids, load_back=True)``) that runs into host-resident nodes
 loads them back into freshly allocated device pages (evicting other unused prefixes if needed)
 before the prefill that needs them: a synchronous index copy per K/V buffer (on the CPU a memcpy
@@ -32,6 +37,8 @@ Pure page-id bookkeeping here and in ``RadixCache``; the tensors and the copies 
 
 from __future__ import annotations
 
+import concurrent.futures
+import functools
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -162,12 +169,16 @@ class HiRadixCache(RadixCache):
         self.allocator, self.host_pool, self.write_policy = allocator, host, write_policy
         self.stats = HiCacheStats()
         self.storage: StorageTier | None = None  # the tier under the host pool (--hicache-storage-backend)
+        # write-through backups still copying on the host pool's writer thread (``_backup``), with
+        # their bytes: their nodes' device pages are not freed until they are done (``settle``)
+        self._writing: list[tuple[concurrent.futures.Future, int]] = []
         super().__init__(page_size, eviction_policy)
 
     # ------------------------------------------------------------------ queries
     def reset(self) -> list[int]:
         """Empty the tree (the device and host tiers; storage is ``clear_storage``'s); returns the
         device pages it held."""
+        self.settle()
         pages = super().reset()
         self.host_pool.reset()
         return pages
@@ -177,13 +188,29 @@ class HiRadixCache(RadixCache):
         False without one."""
         if self.storage is None:
             return False
+        self.settle()  # (a backup still copying would reach storage after the clear)
         self.storage.clear()
         return True
 
+    def flush_writes(self) -> None:
+        """Wait until every backup so far is in the host pool and, with a storage tier, stored."""
+        self.settle()
+        if self.storage is not None:
+            self.storage.wait()
+
     def close(self) -> None:
-        """Finish the queued storage writes and stop the writer (engine shutdown)."""
+        """Finish the queued backups and storage writes and stop the writers (engine shutdown)."""
+        self.settle()
+        self.host_pool.close()
         if self.storage is not None:
             self.storage.close()
+
+    def settle(self, wait: bool = True) -> None:
+        """Account the backups the writer thread has finished; ``wait``: all of them, waiting."""
+        while self._writing and (wait or self._writing[0][0].done()):
+            fut, nbytes = self._writing.pop(0)
+            self.stats.backup_seconds += fut.result()
+            self.stats.bytes_to_host += nbytes
 
     @property
     def host_used_pages(self) -> int:
@@ -205,11 +232,12 @@ class HiRadixCache(RadixCache):
         pages, node = super().match_prefix(ids)
         if not load_back:
             return pages, node
+        self.settle(wait=False)
         if self.write_policy == "write_through_selective":
             n = node
             while n is not self.root:
                 if not n.host and n.hit_count >= WRITE_THROUGH_SELECTIVE_THRESHOLD:
-                    self._backup(n)
+                    self._backup(n, later=True)
                 n = n.parent
         host_nodes = self._host_path(node, ids, len(pages) * self.page_size)
         stored = [] if self.storage is None else self._storage_path(
@@ -222,6 +250,18 @@ class HiRadixCache(RadixCache):
         if stored and stored[0] in loaded:  # counted as a storage hit, not a host one
             self.stats.host_hit_tokens -= len(stored[0].key)
         return pages + [p for n in loaded for p in n.pages], (loaded[-1] if loaded else node)
+
+    def cached(self, ids: list[int]) -> tuple[int, TreeNode]:
+        """``RadixCache.cached`` plus the host-resident nodes continuing the device match, counted
+        without splitting or touching them (a queue order is no use of the prefix)."""
+        n, node = super().cached(ids)
+        ids, at = ids[: len(ids) // self.page_size * self.page_size], node
+        while n < len(ids) and (child := at.children.get(self._child_key(ids, n))) is not None and not child.pages:
+            m = self._match_len(child.key, ids, n)
+            n, at = n + m, child
+            if m < len(child.key):
+                break
+        return n, node
 
     def _host_path(self, node: TreeNode, ids: list[int], i: int) -> list[TreeNode]:
         """The host-resident nodes matching ``ids[i:]`` below ``node`` (the last split to the match)."""
@@ -291,23 +331,32 @@ class HiRadixCache(RadixCache):
             # tiers hold the same KV and a later load-back gives what this request went on with
             self.stats.bytes_to_device += self.host_pool.load(node.host, node.pages)
         elif self.write_policy == "write_through":
-            self._backup(node)
+            self._backup(node, later=True)
 
-    def _backup(self, node: TreeNode) -> bool:
+    def _backup(self, node: TreeNode, later: bool = False) -> bool:
         """Copy a device-resident node's KV to new host pages (making room by dropping the host
-        pool's LRU host-only leaves); False when the host pool cannot hold it."""
+        pool's LRU host-only leaves), then queue it for storage; False when the host pool cannot
+        hold it. ``later``: on the host pool's writer thread, off the step's path (the write-through
+        policies); the node's device pages stay until it is done, as ``evict`` waits for it."""
         need = len(node.pages)
         hp = self.host_pool.allocator
         if need > hp.num_free:
             self._evict_host(need - hp.num_free)
             if need > hp.num_free:
                 return False
-        t0 = time.perf_counter()
         node.host = hp.allocate(need)
+        store = None
+        if self.storage is not None:
+            store = functools.partial(self.storage.backup, self._path_ids(node.parent), list(node.key), list(node.host))
+        if later:
+            self._writing.append((self.host_pool.backup_later(node.pages, node.host, store),
+                                  need * self.host_pool.bytes_per_page))
+            return True
+        t0 = time.perf_counter()
         self.stats.bytes_to_host += self.host_pool.backup(node.pages, node.host)
         self.stats.backup_seconds += time.perf_counter() - t0
-        if self.storage is not None:
-            self.storage.backup(self._path_ids(node.parent), node.key, node.host)
+        if store is not None:
+            store()
         return True
 
     def _path_ids(self, node: TreeNode) -> list[int]:
@@ -340,6 +389,8 @@ class HiRadixCache(RadixCache):
                 n.pages = []
             else:
                 self._drop(n)
+        if freed:  # the caller reuses them: no backup may still be reading them
+            self.settle()
         return freed
 
     def _drop(self, node: TreeNode) -> None:

@@ -9,6 +9,10 @@ the tensors stay here."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import time
+from typing import Callable
+
 import torch
 
 from core.engine.mem_cache.kv_cache import PageAllocator, copy_rows
@@ -31,6 +35,8 @@ class HostKVPool:
         self.v = [buf() for _ in device.v]
         self.bytes_per_page = 2 * len(self.k) * ps * k0[0].numel() * k0.element_size()
         self._offsets = torch.arange(ps, dtype=torch.int64)
+        self._writer: concurrent.futures.ThreadPoolExecutor | None = None  # backup_later's thread, started on first use
+        self._side: torch.cuda.Stream | None = None  # its CUDA stream (a GPU pool)
 
     @property
     def capacity(self) -> int:
@@ -50,6 +56,46 @@ class HostKVPool:
     def backup(self, device_pages: list[int], host_pages: list[int]) -> int:
         """Copy device pages into host pages (same order); returns the bytes moved."""
         return self._copy(self.device.k, self.device.v, device_pages, self.k, self.v, host_pages)
+
+    def backup_later(self, device_pages: list[int], host_pages: list[int],
+                     then: Callable[[], None] | None = None) -> concurrent.futures.Future:
+        """``backup`` on a writer thread, off the step's path, then ``then()`` there; the future
+        gives the seconds it took. Until it is done the caller keeps ``device_pages`` as they are
+        (never freed, never rewritten) and reads nothing from ``host_pages``. On a GPU the copy
+        runs on its own stream after the work queued so far (which wrote those pages)."""
+        if self._writer is None:
+            self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="core-hicache-writer")
+        ready = None
+        if self.device.k[0].device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device.k[0].device))
+        src = self._slots(device_pages, self.device.k[0].device)
+        return self._writer.submit(self._backup_job, src, self._slots(host_pages, torch.device("cpu")), ready, then)
+
+    def _backup_job(self, src: torch.Tensor, dst: torch.Tensor, ready: torch.cuda.Event | None,
+                    then: Callable[[], None] | None) -> float:
+        t0 = time.perf_counter()
+        if ready is None:
+            copy_rows([*self.device.k, *self.device.v], src, [*self.k, *self.v], dst)
+        else:  # gathered on the side stream into pinned memory, then scattered into the pool's pages here
+            if self._side is None:
+                self._side = torch.cuda.Stream(src.device)
+            with torch.no_grad(), torch.cuda.stream(self._side):
+                self._side.wait_event(ready)
+                staged = [b.view(torch.uint8).index_select(0, src).to("cpu", non_blocking=True)
+                          for b in (*self.device.k, *self.device.v)]
+                self._side.synchronize()
+                for b, rows in zip((*self.k, *self.v), staged):
+                    b.view(torch.uint8).index_copy_(0, dst, rows)
+        if then is not None:
+            then()
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        """Finish the queued backups and stop the writer thread."""
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+            self._writer = None
 
     def load(self, host_pages: list[int], device_pages: list[int]) -> int:
         """Copy host pages back into device pages (same order); returns the bytes moved."""

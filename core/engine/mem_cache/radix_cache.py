@@ -119,6 +119,12 @@ class RadixCache:
             pages += node.pages
         return pages, node
 
+    def cached(self, ids: list[int]) -> tuple[int, TreeNode]:
+        """(tokens of ``ids``'s longest cached prefix, the node where its device match ends): what the
+        cache-aware queue orders rank by. A tiered cache also counts its lower tiers' continuation."""
+        pages, node = self.match_prefix(ids)
+        return len(pages) * self.page_size, node
+
     def walk(self, node: TreeNode, ids: list[int], i: int, on_device: bool) -> Iterator[TreeNode]:
         """The nodes below ``node`` matching the page-aligned ``ids[i:]`` whose KV is on the device
         (``on_device``), or is not (a lower tier's, see mem_cache), each touched as used; a match
