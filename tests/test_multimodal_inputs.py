@@ -177,6 +177,26 @@ def test_image_hash_follows_the_pixels() -> None:
     assert image_hash(_img(30, 40)) != image_hash(_img(40, 30))  # same byte count, another size
 
 
+def test_cache_keys_keep_adapters_and_images_apart() -> None:
+    """An adapter's keys of an image's tokens are neither the base model's keys of that image nor,
+    as an OR of the adapter's tag would have made them, the base model's keys of another image
+    whose hash differs in the tag's bits; every key stays a signed 64-bit int (storage hashes them so)."""
+    from core.engine.request import Req
+    from core.engine.sampling_params import SamplingParams
+
+    h = 0x1234_5678_9A
+    def req(hash_: int, lora: int) -> Req:
+        mm = ImageInputs([5, 7, 7, 7, 9], torch.zeros(1), None, [(1, 3)], [hash_])
+        return Req("r", mm.input_ids, SamplingParams(), lora_id=lora, mm=mm)
+
+    base, lora = req(h, 0).cache_ids(), req(h, 1).cache_ids()
+    other = req(h | 1 << 12, 0).cache_ids()  # (bit 12 of the hash is bit 32 of a key: the uid-1 tag's)
+    assert base[0] == 5 and lora[0] == 1 << 32 | 5 and lora[4] == 1 << 32 | 9  # text tokens: the tag
+    assert not set(lora[1:4]) & (set(base[1:4]) | set(other[1:4]))
+    assert req(h, 2).cache_ids()[1:4] != lora[1:4]
+    assert all(0 <= k < 1 << 63 for k in base + lora + other)
+
+
 def test_image_data_forms_per_prompt() -> None:
     assert images_per_prompt(None, 2, True) == [[], []]
     assert images_per_prompt([], 1, False) == [[]]

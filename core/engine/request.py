@@ -9,6 +9,7 @@ from typing import Any, Callable
 import attrs
 import torch
 
+from core.engine.multimodal import IMAGE_KEY_BASE
 from core.engine.sampling_params import SamplingParams
 
 
@@ -143,14 +144,16 @@ class Req:
         """``fill_ids`` as the prefix cache keys them: an image's tokens by its content, and an
         adapter's tokens with its uid in the bits above 32 (token ids are below 2**32), so a prefix
         computed under one adapter is never matched by a request of another or of the base model,
-        nor one with another image, in any cache tier."""
+        nor one with another image, in any cache tier. An image's keys (bit 62 set, its hash in bits
+        20-59) take the adapter by remixing their hash bits instead: an OR could turn them into
+        another image's keys under the base model."""
         ids = self.prompt_ids + self.output_ids
         if self.mm is not None:  # image tokens keyed by the image's content (core.engine.multimodal)
             ids = self.mm.cache_ids(ids)
         if not self.lora_id:
             return ids
-        tag = self.lora_id << 32
-        return [tag | t for t in ids]
+        tag, mix = self.lora_id << 32, ((self.lora_id * 0x9E3779B97F4A7C15) & ((1 << 40) - 1)) << 20
+        return [t ^ mix if t >= IMAGE_KEY_BASE else tag | t for t in ids]
 
     def tokens(self, start: int, end: int) -> list[int]:
         """``fill_ids()[start:end]`` without building the whole list."""
