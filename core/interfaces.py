@@ -498,7 +498,9 @@ class DraftContext(Protocol):
     """What the engine gives a :class:`ModelDrafter` once its own model and KV pool are built."""
 
     args: Any  # the engine's EngineArgs
-    target: torch.nn.Module  # the target model (a head may share its embeddings and LM head)
+    # the target model (a head may share its embeddings and LM head); under --tp-size > 1 a stand-in
+    # with its config and those tables whole (rank 0's own hold a slice of the vocabulary)
+    target: torch.nn.Module
     device: torch.device
 
     def load_model(self, path: str) -> DraftModel:

@@ -97,15 +97,18 @@ def generate(path: Path, params: Any = GREEDY, prompts: list[list[int]] = PROMPT
         eng.shutdown()
 
 
-@pytest.mark.parametrize("topk", [1, 2])
-def test_a_head_mirroring_the_target_has_its_drafts_accepted(mirror, topk):
-    """Chains, and trees of two branches per level (whose kept paths move their KV)."""
+@pytest.mark.parametrize("topk, tp", [(1, 1), (2, 1), (1, 2)], ids=["chain", "tree", "chain-tp2"])
+def test_a_head_mirroring_the_target_has_its_drafts_accepted(mirror, topk, tp):
+    """Chains, and trees of two branches per level (whose kept paths move their KV); under
+    --tp-size 2 the head's whole copies of the target's tables draft as well as at one rank."""
     target, head = mirror
     plain, _ = generate(target)
     spec, engine = generate(target, speculative_algorithm="EAGLE", speculative_draft_model_path=str(head),
-                            speculative_num_steps=3, speculative_eagle_topk=topk)
+                            speculative_num_steps=3, speculative_eagle_topk=topk, tp_size=tp)
     assert engine.scheduler.speculator.features is not None and engine.model.model.capture_layers == (1,)
     assert engine.scheduler.speculator.num_draft_tokens == 3 * topk + 1
+    table = engine.scheduler.speculator.drafter.draft.model.model.embed_tokens
+    assert table.tp.size == 1 and table.weight.shape[0] == table.vocab_size  # whole, at any --tp-size
     assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in plain]
     m = [o["meta_info"] for o in spec]
     kept = sum(x["spec_num_correct_drafts"] for x in m)
@@ -192,16 +195,17 @@ def test_bad_heads_are_clear_errors(deep, mirror):
 
 @pytest.mark.parametrize("parallel", [{"tp_size": 2}, {"dp_size": 2}], ids=["tp2", "dp2"])
 def test_tensor_and_data_parallel_engines_speculate(deep, parallel):
-    """--tp-size 2: a draft model runs whole on rank 0 beside its shard of the target; --dp-size 2:
-    each replica speculates (here with an EAGLE-3 head) and SGLang's meta_info counts come back. A
-    head sharing a sharded target's embeddings is refused."""
-    target, eagle3, _ = deep
-    draft = {"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": str(target)} if "tp_size" in parallel \
-        else {"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": str(eagle3)}
+    """--tp-size 2: a draft model runs whole on rank 0 beside its shard of the target, and a head
+    shares whole copies of the target's tables there (rank 0's own are a slice of the vocabulary);
+    --dp-size 2: each replica speculates (here with an EAGLE-3 head) and SGLang's meta_info counts
+    come back."""
+    target, eagle3, eagle = deep
     plain, _ = generate(target, prompts=PROMPTS[:2], max_total_tokens=512)
-    spec, _ = generate(target, prompts=PROMPTS[:2], max_total_tokens=512, speculative_num_steps=3, **draft, **parallel)
-    assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in plain]
-    assert all(o["meta_info"]["spec_num_proposed_drafts"] > 0 and o["meta_info"]["spec_verify_ct"] > 0 for o in spec)
+    drafts = [{"speculative_algorithm": "EAGLE3", "speculative_draft_model_path": str(eagle3)}]
     if "tp_size" in parallel:
-        with pytest.raises(ModelLoadError, match="run EAGLE with --tp-size 1"):
-            make_engine(target, speculative_algorithm="EAGLE3", speculative_draft_model_path=str(eagle3), tp_size=2)
+        drafts += [{"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": str(target)},
+                   {"speculative_algorithm": "EAGLE", "speculative_draft_model_path": str(eagle)}]
+    for draft in drafts:
+        spec, _ = generate(target, prompts=PROMPTS[:2], max_total_tokens=512, speculative_num_steps=3, **draft, **parallel)
+        assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in plain], draft
+        assert all(o["meta_info"]["spec_num_proposed_drafts"] > 0 and o["meta_info"]["spec_verify_ct"] > 0 for o in spec)

@@ -214,9 +214,9 @@ def _weight_files(path: Path, load_format: str = "auto") -> tuple[str, list[Path
     raise ModelLoadError(f"no {wanted} weights in {path}" + (f" (--load-format {load_format})" if load_format != "auto" else ""))
 
 
-def iter_weights(path: Path, load_format: str = "auto") -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(path: Path, load_format: str = "auto", only: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) from safetensors files, else from PyTorch .bin files (``load_format``:
-    only that format)."""
+    only that format); ``only``: just those names (safetensors files read no others)."""
     kind, files = _weight_files(path, load_format)
     if kind == "safetensors":
         from safetensors import safe_open
@@ -224,28 +224,29 @@ def iter_weights(path: Path, load_format: str = "auto") -> Iterator[tuple[str, t
         for f in files:
             with safe_open(f, framework="pt") as sf:
                 for name in sf.keys():
-                    yield name, sf.get_tensor(name)
+                    if only is None or name in only:
+                        yield name, sf.get_tensor(name)
         return
     for f in files:
-        yield from torch.load(f, map_location="cpu", weights_only=True).items()
+        yield from ((n, t) for n, t in torch.load(f, map_location="cpu", weights_only=True).items() if only is None or n in only)
 
 
 # --------------------------------------------------------------------------- GGUF kept quantized
 
-def checkpoint_weights(mc: ModelConfig, model: torch.nn.Module, quant: object,
-                       load_format: str = "auto") -> Iterator[tuple[str, torch.Tensor]]:
+def checkpoint_weights(mc: ModelConfig, model: torch.nn.Module | None, quant: object,
+                       load_format: str = "auto", only: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """What ``model.load_weights`` consumes: the folder's tensors (for a GGUF model, its whole
     dequantized folder, ``gguf_dense_folder``), except that under a quant method with ``gguf_raw``
     (the ``gguf`` method) every ``Linear`` weight ``X.weight`` of a GGUF model arrives as
     ``X.qweight`` (its raw GGUF rows, uint8 ``[rows, bytes]``, rows in the converted order) and
     ``X.qweight_type`` (int32 ``[1]``, the GGML type): those the table lists straight from the
     file (the packed folder holds no copy of them), the others (in the folder) as their float32
-    bytes with type F32 (0)."""
+    bytes with type F32 (0). ``only``: just those names, dense (no quant method)."""
     if not getattr(quant, "gguf_raw", False):
         if mc.gguf_file is not None:
-            yield from iter_weights(gguf_dense_folder(mc.gguf_file, mc.path))
+            yield from iter_weights(gguf_dense_folder(mc.gguf_file, mc.path), only=only)
         else:
-            yield from iter_weights(mc.path, load_format)
+            yield from iter_weights(mc.path, load_format, only)
         return
     import gguf
 

@@ -58,6 +58,38 @@ class EngineDraftModel:
         return for_next, step_logits(self.model, for_logits, inputs.logit_rows, self.device)[0]
 
 
+def target_tables(served: torch.nn.Module, mc: Any, device: torch.device, load_format: str) -> torch.nn.Module:
+    """What a draft head shares of a tensor-parallel target, whole: a stand-in with its ``config``,
+    ``tied``, ``model.embed_tokens`` and (untied) ``lm_head``, read again from its checkpoint here.
+    Rank 0's own tables hold a slice of the vocabulary, and the head runs on rank 0 alone, where a
+    sharded table's collectives would wait for ranks that never join; the residual stream the head
+    reads is whole on every rank, so only the tables differ (SGLang shards the head instead)."""
+    from core.engine.loader import checkpoint_weights
+    from core.engine.model_build import init_dummy_weights
+    from core.layers import VocabEmbedding
+
+    cfg, tied = served.config, bool(getattr(served, "tied", False))
+    stand_in = torch.nn.Module()
+    stand_in.config, stand_in.tied, stand_in.model = cfg, tied, torch.nn.Module()
+    dtype = served.model.embed_tokens.weight.dtype
+    tables = {"model.embed_tokens.weight": VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)}
+    stand_in.model.embed_tokens = tables["model.embed_tokens.weight"]
+    if not tied:
+        stand_in.lm_head = tables["lm_head.weight"] = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
+    if load_format == "dummy":  # (benchmarks: random tables, as the target's)
+        init_dummy_weights(stand_in, 0)
+    else:
+        found = set()
+        with torch.no_grad():
+            for name, t in checkpoint_weights(mc, None, None, load_format, only=set(tables)):
+                tables[name].weight.copy_(t)
+                found.add(name)
+        if found != set(tables):
+            raise ModelLoadError(f"the draft head needs the target's {', '.join(sorted(set(tables) - found))}, "
+                                 f"which its checkpoint {mc.path} does not hold by that name")
+    return stand_in.to(device)
+
+
 @attrs.define
 class EngineDraftContext:
     """``core.interfaces.DraftContext``: loads draft models the way the target was loaded (its
@@ -73,6 +105,12 @@ class EngineDraftContext:
     kv_dtype: torch.dtype
     backend_name: str
     features: Callable[[], torch.Tensor] | None = None  # set by ``capture``: the last target forward's features
+    served: torch.nn.Module | None = None  # the served model (``target`` is a stand-in under --tp-size > 1)
+
+    def __attrs_post_init__(self) -> None:
+        self.served = self.target
+        if self.args.tp_size > 1:  # a head runs on rank 0 alone: it shares whole tables, not this rank's shard
+            self.target = target_tables(self.target, self.target_config, self.device, self.args.load_format)
 
     @property
     def trees(self) -> bool:
@@ -85,13 +123,10 @@ class EngineDraftContext:
         return bool(getattr(backend, "supports_tree_mask", False)) and not sliding
 
     def capture(self, layers: Sequence[int]) -> None:
-        inner = getattr(self.target, "model", None)
+        inner = getattr(self.served, "model", None)
         if not hasattr(inner, "capture_layers"):
             raise ModelLoadError(f"the target's architecture ({self.target_config.architecture}) cannot hand a draft "
                                  "head its hidden states: EAGLE needs a Llama-family target")
-        if self.args.tp_size > 1:  # (SGLang shards the head too: not yet here)
-            raise ModelLoadError("a draft head shares the target's embeddings and LM head, which --tp-size shards: run "
-                                 "EAGLE with --tp-size 1 (NGRAM and STANDALONE run with tensor parallelism)")
         n = len(inner.layers)
         if any(not 0 <= i <= n for i in layers):
             raise ModelLoadError(f"the draft head reads the target's layers {list(layers)}; the target has {n}")
