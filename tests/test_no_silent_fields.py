@@ -139,7 +139,7 @@ def test_unsupported_engine_args_are_refused_by_type_and_value() -> None:
     from core.engine.config import engine_args_from_kwargs
     from core.errors import CoreError
 
-    for kw in ({"pp_size": 2}, {"pp_size": True}, {"enable_dp_attention": 1}, {"speculative_algorithm": "NEXTN"},
+    for kw in ({"pp_size": 2}, {"pp_size": True}, {"enable_dp_attention": 1}, {"speculative_algorithm": "DFLASH"},
                {"max_lora_chunk_size": 32}):
         with pytest.raises(CoreError, match=next(iter(kw))):
             engine_args_from_kwargs({"model_path": "/m", **kw})

@@ -831,7 +831,7 @@ def test_parallel_flags_parse_with_sglangs_spellings() -> None:
     (["--pp-size", "2"], "--pp-size 2 is not supported yet"),
     (["--ep", "2"], "--ep-size 2 is not supported yet"),
     (["--enable-dp-attention"], "--enable-dp-attention is not supported yet"),
-    (["--speculative-algorithm", "NEXTN"], "--speculative-algorithm NEXTN is not supported yet"),
+    (["--speculative-algorithm", "DFLASH"], "--speculative-algorithm DFLASH is not supported yet"),
 ])
 def test_unsupported_flags_are_errors(argv: list[str], message: str) -> None:
     from core.errors import CoreError

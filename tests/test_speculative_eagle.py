@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from core.errors import ModelLoadError
+from core.errors import CoreError, ModelLoadError
 from tests.conftest import TINY_BASE, build_tiny_llama, make_engine
 
 PROMPTS = [[5 + (i * 7 + j) % 13 for j in range(30 + 5 * i)] for i in range(4)]
@@ -97,13 +97,15 @@ def generate(path: Path, params: Any = GREEDY, prompts: list[list[int]] = PROMPT
         eng.shutdown()
 
 
-@pytest.mark.parametrize("topk, tp", [(1, 1), (2, 1), (1, 2)], ids=["chain", "tree", "chain-tp2"])
-def test_a_head_mirroring_the_target_has_its_drafts_accepted(mirror, topk, tp):
+@pytest.mark.parametrize("topk, tp, algo", [(1, 1, "EAGLE"), (2, 1, "EAGLE"), (1, 2, "EAGLE"), (1, 1, "NEXTN")],
+                         ids=["chain", "tree", "chain-tp2", "nextn"])
+def test_a_head_mirroring_the_target_has_its_drafts_accepted(mirror, topk, tp, algo):
     """Chains, and trees of two branches per level (whose kept paths move their KV); under
-    --tp-size 2 the head's whole copies of the target's tables draft as well as at one rank."""
+    --tp-size 2 the head's whole copies of the target's tables draft as well as at one rank;
+    NEXTN with a head runs as EAGLE, as in SGLang."""
     target, head = mirror
     plain, _ = generate(target)
-    spec, engine = generate(target, speculative_algorithm="EAGLE", speculative_draft_model_path=str(head),
+    spec, engine = generate(target, speculative_algorithm=algo, speculative_draft_model_path=str(head),
                             speculative_num_steps=3, speculative_eagle_topk=topk, tp_size=tp)
     assert engine.scheduler.speculator.features is not None and engine.model.model.capture_layers == (1,)
     assert engine.scheduler.speculator.num_draft_tokens == 3 * topk + 1
@@ -189,6 +191,8 @@ def test_bad_heads_are_clear_errors(deep, mirror):
         make_engine(target, speculative_algorithm="EAGLE", speculative_draft_model_path=str(mirror[0]))
     with pytest.raises(ModelLoadError, match="needs --speculative-draft-model-path"):
         make_engine(target, speculative_algorithm="EAGLE")
+    with pytest.raises(CoreError, match="NEXTN drafts with a model's own multi-token-prediction.*--speculative-draft-model-path"):
+        make_engine(target, speculative_algorithm="NEXTN")
     with pytest.raises(ModelLoadError, match=r"target layers to capture, of 0\.\.1; got \[1, 2, 3\]"):  # a one-layer target
         make_engine(mirror[0], speculative_algorithm="EAGLE3", speculative_draft_model_path=str(eagle3))
 

@@ -94,7 +94,8 @@ class EngineArgs:
                                                        "tokens streamed in bursts)")
     speculative_algorithm: str | None = _arg(None, MEMORY, "speculative decoding: a registered drafter (NGRAM: "
                                                            "drafts copied from the request's own context; "
-                                                           "STANDALONE: a smaller draft model)")
+                                                           "STANDALONE: a smaller draft model; EAGLE, EAGLE3: a "
+                                                           "draft head; NEXTN: as EAGLE, as in SGLang)")
     speculative_num_draft_tokens: int | None = _arg(None, MEMORY, "tokens per speculative verify, the last "
                                                                   "known one included (default 12; a draft "
                                                                   "model's: --speculative-num-steps + 1)")
@@ -273,9 +274,9 @@ UNSUPPORTED_SGLANG_ARGS: dict[str, tuple[Any, ...]] = {
 }
 
 
-# SGLang's speculative algorithms that need a draft head (not supported yet; NGRAM, STANDALONE and
-# drafters from plugins are): refused when the arguments are read, before anything loads
-DRAFT_MODEL_ALGORITHMS = ("NEXTN", "DFLASH", "DSPARK", "UNO")
+# SGLang's speculative algorithms that need a draft head (not supported yet; NGRAM, STANDALONE, EAGLE,
+# EAGLE3, NEXTN (as EAGLE) and drafters from plugins are): refused when the arguments are read
+DRAFT_MODEL_ALGORITHMS = ("DFLASH", "DSPARK", "UNO")
 
 
 def _is_off(value: Any, defaults: tuple[Any, ...]) -> bool:
@@ -296,7 +297,7 @@ def engine_args_from_kwargs(kwargs: dict[str, Any]) -> EngineArgs:
     names = {f.name for f in attrs.fields(EngineArgs)}
     unsupported = [k for k in kwargs if k in UNSUPPORTED_SGLANG_ARGS and not _is_off(kwargs[k], UNSUPPORTED_SGLANG_ARGS[k])]
     if str(kwargs.get("speculative_algorithm")).upper() in DRAFT_MODEL_ALGORITHMS:
-        unsupported.append(f"speculative_algorithm={kwargs['speculative_algorithm']} (NGRAM, STANDALONE, EAGLE and EAGLE3 are supported)")
+        unsupported.append(f"speculative_algorithm={kwargs['speculative_algorithm']} (NGRAM, STANDALONE, EAGLE, EAGLE3 and NEXTN are supported)")
     if unsupported:
         raise CoreError(f"SGLang option(s) not supported by this engine yet: {', '.join(unsupported)}")
     unknown = [k for k in kwargs if k not in names and k not in UNSUPPORTED_SGLANG_ARGS]

@@ -95,7 +95,7 @@ NOT_SUPPORTED_YET: dict[str, tuple[Callable[[Any], bool], str]] = {
     "pp_size": (_off(1), "only 1 is supported"),
     "ep_size": (_off(1), "only 1 is supported"),
     "enable_dp_attention": (_off(), ""),
-    "speculative_algorithm": (lambda v: str(v).upper() not in DRAFT_MODEL_ALGORITHMS, "NGRAM, STANDALONE, EAGLE and EAGLE3 are supported"),
+    "speculative_algorithm": (lambda v: str(v).upper() not in DRAFT_MODEL_ALGORITHMS, "NGRAM, STANDALONE, EAGLE, EAGLE3 and NEXTN are supported"),
     "disaggregation_mode": (_off("null"), ""),
     "enable_torch_compile": (_off(), ""),
     "trust_remote_code": (_off(), "custom model code is never executed"),

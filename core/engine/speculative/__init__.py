@@ -285,10 +285,16 @@ def build_speculator(args: Any, plugins: Any) -> Speculator | None:
             if getattr(args, "speculative_" + flag) is not None:
                 raise CoreError(f"--speculative-{flag.replace('_', '-')} needs --speculative-algorithm (e.g. NGRAM)")
         return None
+    if name.upper() == "NEXTN":  # SGLang runs NEXTN (a model's multi-token-prediction layers) as EAGLE
+        if not args.speculative_draft_model_path:
+            raise CoreError("--speculative-algorithm NEXTN drafts with a model's own multi-token-prediction (MTP) "
+                            "layers, which no architecture served here has: pass --speculative-draft-model-path "
+                            "with an EAGLE head (NEXTN then runs as EAGLE, as in SGLang)")
+        name = "EAGLE"
     drafter = plugins.resolve("speculative_algorithm", name)(args)
     n, topk = args.speculative_num_draft_tokens, args.speculative_eagle_topk or 1
     if topk < 1 or (topk > 1 and not getattr(drafter, "trees", False)):
-        raise CoreError(f"--speculative-eagle-topk {topk}: --speculative-algorithm {name} drafts chains "
+        raise CoreError(f"--speculative-eagle-topk {topk}: --speculative-algorithm {args.speculative_algorithm} drafts chains "
                         "(--speculative-eagle-topk 1); EAGLE and EAGLE3 draft trees")
     if hasattr(drafter, "propose_batch"):
         steps = args.speculative_num_steps if args.speculative_num_steps is not None else DEFAULT_NUM_STEPS
