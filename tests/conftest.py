@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import os
 import string
 from pathlib import Path
 from typing import Any, Callable
@@ -105,13 +106,24 @@ def tiny_llama(tmp_path_factory) -> Callable[..., tuple[Path, Any]]:
     return get
 
 
+# CORE_TEST_OVERLAP=1: engines made here schedule with overlap (unless a test says otherwise), their
+# decodes' tokens left on the device as on a GPU (ModelRunner.defer_results): the engine suites run
+# again so (tests/test_overlap_suites.py), with the same expectations.
+OVERLAP = os.environ.get("CORE_TEST_OVERLAP") == "1"
+
+
 def make_engine(path: Path | str, **kwargs: Any):
     """A small fp32 CPU engine over a tiny model (tokenizer on unless told otherwise)."""
     import core
 
     opts: dict[str, Any] = dict(model_path=str(path), dtype="float32", max_total_tokens=1024, cpu_threads=1, device="cpu")
+    if OVERLAP and "disable_overlap_schedule" not in kwargs and "enable_overlap_schedule" not in kwargs:
+        opts["enable_overlap_schedule"] = True
     opts.update(kwargs)
-    return core.Engine(**opts)
+    eng = core.Engine(**opts)
+    if OVERLAP and (runner := getattr(eng.engine, "runner", None)) is not None:
+        runner.defer_results = eng.engine.overlap and eng.engine.tp_group is None
+    return eng
 
 
 # Every device the engine can run on here: the CPU always, CUDA when present (those runs carry

@@ -100,6 +100,7 @@ def test_the_next_steps_host_work_runs_during_the_forward(tiny):
     step n's forward runs on the forward thread: most schedule() calls find a forward unfinished."""
     eng = make_engine(tiny, dtype="float32", device="cpu", enable_overlap_schedule=True)
     ae = eng.engine
+    ae.runner.defer_results = False  # (the forward thread's run is the step here; deferred: the next test)
     overlapped = []
     run, schedule = ae.runner.run, ae.scheduler.schedule
 
