@@ -11,15 +11,15 @@ query/key-value heads, ``D`` the head dimension.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Iterable, Protocol, Sequence, runtime_checkable
 
 import attrs
 import torch
 
-PLUGIN_API_VERSION = "1.7"  # 1.1: the optional CUDA-graph capture hooks of attention backends; 1.2: drafters;
+PLUGIN_API_VERSION = "1.8"  # 1.1: the optional CUDA-graph capture hooks of attention backends; 1.2: drafters;
 # 1.3: model drafters; 1.4: tree masks (ForwardBatch.tree_mask, AttentionBackend.supports_tree_mask), draft trees;
 # 1.5: HiCache storage backends (HiCacheStorage); 1.6: ForwardBatch.lora (LoRA adapters in the batch);
-# 1.7: multimodal processors, ForwardBatch.mm_rows / mm_embeds / mrope_positions
+# 1.7: multimodal processors, ForwardBatch.mm_rows / mm_embeds / mrope_positions; 1.8: ForwardBatch.layer_ready
 
 
 # --------------------------------------------------------------------------- batches
@@ -61,6 +61,12 @@ class ForwardBatch:
     mm_rows: torch.Tensor | None = None
     mm_embeds: torch.Tensor | None = None
     mrope_positions: torch.Tensor | None = None
+    # KV still landing in the pool for this forward (HiCache load-backs on a GPU, layer by layer):
+    # ``layer_ready(layer_id)`` must be called before a layer's attention reads the pool.
+    # ``core.layers.Attention`` calls it; for a model whose attention layers are not all that one
+    # the engine waits for every layer's load before the forward. None: nothing landing (always
+    # on the CPU, which copies a batch's loads before its forward).
+    layer_ready: Callable[[int], None] | None = None
 
     @property
     def batch_size(self) -> int:

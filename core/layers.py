@@ -333,6 +333,8 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         s = self.spec
+        if batch.layer_ready is not None:  # this layer's KV still landing (a HiCache load-back on a GPU)
+            batch.layer_ready(s.layer_id)
         out = batch.attn_backend.forward(
             q.view(-1, s.num_heads, s.head_dim),
             k.view(-1, s.num_kv_heads, s.head_dim),

@@ -54,6 +54,14 @@ def _insert(alloc, kv, tree, ids):
     return pages
 
 
+def _load_back(tree, ids):
+    """An admission's match, then the load the batch carries, issued (the model runner's part)."""
+    got = tree.match_prefix(ids, load_back=True)
+    if (loads := tree.take_loads()) is not None:
+        loads.issue()
+    return got
+
+
 @pytest.mark.parametrize("ps", [1, 4])
 def test_evicted_prefix_stays_host_resident_and_loads_back_with_its_kv(ps):
     alloc, kv, tree = _tiered(ps, device_pages=8, host_pages=12, policy="write_back")
@@ -70,14 +78,18 @@ def test_evicted_prefix_stays_host_resident_and_loads_back_with_its_kv(ps):
     _fill(kv, list(range(1, 9)), [0] * 8 * ps)  # the device pool is overwritten meanwhile
     got, node = tree.match_prefix(a[: 5 * ps], load_back=True)  # a match ending inside the node splits it
     tree.check()
-    assert len(got) == 5 and _read(kv, got, 5 * ps) == [x for i, x in enumerate(want) if i % len(a) < 5 * ps]
+    expect = [x for i, x in enumerate(want) if i % len(a) < 5 * ps]
+    assert _read(kv, got, 5 * ps) != expect  # queued, not copied: the batch being built carries the load
+    loads = tree.take_loads()
+    assert tree.take_loads() is None and loads.issue().issued  # (the runner's part, as its forward starts)
+    assert len(got) == 5 and _read(kv, got, 5 * ps) == expect
     assert tree.stats.host_hit_tokens == 5 * ps and tree.stats.bytes_to_device == 5 * tree.host_pool.bytes_per_page
     assert tree.evictable_pages == 5 and tree.host_used_pages == 6  # loaded pages keep their host copy
     tree.inc_lock_ref(node)
     assert tree.evict(8) == [] and tree.protected_pages == 5  # locked: neither tier lets go of it
     tree.dec_lock_ref(node)
     # the rest of the prefix loads too; a second eviction needs no new copy (already backed up)
-    got, _ = tree.match_prefix(a, load_back=True)
+    got, _ = _load_back(tree, a)
     assert len(got) == 6 and _read(kv, got, len(a)) == want
     before = tree.stats.bytes_to_host
     alloc.free(tree.evict(6))
@@ -139,7 +151,7 @@ def test_write_through_copies_on_the_writer_thread_and_eviction_waits_for_it(mon
     alloc.free(tree.evict(4))  # the device pages are freed only once the copy is done
     assert time.perf_counter() - t0 >= 0.15 and not tree._writing
     assert threads == ["core-hicache-writer_0"] and tree.stats.bytes_to_host == 4 * tree.host_pool.bytes_per_page
-    pages, _ = tree.match_prefix(a, load_back=True)
+    pages, _ = _load_back(tree, a)
     assert _read(kv, pages, 8) == want
     tree.check()
     tree.close()
@@ -186,6 +198,66 @@ def test_lpm_ranks_a_host_resident_prefix_by_its_whole_length():
     reqs = [Req(rid=str(i), prompt_ids=ids + [7, 7, 7], params=SamplingParams()) for i, ids in enumerate((dev_ids, host_ids))]
     order = SchedulePolicy("lpm", tree).order(reqs, lambda r: tree.cached(r.prompt_ids[:-1]))
     assert [r.rid for r in order] == ["1", "0"] and [r.prefix_len for r in order] == [12, 4]
+
+
+def test_a_load_evicted_before_any_batch_took_it_is_dropped():
+    """A loaded-back node evicted again before the next batch carried its load (the request that
+    matched it was not admitted) must not be copied later into pages handed out meanwhile; a reset
+    drops the queue too."""
+    alloc, kv, tree = _tiered(1, device_pages=8, host_pages=12, policy="write_back")
+    a = [1, 2, 3, 4]
+    _insert(alloc, kv, tree, a)
+    alloc.free(tree.evict(4))
+    got, _ = tree.match_prefix(a, load_back=True)
+    assert len(got) == 4 and tree.host_pool._queued
+    alloc.free(tree.evict(4))  # unlocked: evicted again, host-resident
+    assert tree.take_loads() is None
+    tree.match_prefix(a, load_back=True)
+    alloc.free(tree.reset())
+    assert tree.take_loads() is None
+    tree.check()
+
+
+def test_the_forward_waits_for_each_layers_load_before_its_attention(tiny_llama):
+    """Where a batch's load-backs land layer by layer (a GPU), the runner hands the forward
+    ``layer_ready`` and every shared Attention layer calls it, in order, before reading the pool;
+    a model whose attention layers are not all the shared ones waits for every layer first."""
+    from tests.conftest import make_engine
+
+    path, _ = tiny_llama()
+    # (torch_native: the model's Python layers, as on a GPU; the CPU's one-op layers never see a
+    # load in flight, since the CPU copies a batch's loads before its forward)
+    eng = make_engine(path, max_total_tokens=256, enable_hierarchical_cache=True, hicache_ratio=4.0,
+                      attention_backend="torch_native")
+    ae = eng.engine
+    layers = len(ae.kv_cache.k)
+    calls: list = []
+
+    class Landing:  # a GPU's KVLoads, as the runner sees it once issued
+        issued, events = True, [object()] * layers
+
+        def issue(self):
+            calls.append("issue")
+            return self
+
+        def wait_layer(self, layer):
+            calls.append(layer)
+
+        def wait_all(self):
+            calls.append("all")
+
+    take = ae.tree_cache.take_loads
+    ae.tree_cache.take_loads = lambda: Landing() if not calls else take()
+    try:
+        eng.generate(input_ids=list(range(5, 30)), sampling_params=greedy(2))
+        assert calls == ["issue", *range(layers)]
+        calls.clear()
+        Landing.events = [object()] * (layers + 1)  # (as if one attention layer were the model's own)
+        eng.generate(input_ids=list(range(6, 31)), sampling_params=greedy(2))
+        assert calls == ["issue", "all"]
+    finally:
+        ae.tree_cache.take_loads = take
+        eng.shutdown()
 
 
 def test_reset_clears_every_tier():

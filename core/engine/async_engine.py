@@ -344,6 +344,8 @@ class AsyncEngine(RequestFrontEnd):
             await self._complete(*self._inflight)
         try:
             batch, aborted = self.scheduler.schedule()
+            if batch is not None and self.tree_cache is not None:  # the load-backs its admissions queued
+                batch.kv_loads = self.tree_cache.take_loads()
         except Exception as e:
             self._contain("scheduling", e, None)
             return
@@ -387,8 +389,9 @@ class AsyncEngine(RequestFrontEnd):
                 result = await self._on_forward_thread(result.resolve)
         except RankFailure:
             raise
-        except Exception as e:  # a failing forward fails its batch, not the engine
-            self._contain("forward", e, batch.reqs)
+        except Exception as e:  # a failing forward fails its batch, not the engine, unless the KV it was to
+            # load back was never sent (the prefix cache would serve those pages): then everything
+            self._contain("forward", e, batch.reqs if batch.kv_loads is None or batch.kv_loads.issued else None)
             return
         elapsed = time.perf_counter() - t0
         if not batch.is_prefill:

@@ -44,6 +44,7 @@ class StepInputs:
     # the previous batch's sampled tokens still on the device (``ModelRunner.defer_results``): a
     # negative input id (``schedule_batch.future_id``) reads its token here, on the device
     future_tokens: torch.Tensor | None = None
+    kv_loads: Any = None  # mem_cache.host_pool.KVLoads issued for this forward (HiCache load-backs), or None
 
 
 def _ints(x: list[int] | torch.Tensor) -> list[int]:
@@ -68,11 +69,27 @@ def forward_step(model: torch.nn.Module, attn_backend, inputs: StepInputs, devic
             return out[0], [out[1]], out[2]
     fb = forward_batch(inputs, attn_backend, device)
     if graphs is not None and (not inputs.lora or graphs.lora is not None) and graphs.can_run(fb):
+        if inputs.kv_loads is not None:
+            inputs.kv_loads.wait_all()
         hidden = graphs.replay(fb)
     else:
+        if inputs.kv_loads is not None:  # per layer where the shared Attention layers read the pool, else all first
+            if _attention_layers(model) == len(inputs.kv_loads.events):
+                fb.layer_ready = inputs.kv_loads.wait_layer
+            else:
+                inputs.kv_loads.wait_all()
         attn_backend.prepare(fb)
         hidden = model(fb)
     return hidden, step_logits(model, hidden, inputs.logit_rows, device), None
+
+
+def _attention_layers(model: torch.nn.Module) -> int:
+    """How many ``core.layers.Attention`` the model holds (they call ``ForwardBatch.layer_ready``)."""
+    if (n := model.__dict__.get("_core_attention_layers")) is None:
+        from core.layers import Attention
+
+        n = model.__dict__["_core_attention_layers"] = sum(isinstance(m, Attention) for m in model.modules())
+    return n
 
 
 def forward_batch(inputs: StepInputs, attn_backend, device: torch.device) -> ForwardBatch:
@@ -193,6 +210,7 @@ class ModelRunner:
         """One batch: the forward, sampling, prompt logprobs. Batches run in the order they were
         built, so a batch built while another was in flight (overlap scheduling) finds that one's
         sampled tokens here, for its future ids."""
+        loads = batch.kv_loads.issue() if batch.kv_loads is not None else None  # (first: see AsyncEngine._complete)
         last, self._last_tokens = self._last_tokens, None  # (a failed batch leaves none to resolve)
         future = None
         if batch.futures and isinstance(last, torch.Tensor) and batch.steps == 1:  # on the device: resolved there (forward_batch)
@@ -201,14 +219,16 @@ class ModelRunner:
             last = last.tolist() if isinstance(last, torch.Tensor) else last
             batch.input_ids = [t if t >= 0 else (last[-1 - t] if last is not None else 0) for t in batch.input_ids]
         if batch.steps > 1:
+            if loads is not None:
+                loads.wait_all()
             return self._run_steps(batch)
-        result = self._run_one(batch, future)
+        result = self._run_one(batch, future, loads)
         self._last_tokens = result.pending.tokens if result.pending is not None else result.sample.token_ids
         return result
 
-    def _run_one(self, batch: ScheduledBatch, future: torch.Tensor | None = None) -> StepResult:
+    def _run_one(self, batch: ScheduledBatch, future: torch.Tensor | None = None, loads: Any = None) -> StepResult:
         inputs, live, prompt_rows = self.step_inputs(batch)
-        inputs.future_tokens = future
+        inputs.future_tokens, inputs.kv_loads = future, loads
         if batch.draft_pending:  # a model drafter's drafts, into the verify's input ids
             self.speculator.fill(batch, inputs.kv_indices)
             inputs.input_ids, inputs.positions, inputs.tree_mask = batch.input_ids, batch.positions, tree_masks(batch)

@@ -38,6 +38,9 @@ class ScheduledBatch:
     drafts: list[list[int]] | None = None
     draft_pending: bool = False  # ``drafts`` are a model drafter's, made by the runner (Speculator.fill)
     draft_parents: list[list[int] | None] | None = None  # per request, its draft tree's parents (None: a chain)
+    # KV load-backs queued while this batch was built (HiCache: mem_cache.host_pool.KVLoads), which
+    # the runner issues as its forward starts, after every forward before it; None: none
+    kv_loads: object = None
 
 
 def future_id(index: int) -> int:

@@ -95,8 +95,8 @@ class Metrics:
                                      "to the host pool (backups)."),
             "bytes_to_device": counter("core:hicache_host_to_device_bytes", "KV bytes copied from the host pool "
                                        "back to the device pool (load-backs)."),
-            "load_seconds": counter("core:hicache_load_back_seconds", "Seconds spent loading KV back from the "
-                                    "host tier."),
+            "load_seconds": counter("core:hicache_load_back_seconds", "Host seconds spent issuing KV loads back from "
+                                    "the host tier (on a GPU the copies then run on their own stream)."),
             "backup_seconds": counter("core:hicache_backup_seconds", "Seconds spent copying KV to the host tier."),
             "host_evicted_pages": counter("core:hicache_host_evicted_pages", "Host-tier pages dropped to make room "
                                           "in the host pool."),

@@ -17,9 +17,11 @@ not freed until its copy is done (``evict`` waits for the copies still running, 
 ``write_back`` copies inside ``evict``, whose caller reuses the pages at once.
 
 A match at admission (``match_prefix(ids, load_back=True)``) that runs into host-resident nodes
-loads them back into freshly allocated device pages (evicting other unused prefixes if needed)
-before the prefill that needs them: a synchronous index copy per K/V buffer (on the CPU a memcpy
-of a few ms for thousands of tokens; on a GPU it is queued on the stream ahead of the forward).
+gives them freshly allocated device pages (evicting other unused prefixes if needed) and queues
+the copy of their KV (``HostKVPool.load_later``); the batch being built carries it (``take_loads``)
+and the model runner issues it as that batch's forward starts (``KVLoads``: a copy on the CPU; on
+a GPU per layer on a stream of its own, each attention layer waiting for its own). A queued load
+whose nodes are evicted again before any batch took it is dropped (``cancel_loads``).
 The host pool evicts its own LRU host-only leaves when a backup needs room; they leave the tree.
 
 With ``--hicache-storage-backend`` a storage tier sits under the host pool (``storage``): every
@@ -49,7 +51,7 @@ from core.engine.mem_cache.kv_cache import GIB, PageAllocator
 from core.engine.mem_cache import (
     HICACHE_IO_BACKENDS, HICACHE_MEM_LAYOUTS, HICACHE_STORAGE_PREFETCH_POLICIES, HICACHE_WRITE_POLICIES,
 )
-from core.engine.mem_cache.host_pool import HostKVPool
+from core.engine.mem_cache.host_pool import HostKVPool, KVLoads
 from core.engine.mem_cache.radix_cache import RadixCache, TreeNode
 from core.engine.mem_cache.storage import StorageTier, storage_namespace
 from core.errors import CoreError, UnknownNameError
@@ -71,7 +73,6 @@ class HiCacheStats:
     host_hit_tokens: int = 0  # tokens of admitted prefixes loaded back from the host
     bytes_to_host: int = 0  # backups, device -> host
     bytes_to_device: int = 0  # load-backs, host -> device
-    load_seconds: float = 0.0  # time spent loading back
     backup_seconds: float = 0.0  # time spent backing up
     host_evicted_pages: int = 0  # host-only pages dropped to make room in the host pool
     storage_hit_tokens: int = 0  # tokens of admitted prefixes read from the storage tier
@@ -222,7 +223,7 @@ class HiRadixCache(RadixCache):
     def tier_stats(self) -> dict[str, Any]:
         """The metrics' view: cumulative counters plus the host pool's occupancy in tokens."""
         ps = self.page_size
-        return {**attrs.asdict(self.stats), "host_used_tokens": self.host_used_pages * ps,
+        return {**attrs.asdict(self.stats), "load_seconds": self.host_pool.load_seconds, "host_used_tokens": self.host_used_pages * ps,
                 "host_total_tokens": self.host_pool.capacity * ps}
 
     # ------------------------------------------------------------------ match / load back
@@ -295,8 +296,8 @@ class HiRadixCache(RadixCache):
         return [new]
 
     def _load_back(self, host_nodes: list[TreeNode]) -> list[TreeNode]:
-        """Give the leading ``host_nodes`` that fit device pages and copy their KV there."""
-        t0 = time.perf_counter()
+        """Give the leading ``host_nodes`` that fit device pages and queue the copy of their KV there
+        (``HostKVPool.load_later``: the batch being built carries it, issued as its forward starts)."""
         self.inc_lock_ref(host_nodes[-1])  # the path stays: no device or host eviction takes it
         try:
             avail = self.allocator.num_free + self.evictable_pages
@@ -317,12 +318,14 @@ class HiRadixCache(RadixCache):
                 j += len(n.host)
                 host += n.host
                 self.protected_pages += len(n.pages)  # (locked: unlocked below)
-            self.stats.bytes_to_device += self.host_pool.load(host, dev)
+            self.stats.bytes_to_device += self.host_pool.load_later(host, dev)  # (the batch being built carries it)
         finally:
             self.dec_lock_ref(host_nodes[-1])
         self.stats.host_hit_tokens += need * self.page_size
-        self.stats.load_seconds += time.perf_counter() - t0
         return take
+
+    def take_loads(self) -> KVLoads | None:
+        return self.host_pool.take_loads()
 
     # ------------------------------------------------------------------ backup / eviction
     def _inserted(self, node: TreeNode) -> None:
@@ -385,6 +388,7 @@ class HiRadixCache(RadixCache):
                 self._backup(n)
             freed += n.pages
             self.evictable_pages -= len(n.pages)
+            self.host_pool.cancel_loads(n.pages)  # (loaded back, then evicted before any batch took the load)
             if n.host:
                 n.pages = []
             else:

@@ -13,6 +13,7 @@ import concurrent.futures
 import time
 from typing import Callable
 
+import attrs
 import torch
 
 from core.engine.mem_cache.kv_cache import PageAllocator, copy_rows
@@ -37,6 +38,9 @@ class HostKVPool:
         self._offsets = torch.arange(ps, dtype=torch.int64)
         self._writer: concurrent.futures.ThreadPoolExecutor | None = None  # backup_later's thread, started on first use
         self._side: torch.cuda.Stream | None = None  # its CUDA stream (a GPU pool)
+        self._load_stream: torch.cuda.Stream | None = None  # KVLoads' CUDA stream
+        self._queued: list[tuple[list[int], list[int]]] = []  # load_later's (host pages, device pages), not yet issued
+        self.load_seconds = 0.0  # host time spent issuing loads (KVLoads.issue), for the metrics
 
     @property
     def capacity(self) -> int:
@@ -44,8 +48,32 @@ class HostKVPool:
         return self.allocator.capacity
 
     def reset(self) -> None:
-        """Every host page free (the tree that held them was emptied)."""
+        """Every host page free (the tree that held them was emptied); queued loads dropped."""
         self.allocator._free = list(range(self.allocator.num_pages - 1, 0, -1))
+        self._queued.clear()
+
+    def load_later(self, host_pages: list[int], device_pages: list[int]) -> int:
+        """Queue ``load``: the next batch built takes it (``take_loads``) and the model runner issues
+        it as that batch's forward starts, after every forward before it (which may still write
+        device pages freed since); returns the bytes it will move."""
+        self._queued.append((list(host_pages), list(device_pages)))
+        return len(host_pages) * self.bytes_per_page
+
+    def cancel_loads(self, device_pages: list[int]) -> None:
+        """Drop the queued loads into ``device_pages`` (evicted before any batch took them: their
+        pages may be handed out again, and a late copy would overwrite the new owner's KV)."""
+        if self._queued and device_pages:
+            gone = set(device_pages)
+            self._queued = [(h, d) for h, d in self._queued if not gone.intersection(d)]
+
+    def take_loads(self) -> KVLoads | None:
+        """The queued loads, for the batch being built (None: none)."""
+        if not self._queued:
+            return None
+        queued, self._queued = self._queued, []
+        host = [p for h, _ in queued for p in h]
+        dev = [p for _, d in queued for p in d]
+        return KVLoads(self, self._slots(host, torch.device("cpu")), self._slots(dev, self.device.k[0].device))
 
     def _slots(self, pages: list[int], device: torch.device) -> torch.Tensor:
         idx = torch.tensor(pages, dtype=torch.int64)
@@ -123,3 +151,76 @@ class HostKVPool:
         copy_rows([*src_k, *src_v], self._slots(src_pages, src_k[0].device), [*dst_k, *dst_v],
                   self._slots(dst_pages, dst_k[0].device))
         return len(src_pages) * self.bytes_per_page
+
+
+@attrs.define(eq=False)
+class KVLoads:
+    """A batch's load-backs (HiCache), issued by the model runner as its forward starts (``issue``).
+    On the CPU a copy before the forward. On a GPU each layer's K and V go to the device on a
+    stream of their own, each layer with an event: the forward waits for layer ``l``'s only where
+    that layer's attention reads the pool (``ForwardBatch.layer_ready``), so the first layers
+    compute while the later ones land. Host slots in a few contiguous runs (pages allocated
+    together) are copied straight from the pinned pool; others are gathered into pinned memory first."""
+
+    pool: HostKVPool
+    host_slots: torch.Tensor  # int64, on the CPU
+    device_slots: torch.Tensor  # int64, on the device
+    events: list = attrs.field(factory=list)  # per layer, once issued on a GPU
+    issued: bool = False  # the copies are made (CPU) or queued on the device (GPU)
+
+    def issue(self) -> KVLoads:
+        t0 = time.perf_counter()
+        pool, dev = self.pool, self.pool.device
+        if dev.k[0].device.type != "cuda":
+            copy_rows([*pool.k, *pool.v], self.host_slots, [*dev.k, *dev.v], self.device_slots)
+        else:
+            self._issue_cuda()
+        pool.load_seconds += time.perf_counter() - t0
+        self.issued = True
+        return self
+
+    def _issue_cuda(self) -> None:
+        pool, dev = self.pool, self.pool.device
+        device = dev.k[0].device
+        if pool._load_stream is None:
+            pool._load_stream = torch.cuda.Stream(device)
+        stream = pool._load_stream
+        stream.wait_stream(torch.cuda.current_stream(device))  # (the forwards before this batch are all queued)
+        runs = _runs(self.host_slots)
+        with torch.no_grad(), torch.cuda.stream(stream):
+            for l in range(len(dev.k)):
+                for src, dst in ((pool.k[l], dev.k[l]), (pool.v[l], dev.v[l])):
+                    s = src.view(torch.uint8)
+                    if len(runs) <= MAX_DIRECT_RUNS:  # straight from the pinned pool, run by run
+                        parts = [s[a:b].to(device, non_blocking=True) for a, b in runs]
+                        rows = parts[0] if len(parts) == 1 else torch.cat(parts)
+                    else:  # gathered here (the forward thread) into pinned memory, then one copy
+                        staged = torch.empty((len(self.host_slots), *s.shape[1:]), dtype=s.dtype, pin_memory=True)
+                        rows = torch.index_select(s, 0, self.host_slots, out=staged).to(device, non_blocking=True)
+                    dst.view(torch.uint8).index_copy_(0, self.device_slots, rows)
+                event = torch.cuda.Event()
+                event.record(stream)
+                self.events.append(event)
+
+    def wait_layer(self, layer: int) -> None:
+        """Before layer ``layer``'s attention reads the pool: the current stream waits for its KV."""
+        if self.events:
+            torch.cuda.current_stream(self.device_slots.device).wait_event(self.events[layer])
+
+    def wait_all(self) -> None:
+        """Before a forward that reads the pool without ``layer_ready`` (a CUDA graph, a model's own attention)."""
+        if self.events:
+            torch.cuda.current_stream(self.device_slots.device).wait_event(self.events[-1])
+
+
+MAX_DIRECT_RUNS = 16  # more runs of host slots than this: one gather into pinned memory instead
+
+
+def _runs(slots: torch.Tensor) -> list[tuple[int, int]]:
+    """[start, end) runs of consecutive values in ``slots`` (in order)."""
+    if slots.numel() == 0:
+        return []
+    breaks = (torch.nonzero(slots[1:] != slots[:-1] + 1).flatten() + 1).tolist()
+    starts = [0, *breaks]
+    ends = [*breaks, slots.numel()]
+    return [(int(slots[a]), int(slots[b - 1]) + 1) for a, b in zip(starts, ends)]

@@ -194,6 +194,11 @@ class RadixCache:
             node, i = child, i + m
         return i if adopted is None else adopted
 
+    def take_loads(self) -> object:
+        """The KV copies into device pages queued since the last call (a tiered cache's
+        load-backs), for the batch being built to carry; None: none."""
+        return None
+
     def _inserted(self, node: TreeNode) -> None:
         """Called for each node ``insert`` creates or brings back to the device (a tiered cache's hook)."""
 
