@@ -104,7 +104,7 @@ def main() -> None:
             t_disk = time.perf_counter() - t0
             s1 = tree2.tier_stats()
             kv_disk = _prefix_kv(eng2.engine, prompt[:-1])
-            eng2.engine.flush_cache()  # device and host tiers only: the check below is served from storage too
+            eng2.engine.scheduler.flush_cache()  # device and host tiers only (the engine's flush empties storage too)
             disk_check = eng2.generate(input_ids=prompt, sampling_params=check)
         finally:
             eng2.shutdown()
