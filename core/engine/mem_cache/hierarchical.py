@@ -170,8 +170,8 @@ class HiRadixCache(RadixCache):
         self.allocator, self.host_pool, self.write_policy = allocator, host, write_policy
         self.stats = HiCacheStats()
         self.storage: StorageTier | None = None  # the tier under the host pool (--hicache-storage-backend)
-        # write-through backups still copying on the host pool's writer thread (``_backup``), with
-        # their bytes: their nodes' device pages are not freed until they are done (``settle``)
+        # write-through backups on the host pool's writer thread (``_backup``) not yet accounted, with
+        # their bytes (``settle``); a node's own is ``TreeNode.writing``, which ``evict`` waits for
         self._writing: list[tuple[concurrent.futures.Future, int]] = []
         super().__init__(page_size, eviction_policy)
 
@@ -352,8 +352,8 @@ class HiRadixCache(RadixCache):
         if self.storage is not None:
             store = functools.partial(self.storage.backup, self._path_ids(node.parent), list(node.key), list(node.host))
         if later:
-            self._writing.append((self.host_pool.backup_later(node.pages, node.host, store),
-                                  need * self.host_pool.bytes_per_page))
+            node.writing = self.host_pool.backup_later(node.pages, node.host, store)
+            self._writing.append((node.writing, need * self.host_pool.bytes_per_page))
             return True
         t0 = time.perf_counter()
         self.stats.bytes_to_host += self.host_pool.backup(node.pages, node.host)
@@ -386,6 +386,9 @@ class HiRadixCache(RadixCache):
                 break
             if not n.host and self.write_policy == "write_back":
                 self._backup(n)
+            if n.writing is not None:  # its backup still reads these pages: they are freed once it is done
+                n.writing.result()
+                n.writing = None
             freed += n.pages
             self.evictable_pages -= len(n.pages)
             self.host_pool.cancel_loads(n.pages)  # (loaded back, then evicted before any batch took the load)
@@ -393,8 +396,7 @@ class HiRadixCache(RadixCache):
                 n.pages = []
             else:
                 self._drop(n)
-        if freed:  # the caller reuses them: no backup may still be reading them
-            self.settle()
+        self.settle(wait=False)
         return freed
 
     def _drop(self, node: TreeNode) -> None:

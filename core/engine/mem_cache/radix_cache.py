@@ -29,12 +29,13 @@ EVICTION_POLICIES = ("lru", "lfu")
 
 
 class TreeNode:
-    __slots__ = ("key", "pages", "host", "parent", "children", "lock_ref", "last_access", "hit_count", "id")
+    __slots__ = ("key", "pages", "host", "parent", "children", "lock_ref", "last_access", "hit_count", "id", "writing")
     _ids = itertools.count()
 
     def __init__(self, key: list[int], pages: list[int], parent: TreeNode | None) -> None:
         self.key, self.pages, self.parent = key, pages, parent
         self.host: list[int] = []  # pages in the host tier (core.engine.mem_cache), [] when none
+        self.writing = None  # a backup to the host tier still reading ``pages`` (a Future), or None
         self.children: dict[tuple[int, ...], TreeNode] = {}
         self.lock_ref = 0
         self.last_access = 0
@@ -152,6 +153,7 @@ class RadixCache:
         upper = TreeNode(child.key[:m], child.pages[: m // ps], child.parent)
         upper.lock_ref, upper.last_access, upper.hit_count = child.lock_ref, child.last_access, child.hit_count
         upper.host, child.host = child.host[: m // ps], child.host[m // ps :]
+        upper.writing = child.writing  # (both halves' pages are in that copy)
         child.parent.children[self._child_key(child.key, 0)] = upper
         child.key, child.pages, child.parent = child.key[m:], child.pages[m // ps :], upper
         upper.children[self._child_key(child.key, 0)] = child
