@@ -73,7 +73,8 @@ class HostKVPool:
         queued, self._queued = self._queued, []
         host = [p for h, _ in queued for p in h]
         dev = [p for _, d in queued for p in d]
-        return KVLoads(self, self._slots(host, torch.device("cpu")), self._slots(dev, self.device.k[0].device))
+        cpu = torch.device("cpu")  # (index tensors go to a GPU inside issue: never a blocking copy on this thread)
+        return KVLoads(self, self._slots(host, cpu), self._slots(dev, cpu))
 
     def _slots(self, pages: list[int], device: torch.device) -> torch.Tensor:
         idx = torch.tensor(pages, dtype=torch.int64)
@@ -97,8 +98,8 @@ class HostKVPool:
         if self.device.k[0].device.type == "cuda":
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device.k[0].device))
-        src = self._slots(device_pages, self.device.k[0].device)
-        return self._writer.submit(self._backup_job, src, self._slots(host_pages, torch.device("cpu")), ready, then)
+        cpu = torch.device("cpu")  # (the device's index copy is the writer's: a blocking copy here would wait for the forwards)
+        return self._writer.submit(self._backup_job, self._slots(device_pages, cpu), self._slots(host_pages, cpu), ready, then)
 
     def _backup_job(self, src: torch.Tensor, dst: torch.Tensor, ready: torch.cuda.Event | None,
                     then: Callable[[], None] | None) -> float:
@@ -107,9 +108,10 @@ class HostKVPool:
             copy_rows([*self.device.k, *self.device.v], src, [*self.k, *self.v], dst)
         else:  # gathered on the side stream into pinned memory, then scattered into the pool's pages here
             if self._side is None:
-                self._side = torch.cuda.Stream(src.device)
+                self._side = torch.cuda.Stream(self.device.k[0].device)
             with torch.no_grad(), torch.cuda.stream(self._side):
                 self._side.wait_event(ready)
+                src = src.to(self.device.k[0].device)
                 staged = [b.view(torch.uint8).index_select(0, src).to("cpu", non_blocking=True)
                           for b in (*self.device.k, *self.device.v)]
                 self._side.synchronize()
@@ -164,8 +166,9 @@ class KVLoads:
 
     pool: HostKVPool
     host_slots: torch.Tensor  # int64, on the CPU
-    device_slots: torch.Tensor  # int64, on the device
+    device_slots: torch.Tensor  # int64, on the CPU (issue moves them to a GPU on the load stream)
     events: list = attrs.field(factory=list)  # per layer, once issued on a GPU
+    device: torch.device | None = None  # the GPU they were issued on
     issued: bool = False  # the copies are made (CPU) or queued on the device (GPU)
 
     def issue(self) -> KVLoads:
@@ -184,10 +187,11 @@ class KVLoads:
         device = dev.k[0].device
         if pool._load_stream is None:
             pool._load_stream = torch.cuda.Stream(device)
-        stream = pool._load_stream
+        stream, self.device = pool._load_stream, device
         stream.wait_stream(torch.cuda.current_stream(device))  # (the forwards before this batch are all queued)
         runs = _runs(self.host_slots)
         with torch.no_grad(), torch.cuda.stream(stream):
+            dst_slots = self.device_slots.pin_memory().to(device, non_blocking=True)
             for l in range(len(dev.k)):
                 for src, dst in ((pool.k[l], dev.k[l]), (pool.v[l], dev.v[l])):
                     s = src.view(torch.uint8)
@@ -197,7 +201,7 @@ class KVLoads:
                     else:  # gathered here (the forward thread) into pinned memory, then one copy
                         staged = torch.empty((len(self.host_slots), *s.shape[1:]), dtype=s.dtype, pin_memory=True)
                         rows = torch.index_select(s, 0, self.host_slots, out=staged).to(device, non_blocking=True)
-                    dst.view(torch.uint8).index_copy_(0, self.device_slots, rows)
+                    dst.view(torch.uint8).index_copy_(0, dst_slots, rows)
                 event = torch.cuda.Event()
                 event.record(stream)
                 self.events.append(event)
@@ -205,12 +209,12 @@ class KVLoads:
     def wait_layer(self, layer: int) -> None:
         """Before layer ``layer``'s attention reads the pool: the current stream waits for its KV."""
         if self.events:
-            torch.cuda.current_stream(self.device_slots.device).wait_event(self.events[layer])
+            torch.cuda.current_stream(self.device).wait_event(self.events[layer])
 
     def wait_all(self) -> None:
         """Before a forward that reads the pool without ``layer_ready`` (a CUDA graph, a model's own attention)."""
         if self.events:
-            torch.cuda.current_stream(self.device_slots.device).wait_event(self.events[-1])
+            torch.cuda.current_stream(self.device).wait_event(self.events[-1])
 
 
 MAX_DIRECT_RUNS = 16  # more runs of host slots than this: one gather into pinned memory instead
