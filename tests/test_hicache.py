@@ -216,6 +216,23 @@ def test_a_load_evicted_before_any_batch_took_it_is_dropped():
     alloc.free(tree.reset())
     assert tree.take_loads() is None
     tree.check()
+    # one load spanning two nodes, one of them evicted again: the other's pages still get their copy
+    alloc, kv, tree = _tiered(1, device_pages=12, host_pages=16, policy="write_back")
+    b = [1, 2, 3, 4, 5, 6]
+    first = _insert(alloc, kv, tree, b[:3])  # two nodes: [1, 2, 3] and, below it, [4, 5, 6]
+    pages = first + alloc.allocate(3)
+    _fill(kv, pages, b)
+    assert tree.insert(b, pages) == 3
+    want = _read(kv, pages, 6)
+    alloc.free(tree.evict(6))
+    got, node = tree.match_prefix(b, load_back=True)
+    tree.inc_lock_ref(node.parent)  # the first node stays, the second goes again
+    alloc.free(tree.evict(3))
+    _fill(kv, list(range(1, 13)), [0] * 12)
+    tree.take_loads().issue()
+    assert _read(kv, got[:3], 3) == want[:3] + want[6:9]
+    tree.dec_lock_ref(node.parent)
+    tree.check()
 
 
 def test_the_forward_waits_for_each_layers_load_before_its_attention(tiny_llama):

@@ -62,9 +62,10 @@ class HostKVPool:
     def cancel_loads(self, device_pages: list[int]) -> None:
         """Drop the queued loads into ``device_pages`` (evicted before any batch took them: their
         pages may be handed out again, and a late copy would overwrite the new owner's KV)."""
-        if self._queued and device_pages:
+        if self._queued and device_pages:  # page by page: a load may span nodes, some of them still held
             gone = set(device_pages)
-            self._queued = [(h, d) for h, d in self._queued if not gone.intersection(d)]
+            kept = [[(hp, dp) for hp, dp in zip(h, d) if dp not in gone] for h, d in self._queued]
+            self._queued = [([hp for hp, _ in k], [dp for _, dp in k]) for k in kept if k]
 
     def take_loads(self) -> KVLoads | None:
         """The queued loads, for the batch being built (None: none)."""
