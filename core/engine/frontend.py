@@ -215,14 +215,24 @@ class RequestFrontEnd:
             yield out if len(reqs) == 1 else {**out, "index": i}
 
     async def stream_many(self, reqs: list[Req]) -> AsyncIterator[tuple[int, dict]]:
-        """(index, cumulative output) as each request advances, until all finish (a request's
-        steps the consumer fell behind on coalesce, as in ``stream``); closing the iterator early
-        aborts the unfinished ones. The requests' ``notify`` feeds one shared ready set: no task
-        per request, one wake-up per step at most."""
+        """(index, cumulative output) as each request advances: ``advances`` with each output."""
         if len(reqs) == 1:
             async for out in self.stream(reqs[0]):
                 yield 0, out
             return
+        inner = self.advances(reqs)
+        try:
+            async for i in inner:
+                yield i, self.output(reqs[i])
+        finally:
+            await inner.aclose()  # (now: its abort of the unfinished must not wait for the collector)
+
+    async def advances(self, reqs: list[Req]) -> AsyncIterator[int]:
+        """Each request's index as it advances, until all finish (a request's steps the consumer
+        fell behind on coalesce, as in ``stream``; its last is never lost); closing the iterator
+        early aborts the unfinished ones. No output is built: a consumer that reads the requests
+        itself (the native HTTP stream) pays for none. The requests' ``notify`` feeds one shared
+        ready set: no task per request, one wake-up per step at most."""
         feed = _Feed()
         watch = feed.watch  # one bound method, compared by identity below
         index = {r: i for i, r in enumerate(reqs)}
@@ -243,7 +253,7 @@ class RequestFrontEnd:
                     if done:
                         r.watcher = None
                         left -= 1
-                    yield index[r], self.output(r)
+                    yield index[r]
         finally:
             for r in reqs:
                 if r.watcher is watch:

@@ -270,12 +270,6 @@ def output_of(state: ServerState, req: Req, with_text: bool, index: int | None =
     return out
 
 
-async def _stream_reqs(engine: AsyncEngine, reqs: list[Req]) -> AsyncIterator[tuple[int, Req]]:
-    """(index, request) after each of its steps until all finish; closing this aborts unfinished ones."""
-    async for i, _ in engine.stream_many(reqs):
-        yield i, reqs[i]
-
-
 def _log_received(state: ServerState, reqs: list[Req], body: Any) -> None:
     if not state.args.log_requests:
         return
@@ -344,9 +338,10 @@ async def generate(request: Request) -> Response:
         async def body() -> AsyncIterator[bytes]:
             sent = [0] * len(reqs)
             final_sent = [False] * len(reqs)
-            updates = _stream_reqs(engine, reqs)
+            updates = engine.advances(reqs)  # (each request's index after each of its steps; no outputs built)
             try:
-                async for i, r in updates:
+                async for i in updates:
+                    r = reqs[i]
                     n = len(r.output_ids)
                     if final_sent[i] or (not r.finished and n - sent[i] < interval):
                         continue
