@@ -244,7 +244,8 @@ def _fmt_top_lps(items: list, texts: dict[int, str]) -> list:
 
 def output_of(state: ServerState, req: Req, with_text: bool, index: int | None = None) -> dict:
     """SGLang's /generate output: text, output_ids, meta_info (logprobs as [logprob, token_id, text],
-    the text null unless ``return_text_in_logprobs``)."""
+    the text null unless ``return_text_in_logprobs``), for the caller to encode before the request
+    moves on (it holds the request's own output list)."""
     meta = req.meta_info()
     if req.return_logprob:
         texts: dict[int, str] = {}
@@ -264,7 +265,7 @@ def output_of(state: ServerState, req: Req, with_text: bool, index: int | None =
         for key in ("output_top_logprobs", "input_top_logprobs"):
             if key in meta:
                 meta[key] = _fmt_top_lps(meta[key], texts)
-    out = {"text": req.text, "output_ids": list(req.output_ids), "meta_info": meta}
+    out = {"text": req.text, "output_ids": req.output_ids, "meta_info": meta}  # (encoded at once: no copy)
     if index is not None:
         out["index"] = index
     return out
