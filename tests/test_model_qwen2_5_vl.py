@@ -9,19 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core.engine.config import EngineArgs
-from core.engine.loader import load_model_config
-from core.engine.mem_cache.kv_cache import allocate_kv_cache
-from core.engine.model_build import build_model
-from core.interfaces import AttentionConfig
 from core.plugins import load_plugins
-from core_plugins.attention.torch_native import TorchNativeBackend
 from core_plugins.models.qwen2_5_vl import Qwen2_5_VLForConditionalGeneration as Ours
-from tests.test_model_qwen2_vl import IMAGE, VEND, VIDEO, VSTART, batch_for, hf_inputs, images, prompt  # noqa: F401
+from tests.test_model_qwen2_vl import (  # noqa: F401 (images: the shared fixture)
+    IMAGE, VEND, VIDEO, VSTART, build_ours, check_encode_images, check_mrope_positions, check_prefill_and_decode,
+    images,
+)
 
 ARCH = "Qwen2_5_VLForConditionalGeneration"
-CPU = torch.device("cpu")
-ATOL = 1e-4
 TEXT = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.25, bos_token_id=1,
             eos_token_id=2, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
@@ -58,10 +53,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ours(checkpoint):
-    path, _ = checkpoint
-    mc = load_model_config(str(path), "float32", CPU, None)
-    assert mc.architecture == ARCH
-    return build_model(load_plugins(), EngineArgs(model_path=str(path), dtype="float32"), mc, CPU)
+    return build_ours(checkpoint[0], ARCH)
 
 
 def test_registered_and_built_through_the_engine(ours):
@@ -82,16 +74,8 @@ def test_window_order_matches_transformers(ours, grids):
     assert [0, *torch.tensor(lengths).cumsum(0).tolist()] == cu.tolist()
 
 
-@torch.inference_mode()
 def test_encode_images_matches_the_vision_tower(ours, checkpoint, images):
-    _, hf = checkpoint
-    pixels, grid = images
-    want = torch.cat(hf.model.get_image_features(pixels, grid).pooler_output)
-    got = ours.encode_images(pixels, grid)
-    assert got.shape == (6 + 8, 64)
-    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
-    first = pixels[: int(grid[0].prod())]  # one image alone: the same rows (windows stay within an image)
-    torch.testing.assert_close(ours.encode_images(first, grid[:1]), want[:6], atol=ATOL, rtol=0)
+    check_encode_images(ours, checkpoint[1], *images)  # (windows stay within an image too)
 
 
 def test_windows_matter(ours, images):
@@ -110,45 +94,11 @@ def test_windows_matter(ours, images):
 
 
 def test_mrope_positions_match_get_rope_index(ours, checkpoint, images):
-    _, hf = checkpoint
-    _, grid = images
-    ids = prompt(grid)
-    inputs = hf_inputs(ids, None, grid)
-    want, delta = hf.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"], grid)
-    got, got_delta = ours.mrope_positions(ids, grid)
-    assert got.dtype == torch.int64 and got.shape == (3, len(ids))
-    assert torch.equal(got, want[:, 0]) and got_delta == int(delta) < 0
+    check_mrope_positions(ours, checkpoint[1], images[1])
 
 
-@torch.inference_mode()
 def test_prefill_with_images_and_greedy_decode_match_transformers(ours, checkpoint, images):
-    _, hf = checkpoint
-    pixels, grid = images
-    ids, steps = prompt(grid), 5
-    cfg = ours.config
-    kv = allocate_kv_cache(cfg.num_hidden_layers, len(ids) + steps + 1, 1, cfg.num_key_value_heads, 16, torch.float32, CPU)
-    backend = TorchNativeBackend(AttentionConfig(cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                                 16, torch.float32, CPU, kv))
-    positions, delta = ours.mrope_positions(ids, grid)
-    rows = torch.tensor([i for i, t in enumerate(ids) if t == IMAGE])
-    fb = batch_for(backend, ids, 0, mm_rows=rows, mm_embeds=ours.encode_images(pixels, grid), mrope_positions=positions)
-    backend.prepare(fb)
-    logits = [ours.compute_logits(ours(fb))]
-    tokens: list[int] = []
-    for k in range(steps):
-        tokens.append(int(logits[-1][-1].argmax()))
-        p = len(ids) + k
-        fb = batch_for(backend, [tokens[-1]], p, mrope_positions=torch.full((3, 1), p + delta))
-        backend.prepare(fb)
-        logits.append(ours.compute_logits(ours(fb)))
-    got = torch.cat(logits)
-
-    want = hf(**hf_inputs(ids, pixels, grid)).logits[0]
-    torch.testing.assert_close(got[: len(ids)], want, atol=ATOL, rtol=0)  # the prompt, in one forward
-    gen = hf.generate(**hf_inputs(ids, pixels, grid), max_new_tokens=steps + 1, do_sample=False,
-                      output_logits=True, return_dict_in_generate=True)
-    assert gen.sequences[0, len(ids):-1].tolist() == tokens
-    torch.testing.assert_close(got[len(ids) - 1:], torch.cat(gen.logits), atol=ATOL, rtol=0)
+    check_prefill_and_decode(ours, checkpoint[1], *images, steps=5)
 
 
 def test_engine_serves_images_like_transformers(tmp_path):

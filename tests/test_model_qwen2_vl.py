@@ -49,12 +49,16 @@ def checkpoint(tmp_path_factory):
     return path, hf
 
 
+def build_ours(path, arch: str = ARCH):
+    """Our model of the checkpoint at ``path``, through the engine's model-building path."""
+    mc = load_model_config(str(path), "float32", CPU, None)
+    assert mc.architecture == arch
+    return build_model(load_plugins(), EngineArgs(model_path=str(path), dtype="float32"), mc, CPU)
+
+
 @pytest.fixture(scope="module")
 def ours(checkpoint):
-    path, _ = checkpoint
-    mc = load_model_config(str(path), "float32", CPU, None)
-    assert mc.architecture == ARCH
-    return build_model(load_plugins(), EngineArgs(model_path=str(path), dtype="float32"), mc, CPU)
+    return build_ours(checkpoint[0])
 
 
 @pytest.fixture(scope="module")
@@ -90,9 +94,8 @@ def test_registered_and_built_through_the_engine(ours):
 
 
 @torch.inference_mode()
-def test_encode_images_matches_the_vision_tower(ours, checkpoint, images):
-    _, hf = checkpoint
-    pixels, grid = images
+def check_encode_images(ours, hf, pixels: torch.Tensor, grid: torch.Tensor) -> None:
+    """Our tower's embeddings of the two test images equal transformers', alone and together."""
     want = torch.cat(hf.model.get_image_features(pixels, grid).pooler_output)
     got = ours.encode_images(pixels, grid)
     assert got.shape == (6 + 8, 64)
@@ -101,15 +104,23 @@ def test_encode_images_matches_the_vision_tower(ours, checkpoint, images):
     torch.testing.assert_close(ours.encode_images(first, grid[:1]), want[:6], atol=ATOL, rtol=0)
 
 
-def test_mrope_positions_match_get_rope_index(ours, checkpoint, images):
-    _, hf = checkpoint
-    _, grid = images
+def check_mrope_positions(ours, hf, grid: torch.Tensor) -> None:
+    """Our M-RoPE positions (and decode delta) of the two-image prompt are transformers' get_rope_index."""
     ids = prompt(grid)
     inputs = hf_inputs(ids, None, grid)
     want, delta = hf.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"], grid)
     got, got_delta = ours.mrope_positions(ids, grid)
     assert got.dtype == torch.int64 and got.shape == (3, len(ids))
     assert torch.equal(got, want[:, 0]) and got_delta == int(delta) < 0
+
+
+def test_encode_images_matches_the_vision_tower(ours, checkpoint, images):
+    check_encode_images(ours, checkpoint[1], *images)
+
+
+def test_mrope_positions_match_get_rope_index(ours, checkpoint, images):
+    grid = images[1]
+    check_mrope_positions(ours, checkpoint[1], grid)
     text, d = ours.mrope_positions([1, 5, 6], None)  # no image: plain positions
     assert torch.equal(text, torch.arange(3).expand(3, -1)) and d == 0
     with pytest.raises(ValueError, match="image tokens"):
@@ -125,18 +136,22 @@ def batch_for(backend, ids: list[int], start: int, **mm) -> ForwardBatch:
                         seq_lens_cpu=[end], extend_lens_cpu=[len(ids)], attn_backend=backend, **mm)
 
 
-@torch.inference_mode()
-def test_prefill_with_images_and_greedy_decode_match_transformers(ours, checkpoint, images):
-    _, hf = checkpoint
-    pixels, grid = images
-    ids, steps = prompt(grid), 6
+def torch_native(ours, slots: int) -> TorchNativeBackend:
+    """The reference attention backend over a float32 KV pool of ``slots`` slots for ``ours``."""
     cfg = ours.config
-    kv = allocate_kv_cache(cfg.num_hidden_layers, len(ids) + steps + 1, 1, cfg.num_key_value_heads, 16, torch.float32, CPU)
-    backend = TorchNativeBackend(AttentionConfig(cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads,
-                                                 16, torch.float32, CPU, kv))
-    assert ours.decode_step(None, backend) is None and ours.model._cpu_stack(backend, ours.lm_head) is None
-    assert all(layer._cpu_decode(backend) is None for layer in ours.model.layers)  # no one-op layers
+    kv = allocate_kv_cache(cfg.num_hidden_layers, slots, 1, cfg.num_key_value_heads, 16, torch.float32, CPU)
+    return TorchNativeBackend(AttentionConfig(cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads,
+                                              16, torch.float32, CPU, kv))
 
+
+@torch.inference_mode()
+def check_prefill_and_decode(ours, hf, pixels: torch.Tensor, grid: torch.Tensor, steps: int,
+                             backend: TorchNativeBackend | None = None, plain_positions: bool = False) -> None:
+    """The two-image prompt prefilled in one forward, then ``steps`` greedy decode steps, give
+    transformers' logits and tokens. ``plain_positions``: every other decode step passes its
+    M-RoPE position (``p + delta`` in all three rows) as plain ``positions`` instead of ``[3, 1]`` rows."""
+    ids = prompt(grid)
+    backend = backend or torch_native(ours, len(ids) + steps + 1)
     positions, delta = ours.mrope_positions(ids, grid)
     rows = torch.tensor([i for i, t in enumerate(ids) if t == IMAGE])
     fb = batch_for(backend, ids, 0, mm_rows=rows, mm_embeds=ours.encode_images(pixels, grid), mrope_positions=positions)
@@ -146,10 +161,10 @@ def test_prefill_with_images_and_greedy_decode_match_transformers(ours, checkpoi
     for k in range(steps):
         tokens.append(int(logits[-1][-1].argmax()))
         p = len(ids) + k
-        # decode positions: p + delta in all three rows, as [3, 1] rows or (every other step) as plain positions
-        mm = {"mrope_positions": torch.full((3, 1), p + delta)} if k % 2 == 0 else {}
+        plain = plain_positions and k % 2 == 1
+        mm = {} if plain else {"mrope_positions": torch.full((3, 1), p + delta)}
         fb = batch_for(backend, [tokens[-1]], p, **mm)
-        if k % 2:
+        if plain:
             fb.positions = torch.tensor([p + delta])
         backend.prepare(fb)
         logits.append(ours.compute_logits(ours(fb)))
@@ -163,6 +178,14 @@ def test_prefill_with_images_and_greedy_decode_match_transformers(ours, checkpoi
                       output_logits=True, return_dict_in_generate=True)
     assert gen.sequences[0, len(ids):-1].tolist() == tokens
     torch.testing.assert_close(got[len(ids) - 1:], torch.cat(gen.logits), atol=ATOL, rtol=0)
+
+
+def test_prefill_with_images_and_greedy_decode_match_transformers(ours, checkpoint, images):
+    steps = 6
+    backend = torch_native(ours, len(prompt(images[1])) + steps + 1)
+    assert ours.decode_step(None, backend) is None and ours.model._cpu_stack(backend, ours.lm_head) is None
+    assert all(layer._cpu_decode(backend) is None for layer in ours.model.layers)  # no one-op layers
+    check_prefill_and_decode(ours, checkpoint[1], *images, steps, backend, plain_positions=True)
 
 
 def test_text_only_prompt_matches_transformers(ours, checkpoint):
