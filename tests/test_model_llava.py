@@ -6,7 +6,6 @@ gives transformers' greedy tokens, and a repeated image is served from the prefi
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -17,6 +16,7 @@ from core.testing.suite import reference
 from core_plugins.models.llava import LlavaForConditionalGeneration as Ours
 from core_plugins.multimodal.llava import LlavaInputProcessor
 from tests.conftest import TINY_VOCAB, assert_pool_free, char_tokenizer, greedy, make_engine
+from tests.test_vlm_engine import hf_generate, picture
 
 ARCH = "LlavaForConditionalGeneration"
 IMAGE = TINY_VOCAB  # the <image> special token, right after the char tokenizer's vocabulary
@@ -51,10 +51,6 @@ def image_processor():
     from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
     return CLIPImageProcessorPil(size={"shortest_edge": SIZE}, crop_size={"height": SIZE, "width": SIZE})
-
-
-def picture(w: int, h: int, seed: int) -> Image.Image:
-    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8))
 
 
 @pytest.fixture(scope="module")
@@ -135,10 +131,7 @@ def hf_greedy(llava, text: str, images: list[Image.Image], n: int = N_NEW) -> li
     if images:
         ids = [x for t in ids for x in ([IMAGE] * TOKENS if t == IMAGE else [t])]
         kw = {"pixel_values": pixels(*images)}
-    with torch.no_grad():
-        gen = hf.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                          max_new_tokens=n, min_new_tokens=n, do_sample=False, **kw)
-    return gen[0, len(ids):].tolist()
+    return hf_generate(hf, ids, n, **kw)
 
 
 @pytest.fixture(scope="module")

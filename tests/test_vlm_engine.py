@@ -77,9 +77,14 @@ def hf_greedy(vlm, text: str, images: list[Image.Image], n: int = N_NEW) -> list
         ids, kw = expanded, {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"],
                              # (transformers computes M-RoPE positions from these: 1 marks an image token)
                              "mm_token_type_ids": torch.tensor([[int(t == pad) for t in expanded]])}
+    return hf_generate(hf, ids, n, **kw)
+
+
+def hf_generate(hf, ids: list[int], n: int, **images) -> list[int]:
+    """transformers' ``n`` greedy tokens after the expanded prompt ``ids`` (with its image inputs)."""
     with torch.no_grad():
         gen = hf.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                          max_new_tokens=n, min_new_tokens=n, do_sample=False, **kw)
+                          max_new_tokens=n, min_new_tokens=n, do_sample=False, **images)
     return gen[0, len(ids):].tolist()
 
 
