@@ -206,3 +206,16 @@ def test_the_copies_of_an_n_gt_1_request_share_one_encoding(vlm, eng):
     assert len(calls) == 1  # one call, for one image: the two sequences share its rows
     one = mm.processor.process(vlm[2].encode(text), [img]).pixel_values.shape[0]
     assert calls == [one]
+
+
+def test_a_weight_update_rebinds_the_vision_tower(vlm, eng):
+    """After /update_weights_from_disk the images go through the new module's vision tower (the
+    processor stays: same architecture), and they still give transformers' tokens."""
+    ae = eng.engine
+    old = ae.model
+    ok, message = eng._call(ae.update_weights_from_disk(str(vlm[0])))
+    assert ok, message
+    assert ae.model is not old and ae.multimodal.model is ae.model and ae.runner.mm is ae.multimodal
+    a = picture(60, 40, 1)
+    assert eng.generate(f"look {IMG} here", greedy(N_NEW), image_data=[a])["output_ids"] == \
+        hf_greedy(vlm, f"look {IMG} here", [a])

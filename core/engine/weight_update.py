@@ -12,7 +12,6 @@ import structlog
 import torch
 
 from core.engine.loader import load_model_config
-from core.engine.multimodal.engine import attach_multimodal
 
 if TYPE_CHECKING:
     from core.engine.async_engine import AsyncEngine
@@ -71,7 +70,8 @@ def reload_weights(engine: AsyncEngine, model_path: str, load_format: str = "aut
     engine.model = model
     engine.runner.model = model
     engine.model_config = new
-    engine.multimodal = attach_multimodal(engine)  # (its vision tower is the new module's)
+    if engine.multimodal is not None:  # its vision tower is the new module's (same architecture: same processor)
+        engine.multimodal.model = model
     if engine.runner.graphs is not None:  # the captured graphs read the old weights
         engine.runner.graphs = engine._capture_cuda_graphs()
     log.info("engine.weights_updated", model_path=model_path)
