@@ -354,3 +354,19 @@ def test_offline_engine_lora_methods(lora_model) -> None:
             eng.unload_lora_adapter("a2")
     finally:
         eng.shutdown()
+
+
+def test_lora_paths_alone_enable_lora_for_the_server_too(lora_model) -> None:
+    """``--lora-paths`` implies ``--enable-lora`` (SGLang): the server's checks see the adapters the
+    engine serves, as the engine does."""
+    from core.server.lora import check_adapter, loaded_adapters
+    from tests.conftest import make_engine
+
+    eng = make_engine(lora_model.base, lora_paths=[f"a1={lora_model.a1}"], max_lora_rank=8)
+    try:
+        assert eng.engine.lora is not None and loaded_adapters(eng.engine) == {"a1": str(lora_model.a1)}
+        check_adapter(eng.engine, "a1", "lora_path")
+        with pytest.raises(InvalidRequest, match="'nope' is not loaded; loaded adapters: a1"):
+            check_adapter(eng.engine, "nope", "lora_path")
+    finally:
+        eng.shutdown()

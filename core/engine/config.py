@@ -324,6 +324,12 @@ def check_scheduling_args(args: EngineArgs) -> None:
         raise CoreError(f"--schedule-conservativeness must be > 0, got {args.schedule_conservativeness}")
 
 
+def lora_requested(args: Any) -> bool:
+    """Whether the engine serves LoRA adapters: ``--enable-lora``, or ``--lora-paths`` (which implies
+    it, as in SGLang). The one test the engine, its start-up checks and the server share."""
+    return bool(getattr(args, "enable_lora", False) or getattr(args, "lora_paths", None))
+
+
 def overlap_schedule(args: EngineArgs, device: torch.device) -> bool:
     """Whether steps overlap (``AsyncEngine._step``): by default on CUDA, where the host's work
     hides behind the device's; on the CPU only when asked (``--enable-overlap-schedule``): there

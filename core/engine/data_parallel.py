@@ -26,7 +26,7 @@ import attrs
 import structlog
 
 from core.engine.collectives import process_context
-from core.engine.config import EngineArgs
+from core.engine.config import EngineArgs, lora_requested
 from core.engine.dp_replica import ReqDelta, ReqSpec, replica_main
 from core.engine.dp_router import Router
 from core.engine.frontend import RequestFrontEnd
@@ -429,7 +429,7 @@ def create_engine(args: EngineArgs, plugins: PluginManager | None = None):
     """The engine ``args`` ask for: an ``AsyncEngine``, or a ``DataParallelEngine`` with ``--dp-size`` > 1."""
     if not isinstance(args.dp_size, int) or args.dp_size < 1:
         raise CoreError(f"--dp-size must be >= 1, got {args.dp_size}")
-    if (args.enable_lora or args.lora_paths) and (args.tp_size > 1 or args.dp_size > 1):  # (before any rank starts)
+    if lora_requested(args) and (args.tp_size > 1 or args.dp_size > 1):  # (before any rank starts)
         raise CoreError("--enable-lora with --tp-size or --dp-size > 1 is not supported yet; serve LoRA adapters on one rank")
     if args.dp_size == 1:
         from core.engine.async_engine import AsyncEngine

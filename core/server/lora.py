@@ -23,6 +23,7 @@ import structlog
 from starlette.requests import Request
 from starlette.responses import Response
 
+from core.engine.config import lora_requested
 from core.errors import CoreError, InvalidRequest
 from core.server.http import api_error, json_response, read_body, state_of
 
@@ -31,7 +32,7 @@ log = structlog.get_logger("core.server.lora")
 
 # ---------------------------------------------------------------------------- which adapter
 def lora_enabled(engine: Any) -> bool:
-    return bool(getattr(getattr(engine, "args", None), "enable_lora", False))
+    return lora_requested(getattr(engine, "args", None))
 
 
 def loaded_adapters(engine: Any) -> dict[str, str]:

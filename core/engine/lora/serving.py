@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 import structlog
 import torch
 
+from core.engine.config import lora_requested
 from core.engine.lora.adapter import LoRAError, packed_modules_of, read_adapter
 from core.engine.lora.manager import LoRAManager
 from core.engine.lora.pool import LoRAPool
@@ -177,7 +178,7 @@ def attach_lora(engine: Any) -> LoRAServing | None:
     runner (segments per forward) and scheduler (adapters per batch); the engine registers
     ``release`` as a finish listener."""
     args = engine.args
-    if not (args.enable_lora or args.lora_paths):
+    if not lora_requested(args):
         return None
     lora = LoRAServing(args, engine.model, engine.model_config.dtype, engine.device)
     engine.runner.lora = lora
