@@ -134,6 +134,36 @@ def test_random_stress_never_leaks_pages(page_size, chunk):
     assert s.tree_cache.hit_tokens > 0
 
 
+def test_a_full_cache_under_decode_evicts_ahead_not_every_step():
+    """Each eviction walks the whole tree, so a full cache under decode evicts room for
+    EVICT_AHEAD steps at once (at most 1/EVICT_AHEAD_POOL_FRACTION of the pool), not one step's."""
+    from core.engine.scheduler import EVICT_AHEAD, EVICT_AHEAD_POOL_FRACTION
+
+    s = _sched(num_pages=1025, page_size=1, max_running=4)
+    for i in range(32):  # fill the cache: 32 finished sequences of 30 tokens
+        s.add(Req(f"old{i}", [100 + i] + [3 + (i * 7 + j) % 90 for j in range(25)], SamplingParams(max_new_tokens=4, ignore_eos=True)))
+        while s.has_work:
+            batch, _ = s.schedule()
+            s.process(batch, StepResult(SampleOutput([5] * len(batch.reqs), None, None)))
+    assert s.allocator.num_free < 4 * 40 and s.tree_cache.evictable_pages > 900
+    asked: list[int] = []
+    evict = s.tree_cache.evict
+    s.tree_cache.evict = lambda n: asked.append(n) or evict(n)
+    reqs = [Req(f"new{i}", [200 + i] * 8, SamplingParams(max_new_tokens=60, ignore_eos=True)) for i in range(4)]
+    for r in reqs:
+        s.add(r)
+    decodes = 0
+    while s.has_work:
+        batch, _ = s.schedule()
+        decodes += not batch.is_prefill
+        s.process(batch, StepResult(SampleOutput([5] * len(batch.reqs), None, None)))
+        s.check_accounting()
+    assert all(len(r.output_ids) == 60 for r in reqs)
+    ahead = min(4 * EVICT_AHEAD, 1025 // EVICT_AHEAD_POOL_FRACTION)  # a decode step of 4 needs 4 pages
+    assert decodes > 50 and 1 <= len(asked) <= decodes * 4 // ahead + 2
+    assert all(n >= min(ahead, 4) for n in asked)
+
+
 def test_cached_prefix_is_not_recomputed():
     s = _sched(num_pages=65, page_size=1)
     a = Req("a", list(range(10, 30)), SamplingParams(max_new_tokens=2))

@@ -509,6 +509,20 @@ def test_flush_cache_idle_and_busy(client: httpx.Client) -> None:
     assert client.get("/flush_cache").status_code == 200
 
 
+def test_the_server_freezes_the_collector_once_ready_and_on_freeze_gc(srv: ServerProcess, client: httpx.Client) -> None:
+    def frozen() -> list[tuple[str, int]]:
+        return [(c, int(n)) for c, n in re.findall(r"gc\.frozen\s+context=(\S+)\s+objects=(\d+)", srv.logs())]
+
+    first = frozen()
+    assert first and first[0][0] == "server" and first[0][1] > 10_000  # the start-up heap (torch, the model, ...)
+    for method in ("POST", "GET"):  # SGLang's /freeze_gc answers both
+        resp = client.request(method, "/freeze_gc")
+        assert resp.status_code == 200 and resp.text == "Garbage collection frozen.\n"
+    wait_for(lambda: len(frozen()) == len(first) + 2)
+    assert all(c == "engine" and n >= first[0][1] for c, n in frozen()[len(first):])
+    assert client.post("/generate", json={"text": "hi", "sampling_params": greedy(3)}).status_code == 200
+
+
 def test_abort_request(client: httpx.Client) -> None:
     with client.stream("POST", "/generate", json={"text": "Write a long essay", "rid": "to-abort", "stream": True,
                                                   "sampling_params": greedy(200, ignore_eos=True)}) as resp:

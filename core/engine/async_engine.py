@@ -14,6 +14,7 @@ from typing import Any, Callable
 import structlog
 import torch
 
+from core.engine import gc_watch
 from core.engine.collectives import KVSpec
 from core.engine.device import check_openmp_policy, configure_cpu_runtime, pick_device
 from core.engine.distributed import RankFailure, start_tensor_parallel
@@ -102,6 +103,8 @@ class AsyncEngine(RequestFrontEnd):
         self._inflight: tuple[ScheduledBatch, asyncio.Future, float] | None = None
         # a step past --watchdog-timeout stops the engine for good, through the same thread-safe path as a failed rank
         self.watchdog = Watchdog(args.watchdog_timeout, self._on_rank_failure)
+        if args.gc_warning_threshold_secs > 0:  # (the process's collector: the last engine's threshold applies)
+            gc_watch.watch(args.gc_warning_threshold_secs)
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         # while a weight update runs: requests submitted meanwhile, admitted once it is done (None: no update)
@@ -235,6 +238,11 @@ class AsyncEngine(RequestFrontEnd):
             getattr(self.tree_cache, "clear_storage", bool)()
             log.info("engine.cache_flushed")
         return ok
+
+    async def freeze_gc(self) -> int:
+        """SGLang's ``/freeze_gc``: what this process holds now leaves later collector passes
+        (``gc_watch.freeze``); how many objects are frozen."""
+        return gc_watch.freeze("engine")
 
     def abort(self, rid: str) -> bool:
         """Abort a queued or running request (every sequence of its group: n > 1 copies, batch items);

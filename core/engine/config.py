@@ -210,6 +210,8 @@ class EngineArgs:
                                      choices=("lru", "fifo"))
     # ---- logging
     log_level: str = _arg("info", LOGGING, None, choices=LOG_LEVELS)
+    gc_warning_threshold_secs: float = _arg(0.0, LOGGING, "log a garbage-collector pass longer than this many "
+                                                          "seconds (a stall of every stream); 0 disables")
     # plugin-defined options (their flags come from the add_cli_options hook); no flag of its own
     extra: dict[str, Any] = attrs.field(factory=dict)
 

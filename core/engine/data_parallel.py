@@ -25,6 +25,7 @@ from typing import Any, Callable
 import attrs
 import structlog
 
+from core.engine import gc_watch
 from core.engine.collectives import process_context
 from core.engine.config import EngineArgs, lora_requested
 from core.engine.dp_replica import ReqDelta, ReqSpec, replica_main
@@ -191,6 +192,11 @@ class DataParallelEngine(RequestFrontEnd):
                 n += len(r.inflight)
                 self._send(r, ("abort_all", reason))
         return n
+
+    async def freeze_gc(self) -> int:
+        """``AsyncEngine.freeze_gc`` in this process and every live replica; the objects frozen here."""
+        await asyncio.gather(*(self._call(r, "freeze_gc") for r in self._live()))
+        return gc_watch.freeze("data-parallel front end")
 
     def flush_cache(self) -> bool:
         if self.has_work():

@@ -18,6 +18,7 @@ from typing import Any
 import attrs
 import structlog
 
+from core.engine import gc_watch
 from core.engine.config import EngineArgs
 from core.engine.device import configure_cpu_runtime
 from core.engine.request import Req
@@ -72,6 +73,7 @@ def replica_main(index: int, args: EngineArgs, conn) -> None:
     conn.send(("ready", {"max_total_tokens": engine.max_total_tokens, "page_size": engine.allocator.page_size,
                          "capacity_pages": engine.allocator.capacity, "max_running_requests": engine.max_running_requests,
                          "is_classifier": engine.is_classifier, "load": engine.load(), "pid": os.getpid()}))
+    gc_watch.freeze(f"data-parallel replica {index}")  # the model and modules: out of later collector passes
     code = loop.run_until_complete(_Replica(index, engine, conn, loop).run())
     sys.stderr.flush()
     os._exit(code)
@@ -157,6 +159,8 @@ class _Replica:
                 value = await self.engine.encode(*args)
             elif what == "update_weights":
                 value = await self.engine.update_weights_from_disk(*args)
+            elif what == "freeze_gc":
+                value = await self.engine.freeze_gc()
             else:
                 raise ValueError(f"unknown call {what!r}")
             self.conn.send(("reply", call_id, True, value))

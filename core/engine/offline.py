@@ -200,6 +200,12 @@ class Engine:
         coro = _lora_update(self.engine, self.engine.unload_lora_adapter(lora_name))
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
 
+    def freeze_gc(self) -> None:
+        """SGLang's ``Engine.freeze_gc``: what the engine holds now (its model, modules, warm-up)
+        leaves later garbage-collector passes, whose full scans otherwise stall every stream
+        (``core.engine.gc_watch``). Call it after a warm-up; ``core serve`` does so itself."""
+        self._call(self.engine.freeze_gc())
+
     def abort_request(self, rid: str) -> bool:
         return self._call(_run(self.engine.abort, rid))
 

@@ -38,6 +38,9 @@ INIT_NEW_TOKEN_RATIO = 0.7  # times --schedule-conservativeness
 MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
 NEW_TOKEN_RATIO_DECAY_STEPS = 600
 RETRACT_DECODE_STEPS = 20
+# An eviction walks the whole prefix tree: a full cache evicting one decode step's worth walked it every step
+# (growing with the cache). Room for this many steps (at most 1/64 of the pool) is evicted at once (_alloc).
+EVICT_AHEAD, EVICT_AHEAD_POOL_FRACTION = 8, 64
 
 
 class Scheduler:
@@ -133,7 +136,8 @@ class Scheduler:
         """Take ``pages`` pages, evicting unused cached prefixes first when the free list is short."""
         short = pages - self.allocator.num_free
         if short > 0 and self.tree_cache is not None:
-            self.allocator.free(self.tree_cache.evict(short))
+            ahead = min(pages * EVICT_AHEAD, self.allocator.num_pages // EVICT_AHEAD_POOL_FRACTION)
+            self.allocator.free(self.tree_cache.evict(max(short, ahead)))
         return self.allocator.allocate(pages)
 
     def _write_row(self, req: Req, start: int, end: int) -> None:

@@ -20,6 +20,7 @@ import attrs
 import structlog
 import torch
 
+from core.engine import gc_watch
 from core.engine.config import EngineArgs
 from core.engine.collectives import DistPlan, KVSpec, agree, broadcast, describe, init_rank, rank_device
 from core.engine.device import configure_cpu_runtime
@@ -79,6 +80,8 @@ def _serve(rank: int, args: EngineArgs, plan: DistPlan) -> int:
     if any(agree(control, error)):
         return 1
     log.info("tp.rank_ready", rank=rank, device=str(device), threads=torch.get_num_threads())
+    gc_watch.freeze(f"tensor-parallel rank {rank}")  # the model and modules: out of later collector passes
+    gc_watch.watch(args.gc_warning_threshold_secs)
     with torch.inference_mode():
         while True:
             msg = broadcast(control)

@@ -40,6 +40,7 @@ ROUTES = [
     Route("/v1/loads", native.loads, methods=["GET"]),
     Route("/get_load", native.get_load, methods=["GET"]),
     Route("/flush_cache", native.flush_cache, methods=["GET", "POST"]),
+    Route("/freeze_gc", native.freeze_gc, methods=["GET", "POST"]),
     Route("/clear_hicache_storage_backend", native.clear_hicache_storage_backend, methods=["GET", "POST"]),
     Route("/hicache/storage-backend/clear", native.clear_hicache_storage_backend, methods=["POST"]),
     Route("/abort_request", native.abort_request, methods=["POST"]),

@@ -437,6 +437,8 @@ def validate_serve_args(ns: argparse.Namespace) -> None:
         raise CoreError(f"--max-request-body-bytes must be >= 1, got {ns.max_request_body_bytes}")
     if getattr(ns, "watchdog_timeout", 0) < 0:
         raise CoreError(f"--watchdog-timeout must be >= 0 (0 disables it), got {ns.watchdog_timeout}")
+    if getattr(ns, "gc_warning_threshold_secs", 0) < 0:
+        raise CoreError(f"--gc-warning-threshold-secs must be >= 0 (0 disables it), got {ns.gc_warning_threshold_secs}")
     if ns.chat_template and _looks_like_path(ns.chat_template) and not os.path.isfile(os.path.expanduser(ns.chat_template)):
         raise CoreError(f"--chat-template {ns.chat_template}: no such file")
     check_device_args(ns)

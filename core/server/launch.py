@@ -111,6 +111,7 @@ async def _serve(ns: argparse.Namespace) -> int:
     from hypercorn.asyncio import serve
     from hypercorn.config import Config
 
+    from core.engine import gc_watch
     from core.engine.config import engine_args_from_namespace
     from core.engine.data_parallel import create_engine
     from core.server.app import create_app
@@ -177,6 +178,7 @@ async def _serve(ns: argparse.Namespace) -> int:
                 if not await run_internal_generate(state, "WARMUP_", max_new_tokens=4, timeout=600):
                     raise RuntimeError("the warm-up generate produced no tokens")
                 log.info("server.warmup_done", seconds=round(time.perf_counter() - t0, 3))
+            gc_watch.freeze("server")  # what start-up built: later collector passes skip it
             state.ready = True
             log.info("server.ready", url=f"http://{_bind(args.host, args.port)}", model=state.served_model_name)
         except Exception as e:

@@ -493,6 +493,13 @@ async def flush_cache(request: Request) -> Response:
     return PlainTextResponse("Cache flushed.\n")
 
 
+async def freeze_gc(request: Request) -> Response:
+    """SGLang's /freeze_gc: what the server holds now leaves later garbage-collector passes (it
+    freezes once ready too; after a warm-up of the user's own, this freezes what that built)."""
+    await state_of(request).engine.freeze_gc()
+    return PlainTextResponse("Garbage collection frozen.\n")
+
+
 async def clear_hicache_storage_backend(request: Request) -> Response:
     """SGLang's /clear_hicache_storage_backend (and POST /hicache/storage-backend/clear): drop the
     HiCache storage tier's pages (``/flush_cache`` empties it too); 400 without one."""

@@ -124,7 +124,11 @@ class PageAllocator:
     def allocate(self, pages: int) -> list[int]:
         if not self.can_allocate(pages):
             raise RuntimeError(f"cannot allocate {pages} pages, {len(self._free)} free")
-        return [self._free.pop() for _ in range(pages)]
+        free = self._free
+        taken = free[len(free) - pages :]  # (one slice, not a pop per page)
+        del free[len(free) - pages :]
+        taken.reverse()
+        return taken
 
     def free(self, pages: list[int]) -> None:
         self._free.extend(reversed(pages))
