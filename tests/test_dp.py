@@ -8,6 +8,7 @@ Replicas are processes from the engine's fork server (the first start pays its i
 from __future__ import annotations
 
 import concurrent.futures
+import gc
 import os
 import signal
 import time
@@ -97,6 +98,13 @@ def test_round_robin_spreads_and_matches_one_engine(model_path):
         assert load["max_total_num_tokens"] == 2 * eng.engine.max_total_tokens and load["num_running_reqs"] == 0
         ok, msg = eng._call(eng.engine.update_weights_from_disk(str(model_path)))  # every replica reloads
         assert ok, msg
+        assert eng.generate(prompts[1], greedy(6))["output_ids"] == want[1]["output_ids"]
+        try:  # /freeze_gc: the front end and every replica (each answers the objects it froze)
+            assert eng._call(eng.engine.freeze_gc()) > 0
+            replies = [eng._call(eng.engine._call(r, "freeze_gc")) for r in eng.engine.replicas]
+            assert len(replies) == 2 and all(n > 10_000 for n in replies)  # a replica's start-up heap
+        finally:
+            gc.unfreeze()  # (this test process)
         assert eng.generate(prompts[1], greedy(6))["output_ids"] == want[1]["output_ids"]
 
 
