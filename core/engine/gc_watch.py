@@ -1,8 +1,8 @@
 """Python's cyclic garbage collector on the serving path.
 
 A full (generation 2) pass scans every object the process holds: torch's, transformers' and the
-model's modules are ~340k objects after start-up, and one pass took ~190 ms on a Zen 4 EPYC, a
-stall of every stream at once (issue 42). :func:`freeze` moves what start-up built into the
+model's modules are ~330k objects after start-up, and one pass took 190-240 ms on a Zen 4 EPYC,
+a stall of every stream at once (issue 42; ``bench/bench_gc.py``: 4 ms once frozen). :func:`freeze` moves what start-up built into the
 permanent generation (``gc.freeze``), so that later passes scan only what serving allocated.
 ``core serve``, its data-parallel replicas and tensor-parallel ranks freeze once they are ready;
 ``POST /freeze_gc`` and ``Engine.freeze_gc()`` (SGLang's) freeze again on demand, after a warm-up
