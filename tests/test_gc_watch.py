@@ -36,6 +36,24 @@ def test_freeze_moves_what_is_alive_out_of_later_passes(unfrozen) -> None:
     assert gc.collect() >= 1
 
 
+def test_a_weight_reload_refreezes_and_the_old_model_is_freed(tiny_llama, unfrozen) -> None:
+    import weakref
+
+    path, _ = tiny_llama()
+    eng = make_engine(path)
+    try:
+        eng.freeze_gc()  # as core serve does once ready: the served model is frozen
+        old = weakref.ref(eng.engine.model)
+        with capture_logs() as logs:
+            ok, msg = eng._call(eng.engine.update_weights_from_disk(str(path)))
+        assert ok, msg
+        assert old() is None  # nothing of it left, even in the permanent generation
+        assert any(e["event"] == "gc.frozen" and e["context"] == "weight update" for e in logs)
+        assert gc.get_freeze_count() > 0
+    finally:
+        eng.shutdown()
+
+
 def test_slow_passes_are_logged_past_the_threshold_and_the_watch_is_one_callback(unfrozen) -> None:
     gc_watch.watch(1e-9)
     gc_watch.watch(1e-9)

@@ -31,6 +31,15 @@ def freeze(context: str) -> int:
     return frozen
 
 
+def refreeze() -> None:
+    """After a weight reload: the old model may sit in the permanent generation (frozen at
+    start-up), where a cycle holding it would never be collected; so unfreeze, collect, and
+    freeze the new state again. A process that never froze is left as it is."""
+    if gc.get_freeze_count():
+        gc.unfreeze()
+        freeze("weight update")
+
+
 class _SlowPasses:
     """The ``gc.callbacks`` entry that logs a pass slower than ``threshold_s`` (one per process)."""
 

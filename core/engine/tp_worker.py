@@ -89,6 +89,7 @@ def _serve(rank: int, args: EngineArgs, plan: DistPlan) -> int:
                 forward_step(model, backend, msg[1], device, kv=kv)
             elif msg[0] == "reload":
                 model = _reload(plugins, args, mc, msg[1], device, tp, control) or model
+                gc_watch.refreeze()
             elif msg[0] == "stop":
                 return 0
             else:

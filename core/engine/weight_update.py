@@ -11,6 +11,7 @@ import attrs
 import structlog
 import torch
 
+from core.engine import gc_watch
 from core.engine.loader import load_model_config
 
 if TYPE_CHECKING:
@@ -74,5 +75,6 @@ def reload_weights(engine: AsyncEngine, model_path: str, load_format: str = "aut
         engine.multimodal.model = model
     if engine.runner.graphs is not None:  # the captured graphs read the old weights
         engine.runner.graphs = engine._capture_cuda_graphs()
+    gc_watch.refreeze()  # (the old module out of the permanent generation)
     log.info("engine.weights_updated", model_path=model_path)
     return True, "Succeeded to update model weights."
