@@ -373,8 +373,10 @@ CLASSIFIED: dict[str, dict[str, Any]] = {
         "node_rank": H("tests.test_tp::test_ranks_on_two_nodes"),
         "dist_timeout": H("tests.test_tp::test_killed_rank_fails_in_flight_requests_within_the_timeout"),
         "log_level": H("tests.test_cli_first_hour::test_a_slow_cpu_dtype_is_warned_about"),
-        "gc_warning_threshold_secs": H("tests.test_gc_watch::test_the_flag_parses_with_sglangs_default_and_a_negative_one_is_refused",
+        "gc_warning_threshold_secs": H("tests.test_gc_watch::test_the_flags_parse_with_sglangs_defaults_and_bad_values_are_refused",
                                        "--gc-warning-threshold-secs"),
+        "gc_threshold": H("tests.test_gc_watch::test_the_flag_reaches_the_engine_and_engine_freeze_gc_freezes",
+                          "--gc-threshold"),
         "extra": H(f"{NAT}::test_plugin_cli_options_reach_engine_args_extra"),
     },
 }

@@ -15,10 +15,11 @@ from tests.conftest import make_engine
 @pytest.fixture
 def unfrozen():
     """Whatever a test freezes goes back to the collector afterwards (this process runs many tests)."""
-    before = [cb for cb in gc.callbacks]
+    before, thresholds = [cb for cb in gc.callbacks], gc.get_threshold()
     yield
     gc.unfreeze()
     gc.callbacks[:] = before
+    gc.set_threshold(*thresholds)
 
 
 def test_freeze_moves_what_is_alive_out_of_later_passes(unfrozen) -> None:
@@ -72,9 +73,10 @@ def test_slow_passes_are_logged_past_the_threshold_and_the_watch_is_one_callback
 
 def test_the_flag_reaches_the_engine_and_engine_freeze_gc_freezes(tiny_llama, unfrozen) -> None:
     path, _ = tiny_llama()
-    eng = make_engine(path, gc_warning_threshold_secs=1e-9)
+    eng = make_engine(path, gc_warning_threshold_secs=1e-9, gc_threshold=[5000, 20])
     try:
         assert any(isinstance(cb, gc_watch._SlowPasses) and cb.threshold_s == 1e-9 for cb in gc.callbacks)
+        assert gc.get_threshold()[:2] == (5000, 20)  # SGLang's --gc-threshold: gc.set_threshold
         gc.unfreeze()
         eng.freeze_gc()
         assert gc.get_freeze_count() > 0
@@ -83,14 +85,23 @@ def test_the_flag_reaches_the_engine_and_engine_freeze_gc_freezes(tiny_llama, un
         eng.shutdown()
 
 
-def test_the_flag_parses_with_sglangs_default_and_a_negative_one_is_refused() -> None:
+def test_the_flags_parse_with_sglangs_defaults_and_bad_values_are_refused(tiny_llama) -> None:
     from core.cli import build_parser
     from core.engine.config import engine_args_from_namespace
     from core.errors import CoreError
     from core.server.args import validate_serve_args
 
-    assert engine_args_from_namespace(build_parser().parse_args(["serve"])).gc_warning_threshold_secs == 0.0
-    ns = build_parser().parse_args(["serve", "--gc-warning-threshold-secs", "0.05"])
-    assert engine_args_from_namespace(ns).gc_warning_threshold_secs == 0.05
-    with pytest.raises(CoreError, match="--gc-warning-threshold-secs must be >= 0"):
-        validate_serve_args(build_parser().parse_args(["serve", "--gc-warning-threshold-secs", "-1"]))
+    args = engine_args_from_namespace(build_parser().parse_args(["serve"]))
+    assert args.gc_warning_threshold_secs == 0.0 and args.gc_threshold is None
+    ns = build_parser().parse_args(["serve", "--gc-warning-threshold-secs", "0.05", "--gc-threshold", "700", "10", "10"])
+    args = engine_args_from_namespace(ns)
+    assert args.gc_warning_threshold_secs == 0.05 and args.gc_threshold == [700, 10, 10]
+    for bad, match in ((["--gc-warning-threshold-secs", "-1"], "--gc-warning-threshold-secs must be >= 0"),
+                       (["--gc-threshold", "1", "2", "3", "4"], "--gc-threshold takes 1 to 3 integers"),
+                       (["--gc-threshold", "-5"], "--gc-threshold takes 1 to 3 integers")):
+        with pytest.raises(CoreError, match=match):
+            validate_serve_args(build_parser().parse_args(["serve", *bad]))
+    with pytest.raises(SystemExit):  # argparse: not an integer
+        build_parser().parse_args(["serve", "--gc-threshold", "x"])
+    with pytest.raises(CoreError, match="--gc-threshold takes 1 to 3 integers"):  # the offline Engine's kwargs too
+        make_engine(tiny_llama()[0], gc_threshold=[])

@@ -103,8 +103,6 @@ class AsyncEngine(RequestFrontEnd):
         self._inflight: tuple[ScheduledBatch, asyncio.Future, float] | None = None
         # a step past --watchdog-timeout stops the engine for good, through the same thread-safe path as a failed rank
         self.watchdog = Watchdog(args.watchdog_timeout, self._on_rank_failure)
-        if args.gc_warning_threshold_secs > 0:  # (the process's collector: the last engine's threshold applies)
-            gc_watch.watch(args.gc_warning_threshold_secs)
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         # while a weight update runs: requests submitted meanwhile, admitted once it is done (None: no update)
@@ -166,6 +164,7 @@ class AsyncEngine(RequestFrontEnd):
         max_running = args.max_running_requests or max(1, min(256, self.max_total_tokens // 16))
         self.table = ReqToTokenTable(max_running, mc.context_len + ps, self.device)
         check_scheduling_args(args)
+        gc_watch.configure(args)  # (the process's collector: the last engine's settings apply)
         self.tree_cache = build_tree_cache(args, self.allocator, self.kv_cache, per_token, self.plugins, mc)  # (mem_cache)
         chunk = args.chunked_prefill_size
         if chunk is None:  # SGLang picks by GPU memory; 2048 (its small-GPU value) keeps a CPU forward short

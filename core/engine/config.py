@@ -212,6 +212,8 @@ class EngineArgs:
     log_level: str = _arg("info", LOGGING, None, choices=LOG_LEVELS)
     gc_warning_threshold_secs: float = _arg(0.0, LOGGING, "log a garbage-collector pass longer than this many "
                                                           "seconds (a stall of every stream); 0 disables")
+    gc_threshold: list[int] | None = _arg(None, MEMORY, "the garbage collector's thresholds (gc.set_threshold: 1 to "
+                                                        "3 integers, generation 0 first)", nargs="+")
     # plugin-defined options (their flags come from the add_cli_options hook); no flag of its own
     extra: dict[str, Any] = attrs.field(factory=dict)
 
@@ -230,6 +232,7 @@ def _value_type(hint: Any) -> type | None:
     if hint is bool or set(typing.get_args(hint)) == {bool, type(None)}:  # a switch (None: not given)
         return None
     kinds = set(typing.get_args(hint)) or {hint}
+    kinds |= {a for k in kinds if typing.get_origin(k) is list for a in typing.get_args(k)}  # a list's items
     for kind in (int, float):
         if kind in kinds:
             return kind

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import time
+from typing import Any
 
 import structlog
 
@@ -29,6 +30,26 @@ def freeze(context: str) -> int:
     frozen = gc.get_freeze_count()
     log.info("gc.frozen", context=context, objects=frozen)
     return frozen
+
+
+def check(args: Any) -> None:
+    """Refuse collector settings Python cannot take, naming the flag (``core serve`` and ``Engine``)."""
+    from core.errors import CoreError
+
+    if args.gc_warning_threshold_secs < 0:
+        raise CoreError(f"--gc-warning-threshold-secs must be >= 0 (0 disables it), got {args.gc_warning_threshold_secs}")
+    values = args.gc_threshold
+    if values is not None and (not 1 <= len(values) <= 3 or any(not isinstance(v, int) or v < 0 for v in values)):
+        raise CoreError(f"--gc-threshold takes 1 to 3 integers >= 0 (generation 0 first), got {values}")
+
+
+def configure(args: Any) -> None:
+    """This process's collector as the engine's flags ask (``check``ed): thresholds, slow-pass logs."""
+    check(args)
+    if args.gc_threshold:
+        gc.set_threshold(*args.gc_threshold)
+    if args.gc_warning_threshold_secs > 0:
+        watch(args.gc_warning_threshold_secs)
 
 
 def refreeze() -> None:

@@ -65,7 +65,7 @@ expert-distribution-recorder-mode experts-shared-outer-loras export-metrics-to-f
 extra-metric-labels fastapi-root-path flashinfer-a2a-dispatch-type flashinfer-allreduce-fusion-backend
 flashinfer-autotune-skip-ops flashinfer-mla-disable-ragged flashinfer-mxfp4-moe-precision flexkv-config-file
 forward-hooks forward-pass-metrics-ipc-name forward-pass-metrics-worker-id fp4-gemm-backend fp8-gemm-backend
-fuseep-mode gated-launch-port gc-threshold generation-tokens-buckets gpu-id-step
+fuseep-mode gated-launch-port generation-tokens-buckets gpu-id-step
 grpc-http-sidecar-port grpc-mode grpc-port grpc-response-timeout-secs hf-chat-template-name
 hicache-host-memory-fraction hicache-host-memory-mode 
 hicache-storage-backend-extra-config 

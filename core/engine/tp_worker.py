@@ -81,7 +81,7 @@ def _serve(rank: int, args: EngineArgs, plan: DistPlan) -> int:
         return 1
     log.info("tp.rank_ready", rank=rank, device=str(device), threads=torch.get_num_threads())
     gc_watch.freeze(f"tensor-parallel rank {rank}")  # the model and modules: out of later collector passes
-    gc_watch.watch(args.gc_warning_threshold_secs)
+    gc_watch.configure(args)
     with torch.inference_mode():
         while True:
             msg = broadcast(control)

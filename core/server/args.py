@@ -23,6 +23,7 @@ from typing import Any, Callable, NoReturn, Sequence
 import attrs
 
 from core.engine.config import DRAFT_MODEL_ALGORITHMS, add_engine_args, engine_args_from_namespace  # noqa: F401 (engine_args_from_namespace: re-exported)
+from core.engine import gc_watch
 from core.engine.sglang_flags import SGLANG_FLAGS_LACKING
 from core.errors import CoreError
 from core.server.limits import DEFAULT_MAX_BODY_BYTES
@@ -437,8 +438,8 @@ def validate_serve_args(ns: argparse.Namespace) -> None:
         raise CoreError(f"--max-request-body-bytes must be >= 1, got {ns.max_request_body_bytes}")
     if getattr(ns, "watchdog_timeout", 0) < 0:
         raise CoreError(f"--watchdog-timeout must be >= 0 (0 disables it), got {ns.watchdog_timeout}")
-    if getattr(ns, "gc_warning_threshold_secs", 0) < 0:
-        raise CoreError(f"--gc-warning-threshold-secs must be >= 0 (0 disables it), got {ns.gc_warning_threshold_secs}")
+    if hasattr(ns, "gc_threshold"):
+        gc_watch.check(ns)
     if ns.chat_template and _looks_like_path(ns.chat_template) and not os.path.isfile(os.path.expanduser(ns.chat_template)):
         raise CoreError(f"--chat-template {ns.chat_template}: no such file")
     check_device_args(ns)
