@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from structlog.testing import capture_logs
 
 from tests.conftest import build_tiny_llama, make_engine
 
@@ -77,22 +78,25 @@ def test_outputs_equal_the_plain_loop(tiny, variant):
 
 
 def test_grammars_and_n_greater_than_one(tiny):
-    """A grammar needs its matcher's state after each token: those steps wait for the results;
-    the others around them overlap."""
-    outs = []
+    """A grammar needs its matcher's state after each token: those steps wait for the results
+    (logged once, naming why); the others around them overlap."""
+    outs, paused = [], []
     for overlap in (False, True):
         eng = make_engine(tiny, dtype="float32", device="cpu", enable_overlap_schedule=overlap,
                           disable_overlap_schedule=not overlap)
         try:
-            got = eng.generate(input_ids=[PROMPTS[0], PROMPTS[1], PROMPTS[2]],
-                               sampling_params=[{"max_new_tokens": 12, "temperature": 0, "regex": "[0-9]{3,8}"},
-                                                {"max_new_tokens": 14, "temperature": 0, "ignore_eos": True},
-                                                {"max_new_tokens": 10, "temperature": 0.7, "n": 3, "sampling_seed": 11,
-                                                 "ignore_eos": True}])
+            with capture_logs() as logs:
+                got = eng.generate(input_ids=[PROMPTS[0], PROMPTS[1], PROMPTS[2]],
+                                   sampling_params=[{"max_new_tokens": 12, "temperature": 0, "regex": "[0-9]{3,8}"},
+                                                    {"max_new_tokens": 14, "temperature": 0, "ignore_eos": True},
+                                                    {"max_new_tokens": 10, "temperature": 0.7, "n": 3,
+                                                     "sampling_seed": 11, "ignore_eos": True}])
             outs.append([o["output_ids"] for o in got])
+            paused.append([e["reason"] for e in logs if e["event"] == "engine.overlap_paused"])
         finally:
             eng.shutdown()
     assert outs[0] == outs[1]
+    assert paused == [[], ["a grammar"]]  # the plain loop never pauses; overlap says why, once
 
 
 def test_the_next_steps_host_work_runs_during_the_forward(tiny):

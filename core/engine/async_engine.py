@@ -101,6 +101,7 @@ class AsyncEngine(RequestFrontEnd):
         self.runner.defer_results = self.overlap and self.device.type == "cuda" and self.tp_group is None
         # (batch, its forward's future, start time) scheduled but not yet processed (overlap scheduling)
         self._inflight: tuple[ScheduledBatch, asyncio.Future, float] | None = None
+        self._overlap_paused: set[str] = set()  # the reasons a step waited for the one in flight, logged once each
         # a step past --watchdog-timeout stops the engine for good, through the same thread-safe path as a failed rank
         self.watchdog = Watchdog(args.watchdog_timeout, self._on_rank_failure)
         self._wake: asyncio.Event | None = None
@@ -347,7 +348,10 @@ class AsyncEngine(RequestFrontEnd):
         the next batch needs those results first (``Scheduler.needs_results``) they are
         processed before scheduling, for that step only."""
         self.watchdog.begin()
-        if self._inflight is not None and self.scheduler.needs_results():
+        if self._inflight is not None and (why := self.scheduler.needs_results()):
+            if why not in self._overlap_paused:  # (each reason once: it may hold for every step)
+                self._overlap_paused.add(why)
+                log.info("engine.overlap_paused", reason=why, effect="a step waits for the one before it")
             await self._complete(*self._inflight)
         try:
             batch, aborted = self.scheduler.schedule()

@@ -27,7 +27,7 @@ from core.engine.mem_cache.radix_cache import RadixCache
 from core.engine.request import Req
 from core.engine.schedule_batch import ScheduledBatch, StepResult, future_id
 from core.engine.schedule_policy import SchedulePolicy
-from core.engine.speculative import Speculator, multi_token_ok
+from core.engine.speculative import Speculator, host_read, multi_token_ok
 
 log = structlog.get_logger("core.engine.scheduler")
 
@@ -238,13 +238,13 @@ class Scheduler:
         """Whether a request whose next token is in flight may decode after it (not aborted, below its limits)."""
         return not req.aborted and len(req.output_ids) + 1 < req.params.max_new_tokens and req.seq_len + 1 < self.context_len
 
-    def needs_results(self) -> bool:
-        """Whether the next batch must wait for the in-flight one's results (overlap scheduling):
-        multi-step decodes and verifies, and a request with a token in flight whose sampling reads
-        its outputs on the host (not ``multi_token_ok``: a grammar, penalties, ``min_new_tokens``)."""
+    def needs_results(self) -> str:
+        """Why the next batch must wait for the in-flight one's results (overlap scheduling; "" when
+        it need not): multi-step decodes and verifies, and a request with a token in flight whose
+        sampling reads its outputs on the host (``host_read``: a grammar, penalties, ``min_new_tokens``)."""
         if self.decode_steps > 1 or self.speculator is not None:
-            return True
-        return any(r.kv_len == r.seq_len and not multi_token_ok(r) for r in self.running)
+            return "--num-continuous-decode-steps" if self.decode_steps > 1 else "speculative decoding"
+        return next((why for r in self.running if r.kv_len == r.seq_len and (why := host_read(r))), "")
 
     def _continuous_steps(self, reqs: list[Req]) -> int:
         """How many decode steps ``reqs`` run in one batch: up to ``decode_steps`` while nothing

@@ -268,9 +268,14 @@ def _state(r: Req) -> dict:
 def multi_token_ok(req: Req) -> bool:
     """Whether several of a request's tokens can come out of one forward (speculative verifies,
     continuous decode steps): nothing reads its outputs on the host between two of them."""
+    return not host_read(req)
+
+
+def host_read(req: Req) -> str:
+    """What reads the request's outputs on the host between two of its tokens ("" when nothing)."""
     p = req.params
-    return (req.grammar is None and not req.return_logprob and not req.top_logprobs_num and not penalised(p)
-            and len(req.output_ids) >= p.min_new_tokens)
+    return ("a grammar" if req.grammar is not None else "logprobs" if req.return_logprob or req.top_logprobs_num
+            else "penalties" if penalised(p) else "min_new_tokens" if len(req.output_ids) < p.min_new_tokens else "")
 
 
 def build_speculator(args: Any, plugins: Any) -> Speculator | None:
