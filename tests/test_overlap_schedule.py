@@ -99,6 +99,30 @@ def test_grammars_and_n_greater_than_one(tiny):
     assert paused == [[], ["a grammar"]]  # the plain loop never pauses; overlap says why, once
 
 
+def test_logprob_requests_overlap_and_keep_their_logprobs(tiny):
+    """A step's logprobs come with its own token: requests asking for them do not make the next
+    step wait (with the tokens deferred on the device, as on a GPU), and their logprobs are the
+    plain loop's."""
+    def run(overlap: bool) -> tuple[list, list[str]]:
+        eng = make_engine(tiny, dtype="float32", device="cpu", enable_overlap_schedule=overlap,
+                          disable_overlap_schedule=not overlap)
+        eng.engine.runner.defer_results = overlap
+        needs, reasons = eng.engine.scheduler.needs_results, []
+        eng.engine.scheduler.needs_results = lambda: reasons.append(needs()) or reasons[-1]
+        try:
+            outs = eng.generate(input_ids=PROMPTS[:3], sampling_params={"max_new_tokens": 10, "temperature": 0,
+                                                                         "ignore_eos": True},
+                                return_logprob=True, top_logprobs_num=2)
+            return [(o["output_ids"], o["meta_info"]["output_token_logprobs"], o["meta_info"]["output_top_logprobs"])
+                    for o in outs], reasons
+        finally:
+            eng.shutdown()
+
+    (plain, _), (over, reasons) = run(False), run(True)
+    assert over == plain
+    assert reasons.count("") >= 8 and set(reasons) == {""}  # every decode step overlapped
+
+
 def test_the_next_steps_host_work_runs_during_the_forward(tiny):
     """With a slow forward, step n + 1 is scheduled (and step n - 1 processed) on the loop while
     step n's forward runs on the forward thread: most schedule() calls find a forward unfinished."""

@@ -244,7 +244,7 @@ class Scheduler:
         sampling reads its outputs on the host (``host_read``: a grammar, penalties, ``min_new_tokens``)."""
         if self.decode_steps > 1 or self.speculator is not None:
             return "--num-continuous-decode-steps" if self.decode_steps > 1 else "speculative decoding"
-        return next((why for r in self.running if r.kv_len == r.seq_len and (why := host_read(r))), "")
+        return next((why for r in self.running if r.kv_len == r.seq_len and (why := host_read(r, overlap=True))), "")
 
     def _continuous_steps(self, reqs: list[Req]) -> int:
         """How many decode steps ``reqs`` run in one batch: up to ``decode_steps`` while nothing

@@ -271,10 +271,13 @@ def multi_token_ok(req: Req) -> bool:
     return not host_read(req)
 
 
-def host_read(req: Req) -> str:
-    """What reads the request's outputs on the host between two of its tokens ("" when nothing)."""
+def host_read(req: Req, overlap: bool = False) -> str:
+    """What reads the request's outputs on the host between two of its tokens ("" when nothing).
+    ``overlap``: only what the next token's sampling reads (a step's logprobs come with its own
+    token, so overlap scheduling need not wait for them; a multi-token step computes none)."""
     p = req.params
-    return ("a grammar" if req.grammar is not None else "logprobs" if req.return_logprob or req.top_logprobs_num
+    return ("a grammar" if req.grammar is not None
+            else "logprobs" if not overlap and (req.return_logprob or req.top_logprobs_num)
             else "penalties" if penalised(p) else "min_new_tokens" if len(req.output_ids) < p.min_new_tokens else "")
 
 
