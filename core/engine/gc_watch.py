@@ -82,13 +82,11 @@ class _SlowPasses:
 
 def watch(threshold_s: float) -> None:
     """Log every collector pass slower than ``threshold_s`` seconds (0: stop logging them)."""
-    mine = [cb for cb in gc.callbacks if isinstance(cb, _SlowPasses)]
-    for cb in mine[1:]:
-        gc.callbacks.remove(cb)
+    mine = next((cb for cb in gc.callbacks if isinstance(cb, _SlowPasses)), None)  # (at most one: this keeps it so)
     if threshold_s <= 0:
-        if mine:
-            gc.callbacks.remove(mine[0])
-    elif mine:
-        mine[0].threshold_s = threshold_s
+        if mine is not None:
+            gc.callbacks.remove(mine)
+    elif mine is not None:
+        mine.threshold_s = threshold_s
     else:
         gc.callbacks.append(_SlowPasses(threshold_s))
