@@ -135,9 +135,8 @@ def test_unknown_adapter_and_disabled_lora_are_clear_errors(setup, eng, tmp_path
         make_engine(root / "base", enable_lora=True)
     with pytest.raises(Exception, match="rank"):  # rank 16 adapter over a rank-8 pool
         make_engine(root / "base", lora_paths=[f"a={root / 'all16'}"], max_lora_rank=8)
-    for parallel in ({"dp_size": 2}, {"tp_size": 2}):  # refused before any replica or rank starts
-        with pytest.raises(Exception, match="--dp-size|--tp-size"):
-            make_engine(root / "base", lora_paths=[f"a={root / 'qv8'}"], **parallel)
+    with pytest.raises(Exception, match="--tp-size > 1 is not supported"):  # refused before any rank starts
+        make_engine(root / "base", lora_paths=[f"a={root / 'qv8'}"], tp_size=2)
     # a weight reload would leave the adapters on the old module: refused, and the adapters still serve
     ok, message = eng._call(eng.engine.update_weights_from_disk(str(root / "base")))
     assert not ok and "--enable-lora" in message
@@ -168,6 +167,75 @@ def test_sglang_lora_flags_parse_into_engine_args():
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert [kernel_backend(b, cuda) for b in ("csgmv", "triton", "torch_native")] == ["triton", "triton", "torch"]
     assert {kernel_backend(b, cpu) for b in ("csgmv", "triton", "torch_native")} == {"torch"}
+
+
+def test_data_parallel_replicas_serve_the_same_adapters(setup, tmp_path):
+    """--dp-size 2: both replicas hold the --lora-paths adapters and every run-time load and unload;
+    a mixed batch spread over them matches peft; past --max-loaded-loras the front end picks the
+    adapter to evict (the least recently named idle one), the same on every replica."""
+    root, base, adapters = setup
+    late = save_adapter(base, tmp_path / "late", 9, r=8)
+    e = make_engine(root / "base", lora_paths=[f"qv8={root / 'qv8'}", f"all16={root / 'all16'}"], max_loras_per_batch=2,
+                    max_loaded_loras=3, dp_size=2, log_level="warning")
+    try:
+        prompts = [prompt(10 + i, seed=60 + i) for i in range(4)]
+        names = [None, "qv8", "all16", "qv8"]
+        outs = e.generate(input_ids=prompts, sampling_params=greedy(N_NEW), lora_path=names)
+        for p, name, out in zip(prompts, names, outs):
+            assert out["output_ids"] == hf_greedy(base if name is None else adapters[name], p, N_NEW), name
+        assert [r["routed_requests"] for r in e.engine.replica_loads()] == [2, 2]  # (round robin: both replicas)
+        e.load_lora_adapter("late", str(tmp_path / "late"))
+        want = hf_greedy(late, prompts[0], N_NEW)
+        assert [o["output_ids"] for o in e.generate(input_ids=prompts[:1] * 2, sampling_params=greedy(N_NEW),
+                                                    lora_path="late")] == [want, want]  # one on each replica
+        with pytest.raises(Exception, match="'late' is already loaded"):
+            e.load_lora_adapter("late", str(tmp_path / "late"))
+        with pytest.raises(Exception, match="missing"):  # the replicas' refusal, naming the folder
+            e.load_lora_adapter("bad", str(tmp_path / "missing"))
+        assert set(e.engine.lora_adapters()) == {"qv8", "all16", "late"}
+        e.generate(input_ids=prompts[0], sampling_params=greedy(1), lora_path="qv8")  # all16 is now the least recent
+        e.load_lora_adapter("mlp", str(root / "mlp4rs"))
+        assert set(e.engine.lora_adapters()) == {"qv8", "late", "mlp"}
+        assert e.generate(input_ids=prompts[1], sampling_params=greedy(N_NEW), lora_path="mlp")["output_ids"] == \
+            hf_greedy(adapters["mlp4rs"], prompts[1], N_NEW)
+        e.unload_lora_adapter("late")
+        with pytest.raises(Exception, match="'late' is not loaded"):
+            e.generate(input_ids=prompts[0], sampling_params=greedy(2), lora_path="late")
+        for replica in e.engine.replicas:  # gone from each replica too
+            with pytest.raises(Exception, match="'late' is not loaded"):
+                e._call(e.engine._call(replica, "unload_lora", "late"))
+    finally:
+        e.shutdown()
+
+
+def test_a_load_one_replica_refuses_is_undone_on_the_others():
+    import asyncio
+    import types
+
+    from core.engine.lora.adapter import LoRAError
+    from core.engine.lora.replicated import ReplicatedAdapters
+
+    calls, refuse = [], [True]
+
+    async def call_all(what, *args):
+        calls.append((what, args[0]))
+        return [None, LoRAError("replica 1 says no")] if what == "load_lora" and refuse[0] else [None, None]
+
+    args = types.SimpleNamespace(lora_paths=["a=/x"], max_loaded_loras=None, max_loras_per_batch=2)
+    reg = ReplicatedAdapters(args, call_all, set)
+    with pytest.raises(LoRAError, match="replica 1 says no"):
+        asyncio.run(reg.load("b", "/y"))
+    assert calls == [("load_lora", "b"), ("unload_lora", "b")] and reg.adapters() == {"a": "/x"}
+    uid = reg.resolve("a")
+    asyncio.run(reg.unload("a"))
+    refuse[0] = False
+    asyncio.run(reg.load("a", "/z"))  # the same name again, another adapter
+    # a request that named the unloaded one is not sent under the new one (nor as the base model)
+    assert reg.name_of(uid) is None and reg.name_of(reg.resolve("a")) == "a"
+    for limit, match in ((1, "at least --max-loras-per-batch"), (2, None)):  # the limits the replicas no longer check
+        args = types.SimpleNamespace(lora_paths=["a=/x", "b=/y", "c=/z"], max_loaded_loras=limit, max_loras_per_batch=2)
+        with pytest.raises(LoRAError, match=match or "names 3 adapters, more than --max-loaded-loras"):
+            ReplicatedAdapters(args, call_all, set)
 
 
 def test_max_loaded_loras_and_the_slot_eviction_policy(setup):

@@ -32,6 +32,7 @@ from core.engine.dp_replica import ReqDelta, ReqSpec, replica_main
 from core.engine.dp_router import Router
 from core.engine.frontend import RequestFrontEnd
 from core.engine.grammar import GrammarManager
+from core.engine.lora.replicated import ReplicatedAdapters
 from core.engine.mem_cache.kv_cache import PageAllocator
 from core.engine.loader import load_model_config
 from core.engine.request import Req
@@ -88,6 +89,7 @@ class DataParallelEngine(RequestFrontEnd):
         self.grammar = GrammarManager(self.plugins, args.grammar_backend, self.tokenizer, self.vocab_size,
                                       self.model_config.eos_ids)
         self.router = Router(args.dp_size, args.load_balance_method)
+        self.lora = ReplicatedAdapters(args, self._call_all, self._adapters_in_flight) if lora_requested(args) else None
         self.step_listeners: list[Callable[[Any, float], None]] = []
         self.finish_listeners: list[Callable[[Req], None]] = []
         self.fatal_listeners: list[Callable[[str], None]] = []
@@ -113,7 +115,7 @@ class DataParallelEngine(RequestFrontEnd):
     # ------------------------------------------------------------------ start-up
     def _start(self) -> list[Replica]:
         ctx = process_context()
-        one = attrs.evolve(self.args, dp_size=1)
+        one = attrs.evolve(self.args, dp_size=1, max_loaded_loras=None)  # (the front end evicts adapters: ReplicatedAdapters)
         replicas = []
         for i in range(self.args.dp_size):
             mine, theirs = ctx.Pipe()
@@ -157,11 +159,15 @@ class DataParallelEngine(RequestFrontEnd):
             return
         batches: dict[int, list[ReqSpec]] = {}
         for req in reqs:
+            adapter = self.lora.name_of(req.lora_id) if req.lora_id else None
+            if req.lora_id and adapter is None:  # unloaded since it was named: as AsyncEngine's admission does
+                self._finish(req, {"type": "abort", "message": "its LoRA adapter was unloaded before it started"})
+                continue
             i = self.router.pick(req.prompt_ids, [len(r.inflight) for r in self.replicas])
             self.replicas[i].inflight[req.rid] = req
             self.replicas[i].routed += 1
             spec = ReqSpec(req.rid, req.prompt_ids, attrs.evolve(req.params, n=1, seed=_copy_seed(req)),
-                           req.return_logprob, req.logprob_start_len, req.top_logprobs_num, req.priority)
+                           req.return_logprob, req.logprob_start_len, req.top_logprobs_num, req.priority, adapter)
             batches.setdefault(i, []).append(spec)
         for i, specs in batches.items():
             self._send(self.replicas[i], ("submit", specs))
@@ -360,6 +366,14 @@ class DataParallelEngine(RequestFrontEnd):
         self._send(r, ("call", call_id, what, *args))
         return await fut
 
+    async def _call_all(self, what: str, *args: Any) -> list[Any]:
+        """``_call`` on every live replica at once: each one's reply, or the exception it raised."""
+        return await asyncio.gather(*(self._call(r, what, *args) for r in self._live()), return_exceptions=True)
+
+    def _adapters_in_flight(self) -> set[int]:
+        """The adapter uids that requests still running on some replica named."""
+        return {req.lora_id for r in self.replicas for req in r.inflight.values() if req.lora_id}
+
     async def encode(self, prompt_ids_list: list[list[int]]) -> list[list[float]]:
         if not self._live():
             raise Unavailable("no data-parallel replica is alive")
@@ -435,8 +449,9 @@ def create_engine(args: EngineArgs, plugins: PluginManager | None = None):
     """The engine ``args`` ask for: an ``AsyncEngine``, or a ``DataParallelEngine`` with ``--dp-size`` > 1."""
     if not isinstance(args.dp_size, int) or args.dp_size < 1:
         raise CoreError(f"--dp-size must be >= 1, got {args.dp_size}")
-    if lora_requested(args) and (args.tp_size > 1 or args.dp_size > 1):  # (before any rank starts)
-        raise CoreError("--enable-lora with --tp-size or --dp-size > 1 is not supported yet; serve LoRA adapters on one rank")
+    if lora_requested(args) and args.tp_size > 1:  # (before any rank starts)
+        raise CoreError("--enable-lora with --tp-size > 1 is not supported yet; serve LoRA adapters with --tp-size 1 "
+                        "(--dp-size N replicas each hold them)")
     if args.dp_size == 1:
         from core.engine.async_engine import AsyncEngine
 

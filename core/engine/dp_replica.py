@@ -38,6 +38,7 @@ class ReqSpec:
     logprob_start_len: int
     top_logprobs_num: int
     priority: int | None
+    lora: str | None = None  # the LoRA adapter's name (each replica has its own uids)
 
 
 @attrs.frozen
@@ -138,7 +139,7 @@ class _Replica:
         for s in specs:
             try:
                 reqs += engine.make_requests(s.prompt_ids, s.params, s.rid, s.return_logprob, s.logprob_start_len,
-                                             s.top_logprobs_num, priority=s.priority)
+                                             s.top_logprobs_num, priority=s.priority, lora_path=s.lora)
             except Exception as e:  # validated by the front end already; report rather than crash
                 self._send_now(("delta", s.rid, ReqDelta([], "", [], [], None, 0, {"type": "abort", "message": str(e)})))
         for r in reqs:
@@ -161,6 +162,10 @@ class _Replica:
                 value = await self.engine.update_weights_from_disk(*args)
             elif what == "freeze_gc":
                 value = await self.engine.freeze_gc()
+            elif what == "load_lora":
+                value = await self.engine.load_lora_adapter(*args)
+            elif what == "unload_lora":
+                value = await self.engine.unload_lora_adapter(*args)
             else:
                 raise ValueError(f"unknown call {what!r}")
             self.conn.send(("reply", call_id, True, value))

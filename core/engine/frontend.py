@@ -129,7 +129,7 @@ class RequestFrontEnd:
         """Stop serving adapter ``name``: new requests cannot name it, running ones finish with it."""
         if self.lora is None:
             raise InvalidRequest("LoRA adapters need a server started with --enable-lora", param="lora_name")
-        self.lora.unload(name)
+        await self.lora.unload(name)
 
     async def prepare_grammars(self, reqs: list[Req]) -> None:
         """Compile (off the loop, cached) and attach each constrained request's matcher;

@@ -72,9 +72,7 @@ class LoRAServing:
         if not max_rank or not targets:
             raise LoRAError("--enable-lora without --lora-paths needs --max-lora-rank and --lora-target-modules "
                             "(the pool is sized from them)")
-        if args.max_loaded_loras is not None and args.max_loaded_loras < args.max_loras_per_batch:
-            raise LoRAError(f"--max-loaded-loras ({args.max_loaded_loras}) must be at least --max-loras-per-batch "
-                            f"({args.max_loras_per_batch})")
+        check_max_loaded(args)
         backend = kernel_backend(args.lora_backend, device)
         self.pool = LoRAPool(model, slots=args.max_loras_per_batch, max_rank=max_rank, target_modules=targets,
                              dtype=dtype, device=device, backend=backend)
@@ -141,7 +139,7 @@ class LoRAServing:
         with self._lock:
             self.manager.add(name, path, pinned, adapter=adapter)
 
-    def unload(self, name: str) -> None:
+    async def unload(self, name: str) -> None:
         """Remove an adapter: new requests cannot name it; running ones finish with it."""
         with self._lock:
             self.manager.remove(name)
@@ -165,6 +163,13 @@ class LoRAServing:
             slots = self.manager.slots_for(uids)
         self.pool.set_batch(list(extend_lens), slots)
         return True
+
+
+def check_max_loaded(args: Any) -> None:
+    """``--max-loaded-loras`` holds at least one batch's adapters."""
+    if args.max_loaded_loras is not None and args.max_loaded_loras < args.max_loras_per_batch:
+        raise LoRAError(f"--max-loaded-loras ({args.max_loaded_loras}) must be at least --max-loras-per-batch "
+                        f"({args.max_loras_per_batch})")
 
 
 def kernel_backend(lora_backend: str, device: torch.device) -> str:
