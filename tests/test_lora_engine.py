@@ -135,8 +135,6 @@ def test_unknown_adapter_and_disabled_lora_are_clear_errors(setup, eng, tmp_path
         make_engine(root / "base", enable_lora=True)
     with pytest.raises(Exception, match="rank"):  # rank 16 adapter over a rank-8 pool
         make_engine(root / "base", lora_paths=[f"a={root / 'all16'}"], max_lora_rank=8)
-    with pytest.raises(Exception, match="--tp-size > 1 is not supported"):  # refused before any rank starts
-        make_engine(root / "base", lora_paths=[f"a={root / 'qv8'}"], tp_size=2)
     # a weight reload would leave the adapters on the old module: refused, and the adapters still serve
     ok, message = eng._call(eng.engine.update_weights_from_disk(str(root / "base")))
     assert not ok and "--enable-lora" in message
@@ -204,6 +202,35 @@ def test_data_parallel_replicas_serve_the_same_adapters(setup, tmp_path):
         for replica in e.engine.replicas:  # gone from each replica too
             with pytest.raises(Exception, match="'late' is not loaded"):
                 e._call(e.engine._call(replica, "unload_lora", "late"))
+    finally:
+        e.shutdown()
+
+
+def test_tensor_parallel_ranks_serve_the_adapters(setup, tmp_path):
+    """--tp-size 2: each rank holds its shard of every adapter (column-parallel B rows, row-parallel
+    A columns); slots refilled between batches, run-time loads and unloads reach rank 1."""
+    root, base, adapters = setup
+    late = save_adapter(base, tmp_path / "late", 9, r=8, targets=("o_proj", "up_proj", "down_proj"))
+    e = make_engine(root / "base", lora_paths=[f"{n}={root / n}" for n in adapters], max_loras_per_batch=2,
+                    tp_size=2, log_level="warning")
+    try:
+        prompts = [prompt(12 + i, seed=80 + i) for i in range(6)]
+        names = [None, "qv8", "all16", "mlp4rs", "qv8", None]  # 3 adapters > 2 slots: refilled between batches
+        for _ in range(2):
+            outs = e.generate(input_ids=prompts, sampling_params=greedy(N_NEW), lora_path=names)
+            for p, name, out in zip(prompts, names, outs):
+                assert out["output_ids"] == hf_greedy(base if name is None else adapters[name], p, N_NEW), name
+        e.load_lora_adapter("late", str(tmp_path / "late"))
+        e.unload_lora_adapter("qv8")
+        names = ["late", "all16", None, "late"]
+        outs = e.generate(input_ids=prompts[:4], sampling_params=greedy(N_NEW), lora_path=names)
+        for p, name, out in zip(prompts, names, outs):
+            model = base if name is None else late if name == "late" else adapters[name]
+            assert out["output_ids"] == hf_greedy(model, p, N_NEW), name
+        with pytest.raises(Exception, match="'qv8' is not loaded"):
+            e.generate(input_ids=prompts[0], sampling_params=greedy(2), lora_path="qv8")
+        rank0 = e.engine.lora
+        assert rank0.ranks.pending is None and not rank0.ranks.dropped  # qv8's drop reached rank 1 with a step
     finally:
         e.shutdown()
 

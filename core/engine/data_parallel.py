@@ -449,9 +449,6 @@ def create_engine(args: EngineArgs, plugins: PluginManager | None = None):
     """The engine ``args`` ask for: an ``AsyncEngine``, or a ``DataParallelEngine`` with ``--dp-size`` > 1."""
     if not isinstance(args.dp_size, int) or args.dp_size < 1:
         raise CoreError(f"--dp-size must be >= 1, got {args.dp_size}")
-    if lora_requested(args) and args.tp_size > 1:  # (before any rank starts)
-        raise CoreError("--enable-lora with --tp-size > 1 is not supported yet; serve LoRA adapters with --tp-size 1 "
-                        "(--dp-size N replicas each hold them)")
     if args.dp_size == 1:
         from core.engine.async_engine import AsyncEngine
 

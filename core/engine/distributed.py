@@ -163,6 +163,14 @@ class TensorParallelGroup:
             if error is None:
                 raise ModelLoadError(f"tensor-parallel rank {bad[0][0]} could not {what}: {bad[0][1]}")
 
+    def lora(self, message: tuple, what: str) -> None:
+        """Send the other ranks a LoRA message (``core.engine.lora.tp``) and hear from each: a
+        LoRAError naming the first that could not ``what``; the group goes on either way."""
+        from core.engine.lora.tp import check_ranks_error
+
+        broadcast(self.control, message)
+        check_ranks_error(agree(self.control, None), what)
+
     # ------------------------------------------------------------------ serving (forward thread)
     def forward(self, inputs: StepInputs, run: Callable[[], T]) -> T:
         """Broadcast the step, then ``run`` it here. Any failure is final: RankFailure."""

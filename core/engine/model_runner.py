@@ -45,6 +45,7 @@ class StepInputs:
     # negative input id (``schedule_batch.future_id``) reads its token here, on the device
     future_tokens: torch.Tensor | None = None
     kv_loads: Any = None  # mem_cache.host_pool.KVLoads issued for this forward (HiCache load-backs), or None
+    lora_sync: Any = None  # core.engine.lora.tp.LoRASync: the adapters' state the other tensor-parallel ranks take
 
 
 def _ints(x: list[int] | torch.Tensor) -> list[int]:
@@ -275,6 +276,7 @@ class ModelRunner:
             inputs, self._kv_moves = attrs.evolve(inputs, kv_moves=self._kv_moves), None
         if self.lora is not None:  # each request's tokens through its adapter (the pool's segments for this forward)
             inputs.lora = self.lora.prepare([r.lora_id for r in reqs], inputs.extend_lens)
+            inputs.lora_sync = self.lora.ranks.take() if self.lora.ranks is not None else None
         if self.mm is not None and any(r.mm is not None for r in reqs):  # images: their rows, M-RoPE positions
             starts = [n - e for n, e in zip(inputs.seq_lens, inputs.extend_lens)]
             inputs.positions, inputs.mm_rows, inputs.mm_embeds, inputs.mrope_positions = self.mm.forward_inputs(

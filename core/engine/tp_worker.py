@@ -82,11 +82,26 @@ def _serve(rank: int, args: EngineArgs, plan: DistPlan) -> int:
     log.info("tp.rank_ready", rank=rank, device=str(device), threads=torch.get_num_threads())
     gc_watch.freeze(f"tensor-parallel rank {rank}")  # the model and modules: out of later collector passes
     gc_watch.configure(args)
+    lora = None  # core.engine.lora.tp.RankLoRA with --enable-lora
     with torch.inference_mode():
         while True:
             msg = broadcast(control)
             if msg[0] == "step":
+                if msg[1].lora_sync is not None:
+                    lora.apply(msg[1].lora_sync)
                 forward_step(model, backend, msg[1], device, kv=kv)
+            elif msg[0] in ("lora", "lora_add"):  # the adapters' pool, then each adapter rank 0 loads
+                error = None
+                try:
+                    if msg[0] == "lora":
+                        from core.engine.lora.tp import RankLoRA
+
+                        lora = RankLoRA(model, msg[1], mc.dtype, device)
+                    else:
+                        lora.add(*msg[1:])
+                except Exception as e:
+                    error = describe(e)
+                agree(control, error)
             elif msg[0] == "reload":
                 model = _reload(plugins, args, mc, msg[1], device, tp, control) or model
                 gc_watch.refreeze()

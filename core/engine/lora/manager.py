@@ -10,7 +10,7 @@ adapter can never run with another that later took its name.
 from __future__ import annotations
 
 import itertools
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import attrs
 
@@ -33,10 +33,11 @@ class LoRAManager:
     loop calls it. ``log`` is a structlog-style logger (``log.info(event, **fields)``)."""
 
     def __init__(self, pool: LoRAPool, packed_modules: Mapping, *, max_loaded: int | None, log: Any,
-                 eviction_policy: str = "lru") -> None:
+                 eviction_policy: str = "lru", on_drop: Callable[[int], None] | None = None) -> None:
         if max_loaded is not None and max_loaded < 1:
             raise LoRAError(f"max loaded LoRA adapters must be at least 1 (got {max_loaded})")
         self.pool, self.packed_modules, self.max_loaded, self.log = pool, packed_modules, max_loaded, log
+        self.on_drop = on_drop  # called with each forgotten adapter's uid (tensor-parallel ranks drop their copies)
         self._entries: dict[str, _Entry] = {}  # by name, insertion order
         self._by_uid: dict[int, _Entry] = {}
         self._uids = itertools.count(1)
@@ -141,6 +142,10 @@ class LoRAManager:
         empty = [s for s in free if self.pool.name_in(s) is None]
         return empty[0] if empty else min(free, key=lambda s: self._slot_age[s])
 
+    def uid_of(self, name: str) -> int:
+        """The uid of loaded adapter ``name`` (not marked as used, unlike ``resolve``)."""
+        return self._entry(name).uid
+
     def _entry(self, name: str) -> _Entry:
         entry = self._entries.get(name)
         if entry is None or entry.removing:
@@ -158,6 +163,8 @@ class LoRAManager:
         """Forget ``entry``: its host copy, its uid and its pool slot."""
         name = entry.adapter.name
         del self._entries[name], self._by_uid[entry.uid]
+        if self.on_drop is not None:
+            self.on_drop(entry.uid)
         if (slot := self.pool.slot_of(name)) is not None:
             self.pool.free(slot)
             self._slot_used[slot] = 0

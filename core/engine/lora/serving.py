@@ -22,6 +22,7 @@ from core.engine.config import lora_requested
 from core.engine.lora.adapter import LoRAError, packed_modules_of, read_adapter
 from core.engine.lora.manager import LoRAManager
 from core.engine.lora.pool import LoRAPool
+from core.engine.lora.tp import RanksLoRA
 
 log = structlog.get_logger("core.engine.lora")
 
@@ -77,7 +78,8 @@ class LoRAServing:
         self.pool = LoRAPool(model, slots=args.max_loras_per_batch, max_rank=max_rank, target_modules=targets,
                              dtype=dtype, device=device, backend=backend)
         self.manager = LoRAManager(self.pool, packed, max_loaded=args.max_loaded_loras, log=log,
-                                   eviction_policy=args.lora_eviction_policy)
+                                   eviction_policy=args.lora_eviction_policy, on_drop=self._dropped)
+        self.ranks: RanksLoRA | None = None  # the other tensor-parallel ranks' adapters (core.engine.lora.tp)
         self.packed = packed
         self._lock = threading.Lock()
         self._holding: set = set()  # submitted requests that hold their adapter (Req compares by identity)
@@ -130,8 +132,25 @@ class LoRAServing:
                     self.manager.release(req.lora_id)
 
     async def load(self, name: str, path: str, pinned: bool = False) -> None:
-        """Read and add an adapter at run time (the files are read on a worker thread)."""
+        """Read and add an adapter at run time (the files are read on a worker thread); with
+        tensor parallelism every rank reads it, and one that cannot undoes the load."""
         await asyncio.to_thread(self._add, name, path, pinned)
+        if self.ranks is not None:
+            try:
+                await self.ranks.add(self.uid_of(name), name, path)
+            except Exception:
+                with self._lock:
+                    self.manager.remove(name)
+                raise
+
+    def uid_of(self, name: str) -> int:
+        with self._lock:
+            return self.manager.uid_of(name)
+
+    def _dropped(self, uid: int) -> None:
+        """The manager forgot adapter ``uid`` (under the lock): the other ranks drop their copies."""
+        if self.ranks is not None:
+            self.ranks.dropped.append(uid)
 
     def _add(self, name: str, path: str, pinned: bool, adapter: Any = None) -> None:
         if adapter is None:  # (the files are read outside the lock: the forward thread's prepare takes it)
@@ -158,9 +177,14 @@ class LoRAServing:
         whether any token uses an adapter (the model's fused paths then step aside)."""
         if not any(uids):
             self.pool.clear_batch()
+            if self.ranks is not None:
+                with self._lock:
+                    self.ranks.record(uids, None, extend_lens)
             return False
         with self._lock:
             slots = self.manager.slots_for(uids)
+            if self.ranks is not None:
+                self.ranks.record(uids, slots, extend_lens)
         self.pool.set_batch(list(extend_lens), slots)
         return True
 
@@ -185,7 +209,15 @@ def attach_lora(engine: Any) -> LoRAServing | None:
     args = engine.args
     if not lora_requested(args):
         return None
-    lora = LoRAServing(args, engine.model, engine.model_config.dtype, engine.device)
+    try:
+        lora = LoRAServing(args, engine.model, engine.model_config.dtype, engine.device)
+        if engine.tp_group is not None:  # every rank: a pool over its shard, a copy of each adapter
+            lora.ranks = RanksLoRA(engine.tp_group, engine._on_forward_thread, lora.pool.slots)
+            lora.ranks.start(lora.pool, [(lora.uid_of(n), n, p) for n, p in lora.adapters().items()])
+    except BaseException:
+        if engine.tp_group is not None:  # (the ranks wait for the next message)
+            engine.tp_group.stop()
+        raise
     engine.runner.lora = lora
     engine.scheduler.max_loras = args.max_loras_per_batch
     lora.pool.reserve_segments(engine.scheduler.max_running)  # (before any graph keeps their addresses)
