@@ -268,6 +268,22 @@ class PhaseTimes:
         return out
 
 
+def emulate_device(runner, seconds: float, vocab: int) -> None:
+    """Decode forwards that take ``seconds`` of wall time and no CPU, as a GPU's do for the host:
+    the runner's forward sleeps (the GIL released) and returns fixed logits (greedy: token 0,
+    EOS ignored by these requests). Prefills still run the model."""
+    real, logits = runner._forward, {}
+
+    def forward(inputs, reqs):
+        b = len(inputs.seq_lens)
+        if len(inputs.input_ids) != b:
+            return real(inputs, reqs)
+        time.sleep(seconds)
+        return None, [logits.setdefault(b, torch.zeros(b, vocab))], None
+
+    runner._forward = forward
+
+
 def run_core(engine, prompts: list[list[int]], out_len: int, sampling: dict | None = None
              ) -> tuple[float, list[float], list[float], int]:
     """(wall, time to first token and time per output token after it of each request, tokens).
@@ -353,6 +369,13 @@ def main() -> None:
     ap.add_argument("--overlap", choices=("default", "on", "off", "both"), default="default",
                     help="overlap scheduling: the engine's default for the device, on, off, or both (one engine "
                          "each, one after the other: rows 'core' and 'core+overlap')")
+    ap.add_argument("--emulate-device-ms", type=float, default=0.0,
+                    help="decode forwards sleep this long (the GIL released) and return fixed logits instead of "
+                         "running the model: a device's step as the host sees it, to show what overlap hides "
+                         "(implies --skip-split)")
+    ap.add_argument("--switch-interval", type=float, default=None,
+                    help="force the interpreter's thread switch interval (seconds) once each engine started "
+                         "(an overlapping engine sets 1e-4; 0.005 is CPython's default)")
     ap.add_argument("--prefill-len", type=int, default=0,
                     help="also time the prefill of one prompt this long (best of 3, a new prompt each time)")
     args = ap.parse_args()
@@ -385,6 +408,11 @@ def main() -> None:
                         num_continuous_decode_steps=args.num_continuous_decode_steps, **flags, **kwargs)
         core = engine.engine
         vocab, dtype, dev = core.vocab_size, core.model_config.dtype, core.device
+        if args.emulate_device_ms:
+            emulate_device(core.runner, args.emulate_device_ms / 1e3, vocab)
+            args.skip_split = True
+        if args.switch_interval is not None:
+            sys.setswitchinterval(args.switch_interval)
         path = core.model_config.path
         # warm-up
         engine.generate(input_ids=make_prompts(1, 16, vocab, 0)[0], sampling_params={"max_new_tokens": 4, "ignore_eos": True})

@@ -152,6 +152,40 @@ def test_the_next_steps_host_work_runs_during_the_forward(tiny):
     assert wall < 16 * 0.03 * 1.5  # (the forwards back to back, not forward + host work in turn)
 
 
+def test_overlap_shortens_the_gil_switch_interval_while_it_runs(tiny):
+    """The forward thread's Python must not wait CPython's 5 ms behind the loop's: an overlapping
+    engine shortens the interval until the last one stops; a plain one and a program's own value
+    are left alone."""
+    import math
+    import sys
+
+    from core.engine import gil_switch
+
+    def now(seconds: float) -> bool:
+        return math.isclose(sys.getswitchinterval(), seconds, rel_tol=1e-6)
+
+    assert gil_switch._holders == 0 and now(gil_switch.DEFAULT_S)  # (no other engine alive in this module)
+    plain = make_engine(tiny, dtype="float32", device="cpu", disable_overlap_schedule=True)
+    try:
+        assert now(gil_switch.DEFAULT_S)
+        a, b = (make_engine(tiny, dtype="float32", device="cpu", enable_overlap_schedule=True) for _ in range(2))
+        assert now(gil_switch.OVERLAP_S)
+        a.shutdown()
+        assert now(gil_switch.OVERLAP_S)  # b still overlaps
+        b.shutdown()
+        assert now(gil_switch.DEFAULT_S)
+    finally:
+        plain.shutdown()
+    sys.setswitchinterval(0.001)  # the program's own choice
+    try:
+        c = make_engine(tiny, dtype="float32", device="cpu", enable_overlap_schedule=True)
+        assert now(0.001)
+        c.shutdown()
+        assert now(0.001)
+    finally:
+        sys.setswitchinterval(gil_switch.DEFAULT_S)
+
+
 def test_deferred_tokens_are_read_after_the_next_launch(tiny):
     """With ``defer_results`` (overlap scheduling on a GPU) a decode's tokens stay on the device:
     the next batch is launched with its future ids read there (forward_batch), and only then, on

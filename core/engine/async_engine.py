@@ -14,7 +14,7 @@ from typing import Any, Callable
 import structlog
 import torch
 
-from core.engine import gc_watch
+from core.engine import gc_watch, gil_switch
 from core.engine.collectives import KVSpec
 from core.engine.device import check_openmp_policy, configure_cpu_runtime, pick_device
 from core.engine.distributed import RankFailure, start_tensor_parallel
@@ -98,6 +98,7 @@ class AsyncEngine(RequestFrontEnd):
         self._decode_row_s = float("inf")  # the last decode's seconds per row, forward to results (_runs_inline)
         self._forward_jobs = 0  # jobs queued or running on the forward thread (_on_forward_thread)
         self.overlap = overlap_schedule(args, self.device)
+        self._gil_short = self.overlap and gil_switch.shorten()  # (restored at shutdown)
         self.runner.defer_results = self.overlap and self.device.type == "cuda" and self.tp_group is None
         # (batch, its forward's future, start time) scheduled but not yet processed (overlap scheduling)
         self._inflight: tuple[ScheduledBatch, asyncio.Future, float] | None = None
@@ -585,6 +586,9 @@ class AsyncEngine(RequestFrontEnd):
     async def shutdown(self) -> None:
         """Abort whatever is queued or running, stop the scheduler and the worker thread."""
         self.watchdog.stop()
+        if self._gil_short:
+            self._gil_short = False
+            gil_switch.restore()
         if self._task is not None and not self._task.done():
             self._task.cancel()
             try:
