@@ -279,7 +279,9 @@ def emulate_device(runner, seconds: float, vocab: int) -> None:
         if len(inputs.input_ids) != b:
             return real(inputs, reqs)
         time.sleep(seconds)
-        return None, [logits.setdefault(b, torch.zeros(b, vocab))], None
+        if b not in logits:
+            logits[b] = torch.zeros(b, vocab)
+        return None, [logits[b]], None
 
     runner._forward = forward
 

@@ -10,6 +10,7 @@ import attrs
 import torch
 
 from core.engine.multimodal import IMAGE_KEY_BASE
+from core.engine.sampler import penalised
 from core.engine.sampling_params import SamplingParams
 
 
@@ -36,6 +37,10 @@ class Req:
     log_metrics: bool = True  # SGLang's log_metrics: False keeps the request out of the /metrics counters
     # (kind, spec) the sampling params constrain the output to, or None; derived once, here
     constraint: tuple[str, str] | None = attrs.field(init=False)
+    # whether sampling may read its outputs on the host between two of its tokens (a grammar,
+    # penalties, min_new_tokens: ``speculative.host_read``), fixed by its params; overlap
+    # scheduling's check before every step skips the requests where it is False
+    may_read_outputs: bool = attrs.field(init=False)
 
     output_ids: list[int] = attrs.field(factory=list)
     text: str = ""
@@ -123,6 +128,10 @@ class Req:
     @constraint.default
     def _constraint(self) -> tuple[str, str] | None:
         return self.params.constraint()
+
+    @may_read_outputs.default
+    def _may_read_outputs(self) -> bool:
+        return self.constraint is not None or self.params.min_new_tokens > 0 or penalised(self.params)
 
     @property
     def finished(self) -> bool:

@@ -211,7 +211,7 @@ class Scheduler:
         aborted = self._reap_aborted()
         # a request decodes from its last token, or (overlap scheduling) from the token the
         # in-flight batch is sampling for it, unless that token ends it for sure
-        decodable = [r for r in self.running if r.kv_len == r.seq_len - 1 or (r.kv_len == r.seq_len and self._continues(r))]
+        decodable = [r for r in self.running if (d := r.seq_len - r.kv_len) == 1 or (d == 0 and self._continues(r))]
         prefill: list[tuple[Req, int]] = []
         if not (self._chunk_ran_last and decodable and not self.enable_mixed_chunk):
             prefill = self._get_prefill(decodable)
@@ -239,12 +239,12 @@ class Scheduler:
         return not req.aborted and len(req.output_ids) + 1 < req.params.max_new_tokens and req.seq_len + 1 < self.context_len
 
     def needs_results(self) -> str:
-        """Why the next batch must wait for the in-flight one's results (overlap scheduling; "" when
-        it need not): multi-step decodes and verifies, and a request with a token in flight whose
-        sampling reads its outputs on the host (``host_read``: a grammar, penalties, ``min_new_tokens``)."""
+        """Why the next batch must wait for the in-flight one's results (overlap; "" if not): multi-step decodes
+        and verifies, a request with a token in flight whose sampling reads its outputs (``host_read``)."""
         if self.decode_steps > 1 or self.speculator is not None:
             return "--num-continuous-decode-steps" if self.decode_steps > 1 else "speculative decoding"
-        return next((why for r in self.running if r.kv_len == r.seq_len and (why := host_read(r, overlap=True))), "")
+        return next((why for r in self.running
+                     if r.may_read_outputs and r.kv_len == r.seq_len and (why := host_read(r, overlap=True))), "")
 
     def _continuous_steps(self, reqs: list[Req]) -> int:
         """How many decode steps ``reqs`` run in one batch: up to ``decode_steps`` while nothing
