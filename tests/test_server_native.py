@@ -56,6 +56,7 @@ def cfg_srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]
         "max_running_requests: 1\n"  # underscores work too
         "--max-queued-requests: 1\n"
         "stream-interval: 2\n"
+        "incremental-streaming-output: true\n"
         "graceful-shutdown-timeout: 1\n"
         "enable-metrics: false\n"
     )
@@ -351,6 +352,31 @@ def test_stream_interval(cfg_client: httpx.Client) -> None:
     counts = [c["meta_info"]["completion_tokens"] for c in chunks]
     assert counts[-1] == 5 and len(counts) <= 3, counts  # [2, 4, 5] unless steps coalesced
     assert all(b - a >= 2 for a, b in zip([0, *counts[:-2]], counts[:-1])), counts
+
+
+def test_incremental_streaming_output(client: httpx.Client, cfg_client: httpx.Client) -> None:
+    """--incremental-streaming-output (the YAML's): each chunk holds the text, output_ids and output
+    logprobs new since the last one, and together they are the whole output; completion_tokens
+    and the prompt's logprobs stay whole, as in SGLang. Without the flag every chunk is cumulative."""
+    body = {"text": "Hello", "sampling_params": greedy(7, ignore_eos=True), "return_logprob": True,
+            "logprob_start_len": 0, "top_logprobs_num": 2}
+    whole = gen(cfg_client, **body).json()
+    with cfg_client.stream("POST", "/generate", json={**body, "stream": True}) as resp:
+        chunks = sse_events(resp)[:-1]
+    assert len(chunks) >= 2
+    meta = [c["meta_info"] for c in chunks]
+    assert "".join(c["text"] for c in chunks) == whole["text"]
+    assert sum((c["output_ids"] for c in chunks), []) == whole["output_ids"]
+    for key in ("output_token_logprobs", "output_top_logprobs"):
+        assert sum((m[key] for m in meta), []) == whole["meta_info"][key], key
+    assert all(len(c["output_ids"]) == len(m["output_token_logprobs"]) for c, m in zip(chunks, meta))
+    assert [m["completion_tokens"] for m in meta][-1] == 7
+    assert all(m["input_token_logprobs"] == whole["meta_info"]["input_token_logprobs"] for m in meta)
+    assert cfg_client.get("/get_server_info").json()["incremental_streaming_output"] is True
+    with client.stream("POST", "/generate", json={**body, "stream": True}) as resp:  # (the other server: cumulative)
+        plain = sse_events(resp)[:-1]
+    assert plain[-1]["output_ids"] == gen(client, **body).json()["output_ids"]
+    assert all(len(c["output_ids"]) == c["meta_info"]["completion_tokens"] for c in plain)
 
 
 @pytest.mark.parametrize("body,param", [

@@ -71,7 +71,7 @@ hicache-host-memory-fraction hicache-host-memory-mode
 hicache-storage-backend-extra-config 
 hicache-storage-prefetch-retry-max-attempts hicache-storage-prefetch-retry-poll-interval 
 hierarchical-sparse-attention-extra-config hisparse-config http2-initial-connection-window-size
-http2-max-concurrent-streams image-processor-backend incremental-streaming-output init-expert-location
+http2-max-concurrent-streams image-processor-backend init-expert-location
 int8-mamba-ckpt-size kt-cpuinfer kt-max-deferred-experts-per-token kt-method kt-num-gpu-experts kt-threadpool-count
 kt-weight-path kv-canary kv-canary-real-data kv-canary-sweep-interval kv-events-config language-model-only
 language-only linear-attn-backend linear-attn-decode-backend linear-attn-prefill-backend

@@ -349,6 +349,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pipeline-parallel-size", "--pp-size", dest="pp_size", type=int, default=1, help="only 1 is supported")
     g.add_argument("--stream-interval", type=int, default=1,
                    help="send a streaming chunk every this many tokens (default 1)")
+    g.add_argument("--incremental-streaming-output", action="store_true",
+                   help="a streaming /generate chunk holds the text, output_ids and output logprobs new since the "
+                        "last chunk (default: everything so far)")
 
     g = s("Logging")
     g.add_argument("--log-requests", action="store_true", help="log the inputs and outputs of every request")
@@ -492,6 +495,7 @@ class ServerArgs:
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_queued_requests: int | None = None
     stream_interval: int = 1
+    incremental_streaming_output: bool = False
     log_requests: bool = False
     log_requests_level: int = 2
     enable_metrics: bool = False

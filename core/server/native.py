@@ -242,11 +242,19 @@ def _fmt_top_lps(items: list, texts: dict[int, str]) -> list:
     return [None if not pos else [[lp, tid, texts.get(tid)] for tid, lp in pos] for pos in items]
 
 
-def output_of(state: ServerState, req: Req, with_text: bool, index: int | None = None) -> dict:
+def output_of(state: ServerState, req: Req, with_text: bool, index: int | None = None,
+              since: tuple[int, int] | None = None) -> dict:
     """SGLang's /generate output: text, output_ids, meta_info (logprobs as [logprob, token_id, text],
     the text null unless ``return_text_in_logprobs``), for the caller to encode before the request
-    moves on (it holds the request's own output list)."""
+    moves on (it holds the request's own output list). ``since`` (``--incremental-streaming-output``):
+    (output ids, text characters) already sent; the text, ids and output logprobs after them only."""
     meta = req.meta_info()
+    ids, text = req.output_ids, req.text
+    if since is not None:
+        ids, text = ids[since[0]:], text[since[1]:]
+        for key in ("output_token_logprobs", "output_top_logprobs"):  # (SGLang slices these; the rest stays whole)
+            if key in meta:
+                meta[key] = meta[key][since[0]:]
     if req.return_logprob:
         texts: dict[int, str] = {}
         if with_text:
@@ -265,7 +273,7 @@ def output_of(state: ServerState, req: Req, with_text: bool, index: int | None =
         for key in ("output_top_logprobs", "input_top_logprobs"):
             if key in meta:
                 meta[key] = _fmt_top_lps(meta[key], texts)
-    out = {"text": req.text, "output_ids": req.output_ids, "meta_info": meta}  # (encoded at once: no copy)
+    out = {"text": text, "output_ids": ids, "meta_info": meta}  # (encoded at once: no copy)
     if index is not None:
         out["index"] = index
     return out
@@ -336,23 +344,27 @@ async def generate(request: Request) -> Response:
     if obj.stream:
         interval = req_interval or max(1, state.args.stream_interval)
 
+        incremental = state.args.incremental_streaming_output
+
         async def body() -> AsyncIterator[bytes]:
-            sent = [0] * len(reqs)
+            sent = [(0, 0)] * len(reqs)  # (output ids, text characters) each request's chunks held so far
             final_sent = [False] * len(reqs)
             updates = engine.advances(reqs)  # (each request's index after each of its steps; no outputs built)
+
+            def chunk(i: int, r: Req) -> bytes:
+                since, sent[i], final_sent[i] = sent[i], (len(r.output_ids), len(r.text)), r.finished
+                return sse_event(output_of(state, r, with_text, i if multi else None, since if incremental else None))
+
             try:
                 async for i in updates:
                     r = reqs[i]
-                    n = len(r.output_ids)
-                    if final_sent[i] or (not r.finished and n - sent[i] < interval):
+                    if final_sent[i] or (not r.finished and len(r.output_ids) - sent[i][0] < interval):
                         continue
-                    sent[i], final_sent[i] = n, r.finished
-                    yield sse_event(output_of(state, r, with_text, i if multi else None))
+                    yield chunk(i, r)
                 # a request can finish between two updates the consumer saw: always end with its final state
                 for i, r in enumerate(reqs):
                     if r.finished and not final_sent[i]:
-                        final_sent[i] = True
-                        yield sse_event(output_of(state, r, with_text, i if multi else None))
+                        yield chunk(i, r)
             except Exception as e:  # mid-stream: the status line is gone, report in-band
                 log.error("server.stream_failed", error=f"{type(e).__name__}: {e}", exc_info=e)
                 yield sse_error(e)
