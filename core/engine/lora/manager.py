@@ -20,15 +20,73 @@ from core.engine.lora.pool import LoRAPool
 
 @attrs.define
 class _Entry:
-    adapter: LoRAAdapter
+    adapter: LoRAAdapter | None  # the host copy (None in a data-parallel front end, which holds none)
     uid: int
     pinned: bool
     last_used: int
     users: int = 0
     removing: bool = False
+    path: str = ""
 
 
-class LoRAManager:
+class AdapterNames:
+    """Adapters by name, each with a never-reused uid and a last-used tick: what requests resolve
+    and what is evicted past ``max_loaded`` (``LoRAManager``; a data-parallel front end's
+    ``ReplicatedAdapters``, which keeps the names for its replicas)."""
+
+    def __init__(self, max_loaded: int | None) -> None:
+        self.max_loaded = max_loaded
+        self._entries: dict[str, _Entry] = {}  # by name, insertion order
+        self._uids = itertools.count(1)
+        self._clock = itertools.count(1)
+
+    def names(self) -> list[str]:
+        """The adapters requests may name (those being removed excluded), oldest first."""
+        return [n for n, e in self._entries.items() if not e.removing]
+
+    def resolve(self, name: str | None) -> int:
+        """The uid of adapter ``name`` (0 for None / "": the base model), marked recently used."""
+        if not name:
+            return 0
+        entry = self._entry(name)
+        entry.last_used = next(self._clock)
+        return entry.uid
+
+    def uid_of(self, name: str) -> int:
+        """The uid of loaded adapter ``name`` (not marked as used, unlike ``resolve``)."""
+        return self._entry(name).uid
+
+    def _check_new(self, name: str) -> None:
+        if not name:
+            raise LoRAError("a LoRA adapter needs a non-empty name")
+        if name in self._entries:
+            state = "is being removed (its requests are still running)" if self._entries[name].removing else "is already loaded"
+            raise LoRAError(f"LoRA adapter {name!r} {state}; remove it first or choose another name")
+
+    def _victim(self, name: str, in_use: Callable[[_Entry], bool]) -> str | None:
+        """The adapter to evict so that ``name`` fits under ``max_loaded`` (None: it fits): the least
+        recently used one neither pinned, in use nor being removed; LoRAError when there is none."""
+        if self.max_loaded is None or len(self.names()) < self.max_loaded:
+            return None
+        victims = [(e.last_used, n) for n, e in self._entries.items() if not (e.pinned or e.removing or in_use(e))]
+        if not victims:
+            raise LoRAError(f"cannot load LoRA adapter {name!r}: {self.max_loaded} adapters are loaded (the "
+                            "maximum) and each is pinned or in use; remove one or raise --max-loaded-loras")
+        return min(victims)[1]
+
+    def _new_entry(self, name: str, adapter: LoRAAdapter | None, pinned: bool, path: str = "") -> _Entry:
+        entry = self._entries[name] = _Entry(adapter, next(self._uids), pinned, next(self._clock), path=path)
+        return entry
+
+    def _entry(self, name: str) -> _Entry:
+        entry = self._entries.get(name)
+        if entry is None or entry.removing:
+            loaded = ", ".join(self.names()) or "none"
+            raise LoRAError(f"LoRA adapter {name!r} is not loaded (loaded: {loaded}); load it first")
+        return entry
+
+
+class LoRAManager(AdapterNames):
     """The adapters of one server over one :class:`LoRAPool`. Not thread-safe: the scheduler's
     loop calls it. ``log`` is a structlog-style logger (``log.info(event, **fields)``)."""
 
@@ -36,22 +94,16 @@ class LoRAManager:
                  eviction_policy: str = "lru", on_drop: Callable[[int], None] | None = None) -> None:
         if max_loaded is not None and max_loaded < 1:
             raise LoRAError(f"max loaded LoRA adapters must be at least 1 (got {max_loaded})")
-        self.pool, self.packed_modules, self.max_loaded, self.log = pool, packed_modules, max_loaded, log
+        super().__init__(max_loaded)
+        self.pool, self.packed_modules, self.log = pool, packed_modules, log
         self.on_drop = on_drop  # called with each forgotten adapter's uid (tensor-parallel ranks drop their copies)
-        self._entries: dict[str, _Entry] = {}  # by name, insertion order
         self._by_uid: dict[int, _Entry] = {}
-        self._uids = itertools.count(1)
-        self._clock = itertools.count(1)
         self._slot_used = [0] * pool.slots  # clock tick of each slot's last use (0: never)
         self._slot_loaded = [0] * pool.slots  # clock tick of each slot's last load
         if eviction_policy not in ("lru", "fifo"):
             raise LoRAError(f"--lora-eviction-policy {eviction_policy!r} is not one of lru, fifo")
         # which occupied slot a batch reuses first: least recently used, or loaded first
         self._slot_age = self._slot_used if eviction_policy == "lru" else self._slot_loaded
-
-    def names(self) -> list[str]:
-        """The adapters requests may name (those being removed excluded), oldest first."""
-        return [n for n, e in self._entries.items() if not e.removing]
 
     def adapter(self, name: str) -> LoRAAdapter:
         """The loaded adapter called ``name``."""
@@ -61,23 +113,14 @@ class LoRAManager:
         """Read the adapter in folder ``path`` as ``name`` (or take ``adapter``, already read from
         it) and check it fits the pool; past ``max_loaded`` the least recently used adapter that is
         neither pinned nor in use is evicted. Raises :class:`LoRAError` (the adapter is then not added)."""
-        if not name:
-            raise LoRAError("a LoRA adapter needs a non-empty name")
-        if name in self._entries:
-            state = "is being removed (its requests are still running)" if self._entries[name].removing else "is already loaded"
-            raise LoRAError(f"LoRA adapter {name!r} {state}; remove it first or choose another name")
+        self._check_new(name)
         adapter = adapter if adapter is not None else read_adapter(name, path, self.packed_modules)
         self.pool.check(adapter)
-        if self.max_loaded is not None and len(self.names()) >= self.max_loaded:
-            victims = [e for e in self._entries.values() if not (e.pinned or e.users or e.removing)]
-            if not victims:
-                raise LoRAError(f"cannot load LoRA adapter {name!r}: {self.max_loaded} adapters are loaded (the "
-                                "maximum) and each is pinned or in use; remove one or raise --max-loaded-loras")
-            victim = min(victims, key=lambda e: e.last_used)
-            self._drop(victim)
-            self.log.info("lora.evicted", name=victim.adapter.name, by=name)
-        entry = _Entry(adapter, next(self._uids), pinned, next(self._clock))
-        self._entries[name] = self._by_uid[entry.uid] = entry
+        if (victim := self._victim(name, lambda e: e.users > 0)) is not None:
+            self._drop(self._entries[victim])
+            self.log.info("lora.evicted", name=victim, by=name)
+        entry = self._new_entry(name, adapter, pinned, str(path))
+        self._by_uid[entry.uid] = entry
         self.log.info("lora.added", name=name, path=str(path), rank=adapter.rank, pinned=pinned)
         return adapter
 
@@ -89,14 +132,6 @@ class LoRAManager:
         self.log.info("lora.removed", name=name, running=entry.users)
         if not entry.users:
             self._drop(entry)
-
-    def resolve(self, name: str | None) -> int:
-        """The uid of adapter ``name`` (0 for None / "": the base model), marked recently used."""
-        if not name:
-            return 0
-        entry = self._entry(name)
-        entry.last_used = next(self._clock)
-        return entry.uid
 
     def acquire(self, uid: int) -> None:
         """A request using ``uid`` starts: it cannot be evicted or dropped until released."""
@@ -141,17 +176,6 @@ class LoRAManager:
         free = [s for s in range(self.pool.slots) if s not in taken]
         empty = [s for s in free if self.pool.name_in(s) is None]
         return empty[0] if empty else min(free, key=lambda s: self._slot_age[s])
-
-    def uid_of(self, name: str) -> int:
-        """The uid of loaded adapter ``name`` (not marked as used, unlike ``resolve``)."""
-        return self._entry(name).uid
-
-    def _entry(self, name: str) -> _Entry:
-        entry = self._entries.get(name)
-        if entry is None or entry.removing:
-            loaded = ", ".join(self.names()) or "none"
-            raise LoRAError(f"LoRA adapter {name!r} is not loaded (loaded: {loaded}); load it first")
-        return entry
 
     def _live(self, uid: int) -> _Entry:
         entry = self._by_uid.get(uid)
