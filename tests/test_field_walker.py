@@ -386,11 +386,11 @@ CLASSIFIED: dict[str, dict[str, Any]] = {
 def _structs() -> dict[str, Any]:
     from core.engine.config import EngineArgs
     from core.engine.sampling_params import SamplingParams
-    from core.server import anthropic, embeddings, lora, native, tokenize
+    from core.server import anthropic, embeddings, lora, native, profile, tokenize
     from core.server.openai import protocol, responses
 
     out: dict[str, Any] = {}
-    for module in (native, lora, tokenize, embeddings, anthropic, protocol, responses):
+    for module in (native, lora, profile, tokenize, embeddings, anthropic, protocol, responses):
         for name, obj in vars(module).items():
             if (isinstance(obj, type) and issubclass(obj, msgspec.Struct) and obj.__module__ == module.__name__
                     and not name.startswith("_")

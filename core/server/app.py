@@ -19,7 +19,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from core.errors import CoreError
-from core.server import anthropic, embeddings, lora, native, tokenize
+from core.server import anthropic, embeddings, lora, native, profile, tokenize
 from core.server.http import ApiError, ApiKeyMiddleware, api_error
 from core.server.openai import batches, files, responses, routes
 from core.server.state import ServerState
@@ -44,8 +44,8 @@ ROUTES = [
     Route("/clear_hicache_storage_backend", native.clear_hicache_storage_backend, methods=["GET", "POST"]),
     Route("/hicache/storage-backend/clear", native.clear_hicache_storage_backend, methods=["POST"]),
     Route("/abort_request", native.abort_request, methods=["POST"]),
-    Route("/start_profile", native.start_profile, methods=["GET", "POST"]),
-    Route("/stop_profile", native.stop_profile, methods=["GET", "POST"]),
+    Route("/start_profile", profile.start_profile, methods=["GET", "POST"]),
+    Route("/stop_profile", profile.stop_profile, methods=["GET", "POST"]),
     Route("/update_weights_from_disk", native.update_weights_from_disk, methods=["POST"]),
     Route("/load_lora_adapter", lora.load_lora_adapter, methods=["POST"]),
     Route("/unload_lora_adapter", lora.unload_lora_adapter, methods=["POST"]),

@@ -22,12 +22,10 @@ from core.server.http import (
     EventStream,
     SSE_DONE,
     abort_on_disconnect,
-    decode_body,
     json_response,
     prepare_off_loop,
     read_body,
     read_body_ignoring_unknown,
-    read_limited,
     sse_error,
     sse_event,
     state_of,
@@ -548,47 +546,6 @@ async def abort_request(request: Request) -> Response:
     else:
         raise InvalidRequest("rid is required unless abort_all is true", param="rid")
     return Response(status_code=200)
-
-
-class ProfileReqInput(msgspec.Struct, forbid_unknown_fields=True):
-    """SGLang's ProfileReqInput (the fields this engine serves; the others must stay unset)."""
-
-    output_dir: str | None = None
-    num_steps: int | None = None
-    activities: list[str] | None = None
-    with_stack: bool | None = None
-    record_shapes: bool | None = None
-    profile_prefix: str | None = None
-    start_step: int | None = None
-    profile_by_stage: bool = False
-    merge_profiles: bool = False
-
-
-def _profiler(state: ServerState) -> Any:
-    profiler = getattr(state.engine, "profiler", None)
-    if profiler is None:
-        raise InvalidRequest("profiling is not supported with --dp-size > 1")
-    return profiler
-
-
-async def start_profile(request: Request) -> Response:
-    """SGLang's /start_profile: a torch profiler trace of the next forward steps (all of them until
-    /stop_profile, or ``num_steps``). The body is optional."""
-    state = state_of(request)
-    raw = await read_limited(request)
-    obj = decode_body(raw, ProfileReqInput) if raw.strip() else ProfileReqInput()
-    for name in ("start_step", "profile_by_stage", "merge_profiles"):
-        if getattr(obj, name) not in (None, False):
-            raise InvalidRequest(f"{name} is not supported by this server", param=name)
-    path = await _profiler(state).start(obj.output_dir, obj.num_steps, obj.activities, bool(obj.with_stack),
-                                        bool(obj.record_shapes), obj.profile_prefix)
-    return json_response({"message": "Start profiling.", "trace": path})
-
-
-async def stop_profile(request: Request) -> Response:
-    """SGLang's /stop_profile: stop the trace and write it; answers with its file."""
-    path = await _profiler(state_of(request)).stop()
-    return json_response({"message": "Stop profiling.", "trace": path})
 
 
 class UpdateWeightFromDiskReqInput(msgspec.Struct, forbid_unknown_fields=True):
