@@ -102,5 +102,10 @@ def agree(control: Any, error: str | None) -> list[str | None]:
     return out
 
 
+def first_failure(errors: list[str | None]) -> tuple[int, str] | None:
+    """(rank, error) of the first rank in ``agree``'s answer that reported one, or None."""
+    return next(((r, m) for r, m in enumerate(errors) if m), None)
+
+
 def describe(e: BaseException) -> str:
     return str(e) if isinstance(e, CoreError) else f"{type(e).__name__}: {e}"

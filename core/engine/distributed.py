@@ -29,7 +29,7 @@ import attrs
 import structlog
 import torch
 
-from core.engine.collectives import DistPlan, KVSpec, agree, broadcast, describe, init_rank, process_context
+from core.engine.collectives import DistPlan, KVSpec, agree, broadcast, describe, first_failure, init_rank, process_context
 from core.engine.config import EngineArgs
 from core.engine.model_runner import StepInputs
 from core.errors import CoreError, ModelLoadError
@@ -151,7 +151,7 @@ class TensorParallelGroup:
         """Hear every rank's error; on any, stop the group and (unless rank 0's own error is
         about to be raised) raise ModelLoadError naming the rank."""
         try:
-            bad = [(r, m) for r, m in enumerate(agree(self.control, error)) if m]
+            bad = first_failure(agree(self.control, error))
         except Exception as e:
             why = self._dead_message(REAP_WAIT_S) or f"lost contact with the other ranks ({describe(e)})"
             self.stop()
@@ -161,15 +161,16 @@ class TensorParallelGroup:
         if bad:
             self.stop()
             if error is None:
-                raise ModelLoadError(f"tensor-parallel rank {bad[0][0]} could not {what}: {bad[0][1]}")
+                raise ModelLoadError(f"tensor-parallel rank {bad[0]} could not {what}: {bad[1]}")
 
     def lora(self, message: tuple, what: str) -> None:
         """Send the other ranks a LoRA message (``core.engine.lora.tp``) and hear from each: a
         LoRAError naming the first that could not ``what``; the group goes on either way."""
-        from core.engine.lora.tp import check_ranks_error
+        from core.engine.lora.adapter import LoRAError
 
         broadcast(self.control, message)
-        check_ranks_error(agree(self.control, None), what)
+        if (bad := first_failure(agree(self.control, None))) is not None:
+            raise LoRAError(f"tensor-parallel rank {bad[0]} could not {what}: {bad[1]}")
 
     # ------------------------------------------------------------------ serving (forward thread)
     def forward(self, inputs: StepInputs, run: Callable[[], T]) -> T:
@@ -194,9 +195,8 @@ class TensorParallelGroup:
                 model = load()
         except Exception as e:
             error = describe(e)
-        bad = [(r, m) for r, m in enumerate(agree(self.control, error)) if m]
-        if bad:
-            raise ModelLoadError(f"tensor-parallel rank {bad[0][0]}: {bad[0][1]}")
+        if (bad := first_failure(agree(self.control, error))) is not None:
+            raise ModelLoadError(f"tensor-parallel rank {bad[0]}: {bad[1]}")
         return model  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ failure and shutdown

@@ -6,9 +6,9 @@ sampling: short stretches of Python between GIL-free waits on the device). CPyth
 to a waiting thread only when the holder blocks or after ``sys.getswitchinterval()`` (5 ms by
 default), so each time the forward thread came back from a wait it could sit up to 5 ms behind
 the loop's Python, with the device idle: overlap hid nothing. Emulated on a CPU (a forward that
-sleeps 1.75 ms, 256 streams: ``bench/bench_offline.py --emulate-device-ms``), a 100 us interval
-took a step from 3.9 to 2.6 ms; one thread alone never pays for it (switches are only forced
-while another thread waits).
+sleeps 1.75 ms, 256 streams: ``bench/bench_offline.py --emulate-device-ms 1.75``, with and without
+``--switch-interval 0.005``), a 100 us interval took a step from 4.78 to 3.24 ms; one thread alone
+never pays for it (switches are only forced while another thread waits).
 
 The interval is process-wide: an engine shortens it only from CPython's default (a value the
 program set itself is left alone) and the last such engine to stop puts the default back.

@@ -37,9 +37,9 @@ class Req:
     log_metrics: bool = True  # SGLang's log_metrics: False keeps the request out of the /metrics counters
     # (kind, spec) the sampling params constrain the output to, or None; derived once, here
     constraint: tuple[str, str] | None = attrs.field(init=False)
-    # whether sampling may read its outputs on the host between two of its tokens (a grammar,
-    # penalties, min_new_tokens: ``speculative.host_read``), fixed by its params; overlap
-    # scheduling's check before every step skips the requests where it is False
+    # whether sampling may read its outputs on the host between two of its tokens for a reason its
+    # sampling params fix (penalties, min_new_tokens): ``speculative.host_read`` looks no further
+    # than its grammar and logprobs when this is False
     may_read_outputs: bool = attrs.field(init=False)
 
     output_ids: list[int] = attrs.field(factory=list)
@@ -131,7 +131,7 @@ class Req:
 
     @may_read_outputs.default
     def _may_read_outputs(self) -> bool:
-        return self.constraint is not None or self.params.min_new_tokens > 0 or penalised(self.params)
+        return self.params.min_new_tokens > 0 or penalised(self.params)
 
     @property
     def finished(self) -> bool:

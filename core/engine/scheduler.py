@@ -243,8 +243,7 @@ class Scheduler:
         and verifies, a request with a token in flight whose sampling reads its outputs (``host_read``)."""
         if self.decode_steps > 1 or self.speculator is not None:
             return "--num-continuous-decode-steps" if self.decode_steps > 1 else "speculative decoding"
-        return next((why for r in self.running
-                     if r.may_read_outputs and r.kv_len == r.seq_len and (why := host_read(r, overlap=True))), "")
+        return next((why for r in self.running if (why := host_read(r, overlap=True)) and r.kv_len == r.seq_len), "")
 
     def _continuous_steps(self, reqs: list[Req]) -> int:
         """How many decode steps ``reqs`` run in one batch: up to ``decode_steps`` while nothing

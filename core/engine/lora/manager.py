@@ -44,6 +44,10 @@ class AdapterNames:
         """The adapters requests may name (those being removed excluded), oldest first."""
         return [n for n, e in self._entries.items() if not e.removing]
 
+    def adapters(self) -> dict[str, str]:
+        """Name -> folder of the adapters requests may name (what ``/v1/models`` lists)."""
+        return {n: e.path for n, e in self._entries.items() if not e.removing}
+
     def resolve(self, name: str | None) -> int:
         """The uid of adapter ``name`` (0 for None / "": the base model), marked recently used."""
         if not name:

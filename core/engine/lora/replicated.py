@@ -40,10 +40,6 @@ class ReplicatedAdapters(AdapterNames):
         for name, path, pinned in initial:  # (the replicas load them as they start)
             self._new_entry(name, None, pinned, path)
 
-    def adapters(self) -> dict[str, str]:
-        """Loaded adapter name -> path (what ``/v1/models`` lists)."""
-        return {n: e.path for n, e in self._entries.items()}
-
     def name_of(self, uid: int) -> str | None:
         """The loaded adapter whose uid a request resolved (its name goes to the replica, which has
         its own uids); None once that adapter was unloaded, even if one of the same name came since."""

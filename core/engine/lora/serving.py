@@ -92,7 +92,7 @@ class LoRAServing:
     def adapters(self) -> dict[str, str]:
         """Loaded adapter name -> path (what ``/v1/models`` lists)."""
         with self._lock:
-            return {n: self.manager.adapter(n).path for n in self.manager.names()}
+            return self.manager.adapters()
 
     def resolve(self, name: str | None) -> int:
         """The uid of adapter ``name`` (0: the base model); LoRAError naming the loaded ones."""

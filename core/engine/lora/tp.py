@@ -20,7 +20,7 @@ from typing import Any, Sequence
 import attrs
 import torch
 
-from core.engine.lora.adapter import LoRAAdapter, LoRAError, packed_modules_of, read_adapter
+from core.engine.lora.adapter import LoRAAdapter, packed_modules_of, read_adapter
 from core.engine.lora.pool import LoRAPool
 
 
@@ -108,10 +108,3 @@ class RanksLoRA:
         """The sync of the last ``prepare``, for the step's broadcast (once)."""
         sync, self.pending = self.pending, None
         return sync
-
-
-def check_ranks_error(errors: list[str | None], what: str) -> None:
-    """LoRAError naming the first rank whose error ``errors`` (rank order) holds."""
-    bad = [(r, m) for r, m in enumerate(errors) if m]
-    if bad:
-        raise LoRAError(f"tensor-parallel rank {bad[0][0]} could not {what}: {bad[0][1]}")
