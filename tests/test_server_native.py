@@ -222,7 +222,11 @@ def test_generate_logprobs(client: httpx.Client) -> None:
     assert plain["input_token_logprobs"][0][0] is None and len(plain["input_token_logprobs"]) == plain["prompt_tokens"]
     assert plain["input_top_logprobs"][0] is None and all(len(pos) == 2 for pos in plain["input_top_logprobs"][1:])
 
-    with_text = client.post("/generate", json={**body, "return_text_in_logprobs": True}).json()["meta_info"]
+    texted = client.post("/generate", json={**body, "return_text_in_logprobs": True}).json()
+    with_text = texted["meta_info"]
+    # the output itself is the same with the logprobs' texts (it once came back as the logprobs' token ids)
+    assert texted["output_ids"] == [t[1] for t in plain["output_token_logprobs"]]
+    assert texted["text"] == client.post("/generate", json=body).json()["text"]
     assert all(len(t) == 3 and isinstance(t[2], str) for t in with_text["output_token_logprobs"])
     assert all(len(t) == 3 for pos in with_text["output_top_logprobs"] for t in pos)
     no_lp = gen(client, text="The sky is", sampling_params=greedy(2)).json()["meta_info"]

@@ -257,13 +257,13 @@ def output_of(state: ServerState, req: Req, with_text: bool, index: int | None =
         texts: dict[int, str] = {}
         if with_text:
             tok = state.engine.tokenizer
-            ids: set[int] = set()
+            named: set[int] = set()  # (not ``ids``: those are the output's)
             for key in ("output_token_logprobs", "input_token_logprobs"):
-                ids.update(t for _, t in meta.get(key, []))
+                named.update(t for _, t in meta.get(key, []))
             for key in ("output_top_logprobs", "input_top_logprobs"):
                 for pos in meta.get(key, []):
-                    ids.update(t for t, _ in (pos or []))
-            order = sorted(ids)
+                    named.update(t for t, _ in (pos or []))
+            order = sorted(named)
             texts = dict(zip(order, [tok.decode([t]) for t in order])) if tok is not None else {t: None for t in order}
         for key in ("output_token_logprobs", "input_token_logprobs"):
             if key in meta:
