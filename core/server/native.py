@@ -7,7 +7,7 @@ import asyncio
 import json
 import time
 import uuid
-from typing import Any, AsyncIterator, Callable
+from typing import Any, Callable
 
 import msgspec
 import structlog
@@ -18,16 +18,14 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from core.engine.request import Req
 from core.engine.sampling_params import SamplingParams
 from core.errors import InvalidRequest
+from core.server.generate_output import output_of, stream_body
 from core.server.http import (
     EventStream,
-    SSE_DONE,
     abort_on_disconnect,
     json_response,
     prepare_off_loop,
     read_body,
     read_body_ignoring_unknown,
-    sse_error,
-    sse_event,
     state_of,
 )
 from core.server.limits import check_sampling_limits, check_sequences
@@ -230,53 +228,6 @@ def build_generate_requests(state: ServerState, obj: GenerateReqInput) -> tuple[
     return reqs, batch, interval
 
 
-def _fmt_token_lps(items: list, texts: dict[int, str]) -> list:
-    return [[lp, tid, texts.get(tid)] for lp, tid in items]
-
-
-def _fmt_top_lps(items: list, texts: dict[int, str]) -> list:
-    # engine order is (token_id, logprob); SGLang's is (logprob, token_id, text); a position without
-    # candidates (the prompt's first token) is null
-    return [None if not pos else [[lp, tid, texts.get(tid)] for tid, lp in pos] for pos in items]
-
-
-def output_of(state: ServerState, req: Req, with_text: bool, index: int | None = None,
-              since: tuple[int, int] | None = None) -> dict:
-    """SGLang's /generate output: text, output_ids, meta_info (logprobs as [logprob, token_id, text],
-    the text null unless ``return_text_in_logprobs``), for the caller to encode before the request
-    moves on (it holds the request's own output list). ``since`` (``--incremental-streaming-output``):
-    (output ids, text characters) already sent; the text, ids and output logprobs after them only."""
-    meta = req.meta_info()
-    ids, text = req.output_ids, req.text
-    if since is not None:
-        ids, text = ids[since[0]:], text[since[1]:]
-        for key in ("output_token_logprobs", "output_top_logprobs"):  # (SGLang slices these; the rest stays whole)
-            if key in meta:
-                meta[key] = meta[key][since[0]:]
-    if req.return_logprob:
-        texts: dict[int, str] = {}
-        if with_text:
-            tok = state.engine.tokenizer
-            named: set[int] = set()  # (not ``ids``: those are the output's)
-            for key in ("output_token_logprobs", "input_token_logprobs"):
-                named.update(t for _, t in meta.get(key, []))
-            for key in ("output_top_logprobs", "input_top_logprobs"):
-                for pos in meta.get(key, []):
-                    named.update(t for t, _ in (pos or []))
-            order = sorted(named)
-            texts = dict(zip(order, [tok.decode([t]) for t in order])) if tok is not None else {t: None for t in order}
-        for key in ("output_token_logprobs", "input_token_logprobs"):
-            if key in meta:
-                meta[key] = _fmt_token_lps(meta[key], texts)
-        for key in ("output_top_logprobs", "input_top_logprobs"):
-            if key in meta:
-                meta[key] = _fmt_top_lps(meta[key], texts)
-    out = {"text": text, "output_ids": ids, "meta_info": meta}  # (encoded at once: no copy)
-    if index is not None:
-        out["index"] = index
-    return out
-
-
 def _log_received(state: ServerState, reqs: list[Req], body: Any) -> None:
     if not state.args.log_requests:
         return
@@ -332,7 +283,6 @@ async def generate(request: Request) -> Response:
     _log_received(state, reqs, obj)
     engine = state.engine
     with_text = obj.return_text_in_logprobs
-    multi = len(reqs) > 1
 
     def abort_unfinished() -> None:
         for r in reqs:
@@ -340,37 +290,7 @@ async def generate(request: Request) -> Response:
                 engine.abort(r.rid)
 
     if obj.stream:
-        interval = req_interval or max(1, state.args.stream_interval)
-
-        incremental = state.args.incremental_streaming_output
-
-        async def body() -> AsyncIterator[bytes]:
-            sent = [(0, 0)] * len(reqs)  # (output ids, text characters) each request's chunks held so far
-            final_sent = [False] * len(reqs)
-            updates = engine.advances(reqs)  # (each request's index after each of its steps; no outputs built)
-
-            def chunk(i: int, r: Req) -> bytes:
-                since, sent[i], final_sent[i] = sent[i], (len(r.output_ids), len(r.text)), r.finished
-                return sse_event(output_of(state, r, with_text, i if multi else None, since if incremental else None))
-
-            try:
-                async for i in updates:
-                    r = reqs[i]
-                    if final_sent[i] or (not r.finished and len(r.output_ids) - sent[i][0] < interval):
-                        continue
-                    yield chunk(i, r)
-                # a request can finish between two updates the consumer saw: always end with its final state
-                for i, r in enumerate(reqs):
-                    if r.finished and not final_sent[i]:
-                        yield chunk(i, r)
-            except Exception as e:  # mid-stream: the status line is gone, report in-band
-                log.error("server.stream_failed", error=f"{type(e).__name__}: {e}", exc_info=e)
-                yield sse_error(e)
-            finally:
-                await updates.aclose()  # aborts whatever has not finished (client gone, cancelled)
-            yield SSE_DONE
-
-        return EventStream(body())
+        return EventStream(stream_body(state, reqs, with_text, req_interval or max(1, state.args.stream_interval)))
 
     try:
         async with abort_on_disconnect(request, abort_unfinished):
@@ -378,7 +298,7 @@ async def generate(request: Request) -> Response:
     finally:
         abort_unfinished()
     outs = [output_of(state, r, with_text) for r in reqs]
-    return json_response(outs if batch or multi else outs[0])
+    return json_response(outs if batch or len(reqs) > 1 else outs[0])
 
 
 # ---------------------------------------------------------------------------- other native endpoints
