@@ -293,6 +293,10 @@ def test_stop_token_ids(eng):
     assert out["output_ids"] == ids[: k + 1]
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": tok}
     assert out["text"] == eng.tokenizer.decode(ids[:k]), "the stop token's text is not emitted"
+    # ... unless no_stop_trim (vLLM's include_stop_str_in_output) asks for it, as SGLang keeps it then
+    kept = eng.generate(PROMPT, {**sp, "stop_token_ids": [tok], "no_stop_trim": True})
+    assert kept["output_ids"] == ids[: k + 1] and kept["meta_info"]["finish_reason"] == {"type": "stop", "matched": tok}
+    assert kept["text"] == eng.tokenizer.decode(ids[: k + 1]) != out["text"]
     # min_new_tokens blocks the stop token, so generation goes past it
     blocked = eng.generate(PROMPT, {**sp, "stop_token_ids": [tok], "min_new_tokens": k + 2})
     assert blocked["meta_info"]["completion_tokens"] >= k + 2

@@ -564,8 +564,8 @@ class Scheduler:
         p = req.params
         hit_eos = (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids
         delta = ""
-        if req.detokenizer is not None and not hit_eos:
-            delta = req.detokenizer.add([tok])
+        if req.detokenizer is not None and (not hit_eos or p.no_stop_trim):  # (SGLang keeps a matched stop token
+            delta = req.detokenizer.add([tok])  # with no_stop_trim: its text, unless a skipped special token)
         if hit_eos:
             req.finish_reason = {"type": "stop", "matched": tok}
         elif req.detokenizer is not None and req.detokenizer.matched_stop is not None:
