@@ -454,7 +454,8 @@ async def _stream(job: ChatJob, r: ResponsesRequest, keep: Any) -> AsyncIterator
             if job.logprobs:
                 pending_lp += _logprob_entries(job, out["meta_info"], start)
             if r_delta:
-                pending_lp = []  # reasoning tokens: not output_text's
+                if not c_delta:
+                    pending_lp = []  # reasoning tokens: not output_text's (a step holding both: cut below)
                 if not is_open("reasoning"):
                     for e in open_(_reasoning_item("")):
                         yield e
@@ -467,13 +468,16 @@ async def _stream(job: ChatJob, r: ResponsesRequest, keep: Any) -> AsyncIterator
             if c_delta and not is_open("message") and not (pending_ws + c_delta).strip():
                 pending_ws += c_delta  # whitespace: held until text follows
             elif c_delta:
-                if not is_open("message"):
+                first = not is_open("message")
+                if first:
                     for e in open_(_message_item("", "in_progress", [] if job.logprobs else None)):
                         yield e
                 text, pending_ws = pending_ws + c_delta, ""
                 part = open_item["content"][0]
                 part["text"] += text
                 lps, pending_lp = pending_lp, []
+                if first and reasoning_text:  # the step's tokens before the text: the reasoning's, its closing tag
+                    lps = _content_logprobs(lps, text)
                 if job.logprobs:
                     part["logprobs"] += lps
                 yield ev("response.output_text.delta", item_id=open_item["id"], output_index=output.index(open_item),
@@ -501,6 +505,10 @@ async def _stream(job: ChatJob, r: ResponsesRequest, keep: Any) -> AsyncIterator
                 open_item["content"][0]["text"] = pending_ws
                 yield ev("response.output_text.delta", item_id=open_item["id"], output_index=0, content_index=0,
                          delta=pending_ws, logprobs=[])
+        if pending_lp and is_open("message"):  # a last token with no text (EOS, a stop token): as the whole answer
+            open_item["content"][0]["logprobs"] += pending_lp
+            yield ev("response.output_text.delta", item_id=open_item["id"], output_index=output.index(open_item),
+                     content_index=0, delta="", logprobs=pending_lp)
         if open_item is not None:
             for e in close(open_item, status):
                 yield e
