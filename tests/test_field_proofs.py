@@ -188,3 +188,5 @@ def test_continuous_usage_stats_puts_the_usage_in_every_chunk(app: App) -> None:
         with_choices = [c for c in got if c["choices"]]
         assert with_choices[-1]["usage"]["completion_tokens"] == 4
         assert got[-1]["usage"]["completion_tokens"] == 4 and not got[-1]["choices"]
+        # the prompt counts from the first chunk on (chat's role chunk came before any output), as in vLLM
+        assert {c["usage"]["prompt_tokens"] for c in got} == {got[-1]["usage"]["prompt_tokens"]} != {0}, (path, got)

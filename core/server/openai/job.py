@@ -322,14 +322,17 @@ class Job:
 
     # ---- results
     def usage(self, outs: list[dict | None]) -> UsageInfo:
+        """Usage so far (``outs``: each request's latest output, None before its first): every prompt
+        counts from the start (a continuous-usage stream's first chunks too, as vLLM's), once per prompt."""
         prompt = completion = cached = 0
-        for i, out in enumerate(outs):
+        for i, (req, out) in enumerate(zip(self.reqs, outs)):
+            if i % self.n == 0:
+                prompt += len(req.prompt_ids)
             if out is None:
                 continue
             meta = out["meta_info"]
             completion += meta["completion_tokens"]
             if i % self.n == 0:
-                prompt += meta["prompt_tokens"]
                 cached += meta.get("cached_tokens", 0) or 0
         usage = UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
         if self.cache_report:
