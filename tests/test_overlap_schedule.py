@@ -77,6 +77,25 @@ def test_outputs_equal_the_plain_loop(tiny, variant):
         assert retracted > 0 and retracted_over > 0
 
 
+def test_a_seeded_token_dropped_by_a_retraction_keeps_its_draw(tiny):
+    """A token in flight when its request is retracted is dropped and sampled again after readmission
+    with the same draw: seeded samples equal a pool that retracts nothing, as without overlap."""
+    seeded = [{"max_new_tokens": 40, "temperature": 0.8, "seed": 100 + i, "ignore_eos": True} for i in range(6)]
+    prompts = [[5 + (i * 7 + j) % 90 for j in range(n)] for i, n in enumerate([12, 20, 7, 25, 16, 9])]
+
+    def run(**kwargs: Any) -> tuple[list[list[int]], int]:
+        eng = make_engine(tiny, dtype="float32", device="cpu", **kwargs)
+        try:
+            outs = eng.generate(input_ids=prompts, sampling_params=seeded)
+            return [o["output_ids"] for o in outs], eng.engine.scheduler.num_retracted
+        finally:
+            eng.shutdown()
+    ref, none = run()
+    small = {"max_total_tokens": 128, "schedule_conservativeness": 0.1}
+    got, retracted = run(enable_overlap_schedule=True, **small)
+    assert none == 0 and retracted > 0 and got == ref
+
+
 def test_grammars_and_n_greater_than_one(tiny):
     """A grammar needs its matcher's state after each token: those steps wait for the results
     (logged once, naming why); the others around them overlap."""

@@ -40,12 +40,12 @@ class OracleDrafter:
         return [t + 1 if (done + j) % 3 == 2 else t for j, t in enumerate(draft)]
 
 
-def generate(path: Path, drafter: Any = None, **kwargs: Any) -> tuple[list[dict], Any]:
+def generate(path: Path, drafter: Any = None, params: list[dict] | None = None, **kwargs: Any) -> tuple[list[dict], Any]:
     eng = make_engine(path, dtype="float32", device="cpu", **kwargs)
     try:
         if drafter is not None:
             eng.engine.scheduler.speculator.drafter = drafter
-        outs = eng.generate(input_ids=PROMPTS, sampling_params=[GREEDY] * len(PROMPTS))
+        outs = eng.generate(input_ids=PROMPTS, sampling_params=params or [GREEDY] * len(PROMPTS))
         eng.engine.scheduler.check_accounting()
         return outs, eng.engine
     finally:
@@ -69,6 +69,17 @@ def test_greedy_tokens_are_plain_decodings_and_drafts_are_partly_kept(tiny):
     # gives the plain tokens (a rejected draft's KV in the cache would change them)
     again, _ = generate(tiny, OracleDrafter(want), speculative_algorithm="NGRAM", speculative_num_draft_tokens=5)
     assert [o["output_ids"] for o in again] == [o["output_ids"] for o in plain]
+
+
+def test_a_seed_gives_plain_decodings_samples(tiny):
+    """A seeded request spends one draw per token kept, as plain decoding does (a verify's rejected
+    positions drew too): its samples do not depend on its drafts."""
+    seeded = [{"max_new_tokens": 24, "temperature": 0.7, "seed": 100 + i, "ignore_eos": True} for i in range(len(PROMPTS))]
+    plain, _ = generate(tiny, params=seeded)
+    want = {tuple(p): o["output_ids"] for p, o in zip(PROMPTS, plain)}
+    spec, _ = generate(tiny, OracleDrafter(want), seeded, speculative_algorithm="NGRAM", speculative_num_draft_tokens=5)
+    assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in plain]
+    assert all(0 < o["meta_info"]["spec_num_correct_drafts"] < o["meta_info"]["spec_num_proposed_drafts"] for o in spec)
 
 
 def test_the_ngram_drafter_copies_the_requests_own_context():

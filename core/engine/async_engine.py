@@ -100,6 +100,7 @@ class AsyncEngine(RequestFrontEnd):
         self.overlap = overlap_schedule(args, self.device)
         self._gil_short = self.overlap and gil_switch.shorten()  # (restored at shutdown)
         self.runner.defer_results = self.overlap and self.device.type == "cuda" and self.tp_group is None
+        self.runner.overlap = self.overlap
         # (batch, its forward's future, start time) scheduled but not yet processed (overlap scheduling)
         self._inflight: tuple[ScheduledBatch, asyncio.Future, float] | None = None
         self._overlap_paused: set[str] = set()  # the reasons a step waited for the one in flight, logged once each

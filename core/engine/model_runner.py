@@ -16,7 +16,7 @@ import torch
 from core.interfaces import ForwardBatch, KVCache
 from core.engine.mem_cache.kv_cache import ReqToTokenTable, copy_rows
 from core.engine.cuda_graph import CudaGraphRunner
-from core.engine.sampler import SampleOutput, Sampler, SamplingRow, finite_logprobs, upload
+from core.engine.sampler import SampleOutput, Sampler, SamplingRow, finite_logprobs, rewind, rng_states, upload
 from core.engine.scheduler import ScheduledBatch, StepResult
 from core.engine.speculative.tree import mask_rows
 
@@ -156,6 +156,7 @@ class ModelRunner:
     # GPU, set by the engine. The next batch's future ids read them on the device, so its launch
     # never waits for the copy (SGLang's future token map).
     defer_results = False
+    overlap = False  # overlap scheduling (set by the engine): a batch's token may be dropped (``ScheduledBatch.drop_token``)
 
     def __init__(self, model: torch.nn.Module, attn_backend, table: ReqToTokenTable, sampler: Sampler,
                  eos_ids: tuple[int, ...], device: torch.device) -> None:
@@ -248,6 +249,8 @@ class ModelRunner:
             if grammar is not None:  # one [B, V/32] bitmask for the batch, applied before sampling
                 grammar.apply(logits, reqs)
                 argmax_ids = None  # the masked logits' argmax may differ
+            if self.overlap or batch.drafts is not None:  # (a token overlap drops, a verify's rejected rows)
+                batch.rng_states = rng_states(reqs)
             if (self.defer_results and grammar is None and not batch.is_prefill and batch.drafts is None
                     and self.speculator is None):  # a plain decode: every row live, nothing read on the host here
                 return StepResult(None, pending=self.sampler.sample(logits, rows_, argmax_ids, host=False))
@@ -260,6 +263,9 @@ class ModelRunner:
             result.sample = _scatter(result.sample, live, len(all_reqs))
         if batch.drafts is not None:  # a verify: the kept paths; a tree's KV to their positions before the next forward
             result.kept = self.speculator.walks(batch, result.sample.token_ids)
+            for r, (path, _) in zip(batch.reqs, result.kept):  # a seed spends a draw per token kept, as decoding does
+                if r in batch.rng_states:
+                    rewind(r.generator, batch.rng_states[r], len(path) + 1)
             if batch.draft_parents:
                 self._kv_moves = self.speculator.verified(batch, result.kept, inputs.kv_indices)
         if self.speculator is not None and self.speculator.features is not None:  # an EAGLE head reads the target's features

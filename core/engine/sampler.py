@@ -315,6 +315,21 @@ def _inverse_cdf(probs: torch.Tensor, order: torch.Tensor | None, target: torch.
     return torch.where(ok, chosen, fallback)
 
 
+def rng_states(reqs: list) -> dict:
+    """Each seeded request's generator state before a sampling, for ``rewind``."""
+    return {r: r.generator.get_state() for r in reqs if r.generator is not None}
+
+
+def rewind(generator: torch.Generator, state: torch.Tensor, draws: int = 0) -> None:
+    """Take a seeded request's generator back to ``state`` and on by ``draws`` draws (as ``Sampler._uniforms``
+    draws, one per row), where it drew since: the draws of tokens not kept (a verify's rejected positions, a
+    token overlap scheduling drops) are not spent, so that the seed gives plain decoding's tokens."""
+    if not torch.equal(generator.get_state(), state):
+        generator.set_state(state)
+        for _ in range(draws):
+            torch.rand(1, generator=generator)
+
+
 class Sampler:
     """Turns a batch of logits into next tokens; holds the RNG for unseeded requests and, with
     ``num_slots``, the per-slot penalty state."""

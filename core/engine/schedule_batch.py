@@ -6,7 +6,7 @@ from __future__ import annotations
 import attrs
 
 from core.engine.request import Req
-from core.engine.sampler import DeviceSample, SampleOutput
+from core.engine.sampler import DeviceSample, SampleOutput, rewind
 
 
 @attrs.define
@@ -41,6 +41,13 @@ class ScheduledBatch:
     # KV load-backs queued while this batch was built (HiCache: mem_cache.host_pool.KVLoads), which
     # the runner issues as its forward starts, after every forward before it; None: none
     kv_loads: object = None
+    # each seeded request's generator state before this batch sampled (``sampler.rng_states``: overlap, verifies)
+    rng_states: dict = attrs.field(factory=dict)
+
+    def drop_token(self, req: Req) -> None:
+        """``req``'s token from this batch is not kept: its draw is not spent (a seeded request)."""
+        if (state := self.rng_states.get(req)) is not None:
+            rewind(req.generator, state)
 
 
 def future_id(index: int) -> int:

@@ -1,10 +1,9 @@
 """Continuous batching: which requests run in the next forward, and what their results do.
 
-Each step is either a prefill batch (newly admitted requests and at most one chunk of
-a long prompt, bounded by ``max_prefill_tokens`` and ``chunked_prefill_size``) or a
-decode batch (every running request adds one token), prefill first, as SGLang does.
-While a long prompt is being prefilled in chunks, chunks and decode steps alternate
-(or share one forward with ``enable_mixed_chunk``), so running streams keep moving.
+Each step is either a prefill batch (newly admitted requests and at most one chunk of a long prompt,
+bounded by ``max_prefill_tokens`` and ``chunked_prefill_size``) or a decode batch (every running
+request adds one token), prefill first, as SGLang does. Chunks of a long prompt and decode steps
+alternate (or share one forward with ``enable_mixed_chunk``), so running streams keep moving.
 
 KV memory: requests reuse the longest cached prefix from the radix cache and prefill only the
 rest. Admission does not reserve pages; it *estimates* future needs (SGLang's
@@ -496,8 +495,9 @@ class Scheduler:
         updates = []
         drafts = batch.drafts  # (a verify: ``result.kept`` holds each request's kept path)
         for i, req in enumerate(batch.reqs):
-            if req.row != batch.rows[i]:  # retracted (or failed) after this batch was built (overlap):
-                continue  # its token is dropped, recomputed after readmission, as SGLang does
+            if req.row != batch.rows[i]:  # retracted (or failed) after this batch was built (overlap): its token
+                batch.drop_token(req)  # is dropped, recomputed after readmission (as SGLang does) with its own draw
+                continue
             # this batch's KV is written (a verify's draft positions: only those kept below)
             req.kv_done = batch.seq_lens[i] - (len(drafts[i]) if drafts else 0)
             if drafts is not None:

@@ -12,9 +12,11 @@ In float32, greedy decoding gives plain decoding's tokens; in bf16, or with the 
 a verify's rows take the extend path, whose rounding differs from the decode kernels', so a
 near-tie may resolve the other way. With sampling, keeping a draft token ``d`` when the target's
 sample equals ``d`` is rejection sampling against a drafter that proposes deterministically
-(``q = onehot(d)``), so the output distribution is the target's. The KV of rejected tokens stays
-in the request's pages and is written over; a tree's kept nodes have their KV moved to their
-positions before the next forward (``ModelRunner``); the prefix cache never sees rejected KV.
+(``q = onehot(d)``), so the output distribution is the target's; a seeded request's generator
+spends a draw per kept token only (``sampler.rewind``), so its samples are plain decoding's. The
+KV of rejected tokens stays in the request's pages and is written over; a tree's kept nodes have
+their KV moved to their positions before the next forward (``ModelRunner``); the prefix cache
+never sees rejected KV.
 
 Drafts are paced per request (``Pace``) and a verify holds at most ``VERIFY_TOKEN_BUDGET`` tokens,
 so a large batch decodes plainly. Requests whose sampling reads their own outputs on the host
