@@ -16,7 +16,7 @@ from core.engine.request import Req
 from core.server.http import SSE_DONE, encoder, sse_error, sse_event
 from core.server.state import ServerState
 
-log = structlog.get_logger("core.server.native")
+log = structlog.get_logger("core.server.generate_output")
 
 
 def _fmt_token_lps(items: list, texts: dict[int, str]) -> list:
@@ -68,7 +68,7 @@ def output_of(state: ServerState, req: Req, with_text: bool, index: int | None =
     ids, text = req.output_ids, req.text
     if since is not None:
         ids, text = ids[since[0]:], text[since[1]:]
-    out = {"text": text, "output_ids": ids, "meta_info": meta_of(state, req, with_text, since and since[0])}
+    out = {"text": text, "output_ids": ids, "meta_info": meta_of(state, req, with_text, None if since is None else since[0])}
     if index is not None:
         out["index"] = index
     return out
