@@ -60,6 +60,21 @@ def test_mixed_chunk_runs_chunk_and_decodes_in_one_forward():
     assert len(short.output_ids) == 2 and not long.output_ids
 
 
+def test_a_prompts_one_token_last_chunk_runs_once_in_a_mixed_batch():
+    """A last chunk of exactly one token looks like a decode (one token left to compute): it was
+    also taken as one, so the mixed batch held the request twice and ran its token twice."""
+    s = _sched(chunk=8, mixed=True)
+    short = Req("short", [5, 6, 7], SamplingParams(max_new_tokens=20))
+    s.add(short)
+    _step(s)
+    long = Req("long", list(range(10, 27)), SamplingParams(max_new_tokens=2))  # 17 tokens: 8, 8, then 1
+    s.add(long)
+    batches = [_step(s) for _ in range(3)]
+    assert [[(r.rid, n) for r, n in zip(b.reqs, b.extend_lens)] for b in batches] == [
+        [("long", 8), ("short", 1)], [("long", 8), ("short", 1)], [("long", 1), ("short", 1)]]
+    assert len(long.output_ids) == 1 and long.kv_len == 17
+
+
 def test_chunks_respect_page_boundaries():
     s = _sched(chunk=10, page_size=4)
     r = Req("r", list(range(10, 40)), SamplingParams(max_new_tokens=1))

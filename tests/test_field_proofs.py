@@ -150,11 +150,12 @@ def test_responses_fields_reach_the_chat_request(app: App) -> None:
 
     fields = dict(text={"format": {"type": "json_object"}}, temperature=0.5, top_p=0.9, top_k=3, min_p=0.1,
                   repetition_penalty=1.2, seed=4, ignore_eos=True, chat_template_kwargs={"a": 1}, request_id="abc",
-                  priority=2, metadata={"k": "v"}, user="u")
+                  priority=2, metadata={"k": "v"}, user="u", frequency_penalty=0.3, presence_penalty=0.4, stop=["x"])
     c = chat_request(ResponsesRequest(input="hi", **fields), [], [{"type": "message", "role": "user", "content": "hi"}])
     assert c.response_format == {"type": "json_object"}
     assert (c.temperature, c.top_p, c.top_k, c.min_p, c.repetition_penalty, c.seed, c.ignore_eos, c.priority) == \
         (0.5, 0.9, 3, 0.1, 1.2, 4, True, 2)
+    assert (c.frequency_penalty, c.presence_penalty, c.stop) == (0.3, 0.4, ["x"])
     assert c.chat_template_kwargs == {"a": 1} and c.user == "u"
     r = app.post("/v1/responses", {"input": "hi", "max_output_tokens": 2, "request_id": "resp_walker",
                                    "metadata": {"k": "v"}, "user": "u", "store": False, "top_logprobs": 2,

@@ -276,3 +276,59 @@ def test_sglangs_clear_storage_endpoints(tiny_llama, folder):
 
     assert asyncio.run(go(enable_hierarchical_cache=True, hicache_ratio=4.0, hicache_storage_backend="file")) == [200] * 3
     assert asyncio.run(go()) == [400] * 3
+
+
+def test_a_lora_adapters_kv_never_reaches_another_adapter_through_storage(tmp_path, monkeypatch):
+    """Storage outlives the process; a LoRA adapter's cache keys hold its uid, which the next process
+    gives to whichever adapter loads first. Run 2's adapter ``b`` (uid 1, as ``a`` was) was served
+    ``a``'s stored KV: adapters' pages now stay out of storage."""
+    pytest.importorskip("peft")
+    from tests.conftest import build_tiny_llama
+    from tests.test_lora_engine import hf_greedy, save_adapter
+
+    monkeypatch.setenv(ENV, str(tmp_path / "hicache"))
+    base = build_tiny_llama(tmp_path / "base")
+    a, b = save_adapter(base, tmp_path / "a", 1), save_adapter(base, tmp_path / "b", 2)
+    rng = random.Random(7)
+    p = [1] + [rng.randrange(5, 250) for _ in range(60)]
+    opts = dict(max_total_tokens=160, enable_hierarchical_cache=True, hicache_ratio=4.0, hicache_storage_backend="file",
+                max_lora_rank=8, lora_target_modules=["q_proj", "v_proj"])
+    for name, peft_model in (("a", a), ("b", b)):  # a restart in between, on the same storage folder
+        e = make_engine(tmp_path / "base", lora_paths=[f"{name}={tmp_path / name}"], **opts)
+        try:
+            out = e.generate(input_ids=p, sampling_params=greedy(6), lora_path=name)
+            e.engine.tree_cache.flush_writes()
+        finally:
+            e.shutdown()
+        assert out["meta_info"]["cached_tokens"] == 0
+        assert out["output_ids"] == hf_greedy(peft_model, p, 6)
+
+
+def test_new_weights_saved_at_the_same_path_do_not_read_the_old_kv(tmp_path, monkeypatch):
+    """The namespace named the model's path, not its weights: a fine-tune saved over the old one
+    read the old weights' stored KV after a restart. It now covers the weight files too."""
+    from tests.conftest import build_tiny_llama
+
+    monkeypatch.setenv(ENV, str(tmp_path / "hicache"))
+    path = tmp_path / "model"
+    rng = random.Random(7)
+    p = [1] + [rng.randrange(5, 250) for _ in range(60)]
+    opts = dict(max_total_tokens=160, enable_hierarchical_cache=True, hicache_ratio=4.0, hicache_storage_backend="file")
+    outs = []
+    for seed in (0, 0, 1):  # the same weights again (a hit), then other weights at the same path
+        if seed != (outs and outs[-1][0]):
+            build_tiny_llama(path, seed=seed)
+        e = make_engine(path, **opts)
+        try:
+            out = e.generate(input_ids=p, sampling_params=greedy(6))
+            e.engine.tree_cache.flush_writes()
+        finally:
+            e.shutdown()
+        outs.append((seed, out["meta_info"]["cached_tokens"], out["output_ids"]))
+    fresh = make_engine(path, disable_radix_cache=True)
+    try:
+        want = fresh.generate(input_ids=p, sampling_params=greedy(6))["output_ids"]
+    finally:
+        fresh.shutdown()
+    assert outs[0][1] == 0 and outs[1][1] > 0  # storage serves a restart on the same weights
+    assert outs[2][1] == 0 and outs[2][2] == want

@@ -399,3 +399,23 @@ def test_graph_replays_with_and_without_adapters_match_peft(setup, monkeypatch):
         assert runner._graphs[1, True].replays == 0
     finally:
         e.shutdown()
+
+
+def test_encode_after_an_adapters_batch_is_the_base_models(setup, monkeypatch):
+    """The pool keeps the last forward's adapter segments; ``encode`` ran the model under them (the
+    Python layers: a GPU, or a model without the CPU's one-op stack), so an embedding after a
+    LoRA request took that adapter's deltas."""
+    import core_plugins.models.llama as llama
+
+    monkeypatch.setattr(llama.LlamaModel, "_cpu_stack", lambda self, backend, head: None)
+    monkeypatch.setattr(llama.LlamaDecoderLayer, "_cpu_decode", lambda self, backend: None)
+    root, _, _ = setup
+    e = make_engine(root / "base", lora_paths=[f"qv8={root / 'qv8'}"])
+    try:
+        ids = prompt(30, seed=5)  # as many tokens as the adapter's prefill below
+        before = e.encode(input_ids=ids)["embedding"]
+        e.generate(input_ids=prompt(30, seed=6), sampling_params=greedy(1), lora_path="qv8")
+        after = e.encode(input_ids=ids)["embedding"]
+    finally:
+        e.shutdown()
+    torch.testing.assert_close(torch.tensor(after), torch.tensor(before), atol=1e-5, rtol=0)

@@ -463,3 +463,20 @@ def test_drafts_shrink_back_off_and_stop_under_load(tiny):
         assert sum(o["meta_info"]["spec_num_proposed_drafts"] for o in outs) <= 6 * max(o["meta_info"]["spec_verify_ct"] for o in outs)
     finally:
         eng.shutdown()
+
+
+def test_spec_verify_ct_counts_the_decodes_of_mixed_batches(tiny):
+    """--enable-mixed-chunk: a decode inside a mixed (prefill) batch produced a token from its own
+    forward, as a verify does; it was not counted, so spec_accept_length came out too high."""
+    short, long = [5 + j % 11 for j in range(10)], [7 + (j * 5) % 200 for j in range(200)]
+    params = [{"max_new_tokens": 20, "temperature": 0, "ignore_eos": True},
+              {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}]
+    eng = make_engine(tiny, dtype="float32", device="cpu", speculative_algorithm="NGRAM", enable_mixed_chunk=True,
+                      chunked_prefill_size=16)
+    try:
+        eng.engine.scheduler.speculator.drafter.propose = lambda state, tokens, k: []  # plain decodes only
+        outs = eng.generate(input_ids=[short, long], sampling_params=params)
+    finally:
+        eng.shutdown()
+    m = outs[0]["meta_info"]
+    assert m["spec_verify_ct"] == m["completion_tokens"] - 1  # every token after the prefill's: its own decode

@@ -169,3 +169,68 @@ def test_a_large_batch_with_few_drafts_decodes_plainly(tiny):
             assert (outs[0]["meta_info"].get("spec_num_proposed_drafts", 0) > 0) is drafted
         finally:
             eng.shutdown()
+
+
+def test_a_seeded_tree_gives_plain_decodings_samples(tiny):
+    """A tree node at depth d samples with the draw a plain decode d tokens on would take, whatever
+    its row and however many siblings share its depth (each drew the next number before)."""
+    seeded = [{"max_new_tokens": 16, "temperature": 0.7, "sampling_seed": 100 + i, "ignore_eos": True}
+              for i in range(len(PROMPTS))]
+
+    def run(**kw: Any) -> list[dict]:
+        eng = make_engine(tiny, dtype="float32", device="cpu", **kw)
+        try:
+            if kw:
+                eng.engine.scheduler.speculator.drafter, eng.engine.scheduler.speculator.trees = TreeOracle(want), True
+            outs = eng.generate(input_ids=PROMPTS, sampling_params=seeded)
+            eng.engine.scheduler.check_accounting()
+            return outs
+        finally:
+            eng.shutdown()
+
+    want: dict = {}
+    plain = run()
+    want.update({tuple(p): o["output_ids"] for p, o in zip(PROMPTS, plain)})
+    spec = run(speculative_algorithm="NGRAM", speculative_num_draft_tokens=9)
+    assert sum(o["meta_info"]["spec_num_correct_drafts"] for o in spec) > 0
+    assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in plain]
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_a_host_copy_of_a_tree_verified_answer_holds_the_moved_kv(tiny, policy, monkeypatch):
+    """A request that finishes in a tree verify whose kept nodes moved: its pages enter the prefix
+    cache (write_through: copied to the host at once); loaded back from the host later, they give
+    plain decoding's tokens, so the moves were made before the copy."""
+    prompt = PROMPTS[0]
+    plain = make_engine(tiny, dtype="float32", device="cpu", disable_radix_cache=True)
+    try:
+        g = plain.generate(input_ids=prompt, sampling_params=GREEDY)["output_ids"]
+        q = prompt + g[:20]
+        ref = plain.generate(input_ids=q, sampling_params=GREEDY)["output_ids"]
+    finally:
+        plain.shutdown()
+    for m in [k for k in range(6, 22) if g[k] not in g[:k]]:
+        eng = make_engine(tiny, dtype="float32", device="cpu", speculative_algorithm="NGRAM", speculative_num_draft_tokens=9,
+                          enable_hierarchical_cache=True, hicache_ratio=4.0, hicache_write_policy=policy)
+        try:
+            spec = eng.engine.scheduler.speculator
+            spec.trees, spec.drafter = True, TreeOracle({tuple(prompt): g})
+            moved: list = []
+            verified = type(spec).verified
+            monkeypatch.setattr(type(spec), "verified", lambda *a: moved.append(verified(*a)) or moved[-1])
+            out = eng.generate(input_ids=prompt, sampling_params={**GREEDY, "stop_token_ids": [g[m]]})
+            assert out["output_ids"] == g[:m + 1]
+            if moved[-1] is None:
+                continue  # the last verify moved nothing: another length
+            spec.drafter.propose = lambda state, tokens, k: []
+            tree = eng.engine.tree_cache
+            tree.settle()
+            eng.engine.scheduler.allocator.free(tree.evict(10_000))  # every unused prefix leaves the device
+            assert tree.host_used_pages > 0
+            again = eng.generate(input_ids=q, sampling_params=GREEDY)
+            assert again["meta_info"]["cached_tokens"] >= len(prompt) + m - 1  # loaded back from the host
+            assert again["output_ids"] == ref
+            return
+        finally:
+            eng.shutdown()
+    raise AssertionError("no answer length ended in a verify that moved KV")

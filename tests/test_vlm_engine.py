@@ -219,3 +219,40 @@ def test_a_weight_update_rebinds_the_vision_tower(vlm, eng):
     a = picture(60, 40, 1)
     assert eng.generate(f"look {IMG} here", greedy(N_NEW), image_data=[a])["output_ids"] == \
         hf_greedy(vlm, f"look {IMG} here", [a])
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_draft_trees_over_an_image_request_keep_plain_decodings_tokens(vlm, tree):
+    """M-RoPE: a request's tokens past its prompt are at position + the image's delta. A tree's
+    nodes are at their depths; the delta was added to the row's index instead, so a node's
+    position was wrong wherever the tree branched."""
+    from core.interfaces import DraftTree
+
+    text, img = f"look {IMG} here, now", picture(112, 84, 5)
+    greedy = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
+    plain = make_engine(vlm[0], max_total_tokens=2048)
+    try:
+        ref = plain.generate(text, greedy, image_data=img)
+    finally:
+        plain.shutdown()
+    want, n = ref["output_ids"], ref["meta_info"]["prompt_tokens"]
+
+    def propose(state, tokens, k):  # per depth a wrong sibling, then the reference token
+        nxt = want[len(tokens) - n:][:k // 2]
+        if not tree:
+            return nxt
+        toks, parents = [], []
+        for t in nxt:
+            parents += [len(toks) - 1] * 2
+            toks += [(t + 1) % 200, t]
+        return DraftTree(toks, parents)
+
+    eng = make_engine(vlm[0], max_total_tokens=2048, speculative_algorithm="NGRAM", speculative_num_draft_tokens=9)
+    try:
+        spec = eng.engine.scheduler.speculator
+        spec.trees, spec.drafter.propose = True, propose
+        out = eng.generate(text, greedy, image_data=img)
+    finally:
+        eng.shutdown()
+    assert out["meta_info"]["spec_num_correct_drafts"] > 0
+    assert out["output_ids"] == want

@@ -18,6 +18,7 @@ from core.engine.mem_cache.kv_cache import ReqToTokenTable, copy_rows
 from core.engine.cuda_graph import CudaGraphRunner
 from core.engine.sampler import SampleOutput, Sampler, SamplingRow, finite_logprobs, rewind, rng_states, upload
 from core.engine.scheduler import ScheduledBatch, StepResult
+from core.engine.speculative import verify_rows
 from core.engine.speculative.tree import mask_rows
 
 
@@ -145,7 +146,7 @@ class ModelRunner:
     grammar = None  # core.engine.grammar.GrammarManager, set by the engine
     speculator = None  # core.engine.speculative.Speculator with --speculative-algorithm, set by the engine
     kv_cache: KVCache | None = None  # the pool, for a tree verify's KV moves; set by the engine
-    _kv_moves: tuple[list[int], list[int]] | None = None  # moves the next forward makes first (on every rank)
+    _kv_moves: tuple[list[int], list[int]] | None = None  # a verify's moves the other tensor-parallel ranks make next
     tp = None  # core.engine.distributed.TensorParallelGroup on rank 0 of a --tp-size > 1 engine, set by the engine
     graphs: CudaGraphRunner | None = None  # decode CUDA graphs, set by the engine when captured
     lora = None  # core.engine.lora.LoRAServing with --enable-lora, set by the engine
@@ -244,7 +245,7 @@ class ModelRunner:
             rows = batch.rows if len(live) == len(all_reqs) else [batch.rows[i] for i in live]
             rows_ = [_sampling_row(r, row, eos) for r, row in zip(reqs, rows)]
             if batch.drafts is not None:  # a verify: each request's rows sample as its decodes would
-                rows_ = [sr for sr, d in zip(rows_, batch.drafts) for _ in range(1 + len(d))]
+                rows_ = verify_rows(batch, rows_)
             grammar = self.grammar if self.grammar is not None and any(r.grammar is not None for r in reqs) else None
             if grammar is not None:  # one [B, V/32] bitmask for the batch, applied before sampling
                 grammar.apply(logits, reqs)
@@ -266,8 +267,9 @@ class ModelRunner:
             for r, (path, _) in zip(batch.reqs, result.kept):  # a seed spends a draw per token kept, as decoding does
                 if r in batch.rng_states:
                     rewind(r.generator, batch.rng_states[r], len(path) + 1)
-            if batch.draft_parents:
-                self._kv_moves = self.speculator.verified(batch, result.kept, inputs.kv_indices)
+            if batch.draft_parents and (moves := self.speculator.verified(batch, result.kept, inputs.kv_indices)):
+                move_kv(self.kv_cache, *moves)  # now: the results put these pages into the prefix cache (and its host copies)
+                self._kv_moves = moves if self.tp is not None else None  # the other ranks: before their next forward
         if self.speculator is not None and self.speculator.features is not None:  # an EAGLE head reads the target's features
             self.speculator.observe(batch, result.sample.token_ids, result.kept, inputs.kv_indices)
         for i, k in prompt_rows.items():
@@ -287,8 +289,9 @@ class ModelRunner:
             starts = [n - e for n, e in zip(inputs.seq_lens, inputs.extend_lens)]
             inputs.positions, inputs.mm_rows, inputs.mm_embeds, inputs.mrope_positions = self.mm.forward_inputs(
                 reqs, starts, inputs.extend_lens, _ints(inputs.positions))
-        if self.tp is not None:
-            return self.tp.forward(inputs, lambda: forward_step(self.model, self.attn_backend, inputs, self.device,
+        if self.tp is not None:  # (this rank made the moves at the verify)
+            here = attrs.evolve(inputs, kv_moves=None) if inputs.kv_moves is not None else inputs
+            return self.tp.forward(inputs, lambda: forward_step(self.model, self.attn_backend, here, self.device,
                                                                 kv=self.kv_cache))
         return forward_step(self.model, self.attn_backend, inputs, self.device, self.graphs, self.kv_cache)
 
@@ -367,6 +370,8 @@ class ModelRunner:
             seq_lens_cpu=lens, extend_lens_cpu=list(lens), attn_backend=backend,
         )
         backend.prepare(fb)
+        if self.lora is not None:  # the base model's states: not the last forward's adapters
+            self.lora.pool.clear_batch()
         hidden = self.model(fb).float()
         if pooling == "mean":
             seg = torch.repeat_interleave(torch.arange(len(lens), device=dev), lens_t)

@@ -9,7 +9,7 @@ from typing import Any, Callable
 import attrs
 import torch
 
-from core.engine.multimodal import IMAGE_KEY_BASE
+from core.engine.multimodal import ADAPTER_KEY_BIT, IMAGE_KEY_BASE
 from core.engine.sampler import penalised
 from core.engine.sampling_params import SamplingParams
 
@@ -154,15 +154,16 @@ class Req:
         adapter's tokens with its uid in the bits above 32 (token ids are below 2**32), so a prefix
         computed under one adapter is never matched by a request of another or of the base model,
         nor one with another image, in any cache tier. An image's keys (bit 62 set, its hash in bits
-        20-59) take the adapter by remixing their hash bits instead: an OR could turn them into
-        another image's keys under the base model."""
+        20-59) take the adapter by remixing their hash bits instead (an OR could turn them into
+        another image's keys under the base model) and by ``ADAPTER_KEY_BIT``, so that the storage
+        tier, which outlives the process and its uids, can tell them apart (``is_adapter_key``)."""
         ids = self.prompt_ids + self.output_ids
         if self.mm is not None:  # image tokens keyed by the image's content (core.engine.multimodal)
             ids = self.mm.cache_ids(ids)
         if not self.lora_id:
             return ids
         tag, mix = self.lora_id << 32, ((self.lora_id * 0x9E3779B97F4A7C15) & ((1 << 40) - 1)) << 20
-        return [t ^ mix if t >= IMAGE_KEY_BASE else tag | t for t in ids]
+        return [(t ^ mix) | ADAPTER_KEY_BIT if t >= IMAGE_KEY_BASE else tag | t for t in ids]
 
     def tokens(self, start: int, end: int) -> list[int]:
         """``fill_ids()[start:end]`` without building the whole list."""

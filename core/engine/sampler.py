@@ -322,12 +322,28 @@ def rng_states(reqs: list) -> dict:
 
 def rewind(generator: torch.Generator, state: torch.Tensor, draws: int = 0) -> None:
     """Take a seeded request's generator back to ``state`` and on by ``draws`` draws (as ``Sampler._uniforms``
-    draws, one per row), where it drew since: the draws of tokens not kept (a verify's rejected positions, a
-    token overlap scheduling drops) are not spent, so that the seed gives plain decoding's tokens."""
-    if not torch.equal(generator.get_state(), state):
-        generator.set_state(state)
-        for _ in range(draws):
-            torch.rand(1, generator=generator)
+    draws, one per row): the draws of tokens not kept (a verify's rejected positions, a token overlap
+    scheduling drops) are not spent, so that the seed gives plain decoding's tokens."""
+    generator.set_state(state)
+    for _ in range(draws):
+        torch.rand(1, generator=generator)
+
+
+def draws_ahead(generator: torch.Generator, depths: list[int]) -> list[torch.Generator]:
+    """A new generator per entry of ``depths``, each where ``generator`` will be after that many more
+    draws (``generator`` unchanged): what a seeded request's decode that many tokens on would draw."""
+    walker = torch.Generator(device=generator.device)
+    walker.set_state(generator.get_state())
+    states = []
+    for _ in range(max(depths, default=0) + 1):
+        states.append(walker.get_state())
+        torch.rand(1, generator=walker)
+    out = []
+    for d in depths:
+        g = torch.Generator(device=generator.device)
+        g.set_state(states[d])
+        out.append(g)
+    return out
 
 
 class Sampler:

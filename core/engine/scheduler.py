@@ -209,8 +209,9 @@ class Scheduler:
         """Form the next batch; also returns requests finished by abort since the last step."""
         aborted = self._reap_aborted()
         # a request decodes from its last token, or (overlap scheduling) from the token the
-        # in-flight batch is sampling for it, unless that token ends it for sure
-        decodable = [r for r in self.running if (d := r.seq_len - r.kv_len) == 1 or (d == 0 and self._continues(r))]
+        # in-flight batch is sampling for it, unless that token ends it for sure; not a prompt's last chunk
+        decodable = [r for r in self.running if ((d := r.seq_len - r.kv_len) == 1 or (d == 0 and self._continues(r)))
+                     and r is not self.chunked_req]
         prefill: list[tuple[Req, int]] = []
         if not (self._chunk_ran_last and decodable and not self.enable_mixed_chunk):
             prefill = self._get_prefill(decodable)
@@ -524,8 +525,8 @@ class Scheduler:
                 delta = self._append_steps(req, [tok] + [t[i] for t in result.more_tokens], now)
                 updates.append((req, delta))
                 continue
-            req.output_ids.append(tok)
-            req.spec_verify_ct += self.speculator is not None and not batch.is_prefill  # (SGLang counts every decode)
+            req.output_ids.append(tok)  # (SGLang counts every decode: each token after the first, mixed or re-prefilled)
+            req.spec_verify_ct += self.speculator is not None and len(req.output_ids) > 1
             if req.first_token_time is None:
                 req.first_token_time = now
             if s.logprobs is not None and req.return_logprob:

@@ -39,11 +39,10 @@ from core.server.http import (
     encoder,
     json_response,
     prepare_off_loop,
-    read_body,
     state_of,
 )
 from core.server.openai.chat import ChatJob, choice_deltas, joined_text, prepare_chat, render_chat
-from core.server.openai.job import common_checks, finish_of
+from core.server.openai.job import common_checks, finish_of, read_checked
 from core.server.openai.tools import plan_tools
 from core.server.openai.protocol import ChatCompletionRequest
 
@@ -70,6 +69,10 @@ class MessagesRequest(Struct, kw_only=True):
     metadata: dict[str, Any] | None = None
     container: Any = None
     mcp_servers: Any = None
+
+
+# the Messages API's fields for features this server lacks: accepted only where they leave it off
+_NOOP = {"context_management": (None,)}
 
 
 class CountTokensRequest(Struct, kw_only=True):
@@ -277,7 +280,7 @@ def _message(job: ChatJob, content: list, stop_reason: str | None, stop_sequence
 async def messages(request: Request) -> Response:
     try:
         state = state_of(request)
-        r = await read_body(request, MessagesRequest)
+        r = await read_checked(request, MessagesRequest, _NOOP)
         try:
             job = await prepare_off_loop(request, lambda: prepare_chat(state, chat_request(r), "msg_" + uuid.uuid4().hex))
         except InvalidRequest as e:
@@ -305,7 +308,7 @@ async def messages(request: Request) -> Response:
 async def count_tokens(request: Request) -> Response:
     try:
         state = state_of(request)
-        r = await read_body(request, CountTokensRequest)
+        r = await read_checked(request, CountTokensRequest, _NOOP)
         fields = {k: getattr(r, k) for k in CountTokensRequest.__struct_fields__}
         chat = chat_request(MessagesRequest(**fields, max_tokens=1 << 30))  # the same checks as /v1/messages
 

@@ -53,7 +53,7 @@ from core.engine.mem_cache import (
 )
 from core.engine.mem_cache.host_pool import HostKVPool, KVLoads
 from core.engine.mem_cache.radix_cache import RadixCache, TreeNode
-from core.engine.mem_cache.storage import StorageTier, storage_namespace
+from core.engine.mem_cache.storage import StorageTier, storage_namespace, weights_fingerprint
 from core.errors import CoreError, UnknownNameError
 
 if TYPE_CHECKING:
@@ -152,7 +152,8 @@ def _build_storage(name: str, args: EngineArgs, host: HostKVPool, stats: HiCache
         raise CoreError(f"--hicache-storage-backend {name!r}: {e}") from e
     ident = model if isinstance(model, str) else \
         "|".join(str(getattr(model, a, "")) for a in ("path", "source", "dtype", "quant_config"))
-    namespace = storage_namespace(ident or str(args.model_path), args, host)
+    path = getattr(model, "path", None) or args.model_path
+    namespace = storage_namespace(ident or str(args.model_path), args, host, weights_fingerprint(str(path)))
     backend = factory(HiCacheStorageConfig(namespace=namespace, page_bytes=host.bytes_per_page))
     log.info("hicache.storage", backend=name, namespace=namespace, folder=getattr(backend, "folder", None),
              prefetch_policy=args.hicache_storage_prefetch_policy)

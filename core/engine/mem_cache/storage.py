@@ -3,8 +3,10 @@ writer and the reads at admission, over any ``HiCacheStorage`` backend (a plugin
 
 Keys (SGLang's page hashes): page ``j`` of a prefix is ``<namespace>_<h_j>`` with ``h_j`` = SHA-256 of
 ``h_{j-1}`` and page ``j``'s token ids, from the root, so a key names the whole prefix up to and
-including its page. The namespace (``storage_namespace``) covers the model, dtypes, quantization,
-page size, KV layout and tensor-parallel rank: another model, dtype or page size never reads a page.
+including its page. The namespace (``storage_namespace``) covers the model and its weight files,
+dtypes, quantization, page size, KV layout and tensor-parallel rank: another model, new weights at the
+same path, another dtype or page size never reads a page. A LoRA adapter's pages stay out of storage:
+their keys hold the adapter's uid, which only names it within one process.
 A value is one page's K and V of every layer as raw bytes (``HostKVPool.pack``); it must be exactly
 ``bytes_per_page`` long, and the backend vouches for its integrity (``file``: a checksum per file).
 
@@ -30,12 +32,14 @@ import re
 import threading
 import time
 from array import array
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 import structlog
 import torch
 
 from core.engine.mem_cache.host_pool import HostKVPool
+from core.engine.multimodal import is_adapter_key
 
 if TYPE_CHECKING:
     from core.engine.mem_cache.hierarchical import HiCacheStats
@@ -46,11 +50,23 @@ WRITE_QUEUE_NODES = 256  # backups waiting for the writer thread; more are skipp
 PREFETCH_TIMEOUT = (2.0, 0.1, 30.0)  # SGLang's timeout policy: base s, s per 1,024 tokens, max s
 
 
-def storage_namespace(model: str, args: Any, host: HostKVPool) -> str:
-    """What a stored page must match to be read: model, dtypes, quantization, page size, KV layout, TP rank."""
+def weights_fingerprint(path: str) -> str:
+    """The name, size and modification time of each weight file at ``path`` (a checkpoint folder or
+    one file), so that new weights saved over old ones at the same path make a new namespace."""
+    p = Path(path)
+    files = [p] if p.is_file() else sorted(f for f in p.glob("*") if f.suffix in _WEIGHT_SUFFIXES) if p.is_dir() else []
+    return ";".join(f"{f.name}:{(st := f.stat()).st_size}:{st.st_mtime_ns}" for f in files)
+
+
+_WEIGHT_SUFFIXES = {".safetensors", ".bin", ".pt", ".pth", ".gguf"}
+
+
+def storage_namespace(model: str, args: Any, host: HostKVPool, weights: str = "") -> str:
+    """What a stored page must match to be read: model and its weight files (``weights_fingerprint``),
+    dtypes, quantization, page size, KV layout, TP rank."""
     k = host.k[0]
     ident = "|".join(map(str, (model, args.dtype, args.kv_cache_dtype, k.dtype, args.quantization, args.revision,
-                                host.page_size, len(host.k), tuple(k.shape[1:]), 0, args.tp_size)))
+                                host.page_size, len(host.k), tuple(k.shape[1:]), 0, args.tp_size, weights)))
     slug = re.sub(r"[^0-9A-Za-z.-]+", "-", model.rstrip("/").rsplit("/", 1)[-1])[:40] or "model"
     return f"{slug}-{hashlib.sha256(ident.encode()).hexdigest()[:16]}"
 
@@ -93,7 +109,10 @@ class StorageTier:
 
     # ------------------------------------------------------------------ writes
     def backup(self, prefix_ids: list[int], node_ids: list[int], host_pages: list[int]) -> None:
-        """Queue a node's pages (just backed up to ``host_pages``) for storage; never blocks."""
+        """Queue a node's pages (just backed up to ``host_pages``) for storage; never blocks. Not a
+        LoRA adapter's: their keys hold uids, which another process gives to other adapters."""
+        if is_adapter_key((prefix_ids or node_ids)[0]):
+            return
         hashes = page_hashes(prefix_ids + node_ids, self.page_size)[len(prefix_ids) // self.page_size :]
         try:
             self._queue.put_nowait(([self.key(h) for h in hashes], self.host.pack(host_pages)))
@@ -145,7 +164,7 @@ class StorageTier:
         ``max_pages``; returns the host pages filled, in order ([] when none). ``take_host(n)`` gives up
         to ``n`` host pages, ``free_host`` takes back unused ones."""
         ps = self.page_size
-        if max_pages <= 0 or start + ps > len(ids):
+        if max_pages <= 0 or start + ps > len(ids) or is_adapter_key(ids[0]):  # (see ``backup``)
             return []
         t0 = time.perf_counter()
         deadline = None

@@ -28,6 +28,13 @@ import torch
 # index in the image, far above any vocabulary and LoRA's uid tags (uid << 32): two images never
 # share a key, the same image at the same place always does
 IMAGE_KEY_BASE = 1 << 62
+ADAPTER_KEY_BIT = 1 << 61  # set in an image key under a LoRA adapter (``Req.cache_ids``; a text key has its uid)
+
+
+def is_adapter_key(key: int) -> bool:
+    """Whether a prefix-cache key was made under a LoRA adapter (``Req.cache_ids``): a text token's
+    (its uid above bit 32) or an image token's (``ADAPTER_KEY_BIT``)."""
+    return key >= 1 << 32 and (key < IMAGE_KEY_BASE or bool(key & ADAPTER_KEY_BIT))
 
 
 @attrs.define(eq=False)

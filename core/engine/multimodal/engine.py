@@ -76,7 +76,7 @@ class MultimodalServing:
                         if out_pos is positions:
                             out_pos = list(positions)
                         for j in range(max(0, L - s), n):
-                            out_pos[offset + j] = s + j + mm.mrope_delta
+                            out_pos[offset + j] = positions[offset + j] + mm.mrope_delta  # (a tree node: its depth)
             offset += n
         table = None
         if prompt_cols:

@@ -35,7 +35,7 @@ import structlog
 import torch
 
 from core.engine.request import Req
-from core.engine.sampler import penalised
+from core.engine.sampler import draws_ahead, penalised
 from core.errors import CoreError
 from core.engine.speculative.tree import as_tree, depths, first_chain, kv_moves, walk
 from core.interfaces import DraftObservation, DraftRequest
@@ -246,6 +246,22 @@ class Speculator:
         req.spec_num_proposed_drafts += len(draft)
         req.spec_num_correct_drafts += n
         return [draft[j] for j in path] + [nxt]
+
+
+def verify_rows(batch: Any, rows: list[Any]) -> list[Any]:
+    """Each request's sampling row (``SamplingRow``) for each of its verify rows (its last token's,
+    then each draft token's), as its decodes would sample them there. Rows draw one number each, in
+    order, from a seeded request's generator, which is a chain's decodes' order; a seeded tree's
+    node at depth d instead draws what a decode d tokens on would (``draws_ahead``), whichever
+    row it has and however many siblings it has. The runner then rewinds the generator to just
+    past the kept tokens."""
+    out: list[Any] = []
+    for sr, d, p in zip(rows, batch.drafts, batch.draft_parents or [None] * len(rows)):
+        if p is None or sr.generator is None:
+            out += [sr] * (1 + len(d))
+            continue
+        out += [attrs.evolve(sr, generator=g) for g in draws_ahead(sr.generator, [0, *depths(p)])]
+    return out
 
 
 def _set_trees(batch: Any, parents: list[list[int] | None]) -> None:

@@ -7,6 +7,7 @@ import json
 import os
 from typing import Any, AsyncIterator
 
+import attrs
 from msgspec import UNSET
 
 from core.errors import CoreError, InvalidRequest
@@ -33,7 +34,7 @@ from core.server.openai.protocol import (
     ChatStreamChoice,
     DeltaMessage,
 )
-from core.server.openai.tools import ChoicePost, ToolPlan, plan_tools
+from core.server.openai.tools import ChoicePost, ToolPlan, plan_tools, unforced
 
 ALLOWED_ROLES = ("system", "user", "assistant", "tool", "developer")
 
@@ -258,9 +259,11 @@ def prepare_chat(state: Any, r: ChatCompletionRequest, rid: str | None = None) -
     job.top = top
     job.plan = plan = plan_tools(state, r)
     if plan.constraint is not None:  # required / named: the call is constrained
-        check(not constraint, "tool_choice 'required' or a named function cannot be combined with another "
+        check(not constraint, "tool_choice 'required', a named function or strict tools cannot be combined with another "
               "constraint (response_format, regex, json_schema, ebnf)", "tool_choice")
         constraint = {plan.constraint[0]: plan.constraint[1]}
+    if constraint and plan.reasoning_parser is not None:  # the grammar holds from the first token
+        job.plan = plan = attrs.evolve(plan, reasoning_parser=unforced(plan.reasoning_parser))
     max_tokens = r.max_completion_tokens if r.max_completion_tokens is not None else r.max_tokens
     if max_tokens is not None and max_tokens < 0:
         name = "max_completion_tokens" if r.max_completion_tokens is not None else "max_tokens"

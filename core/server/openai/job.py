@@ -15,7 +15,7 @@ import structlog
 
 from core.engine.sampling_params import SamplingParams
 from core.errors import InvalidRequest
-from core.server.http import SSE_DONE, ApiError, log_ignored_field, sse_error
+from core.server.http import SSE_DONE, ApiError, log_ignored_field, read_body, sse_error
 from core.server.limits import MAX_N, MAX_SEQUENCES, check_sampling_limits  # noqa: F401 (MAX_SEQUENCES: re-exported)
 from core.server.lora import lora_kwargs, request_adapters
 from core.server.openai.logprobs import vocab_of
@@ -34,11 +34,13 @@ def check(ok: bool, message: str, param: str) -> None:
         raise InvalidRequest(message, param=param)
 
 
-def check_fields(body: Mapping[str, Any], typ: type) -> None:
+def check_fields(body: Mapping[str, Any], typ: type, noop: Mapping[str, tuple[Any, ...]] | None = None) -> None:
     """The unknown-field policy (``core.server.openai.protocol``) over a request body's top-level
-    keys, for the request Struct ``typ``. Values are ``msgspec.Raw`` (an HTTP body) or plain JSON
-    values (a batch line); only those of the no-op fields are read."""
-    known, noop = typ.__struct_encode_fields__, NOOP_FIELDS[typ]
+    keys, for the request Struct ``typ`` (its no-op fields ``noop``, by default ``NOOP_FIELDS``'s).
+    Values are ``msgspec.Raw`` (an HTTP body) or plain JSON values (a batch line); only those of
+    the no-op fields are read."""
+    known = typ.__struct_encode_fields__
+    noop = NOOP_FIELDS[typ] if noop is None else noop
     for name, value in body.items():
         if name in known:
             continue
@@ -51,6 +53,13 @@ def check_fields(body: Mapping[str, Any], typ: type) -> None:
             check(value in noop[name], f"{name} is not supported by this server (accepted only as {shown})", name)
         else:
             raise InvalidRequest(f"unknown field {name!r}: this server does not support it", param=name)
+
+
+async def read_checked(request: Any, typ: type, noop: Mapping[str, tuple[Any, ...]] | None = None) -> Any:
+    """The body as ``typ``, then the unknown-field policy over its top-level keys (values left raw)."""
+    r = await read_body(request, typ)
+    check_fields(msgspec.json.decode(await request.body(), type=dict[str, msgspec.Raw]), typ, noop)
+    return r
 
 
 _REGEX_META = frozenset("\\.^$|?*+()[]{}")

@@ -47,11 +47,10 @@ from core.server.http import (
     encoder,
     json_response,
     prepare_off_loop,
-    read_body,
     state_of,
 )
 from core.server.openai.chat import ChatJob, choice_deltas, joined_text, prepare_chat
-from core.server.openai.job import REASONING_EFFORTS, effort_template_kwargs, finish_of
+from core.server.openai.job import REASONING_EFFORTS, effort_template_kwargs, finish_of, read_checked
 from core.server.openai.logprobs import chat_logprobs
 from core.server.openai.protocol import ChatCompletionRequest
 
@@ -93,11 +92,20 @@ class ResponsesRequest(Struct, kw_only=True):
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    stop: str | list[str] | None = None
     seed: int | None = None
     ignore_eos: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     request_id: str | None = None
     priority: int | None = None
+
+
+# the Responses API's fields for features this server lacks: accepted only where they leave it off
+# (the unknown-field policy of ``core.server.openai.protocol``; its ignored fields apply too)
+_NOOP = {"max_tool_calls": (None,), "stream_options": (None, {}, {"include_obfuscation": False},
+                                                       {"include_obfuscation": True})}
 
 
 class Stored(Struct):
@@ -235,7 +243,8 @@ def chat_request(r: ResponsesRequest, history: list[dict[str, Any]], items: list
             "top_p": r.top_p, "tools": tools, "tool_choice": choice, "parallel_tool_calls": r.parallel_tool_calls,
             "response_format": _response_format(r.text), "logprobs": logprobs,
             "top_logprobs": (r.top_logprobs or 0) if logprobs else None, "stream": bool(r.stream), "top_k": r.top_k,
-            "min_p": r.min_p, "repetition_penalty": r.repetition_penalty, "seed": r.seed, "ignore_eos": r.ignore_eos,
+            "min_p": r.min_p, "repetition_penalty": r.repetition_penalty, "frequency_penalty": r.frequency_penalty,
+            "presence_penalty": r.presence_penalty, "stop": r.stop, "seed": r.seed, "ignore_eos": r.ignore_eos,
             "user": r.user,
             "chat_template_kwargs": kwargs or None, "priority": r.priority}
     return convert_body({k: v for k, v in body.items() if v is not None}, ChatCompletionRequest)
@@ -341,7 +350,7 @@ def _output_messages(output: list[dict]) -> list[dict[str, Any]]:
 
 async def create_response(request: Request) -> Response:
     state = state_of(request)
-    r = await read_body(request, ResponsesRequest)
+    r = await read_checked(request, ResponsesRequest, _NOOP)
     store = _store(request)
     history: list[dict[str, Any]] = []
     if r.previous_response_id is not None:

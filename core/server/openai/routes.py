@@ -78,23 +78,16 @@ from core.server.lora import loaded_adapters
 from core.server.multimodal import has_image_parts
 from core.server.openai.chat import chat_response, chat_stream, prepare_chat
 from core.server.openai.completions import completion_response, completion_stream, prepare_completion
-from core.server.openai.job import check_fields
+from core.server.openai.job import check_fields, read_checked
 from core.server.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from core.server.openai.tools import check_tools
 
 _STARTED = int(time.time())
 
 
-async def _read_request(request: Request, typ: type) -> Any:
-    """The body as ``typ``, then the unknown-field policy over its top-level keys (values left raw)."""
-    r = await read_body(request, typ)
-    check_fields(msgspec.json.decode(await request.body(), type=dict[str, msgspec.Raw]), typ)
-    return r
-
-
 async def chat_completions(request: Request) -> Response:
     state = state_of(request)
-    r = await _read_request(request, ChatCompletionRequest)
+    r = await read_checked(request, ChatCompletionRequest)
     job = await (asyncio.to_thread(prepare_chat, state, r) if has_image_parts(r.messages)  # images: off the loop
                  else prepare_off_loop(request, prepare_chat, state, r))
     await job.start()
@@ -107,7 +100,7 @@ async def chat_completions(request: Request) -> Response:
 
 async def completions(request: Request) -> Response:
     state = state_of(request)
-    job = await prepare_off_loop(request, prepare_completion, state, await _read_request(request, CompletionRequest))
+    job = await prepare_off_loop(request, prepare_completion, state, await read_checked(request, CompletionRequest))
     await job.start()
     if job.stream:
         return EventStream(job.guarded(completion_stream(job)))

@@ -148,6 +148,16 @@ def _resolve(state: Any, kind: str, name: str, why: str) -> Any:
         raise InvalidRequest(f"{why}, but the {kind} {name!r} is not available: {e}", param="tool_choice") from None
 
 
+def unforced(parser: Any) -> Any:
+    """The reasoning-parser class for an output a grammar held from its first token: reasoning only
+    where the output itself opens a think block. A parser whose output starts inside one (the
+    prompt opened it: deepseek-r1, qwen3-thinking) would read a constrained answer, which never
+    closes a block, as reasoning."""
+    if getattr(parser, "force_reasoning", False):
+        return type(parser.__name__, (parser,), {"force_reasoning": False})
+    return parser
+
+
 def _native_parser(state: Any) -> Any:
     """The ``--tool-call-parser`` class when it can describe its own format to the grammar
     backend (it has ``structural_tag`` and the backend is xgrammar), else None."""
@@ -174,10 +184,32 @@ def plan_tools(state: Any, r: Any) -> ToolPlan:
             return ToolPlan(mode, name, constraint, named_args=True, reasoning_parser=reasoning)
         parser = _resolve(state, "tool_parser", JSON_ARRAY_PARSER, "tool_choice 'required' is read back as a JSON array")
         return ToolPlan(mode, name, constraint, tool_parser=parser, reasoning_parser=reasoning)
-    parser = None
+    parser = constraint = None
     if mode == "auto" and args.tool_call_parser and r.tools:
         parser = plugins.resolve("tool_parser", args.tool_call_parser)
-    return ToolPlan(mode, name, None, tool_parser=parser, reasoning_parser=reasoning)
+    if mode == "auto" and (strict := [i for i, t in enumerate(r.tools) if t["function"].get("strict") is True]):
+        constraint = _strict_auto(state, r, strict[0])
+    return ToolPlan(mode, name, constraint, tool_parser=parser, reasoning_parser=reasoning)
+
+
+def _strict_auto(state: Any, r: Any, first: int) -> tuple[str, str]:
+    """The constraint for ``strict`` tools under ``tool_choice: auto`` (OpenAI: the arguments always
+    follow the schema): free text, and every call the parser's format opens is held to its tool's
+    schema (xgrammar's triggered tags, as SGLang does); a 400 where the server cannot do that."""
+    native = _native_parser(state)
+    tag = native().structural_tag(r.tools, None, r.parallel_tool_calls is not False) if native is not None else None
+    fmt = (tag or {}).get("format") or {}
+    start = getattr(native, "start", "")
+    if not start or fmt.get("type") != "tags_with_separator" or not all(
+            t.get("begin", "").startswith(start) for t in fmt.get("tags", [])):
+        raise InvalidRequest(
+            f"tools[{first}].function.strict is true with tool_choice 'auto': holding the calls to their schemas needs "
+            "a --tool-call-parser whose call format the grammar backend can follow (xgrammar, and a parser with a "
+            "structural tag: qwen25, qwen3_coder, glm45, gpt-oss); set strict to false, or use tool_choice 'required' or a "
+            "named function", param=f"tools[{first}].function.strict")
+    triggered = {"type": "triggered_tags", "triggers": [start], "tags": fmt["tags"], "at_least_one": False,
+                 "stop_after_first": fmt.get("stop_after_first", False)}
+    return "structural_tag", json.dumps({"type": "structural_tag", "format": triggered})
 
 
 def _call_dict(call: ToolCall, index: int, with_id: bool = True) -> dict:
@@ -253,6 +285,8 @@ class ChoicePost:
         calls: list[ToolCall] | None = None
         if self.tools is not None:
             text, calls = self.tools.parse(text, self.r.tools)
+        if calls and getattr(self.r, "parallel_tool_calls", None) is False:  # one call asked for: the first (as SGLang)
+            calls = calls[:1]
         if calls:
             return reasoning, (text or None), [_call_dict(c, i) for i, c in enumerate(calls)], \
                 ("tool_calls" if reason == "stop" else reason)
@@ -273,6 +307,8 @@ class ChoicePost:
                 t2, c2 = self.tools.flush(self.r.tools)
                 text, calls = text + t2, calls + c2
             for c in calls:
+                if c.index > 0 and getattr(self.r, "parallel_tool_calls", None) is False:
+                    continue
                 out.append(_call_dict(c, c.index, with_id=bool(c.name)))
                 self.n_calls = max(self.n_calls, c.index + 1)
             delta = text
