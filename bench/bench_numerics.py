@@ -30,7 +30,7 @@ import core  # noqa: F401  (before torch: its OpenMP wait policy, see core/openm
 import torch
 
 from core.engine.device import cpu_model_name
-from core.engine.loader import default_model_path, resolve_model_path
+from core.engine.model_loader.loader import default_model_path, resolve_model_path
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -73,7 +73,7 @@ print(json.dumps([out_len / (end - t0), (out_len - 1) / (end - first)]))
 
 
 def run_llama_cpp(python: str, threads: int, prompt: list[int], out_len: int) -> tuple[float, float]:
-    from core.engine.loader import default_model_path
+    from core.engine.model_loader.loader import default_model_path
 
     proc = subprocess.run([python, "-c", LLAMA_CPP, str(default_model_path()), str(threads), str(out_len), json.dumps(prompt)],
                           capture_output=True, text=True, timeout=600)

@@ -230,7 +230,7 @@ class QuantMethod(Protocol):
         GPTQ's format, fp8's block size) instead of ``cls()``.
     ``gguf_raw: bool``
         The loader feeds a GGUF model's linear weights as raw blocks: ``<layer>.qweight``
-        (uint8 rows) and ``<layer>.qweight_type`` (the GGML type), see ``core.engine.loader``.
+        (uint8 rows) and ``<layer>.qweight_type`` (the GGML type), see ``core.engine.model_loader.loader``.
     ``pack_lm_head(embedding) -> torch.nn.Module | None``
         A packed LM head built from the loaded ``VocabEmbedding`` on its first ``logits`` call
         (None keeps it dense).

@@ -164,7 +164,7 @@ def smollm2():
 
     The GGUF conversion is cached under ~/.cache/core (or $CORE_CACHE_DIR), shared with CI runs."""
     import core
-    from core.engine.gguf_cache import gguf_dense_folder
+    from core.engine.model_loader.gguf_cache import gguf_dense_folder
     from transformers import AutoModelForCausalLM
 
     eng = core.Engine(dtype="float32", max_total_tokens=8192, cpu_threads=2, device="cpu")

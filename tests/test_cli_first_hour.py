@@ -199,7 +199,7 @@ def test_a_slow_cpu_dtype_is_warned_about(no_gpu: None, monkeypatch: pytest.Monk
 
     import torch
 
-    from core.engine.loader import pick_dtype
+    from core.engine.model_loader.loader import pick_dtype
 
     monkeypatch.setattr(device, "cpu_native_bf16", lambda flags=None: (native, "test CPU"))
     with capture_logs() as logs:  # where core serve and Engine(dtype=...) both pick the dtype

@@ -25,7 +25,7 @@ SHARED = "You are a careful assistant. Answer briefly and exactly. " * 2  # 112 
 
 
 def test_round_robin_skips_a_removed_replica():
-    from core.engine.dp_router import Router
+    from core.engine.data_parallel.router import Router
 
     r = Router(3, "round_robin")
     assert [r.pick([1], [0, 0, 0]) for _ in range(4)] == [0, 1, 2, 0]
@@ -34,7 +34,7 @@ def test_round_robin_skips_a_removed_replica():
 
 
 def test_shortest_queue_takes_the_least_loaded_and_rotates_ties():
-    from core.engine.dp_router import Router
+    from core.engine.data_parallel.router import Router
 
     r = Router(2, "shortest_queue")
     assert r.pick([1], [3, 1]) == 1 and r.pick([1], [0, 2]) == 0
@@ -42,7 +42,7 @@ def test_shortest_queue_takes_the_least_loaded_and_rotates_ties():
 
 
 def test_prefix_routes_shared_prefixes_together_unless_loads_diverge():
-    from core.engine.dp_router import BALANCE_ABS, PREFIX_BLOCK, Router
+    from core.engine.data_parallel.router import BALANCE_ABS, PREFIX_BLOCK, Router
 
     r = Router(2, "prefix")
     shared = list(range(100, 100 + 3 * PREFIX_BLOCK))
@@ -55,7 +55,7 @@ def test_prefix_routes_shared_prefixes_together_unless_loads_diverge():
 
 
 def test_unknown_method_is_refused():
-    from core.engine.dp_router import Router
+    from core.engine.data_parallel.router import Router
     from core.errors import CoreError
 
     with pytest.raises(CoreError, match="--load-balance-method 'random' is not one of round_robin"):

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from core.engine.loader import iter_weights
+from core.engine.model_loader.loader import iter_weights
 from core.errors import ModelLoadError
 from core.interfaces import AttentionConfig, ModelContext
 from core.testing.paged import PagedPool, Seq, make_batch

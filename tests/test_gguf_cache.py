@@ -16,7 +16,7 @@ import torch
 import transformers
 from safetensors import safe_open
 
-from core.engine import gguf_cache, loader
+from core.engine.model_loader import gguf_cache, loader
 from core.interfaces import ModelContext
 from tests.conftest import TINY_BASE, char_tokenizer
 

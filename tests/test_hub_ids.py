@@ -1,4 +1,4 @@
-"""Model-hub ids (``org/name``) as model and tokenizer paths (core.engine.hub): served from a
+"""Model-hub ids (``org/name``) as model and tokenizer paths (core.engine.model_loader.hub): served from a
 Hugging Face cache built on disk here (HF_HUB_OFFLINE or not), refused with a clear message when
 not cached and offline or not downloadable, and never a reason to touch the network: every
 test runs under a guard that fails on a connection to anything but the loopback address."""
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from core.engine.hub import is_hub_id, resolve_hub_args, resolve_hub_path
-from core.engine.loader import resolve_model_path
+from core.engine.model_loader.hub import is_hub_id, resolve_hub_args, resolve_hub_path
+from core.engine.model_loader.loader import resolve_model_path
 from core.errors import ModelLoadError
 from tests.conftest import greedy, make_engine
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 import transformers
 
-from core.engine import gguf_cache, loader
+from core.engine.model_loader import gguf_cache, loader
 from core.errors import ModelLoadError
 from core.engine.device import cpu_native_bf16
-from core.engine.loader import iter_weights, load_model_config, pick_dtype, resolve_model_path
+from core.engine.model_loader.loader import iter_weights, load_model_config, pick_dtype, resolve_model_path
 from tests.conftest import TINY_BASE, assert_greedy_matches, assert_pool_free, char_tokenizer, greedy, hf_logprobs, make_engine
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")

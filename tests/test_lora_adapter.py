@@ -19,7 +19,7 @@ from typing import Any, Iterator
 import pytest
 import torch
 
-from core.engine.loader import finish_loading, iter_weights
+from core.engine.model_loader.loader import finish_loading, iter_weights
 from core.engine.lora import LoRAAdapter, LoRAError, LoRAManager, LoRAPool, read_adapter
 from core.interfaces import AttentionConfig, ModelContext
 from core.testing.paged import PagedPool, Seq, make_batch

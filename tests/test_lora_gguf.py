@@ -20,7 +20,7 @@ def test_adapter_on_the_packed_gguf_base_agrees_with_peft_on_the_dequantized_mod
     from transformers import AutoModelForCausalLM
 
     import core
-    from core.engine.gguf_cache import gguf_dense_folder
+    from core.engine.model_loader.gguf_cache import gguf_dense_folder
     from core.testing.lora import write_random_adapter
 
     eng = core.Engine(dtype="bfloat16", max_total_tokens=2048, cpu_threads=1, device="cpu")  # (the embedded GGUF)

@@ -17,7 +17,7 @@ def test_gemma3_270m_greedy_matches_transformers() -> None:
     from transformers import AutoModelForCausalLM
 
     from core import Engine
-    from core.engine.gguf_cache import gguf_dense_folder
+    from core.engine.model_loader.gguf_cache import gguf_dense_folder
 
     engine = Engine(model_path=str(gemma_pkg.assemble()), dtype="float32", max_total_tokens=4096, cpu_threads=1)
     try:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from core.engine.loader import iter_weights
+from core.engine.model_loader.loader import iter_weights
 from core.interfaces import ModelContext
 from core.testing.suite import reference
 from core_plugins.models.llava import LlavaForConditionalGeneration as Ours

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from core.engine.config import EngineArgs
-from core.engine.loader import iter_weights, load_model_config
+from core.engine.model_loader.loader import iter_weights, load_model_config
 from core.engine.mem_cache.kv_cache import allocate_kv_cache
-from core.engine.model_build import build_model
+from core.engine.model_loader.model_build import build_model
 from core.interfaces import AttentionConfig, ForwardBatch, ModelContext
 from core.plugins import load_plugins
 from core_plugins.attention.torch_native import TorchNativeBackend

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core.engine import loader
+from core.engine.model_loader import loader
 from core_kernels import cpu_gemv
 from tests.test_quant_kernels import BF16_REL, rel_err
 from tests.test_quant_models import MIN_AGREEMENT, agreement_and_kl, teacher_forced_logits
@@ -63,7 +63,7 @@ def test_repacked_weights_equal_transformers_dequantized_weights(engines):
     the cache keeps no dequantized copy of them)."""
     import gguf
 
-    from core.engine.gguf_cache import gguf_dequantized
+    from core.engine.model_loader.gguf_cache import gguf_dequantized
 
     kept, _ = engines
     mc = kept.engine.model_config
@@ -95,7 +95,7 @@ def test_the_q8_0_head_keeps_the_files_codes_and_gives_float32_logits(engines):
     and scales, not re-quantized per row, and its logits come out in float32 (no bf16 top ties)."""
     import gguf
 
-    from core.engine.gguf_cache import raw_rows
+    from core.engine.model_loader.gguf_cache import raw_rows
 
     kept, _ = engines
     if HEAD_FORMAT != "int8_blocks":

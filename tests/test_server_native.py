@@ -654,7 +654,7 @@ def test_profile_bad_options_are_400(client: httpx.Client, body: dict, param: st
 
 
 def test_update_weights_from_disk(client: httpx.Client) -> None:
-    from core.engine.loader import default_model_path
+    from core.engine.model_loader.loader import default_model_path
 
     before = gen(client, text="The best fruit is", sampling_params=greedy(5)).json()["text"]
     path = str(default_model_path())

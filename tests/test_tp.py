@@ -165,7 +165,7 @@ def test_quant_methods_loading_their_own_weights_are_refused():
 ])
 def test_plan_refuses_bad_flags(kwargs, match):
     from core.engine.config import EngineArgs
-    from core.engine.distributed import plan_for
+    from core.engine.distributed.tensor_parallel import plan_for
     from core.errors import CoreError
 
     with pytest.raises(CoreError, match=match):

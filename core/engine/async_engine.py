@@ -15,9 +15,9 @@ import structlog
 import torch
 
 from core.engine import gc_watch, gil_switch
-from core.engine.collectives import KVSpec
+from core.engine.distributed.collectives import KVSpec
 from core.engine.device import check_openmp_policy, configure_cpu_runtime, pick_device
-from core.engine.distributed import RankFailure, start_tensor_parallel
+from core.engine.distributed.tensor_parallel import RankFailure, start_tensor_parallel
 from core.engine.lora.serving import attach_lora
 from core.engine.multimodal.engine import attach_multimodal
 from core.engine.config import EngineArgs, check_scheduling_args, overlap_schedule
@@ -28,10 +28,10 @@ from core.engine.frontend import RequestFrontEnd
 from core.engine.mem_cache.kv_cache import (
     PageAllocator, ReqToTokenTable, allocate_kv_cache, cpu_kv_tokens, kv_bytes_per_token, kv_cache_dtype,
 )
-from core.engine.loader import ModelConfig, load_model_config, pooling_config
+from core.engine.model_loader.loader import ModelConfig, load_model_config, pooling_config
 from core.engine.grammar import GrammarManager
 from core.engine.profiler import StepProfiler
-from core.engine.model_build import build_model
+from core.engine.model_loader.model_build import build_model
 from core.engine.cuda_graph import DEFAULT_MAX_BS, CudaGraphRunner, why_no_cuda_graph
 from core.engine.model_runner import ModelRunner
 from core.plugins import PluginManager, load_plugins
@@ -42,7 +42,7 @@ from core.engine.scheduler import ScheduledBatch, Scheduler
 from core.engine.speculative import build_speculator
 from core.engine.speculative.draft_model import EngineDraftContext
 from core.engine.watchdog import Watchdog
-from core.engine.weight_update import update_weights
+from core.engine.model_loader.weight_update import update_weights
 
 log = structlog.get_logger("core.engine")
 

@@ -38,7 +38,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16", "half", "float")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 LORA_BACKENDS = ("csgmv", "triton", "torch_native")
-LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "prefix")  # core.engine.dp_router
+LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue", "prefix")  # core.engine.data_parallel.router
 
 
 @attrs.frozen
@@ -168,7 +168,7 @@ class EngineArgs:
     plugins: str | list[str] | None = _arg(None, BACKENDS, "comma-separated plugins to load "
                                                            "(default: $CORE_PLUGINS or all installed)")
     strict_plugins: bool = _arg(False, BACKENDS, "a plugin that fails to load stops start-up")
-    # ---- parallelism (core.engine.distributed, core.engine.data_parallel)
+    # ---- parallelism (core.engine.distributed.tensor_parallel, core.engine.data_parallel.engine)
     tp_size: int = _arg(1, PARALLEL, "tensor parallelism: ranks (processes) the model's heads and features are split "
                                      "over", aliases=("--tensor-parallel-size",))
     dp_size: int = _arg(1, PARALLEL, "data parallelism: engine replicas (processes, each --tp-size ranks) behind one "
@@ -262,8 +262,8 @@ def engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
 
 def engine_args_from_namespace(ns: argparse.Namespace, plugin_dests: Sequence[str] = ()) -> EngineArgs:
     """``EngineArgs`` from parsed flags; the values of plugin flags (``plugin_dests``) go to ``extra``.
-    Model-hub ids are resolved to local paths here (``core.engine.hub.resolve_hub_args``)."""
-    from core.engine.hub import resolve_hub_args
+    Model-hub ids are resolved to local paths here (``core.engine.model_loader.hub.resolve_hub_args``)."""
+    from core.engine.model_loader.hub import resolve_hub_args
 
     extra = {d: getattr(ns, d) for d in plugin_dests if hasattr(ns, d)}
     return resolve_hub_args(EngineArgs(**engine_kwargs(ns), extra=extra))
@@ -291,8 +291,8 @@ def _is_off(value: Any, defaults: tuple[Any, ...]) -> bool:
 
 def engine_args_from_kwargs(kwargs: dict[str, Any]) -> EngineArgs:
     """Accept SGLang-style keyword arguments; unknown ones are an error naming them. Model-hub
-    ids are resolved to local paths here (``core.engine.hub.resolve_hub_args``)."""
-    from core.engine.hub import resolve_hub_args
+    ids are resolved to local paths here (``core.engine.model_loader.hub.resolve_hub_args``)."""
+    from core.engine.model_loader.hub import resolve_hub_args
     from core.engine.sglang_flags import SGLANG_FLAGS_LACKING
     from core.errors import CoreError
 

@@ -1,6 +1,6 @@
 """What every engine front shares: tokenizing, validating and building requests, and
 streaming their outputs. ``AsyncEngine`` (one engine in this process) and
-``core.engine.data_parallel.DataParallelEngine`` (replicas in other processes) both serve the
+``core.engine.data_parallel.engine.DataParallelEngine`` (replicas in other processes) both serve the
 HTTP layer through these methods; each supplies ``submit``, ``abort`` and the attributes read
 here (``tokenizer``, ``vocab_size``, ``grammar``, ``model_config``, ``allocator`` for the KV
 pool's ``pages_for`` / ``capacity``, ``max_total_tokens``).

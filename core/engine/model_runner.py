@@ -25,7 +25,7 @@ from core.engine.speculative.tree import mask_rows
 @attrs.define
 class StepInputs:
     """What one forward needs beyond the weights and the KV pool, as plain data: what rank 0
-    broadcasts to the other tensor-parallel ranks each step (``core.engine.distributed``), so
+    broadcasts to the other tensor-parallel ranks each step (``core.engine.distributed.tensor_parallel``), so
     that every rank runs the same forward and the same ``compute_logits`` calls."""
 
     input_ids: list[int]
@@ -147,7 +147,7 @@ class ModelRunner:
     speculator = None  # core.engine.speculative.Speculator with --speculative-algorithm, set by the engine
     kv_cache: KVCache | None = None  # the pool, for a tree verify's KV moves; set by the engine
     _kv_moves: tuple[list[int], list[int]] | None = None  # a verify's moves the other tensor-parallel ranks make next
-    tp = None  # core.engine.distributed.TensorParallelGroup on rank 0 of a --tp-size > 1 engine, set by the engine
+    tp = None  # core.engine.distributed.tensor_parallel.TensorParallelGroup on rank 0 of a --tp-size > 1 engine, set by the engine
     graphs: CudaGraphRunner | None = None  # decode CUDA graphs, set by the engine when captured
     lora = None  # core.engine.lora.LoRAServing with --enable-lora, set by the engine
     mm = None  # core.engine.multimodal.engine.MultimodalServing of a vision-language model, set by the engine

@@ -13,7 +13,7 @@ from core.log import configure_default_logging
 configure_default_logging()  # before the engine modules load: their logs go to stderr, not the user's stdout
 
 from core.engine.config import engine_args_from_kwargs  # noqa: E402
-from core.engine.data_parallel import create_engine  # noqa: E402
+from core.engine.data_parallel.engine import create_engine  # noqa: E402
 
 
 @dataclasses.dataclass

@@ -467,7 +467,7 @@ def check_device_args(ns: argparse.Namespace) -> None:
         why = "this machine has none" if not gpus else "--device cpu was given"
         raise CoreError(f"--attention-backend {backend} cannot run here: it needs a CUDA GPU and {why}; "
                         "use cpu or torch_native, or leave it unset")
-    # (a slow --dtype on this CPU is warned about where the dtype is picked: core.engine.loader.pick_dtype)
+    # (a slow --dtype on this CPU is warned about where the dtype is picked: core.engine.model_loader.loader.pick_dtype)
 
 
 def _show(v: Any) -> str:

@@ -51,7 +51,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         loaded_chat_template(ns.chat_template)
     if getattr(ns, "node_rank", 0):  # another machine of a multi-node tensor-parallel group: ranks only, no HTTP
         from core.engine.config import engine_args_from_namespace
-        from core.engine.distributed import serve_node
+        from core.engine.distributed.tensor_parallel import serve_node
 
         return serve_node(engine_args_from_namespace(ns, getattr(ns, "_plugin_dests", ())))
     return run_server(ns)
@@ -113,7 +113,7 @@ async def _serve(ns: argparse.Namespace) -> int:
 
     from core.engine import gc_watch
     from core.engine.config import engine_args_from_namespace
-    from core.engine.data_parallel import create_engine
+    from core.engine.data_parallel.engine import create_engine
     from core.server.app import create_app
     from core.server.native import run_internal_generate
     from core.server.openai.batches import shutdown_batches

@@ -100,7 +100,7 @@ def _reference_class(s: ModelSubject, config: Any) -> Any:
 
 
 def _build(s: ModelSubject) -> tuple[Any, Any]:
-    from core.engine.loader import iter_weights
+    from core.engine.model_loader.loader import iter_weights
 
     config = copy.deepcopy(s.config) if s.config is not None else derive_config(s.architecture)
     ref_cls = _reference_class(s, config)

@@ -1,6 +1,6 @@
 """GGUF kept quantized: a GGUF file's linear weights are repacked at load, never widened to bf16.
 
-The loader (``core.engine.loader``) feeds each ``Linear`` weight as its raw GGUF rows
+The loader (``core.engine.model_loader.loader``) feeds each ``Linear`` weight as its raw GGUF rows
 (``<layer>.qweight``, uint8 ``[rows, bytes_per_row]``, already row-permuted the way transformers
 reads the file) plus ``<layer>.qweight_type`` (the GGML type). Per checkpoint tensor:
 
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from core import hookimpl
-from core.engine.gguf_cache import raw_rows
+from core.engine.model_loader.gguf_cache import raw_rows
 from core.errors import ModelLoadError
 from core_plugins.quant import packed
 

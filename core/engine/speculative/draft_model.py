@@ -18,8 +18,8 @@ import structlog
 import torch
 
 from core.engine.mem_cache.kv_cache import allocate_kv_cache
-from core.engine.loader import load_model_config
-from core.engine.model_build import build_model
+from core.engine.model_loader.loader import load_model_config
+from core.engine.model_loader.model_build import build_model
 from core.engine.model_runner import StepInputs, forward_batch, forward_step, step_logits
 from core.errors import ModelLoadError
 from core.interfaces import AttentionConfig, DraftSeq
@@ -64,8 +64,8 @@ def target_tables(served: torch.nn.Module, mc: Any, device: torch.device, load_f
     Rank 0's own tables hold a slice of the vocabulary, and the head runs on rank 0 alone, where a
     sharded table's collectives would wait for ranks that never join; the residual stream the head
     reads is whole on every rank, so only the tables differ (SGLang shards the head instead)."""
-    from core.engine.loader import checkpoint_weights
-    from core.engine.model_build import init_dummy_weights
+    from core.engine.model_loader.loader import checkpoint_weights
+    from core.engine.model_loader.model_build import init_dummy_weights
     from core.layers import VocabEmbedding
 
     cfg, tied = served.config, bool(getattr(served, "tied", False))

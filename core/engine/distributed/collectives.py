@@ -1,7 +1,7 @@
 """The plumbing of a tensor-parallel group that every rank shares: the plan of where the
 ranks run, joining the group, and the two control-group primitives (rank 0's broadcast,
-everyone's error report). Rank 0 uses it from ``core.engine.distributed``, the other ranks
-from ``core.engine.tp_worker``.
+everyone's error report). Rank 0 uses it from ``core.engine.distributed.tensor_parallel``, the other ranks
+from ``core.engine.distributed.tp_worker``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from core.parallel import TensorParallel
 
 IDLE_TIMEOUT = datetime.timedelta(days=365)  # the control group: ranks wait for the next step while the server idles
 # imported once by the fork server, so that a rank or replica process starts without re-importing them
-PRELOAD = ("core.engine.tp_worker", "core.engine.dp_replica", "core.engine.async_engine",
+PRELOAD = ("core.engine.distributed.tp_worker", "core.engine.data_parallel.replica", "core.engine.async_engine",
            "transformers.models.auto.configuration_auto", "transformers.activations", "transformers.core_model_loading")
 
 

@@ -12,7 +12,7 @@ import structlog
 import torch
 
 from core.engine import gc_watch
-from core.engine.loader import load_model_config
+from core.engine.model_loader.loader import load_model_config
 
 if TYPE_CHECKING:
     from core.engine.async_engine import AsyncEngine

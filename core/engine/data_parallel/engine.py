@@ -2,8 +2,8 @@
 
 ``DataParallelEngine`` stands where an ``AsyncEngine`` stands (the HTTP server and the
 offline ``Engine`` use either): it tokenizes, validates and builds requests here
-(``RequestFrontEnd``), picks a replica per request (``core.engine.dp_router``), sends it to
-that replica's process (``core.engine.dp_replica``, a whole engine, itself ``--tp-size``
+(``RequestFrontEnd``), picks a replica per request (``core.engine.data_parallel.router``), sends it to
+that replica's process (``core.engine.data_parallel.replica``, a whole engine, itself ``--tp-size``
 ranks) and mirrors what the replica streams back into the request, so streaming, metrics
 (finish and step listeners run here) and the request log work as with one engine. Loads
 (``load``, ``num_waiting``...) are the replicas' latest reports, summed.
@@ -26,20 +26,20 @@ import attrs
 import structlog
 
 from core.engine import gc_watch
-from core.engine.collectives import process_context
+from core.engine.distributed.collectives import process_context
 from core.engine.config import EngineArgs, lora_requested
-from core.engine.dp_replica import ReqDelta, ReqSpec, replica_main
-from core.engine.dp_router import Router
+from core.engine.data_parallel.replica import ReqDelta, ReqSpec, replica_main
+from core.engine.data_parallel.router import Router
 from core.engine.frontend import RequestFrontEnd
 from core.engine.grammar import GrammarManager
 from core.engine.lora.replicated import ReplicatedAdapters
 from core.engine.mem_cache.kv_cache import PageAllocator
-from core.engine.loader import load_model_config
+from core.engine.model_loader.loader import load_model_config
 from core.engine.request import Req
 from core.errors import CoreError, InvalidRequest, ModelLoadError, Unavailable
 from core.plugins import PluginManager, load_plugins
 
-log = structlog.get_logger("core.engine.data_parallel")
+log = structlog.get_logger("core.engine.data_parallel.engine")
 
 STARTUP_POLL_S = 0.2
 STOP_GRACE_S = 10.0

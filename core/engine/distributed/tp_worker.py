@@ -1,5 +1,5 @@
 """A tensor-parallel rank other than 0: its shard of the model and of the KV pool, and a
-loop that runs whatever step rank 0 broadcasts (``core.engine.distributed``).
+loop that runs whatever step rank 0 broadcasts (``core.engine.distributed.tensor_parallel``).
 
 It never schedules or samples: it joins the group, builds its shard of the model exactly as
 rank 0 does (``build_model`` under ``building(group)``), allocates the KV pool rank 0 sized,
@@ -22,17 +22,17 @@ import torch
 
 from core.engine import gc_watch
 from core.engine.config import EngineArgs
-from core.engine.collectives import DistPlan, KVSpec, agree, broadcast, describe, init_rank, rank_device
+from core.engine.distributed.collectives import DistPlan, KVSpec, agree, broadcast, describe, init_rank, rank_device
 from core.engine.device import configure_cpu_runtime
 from core.engine.mem_cache.kv_cache import allocate_kv_cache
-from core.engine.loader import load_model_config
-from core.engine.model_build import build_model
+from core.engine.model_loader.loader import load_model_config
+from core.engine.model_loader.model_build import build_model
 from core.engine.model_runner import forward_step
 from core.interfaces import AttentionConfig
 from core.layers import local_heads
 from core.parallel import building
 
-log = structlog.get_logger("core.engine.tp_worker")
+log = structlog.get_logger("core.engine.distributed.tp_worker")
 
 
 def rank_main(rank: int, args: EngineArgs, plan: DistPlan) -> None:

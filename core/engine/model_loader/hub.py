@@ -30,7 +30,7 @@ from core.errors import ModelLoadError
 if TYPE_CHECKING:
     from core.engine.config import EngineArgs
 
-log = structlog.get_logger("core.engine.hub")
+log = structlog.get_logger("core.engine.model_loader.hub")
 
 # org/name, optionally followed by the path of one .gguf file in the repository
 _HUB_ID = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:/(?P<file>[\w./-]+\.gguf))?")

@@ -1,5 +1,5 @@
 """One data-parallel replica: a whole ``AsyncEngine`` (itself possibly tensor-parallel) in its
-own process and event loop, driven over a pipe by ``core.engine.data_parallel``.
+own process and event loop, driven over a pipe by ``core.engine.data_parallel.engine``.
 
 The front end sends requests as plain specs (it already tokenized and validated them); the
 replica runs them and streams back, per step, what changed in each request (new token ids,
@@ -24,7 +24,7 @@ from core.engine.device import configure_cpu_runtime
 from core.engine.request import Req
 from core.engine.sampling_params import SamplingParams
 
-log = structlog.get_logger("core.engine.dp_replica")
+log = structlog.get_logger("core.engine.data_parallel.replica")
 
 
 @attrs.frozen
@@ -58,7 +58,7 @@ class ReqDelta:
 def replica_main(index: int, args: EngineArgs, conn) -> None:
     """Entry point of a replica process (spawned)."""
     from core.engine.async_engine import AsyncEngine
-    from core.engine.collectives import describe
+    from core.engine.distributed.collectives import describe
     from core.log import configure_logging
 
     configure_logging(args.log_level)

@@ -31,7 +31,7 @@ import torch
 
 from core.errors import ModelLoadError
 
-log = structlog.get_logger("core.engine.gguf_cache")
+log = structlog.get_logger("core.engine.model_loader.gguf_cache")
 
 GGUF_CACHE_DTYPE = torch.bfloat16  # the unsuffixed folders' dtype; others get ``<hash>-<dtype>``
 GGUF_TABLE = "gguf_tensors.json"  # in the packed folder, next to the tensors it does not list

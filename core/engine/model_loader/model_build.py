@@ -1,6 +1,6 @@
 """Building a model from its config and loading its weights, the same way on every rank.
 
-``AsyncEngine`` (rank 0) and the other tensor-parallel ranks (``core.engine.tp_worker``) both
+``AsyncEngine`` (rank 0) and the other tensor-parallel ranks (``core.engine.distributed.tp_worker``) both
 call :func:`build_model`; under ``core.parallel.building(group)`` the shared layers shard
 themselves and their weight loaders keep this rank's slice of each checkpoint tensor.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from core.engine.config import EngineArgs
-from core.engine.loader import ModelConfig, build_quant_method, check_load_format, checkpoint_weights, finish_loading
+from core.engine.model_loader.loader import ModelConfig, build_quant_method, check_load_format, checkpoint_weights, finish_loading
 from core.errors import ModelLoadError, UnknownNameError
 from core.interfaces import ModelContext
 

@@ -2,7 +2,7 @@
 
 Rank 0 is the engine's own process: ``AsyncEngine`` keeps the one scheduler, the sampling
 and the KV pool's bookkeeping there. Ranks 1..tp-1 are worker processes
-(``core.engine.tp_worker``, spawned here, or by ``core serve --node-rank N`` on the other
+(``core.engine.distributed.tp_worker``, spawned here, or by ``core serve --node-rank N`` on the other
 machines) holding the other shards of the weights and of the KV pool. Each step, rank 0's
 forward thread broadcasts the step's inputs (``StepInputs``) and then every rank runs the
 same forward; the shared layers' all-reduces / all-gathers pair up on the compute group
@@ -29,13 +29,13 @@ import attrs
 import structlog
 import torch
 
-from core.engine.collectives import DistPlan, KVSpec, agree, broadcast, describe, first_failure, init_rank, process_context
+from core.engine.distributed.collectives import DistPlan, KVSpec, agree, broadcast, describe, first_failure, init_rank, process_context
 from core.engine.config import EngineArgs
 from core.engine.model_runner import StepInputs
 from core.errors import CoreError, ModelLoadError
 from core.parallel import TensorParallel, building
 
-log = structlog.get_logger("core.engine.distributed")
+log = structlog.get_logger("core.engine.distributed.tensor_parallel")
 # how long a failure waits for a dead rank's exit code, so that the error names it: the forkserver
 # that reaps the rank is slow to report under load (1 s was sometimes too short in the test suite)
 REAP_WAIT_S = 5.0
@@ -89,7 +89,7 @@ class TensorParallelGroup:
     watcher or the forward thread) when the group fails."""
 
     def __init__(self, plan: DistPlan, args: EngineArgs) -> None:
-        from core.engine.tp_worker import rank_main
+        from core.engine.distributed.tp_worker import rank_main
 
         self.plan, self.failure = plan, None
         self.on_failure: Callable[[str], None] | None = None
@@ -283,7 +283,7 @@ def serve_node(args: EngineArgs) -> int:
     import signal
 
     from core.engine.device import pick_device
-    from core.engine.tp_worker import rank_main
+    from core.engine.distributed.tp_worker import rank_main
 
     plan = plan_for(args, pick_device(args.device))
     if plan is None or plan.node_rank == 0:
