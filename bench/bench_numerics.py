@@ -94,9 +94,9 @@ def core_path(ws: list[list[int]], threads: int, chunk: int, **kwargs) -> list[d
                                 return_logprob=True, logprob_start_len=0, top_logprobs_num=2)
             tops = r["meta_info"]["input_top_logprobs"][1:]  # entry i: the candidates for token i given < i
             lps = r["meta_info"]["input_token_logprobs"][1:]
-            # the offline engine's entries: candidates (token id, logprob), tokens (logprob, token id)
-            out.append({"top": [t[0][0] for t in tops], "nll": [-lp for lp, _ in lps],
-                        "ties": sum(1 for t in tops if t[0][1] == t[1][1])})
+            # the offline engine's entries, SGLang's: (logprob, token id, text)
+            out.append({"top": [t[0][1] for t in tops], "nll": [-lp for lp, _, _ in lps],
+                        "ties": sum(1 for t in tops if t[0][0] == t[1][0])})
     finally:
         engine.shutdown()
     return out

@@ -332,7 +332,12 @@ class ToolParser(Protocol):
         With the xgrammar backend, ``tool_choice`` required / named constrains the output to this
         tag and the same parser reads the calls back (``parse`` / ``parse_streaming``), so the
         tag must only admit text the parser parses. Without it core falls back to SGLang's JSON
-        constraint."""
+        constraint. The tag's calls must each begin with the class attribute ``start`` (the text
+        that opens a call) for ``strict`` tools under ``tool_choice: auto``.
+
+    ``reads_special_tokens: bool`` (class attribute, default false)
+        The format's markers are special tokens (gpt-oss's harmony channels): a request that does
+        not set ``skip_special_tokens`` keeps them in its text for this parser."""
 
     def parse(self, text: str, tools: list[dict]) -> tuple[str, list[ToolCall]]:
         """Return (normal text, calls) for a complete output."""
@@ -357,7 +362,13 @@ class ReasoningParser(Protocol):
     ``configure(chat_template_kwargs: dict) -> None``
         Called once, before any ``parse`` / ``parse_streaming``, with the request's
         ``chat_template_kwargs`` (``{}`` when absent), e.g. ``qwen3`` with
-        ``enable_thinking: false`` stops separating (everything is content), as in SGLang."""
+        ``enable_thinking: false`` stops separating (everything is content), as in SGLang.
+
+    ``force_reasoning: bool`` (class attribute, default false)
+        The prompt opened the think block, so the output starts inside it (deepseek-r1). For an
+        output constrained from its first token, core builds a subclass with it false.
+
+    ``reads_special_tokens: bool`` (class attribute, default false): as for ``ToolParser``."""
 
     def parse(self, text: str) -> tuple[str, str]:
         """Return (reasoning_content, content) for a complete output."""

@@ -39,10 +39,10 @@ def check_against_transformers(eng, hf, prompts: list[list[int]], n: int = 6, at
         ref = hf_logprobs(hf, p + out["output_ids"])
         L = len(p)
         meta = out["meta_info"]
-        got = torch.tensor([lp for lp, _ in meta["input_token_logprobs"][1:]])
+        got = torch.tensor([lp for lp, _, _ in meta["input_token_logprobs"][1:]])
         want = ref[torch.arange(L - 1), torch.tensor(p[1:])]
         torch.testing.assert_close(got, want, atol=atol, rtol=0)
-        got = torch.tensor([lp for lp, _ in meta["output_token_logprobs"]])
+        got = torch.tensor([lp for lp, _, _ in meta["output_token_logprobs"]])
         want = ref[torch.arange(L - 1, L - 1 + n), torch.tensor(out["output_ids"])]
         torch.testing.assert_close(got, want, atol=atol, rtol=0)
         assert_greedy_matches(hf, p, out["output_ids"], n)

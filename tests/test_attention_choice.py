@@ -134,8 +134,8 @@ def greedy_is_reference_best(ref, prompt: list[int], out: list[int], tol: float 
     given the same prefix, up to ``tol`` nats: robust to bf16 near-ties, unlike equal token lists."""
     o = ref.generate(input_ids=prompt + out, sampling_params={"max_new_tokens": 1, "temperature": 0},
                      return_logprob=True, logprob_start_len=len(prompt), top_logprobs_num=1)
-    got = [lp for lp, _ in o["meta_info"]["input_token_logprobs"]]
-    best = [top[0][1] for top in o["meta_info"]["input_top_logprobs"]]
+    got = [lp for lp, _, _ in o["meta_info"]["input_token_logprobs"]]
+    best = [top[0][0] for top in o["meta_info"]["input_top_logprobs"]]
     assert len(got) == len(out)
     assert all(g >= b - tol for g, b in zip(got, best)), list(zip(got, best))
 

@@ -119,8 +119,8 @@ def test_prompt_logprobs_are_never_chunked(path, engine_factory):
     for _ in range(2):  # the second time the prompt is cached, but prompt logprobs need it all
         out = eng.generate(input_ids=prompt, sampling_params=greedy(3), return_logprob=True, logprob_start_len=0)
         assert out["output_ids"] == ref["output_ids"]
-        got = [lp for lp, _ in out["meta_info"]["input_token_logprobs"]]
-        want = [lp for lp, _ in ref["meta_info"]["input_token_logprobs"]]
+        got = [lp for lp, _, _ in out["meta_info"]["input_token_logprobs"]]
+        want = [lp for lp, _, _ in ref["meta_info"]["input_token_logprobs"]]
         assert got[0] is None and len(got) == len(prompt)
         assert got[1:] == pytest.approx(want[1:], abs=1e-4)
     assert_pool_free(eng)

@@ -196,7 +196,7 @@ def test_bfloat16_engine_is_as_close_to_float32_as_torch_native(kernel, tiny_lla
             out = eng.generate(input_ids=prompt, sampling_params=greedy(1), return_logprob=True, logprob_start_len=0)
         finally:
             eng.shutdown()
-        got = torch.tensor([lp for lp, _ in out["meta_info"]["input_token_logprobs"][1:]])
+        got = torch.tensor([lp for lp, _, _ in out["meta_info"]["input_token_logprobs"][1:]])
         err[backend] = (got - want).abs()
     assert err["cpu"].max() < 0.5 and err["cpu"].mean() <= 1.25 * err["torch_native"].mean(), err
 

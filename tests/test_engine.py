@@ -347,11 +347,11 @@ def test_min_new_tokens_and_ignore_eos(eng):
 def test_return_logprob_with_text_prompt(eng):
     out = eng.generate(PROMPT, greedy(3), return_logprob=True, top_logprobs_num=2)
     meta = out["meta_info"]
-    assert [t for _, t in meta["output_token_logprobs"]] == out["output_ids"]
-    assert all(lp <= 0 for lp, _ in meta["output_token_logprobs"])
+    assert [t for _, t, _ in meta["output_token_logprobs"]] == out["output_ids"]
+    assert all(lp <= 0 for lp, _, _ in meta["output_token_logprobs"])
     assert [len(t) for t in meta["output_top_logprobs"]] == [2, 2, 2]
     # greedy: the chosen token is the top-1
-    assert [t[0][0] for t in meta["output_top_logprobs"]] == out["output_ids"]
+    assert [t[0][1] for t in meta["output_top_logprobs"]] == out["output_ids"]
 
 
 # --------------------------------------------------------------------------- aborts
@@ -436,8 +436,8 @@ def test_abort_queued_request(tiny, engine_factory):
     aborted = []
 
     def listener(batch, dt):
-        if not aborted and any(r.rid == "q-1" for r in ae.scheduler.waiting) and len(batch.reqs[0].output_ids) >= 2:
-            aborted.append(ae.abort("q-1"))
+        if not aborted and any(r.rid == "q_1" for r in ae.scheduler.waiting) and len(batch.reqs[0].output_ids) >= 2:
+            aborted.append(ae.abort("q_1"))
 
     ae.step_listeners.append(listener)
     try:
@@ -463,7 +463,7 @@ def test_load_queries_and_abort_all(tiny, engine_factory):
     def listener(batch, dt):
         if not seen and len(batch.reqs[0].output_ids) >= 2:
             seen.update(waiting=ae.num_waiting(), running=ae.num_running(), busy=ae.has_work(), load=ae.load(),
-                        known=(ae.has_request("all-0"), ae.has_request("all-2"), ae.has_request("all"), ae.has_request("x")))
+                        known=(ae.has_request("all_0"), ae.has_request("all_2"), ae.has_request("all"), ae.has_request("x")))
             seen["aborted"] = ae.abort_all("stopped by the test")
             seen["again"] = ae.abort_all()  # already aborted: not counted twice
 
@@ -609,9 +609,10 @@ def test_prompt_longer_than_context(tiny, engine_factory):
     assert e.value.param == "prompt" and "40" in str(e.value) and "32" in str(e.value)
     with pytest.raises(InvalidRequest):
         eng.generate(input_ids=[1] + [9] * 31, sampling_params=greedy(1))
-    # a prompt that fits is clamped at the context length instead of erroring
+    # a prompt that fits, without max_new_tokens, is cut at the context length instead of erroring
+    # (an explicit max_new_tokens past it is an error, as SGLang's: tests/test_offline_api.py)
     p = [1] + [9] * 29
-    out = eng.generate(input_ids=p, sampling_params={"temperature": 0, "max_new_tokens": 50, "ignore_eos": True})
+    out = eng.generate(input_ids=p, sampling_params={"temperature": 0, "ignore_eos": True})
     assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 2}
     assert_greedy_matches(hf, p, out["output_ids"], 2)
     assert_pool_free(eng)

@@ -167,6 +167,8 @@ CLASSIFIED: dict[str, dict[str, Any]] = {
         "continue_final_message": H(f"{ME}::test_tokenize_template_options_change_the_count"),
         "tools": H(f"{ME}::test_tokenize_template_options_change_the_count"),
         "chat_template_kwargs": H(f"{ME}::test_tokenize_template_options_change_the_count"),
+        "tool_choice": H("tests.test_server_parity::test_tokenize_counts_what_chat_renders"),
+        "reasoning_effort": H("tests.test_server_parity::test_tokenize_counts_what_chat_renders"),
         "return_token_strs": H(f"{NAT}::test_tokenize_counts_what_generate_and_chat_send"),
     },
     "DetokenizeRequest": {
@@ -222,6 +224,7 @@ CLASSIFIED: dict[str, dict[str, Any]] = {
         "documents": H(f"{ME}::test_tokenize_template_options_change_the_count"),
         "continue_final_message": H(f"{OAI}::test_messages_continue_an_assistant_prefill"),
         "separate_reasoning": H("tests.test_parsers::test_tool_plan_decides_mode_constraint_and_parsers_once"),
+        "thinking_token_budget": H("tests.test_openai_tool_fields::test_a_thinking_budget_closes_the_reasoning"),
         "reasoning_effort": H(f"{VLLM}::test_check_fields_on_batch_bodies_and_reasoning_effort"),
     },
     "CompletionRequest": {
@@ -294,6 +297,7 @@ CLASSIFIED: dict[str, dict[str, Any]] = {
         "regex": H(f"{VLLM}::test_regex"),
         "ebnf": H(f"{STRUCT}::test_generate_constraints"),
         "structural_tag": H(f"{VLLM}::test_request_constraint_mapping"),
+        "thinking": H("tests.test_openai_tool_fields::test_a_thinking_budget_leaves_an_answer_without_reasoning_alone"),
     },
     "EngineArgs": {
         "model_path": H(f"{NSF}::test_update_flushes_every_data_parallel_replica"),

@@ -229,7 +229,7 @@ def test_bin_folder_serves_like_transformers(tiny_llama, engine_factory, variant
     out = eng.generate(input_ids=p, sampling_params=greedy(5), return_logprob=True, logprob_start_len=0)
     assert_greedy_matches(hf, p, out["output_ids"], 5)
     ref = hf_logprobs(hf, p)
-    got = torch.tensor([lp for lp, _ in out["meta_info"]["input_token_logprobs"][1:]])
+    got = torch.tensor([lp for lp, _, _ in out["meta_info"]["input_token_logprobs"][1:]])
     torch.testing.assert_close(got, ref[torch.arange(5), torch.tensor(p[1:])], atol=1e-4, rtol=0)
 
 

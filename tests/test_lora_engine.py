@@ -293,6 +293,10 @@ def test_max_loaded_loras_and_the_slot_eviction_policy(setup):
         e.shutdown()
     with pytest.raises(Exception, match="--max-loaded-loras"):
         make_engine(root / "base", lora_paths=[f"a={root / 'qv8'}"], max_loaded_loras=1, max_loras_per_batch=2)
+    # more adapters at start than may stay loaded: a start-up error, as with --dp-size (it evicted the first)
+    with pytest.raises(Exception, match="names 3 adapters, more than --max-loaded-loras"):
+        make_engine(root / "base", lora_paths=[f"{n}={root / n}" for n in adapters], max_loaded_loras=2,
+                    max_loras_per_batch=2)
 
 
 def test_unloading_an_adapter_in_use_lets_its_requests_finish(setup, eng):

@@ -41,7 +41,7 @@ def test_adapter_on_the_packed_gguf_base_agrees_with_peft_on_the_dequantized_mod
         def top1(lora):
             out = eng.generate(input_ids=ids, sampling_params={"max_new_tokens": 1, "temperature": 0},
                                return_logprob=True, logprob_start_len=0, top_logprobs_num=1, lora_path=lora)
-            return torch.tensor([tops[0][0] for tops in out["meta_info"]["input_top_logprobs"][1:]])  # (token id, logprob)
+            return torch.tensor([tops[0][1] for tops in out["meta_info"]["input_top_logprobs"][1:]])  # (logprob, token id, text)
 
         served, served_base = top1("a"), top1(None)
     finally:

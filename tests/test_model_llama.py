@@ -43,20 +43,20 @@ def check_logprobs(out: dict, prompt_ids: list[int], hf, top: int, atol: float =
     ref = hf_logprobs(hf, prompt_ids + out["output_ids"])
     L = len(prompt_ids)
     inp = meta["input_token_logprobs"]
-    assert [t for _, t in inp] == prompt_ids
+    assert [t for _, t, _ in inp] == prompt_ids
     assert inp[0][0] is None, "the first prompt token has no logprob"
-    got = torch.tensor([lp for lp, _ in inp[1:]])
+    got = torch.tensor([lp for lp, _, _ in inp[1:]])
     want = ref[torch.arange(L - 1), torch.tensor(prompt_ids[1:], dtype=torch.long)] if L > 1 else torch.empty(0)
     torch.testing.assert_close(got, want, atol=atol, rtol=0)
 
     in_top = meta["input_top_logprobs"]
-    assert len(in_top) == L and in_top[0] == []
+    assert len(in_top) == L and in_top[0] is None
     for i in range(1, L):
         check_top(in_top[i], ref[i - 1], top, atol)
 
     outs = meta["output_token_logprobs"]
-    assert [t for _, t in outs] == out["output_ids"]
-    got = torch.tensor([lp for lp, _ in outs])
+    assert [t for _, t, _ in outs] == out["output_ids"]
+    got = torch.tensor([lp for lp, _, _ in outs])
     want = ref[torch.arange(L - 1, L - 1 + len(outs)), torch.tensor(out["output_ids"], dtype=torch.long)]
     torch.testing.assert_close(got, want, atol=atol, rtol=0)
     out_top = meta["output_top_logprobs"]
@@ -66,10 +66,11 @@ def check_logprobs(out: dict, prompt_ids: list[int], hf, top: int, atol: float =
 
 
 def check_top(entry: list, ref_row: torch.Tensor, top: int, atol: float = ATOL) -> None:
-    """Top-k entries: sorted, the right values, and each id's value is its own logprob (tie-proof)."""
+    """Top-k (logprob, token id, text) entries: sorted, the right values, and each id's value is its
+    own logprob (tie-proof)."""
     assert len(entry) == top
-    ids = [t for t, _ in entry]
-    vals = torch.tensor([v for _, v in entry])
+    ids = [t for _, t, _ in entry]
+    vals = torch.tensor([v for v, _, _ in entry])
     assert len(set(ids)) == top
     torch.testing.assert_close(vals, ref_row.topk(top).values, atol=atol, rtol=0)
     torch.testing.assert_close(vals, ref_row[torch.tensor(ids)], atol=atol, rtol=0)
@@ -113,8 +114,8 @@ def test_logprob_start_len_offsets_the_prompt_logprobs(gqa, engine_factory):
     out = eng.generate(input_ids=p, sampling_params=greedy(1), return_logprob=True, logprob_start_len=4, top_logprobs_num=2)
     meta = out["meta_info"]
     ref = hf_logprobs(hf, p)
-    assert [t for _, t in meta["input_token_logprobs"]] == p[4:]
-    got = torch.tensor([lp for lp, _ in meta["input_token_logprobs"]])
+    assert [t for _, t, _ in meta["input_token_logprobs"]] == p[4:]
+    got = torch.tensor([lp for lp, _, _ in meta["input_token_logprobs"]])
     torch.testing.assert_close(got, ref[torch.arange(3, 11), torch.tensor(p[4:])], atol=ATOL, rtol=0)
     assert len(meta["input_top_logprobs"]) == 8
     # without logprob_start_len only output logprobs come back (the input list empty, as SGLang's)
@@ -271,7 +272,7 @@ def test_bfloat16_engine_stays_close_to_float32(gqa, engine_factory):
     # on the engine's device: bf16 rounding differs between CPU and GPU kernels
     hf_bf16 = LlamaForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(eng.engine.device).eval()
     idx = (torch.arange(19), torch.tensor(p[1:]))
-    got = torch.tensor([lp for lp, _ in out["meta_info"]["input_token_logprobs"][1:]])
+    got = torch.tensor([lp for lp, _, _ in out["meta_info"]["input_token_logprobs"][1:]])
     # same numerics as transformers in bfloat16, and within bfloat16 error of float32
     # (a GPU's bf16 GEMMs pick shape-dependent algorithms: there the two differ by a few more ulps)
     near = 2e-2 if eng.engine.device.type == "cpu" else 8e-2

@@ -104,3 +104,26 @@ def test_http_endpoints(tmp_path, engine_factory):
         head = c.post("/v1/embeddings", json={"input": long[:ctx]}).json()["data"][0]["embedding"]
         assert got == head
         assert c.post("/encode", json={"input_ids": long}).json()["embedding"] == head
+
+
+def test_sentence_transformers_layouts_it_cannot_follow_are_refused_at_start(tmp_path):
+    """A Pooling module asking for max (or several) pooling, or a Dense projection after it, was
+    served with last-token pooling and no projection: a 200 with other vectors than the model's."""
+    import pytest
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from core.errors import ModelLoadError
+    from tests.conftest import make_engine
+
+    build_tiny(tmp_path, Qwen2Config, Qwen2ForCausalLM)
+    (tmp_path / "1_Pooling").mkdir()
+    transformer = {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"}
+    pooling = {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}
+    dense = {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"}
+    for modes, extra, why in (({"pooling_mode_max_tokens": True}, [], "max_tokens pooling"),
+                              ({"pooling_mode_mean_tokens": True, "pooling_mode_cls_token": True}, [], r"cls_token \+ mean_tokens"),
+                              ({"pooling_mode_mean_tokens": True}, [dense], "Dense module")):
+        (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(modes))
+        (tmp_path / "modules.json").write_text(json.dumps([transformer, pooling, *extra]))
+        with pytest.raises(ModelLoadError, match=why):
+            make_engine(tmp_path, skip_tokenizer_init=True, is_embedding=True, max_total_tokens=256)

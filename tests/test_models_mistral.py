@@ -33,7 +33,7 @@ def test_window_matters(tmp_path, engine_factory):
         layer.self_attn.attn.spec = attrs.evolve(layer.self_attn.attn.spec, sliding_window=None)
     p = prompt(20, 5)
     out = eng.generate(input_ids=p, sampling_params=greedy(1), return_logprob=True, logprob_start_len=0)
-    got = torch.tensor([lp for lp, _ in out["meta_info"]["input_token_logprobs"][1:]])
+    got = torch.tensor([lp for lp, _, _ in out["meta_info"]["input_token_logprobs"][1:]])
     want = hf_logprobs(hf, p)[torch.arange(19), torch.tensor(p[1:])]
     assert (got[:4] - want[:4]).abs().max() < 1e-4  # within the window: identical
     assert (got[8:] - want[8:]).abs().max() > 1e-2

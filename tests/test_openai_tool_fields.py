@@ -6,6 +6,7 @@ Responses and Messages APIs' unknown fields."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 import xgrammar as xgr
@@ -188,3 +189,120 @@ def test_messages_refuses_unknown_fields(qwen, field, value):
     assert r.json()["type"] == "error" and field in r.json()["error"]["message"]
     r = qwen.post("/v1/messages/count_tokens", json={"messages": HI, field: value})
     assert r.status_code == 400, r.text
+
+
+# ---- chat_template_kwargs keys the request's own fields set
+
+
+def test_chat_template_kwargs_reserved_keys_are_honoured_or_refused(qwen):
+    msgs = [*HI, {"role": "assistant", "content": "Hel"}]
+
+    def usage(body: dict) -> Any:
+        r = qwen.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 1, **body})
+        return r.json()["usage"]["prompt_tokens"] if r.status_code == 200 else (r.status_code, r.json()["error"]["param"])
+
+    cont = usage({"continue_final_message": True})
+    assert usage({"chat_template_kwargs": {"continue_final_message": True}}) == cont != usage({})
+    assert usage({"chat_template_kwargs": {"add_generation_prompt": True}}) == usage({})
+    assert usage({"chat_template_kwargs": {"add_generation_prompt": False}}) == \
+        (400, "chat_template_kwargs.add_generation_prompt")
+    for key in ("tools", "messages", "documents", "chat_template"):
+        assert usage({"chat_template_kwargs": {key: []}}) == (400, f"chat_template_kwargs.{key}")
+
+
+# ---- parsers whose markers are special tokens (gpt-oss)
+
+
+def test_gpt_oss_parsers_keep_special_tokens_unless_the_request_sets_it(tiny_llama):
+    from core.server.openai.chat import prepare_chat
+    from core.server.openai.protocol import ChatCompletionRequest
+    import msgspec
+
+    for flags in (("--reasoning-parser", "gpt-oss"), ("--tool-call-parser", "gpt-oss"), ()):
+        s = Served(tiny_llama()[0], *flags)
+        try:
+            def skip(**body: Any) -> bool:
+                tools = {"tools": TOOLS} if "--tool-call-parser" in flags else {}
+                r = msgspec.convert({"messages": HI, **tools, **body}, ChatCompletionRequest)
+                return prepare_chat(s.state, r).reqs[0].params.skip_special_tokens
+            assert skip() is (len(flags) == 0)  # harmony's channel markers reach the parser
+            assert skip(skip_special_tokens=True) is True and skip(skip_special_tokens=False) is False
+        finally:
+            s.close()
+
+
+# ---- logprob token text of a SentencePiece vocabulary
+
+
+def test_sentencepiece_logprob_tokens_keep_their_word_spaces():
+    """Llama-2 / Mistral's decoder strips the leading space of a decode (Strip(' ', 1, 0)); each
+    logprob token was decoded alone, so '▁world' read 'world': joined tokens, bytes and
+    completions' text_offset no longer matched the text (lm-eval finds continuations by them)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from core.server.openai.logprobs import Offsets, Vocab
+
+    words = ["Hello", "world", "how", "are", "you"]
+    tk = Tokenizer(models.WordLevel({"<unk>": 0, **{"\u2581" + w: i + 1 for i, w in enumerate(words)},
+                                     **{w: i + 10 for i, w in enumerate(words)}}, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")
+    tk.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk)
+    text = "Hello world how are you"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert tok.decode(ids) == text and tok.decode(ids[1:2]) == "world"  # alone, the space is gone
+    vocab, offsets = Vocab(tok), Offsets()
+    pieces = [vocab.get(t) for t in ids]
+    assert [s for s, _ in pieces] == [" Hello", " world", " how", " are", " you"]
+    assert b"".join(b for _, b in pieces).decode() == " " + text  # the first word's space, as the pieces hold it
+    assert [offsets.add(b) for _, b in pieces] == [0, 6, 12, 16, 20]
+    assert vocab.get(tok.convert_tokens_to_ids("world")) == ("world", b"world")  # no word start: no space
+
+
+# ---- a thinking budget (vLLM's thinking_token_budget, Anthropic's thinking.budget_tokens)
+
+
+def test_a_thinking_budget_closes_the_reasoning(r1):
+    """The random tiny model never closes its think block: without a budget all 24 tokens are
+    reasoning; with one, the reasoning parser's end tag is forced after that many tokens and the
+    rest is the answer. Anthropic's budget_tokens was validated and then ignored."""
+    tok = r1.engine.tokenizer
+    body = {"messages": HI, "temperature": 0, "max_tokens": 24}
+    choice = r1.post("/v1/chat/completions", json={**body, "logprobs": True}).json()["choices"][0]
+    free, free_tokens = choice["message"], [t["token"] for t in choice["logprobs"]["content"]]
+    assert free["content"] in (None, "") and free["reasoning_content"] == "".join(free_tokens)
+    for budget in (0, 3):
+        choice = r1.post("/v1/chat/completions", json={**body, "thinking_token_budget": budget, "logprobs": True}).json()[
+            "choices"][0]
+        msg, tokens = choice["message"], [t["token"] for t in choice["logprobs"]["content"]]
+        assert (msg.get("reasoning_content") or "") == "".join(free_tokens[:budget]) == "".join(tokens[:budget])
+        assert "".join(tokens[budget:budget + len(tok.encode("</think>", add_special_tokens=False))]) == "</think>"
+        assert msg["content"], msg  # the answer after the forced end tag
+    assert r1.post("/v1/chat/completions", json={**body, "thinking_token_budget": -2}).status_code == 400
+    out = r1.post("/v1/messages", json={**body, "max_tokens": 24, "thinking": {"type": "enabled", "budget_tokens": 2}})
+    blocks = out.json()["content"]
+    assert [b["type"] for b in blocks][:1] == ["thinking"] and any(b["type"] == "text" for b in blocks)
+    assert blocks[0]["thinking"] == "".join(free_tokens[:2])
+
+
+def test_a_thinking_budget_needs_a_reasoning_parser(qwen):
+    r = qwen.post("/v1/chat/completions", json={"messages": HI, "max_tokens": 4, "thinking_token_budget": 3})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "thinking_token_budget"
+    # Anthropic's budget without a parser: nothing is read as reasoning, so it is ignored (logged)
+    r = qwen.post("/v1/messages", json={"messages": HI, "max_tokens": 4,
+                                        "thinking": {"type": "enabled", "budget_tokens": 2}})
+    assert r.status_code == 200, r.text
+
+
+def test_a_thinking_budget_leaves_an_answer_without_reasoning_alone():
+    """A hybrid model's output is reasoning only if it opens <think>: nothing is forced otherwise
+    (SamplingParams.thinking, which the server sets from the reasoning parser)."""
+    from core.engine.sampling_params import ThinkingBudget
+
+    forced = ThinkingBudget(2, (7, 8), start_ids=(5,))
+    assert [forced.forced(out) for out in ([5, 1], [5, 1, 2], [5, 1, 7], [5, 1, 7, 8])] == [7, None, 8, None]
+    assert forced.forced([4, 1]) is None  # no <think>: an answer
+    assert forced.forced([5, 7, 8, 1][:3]) is None  # closed within the budget
+    plain = ThinkingBudget(0, (9,))
+    assert plain.forced([]) == 9 and plain.forced([9]) is None

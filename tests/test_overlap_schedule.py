@@ -51,7 +51,7 @@ def run_all(path: Path, overlap: bool, defer: bool = False, **kwargs: Any) -> tu
         assert eng.engine.overlap == overlap
         outs = eng.generate(input_ids=PROMPTS, sampling_params=REQUESTS, return_logprob=True, top_logprobs_num=2)
         return [{"ids": o["output_ids"], "text": o["text"], "finish": o["meta_info"]["finish_reason"],
-                 "lp": [round(lp, 4) for lp, _ in o["meta_info"]["output_token_logprobs"]]} for o in outs], \
+                 "lp": [round(lp, 4) for lp, _, _ in o["meta_info"]["output_token_logprobs"]]} for o in outs], \
             eng.engine.scheduler.num_retracted
     finally:
         eng.engine.scheduler.check_accounting()

@@ -64,8 +64,8 @@ def test_tp2_matches_one_rank(case, tmp_path):
     assert all(o["meta_info"]["cached_tokens"] > 0 for o in two[3:])  # the second round hit the prefix cache
     for a, b in zip(one[:3], two[:3]):
         for key in ("input_token_logprobs", "output_token_logprobs"):
-            got = torch.tensor([lp for lp, _ in b["meta_info"][key] if lp is not None])
-            want = torch.tensor([lp for lp, _ in a["meta_info"][key] if lp is not None])
+            got = torch.tensor([lp for lp, _, _ in b["meta_info"][key] if lp is not None])
+            want = torch.tensor([lp for lp, _, _ in a["meta_info"][key] if lp is not None])
             torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import secrets
 import time
 from typing import Any, Callable
 
@@ -28,7 +29,7 @@ from core.engine.frontend import RequestFrontEnd
 from core.engine.mem_cache.kv_cache import (
     PageAllocator, ReqToTokenTable, allocate_kv_cache, cpu_kv_tokens, kv_bytes_per_token, kv_cache_dtype,
 )
-from core.engine.model_loader.loader import ModelConfig, load_model_config, pooling_config
+from core.engine.model_loader.loader import ModelConfig, load_model_config, pooling_config, with_tokenizer_eos
 from core.engine.grammar import GrammarManager
 from core.engine.profiler import StepProfiler
 from core.engine.model_loader.model_build import build_model
@@ -66,13 +67,15 @@ class AsyncEngine(RequestFrontEnd):
         self.model_config: ModelConfig = load_model_config(
             args.model_path, args.dtype, self.device, args.context_length, args.served_model_name, args.json_model_override_args
         )
-        mc = self.model_config
         self.tokenizer = None if args.skip_tokenizer_init else self._load_tokenizer()
+        mc = self.model_config = with_tokenizer_eos(self.model_config, self.tokenizer)
         self.fatal_error: str | None = None  # set once when a tensor-parallel rank fails: the engine has stopped
         self.fatal_listeners: list[Callable[[str], None]] = []  # called on the loop thread with the message
         self._loop_ref: asyncio.AbstractEventLoop | None = None
         self._stopped = False
         self.tp_group = start_tensor_parallel(args, self.device)  # None unless --tp-size > 1
+        # unseeded samples differ from one launch to the next, as SGLang's (a random seed when none is given)
+        self.random_seed = args.random_seed if args.random_seed is not None else secrets.randbelow(1 << 30)
         try:
             self.model = self.tp_group.load(self._load_model) if self.tp_group else self._load_model()
             fused(torch.empty(0, device=self.device))  # compile the fused-op kernels now, not in the first (watched) step
@@ -82,8 +85,10 @@ class AsyncEngine(RequestFrontEnd):
             if self.tp_group is not None:
                 self.tp_group.stop()
             raise
-        self.sampler = Sampler(self.vocab_size, self.device, seed=args.random_seed or 0, num_slots=self.table.table.shape[0])
+        self.sampler = Sampler(self.vocab_size, self.device, seed=self.random_seed, num_slots=self.table.table.shape[0])
         self.runner = ModelRunner(self.model, self.attn_backend, self.table, self.sampler, mc.eos_ids, self.device)
+        if args.is_embedding and not self.is_classifier:
+            pooling_config(mc.path)  # a sentence-transformers layout this server cannot follow: refused at start
         if self.tp_group is not None:
             self.runner.tp = self.tp_group
             self.tp_group.on_failure = self._on_rank_failure
@@ -179,7 +184,7 @@ class AsyncEngine(RequestFrontEnd):
             chunked_prefill_size=self.chunked_prefill_size, schedule_policy=args.schedule_policy,
             schedule_conservativeness=args.schedule_conservativeness, enable_mixed_chunk=args.enable_mixed_chunk,
             enable_priority_scheduling=args.enable_priority_scheduling,
-            schedule_low_priority_values_first=args.schedule_low_priority_values_first, seed=args.random_seed or 0,
+            schedule_low_priority_values_first=args.schedule_low_priority_values_first, seed=self.random_seed,
             decode_steps=args.num_continuous_decode_steps, speculator=build_speculator(args, self.plugins),
         )
         backend_name = args.attention_backend

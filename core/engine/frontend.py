@@ -48,6 +48,9 @@ class RequestFrontEnd:
         ``group``: the API request they belong to (default ``rid``), which an abort by id also reaches.
         ``lora_path``: the name of a loaded LoRA adapter (SGLang's field name), None: the base model.
         ``images``: decoded images (PIL) for the prompt's image placeholders, in order."""
+        if self.args.is_embedding:
+            raise InvalidRequest("this server runs an embedding or classification model (--is-embedding): it does "
+                                 "not generate; use /v1/embeddings, /encode or /classify")
         params.validate(self.vocab_size)
         lora_id = self._lora_id(lora_path)
         mm = None
@@ -181,13 +184,19 @@ class RequestFrontEnd:
         images = images_per_prompt(image_data, len(prompts), batch)
         if any(images):  # (the offline Engine sends them decoded, on its caller's thread: these pass through)
             images = load_prompt_images(images, self.offline_media_policy(), batch)
+        rids, lps, starts, tops = (_per_prompt(name, v, len(prompts), batch) for name, v in (
+            ("rid", rid), ("return_logprob", return_logprob), ("logprob_start_len", logprob_start_len),
+            ("top_logprobs_num", top_logprobs_num)))
         groups = []
         for i, (p, sp) in enumerate(zip(prompts, sps)):
             params = sp if isinstance(sp, SamplingParams) else SamplingParams.from_dict(sp)
             ids = self.tokenize(None if is_ids else p, p if is_ids else None)
-            groups.append(self.make_requests(ids, params, None if rid is None else (rid if not batch else f"{rid}-{i}"),
-                                             return_logprob, logprob_start_len, top_logprobs_num, group=rid,
-                                             lora_path=loras[i], images=images[i]))
+            if isinstance(sp, dict):  # an explicit max_new_tokens must fit (an omitted one is cut to what fits)
+                check_total(len(ids), sp.get("max_new_tokens"), self.model_config.context_len)
+            one = f"{rid}_{i}" if batch and isinstance(rid, str) else rids[i]  # (a batch's rid: a group of ids)
+            groups.append(self.make_requests(ids, params, one, bool(lps[i]), starts[i], tops[i],
+                                             group=rid if isinstance(rid, str) else one, lora_path=loras[i],
+                                             images=images[i]))
         reqs = [r for g in groups for r in g]
         await self.prepare_grammars(reqs)
         self.submit(reqs)
@@ -291,3 +300,24 @@ class _Feed:
 def _asdict(params: SamplingParams) -> dict:
     return attrs.asdict(params, recurse=False)
 
+
+def _per_prompt(name: str, value: Any, n: int, batch: bool) -> list:
+    """A generate argument per prompt: a list aligned with a batch (SGLang's), else the value for each."""
+    if batch and isinstance(value, list):
+        if len(value) != n:
+            raise InvalidRequest(f"{name} list must match the number of prompts", param=name)
+        return value
+    if isinstance(value, list):
+        raise InvalidRequest(f"{name} is a list, but there is one prompt", param=name)
+    return [value] * n
+
+
+def check_total(prompt_len: int, max_new_tokens: Any, context_len: int) -> None:
+    """SGLang's rule: an explicit ``max_new_tokens`` that cannot fit beside the prompt is an error
+    (an omitted one is cut to what fits); a prompt that alone is too long gets its own error."""
+    if not isinstance(max_new_tokens, int) or prompt_len >= context_len or prompt_len + max_new_tokens <= context_len:
+        return
+    raise InvalidRequest(f"Requested token count exceeds the model's maximum context length of {context_len} tokens. "
+                         f"You requested a total of {prompt_len + max_new_tokens} tokens: {prompt_len} tokens from the "
+                         f"input messages and {max_new_tokens} tokens for the completion. Please reduce the number of "
+                         "tokens in the input messages or the completion to fit within the limit.", param="max_new_tokens")

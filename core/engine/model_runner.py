@@ -333,7 +333,9 @@ class ModelRunner:
     def _prompt_logprobs(self, logits: torch.Tensor | None, req) -> tuple[list, list]:
         """Logprob of each prompt token from ``logprob_start_len`` given its prefix (``logits``:
         of the positions before them; None when there are none); the first prompt token has
-        none (None), as in SGLang."""
+        none (None), as in SGLang. (SGLang also returns None for the token at a
+        ``logprob_start_len`` > 0; its own frontend's unconditional-likelihood ``select`` fails
+        on that None, so that token keeps its logprob here.)"""
         n = len(req.prompt_ids)
         first = max(req.logprob_start_len, 1)
         vals: list[float | None] = [None] if req.logprob_start_len == 0 else []

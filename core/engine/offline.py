@@ -73,17 +73,21 @@ class Engine:
     def _call(self, coro) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
-    def generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob: bool = False,
-                 logprob_start_len: int = -1, top_logprobs_num: int = 0, stream: bool = False, rid: str | None = None,
-                 lora_path: str | list[str | None] | None = None, image_data: Any = None) -> Any:
-        """``lora_path``: a loaded LoRA adapter's name for every prompt, or a list aligned with a
+    def generate(self, prompt=None, sampling_params=None, input_ids=None, image_data: Any = None, *,
+                 return_logprob: bool | list[bool] = False, logprob_start_len: int | list[int] | None = -1,
+                 top_logprobs_num: int | list[int] = 0, stream: bool = False, rid: str | list[str] | None = None,
+                 lora_path: str | list[str | None] | None = None) -> Any:
+        """SGLang's ``Engine.generate``: its first four parameters in its order, the rest by name
+        (``return_logprob``, ``logprob_start_len``, ``top_logprobs_num`` and ``rid`` may be lists
+        aligned with a batch). ``lora_path``: a loaded LoRA adapter's name for every prompt, or a list aligned with a
         batch of prompts (None or "" = the base model). ``image_data`` (a vision-language model):
         one prompt's image or list of images, or a list aligned with the batch, each a PIL image,
         a path, a data URI, base64, bytes or an http(s) URL; the prompt holds the images'
         placeholders (as the model's chat template writes them)."""
         images = _images(self.engine, image_data, prompt, input_ids)
-        result = self._call(self.engine.generate(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
-                                                 top_logprobs_num, stream, rid, **_lora(lora_path), **images))
+        result = self._call(self.engine.generate(prompt, sampling_params, input_ids, return_logprob,
+                                                 _start(logprob_start_len), top_logprobs_num, stream, rid,
+                                                 **_lora(lora_path), **images))
         return self._iter_sync(result) if stream else result
 
     def _iter_sync(self, agen) -> Iterator[dict]:
@@ -96,14 +100,14 @@ class Engine:
         finally:
             self._call(agen.aclose())
 
-    async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, return_logprob: bool = False,
-                             logprob_start_len: int = -1, top_logprobs_num: int = 0, stream: bool = False,
-                             rid: str | None = None, lora_path: str | list[str | None] | None = None,
-                             image_data: Any = None) -> Any:
+    async def async_generate(self, prompt=None, sampling_params=None, input_ids=None, image_data: Any = None, *,
+                             return_logprob: bool | list[bool] = False, logprob_start_len: int | list[int] | None = -1,
+                             top_logprobs_num: int | list[int] = 0, stream: bool = False,
+                             rid: str | list[str] | None = None, lora_path: str | list[str | None] | None = None) -> Any:
         images = await asyncio.to_thread(_images, self.engine, image_data, prompt, input_ids) if image_data is not None else {}
         fut = asyncio.run_coroutine_threadsafe(
-            self.engine.generate(prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num, stream, rid,
-                                 **_lora(lora_path), **images),
+            self.engine.generate(prompt, sampling_params, input_ids, return_logprob, _start(logprob_start_len),
+                                 top_logprobs_num, stream, rid, **_lora(lora_path), **images),
             self._loop)
         result = await asyncio.wrap_future(fut)
         return self._iter_async(result) if stream else result
@@ -233,3 +237,10 @@ async def _settle(timeout: float = 10.0) -> None:
 
 async def _run(fn, *a):
     return fn(*a)
+
+
+def _start(logprob_start_len: Any) -> Any:
+    """SGLang's default ``logprob_start_len`` (None) as ours (-1: no prompt logprobs), per item of a list too."""
+    if isinstance(logprob_start_len, list):
+        return [-1 if v is None else v for v in logprob_start_len]
+    return -1 if logprob_start_len is None else logprob_start_len

@@ -131,7 +131,7 @@ class Req:
 
     @may_read_outputs.default
     def _may_read_outputs(self) -> bool:
-        return self.params.min_new_tokens > 0 or penalised(self.params)
+        return self.params.min_new_tokens > 0 or penalised(self.params) or self.params.thinking is not None
 
     @property
     def finished(self) -> bool:
@@ -195,13 +195,19 @@ class Req:
             info["spec_num_proposed_drafts"] = self.spec_num_proposed_drafts
             if self.spec_num_proposed_drafts:
                 info["spec_accept_rate"] = self.spec_num_correct_drafts / self.spec_num_proposed_drafts
-        if self.return_logprob:
-            info["output_token_logprobs"] = [(lp, t) for lp, t in zip(self.output_logprobs, self.output_ids)]
+        if self.return_logprob:  # SGLang's shape: (logprob, token id, text), the text None (the server fills it)
+            info["output_token_logprobs"] = [(lp, t, None) for lp, t in zip(self.output_logprobs, self.output_ids)]
             if self.top_logprobs_num:
-                info["output_top_logprobs"] = list(self.output_top_logprobs)
+                info["output_top_logprobs"] = _tops(self.output_top_logprobs)
             # always present, as in SGLang: empty unless logprob_start_len asked for prompt positions
             toks = self.prompt_ids[self.logprob_start_len :] if self.logprob_start_len >= 0 else []
-            info["input_token_logprobs"] = [(lp, t) for lp, t in zip(self.input_logprobs, toks)]
+            info["input_token_logprobs"] = [(lp, t, None) for lp, t in zip(self.input_logprobs, toks)]
             if self.top_logprobs_num:
-                info["input_top_logprobs"] = list(self.input_top_logprobs)
+                info["input_top_logprobs"] = _tops(self.input_top_logprobs)
         return info
+
+
+def _tops(positions: list[list[tuple[int, float]]]) -> list:
+    """Top logprobs as SGLang returns them: per position (logprob, token id, text) entries, or None
+    for a position without any (the prompt's first token)."""
+    return [[(lp, t, None) for t, lp in pos] if pos else None for pos in positions]

@@ -384,16 +384,18 @@ class Sampler:
         """
         if logits.shape[1] != self.vocab_size:
             logits = logits[:, : self.vocab_size]
-        greedy, want_lp, pen_rows, short, biased = True, False, [], False, False
+        greedy, want_lp, pen_rows, short, biased, forced = True, False, [], False, False, {}
         for i, r in enumerate(rows):  # one pass: what this batch needs at all
             p = r.params
+            if p.thinking is not None and (tok := p.thinking.forced(r.output_ids)) is not None:
+                forced[i] = tok
             greedy = greedy and p.is_greedy
             want_lp = want_lp or r.return_logprob or r.top_logprobs_num > 0
             if penalised(p):
                 pen_rows.append(i)
             short = short or len(r.output_ids) < p.min_new_tokens
             biased = biased or bool(p.logit_bias)
-        plain = not pen_rows and not short and not biased
+        plain = not pen_rows and not short and not biased and not forced
         # before any float32 copy: a bf16 / fp16 row's argmax is that of its exact float32 values
         raw_argmax = argmax_ids if argmax_ids is not None else argmax(logits)
         if greedy and plain and not want_lp:
@@ -422,6 +424,9 @@ class Sampler:
         elif sampled:  # all-greedy batches skip the sort entirely
             idx = upload(sampled, torch.long, logits.device)
             tokens[idx] = self._sample_rows(logits[idx], [rows[i] for i in sampled], tokens[idx])
+        if forced:  # a reasoning past its budget closes (the logprobs stay the model's)
+            tokens[upload(list(forced), torch.long, tokens.device)] = upload(list(forced.values()), tokens.dtype,
+                                                                            tokens.device)
         if advance is not None:
             advance(tokens)
         return self._output(tokens, rows, raw_lp, host)

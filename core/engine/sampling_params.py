@@ -22,6 +22,29 @@ def _str_list(s: object) -> object:
     return [s] if isinstance(s, str) else list(s) if isinstance(s, (list, tuple)) else s or []
 
 
+@attrs.frozen
+class ThinkingBudget:
+    """At most ``budget`` tokens of reasoning (vLLM's ``thinking_token_budget``, Anthropic's
+    ``thinking.budget_tokens``): an output still reasoning after that many tokens is made to
+    close it with ``end_ids`` (the reasoning parser's end tag, tokenized). The server sets it
+    from the reasoning parser; ``start_ids``: the tag that must open the output for it to be
+    reasoning at all (a model that may answer without thinking, e.g. Qwen3), empty where the
+    prompt opened the block."""
+
+    budget: int
+    end_ids: tuple[int, ...]
+    start_ids: tuple[int, ...] = ()
+
+    def forced(self, out: list[int]) -> int | None:
+        """The token the next position must take (``out``: the output so far), or None."""
+        n, b, end = len(out), self.budget, self.end_ids
+        if not b <= n < b + len(end) or tuple(out[: len(self.start_ids)]) != self.start_ids:
+            return None
+        if any(tuple(out[i : i + len(end)]) == end for i in range(b - len(end) + 1)):
+            return None  # the reasoning ended within the budget
+        return end[n - b] if tuple(out[b:]) == end[: n - b] else None
+
+
 @attrs.define
 class SamplingParams:
     """One request's sampling options; ``from_dict`` for JSON input, ``validate`` before use."""
@@ -53,6 +76,8 @@ class SamplingParams:
     regex: str | None = None
     ebnf: str | None = None
     structural_tag: str | None = None
+    # set by the server from its reasoning parser, never from a request's sampling_params (from_dict)
+    thinking: ThinkingBudget | None = None
 
     @classmethod
     def from_dict(cls, d: dict | None) -> SamplingParams:
@@ -60,7 +85,7 @@ class SamplingParams:
         d = dict(d or {})
         if "sampling_seed" in d and "seed" not in d:  # SGLang's newer name
             d["seed"] = d.pop("sampling_seed")
-        known = {f.name for f in attrs.fields(cls)}
+        known = {f.name for f in attrs.fields(cls)} - {"thinking"}
         unknown = sorted(set(d) - known)
         if unknown:
             raise InvalidRequest(f"unknown sampling parameter(s): {', '.join(unknown)}", param=unknown[0])

@@ -98,7 +98,7 @@ quantize-and-serve radix-cache-backend radix-eviction-policy-config remote-insta
 remote-instance-weight-loader-seed-instance-ip remote-instance-weight-loader-seed-instance-service-port
 remote-instance-weight-loader-send-weights-group-ports remote-instance-weight-loader-start-seed-via-transfer-engine
 retraction-policy return-aux-hidden-state-layer-ids return-hidden-states-mode return-input-ids return-output-ids
-rl-on-policy-target rl-quant-profile sampling-backend sampling-defaults sampling-mask-max-tokens
+rl-on-policy-target rl-quant-profile sampling-backend sampling-mask-max-tokens
 scheduler-recv-interval shared-experts-tp-size show-time-cost sidecar sidecar-args sleep-on-idle sm-group-num
 smg-grpc-mode smg-http-sidecar-port soft-watchdog-timeout spec-trace-dir speculative-accept-threshold-acc
 speculative-accept-threshold-single speculative-adaptive speculative-adaptive-config speculative-attention-mode

@@ -38,6 +38,7 @@ from core.server.http import (
     convert_body,
     encoder,
     json_response,
+    log_ignored_field,
     prepare_off_loop,
     state_of,
 )
@@ -223,8 +224,18 @@ def chat_request(r: MessagesRequest) -> ChatCompletionRequest:
     body = {"model": r.model, "messages": messages, "max_tokens": r.max_tokens, "continue_final_message": prefill,
             "stop": r.stop_sequences, "stream": bool(r.stream), "temperature": r.temperature, "top_p": r.top_p,
             "top_k": r.top_k, "tools": tools, "tool_choice": choice, "parallel_tool_calls": parallel,
-            "response_format": response_format, "chat_template_kwargs": kwargs}
+            "response_format": response_format, "chat_template_kwargs": kwargs,
+            "thinking_token_budget": budget if (r.thinking or {}).get("type") == "enabled" else None}
     return convert_body({k: v for k, v in body.items() if v is not None}, ChatCompletionRequest)
+
+
+def _chat_job(state: Any, r: MessagesRequest) -> ChatJob:
+    chat = chat_request(r)
+    if chat.thinking_token_budget is not None and not state.args.reasoning_parser:
+        # without --reasoning-parser nothing is read as reasoning, so there is nothing to count
+        log_ignored_field("request.field_ignored", "thinking.budget_tokens", "/v1/messages")
+        chat.thinking_token_budget = None
+    return prepare_chat(state, chat, "msg_" + uuid.uuid4().hex)
 
 
 def _messages_error(e: InvalidRequest) -> InvalidRequest:
@@ -282,7 +293,7 @@ async def messages(request: Request) -> Response:
         state = state_of(request)
         r = await read_checked(request, MessagesRequest, _NOOP)
         try:
-            job = await prepare_off_loop(request, lambda: prepare_chat(state, chat_request(r), "msg_" + uuid.uuid4().hex))
+            job = await prepare_off_loop(request, lambda: _chat_job(state, r))
         except InvalidRequest as e:
             raise _messages_error(e) from None
         await job.start()

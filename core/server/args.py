@@ -371,6 +371,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tool-call-parser", default=None,
                    help="parse tool calls from model output: qwen25, llama3, mistral, deepseekv3, pythonic, qwen3_coder, "
                         "kimi_k2, glm45, gpt-oss (any registered tool parser)")
+    g.add_argument("--sampling-defaults", default="model", choices=["openai", "model"],
+                   help="where a chat request's omitted temperature, top_p, top_k, min_p and repetition_penalty come "
+                        "from: the model's generation_config.json (model, the default, as SGLang) or OpenAI's defaults")
     g.add_argument("--allow-auto-truncate", action="store_true",
                    help="a prompt longer than the context keeps its first context-length - 1 tokens (the tail is "
                         "dropped, as SGLang does) instead of being rejected; max tokens are cut to what fits. "
@@ -505,6 +508,7 @@ class ServerArgs:
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
     allow_auto_truncate: bool = False
+    sampling_defaults: str = "model"
     flags: dict[str, Any] = attrs.field(factory=dict)  # every serve flag, JSON-able, the key redacted (/get_server_info)
 
     @classmethod

@@ -20,13 +20,12 @@ log = structlog.get_logger("core.server.generate_output")
 
 
 def _fmt_token_lps(items: list, texts: dict[int, str]) -> list:
-    return [[lp, tid, texts.get(tid)] for lp, tid in items]
+    return [[lp, tid, texts.get(tid)] for lp, tid, _ in items]
 
 
 def _fmt_top_lps(items: list, texts: dict[int, str]) -> list:
-    # engine order is (token_id, logprob); SGLang's is (logprob, token_id, text); a position without
-    # candidates (the prompt's first token) is null
-    return [None if not pos else [[lp, tid, texts.get(tid)] for tid, lp in pos] for pos in items]
+    # (logprob, token_id, text) as ``Req.meta_info`` has them; a position without candidates is null
+    return [None if not pos else [[lp, tid, texts.get(tid)] for lp, tid, _ in pos] for pos in items]
 
 
 def meta_of(state: ServerState, req: Req, with_text: bool, since: int | None = None) -> dict:
@@ -44,10 +43,10 @@ def meta_of(state: ServerState, req: Req, with_text: bool, since: int | None = N
             tok = state.engine.tokenizer
             named: set[int] = set()  # (not ``ids``: those are the output's)
             for key in ("output_token_logprobs", "input_token_logprobs"):
-                named.update(t for _, t in meta.get(key, []))
+                named.update(t for _, t, _ in meta.get(key, []))
             for key in ("output_top_logprobs", "input_top_logprobs"):
                 for pos in meta.get(key, []):
-                    named.update(t for t, _ in (pos or []))
+                    named.update(t for _, t, _ in (pos or []))
             order = sorted(named)
             texts = dict(zip(order, [tok.decode([t]) for t in order])) if tok is not None else {t: None for t in order}
         for key in ("output_token_logprobs", "input_token_logprobs"):
@@ -120,8 +119,9 @@ async def stream_body(state: ServerState, reqs: list[Req], with_text: bool, inte
     try:
         async for i in updates:
             r = reqs[i]
-            if final_sent[i] or (not r.finished and len(r.output_ids) - sent[i][0] < interval):
-                continue
+            n, done = len(r.output_ids), sent[i][0]
+            if final_sent[i] or (not r.finished and n - done < interval and (done or not n)):
+                continue  # (the first token goes out at once, then every interval's: SGLang's stream_interval)
             yield event(i, r)
         # a request can finish between two updates the consumer saw: always end with its final state
         for i, r in enumerate(reqs):

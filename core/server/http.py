@@ -305,16 +305,17 @@ async def abort_on_disconnect(request: Request, abort: Callable[[], None]) -> As
 # ---------------------------------------------------------------------------- auth
 class ApiKeyMiddleware:
     """``Authorization: Bearer <key>`` (or ``x-api-key: <key>``, the anthropic client's header) on
-    every endpoint except /health; constant-time compare."""
+    every endpoint except health, readiness and metrics (``/health*``, ``/ready*``, ``/metrics*``,
+    which SGLang leaves open for Kubernetes probes and Prometheus); constant-time compare."""
 
-    OPEN_PATHS = frozenset({"/health"})
+    OPEN_PREFIXES = ("/health", "/ready", "/metrics")
 
     def __init__(self, app: Any, api_key: str) -> None:
         self.app = app
         self._key = api_key.encode()
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["method"] != "OPTIONS" and scope["path"] not in self.OPEN_PATHS:
+        if scope["type"] == "http" and scope["method"] != "OPTIONS" and not scope["path"].startswith(self.OPEN_PREFIXES):
             auth, x_key = b"", None
             for name, value in scope["headers"]:
                 if name == b"authorization":

@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
+from core.engine.frontend import check_total
 from core.engine.request import Req
 from core.engine.sampling_params import SamplingParams
 from core.errors import InvalidRequest
@@ -148,16 +149,9 @@ def _sampling_params(d: dict | None) -> tuple[SamplingParams, int | None]:
 
 
 def _check_total(state: ServerState, ids: list[int], sp: Any) -> None:
-    """SGLang's rule: an explicit max_new_tokens that cannot fit beside the prompt is a 400 (an
-    omitted one is cut to what fits); with --allow-auto-truncate it is cut too."""
-    asked = sp.get("max_new_tokens") if isinstance(sp, dict) else None
-    ctx = state.context_len
-    if state.args.allow_auto_truncate or not isinstance(asked, int) or len(ids) >= ctx or len(ids) + asked < ctx:
-        return  # (a prompt that alone is too long gets the engine's own 400)
-    raise InvalidRequest(f"Requested token count exceeds the model's maximum context length of {ctx} tokens. You "
-                         f"requested a total of {len(ids) + asked} tokens: {len(ids)} tokens from the input messages "
-                         f"and {asked} tokens for the completion. Please reduce the number of tokens in the input "
-                         "messages or the completion to fit within the limit.", param="max_new_tokens")
+    """SGLang's rule (``check_total``), unless --allow-auto-truncate cuts max_new_tokens to fit."""
+    if not state.args.allow_auto_truncate:
+        check_total(len(ids), sp.get("max_new_tokens") if isinstance(sp, dict) else None, state.context_len)
 
 
 def build_generate_requests(state: ServerState, obj: GenerateReqInput) -> tuple[list[Req], bool, int | None]:
@@ -196,7 +190,7 @@ def build_generate_requests(state: ServerState, obj: GenerateReqInput) -> tuple[
     if obj.rid is not None and isinstance(obj.rid, list) and not batch:
         raise InvalidRequest("rid is a list but there is a single prompt", param="rid")
     rids = _per_item(obj.rid, n, "rid", None) if isinstance(obj.rid, list) else (
-        [obj.rid] if not batch else [None if obj.rid is None else f"{obj.rid}-{i}" for i in range(n)])
+        [obj.rid] if not batch else [None if obj.rid is None else f"{obj.rid}_{i}" for i in range(n)])
     lps = _per_item(obj.return_logprob, n, "return_logprob", False)
     starts = _per_item(obj.logprob_start_len, n, "logprob_start_len", -1)
     tops = _per_item(obj.top_logprobs_num, n, "top_logprobs_num", 0)
@@ -324,13 +318,19 @@ async def health_generate(request: Request) -> Response:
 
 
 async def run_internal_generate(state: ServerState, prefix: str, max_new_tokens: int, timeout: float) -> bool:
-    """A tiny greedy generate that bypasses the queue limit and the metrics; True if it produced a token."""
+    """A tiny greedy generate that bypasses the queue limit and the metrics; True if it produced a token
+    (an embedding server: one embedding, as SGLang's health check encodes there)."""
     engine = state.engine
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
     if engine.tokenizer is not None:
         ids = engine.tokenize("The capital of France is", None)
     else:
         ids = [0, 1, 2, 3]
+    if engine.args.is_embedding:
+        try:
+            return bool(await asyncio.wait_for(engine.encode([ids[:8]]), timeout))
+        except asyncio.TimeoutError:
+            return False
     reqs = engine.make_requests(ids[: max(1, engine.model_config.context_len - max_new_tokens - 1)], params,
                                 rid=f"{prefix}{uuid.uuid4().hex}")
     engine.submit(reqs)
@@ -348,13 +348,21 @@ async def run_internal_generate(state: ServerState, prefix: str, max_new_tokens:
 async def get_model_info(request: Request) -> Response:
     state = state_of(request)
     mc = state.engine.model_config
+    hf = mc.hf_config
     return json_response({
         "model_path": state.model_path,
-        "tokenizer_path": state.args.tokenizer_path,
+        "tokenizer_path": state.args.tokenizer_path or state.model_path,
         "is_generation": not state.engine.args.is_embedding,  # --is-embedding serves /encode, /classify only
         "preferred_sampling_params": None,
         "weight_version": state.weight_version,
         "served_model_name": state.served_model_name,
+        "load_format": state.engine.args.load_format,
+        "reasoning_parser": state.args.reasoning_parser,
+        "tool_call_parser": state.args.tool_call_parser,
+        "has_image_understanding": getattr(state.engine, "multimodal", None) is not None,
+        "has_audio_understanding": False,
+        "model_type": getattr(hf, "model_type", None),
+        "architectures": getattr(hf, "architectures", None) or [mc.architecture],
         "architecture": mc.architecture,
         "context_length": mc.context_len,
         "vocab_size": state.engine.vocab_size,
@@ -370,6 +378,7 @@ async def get_server_info(request: Request) -> Response:
     per_replica = engine.replica_loads() if hasattr(engine, "replica_loads") else [load]
     return json_response({
         **state.args.flags,
+        **({"random_seed": engine.random_seed} if hasattr(engine, "random_seed") else {}),  # (the one drawn)
         "served_model_name": state.served_model_name,
         "model_path": state.model_path,
         "max_total_num_tokens": engine.max_total_tokens,

@@ -62,6 +62,13 @@ class ServerState:
         return self.engine.model_config.context_len
 
     @property
+    def chat_sampling_defaults(self) -> dict[str, Any]:
+        """What a chat request's omitted sampling values take (``--sampling-defaults``; {}: OpenAI's)."""
+        if self.args.sampling_defaults != "model":
+            return {}
+        return getattr(self.engine.model_config, "sampling_defaults", None) or {}
+
+    @property
     def healthy(self) -> bool:
         """The engine can still serve: no watchdog trip, no failed scheduler loop."""
         return engine_failure(self.engine) is None
@@ -148,5 +155,7 @@ def build_state(engine: AsyncEngine, args: ServerArgs) -> ServerState:
     served = engine.model_config.served_name
     metrics = Metrics(served, enabled=args.enable_metrics)
     metrics.attach(engine)
+    if args.sampling_defaults == "model" and (defaults := getattr(engine.model_config, "sampling_defaults", None)):
+        log.info("server.chat_sampling_defaults", source="generation_config.json", **defaults)
     return ServerState(engine=engine, args=args, metrics=metrics, served_model_name=served,
                        model_path=args.model_path or engine.model_config.source)

@@ -36,6 +36,7 @@ from starlette.responses import Response
 from core.errors import CoreError, InvalidRequest
 from core.server.http import ApiError, convert_body, json_response, read_body, state_of
 from core.server.openai.chat import load_chat_template, render_chat
+from core.server.openai.job import apply_reasoning_effort
 from core.server.openai.protocol import ChatCompletionRequest
 
 
@@ -47,6 +48,8 @@ class TokenizeRequest(msgspec.Struct, kw_only=True):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # "none": the template gets no tools, as chat renders it
+    reasoning_effort: str | None = None  # into the template kwargs, as chat's
     chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
@@ -71,9 +74,11 @@ def _token_ids(state: Any, r: TokenizeRequest) -> list[list[int]] | list[int]:
     if r.messages is not None:
         if not r.messages:
             raise InvalidRequest("messages must not be empty", param="messages")
-        chat = convert_body({"messages": r.messages, "tools": r.tools, "chat_template_kwargs": r.chat_template_kwargs,
+        chat = convert_body({"messages": r.messages, "tools": r.tools, "tool_choice": r.tool_choice,
+                             "reasoning_effort": r.reasoning_effort, "chat_template_kwargs": r.chat_template_kwargs,
                              "continue_final_message": r.continue_final_message}, ChatCompletionRequest)
-        return render_chat(state, chat, hide_tools=False, add_generation_prompt=r.add_generation_prompt, fit=False,
+        apply_reasoning_effort(chat)  # (the count is the chat prompt's: the same template inputs)
+        return render_chat(state, chat, add_generation_prompt=r.add_generation_prompt, fit=False,
                            add_special_tokens=bool(r.add_special_tokens))
     special = r.add_special_tokens is not False
     if isinstance(r.prompt, str):

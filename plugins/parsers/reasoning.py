@@ -136,9 +136,10 @@ class KimiReasoningParser(ThinkTagReasoningParser):
 
 class GptOssReasoningParser(ThinkTagReasoningParser):
     """gpt-oss harmony: the analysis channel is reasoning, the final channel the answer
-    (needs skip_special_tokens=false so the channel tokens survive detokenization)."""
+    (the channel tokens are special tokens: a request keeps them unless it sets skip_special_tokens)."""
 
     think_start = "<|channel|>analysis<|message|>"
     think_end = "<|end|>"
     content_prefix = "<|start|>assistant<|channel|>final<|message|>"
     content_suffix = "<|return|>"
+    reads_special_tokens = True  # the channel markers are special tokens

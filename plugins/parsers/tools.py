@@ -603,6 +603,7 @@ class GptOssToolParser(_NameArgsToolParser):
     start, end = "<|channel|>commentary to=", "<|call|>"
     drop = ("<|start|>assistant",)
     label = "gpt-oss"
+    reads_special_tokens = True  # the channel markers are special tokens
     _re = re.compile(r"^(?:functions\.)?([\w.\-]+)\s*(?:<\|constrain\|>\s*json)?\s*<\|message\|>(.*)$", re.S)
 
     def structural_tag(self, tools, name=None, parallel=True):

@@ -34,7 +34,7 @@ from core.engine.frontend import RequestFrontEnd
 from core.engine.grammar import GrammarManager
 from core.engine.lora.replicated import ReplicatedAdapters
 from core.engine.mem_cache.kv_cache import PageAllocator
-from core.engine.model_loader.loader import load_model_config
+from core.engine.model_loader.loader import load_model_config, with_tokenizer_eos
 from core.engine.request import Req
 from core.errors import CoreError, InvalidRequest, ModelLoadError, Unavailable
 from core.plugins import PluginManager, load_plugins
@@ -85,6 +85,7 @@ class DataParallelEngine(RequestFrontEnd):
             raise CoreError(f"--dp-size > 1 with the vision-language model {self.model_config.architecture} is not "
                             "supported yet; serve it with --dp-size 1")
         self.tokenizer = None if args.skip_tokenizer_init else _load_tokenizer(args, self.model_config.path)
+        self.model_config = with_tokenizer_eos(self.model_config, self.tokenizer)
         self.vocab_size = self.model_config.text_config.vocab_size
         self.grammar = GrammarManager(self.plugins, args.grammar_backend, self.tokenizer, self.vocab_size,
                                       self.model_config.eos_ids)

@@ -16,7 +16,6 @@ from typing import Any, Awaitable, Callable
 
 import structlog
 
-from core.engine.lora.adapter import LoRAError
 from core.engine.lora.manager import AdapterNames
 from core.engine.lora.serving import check_max_loaded, parse_lora_paths
 
@@ -33,11 +32,7 @@ class ReplicatedAdapters(AdapterNames):
         check_max_loaded(args)  # (the replicas run without the limit: checked here)
         super().__init__(args.max_loaded_loras)
         self._call_all, self._in_use = call_all, in_use
-        initial = parse_lora_paths(args.lora_paths)
-        if self.max_loaded is not None and len(initial) > self.max_loaded:
-            raise LoRAError(f"--lora-paths names {len(initial)} adapters, more than --max-loaded-loras "
-                            f"({self.max_loaded}); raise it or load fewer at start")
-        for name, path, pinned in initial:  # (the replicas load them as they start)
+        for name, path, pinned in parse_lora_paths(args.lora_paths):  # (the replicas load them as they start)
             self._new_entry(name, None, pinned, path)
 
     def name_of(self, uid: int) -> str | None:

@@ -63,6 +63,7 @@ class LoRAServing:
     """Adapters by name for the front end, adapter slots per batch for the model runner."""
 
     def __init__(self, args: Any, model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+        check_max_loaded(args)
         initial = parse_lora_paths(args.lora_paths)
         packed = packed_modules_of(model)
         adapters = [read_adapter(n, p, packed) for n, p, _ in initial]
@@ -73,7 +74,6 @@ class LoRAServing:
         if not max_rank or not targets:
             raise LoRAError("--enable-lora without --lora-paths needs --max-lora-rank and --lora-target-modules "
                             "(the pool is sized from them)")
-        check_max_loaded(args)
         backend = kernel_backend(args.lora_backend, device)
         self.pool = LoRAPool(model, slots=args.max_loras_per_batch, max_rank=max_rank, target_modules=targets,
                              dtype=dtype, device=device, backend=backend)
@@ -190,10 +190,14 @@ class LoRAServing:
 
 
 def check_max_loaded(args: Any) -> None:
-    """``--max-loaded-loras`` holds at least one batch's adapters."""
+    """``--max-loaded-loras`` holds at least one batch's adapters, and the adapters ``--lora-paths``
+    loads at start (as SGLang checks: evicting some of them at once would refuse their requests)."""
     if args.max_loaded_loras is not None and args.max_loaded_loras < args.max_loras_per_batch:
         raise LoRAError(f"--max-loaded-loras ({args.max_loaded_loras}) must be at least --max-loras-per-batch "
                         f"({args.max_loras_per_batch})")
+    if args.max_loaded_loras is not None and (n := len(parse_lora_paths(args.lora_paths))) > args.max_loaded_loras:
+        raise LoRAError(f"--lora-paths names {n} adapters, more than --max-loaded-loras ({args.max_loaded_loras}); "
+                        "raise it or load fewer at start")
 
 
 def kernel_backend(lora_backend: str, device: torch.device) -> str:

@@ -21,7 +21,7 @@ import importlib.util
 import json
 import os
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import attrs
 import structlog
@@ -54,6 +54,8 @@ class ModelConfig:
     gguf_file: Path | None = None  # the GGUF file ``path`` was converted from
     quant_config: dict | None = None  # config.json's quantization_config (a pre-quantized checkpoint)
     dtype_auto: bool = True  # dtype was --dtype auto's choice, not the user's
+    # generation_config.json's sampling values (SGLang's --sampling-defaults model reads these five)
+    sampling_defaults: dict = attrs.field(factory=dict)
 
     @property
     def text_config(self) -> object:
@@ -155,7 +157,8 @@ def load_model_config(model_path: str | None, dtype: str, device: torch.device, 
             f"--context-length {context_length} must be in [1, {max_pos}] (the model's max_position_embeddings)")
     context_len = context_length or max_pos
     eos: list[int] = []
-    for src in (hf_config, text if text is not hf_config else None, _generation_config(GenerationConfig, path)):
+    gen = _generation_config(GenerationConfig, path)
+    for src in (hf_config, text if text is not hf_config else None, gen):
         e = getattr(src, "eos_token_id", None) if src is not None else None
         eos += [e] if isinstance(e, int) else list(e or [])
     return ModelConfig(
@@ -171,7 +174,21 @@ def load_model_config(model_path: str | None, dtype: str, device: torch.device, 
         gguf_file=gguf_file,
         quant_config=_quant_config(hf_config),
         dtype_auto=dtype == "auto",
+        sampling_defaults={k: v for k in SAMPLING_DEFAULT_KEYS if gen is not None and (v := getattr(gen, k, None)) is not None},
     )
+
+
+SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def with_tokenizer_eos(mc: ModelConfig, tokenizer: Any) -> ModelConfig:
+    """``mc`` whose EOS ids include the tokenizer's ``eos_token`` (a chat fine-tune's end of turn,
+    e.g. ``<|im_end|>``, often differs from config.json's): SGLang and vLLM stop there too."""
+    eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+    vocab = getattr(mc.text_config, "vocab_size", None)
+    if not isinstance(eos, int) or eos in mc.eos_ids or (vocab is not None and not 0 <= eos < vocab):
+        return mc
+    return attrs.evolve(mc, eos_ids=(*mc.eos_ids, eos))
 
 
 def _quant_config(hf_config) -> dict | None:
@@ -435,10 +452,15 @@ def pooling_config(path: Path) -> tuple[str, bool]:
                 cfg = json.loads((path / m.get("path", "") / "config.json").read_text())
             except (OSError, ValueError):
                 cfg = {}
-            if cfg.get("pooling_mode_mean_tokens"):
-                pooling = "mean"
-            elif cfg.get("pooling_mode_cls_token"):
-                pooling = "cls"
-            elif cfg.get("pooling_mode_lasttoken"):
-                pooling = "last"
+            modes = sorted(k.removeprefix("pooling_mode_") for k, v in cfg.items() if k.startswith("pooling_mode_") and v)
+            if len(modes) > 1 or (modes and modes[0] not in _POOLING_MODES):
+                raise ModelLoadError(f"{path}: the sentence-transformers Pooling module asks for {' + '.join(modes)} "
+                                     f"pooling; this server pools by one of {', '.join(sorted(_POOLING_MODES))}")
+            pooling = _POOLING_MODES[modes[0]] if modes else pooling
+        elif not kind.endswith("Transformer"):  # a Dense projection and the like: their output would be missing
+            raise ModelLoadError(f"{path}: modules.json has a {kind or 'nameless'} module; this server runs the "
+                                 "Transformer, Pooling and Normalize modules of a sentence-transformers model only")
     return pooling, normalize
+
+
+_POOLING_MODES = {"mean_tokens": "mean", "cls_token": "cls", "lasttoken": "last"}

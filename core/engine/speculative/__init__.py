@@ -293,8 +293,9 @@ def host_read(req: Req, overlap: bool = False) -> str:
     """What reads the request's outputs on the host between two of its tokens ("" when nothing).
     ``overlap``: only what the next token's sampling reads (a step's logprobs come with its own
     token, so overlap scheduling need not wait for them; a multi-token step computes none).
-    Penalties and ``min_new_tokens`` are fixed by the params: ``Req.may_read_outputs`` says whether
-    either can apply, so that the scheduler's check before every step is cheap for the others."""
+    Penalties, ``min_new_tokens`` and a thinking budget are fixed by the params:
+    ``Req.may_read_outputs`` says whether one can apply, so that the scheduler's check before every
+    step is cheap for the others."""
     if req.grammar is not None:
         return "a grammar"
     if not overlap and (req.return_logprob or req.top_logprobs_num):
@@ -302,7 +303,12 @@ def host_read(req: Req, overlap: bool = False) -> str:
     if not req.may_read_outputs:
         return ""
     p = req.params
-    return "penalties" if penalised(p) else "min_new_tokens" if len(req.output_ids) < p.min_new_tokens else ""
+    if penalised(p):
+        return "penalties"
+    if len(req.output_ids) < p.min_new_tokens:
+        return "min_new_tokens"
+    return "a thinking budget" if p.thinking is not None and len(req.output_ids) < p.thinking.budget + len(
+        p.thinking.end_ids) else ""
 
 
 def build_speculator(args: Any, plugins: Any) -> Speculator | None:

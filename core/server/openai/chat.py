@@ -10,6 +10,7 @@ from typing import Any, AsyncIterator
 import attrs
 from msgspec import UNSET
 
+from core.engine.sampling_params import ThinkingBudget
 from core.errors import CoreError, InvalidRequest
 from core.server.http import ApiError, sse_event
 from core.server.multimodal import chat_images, image_part_url
@@ -190,7 +191,16 @@ def render_chat(state: Any, r: ChatCompletionRequest, hide_tools: bool | None = 
     if tok is None:
         raise InvalidRequest("chat completions need the tokenizer, but the server runs with --skip-tokenizer-init")
     messages = normalize_messages(r.messages, images)
-    kwargs = {k: v for k, v in (r.chat_template_kwargs or {}).items() if k not in _RESERVED_TEMPLATE_KWARGS}
+    kwargs = dict(r.chat_template_kwargs or {})
+    cont_kwarg = kwargs.pop("continue_final_message", False)  # the request's own field, given here instead
+    if kwargs.pop("add_generation_prompt", True) is not True:
+        raise InvalidRequest("chat_template_kwargs.add_generation_prompt false is not supported: the prompt always ends "
+                             "where the assistant's answer starts (use continue_final_message to continue a final "
+                             "assistant message)", param="chat_template_kwargs.add_generation_prompt")
+    if reserved := sorted(kwargs.keys() & _RESERVED_TEMPLATE_KWARGS):
+        raise InvalidRequest(f"chat_template_kwargs.{reserved[0]} is set by the server from the request (messages, "
+                             "tools, documents, --chat-template); remove it from chat_template_kwargs",
+                             param=f"chat_template_kwargs.{reserved[0]}")
     path = state.args.chat_template
     if path:
         try:
@@ -201,7 +211,7 @@ def render_chat(state: Any, r: ChatCompletionRequest, hide_tools: bool | None = 
         raise InvalidRequest("the model has no chat template; start the server with --chat-template FILE or use /v1/completions")
     if hide_tools is None:
         hide_tools = r.tool_choice == "none"
-    cont = bool(r.continue_final_message) and messages[-1]["role"] == "assistant"
+    cont = bool(r.continue_final_message or cont_kwarg is True) and messages[-1]["role"] == "assistant"
     try:
         text = tok.apply_chat_template(messages, tools=None if hide_tools else r.tools, documents=r.documents,
                                        add_generation_prompt=add_generation_prompt and not cont,
@@ -229,6 +239,30 @@ class ChatJob(Job):
         return ChoicePost(self.plan, self.r)
 
 
+def thinking_budget(state: Any, r: ChatCompletionRequest, constrained: bool) -> ThinkingBudget | None:
+    """``thinking_token_budget`` as the engine's ``ThinkingBudget``: the reasoning parser's end tag,
+    tokenized, closes a reasoning that reaches the budget. None where there is no budget, or no
+    reasoning (thinking turned off, or a constraint from the first token)."""
+    budget = r.thinking_token_budget
+    if budget is None or budget == -1:
+        return None
+    check(isinstance(budget, int) and budget >= 0, f"thinking_token_budget must be -1 or >= 0, got {budget}",
+          "thinking_token_budget")
+    name = state.args.reasoning_parser  # (the request's separate_reasoning false still reasons)
+    parser = state.engine.plugins.resolve("reasoning_parser", name) if name else None
+    end = getattr(parser, "think_end", None)
+    check(parser is not None and bool(end), "thinking_token_budget needs --reasoning-parser (its end tag closes the "
+          "reasoning)", "thinking_token_budget")
+    p = parser()
+    if hasattr(p, "configure"):
+        p.configure(r.chat_template_kwargs or {})
+    if constrained or getattr(p, "enabled", True) is False:
+        return None
+    tok = state.engine.tokenizer
+    start = () if getattr(parser, "force_reasoning", False) else tuple(tok.encode(parser.think_start, add_special_tokens=False))
+    return ThinkingBudget(budget, tuple(tok.encode(end, add_special_tokens=False)), start)
+
+
 async def choice_deltas(job: ChatJob) -> AsyncIterator[tuple[dict, int, str, str, list[dict]]]:
     """A one-choice job's output as it grows, every stream interval (and at its end): (the cumulative
     output, how many tokens came before this step, reasoning delta, text delta, tool-call deltas),
@@ -238,7 +272,7 @@ async def choice_deltas(job: ChatJob) -> AsyncIterator[tuple[dict, int, str, str
     async for _, out in job.merged():
         reason, _ = finish_of(out)
         ntok = out["meta_info"]["completion_tokens"]
-        if reason is None and ntok - sent_toks < job.interval:
+        if reason is None and ntok - sent_toks < job.interval and (sent_toks or not ntok):  # (the first at once)
             continue
         start, delta = sent_toks, out["text"][len(sent_text):]
         sent_text, sent_toks = out["text"], ntok
@@ -273,7 +307,11 @@ def prepare_chat(state: Any, r: ChatCompletionRequest, rid: str | None = None) -
     ids = render_chat(state, r, hide_tools=plan.hides_tools, images=urls)
     images = chat_images(state, urls or [])  # (the processor checks the template gave each its placeholder)
     ids, max_new = fit_context(state, ids, max_tokens, "messages")
-    params = sampling_params(r, max_new, n, constraint)
+    params = sampling_params(r, max_new, n, constraint, state.chat_sampling_defaults)
+    params.thinking = thinking_budget(state, r, bool(constraint))
+    if r.skip_special_tokens is None and any(getattr(p, "reads_special_tokens", False)
+                                             for p in (plan.reasoning_parser, plan.tool_parser)):
+        params.skip_special_tokens = False  # the parsers' markers are special tokens (gpt-oss)
     if state.args.chat_template:  # a JSON template's stop_str, as SGLang adds its conversation's
         params.stop += [s for s in loaded_chat_template(state.args.chat_template).stop if s and s not in params.stop]
     job.add_prompt(ids, params, -1, images=images)
@@ -314,7 +352,7 @@ async def chat_stream(job: ChatJob) -> AsyncIterator[bytes]:
         reason, matched = finish_of(out)
         meta = out["meta_info"]
         ntok = meta["completion_tokens"]
-        if reason is None and ntok - sent_toks[i] < job.interval:
+        if reason is None and ntok - sent_toks[i] < job.interval and (sent_toks[i] or not ntok):
             continue
         delta = out["text"][len(sent_text[i]):]
         lp = chat_logprobs(job.vocab, meta, sent_toks[i], job.top) if job.logprobs else None

@@ -157,7 +157,7 @@ def effort_template_kwargs(effort: str | None, kwargs: dict[str, Any] | None) ->
     return kwargs
 
 
-def _reasoning_effort(r: Any) -> None:
+def apply_reasoning_effort(r: Any) -> None:
     """A chat request's ``reasoning_effort`` into its template kwargs, as the Responses API does."""
     effort = getattr(r, "reasoning_effort", None)
     if effort is None:
@@ -176,7 +176,7 @@ def common_checks(r: Any) -> tuple[int, dict[str, str]]:
         check(0 <= r.temperature <= MAX_TEMPERATURE, f"temperature must be between 0 and {MAX_TEMPERATURE:g}, "
               f"got {r.temperature}", "temperature")
     constraint = request_constraint(r)
-    _reasoning_effort(r)
+    apply_reasoning_effort(r)
     if r.min_tokens is not None:
         check(r.min_tokens >= 0, f"min_tokens must be >= 0, got {r.min_tokens}", "min_tokens")
     return n, constraint
@@ -188,18 +188,29 @@ def check_min_tokens(r: Any, max_tokens: int | None, name: str = "max_tokens") -
         check(r.min_tokens <= max_tokens, f"min_tokens must be <= {name}, got {r.min_tokens} > {max_tokens}", "min_tokens")
 
 
-def sampling_params(r: Any, max_new: int, n: int, constraint: dict[str, str]) -> SamplingParams:
+def sampling_params(r: Any, max_new: int, n: int, constraint: dict[str, str],
+                    defaults: dict[str, Any] | None = None) -> SamplingParams:
+    """The request's sampling parameters; an omitted temperature, top_p, top_k, min_p or
+    repetition_penalty takes ``defaults`` (chat: the model's generation_config.json under
+    ``--sampling-defaults model``, as SGLang), else OpenAI's."""
     stop = [r.stop] if isinstance(r.stop, str) else list(r.stop or [])
+    d = defaults or {}
+
+    def pick(name: str, off: Any) -> Any:
+        value = getattr(r, name)
+        return d.get(name, off) if value is None else value
+
+    top_k = pick("top_k", -1)
     params = SamplingParams(
         max_new_tokens=max_new,
         min_new_tokens=min(r.min_tokens or 0, max_new),
-        temperature=1.0 if r.temperature is None else r.temperature,
-        top_p=1.0 if r.top_p is None else r.top_p,
-        top_k=-1 if r.top_k in (None, 0) else r.top_k,
-        min_p=0.0 if r.min_p is None else r.min_p,
+        temperature=pick("temperature", 1.0),
+        top_p=pick("top_p", 1.0),
+        top_k=-1 if top_k == 0 else top_k,
+        min_p=pick("min_p", 0.0),
         frequency_penalty=0.0 if r.frequency_penalty is None else r.frequency_penalty,
         presence_penalty=0.0 if r.presence_penalty is None else r.presence_penalty,
-        repetition_penalty=1.0 if r.repetition_penalty is None else r.repetition_penalty,
+        repetition_penalty=pick("repetition_penalty", 1.0),
         stop=[s for s in stop if s],  # OpenAI clients sometimes send "" entries
         stop_token_ids=list(r.stop_token_ids or []),
         ignore_eos=bool(r.ignore_eos),

@@ -67,6 +67,8 @@ class Vocab:
                     raw = bytes([int(m.group(1), 16)])
             if raw is None:
                 text = self.tok.decode([tid], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+                if isinstance(piece, str) and piece.startswith("\u2581") and text == piece.replace("\u2581", " ")[1:]:
+                    text = " " + text  # a SentencePiece word start: decoding it alone strips its space
                 res = (text, text.encode("utf-8"))
             else:
                 res = (raw.decode("utf-8", errors="replace"), raw)
@@ -104,11 +106,11 @@ def chat_logprobs(vocab: Vocab, meta: dict, start: int, top: int) -> ChoiceLogpr
     tops = meta.get("output_top_logprobs") or []
     content = []
     for k in range(start, len(toks)):
-        lp, tid = toks[k]
+        lp, tid, _ = toks[k]
         s, raw = vocab.get(tid)
         alts = []
         if top and k < len(tops):
-            for atid, alp in (tops[k] or [])[:top]:
+            for alp, atid, _ in (tops[k] or [])[:top]:
                 a, araw = vocab.get(atid)
                 alts.append(TopLogprob(a, alp, list(araw)))
         content.append(ChatTokenLogprob(s, lp, list(raw), alts))
@@ -117,8 +119,9 @@ def chat_logprobs(vocab: Vocab, meta: dict, start: int, top: int) -> ChoiceLogpr
 
 def add_completion_logprobs(vocab: Vocab, pairs: list, tops: list | None, top: int, offsets: Offsets,
                             into: CompletionLogprobs) -> None:
-    """Append (logprob, token id) ``pairs`` (with their ``tops``) to completions' logprobs ``into``."""
-    for k, (lp, tid) in enumerate(pairs):
+    """Append (logprob, token id, text) ``pairs`` (with their ``tops``, as ``Req.meta_info`` has them) to
+    completions' logprobs ``into``."""
+    for k, (lp, tid, _) in enumerate(pairs):
         s, raw = vocab.get(tid)
         into.tokens.append(s)
         into.token_logprobs.append(lp)
@@ -128,7 +131,7 @@ def add_completion_logprobs(vocab: Vocab, pairs: list, tops: list | None, top: i
             into.top_logprobs.append(None)
         else:
             d: dict[str, float | None] = {}
-            for atid, alp in (entry or [])[:top]:
+            for alp, atid, _ in (entry or [])[:top]:
                 d.setdefault(vocab.get(atid)[0], alp)
             into.top_logprobs.append(d)
 

@@ -85,7 +85,7 @@ class _GenerationRequest(Struct, kw_only=True):
     repetition_penalty: float | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = False
-    skip_special_tokens: bool | None = True
+    skip_special_tokens: bool | None = None  # None: true, unless the request's parsers read special tokens
     spaces_between_special_tokens: bool | None = True
     no_stop_trim: bool | None = False
     rid: str | None = None  # SGLang: the request id (for /abort_request); also the response id
@@ -126,6 +126,7 @@ class ChatCompletionRequest(_GenerationRequest, kw_only=True):
     documents: list[dict[str, Any]] | None = None
     continue_final_message: bool | None = False
     separate_reasoning: bool | None = True  # with --reasoning-parser: reasoning_content apart from content
+    thinking_token_budget: int | None = None  # vLLM's: at most this many reasoning tokens (-1: no limit)
     reasoning_effort: str | None = None  # OpenAI / vLLM: reaches the chat template, as in the Responses API
 
 
@@ -159,7 +160,7 @@ _NOOP_COMMON: dict[str, tuple[Any, ...]] = {
     "prompt_logprobs": (None,), "allowed_token_ids": (None,), "bad_words": (None, []), "logits_processors": (None,),
     "return_tokens_as_token_ids": (None, False), "return_token_ids": (None, False), "cache_salt": (None,),
     "kv_transfer_params": (None,), "ec_transfer_params": (None,), "vllm_xargs": (None, {}),
-    "thinking_token_budget": (None, -1), "repetition_detection": (None,), "logprob_token_ids": (None,),
+    "repetition_detection": (None,), "logprob_token_ids": (None,),
     "watermarking": (None, False),
     # SGLang
     "return_hidden_states": (None, False),
@@ -177,7 +178,8 @@ _NOOP_CHAT: dict[str, tuple[Any, ...]] = {
 }
 NOOP_FIELDS: dict[type, dict[str, tuple[Any, ...]]] = {
     ChatCompletionRequest: {**_NOOP_COMMON, **_NOOP_CHAT},
-    CompletionRequest: {**_NOOP_COMMON, "add_special_tokens": (None, True), "prompt_embeds": (None,)},
+    CompletionRequest: {**_NOOP_COMMON, "add_special_tokens": (None, True), "prompt_embeds": (None,),
+                        "thinking_token_budget": (None, -1)},
 }
 
 
