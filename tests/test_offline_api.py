@@ -77,3 +77,29 @@ def test_unseeded_samples_differ_between_launches_unless_a_seed_is_given(path):
     (a, seed_a), (b, seed_b) = sample(None), sample(None)
     assert a != b and seed_a != seed_b
     assert sample(7) == sample(7)
+
+
+def test_the_tokenizers_eos_token_stops_generation(tmp_path):
+    """A chat fine-tune's tokenizer often names another EOS (<|im_end|>) than config.json's; SGLang
+    and vLLM stop at it too, where generation ran on to max_new_tokens."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    build_tiny_llama(tmp_path)
+    eng = make_engine(tmp_path)
+    try:
+        first = eng.generate("The quick brown fox", {"temperature": 0, "max_new_tokens": 8})["output_ids"][0]
+    finally:
+        eng.shutdown()
+    cfg_file = tmp_path / "tokenizer_config.json"
+    cfg = json.loads(cfg_file.read_text())
+    cfg["eos_token"] = AutoTokenizer.from_pretrained(tmp_path).convert_ids_to_tokens(first)
+    cfg_file.write_text(json.dumps(cfg))
+    eng = make_engine(tmp_path)
+    try:
+        out = eng.generate("The quick brown fox", {"temperature": 0, "max_new_tokens": 8})
+        assert first in eng.engine.model_config.eos_ids
+    finally:
+        eng.shutdown()
+    assert out["output_ids"] == [first] and out["meta_info"]["finish_reason"] == {"type": "stop", "matched": first}

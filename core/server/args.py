@@ -360,7 +360,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enable-metrics", action="store_true", help="serve Prometheus metrics at /metrics")
 
     g = s("API related")
-    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but /health")
+    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but /health*, /ready* and /metrics")
     g.add_argument("--chat-template", default=None, help="chat template: a Jinja file path or a template string")
     g.add_argument("--file-storage-path", default="sglang_storage", help="where the files API stores uploads")
     g.add_argument("--enable-cache-report", action="store_true",
