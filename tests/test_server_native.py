@@ -471,6 +471,9 @@ def test_get_server_info_redacts_the_key(client: httpx.Client) -> None:
     assert info["max_total_num_tokens"] == 16384
     assert info["context_length"] == CTX and info["enable_metrics"] is True
     assert isinstance(info["internal_states"], list) and "version" in info
+    # flags left unset report what the engine resolved, as SGLang's resolved server args
+    assert isinstance(info["random_seed"], int) and isinstance(info["chunked_prefill_size"], int)
+    assert info["page_size"] >= 1 and info["max_running_requests"] >= 1
 
 
 def test_tokenize_counts_what_generate_and_chat_send(client: httpx.Client) -> None:

@@ -377,7 +377,9 @@ class Sampler:
         where the forward computed it with them (the CPU decode stack does); it stands in for
         this sampler's own. Columns at or beyond ``vocab_size`` (padding) are dropped, so they
         are never chosen. Logprobs are log_softmax of the *raw* logits (before penalties,
-        temperature and filters), matching SGLang's default: they describe the model, not the sampler.
+        temperature and filters): they describe the model, not the sampler, as vLLM's default and
+        SGLang's with ``SGLANG_RETURN_ORIGINAL_LOGPROB`` (SGLang's default divides a sampled row's
+        logits by its temperature first; docs/compatibility.md).
         A grammar's mask is applied to ``logits`` before this call, so under a constraint they
         describe the model restricted to the allowed tokens; a ruled-out token reads
         :data:`LOGPROB_FLOOR`, never -inf.

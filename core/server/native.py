@@ -370,6 +370,15 @@ async def get_model_info(request: Request) -> Response:
     })
 
 
+def _resolved(engine: Any) -> dict[str, Any]:
+    """The flags the engine resolved when left unset, by their values (SGLang's resolved server args)."""
+    values = {"random_seed": getattr(engine, "random_seed", None),
+              "chunked_prefill_size": getattr(engine, "chunked_prefill_size", None),
+              "max_running_requests": engine.max_running_requests, "max_total_tokens": engine.max_total_tokens,
+              "page_size": engine.allocator.page_size}
+    return {k: v for k, v in values.items() if v is not None}
+
+
 async def get_server_info(request: Request) -> Response:
     state = state_of(request)
     engine = state.engine
@@ -378,7 +387,7 @@ async def get_server_info(request: Request) -> Response:
     per_replica = engine.replica_loads() if hasattr(engine, "replica_loads") else [load]
     return json_response({
         **state.args.flags,
-        **({"random_seed": engine.random_seed} if hasattr(engine, "random_seed") else {}),  # (the one drawn)
+        **_resolved(engine),
         "served_model_name": state.served_model_name,
         "model_path": state.model_path,
         "max_total_num_tokens": engine.max_total_tokens,
