@@ -306,3 +306,56 @@ def test_a_thinking_budget_leaves_an_answer_without_reasoning_alone():
     assert forced.forced([5, 7, 8, 1][:3]) is None  # closed within the budget
     plain = ThinkingBudget(0, (9,))
     assert plain.forced([]) == 9 and plain.forced([9]) is None
+
+
+# ---- the Messages API's usage, the Responses API's items
+
+
+def test_messages_usage_counts_cache_reads_apart_streamed_or_not(qwen):
+    """Anthropic's total input is input_tokens + cache_read + cache_creation; input_tokens counted
+    the cached prompt tokens too, and a stream's usage never said what the cache held."""
+    body = {"messages": [{"role": "user", "content": "hello hello"}], "max_tokens": 3, "temperature": 0}
+    prompt = qwen.post("/v1/messages/count_tokens", json={"messages": body["messages"]}).json()["input_tokens"]
+    qwen.post("/v1/messages", json=body)
+    usage = qwen.post("/v1/messages", json=body).json()["usage"]  # the prompt is in the prefix cache now
+    assert usage["cache_read_input_tokens"] > 0
+    assert usage["input_tokens"] + usage["cache_read_input_tokens"] + usage["cache_creation_input_tokens"] == prompt
+    streamed = qwen.post("/v1/messages", json={**body, "stream": True}).text
+    delta = [json.loads(line[6:]) for line in streamed.splitlines() if line.startswith("data: ")
+             and '"message_delta"' in line][0]["usage"]
+    assert delta == usage
+
+
+def test_responses_output_sent_back_as_input_is_one_assistant_turn():
+    """A response's output splits one assistant turn into a message and function_call items; sent back
+    as input (as clients do without previous_response_id) they became two assistant turns."""
+    from core.server.openai.responses import input_items, item_messages
+
+    items = input_items([
+        {"role": "user", "content": "weather?"},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Sure."}]},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{}"},
+        {"type": "function_call", "call_id": "c2", "name": "get_time", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "sun"},
+    ])
+    msgs = item_messages(items)
+    assert [m["role"] for m in msgs] == ["user", "assistant", "tool"]
+    assert msgs[1]["content"] == "Sure." and [c["id"] for c in msgs[1]["tool_calls"]] == ["c1", "c2"]
+    assert items[0]["content"] == [{"type": "input_text", "text": "weather?"}]  # listed as the API types it
+
+
+def test_responses_input_items_list_content_as_parts(qwen):
+    r = qwen.post("/v1/responses", json={"input": [{"role": "user", "content": "hi"}], "max_output_tokens": 2})
+    listed = qwen.get(f"/v1/responses/{r.json()['id']}/input_items").json()["data"]
+    assert listed[0]["content"] == [{"type": "input_text", "text": "hi"}]
+
+
+def test_text_on_both_sides_of_calls_is_not_glued(qwen):
+    """The chat view drops the whitespace touching a call; the text before and after calls was then
+    glued into one word ("Sure.And also:"). A line apart now, streamed and not."""
+    body = {"messages": HI, "tools": TOOLS, "temperature": 0,
+            "ebnf": "root ::= " + json.dumps("Sure.\n" + CALL_W + "\nAnd also:\n" + CALL_T)}
+    msg = qwen.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+    assert msg["content"] == "Sure.\nAnd also:" and len(msg["tool_calls"]) == 2
+    chunks = _sse(qwen.post("/v1/chat/completions", json={**body, "stream": True}).text)
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == msg["content"]

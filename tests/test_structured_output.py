@@ -283,3 +283,20 @@ def test_a_grammar_that_rejects_the_sampled_token_ends_its_request():
     assert req.aborted and req.abort_message == "the grammar allows no further token"
     assert not free.aborted
     gm.shutdown()
+
+
+def test_a_grammar_ending_on_eos_under_ignore_eos_reports_it_as_matched(tiny_llama):
+    """SGLang reports a terminated grammar's last token as the match (the EOS here); under
+    ignore_eos the finish said ``matched: None``, so meta_info and OpenAI's matched_stop were null."""
+    from tests.conftest import make_engine
+
+    e = make_engine(tiny_llama()[0])
+    try:
+        sp = {"max_new_tokens": 20, "temperature": 0, "regex": "ab(c|d)"}
+        plain = e.generate(input_ids=[5, 40, 41, 42, 43], sampling_params=sp)
+        ignored = e.generate(input_ids=[5, 40, 41, 42, 43], sampling_params={**sp, "ignore_eos": True})
+    finally:
+        e.shutdown()
+    assert plain["output_ids"] == ignored["output_ids"] and plain["output_ids"][-1] == 2
+    assert plain["meta_info"]["finish_reason"] == ignored["meta_info"]["finish_reason"] == {"type": "stop", "matched": 2}
+    assert plain["text"] == ignored["text"]

@@ -571,8 +571,8 @@ class Scheduler:
             req.finish_reason = {"type": "stop", "matched": tok}
         elif req.detokenizer is not None and req.detokenizer.matched_stop is not None:
             req.finish_reason = {"type": "stop", "matched": req.detokenizer.matched_stop}
-        elif req.grammar is not None and req.grammar.is_terminated():  # constrained output complete
-            req.finish_reason = {"type": "stop", "matched": None}
+        elif req.grammar is not None and req.grammar.is_terminated():  # constrained output complete: its last
+            req.finish_reason = {"type": "stop", "matched": tok}  # token, as SGLang reports it (EOS under ignore_eos)
         elif len(req.output_ids) >= p.max_new_tokens or req.seq_len >= self.context_len:
             req.finish_reason = {"type": "length", "length": len(req.output_ids)}
         if req.finished and req.detokenizer is not None and req.detokenizer.matched_stop is None:

@@ -274,9 +274,12 @@ def _stop(reason: str | None, matched: Any, r: MessagesRequest, has_calls: bool)
 
 
 def _usage(out: dict) -> dict[str, int]:
+    """Anthropic's usage: ``input_tokens`` are those not read from the cache (the prompt is their sum
+    with ``cache_read_input_tokens`` and ``cache_creation_input_tokens``)."""
     meta = out["meta_info"]
-    return {"input_tokens": meta["prompt_tokens"], "output_tokens": meta["completion_tokens"],
-            "cache_creation_input_tokens": 0, "cache_read_input_tokens": meta.get("cached_tokens", 0) or 0}
+    cached = meta.get("cached_tokens", 0) or 0
+    return {"input_tokens": meta["prompt_tokens"] - cached, "output_tokens": meta["completion_tokens"],
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
 
 
 def _message(job: ChatJob, content: list, stop_reason: str | None, stop_sequence: str | None,
@@ -402,8 +405,9 @@ async def _stream(job: ChatJob, r: MessagesRequest) -> AsyncIterator[bytes]:
         if open_kind is not None:
             yield _event("content_block_stop", index=len(kinds) - 1)
         stop_reason, stop_sequence = _stop(reason, matched, r, bool(calls))
+        # the whole usage: what the cache held is known only once the request ran (message_start had none)
         yield _event("message_delta", delta={"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                     usage={"output_tokens": out["meta_info"]["completion_tokens"]})
+                     usage=_usage(out))
         yield _event("message_stop")
     except Exception as e:
         if not isinstance(e, ApiError):

@@ -346,8 +346,8 @@ class BaseToolParser:
 
     def _join(self, parts: list[str | None], final: bool) -> str:
         """The normal text of a scan's pieces (None: a call block), wrapper tokens removed. In the
-        chat view the whitespace touching a call goes, and while streaming trailing whitespace is
-        held back: a call may follow it."""
+        chat view the whitespace touching a call goes (text on both sides of calls is a line apart,
+        not glued), and while streaming trailing whitespace is held back: a call may follow it."""
         if not self.chat:
             out = "".join(p for p in parts if p is not None)
             for d in self.drop:
@@ -369,6 +369,8 @@ class BaseToolParser:
                 seg = seg.lstrip()
             if k < len(segments) - 1 or not final:
                 seg = seg.rstrip()
+            if k and out and seg:
+                out += "\n"
             out += seg
         return out
 

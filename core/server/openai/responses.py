@@ -145,7 +145,11 @@ def input_items(inp: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             raise InvalidRequest(f"input[{i}] must be an object", param="input")
         kind = item.get("type", "message")
         prefix = {"message": "msg_", "function_call": "fc_", "function_call_output": "fco_"}.get(kind, "item_")
-        items.append({**item, "type": kind, "id": item.get("id") or _new_id(prefix)})
+        typed = {**item, "type": kind, "id": item.get("id") or _new_id(prefix)}
+        if kind == "message" and isinstance(item.get("content"), str):  # as the API lists it: a list of parts
+            part = "output_text" if item.get("role") == "assistant" else "input_text"
+            typed["content"] = [{"type": part, "text": item["content"]}]
+        items.append(typed)
     return items
 
 
@@ -165,8 +169,8 @@ def item_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
             if not isinstance(name, str) or not isinstance(args, str) or not isinstance(call_id, str):
                 raise InvalidRequest(f"{where}: a function_call needs call_id, name and arguments (strings)", param="input")
             call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
-            if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls") and not out[-1]["content"]:
-                out[-1]["tool_calls"].append(call)
+            if out and out[-1]["role"] == "assistant":  # the turn's text and calls (as a response's output splits them)
+                out[-1].setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":
