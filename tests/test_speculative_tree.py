@@ -1,6 +1,6 @@
 """Draft trees (issue 43): a drafter may return a ``DraftTree``; the engine verifies it in one
 forward under a tree mask (positions are depths), keeps the path the target's samples follow, and
-moves the kept nodes' KV to their positions before the next forward reads it. An oracle tree
+moves the kept nodes' KV to their positions right after the verify. An oracle tree
 whose right branch is never the first child makes every kept node move: greedy output equals
 plain decoding's, also from a second round that reads the moved KV from the prefix cache."""
 

@@ -15,7 +15,7 @@ sample equals ``d`` is rejection sampling against a drafter that proposes determ
 (``q = onehot(d)``), so the output distribution is the target's; a seeded request's generator
 spends a draw per kept token only (``sampler.rewind``), so its samples are plain decoding's. The
 KV of rejected tokens stays in the request's pages and is written over; a tree's kept nodes have
-their KV moved to their positions before the next forward (``ModelRunner``); the prefix cache
+their KV moved to their positions right after the verify (``ModelRunner``); the prefix cache
 never sees rejected KV.
 
 Drafts are paced per request (``Pace``) and a verify holds at most ``VERIFY_TOKEN_BUDGET`` tokens,
