@@ -159,10 +159,8 @@ async def _send(client: Any, ns: argparse.Namespace, model: str | None, ids: lis
                 new = count - n_tokens
                 if new <= 0:
                     continue
-                if n_tokens == 0:
+                if n_tokens == 0:  # (the first chunk sets the TTFT only, as sglang.bench_serving)
                     res.ttft = now - t0
-                    if new > 1:
-                        res.itl += [0.0] * (new - 1)
                 else:  # several tokens in one chunk: spread the gap evenly, as sglang.bench_serving does
                     res.itl += [(now - last) / new] * new
                 last = now

@@ -454,3 +454,21 @@ def test_cpu_dense_copy_of_a_packed_layer_is_onednn_packed(monkeypatch):
     assert layer.dense_weight.is_mkldnn
     x = torch.randn(6, 128, dtype=torch.bfloat16)
     assert rel_err(packed.packed_linear(layer, x), x.float() @ packed.dequantize_int4(q, scale, zero).T) < 2 * BF16_REL
+
+
+def test_gptq_refuses_a_sorted_g_idx_with_unequal_groups():
+    """A non-decreasing g_idx skipped the check that each group holds group_size rows, and was
+    served as arange(K) // group_size: other scales and zeros than the checkpoint's."""
+    from core.errors import ModelLoadError
+    from core_plugins.quant.gptq import GPTQ
+
+    group, k, n = 32, 64, 16
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (n, k), generator=g)
+    z = torch.randint(0, 15, (n, k // group), generator=g)
+    s = (torch.rand(n, k // group, generator=g) * 0.1 + 0.01).half().float()
+    shard = {"qweight": pack_gptq_rows(q.T), "qzeros": pack_gptq_cols((z - 1).T & 0xF), "scales": s.T.half(),
+             "g_idx": torch.tensor([0] * 48 + [1] * 16).int()}  # group 0 holds 48 rows
+    method = GPTQ.from_config({"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": True})
+    with pytest.raises(ModelLoadError, match="g_idx does not assign 32 input rows"):
+        load_linear(method, k, [n], [shard], dtype=torch.float32)

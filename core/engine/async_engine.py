@@ -315,6 +315,8 @@ class AsyncEngine(RequestFrontEnd):
             "token_usage": round(used / capacity, 6) if capacity else 0.0,
             "max_running_requests": self.max_running_requests,
             "cache_hit_rate": tree.hit_rate if tree is not None else 0.0,
+            "cache_hit_tokens": tree.hit_tokens if tree is not None else 0,  # (a front end over replicas
+            "cache_query_tokens": tree.query_tokens if tree is not None else 0,  # weighs their rates by these)
         }
 
     # ------------------------------------------------------------------ scheduler loop

@@ -11,6 +11,7 @@ one process never collide in prometheus-client's global registry.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
@@ -128,19 +129,36 @@ class Metrics:
 
     # ------------------------------------------------------------------ listeners (loop thread, never raise)
     def on_step(self, batch: ScheduledBatch, duration: float) -> None:
+        """A step ran; its results are processed right after the listeners, so the tokens each request
+        gained (a verify's accepted ones, a multi-step decode's up to its stop) are counted once they
+        are in (``_after_step``, next on the loop)."""
         try:
             now = time.perf_counter()
-            tokens, n = 0, batch.steps_run  # a multi-step decode's tokens (at most: a stop may drop some)
-            for req in batch.reqs:
-                if req.finished or req.aborted or req.params.max_new_tokens == 0 or req.kv_len < req.seq_len:
+            counts = [(req, len(req.output_ids)) for req in batch.reqs if not (
+                req.finished or req.aborted or req.params.max_new_tokens == 0 or req.kv_len < req.seq_len)]
+            try:
+                asyncio.get_running_loop().call_soon(self._after_step, counts, now)
+            except RuntimeError:  # no loop (a listener driven by hand): the step's tokens as scheduled
+                self._after_step(counts, now, batch.steps_run)
+        except Exception:  # a metrics bug must never break serving
+            pass
+
+    def _after_step(self, counts: list[tuple[Req, int]], now: float, steps: int | None = None) -> None:
+        """Each request's new tokens into the throughput window and, after its first token, into the
+        ITL histogram: a gap over n tokens is n observations of gap / n, as SGLang's."""
+        try:
+            tokens = 0
+            for req, before in counts:
+                new = steps if steps is not None else len(req.output_ids) - before
+                if new <= 0:
                     continue
-                tokens += n
+                tokens += new
                 if req.rid.startswith(INTERNAL_RID_PREFIXES) or not req.log_metrics:
                     continue
                 last = self._last_token_time.get(req)
-                if last is not None and not batch.is_prefill:
-                    for _ in range(n):
-                        self.itl.labels(self.model_name).observe((now - last) / n)
+                if last is not None:
+                    for _ in range(new):
+                        self.itl.labels(self.model_name).observe((now - last) / new)
                 self._last_token_time[req] = now
             self._gen_window.append((now, tokens))
             self._trim(now)
@@ -149,7 +167,10 @@ class Metrics:
 
     def on_finish(self, req: Req) -> None:
         try:
-            self._last_token_time.pop(req, None)
+            try:  # (after the step's ``_after_step``, which may still observe its last gap)
+                asyncio.get_running_loop().call_soon(self._last_token_time.pop, req, None)
+            except RuntimeError:
+                self._last_token_time.pop(req, None)
             if req.rid.startswith(INTERNAL_RID_PREFIXES) or not req.log_metrics:
                 return
             m = self.model_name
@@ -179,6 +200,12 @@ class Metrics:
     def _trim(self, now: float) -> None:
         while self._gen_window and now - self._gen_window[0][0] > THROUGHPUT_WINDOW_S:
             self._gen_window.popleft()
+
+    def spec_report(self) -> dict[str, float]:
+        """SGLang's ``avg_spec_accept_length`` (its bench_serving reads it from ``/server_info``): the
+        finished requests' tokens per verify; empty before any."""
+        tokens, verifies = self._spec[0], self._spec[1]
+        return {"avg_spec_accept_length": tokens / verifies} if verifies else {}
 
     def throughput(self) -> float:
         """Generated tokens per second over the last ``THROUGHPUT_WINDOW_S`` (0 when disabled)."""

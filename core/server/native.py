@@ -396,6 +396,7 @@ async def get_server_info(request: Request) -> Response:
         "max_running_requests": engine.max_running_requests,
         "internal_states": [{
             "last_gen_throughput": state.metrics.throughput() if state.metrics.enabled else 0.0,
+            **state.metrics.spec_report(),
             **{k: one[k] for k in ("dp_rank", "alive", "num_running_reqs", "num_waiting_reqs", "token_usage",
                                    "cache_hit_rate") if k in one},
         } for one in per_replica],

@@ -95,10 +95,10 @@ class GPTQ:
         s = layer.scales.data.float()
         g_idx = layer.g_idx.data.long()
         perm = torch.argsort(g_idx, stable=True)
+        if not torch.equal(g_idx[perm], torch.arange(len(perm), device=perm.device) // g):  # (sorted or not)
+            raise ModelLoadError(f"gptq: g_idx does not assign {g} input rows to each group")
         if torch.equal(perm, torch.arange(len(perm), device=perm.device)):
             perm = None
-        elif not torch.equal(g_idx[perm], torch.arange(len(perm), device=perm.device) // g):
-            raise ModelLoadError(f"gptq: g_idx does not assign {g} input rows to each group")
         if perm is not None:
             q = q[:, perm]
         zero = ((8 - z) * s).t()

@@ -235,14 +235,16 @@ class DataParallelEngine(RequestFrontEnd):
 
     def load(self) -> dict[str, Any]:
         """``AsyncEngine.load()`` keys summed over the live replicas (token usage over their
-        pooled capacity, cache hit rate averaged), plus ``replicas`` (``replica_loads``)."""
+        pooled capacity, the cache hit rate over all their prompt tokens), plus ``replicas`` (``replica_loads``)."""
         loads = [r.load for r in self._live()] or [{}]
         total = {k: sum(l.get(k, 0) for l in loads) for k in ("num_running_reqs", "num_waiting_reqs", "num_total_reqs",
                                                              "num_used_tokens", "num_free_tokens", "max_total_num_tokens",
-                                                             "max_running_requests")}
+                                                             "max_running_requests", "cache_hit_tokens",
+                                                             "cache_query_tokens")}
         cap = total["max_total_num_tokens"]
         total["token_usage"] = round(total["num_used_tokens"] / cap, 6) if cap else 0.0
-        total["cache_hit_rate"] = sum(l.get("cache_hit_rate", 0.0) for l in loads) / len(loads)
+        queries = total["cache_query_tokens"]
+        total["cache_hit_rate"] = total["cache_hit_tokens"] / queries if queries else 0.0
         return total
 
     def replica_loads(self) -> list[dict[str, Any]]:
