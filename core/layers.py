@@ -292,6 +292,8 @@ class RotaryEmbedding(nn.Module):
                 raise ValueError(f"unsupported rope_type {rope_type!r}; known: default, {', '.join(ROPE_INIT_FUNCTIONS)}")
             kw = {"layer_type": layer_type} if layer_type is not None else {}
             inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config, device, **kw)
+        if (factors := params.get("freq_factors")) is not None:  # a GGUF's rope_freqs (llama.cpp's freq_factors)
+            inv_freq = inv_freq / torch.tensor(factors, dtype=torch.float, device=device)
         t = torch.arange(max_positions, dtype=torch.float, device=device)
         freqs = torch.outer(t, inv_freq.float())
         emb = torch.cat((freqs, freqs), dim=-1)

@@ -109,6 +109,42 @@ def _resolve(model_path: str | os.PathLike | None,
     return src, src.name, None
 
 
+def gguf_rope_scaling(hf_config: Any, gguf_file: Path) -> None:
+    """The GGUF file's rope scaling into ``hf_config.rope_parameters``, as llama.cpp applies it: the
+    ``{arch}.rope.scaling.*`` metadata (linear or yarn), and a ``rope_freqs.weight`` tensor (Llama 3.x:
+    each rotary frequency divided by its factor; ``freq_factors``, read by ``core.layers``). Another
+    scaling type is refused rather than served with plain positions."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(gguf_file)
+    except (ValueError, OSError):  # (not a file gguf reads: its conversion came from elsewhere, e.g. a test's)
+        return
+
+    def value(key: str) -> Any:
+        field = reader.fields.get(key)
+        if field is None or not field.data:
+            return None
+        part = field.parts[field.data[0]]
+        return bytes(part).decode() if field.types and field.types[0].name == "STRING" else part[0].item()
+
+    arch = value("general.architecture")
+    kind = value(f"{arch}.rope.scaling.type")
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if kind in (None, "none") and freqs is None:
+        return
+    rope = dict(getattr(hf_config, "rope_parameters", None) or {})
+    if kind in ("linear", "yarn"):
+        rope.update(rope_type=kind, factor=float(value(f"{arch}.rope.scaling.factor")))
+        if (orig := value(f"{arch}.rope.scaling.original_context_length")) is not None:
+            rope["original_max_position_embeddings"] = int(orig)
+    elif kind not in (None, "none"):
+        raise ModelLoadError(f"{gguf_file}: rope scaling {kind!r} is not supported (linear and yarn are)")
+    if freqs is not None:
+        rope["freq_factors"] = [float(x) for x in freqs.data.reshape(-1)]
+    hf_config.rope_parameters = rope
+
+
 def pick_dtype(name: str, config_dtype: torch.dtype | None, device: torch.device) -> torch.dtype:
     """``auto`` follows what the device does natively (``core.engine.device.auto_dtype``)."""
     table = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "half": torch.float16}
@@ -143,6 +179,8 @@ def load_model_config(model_path: str | None, dtype: str, device: torch.device, 
         hf_config = AutoConfig.from_pretrained(path)
     except Exception as e:
         raise ModelLoadError(f"cannot read config.json in {path}: {e}") from e
+    if gguf_file is not None:  # (transformers' GGUF reader maps no rope scaling for these architectures)
+        gguf_rope_scaling(hf_config, gguf_file)
     if json_overrides:
         for k, v in json.loads(json_overrides).items():
             setattr(hf_config, k, v)
