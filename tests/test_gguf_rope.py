@@ -90,3 +90,19 @@ def test_rope_freqs_divide_each_frequency(tmp_path, monkeypatch):
     _write(f, extra_tensors={"rope_freqs.weight": factors})
     want = torch.cos(torch.outer(POS, BASE / torch.from_numpy(factors)))
     torch.testing.assert_close(_cos(f, monkeypatch, tmp_path), want, atol=1e-4, rtol=0)
+
+
+def test_per_layer_type_rope_scales_the_global_layers_only(tmp_path):
+    """Gemma 3 keys its rope by layer type; llama.cpp's scaling applies to the global (full) layers."""
+    from types import SimpleNamespace
+
+    from core.engine.model_loader.loader import gguf_rope_scaling
+
+    f = tmp_path / "linear.gguf"
+    _write(f, {"add_rope_scaling_type": gguf.RopeScalingType.LINEAR, "add_rope_scaling_factor": 8.0})
+    local = {"rope_type": "default", "rope_theta": 10000.0}
+    config = SimpleNamespace(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                                              "sliding_attention": dict(local)})
+    gguf_rope_scaling(config, f)
+    assert config.rope_parameters == {"full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 8.0},
+                                      "sliding_attention": local}

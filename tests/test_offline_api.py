@@ -46,10 +46,10 @@ def test_batch_lists_are_aligned_with_the_prompts(eng):
     assert len(out[0]["meta_info"]["output_top_logprobs"][0]) == 2 and out[0]["meta_info"]["input_token_logprobs"]
     assert "output_token_logprobs" not in out[1]["meta_info"]
     assert [o["meta_info"]["id"] for o in eng.generate(["ab", "cd"], GREEDY2, rid="job")] == ["job_0", "job_1"]
-    with pytest.raises(InvalidRequest, match="rid list must match"):
+    with pytest.raises(InvalidRequest, match="rid has 1 entries but there are 2 prompts"):
         eng.generate(["ab", "cd"], GREEDY2, rid=["only-one"])
-    with pytest.raises(InvalidRequest, match="one prompt"):
-        eng.generate("ab", GREEDY2, return_logprob=[True])
+    with pytest.raises(InvalidRequest, match="return_logprob has 3 entries"):
+        eng.generate(["ab", "cd"], GREEDY2, return_logprob=[True, False, True])
 
 
 def test_an_explicit_max_new_tokens_must_fit_the_context(eng):

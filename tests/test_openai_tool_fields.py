@@ -120,7 +120,7 @@ def test_strict_tools_under_auto_hold_the_calls_to_their_schemas(qwen):
     from core.server.openai.tools import _strict_auto
 
     r = type("R", (), {"tools": STRICT, "parallel_tool_calls": None})()
-    kind, spec = _strict_auto(qwen.state, r, 0)
+    kind, spec = _strict_auto(qwen.state, r)
     assert kind == "structural_tag"
     grammar = xgr.Grammar.from_structural_tag(spec)
     compiled = xgr.GrammarCompiler(xgr.TokenizerInfo(["a"])).compile_grammar(grammar)
@@ -148,14 +148,32 @@ def test_strict_tools_under_auto_are_constrained_through_the_api(qwen):
     assert prepare_chat(qwen.state, r).reqs[0].params.structural_tag is None
 
 
-def test_strict_tools_under_auto_without_a_parser_that_can_hold_them_is_a_400(tiny_llama):
+def test_strict_tools_under_auto_without_a_call_format_go_unconstrained(tiny_llama):
+    """As SGLang: no parser whose calls the grammar can hold (here none at all), so no constraint."""
+    from core.server.openai.chat import prepare_chat
+    from core.server.openai.protocol import ChatCompletionRequest
+    import msgspec
+
     s = Served(tiny_llama()[0])  # no --tool-call-parser
     try:
-        r = s.post("/v1/chat/completions", json={"messages": HI, "tools": STRICT, "max_tokens": 4})
-        assert r.status_code == 400, r.text
-        assert r.json()["error"]["param"] == "tools[0].function.strict"
+        assert s.post("/v1/chat/completions", json={"messages": HI, "tools": STRICT, "max_tokens": 4}).status_code == 200
+        r = msgspec.convert({"messages": HI, "tools": STRICT}, ChatCompletionRequest)
+        assert prepare_chat(s.state, r).reqs[0].params.structural_tag is None
     finally:
         s.close()
+
+
+def test_strict_tools_under_auto_leave_the_model_its_thinking(r1):
+    """Their triggered tags hold only the calls: the reasoning parser stays as it is (the model thinks
+    first) and a thinking budget still applies, unlike a constraint from the first token."""
+    from core.server.openai.chat import prepare_chat
+    from core.server.openai.protocol import ChatCompletionRequest
+    import msgspec
+
+    r = msgspec.convert({"messages": HI, "tools": STRICT, "thinking_token_budget": 4}, ChatCompletionRequest)
+    job = prepare_chat(r1.state, r)
+    assert job.plan.triggered and job.plan.reasoning_parser.force_reasoning is True
+    assert job.reqs[0].params.thinking is not None and job.reqs[0].params.structural_tag is not None
 
 
 # ---- unknown fields on /v1/responses and /v1/messages
@@ -300,10 +318,10 @@ def test_a_thinking_budget_leaves_an_answer_without_reasoning_alone():
     (SamplingParams.thinking, which the server sets from the reasoning parser)."""
     from core.engine.sampling_params import ThinkingBudget
 
-    forced = ThinkingBudget(2, (7, 8), start_ids=(5,))
-    assert [forced.forced(out) for out in ([5, 1], [5, 1, 2], [5, 1, 7], [5, 1, 7, 8])] == [7, None, 8, None]
-    assert forced.forced([4, 1]) is None  # no <think>: an answer
-    assert forced.forced([5, 7, 8, 1][:3]) is None  # closed within the budget
+    forced = ThinkingBudget(2, (7, 8), start_ids=(5,))  # two tokens after <think> (5), as vLLM counts
+    assert [forced.forced(out) for out in ([5, 1], [5, 1, 2], [5, 1, 2, 7], [5, 1, 2, 7, 8])] == [None, 7, 8, None]
+    assert forced.forced([4, 1, 2]) is None  # no <think>: an answer
+    assert forced.forced([5, 7, 8]) is None  # closed within the budget
     plain = ThinkingBudget(0, (9,))
     assert plain.forced([]) == 9 and plain.forced([9]) is None
 

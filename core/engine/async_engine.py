@@ -80,6 +80,8 @@ class AsyncEngine(RequestFrontEnd):
             self.model = self.tp_group.load(self._load_model) if self.tp_group else self._load_model()
             fused(torch.empty(0, device=self.device))  # compile the fused-op kernels now, not in the first (watched) step
             self.vocab_size = mc.text_config.vocab_size
+            if args.is_embedding and not self.is_classifier:
+                pooling_config(mc.path)  # a sentence-transformers layout this server cannot follow: refused at start
             self._build_kv_pool()
         except BaseException:
             if self.tp_group is not None:
@@ -87,8 +89,6 @@ class AsyncEngine(RequestFrontEnd):
             raise
         self.sampler = Sampler(self.vocab_size, self.device, seed=self.random_seed, num_slots=self.table.table.shape[0])
         self.runner = ModelRunner(self.model, self.attn_backend, self.table, self.sampler, mc.eos_ids, self.device)
-        if args.is_embedding and not self.is_classifier:
-            pooling_config(mc.path)  # a sentence-transformers layout this server cannot follow: refused at start
         if self.tp_group is not None:
             self.runner.tp = self.tp_group
             self.tp_group.on_failure = self._on_rank_failure

@@ -185,19 +185,20 @@ class RequestFrontEnd:
         images = images_per_prompt(image_data, len(prompts), batch)
         if any(images):  # (the offline Engine sends them decoded, on its caller's thread: these pass through)
             images = load_prompt_images(images, self.offline_media_policy(), batch)
-        rids, lps, starts, tops = (_per_prompt(name, v, len(prompts), batch) for name, v in (
-            ("rid", rid), ("return_logprob", return_logprob), ("logprob_start_len", logprob_start_len),
-            ("top_logprobs_num", top_logprobs_num)))
+        n = len(prompts)
+        rids = batch_rids(rid, n, batch)
+        lps = per_item(return_logprob, n, "return_logprob", False)
+        starts = per_item(logprob_start_len, n, "logprob_start_len", -1)
+        tops = per_item(top_logprobs_num, n, "top_logprobs_num", 0)
         groups = []
         for i, (p, sp) in enumerate(zip(prompts, sps)):
             params = sp if isinstance(sp, SamplingParams) else SamplingParams.from_dict(sp)
             ids = self.tokenize(None if is_ids else p, p if is_ids else None)
             if isinstance(sp, dict):  # an explicit max_new_tokens must fit (an omitted one is cut to what fits)
                 check_total(len(ids), sp.get("max_new_tokens"), self.model_config.context_len)
-            one = f"{rid}_{i}" if batch and isinstance(rid, str) else rids[i]  # (a batch's rid: a group of ids)
-            groups.append(self.make_requests(ids, params, one, bool(lps[i]), starts[i], tops[i],
-                                             group=rid if isinstance(rid, str) else one, lora_path=loras[i],
-                                             images=images[i]))
+            groups.append(self.make_requests(ids, params, rids[i], bool(lps[i]), starts[i], tops[i],
+                                             group=rid if isinstance(rid, str) else rids[i],  # (an abort by it: all)
+                                             lora_path=loras[i], images=images[i]))
         reqs = [r for g in groups for r in g]
         await self.prepare_grammars(reqs)
         self.submit(reqs)
@@ -302,15 +303,25 @@ def _asdict(params: SamplingParams) -> dict:
     return attrs.asdict(params, recurse=False)
 
 
-def _per_prompt(name: str, value: Any, n: int, batch: bool) -> list:
-    """A generate argument per prompt: a list aligned with a batch (SGLang's), else the value for each."""
-    if batch and isinstance(value, list):
-        if len(value) != n:
-            raise InvalidRequest(f"{name} list must match the number of prompts", param=name)
-        return value
+def per_item(value: Any, n: int, name: str, default: Any) -> list:
+    """A generate argument per prompt, as SGLang takes it: a list aligned with a batch's prompts (a
+    None entry: the default), or one value for each."""
+    if value is None:
+        return [default] * n
     if isinstance(value, list):
-        raise InvalidRequest(f"{name} is a list, but there is one prompt", param=name)
+        if len(value) != n:
+            raise InvalidRequest(f"{name} has {len(value)} entries but there are {n} prompts", param=name)
+        return [default if v is None else v for v in value]
     return [value] * n
+
+
+def batch_rids(rid: Any, n: int, batch: bool) -> list:
+    """Each prompt's request id: a list as given; a string for a batch expanded as SGLang does (``rid_i``)."""
+    if isinstance(rid, list):
+        if not batch:
+            raise InvalidRequest("rid is a list but there is a single prompt", param="rid")
+        return per_item(rid, n, "rid", None)
+    return [rid] if not batch else [None if rid is None else f"{rid}_{i}" for i in range(n)]
 
 
 def check_total(prompt_len: int, max_new_tokens: Any, context_len: int) -> None:

@@ -262,7 +262,7 @@ class ModelRunner:
             result = StepResult(SampleOutput([], None, None))
         if reqs is not all_reqs:
             result.sample = _scatter(result.sample, live, len(all_reqs))
-        if batch.drafts is not None:  # a verify: the kept paths; a tree's KV to their positions before the next forward
+        if batch.drafts is not None:  # a verify: the kept paths; a tree's kept KV to its positions, now
             result.kept = self.speculator.walks(batch, result.sample.token_ids)
             for r, (path, _) in zip(batch.reqs, result.kept):  # a seed spends a draw per token kept, as decoding does
                 if r in batch.rng_states:
@@ -277,9 +277,10 @@ class ModelRunner:
         return result
 
     def _forward(self, inputs: StepInputs, reqs: list) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor | None]:
-        """``forward_step`` over ``inputs`` (after the last tree verify's KV moves, each request's
-        tokens through its LoRA adapter); with tensor parallelism on every rank (their collectives
-        pair up), else with this runner's CUDA graphs."""
+        """``forward_step`` over ``inputs`` (each request's tokens through its LoRA adapter; the other
+        tensor-parallel ranks first make the last tree verify's KV moves, which this rank made at the
+        verify); with tensor parallelism on every rank (their collectives pair up), else with this
+        runner's CUDA graphs."""
         if self._kv_moves is not None:
             inputs, self._kv_moves = attrs.evolve(inputs, kv_moves=self._kv_moves), None
         if self.lora is not None:  # each request's tokens through its adapter (the pool's segments for this forward)

@@ -79,7 +79,7 @@ class Req:
     first_token_time: float | None = None
     finish_time: float | None = None
 
-    # update delivery (``notify``): what the consumers (core.engine.frontend, dp_replica) wait on
+    # update delivery (``notify``): what the consumers (core.engine.frontend, data_parallel.replica) wait on
     updated: bool = attrs.field(default=False, init=False, repr=False)  # notified since a consumer last looked
     watcher: Callable[[Req], None] | None = attrs.field(default=None, init=False, repr=False)  # stream_many's feed
     _next: asyncio.Future | None = attrs.field(default=None, init=False, repr=False)  # a stream's: the next notify

@@ -28,16 +28,21 @@ class ThinkingBudget:
     ``thinking.budget_tokens``): an output still reasoning after that many tokens is made to
     close it with ``end_ids`` (the reasoning parser's end tag, tokenized). The server sets it
     from the reasoning parser; ``start_ids``: the tag that must open the output for it to be
-    reasoning at all (a model that may answer without thinking, e.g. Qwen3), empty where the
-    prompt opened the block."""
+    reasoning at all (a model that may answer without thinking, e.g. Qwen3; the budget counts the
+    tokens after it, as vLLM's), empty where the prompt opened the block."""
 
     budget: int
     end_ids: tuple[int, ...]
     start_ids: tuple[int, ...] = ()
 
+    @property
+    def closes_at(self) -> int:
+        """The output length at which the end tag is forced (if the reasoning is still open)."""
+        return len(self.start_ids) + self.budget
+
     def forced(self, out: list[int]) -> int | None:
         """The token the next position must take (``out``: the output so far), or None."""
-        n, b, end = len(out), self.budget, self.end_ids
+        n, b, end = len(out), self.closes_at, self.end_ids
         if not b <= n < b + len(end) or tuple(out[: len(self.start_ids)]) != self.start_ids:
             return None
         if any(tuple(out[i : i + len(end)]) == end for i in range(b - len(end) + 1)):

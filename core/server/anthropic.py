@@ -405,7 +405,8 @@ async def _stream(job: ChatJob, r: MessagesRequest) -> AsyncIterator[bytes]:
         if open_kind is not None:
             yield _event("content_block_stop", index=len(kinds) - 1)
         stop_reason, stop_sequence = _stop(reason, matched, r, bool(calls))
-        # the whole usage: what the cache held is known only once the request ran (message_start had none)
+        # the whole usage: what the cache held is known only once the request ran (message_start counted
+        # the whole prompt as input_tokens; the SDKs take these figures over it)
         yield _event("message_delta", delta={"stop_reason": stop_reason, "stop_sequence": stop_sequence},
                      usage=_usage(out))
         yield _event("message_stop")

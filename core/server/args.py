@@ -348,7 +348,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g = s("Runtime options")
     g.add_argument("--pipeline-parallel-size", "--pp-size", dest="pp_size", type=int, default=1, help="only 1 is supported")
     g.add_argument("--stream-interval", type=int, default=1,
-                   help="send a streaming chunk every this many tokens (default 1)")
+                   help="send a streaming chunk every this many tokens, the first token at once (default 1)")
     g.add_argument("--incremental-streaming-output", action="store_true",
                    help="a streaming /generate chunk holds the text, output_ids and output logprobs new since the "
                         "last chunk (default: everything so far)")

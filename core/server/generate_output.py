@@ -13,7 +13,7 @@ from typing import AsyncIterator
 import structlog
 
 from core.engine.request import Req
-from core.server.http import SSE_DONE, encoder, sse_error, sse_event
+from core.server.http import SSE_DONE, encoder, sse_error, sse_event, stream_due
 from core.server.state import ServerState
 
 log = structlog.get_logger("core.server.generate_output")
@@ -119,9 +119,8 @@ async def stream_body(state: ServerState, reqs: list[Req], with_text: bool, inte
     try:
         async for i in updates:
             r = reqs[i]
-            n, done = len(r.output_ids), sent[i][0]
-            if final_sent[i] or (not r.finished and n - done < interval and (done or not n)):
-                continue  # (the first token goes out at once, then every interval's: SGLang's stream_interval)
+            if final_sent[i] or (not r.finished and not stream_due(len(r.output_ids), sent[i][0], interval)):
+                continue
             yield event(i, r)
         # a request can finish between two updates the consumer saw: always end with its final state
         for i, r in enumerate(reqs):

@@ -163,6 +163,12 @@ def decode_body(body: bytes, typ: Any = Any) -> Any:
         raise InvalidRequest("the request body nests too deeply") from None
 
 
+def stream_due(tokens: int, sent: int, interval: int) -> bool:
+    """Whether a stream that has ``tokens`` tokens, ``sent`` of them already, sends an event now:
+    SGLang's ``--stream-interval``, the first token at once, then every ``interval`` tokens."""
+    return tokens - sent >= interval or (sent == 0 and tokens > 0)
+
+
 @functools.cache
 def log_ignored_field(event: str, field: str, path: str = "") -> None:
     """Once per event, field name (and path) and process: a request field the server ignores on

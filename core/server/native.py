@@ -15,7 +15,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
-from core.engine.frontend import check_total
+from core.engine.frontend import batch_rids, check_total, per_item
 from core.engine.request import Req
 from core.engine.sampling_params import SamplingParams
 from core.errors import InvalidRequest
@@ -122,16 +122,6 @@ _UNSUPPORTED_GENERATE_FIELDS = GenerateReqInput.__struct_fields__[
 _UNSUPPORTED_SAMPLING_KEYS = {"custom_params": (None, {}), "watermark": (None, {}), "beam_width": (None, 1)}
 
 
-def _per_item(value: Any, n: int, name: str, default: Any) -> list:
-    if value is None:
-        return [default] * n
-    if isinstance(value, list):
-        if len(value) != n:
-            raise InvalidRequest(f"{name} has {len(value)} entries but there are {n} prompts", param=name)
-        return [default if v is None else v for v in value]
-    return [value] * n
-
-
 def _sampling_params(d: dict | None) -> tuple[SamplingParams, int | None]:
     """SamplingParams from a request dict (None values mean 'default'), plus a per-request stream_interval."""
     if d is not None and not isinstance(d, dict):
@@ -186,15 +176,12 @@ def build_generate_requests(state: ServerState, obj: GenerateReqInput) -> tuple[
             raise InvalidRequest("input_ids is empty", param="input_ids")
         is_ids = True
     n = len(prompts)
-    sps = _per_item(obj.sampling_params, n, "sampling_params", {})
-    if obj.rid is not None and isinstance(obj.rid, list) and not batch:
-        raise InvalidRequest("rid is a list but there is a single prompt", param="rid")
-    rids = _per_item(obj.rid, n, "rid", None) if isinstance(obj.rid, list) else (
-        [obj.rid] if not batch else [None if obj.rid is None else f"{obj.rid}_{i}" for i in range(n)])
-    lps = _per_item(obj.return_logprob, n, "return_logprob", False)
-    starts = _per_item(obj.logprob_start_len, n, "logprob_start_len", -1)
-    tops = _per_item(obj.top_logprobs_num, n, "top_logprobs_num", 0)
-    prios = _per_item(obj.priority, n, "priority", None)
+    sps = per_item(obj.sampling_params, n, "sampling_params", {})
+    rids = batch_rids(obj.rid, n, batch)
+    lps = per_item(obj.return_logprob, n, "return_logprob", False)
+    starts = per_item(obj.logprob_start_len, n, "logprob_start_len", -1)
+    tops = per_item(obj.top_logprobs_num, n, "top_logprobs_num", 0)
+    prios = per_item(obj.priority, n, "priority", None)
     loras = adapters_per_item(engine, obj.lora_path, n)
     images = generate_images(state, obj.image_data, obj.modalities, n, batch)
     parsed = [_sampling_params(sp) for sp in sps]
@@ -374,8 +361,7 @@ def _resolved(engine: Any) -> dict[str, Any]:
     """The flags the engine resolved when left unset, by their values (SGLang's resolved server args)."""
     values = {"random_seed": getattr(engine, "random_seed", None),
               "chunked_prefill_size": getattr(engine, "chunked_prefill_size", None),
-              "max_running_requests": engine.max_running_requests, "max_total_tokens": engine.max_total_tokens,
-              "page_size": engine.allocator.page_size}
+              "max_total_tokens": engine.max_total_tokens, "page_size": engine.allocator.page_size}
     return {k: v for k, v in values.items() if v is not None}
 
 

@@ -111,7 +111,7 @@ class StorageTier:
     def backup(self, prefix_ids: list[int], node_ids: list[int], host_pages: list[int]) -> None:
         """Queue a node's pages (just backed up to ``host_pages``) for storage; never blocks. Not a
         LoRA adapter's: their keys hold uids, which another process gives to other adapters."""
-        if is_adapter_key((prefix_ids or node_ids)[0]):
+        if not (prefix_ids or node_ids) or is_adapter_key((prefix_ids or node_ids)[0]):
             return
         hashes = page_hashes(prefix_ids + node_ids, self.page_size)[len(prefix_ids) // self.page_size :]
         try:

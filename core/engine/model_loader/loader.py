@@ -118,7 +118,8 @@ def gguf_rope_scaling(hf_config: Any, gguf_file: Path) -> None:
 
     try:
         reader = GGUFReader(gguf_file)
-    except (ValueError, OSError):  # (not a file gguf reads: its conversion came from elsewhere, e.g. a test's)
+    except (ValueError, OSError) as e:  # (it converted, so transformers read it: this reader did not)
+        log.warning("gguf.rope_unread", file=str(gguf_file), error=str(e), effect="its rope scaling is not applied")
         return
 
     def value(key: str) -> Any:
@@ -133,16 +134,21 @@ def gguf_rope_scaling(hf_config: Any, gguf_file: Path) -> None:
     freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     if kind in (None, "none") and freqs is None:
         return
-    rope = dict(getattr(hf_config, "rope_parameters", None) or {})
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    # per layer type (Gemma 3): llama.cpp scales the global layers' rope only
+    rope = dict(params["full_attention"]) if isinstance(params.get("full_attention"), dict) else params
     if kind in ("linear", "yarn"):
-        rope.update(rope_type=kind, factor=float(value(f"{arch}.rope.scaling.factor")))
+        factor = value(f"{arch}.rope.scaling.factor")
+        if factor is None:
+            raise ModelLoadError(f"{gguf_file}: rope scaling {kind!r} without {arch}.rope.scaling.factor")
+        rope.update(rope_type=kind, factor=float(factor))
         if (orig := value(f"{arch}.rope.scaling.original_context_length")) is not None:
             rope["original_max_position_embeddings"] = int(orig)
     elif kind not in (None, "none"):
         raise ModelLoadError(f"{gguf_file}: rope scaling {kind!r} is not supported (linear and yarn are)")
     if freqs is not None:
         rope["freq_factors"] = [float(x) for x in freqs.data.reshape(-1)]
-    hf_config.rope_parameters = rope
+    hf_config.rope_parameters = {**params, "full_attention": rope} if rope is not params else rope
 
 
 def pick_dtype(name: str, config_dtype: torch.dtype | None, device: torch.device) -> torch.dtype:
@@ -474,7 +480,8 @@ def finish_loading(model: torch.nn.Module, quant: object) -> None:
 def pooling_config(path: Path) -> tuple[str, bool]:
     """(pooling, normalize) from the sentence-transformers files (modules.json and its
     Pooling module's config.json) when the model has them; else last token, normalised
-    (SGLang's default for embedding models)."""
+    (SGLang's default for embedding models). ModelLoadError for a layout this server cannot
+    follow (another pooling mode, several, a Dense module)."""
     path = Path(path)
     try:
         modules = json.loads((path / "modules.json").read_text())

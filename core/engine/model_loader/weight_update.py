@@ -12,7 +12,7 @@ import structlog
 import torch
 
 from core.engine import gc_watch
-from core.engine.model_loader.loader import load_model_config
+from core.engine.model_loader.loader import load_model_config, with_tokenizer_eos
 
 if TYPE_CHECKING:
     from core.engine.async_engine import AsyncEngine
@@ -70,7 +70,7 @@ def reload_weights(engine: AsyncEngine, model_path: str, load_format: str = "aut
         return False, f"Failed to update weights: {type(e).__name__}: {e}"
     engine.model = model
     engine.runner.model = model
-    engine.model_config = new
+    engine.model_config = with_tokenizer_eos(new, engine.tokenizer)
     if engine.multimodal is not None:  # its vision tower is the new module's (same architecture: same processor)
         engine.multimodal.model = model
     if engine.runner.graphs is not None:  # the captured graphs read the old weights

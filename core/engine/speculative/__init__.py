@@ -42,6 +42,9 @@ from core.interfaces import DraftObservation, DraftRequest
 
 log = structlog.get_logger("core.engine.speculative")
 
+# how many tokens before a thinking budget closes a request stops taking several tokens a step
+# (speculative verifies, continuous decode steps), so that none of them passes the forced end tag
+THINKING_LOOKAHEAD = 256
 DEFAULT_NUM_DRAFT_TOKENS = 12  # SGLang's default for NGRAM: the last token and 11 drafted
 DEFAULT_NUM_STEPS = 5  # model drafters' chain length (SGLang's usual choice of --speculative-num-steps)
 # Tokens one verify forward may hold, the batch's last tokens included, per device kind: about where
@@ -307,8 +310,11 @@ def host_read(req: Req, overlap: bool = False) -> str:
         return "penalties"
     if len(req.output_ids) < p.min_new_tokens:
         return "min_new_tokens"
-    return "a thinking budget" if p.thinking is not None and len(req.output_ids) < p.thinking.budget + len(
-        p.thinking.end_ids) else ""
+    if (t := p.thinking) is not None:  # near where the end tag may be forced: overlap's one token, others' drafts
+        n, at = len(req.output_ids), t.closes_at
+        if at - (1 if overlap else THINKING_LOOKAHEAD) <= n < at + len(t.end_ids):
+            return "a thinking budget"
+    return ""
 
 
 def build_speculator(args: Any, plugins: Any) -> Speculator | None:

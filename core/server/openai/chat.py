@@ -12,7 +12,7 @@ from msgspec import UNSET
 
 from core.engine.sampling_params import ThinkingBudget
 from core.errors import CoreError, InvalidRequest
-from core.server.http import ApiError, sse_event
+from core.server.http import ApiError, sse_event, stream_due
 from core.server.multimodal import chat_images, image_part_url
 from core.server.openai.chat_template import ChatTemplate, check_renders_messages, from_json_file
 from core.server.openai.job import (
@@ -272,7 +272,7 @@ async def choice_deltas(job: ChatJob) -> AsyncIterator[tuple[dict, int, str, str
     async for _, out in job.merged():
         reason, _ = finish_of(out)
         ntok = out["meta_info"]["completion_tokens"]
-        if reason is None and ntok - sent_toks < job.interval and (sent_toks or not ntok):  # (the first at once)
+        if reason is None and not stream_due(ntok, sent_toks, job.interval):
             continue
         start, delta = sent_toks, out["text"][len(sent_text):]
         sent_text, sent_toks = out["text"], ntok
@@ -292,11 +292,12 @@ def prepare_chat(state: Any, r: ChatCompletionRequest, rid: str | None = None) -
     check(job.logprobs or top == 0, "logprobs must be true when top_logprobs is set", "top_logprobs")
     job.top = top
     job.plan = plan = plan_tools(state, r)
-    if plan.constraint is not None:  # required / named: the call is constrained
+    if plan.constraint is not None:  # required / named: the call; strict tools under auto: the calls only
         check(not constraint, "tool_choice 'required', a named function or strict tools cannot be combined with another "
               "constraint (response_format, regex, json_schema, ebnf)", "tool_choice")
         constraint = {plan.constraint[0]: plan.constraint[1]}
-    if constraint and plan.reasoning_parser is not None:  # the grammar holds from the first token
+    from_first_token = bool(constraint) and not plan.triggered  # (a triggered tag lets free text, thinking, through)
+    if from_first_token and plan.reasoning_parser is not None:
         job.plan = plan = attrs.evolve(plan, reasoning_parser=unforced(plan.reasoning_parser))
     max_tokens = r.max_completion_tokens if r.max_completion_tokens is not None else r.max_tokens
     if max_tokens is not None and max_tokens < 0:
@@ -308,7 +309,7 @@ def prepare_chat(state: Any, r: ChatCompletionRequest, rid: str | None = None) -
     images = chat_images(state, urls or [])  # (the processor checks the template gave each its placeholder)
     ids, max_new = fit_context(state, ids, max_tokens, "messages")
     params = sampling_params(r, max_new, n, constraint, state.chat_sampling_defaults)
-    params.thinking = thinking_budget(state, r, bool(constraint))
+    params.thinking = thinking_budget(state, r, from_first_token)
     if r.skip_special_tokens is None and any(getattr(p, "reads_special_tokens", False)
                                              for p in (plan.reasoning_parser, plan.tool_parser)):
         params.skip_special_tokens = False  # the parsers' markers are special tokens (gpt-oss)
@@ -352,7 +353,7 @@ async def chat_stream(job: ChatJob) -> AsyncIterator[bytes]:
         reason, matched = finish_of(out)
         meta = out["meta_info"]
         ntok = meta["completion_tokens"]
-        if reason is None and ntok - sent_toks[i] < job.interval and (sent_toks[i] or not ntok):
+        if reason is None and not stream_due(ntok, sent_toks[i], job.interval):
             continue
         delta = out["text"][len(sent_text[i]):]
         lp = chat_logprobs(job.vocab, meta, sent_toks[i], job.top) if job.logprobs else None

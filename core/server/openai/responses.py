@@ -102,8 +102,9 @@ class ResponsesRequest(Struct, kw_only=True):
     priority: int | None = None
 
 
-# the Responses API's fields for features this server lacks: accepted only where they leave it off
-# (the unknown-field policy of ``core.server.openai.protocol``; its ignored fields apply too)
+# the Responses API's fields for features this server lacks, accepted only at these values (the
+# unknown-field policy of ``core.server.openai.protocol``; its ignored fields apply too). Obfuscation
+# padding changes no output, so either value of include_obfuscation is taken.
 _NOOP = {"max_tool_calls": (None,), "stream_options": (None, {}, {"include_obfuscation": False},
                                                        {"include_obfuscation": True})}
 
@@ -154,7 +155,8 @@ def input_items(inp: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def item_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Responses items -> chat messages; consecutive function calls become one assistant turn."""
+    """Responses items -> chat messages; function calls join the assistant turn before them (a
+    response's output lists its text and its calls as separate items), else make one."""
     out: list[dict[str, Any]] = []
     for i, item in enumerate(items):
         kind, where = item["type"], f"input[{i}]"

@@ -25,6 +25,7 @@ per-choice post-processor that applies it.
 
 from __future__ import annotations
 
+import functools
 import json
 import uuid
 from typing import Any
@@ -33,6 +34,7 @@ import attrs
 
 from core.errors import CoreError, InvalidRequest
 from core.interfaces import ToolCall
+from core.server.http import log_ignored_field
 
 JSON_ARRAY_PARSER = "json_array"  # the tool parser that reads SGLang's constrained ``required`` output
 
@@ -134,6 +136,7 @@ class ToolPlan:
     tool_parser: Any = None  # the tool-parser class that reads calls out of the output; None: text only
     named_args: bool = False  # named tool_choice under SGLang's schema: the whole output is the arguments
     reasoning_parser: Any = None  # the reasoning-parser class; None: no reasoning_content
+    triggered: bool = False  # ``constraint`` holds only the calls (strict tools under auto), not the whole output
 
     @property
     def hides_tools(self) -> bool:
@@ -148,6 +151,7 @@ def _resolve(state: Any, kind: str, name: str, why: str) -> Any:
         raise InvalidRequest(f"{why}, but the {kind} {name!r} is not available: {e}", param="tool_choice") from None
 
 
+@functools.cache
 def unforced(parser: Any) -> Any:
     """The reasoning-parser class for an output a grammar held from its first token: reasoning only
     where the output itself opens a think block. A parser whose output starts inside one (the
@@ -187,26 +191,24 @@ def plan_tools(state: Any, r: Any) -> ToolPlan:
     parser = constraint = None
     if mode == "auto" and args.tool_call_parser and r.tools:
         parser = plugins.resolve("tool_parser", args.tool_call_parser)
-    if mode == "auto" and (strict := [i for i, t in enumerate(r.tools) if t["function"].get("strict") is True]):
-        constraint = _strict_auto(state, r, strict[0])
-    return ToolPlan(mode, name, constraint, tool_parser=parser, reasoning_parser=reasoning)
+    if mode == "auto" and any(t["function"].get("strict") is True for t in r.tools):
+        constraint = _strict_auto(state, r)
+    return ToolPlan(mode, name, constraint, tool_parser=parser, reasoning_parser=reasoning, triggered=bool(constraint))
 
 
-def _strict_auto(state: Any, r: Any, first: int) -> tuple[str, str]:
+def _strict_auto(state: Any, r: Any) -> tuple[str, str] | None:
     """The constraint for ``strict`` tools under ``tool_choice: auto`` (OpenAI: the arguments always
     follow the schema): free text, and every call the parser's format opens is held to its tool's
-    schema (xgrammar's triggered tags, as SGLang does); a 400 where the server cannot do that."""
+    schema (xgrammar's triggered tags, as SGLang does). Where the server cannot (another grammar
+    backend, a parser without such a format) the calls go unconstrained, as in SGLang, logged once."""
     native = _native_parser(state)
     tag = native().structural_tag(r.tools, None, r.parallel_tool_calls is not False) if native is not None else None
     fmt = (tag or {}).get("format") or {}
     start = getattr(native, "start", "")
     if not start or fmt.get("type") != "tags_with_separator" or not all(
             t.get("begin", "").startswith(start) for t in fmt.get("tags", [])):
-        raise InvalidRequest(
-            f"tools[{first}].function.strict is true with tool_choice 'auto': holding the calls to their schemas needs "
-            "a --tool-call-parser whose call format the grammar backend can follow (xgrammar, and a parser with a "
-            "structural tag: qwen25, qwen3_coder, glm45, gpt-oss); set strict to false, or use tool_choice 'required' or a "
-            "named function", param=f"tools[{first}].function.strict")
+        log_ignored_field("request.field_ignored", "tools[].function.strict (no call format to hold calls to)")
+        return None
     triggered = {"type": "triggered_tags", "triggers": [start], "tags": fmt["tags"], "at_least_one": False,
                  "stop_after_first": fmt.get("stop_after_first", False)}
     return "structural_tag", json.dumps({"type": "structural_tag", "format": triggered})
