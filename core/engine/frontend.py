@@ -162,11 +162,12 @@ class RequestFrontEnd:
 
     async def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
                        input_ids: list[int] | list[list[int]] | None = None, return_logprob: bool | list[bool] = False,
-                       logprob_start_len: int | list[int] = -1, top_logprobs_num: int | list[int] = 0,
+                       logprob_start_len: int | list[int] | None = -1, top_logprobs_num: int | list[int] = 0,
                        stream: bool = False, rid: str | list[str] | None = None,
                        lora_path: str | list[str | None] | None = None, image_data: Any = None) -> Any:
         """SGLang's generate: one prompt -> dict (a list when n > 1); a batch -> list. ``rid``,
-        ``return_logprob``, ``logprob_start_len`` and ``top_logprobs_num`` may be lists aligned with a batch.
+        ``return_logprob``, ``logprob_start_len`` and ``top_logprobs_num`` may be lists aligned with a batch
+        (``per_item``: None, SGLang's default, and None entries are ours).
         With ``stream`` an async iterator of cumulative outputs (batch chunks carry ``index``).
         ``lora_path``: an adapter name for every prompt, or a list aligned with the batch.
         ``image_data``: SGLang's forms: an image (a PIL image, a path, a URL, a data URI or base64)

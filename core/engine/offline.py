@@ -86,7 +86,7 @@ class Engine:
         placeholders (as the model's chat template writes them)."""
         images = _images(self.engine, image_data, prompt, input_ids)
         result = self._call(self.engine.generate(prompt, sampling_params, input_ids, return_logprob,
-                                                 _start(logprob_start_len), top_logprobs_num, stream, rid,
+                                                 logprob_start_len, top_logprobs_num, stream, rid,
                                                  **_lora(lora_path), **images))
         return self._iter_sync(result) if stream else result
 
@@ -106,7 +106,7 @@ class Engine:
                              rid: str | list[str] | None = None, lora_path: str | list[str | None] | None = None) -> Any:
         images = await asyncio.to_thread(_images, self.engine, image_data, prompt, input_ids) if image_data is not None else {}
         fut = asyncio.run_coroutine_threadsafe(
-            self.engine.generate(prompt, sampling_params, input_ids, return_logprob, _start(logprob_start_len),
+            self.engine.generate(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
                                  top_logprobs_num, stream, rid, **_lora(lora_path), **images),
             self._loop)
         result = await asyncio.wrap_future(fut)
@@ -237,10 +237,3 @@ async def _settle(timeout: float = 10.0) -> None:
 
 async def _run(fn, *a):
     return fn(*a)
-
-
-def _start(logprob_start_len: Any) -> Any:
-    """SGLang's default ``logprob_start_len`` (None) as ours (-1: no prompt logprobs), per item of a list too."""
-    if isinstance(logprob_start_len, list):
-        return [-1 if v is None else v for v in logprob_start_len]
-    return -1 if logprob_start_len is None else logprob_start_len

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 import weakref
+from typing import Any
 
 import attrs
 import structlog
@@ -66,7 +67,7 @@ class ServerState:
         """What a chat request's omitted sampling values take (``--sampling-defaults``; {}: OpenAI's)."""
         if self.args.sampling_defaults != "model":
             return {}
-        return getattr(self.engine.model_config, "sampling_defaults", None) or {}
+        return getattr(self.engine.model_config, "sampling_defaults", None) or {}  # (a test's stub engine has none)
 
     @property
     def healthy(self) -> bool:
@@ -155,7 +156,8 @@ def build_state(engine: AsyncEngine, args: ServerArgs) -> ServerState:
     served = engine.model_config.served_name
     metrics = Metrics(served, enabled=args.enable_metrics)
     metrics.attach(engine)
-    if args.sampling_defaults == "model" and (defaults := getattr(engine.model_config, "sampling_defaults", None)):
+    state = ServerState(engine=engine, args=args, metrics=metrics, served_model_name=served,
+                        model_path=args.model_path or engine.model_config.source)
+    if defaults := state.chat_sampling_defaults:
         log.info("server.chat_sampling_defaults", source="generation_config.json", **defaults)
-    return ServerState(engine=engine, args=args, metrics=metrics, served_model_name=served,
-                       model_path=args.model_path or engine.model_config.source)
+    return state
