@@ -63,6 +63,13 @@ case $mode in
     timeout 45 python3 bench/bench_hicache.py --model-path "$big" --load-format dummy --no-storage --check-tokens 4 \
       2>&1 | grep -v "\[info\|warn" | tee -a "$OUT/hicache.log"
     timeout 95 "$0" serve "$big" ;;
+  probe)  # overlap on/off on both shapes, then where a 256-stream overlapped step's host time goes (~4 min)
+    small=${1:-bench/shapes/smollm2-135m}; big=${2:-bench/shapes/llama-3.1-8b}
+    d="--load-format dummy --skip-tokenizer-init --skip-split --skip-hf"
+    timeout 75 "$0" bench --model-path "$small" $d --concurrency 1,64,256 --overlap both
+    timeout 90 "$0" bench --model-path "$big" $d --concurrency 1,256 --overlap both
+    timeout 60 python3 bench/profile_host.py --model-path "$small" --streams 256 --overlap --stream 2>&1 \
+      | grep -v -i warn | tee -a "$OUT/profile_host.log" | tail -45 ;;
   wave2)
     big=${1:-bench/shapes/llama-3.1-8b}
     timeout 80 python3 bench/bench_speculative.py --model-path "$big" --repeats 2 2>&1 | grep -v -i warn | tee -a "$OUT/spec.log"

@@ -427,8 +427,8 @@ class AsyncEngine(RequestFrontEnd):
             req.notify()
             if req.finished:
                 self._finished(req, notify=False)
-        if inline or batch.is_prefill:  # (after a prefill: first tokens out before a decode holds the loop)
-            await _drain_loop()
+        if inline or batch.is_prefill or self.overlap:  # (after a prefill: first tokens out before a decode holds
+            await _drain_loop()  # the loop; overlap: the streams' Python before the next launch, not during it)
 
     def _runs_inline(self, batch: ScheduledBatch) -> bool:
         """Whether ``batch``'s forward runs on the event loop's thread instead of the forward

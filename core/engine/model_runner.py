@@ -243,7 +243,8 @@ class ModelRunner:
             logits = all_logits[0]
             eos = self.eos_ids
             rows = batch.rows if len(live) == len(all_reqs) else [batch.rows[i] for i in live]
-            rows_ = [_sampling_row(r, row, eos) for r, row in zip(reqs, rows)]
+            rows_ = [sr if (sr := r.sampling_row) is not None and sr.slot == row else _sampling_row(r, row, eos)
+                     for r, row in zip(reqs, rows)]
             if batch.drafts is not None:  # a verify: each request's rows sample as its decodes would
                 rows_ = verify_rows(batch, rows_)
             grammar = self.grammar if self.grammar is not None and any(r.grammar is not None for r in reqs) else None

@@ -39,6 +39,15 @@ class SamplingRow:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     slot: int = -1  # the sequence's engine slot (table row) for the kept penalty state; -1: none
+    # greedy with nothing that edits the logits or reads them back: the batch's argmax is its token
+    # (fixed by the params: a row is made once per table row, so ``sample`` checks one flag a row)
+    plain: bool = attrs.field(init=False)
+
+    @plain.default
+    def _plain(self) -> bool:
+        p = self.params
+        return (p.is_greedy and not penalised(p) and not p.min_new_tokens and not p.logit_bias and p.thinking is None
+                and not self.return_logprob and not self.top_logprobs_num)
 
 
 @attrs.define
@@ -386,6 +395,8 @@ class Sampler:
         """
         if logits.shape[1] != self.vocab_size:
             logits = logits[:, : self.vocab_size]
+        if all(r.plain for r in rows):  # (the common greedy batch: no pass over the rows' params)
+            return self._output(argmax_ids if argmax_ids is not None else argmax(logits), rows, None, host)
         greedy, want_lp, pen_rows, short, biased, forced = True, False, [], False, False, {}
         for i, r in enumerate(rows):  # one pass: what this batch needs at all
             p = r.params
