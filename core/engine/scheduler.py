@@ -44,24 +44,13 @@ EVICT_AHEAD, EVICT_AHEAD_POOL_FRACTION = 8, 64
 
 class Scheduler:
     def __init__(
-        self,
-        allocator: PageAllocator,
-        table: ReqToTokenTable,
-        *,
-        max_running_requests: int,
-        max_prefill_tokens: int,
-        context_len: int,
-        eos_ids: tuple[int, ...],
-        tree_cache: RadixCache | None = None,
-        chunked_prefill_size: int | None = None,
-        schedule_policy: str = "fcfs",
-        schedule_conservativeness: float = 1.0,
-        enable_mixed_chunk: bool = False,
-        enable_priority_scheduling: bool = False,
-        schedule_low_priority_values_first: bool = False,
-        seed: int = 0,
-        decode_steps: int = 1,
-        speculator: Speculator | None = None,
+        self, allocator: PageAllocator, table: ReqToTokenTable, *,
+        max_running_requests: int, max_prefill_tokens: int, context_len: int, eos_ids: tuple[int, ...],
+        tree_cache: RadixCache | None = None, chunked_prefill_size: int | None = None,
+        schedule_policy: str = "fcfs", schedule_conservativeness: float = 1.0,
+        enable_mixed_chunk: bool = False, enable_priority_scheduling: bool = False,
+        schedule_low_priority_values_first: bool = False, seed: int = 0,
+        decode_steps: int = 1, speculator: Speculator | None = None,
     ) -> None:
         self.allocator, self.table = allocator, table
         self.tree_cache = tree_cache
