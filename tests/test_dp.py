@@ -182,3 +182,44 @@ def test_server_aggregates_replicas_and_survives_one_dying(model_path):
         generate(3)
     finally:
         stop(server)
+
+
+def test_engine_in_its_own_process_serves_as_one_engine(model_path, tmp_path):
+    """``--enable-frontend-multiprocessing`` (the CUDA default): one engine in a process of its own
+    behind the HTTP server answers as the in-process engine does: same greedy tokens, SGLang's
+    empty /health, its resolved seed, a profile traced where the steps run."""
+    import gzip
+    import json
+    import subprocess
+    import sys
+
+    import httpx
+    import psutil
+
+    import core
+    from tests.server_utils import launch, stop
+
+    prompt, params = "The capital of France", {"temperature": 0, "max_new_tokens": 6}
+    with core.Engine(model_path=str(model_path), **ENGINE) as eng:
+        want = eng.generate(prompt, params)["output_ids"]
+    server = launch("--model-path", str(model_path), "--dtype", "float32", "--enable-frontend-multiprocessing")
+    url = server.base_url
+    try:
+        assert psutil.Process(server.proc.pid).children(), "the engine runs in a child process"
+        health = httpx.get(url + "/health")
+        assert health.status_code == 200 and health.content == b""
+        assert httpx.post(url + "/generate", json={"text": prompt, "sampling_params": params}).json()["output_ids"] == want
+        with httpx.stream("POST", url + "/generate", json={"text": prompt, "sampling_params": params, "stream": True}) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        assert chunks[-1]["output_ids"] == want  # (steps the stream fell behind on coalesce)
+        assert isinstance(httpx.get(url + "/get_server_info").json()["random_seed"], int)
+        trace = httpx.post(url + "/start_profile", json={"output_dir": str(tmp_path)}).json()["trace"]
+        assert httpx.post(url + "/generate", json={"text": prompt, "sampling_params": params}).status_code == 200
+        assert httpx.post(url + "/stop_profile").json()["trace"] == trace
+        assert any(e.get("name", "").startswith("aten::") for e in json.loads(gzip.open(trace).read())["traceEvents"])
+    finally:
+        stop(server)
+    both = subprocess.run([sys.executable, "-m", "core.cli", "serve", "--model-path", str(model_path), "--port", "1",
+                           "--enable-frontend-multiprocessing", "--disable-frontend-multiprocessing"],
+                          capture_output=True, text=True, timeout=120)
+    assert both.returncode != 0 and "contradict" in both.stderr

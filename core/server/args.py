@@ -349,6 +349,12 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pipeline-parallel-size", "--pp-size", dest="pp_size", type=int, default=1, help="only 1 is supported")
     g.add_argument("--stream-interval", type=int, default=1,
                    help="send a streaming chunk every this many tokens, the first token at once (default 1)")
+    g.add_argument("--disable-frontend-multiprocessing", action="store_true",
+                   help="run the engine in the HTTP server's process (vLLM's flag; by default on CUDA the engine "
+                        "runs in a process of its own, so that the server's Python never holds its GIL)")
+    g.add_argument("--enable-frontend-multiprocessing", action="store_true",
+                   help="the engine in a process of its own on the CPU too (off there by default: the 2-core "
+                        "machines measured no gain, docs/benchmarks.md)")
     g.add_argument("--incremental-streaming-output", action="store_true",
                    help="a streaming /generate chunk holds the text, output_ids and output logprobs new since the "
                         "last chunk (default: everything so far)")
@@ -499,6 +505,8 @@ class ServerArgs:
     max_queued_requests: int | None = None
     stream_interval: int = 1
     incremental_streaming_output: bool = False
+    disable_frontend_multiprocessing: bool = False
+    enable_frontend_multiprocessing: bool = False
     log_requests: bool = False
     log_requests_level: int = 2
     enable_metrics: bool = False

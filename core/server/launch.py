@@ -92,6 +92,20 @@ def _somaxconn() -> int | None:
         return None
 
 
+def engine_process(args: ServerArgs, engine_args) -> bool:
+    """Whether the engine runs in a process of its own (``create_engine``'s ``own_process``): by
+    default on CUDA, where the device waits on the scheduler's Python, which the server's would
+    otherwise interrupt; on the CPU when asked: there the forward's threads already take the cores."""
+    if args.disable_frontend_multiprocessing and args.enable_frontend_multiprocessing:
+        raise CoreError("--disable-frontend-multiprocessing and --enable-frontend-multiprocessing contradict each "
+                        "other; pass one")
+    if args.disable_frontend_multiprocessing:
+        return False
+    from core.engine.device import pick_device
+
+    return args.enable_frontend_multiprocessing or pick_device(engine_args.device).type == "cuda"
+
+
 def _check_bind(host: str, port: int) -> None:
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
@@ -127,8 +141,9 @@ async def _serve(ns: argparse.Namespace) -> int:
     if (nofile is not None and nofile < LISTEN_BACKLOG) or (cap is not None and cap < LISTEN_BACKLOG):
         log.warning("server.burst_limited", open_files=nofile, backlog=LISTEN_BACKLOG, somaxconn=cap,
                     hint="a burst past these may see connection resets: raise `ulimit -n` / net.core.somaxconn")
-    engine = create_engine(engine_args_from_namespace(ns, getattr(ns, "_plugin_dests", ())),
-                           plugins=getattr(ns, "_plugin_manager", None))
+    engine_args = engine_args_from_namespace(ns, getattr(ns, "_plugin_dests", ()))
+    engine = create_engine(engine_args, plugins=getattr(ns, "_plugin_manager", None),
+                           own_process=engine_process(args, engine_args))
     state = build_state(engine, args)
     app = create_app(state)
 

@@ -289,7 +289,8 @@ async def health(request: Request) -> Response:
     state = state_of(request)
     ok = state.ready and not state.shutting_down and state.healthy
     replicas = getattr(state.engine, "replica_loads", None)
-    if replicas is not None:  # --dp-size > 1: which replicas serve (a dead one is out of rotation, with why)
+    if replicas is not None and state.engine.args.dp_size > 1:  # which replicas serve (a dead one is out of
+        # rotation, with why); one engine in its own process answers as one in this process
         keys = ("dp_rank", "alive", "pid", "error")
         return json_response({"dp_replicas": [{k: r[k] for k in keys if k in r} for r in replicas()]},
                              status=200 if ok else 503)
@@ -438,8 +439,13 @@ async def freeze_gc(request: Request) -> Response:
 async def clear_hicache_storage_backend(request: Request) -> Response:
     """SGLang's /clear_hicache_storage_backend (and POST /hicache/storage-backend/clear): drop the
     HiCache storage tier's pages (``/flush_cache`` empties it too); 400 without one."""
-    clear = getattr(getattr(state_of(request).engine, "tree_cache", None), "clear_storage", None)
-    if clear is None or not await asyncio.to_thread(clear):  # (waits for the queued writes first)
+    engine = state_of(request).engine
+    if (clear_replicas := getattr(engine, "clear_hicache_storage", None)) is not None:  # (in other processes)
+        cleared = await clear_replicas()
+    else:
+        clear = getattr(getattr(engine, "tree_cache", None), "clear_storage", None)
+        cleared = clear is not None and await asyncio.to_thread(clear)  # (waits for the queued writes first)
+    if not cleared:
         return PlainTextResponse("No HiCache storage backend to clear: start with --enable-hierarchical-cache "
                                  "--hicache-storage-backend file.\n", status_code=400)
     return JSONResponse("Hierarchical cache storage backend cleared.")

@@ -29,9 +29,9 @@ class ProfileReqInput(msgspec.Struct, forbid_unknown_fields=True):
 
 
 def _profiler(state: ServerState) -> Any:
-    profiler = getattr(state.engine, "profiler", None)
+    profiler = getattr(state.engine, "profiler", None)  # (replicas in other processes: their calls)
     if profiler is None:
-        raise InvalidRequest("profiling is not supported with --dp-size > 1")
+        raise InvalidRequest("this engine does not support profiling")
     return profiler
 
 

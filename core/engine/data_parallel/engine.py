@@ -80,8 +80,7 @@ class DataParallelEngine(RequestFrontEnd):
         self.device = torch.device("cpu")  # the front end holds no model
         self.model_config = load_model_config(args.model_path, args.dtype, self.device, args.context_length,
                                               args.served_model_name, args.json_model_override_args)
-        if (args.enable_multimodal is not False
-                and self.model_config.architecture in self.plugins.names("multimodal_processor")):  # (replicas' images)
+        if _serves_images(args, self.plugins, self.model_config):  # (replicas' images)
             raise CoreError(f"--dp-size > 1 with the vision-language model {self.model_config.architecture} is not "
                             "supported yet; serve it with --dp-size 1")
         self.tokenizer = None if args.skip_tokenizer_init else _load_tokenizer(args, self.model_config.path)
@@ -108,6 +107,10 @@ class DataParallelEngine(RequestFrontEnd):
         self.max_total_tokens = first["max_total_tokens"]
         self.max_running_requests = first["max_running_requests"]
         self.is_classifier = first["is_classifier"]
+        # what /get_server_info reports as resolved: one replica's own (several each draw their seed)
+        self.random_seed = first["random_seed"] if args.dp_size == 1 else None
+        self.chunked_prefill_size = first["chunked_prefill_size"]
+        self.profiler = _ReplicaProfiler(self)
         for r in self.replicas:
             threading.Thread(target=self._read, args=(r,), name=f"core-dp-read{r.index}", daemon=True).start()
         log.info("dp.ready", replicas=args.dp_size, load_balance_method=args.load_balance_method,
@@ -297,7 +300,7 @@ class DataParallelEngine(RequestFrontEnd):
                 if event[0] == "step":
                     self._on_step(r, event)
                 else:
-                    self._on_delta(r, event[1], event[2])
+                    self._on_delta(r, event[1], ReqDelta(*event[2]))
         elif kind == "reply":
             fut = self._calls.pop(msg[1], None)
             if fut is not None and not fut.done():
@@ -393,6 +396,14 @@ class DataParallelEngine(RequestFrontEnd):
         failed = [f"replica {r.index}: {msg}" for r, (ok, msg) in zip(self._live(), results) if not ok]
         return (False, "; ".join(failed)) if failed else results[0]
 
+    async def clear_hicache_storage(self) -> bool:
+        """Every live replica drops its HiCache storage tier's pages; False when none has one."""
+        results = await self._call_all("clear_storage")
+        for e in results:
+            if isinstance(e, BaseException):
+                raise e
+        return any(results)
+
     async def shutdown(self) -> None:
         """Stop every replica (killing stragglers); unfinished requests fail."""
         self._closing = True
@@ -407,6 +418,38 @@ class DataParallelEngine(RequestFrontEnd):
             r.alive = False
             r.conn.close()
         self.grammar.shutdown()
+
+
+class _ReplicaProfiler:
+    """``/start_profile`` and ``/stop_profile`` over the replicas (``AsyncEngine.profiler``'s calls):
+    each traces its own steps to its own file; the answer names them all."""
+
+    def __init__(self, engine: DataParallelEngine) -> None:
+        self.engine = engine
+
+    async def start(self, *args: Any) -> str:
+        return _paths(await self.engine._call_all("start_profile", *args))
+
+    async def stop(self) -> str:
+        return _paths(await self.engine._call_all("stop_profile"))
+
+
+def _paths(results: list[Any]) -> str:
+    for e in results:
+        if isinstance(e, BaseException):
+            raise e
+    return ", ".join(results)
+
+
+def _serves_images(args: EngineArgs, plugins: PluginManager, model_config: Any = None) -> bool:
+    """Whether the engine would serve the model's image inputs (a vision-language model)."""
+    if args.enable_multimodal is False:
+        return False
+    import torch
+
+    mc = model_config or load_model_config(args.model_path, args.dtype, torch.device("cpu"), args.context_length,
+                                           args.served_model_name, args.json_model_override_args)
+    return mc.architecture in plugins.names("multimodal_processor")
 
 
 def _copy_seed(req: Req) -> int | None:
@@ -448,13 +491,25 @@ def _kill(process) -> None:
         process.join(5)
 
 
-def create_engine(args: EngineArgs, plugins: PluginManager | None = None):
-    """The engine ``args`` ask for: an ``AsyncEngine``, or a ``DataParallelEngine`` with ``--dp-size`` > 1."""
+def create_engine(args: EngineArgs, plugins: PluginManager | None = None, own_process: bool = False):
+    """The engine ``args`` ask for: an ``AsyncEngine``, or a ``DataParallelEngine`` with ``--dp-size`` > 1.
+
+    ``own_process`` (``core serve`` on CUDA, ``--enable-frontend-multiprocessing``): with ``--dp-size 1``
+    too, the engine runs in a process of its own behind this process's front end, as SGLang's
+    scheduler and vLLM's engine core do, so that the HTTP server's Python (parsing, streaming
+    events) never holds the interpreter lock the scheduler and the kernel launches need. A
+    vision-language model, which replicas do not serve yet, and a multi-node engine stay here."""
     if not isinstance(args.dp_size, int) or args.dp_size < 1:
         raise CoreError(f"--dp-size must be >= 1, got {args.dp_size}")
     if args.dp_size == 1:
         from core.engine.async_engine import AsyncEngine
 
+        if own_process and args.nnodes == 1:
+            plugins = plugins or load_plugins(args.plugins, strict=args.strict_plugins)
+            if not _serves_images(args, plugins):
+                log.info("engine.own_process", reason="the HTTP server's Python does not share the engine's GIL",
+                         disable_with="--disable-frontend-multiprocessing")
+                return DataParallelEngine(args, plugins)
         return AsyncEngine(args, plugins)
     if args.nnodes > 1:
         raise CoreError("--dp-size > 1 with --nnodes > 1 is not supported yet (replicas run on one machine)")
