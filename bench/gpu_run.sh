@@ -70,6 +70,20 @@ case $mode in
     timeout 90 "$0" bench --model-path "$big" $d --concurrency 1,256 --overlap both
     timeout 60 python3 bench/profile_host.py --model-path "$small" --streams 256 --overlap --stream 2>&1 \
       | grep -v -i warn | tee -a "$OUT/profile_host.log" | tail -45 ;;
+  hostpath)  # issue 42 after the host-path work: overlap on/off, where the device idles (~4.5 min)
+    small=bench/shapes/smollm2-135m; big=bench/shapes/llama-3.1-8b
+    d="--load-format dummy --skip-tokenizer-init --skip-split --skip-hf"
+    timeout 70 "$0" bench --model-path "$small" $d --concurrency 1,64,256 --overlap both
+    timeout 80 "$0" bench --model-path "$big" $d --concurrency 1,256 --overlap both
+    timeout 60 python3 bench/profile_gpu_busy.py "$small" 256 2>&1 | grep -v -i warn | tee -a "$OUT/busy.log"
+    timeout 70 python3 bench/profile_gpu_busy.py "$big" 256 2>&1 | grep -v -i warn | tee -a "$OUT/busy.log" ;;
+  http)  # the HTTP bars: SmolLM2 shapes 1,000 prompts of 128-256 in / out, engine in its own process and not; the 8B
+    timeout 75 "$0" serve bench/shapes/smollm2-135m 1000 256 256 0.5
+    SERVE_FLAGS=--disable-frontend-multiprocessing timeout 75 "$0" serve bench/shapes/smollm2-135m 1000 256 256 0.5
+    timeout 100 "$0" serve bench/shapes/llama-3.1-8b ;;
+  lora)
+    timeout 110 python3 bench/bench_lora.py --model-path bench/shapes/llama-3.1-8b --load-format dummy --streams 64 \
+      --adapters 16 --repeats 2 2>&1 | grep -v -i warn | tee -a "$OUT/lora.log" ;;
   wave2)
     big=${1:-bench/shapes/llama-3.1-8b}
     timeout 80 python3 bench/bench_speculative.py --model-path "$big" --repeats 2 2>&1 | grep -v -i warn | tee -a "$OUT/spec.log"
@@ -84,14 +98,14 @@ case $mode in
   serve)  # core serve on dummy weights + core bench serving: issue 42's HTTP workload (400 prompts, all at once)
     port=30123
     python3 -m core.cli serve --model-path "$1" --load-format dummy --skip-tokenizer-init --port $port \
-      --log-level warning > "$OUT/serve.log" 2>&1 &
+      --log-level warning ${SERVE_FLAGS:-} > "$OUT/serve.log" 2>&1 &
     pid=$!
     python3 -c "import time, urllib.request as u
 for _ in range(240):
     try: u.urlopen('http://127.0.0.1:$port/health', timeout=1); break
     except Exception: time.sleep(0.5)"
     python3 -m core.cli bench serving --port $port --num-prompts ${2:-400} --random-input-len ${3:-1024} \
-      --random-output-len ${4:-512} --random-range-ratio 0.25 --request-rate inf 2>&1 | tee -a "$OUT/serving.log" | tail -22
+      --random-output-len ${4:-512} --random-range-ratio ${5:-0.25} --request-rate inf 2>&1 | tee -a "$OUT/serving.log" | tail -22
     kill $pid; wait $pid ;;
   fisave)
     find /tmp/fiws -name '*.so' | tar czf "$OUT/fi_jit.tgz" -T - && ls -la "$OUT/fi_jit.tgz" ;;
