@@ -81,6 +81,15 @@ case $mode in
     timeout 75 "$0" serve bench/shapes/smollm2-135m 1000 256 256 0.5
     SERVE_FLAGS=--disable-frontend-multiprocessing timeout 75 "$0" serve bench/shapes/smollm2-135m 1000 256 256 0.5
     timeout 100 "$0" serve bench/shapes/llama-3.1-8b ;;
+  final)  # the gpu tests, the LoRA kernels and step, py-spy of the host under overlap at 256 streams (~5.5 min)
+    timeout 170 "$0" tests -n 8 -rfE
+    timeout 40 python3 bench/bench_lora_kernels.py --tokens 64 --adapters 16 --rank 16 2>&1 | grep -v -i warn \
+      | tee -a "$OUT/lora_kernels.log"
+    timeout 110 python3 bench/bench_lora.py --model-path bench/shapes/llama-3.1-8b --load-format dummy --streams 64 \
+      --adapters 16 --repeats 2 2>&1 | grep -v -i warn | tee -a "$OUT/lora.log"
+    [ -x /tmp/site/bin/py-spy ] && timeout 60 /tmp/site/bin/py-spy record -r 250 --nonblocking --format raw \
+      -o "$OUT/spy.txt" -- python3 bench/bench_offline.py --model-path bench/shapes/smollm2-135m --load-format dummy \
+      --skip-tokenizer-init --skip-split --skip-hf --concurrency 256 --output-len 1024 --overlap on 2>&1 | tail -4 ;;
   lora)
     timeout 110 python3 bench/bench_lora.py --model-path bench/shapes/llama-3.1-8b --load-format dummy --streams 64 \
       --adapters 16 --repeats 2 2>&1 | grep -v -i warn | tee -a "$OUT/lora.log" ;;

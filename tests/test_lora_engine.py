@@ -329,9 +329,11 @@ def test_unloading_an_adapter_in_use_lets_its_requests_finish(setup, eng):
 
 
 def test_decode_graphs_hold_the_lora_kernels_and_replays_write_each_rows_slot(setup):
-    """The CUDA-graph protocol of the triton pool, checked on the host: a graph of ``bs`` rows is
-    captured with ``bs`` one-row segments on no adapter; before a replay the real rows' slots (and
-    -1 for padding rows, or for every row of a batch without adapters) land in the same buffers."""
+    """The CUDA-graph protocol of the triton pool, checked on the host: a decode's rows are grouped
+    by slot (one segment per adapter, chunks of at most 16 rows, gathered through a token index;
+    rows without an adapter in no segment). A graph of ``bs`` rows is captured over
+    ``graph_capacity(bs)`` empty segments; before a replay the real rows' groups (none for a batch
+    without adapters) land in the same buffers, empty segments past them."""
     from core.engine.lora.pool import LoRAPool
 
     root = setup[0]
@@ -340,18 +342,33 @@ def test_decode_graphs_hold_the_lora_kernels_and_replays_write_each_rows_slot(se
         pool = LoRAPool(e.engine.model, slots=2, max_rank=8, target_modules=["q_proj"], dtype=torch.float32,
                         device=torch.device("cpu"), backend="triton")
         pool.reserve_segments(8)
-        start, slot = pool._seg_start, pool._seg_slot
-        with pool.capturing(4):
-            assert pool.active and pool._num_segments == 4 and pool._max_seg_len == 1
-            assert slot[:4].tolist() == [-1] * 4 and start[:5].tolist() == [0, 1, 2, 3, 4]
+        start, slot, tok = pool._seg_start, pool._seg_slot, pool._tok
+        with pool.capturing(4):  # 2 slots, 4 rows: at most 2 groups
+            assert pool.active and pool._num_segments == pool.graph_capacity(4) == 2 and pool._max_seg_len == 4
+            assert slot[:2].tolist() == [-1, -1] and start[:3].tolist() == [0, 0, 0]
         assert not pool.active
-        pool.set_batch([1, 1, 1], [0, -1, 1])
-        pool.graph_segments(3, 4)
-        assert slot[:4].tolist() == [0, -1, 1, -1] and start[:5].tolist() == [0, 1, 2, 3, 4]
-        pool.clear_batch()  # a decode without adapters replays the same graph: every row on none
+        pool.set_batch([1, 1, 1, 1], [1, -1, 0, 1])  # an eager decode is grouped too: exactly its groups
+        assert pool._num_segments == 2 and pool._max_seg_len == 4 and pool._tok_index is tok
+        assert start[:3].tolist() == [0, 1, 3] and slot[:2].tolist() == [0, 1] and tok[:3].tolist() == [2, 0, 3]
+        pool.graph_segments(3, 4)  # rows 0-2 of the batch above: slots 1, -1, 0
+        assert start[:3].tolist() == [0, 1, 2] and slot[:2].tolist() == [0, 1] and tok[:2].tolist() == [2, 0]
+        pool.clear_batch()  # a decode without adapters replays the same graph: every segment empty
         pool.graph_segments(2, 4)
-        assert slot[:4].tolist() == [-1] * 4
-        assert pool._seg_start is start and pool._seg_slot is slot  # never reallocated: graphs keep the addresses
+        assert slot[:2].tolist() == [-1, -1] and start[:3].tolist() == [0, 0, 0]
+        assert pool._seg_start is start and pool._seg_slot is slot and pool._tok is tok  # graphs keep the addresses
+        pool.set_batch([3, 1], [0, 1])  # not a decode: one segment per request, no token index
+        assert pool._tok_index is None and pool._max_seg_len == 3
+        assert start[:3].tolist() == [0, 3, 4] and slot[:2].tolist() == [0, 1]
+
+        rows = [0] * 37 + [-1, 1, 0]  # 38 rows on slot 0: chunks of 16, 16 and 6 rows; 1 on slot 1
+        pool.reserve_segments(48)
+        pool.set_batch([1] * 40, rows)
+        assert pool._num_segments == 4 and pool._max_seg_len == 16
+        assert pool._seg_start[:5].tolist() == [0, 16, 32, 38, 39] and pool._seg_slot[:4].tolist() == [0, 0, 0, 1]
+        assert pool._tok[:39].tolist() == [*range(37), 39, 38]
+        pool.graph_segments(40, 48)  # capacity min(48, 2 + 48 // 16) = 5: one empty segment last
+        assert pool._seg_start[:6].tolist() == [0, 16, 32, 38, 39, 39]
+        assert pool._seg_slot[:5].tolist() == [0, 0, 0, 1, -1]
     finally:
         e.shutdown()
 
@@ -374,15 +391,22 @@ def test_cuda_decodes_with_adapters_replay_graphs(setup, eng, device):
     assert outs[1]["output_ids"] == hf_greedy(setup[1], p[1], N_NEW)
 
 
-def test_graph_replays_with_and_without_adapters_match_peft(setup, monkeypatch):
+@pytest.mark.parametrize("block_k", [None, 16], ids=["plain", "split_k"])
+def test_graph_replays_with_and_without_adapters_match_peft(setup, monkeypatch, block_k):
     """The CUDA-graph path of LoRA without a GPU: triton attention and the SGMV kernels in
     triton's interpreter behind ``tests.test_cuda_graph``'s stand-in graphs (a replay reruns the
     captured forward over the same static buffers). Batches with adapters replay the graphs that
-    hold the LoRA kernels, over the slots ``graph_segments`` wrote; batches without, the others."""
+    hold the LoRA kernels, over the slot groups ``graph_segments`` wrote; batches without, the
+    others. ``split_k``: 16-wide K tiles, so that the tiny model's shrinks split K (2-4 chunks)."""
     pytest.importorskip("triton")
     from core.engine.lora import serving
     from tests.test_cuda_graph import EagerGraphRunner
 
+    if block_k is not None:
+        import core_kernels.lora as kernels
+
+        monkeypatch.setattr(kernels, "BLOCK_K", block_k)
+        assert kernels.k_splits(64, 4, 1) == 2
     root, base, adapters = setup
     monkeypatch.setattr(serving, "kernel_backend", lambda backend, device: "triton")
     e = make_engine(root / "base", attention_backend="triton", disable_cuda_graph=True, max_loras_per_batch=2,

@@ -9,7 +9,8 @@ once, so serving without adapters costs one attribute check per projection.
 
 Packed layers: ``qkv_proj`` has parts q, k, v, each adapted on its own (peft adapts the
 checkpoint's ``q_proj`` etc.). Part ``p``'s A rows sit at ``[p * max_rank, (p + 1) * max_rank)``
-of the layer's A buffer (one shrink for all parts), its B rows at the part's output span.
+of the layer's A buffer (one shrink for all parts), its B rows at the part's output span (one
+expand for all parts, on the triton backend).
 """
 
 from __future__ import annotations
@@ -110,16 +111,15 @@ class LayerLoRA:
         return y
 
     def _sgmv(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        from core_kernels.lora import sgmv_expand, sgmv_shrink
+        """Two launches whatever the part count: every part's shrink (split over K for a decode),
+        then every part's expand (summing the shrink's K chunks)."""
+        from core_kernels.lora import sgmv_expand_parts, sgmv_shrink_split
 
-        pool, r = self.pool, self.rank
-        n = pool._num_segments
+        pool = self.pool
+        n, msl, tok = pool._num_segments, pool._max_seg_len, pool._tok_index
         seg_start, seg_slot = pool._seg_start[: n + 1], pool._seg_slot[:n]
-        h = torch.empty(x.shape[0], self.A.shape[1], dtype=x.dtype, device=x.device)
-        sgmv_shrink(x, self.A, seg_start, seg_slot, pool._max_seg_len, h)
-        for p, (start, size) in enumerate(self.spans):
-            sgmv_expand(h[:, p * r : (p + 1) * r], self.B[:, start : start + size], seg_start, seg_slot,
-                        pool._max_seg_len, y[:, start : start + size])
+        h = sgmv_shrink_split(x, self.A, seg_start, seg_slot, msl, tok_index=tok)
+        sgmv_expand_parts(h, self.B, seg_start, seg_slot, msl, y, self.spans, tok_index=tok)
         return y
 
     def clear(self, slot: int) -> None:
@@ -206,9 +206,11 @@ class LoRAPool:
         self._token_slots: torch.Tensor | None = None  # token_slots', for the current batch
         self._groups: list[tuple[int, slice | torch.Tensor]] = []  # torch backend: (slot, token rows)
         self._num_segments, self._max_seg_len = 0, 0
-        self._seg_start = torch.zeros(0, dtype=torch.int32, device=self.device)  # triton backend: [capacity + 1]
-        self._seg_slot = torch.zeros(0, dtype=torch.int32, device=self.device)
-        self._rows = torch.zeros(1, dtype=torch.int32, device=self.device)  # 0, 1, 2, ...: a decode's segment starts
+        # triton backend: one int32 device buffer holding the segment starts [capacity + 1], their slots
+        # [capacity] and a decode's token rows by slot [capacity] (see _write_decode); views into it
+        self._seg_buf = torch.zeros(1, dtype=torch.int32, device=self.device)
+        self._seg_start, self._seg_slot, self._tok = self._seg_buf, self._seg_buf[:0], self._seg_buf[:0]
+        self._tok_index: torch.Tensor | None = None  # the current batch's positions -> token rows (None: identity)
         self._row_slots: list[int] | None = None
 
     @property
@@ -334,43 +336,82 @@ class LoRAPool:
         return groups
 
     def _set_segments(self, seg_lens: list[int], seg_slots: list[int]) -> None:
-        """Write the segments into the persistent device buffers (grown, rarely, when too small)."""
+        """Write the segments into the persistent device buffers (grown, rarely, when too small).
+        A decode (one token per request) is grouped by slot, as a graph replay is."""
         n = len(seg_lens)
         if self._seg_slot.shape[0] < n:  # (never once graphs are captured: reserve_segments sized them)
             self.reserve_segments(max(256, 2 * n))
+        self._row_slots = seg_slots if all(ln == 1 for ln in seg_lens) else None  # (graph_segments: a decode's rows)
+        if self._row_slots is not None:
+            self._num_segments, self._max_seg_len = self._write_decode(seg_slots, None)
+            return
+        self._max_seg_len = max(seg_lens, default=0)
         starts = [0]
         for length in seg_lens:
             starts.append(starts[-1] + length)
-        self._seg_start[: n + 1].copy_(torch.tensor(starts, dtype=torch.int32))
-        self._seg_slot[:n].copy_(torch.tensor(seg_slots, dtype=torch.int32))
-        self._num_segments, self._max_seg_len = n, max(seg_lens, default=0)
-        self._row_slots = seg_slots if self._max_seg_len == 1 else None  # (graph_segments: a decode's rows)
+        cap = self._seg_slot.shape[0]
+        self._seg_buf[: cap + 1 + n].copy_(self._host(starts + [0] * (cap - n) + seg_slots), non_blocking=True)
+        self._num_segments, self._tok_index = n, None
 
-    # ---- CUDA graphs (triton backend): a decode graph of ``bs`` rows has ``bs`` one-token segments
-    # baked in; ``capturing`` records it with every row on no adapter (the kernels then exit at
-    # once), ``graph_segments`` writes the real rows' slots (padding: -1) into the same buffers
+    # ---- decodes grouped by slot: the rows of one adapter make one segment (chunks of at most GROUP
+    # rows, one 16-row kernel tile), gathered through a token index, so the kernels read each adapter's
+    # matrices once per layer instead of once per request; rows without an adapter are in no segment
+    GROUP = 16
+
+    def graph_capacity(self, bs: int) -> int:
+        """Segments a ``bs``-row decode graph holds: the slot groups of any ``bs`` rows fit (each slot
+        in use adds at most one chunk beyond ``bs // GROUP`` full ones)."""
+        return min(bs, self.slots + bs // self.GROUP)
+
+    def _write_decode(self, row_slots: list[int], capacity: int | None) -> tuple[int, int]:
+        """Write a decode's slot groups (``capacity`` segments, the last ones empty; None: as
+        many as there are) in one copy; returns (segment count, longest segment)."""
+        order = sorted((s, t) for t, s in enumerate(row_slots) if s >= 0)
+        starts: list[int] = []
+        slots: list[int] = []
+        for i, (s, _) in enumerate(order):
+            if not slots or slots[-1] != s or i - starts[-1] == self.GROUP:
+                starts.append(i)
+                slots.append(s)
+        m = len(slots) if capacity is None else capacity
+        if len(slots) > m:  # (graph_capacity's bound makes this impossible)
+            raise RuntimeError(f"LoRA decode: {len(slots)} slot groups for a graph of {m} segments")
+        starts += [len(order)] * (m + 1 - len(slots))
+        cap = self._seg_slot.shape[0]
+        host = starts + [0] * (cap - m) + slots + [-1] * (m - len(slots)) + [0] * (cap - m) + [t for _, t in order]
+        self._seg_buf[: len(host)].copy_(self._host(host), non_blocking=True)
+        self._tok_index = self._tok
+        return m, min(self.GROUP, len(row_slots))
+
+    def _host(self, values: list[int]) -> torch.Tensor:
+        """``values`` as int32 on the host; pinned on a GPU, so that the copy does not wait for the
+        stream (a pageable source may synchronise with it, stalling an overlapped launch)."""
+        return torch.tensor(values, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+
+    # ---- CUDA graphs (triton backend): a decode graph of ``bs`` rows has ``graph_capacity(bs)``
+    # segments of up to GROUP rows baked in; ``capturing`` records it with every segment empty (the
+    # kernels then exit at once), ``graph_segments`` writes the real rows' groups into the same buffers
     def reserve_segments(self, n: int) -> None:
         """Size the segment buffers for up to ``n`` segments now: a captured graph keeps their
         addresses, so they must never be reallocated afterwards."""
         if self._seg_slot.shape[0] < n:
-            self._seg_start = torch.zeros(n + 1, dtype=torch.int32, device=self.device)
-            self._seg_slot = torch.zeros(n, dtype=torch.int32, device=self.device)
-            self._rows = torch.arange(n + 1, dtype=torch.int32, device=self.device)
+            self._seg_buf = torch.zeros(3 * n + 1, dtype=torch.int32, device=self.device)
+            self._seg_start, self._seg_slot, self._tok = self._seg_buf[: n + 1], self._seg_buf[n + 1 : 2 * n + 1], \
+                self._seg_buf[2 * n + 1 :]
 
     @contextlib.contextmanager
     def capturing(self, bs: int):
-        """While a decode graph of ``bs`` rows is recorded: the layers launch the kernels over
-        ``bs`` one-row segments, all on no adapter."""
+        """While a decode graph of ``bs`` rows is recorded: the layers launch the kernels over the
+        graph's ``graph_capacity(bs)`` segments, all empty."""
         self.graph_segments(0, bs)
-        self._active, self._num_segments, self._max_seg_len = True, bs, 1
+        self._active, self._num_segments, self._max_seg_len = True, self.graph_capacity(bs), min(self.GROUP, bs)
         try:
             yield
         finally:
             self.clear_batch()
 
     def graph_segments(self, n: int, bs: int) -> None:
-        """Before replaying a ``bs``-row decode graph for ``n`` real rows: one segment per row,
-        the rows' slots as the last ``set_batch`` gave them (none when it cleared), -1 past ``n``."""
+        """Before replaying a ``bs``-row decode graph for ``n`` real rows: the rows' slot groups as
+        the last ``set_batch`` gave them (none when it cleared); padding rows are in no segment."""
         slots = (self._row_slots if self._active and self._row_slots is not None else [])[:n]
-        self._seg_start[: bs + 1].copy_(self._rows[: bs + 1])
-        self._seg_slot[:bs].copy_(torch.tensor(slots + [-1] * (bs - len(slots)), dtype=torch.int32), non_blocking=True)
+        self._write_decode(slots, self.graph_capacity(bs))
