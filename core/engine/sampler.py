@@ -117,17 +117,21 @@ _ARRAY_CODES = {torch.int64: "q", torch.float32: "f"}
 def upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A tensor of ``values`` on ``device``; to a GPU through pinned memory without blocking.
 
-    On the CPU a flat list of int64 or float32 values goes through ``array``: torch.tensor's parsing
-    of each element took 7 us where this takes 2.4 (two such uploads per decode step)."""
+    A flat list of int64 or float32 values goes through ``array``: torch.tensor's parsing of each
+    element took 7 us where this takes 2.4 (two such uploads per decode step; a 256-stream step's
+    1,280 values: 74 against 22 us, on a GPU's launch path)."""
+    host = None
+    code = _ARRAY_CODES.get(dtype)
+    if code is not None and values:
+        try:
+            host = torch.frombuffer(array(code, values), dtype=dtype)
+        except (TypeError, OverflowError):  # nested lists, tuples, other element types: as torch.tensor does
+            pass
     if device.type == "cpu":
-        code = _ARRAY_CODES.get(dtype)
-        if code is not None and values:
-            try:
-                return torch.frombuffer(array(code, values), dtype=dtype)
-            except (TypeError, OverflowError):  # nested lists, tuples, other element types: as torch.tensor does
-                pass
-        return torch.tensor(values, dtype=dtype)
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+        return host if host is not None else torch.tensor(values, dtype=dtype)
+    if host is None:
+        return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+    return host.pin_memory().to(device, non_blocking=True)  # (the pinned copy's block outlives the async copy)
 
 
 def _token_counts(lists: list[list[int]], shape: tuple[int, int], device: torch.device) -> torch.Tensor:
