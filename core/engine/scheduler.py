@@ -197,10 +197,14 @@ class Scheduler:
     def schedule(self) -> tuple[ScheduledBatch | None, list[Req]]:
         """Form the next batch; also returns requests finished by abort since the last step."""
         aborted = self._reap_aborted()
-        # a request decodes from its last token, or (overlap scheduling) from the token the
-        # in-flight batch is sampling for it, unless that token ends it for sure; not a prompt's last chunk
-        decodable = [r for r in self.running if ((d := len(r.prompt_ids) + len(r.output_ids) - r.kv_len) == 1
-                                                 or (d == 0 and self._continues(r))) and r is not self.chunked_req]
+        # a request decodes from its last token, or (overlap scheduling) from the token the in-flight batch
+        # is sampling for it unless that token ends it for sure (aborted, at a limit); not a prompt's last chunk
+        decodable, ctx, chunked = [], self.context_len, self.chunked_req
+        for r in self.running:  # (one pass, no calls: every request of an overlapped decode has d == 0)
+            n, out = len(r.prompt_ids), len(r.output_ids)
+            if ((d := n + out - r.kv_len) == 1 or (d == 0 and not r.aborted and out + 1 < r.params.max_new_tokens
+                                                  and n + out + 1 < ctx)) and r is not chunked:
+                decodable.append(r)
         prefill: list[tuple[Req, int]] = []
         if not (self._chunk_ran_last and decodable and not self.enable_mixed_chunk):
             prefill = self._get_prefill(decodable)
@@ -222,10 +226,6 @@ class Scheduler:
                 return verify, aborted
             return self._build_decode(decodable), aborted
         return None, aborted
-
-    def _continues(self, req: Req) -> bool:
-        """Whether a request whose next token is in flight may decode after it (not aborted, below its limits)."""
-        return not req.aborted and len(req.output_ids) + 1 < req.params.max_new_tokens and req.seq_len + 1 < self.context_len
 
     def needs_results(self) -> str:
         """Why the next batch must wait for the in-flight one's results (overlap; "" if not): multi-step decodes
