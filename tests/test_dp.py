@@ -223,3 +223,30 @@ def test_engine_in_its_own_process_serves_as_one_engine(model_path, tmp_path):
                            "--enable-frontend-multiprocessing", "--disable-frontend-multiprocessing"],
                           capture_output=True, text=True, timeout=120)
     assert both.returncode != 0 and "contradict" in both.stderr
+
+
+def test_front_end_text_matches_the_engines(model_path):
+    """Replicas send token ids and the front end makes the text (``ReqSpec.detokenize``), except
+    for requests with stop strings: texts and finish reasons equal one engine's for long answers
+    (byte-level fragments held back and flushed), stop tokens with and without ``no_stop_trim``,
+    stop strings, and streamed."""
+    import core
+
+    prompt, g40 = "Hello there", {"temperature": 0.0, "max_new_tokens": 40}
+    with core.Engine(model_path=str(model_path), **ENGINE) as one:
+        ids = one.generate(prompt, g40)["output_ids"]
+        stop_tok = next(t for i, t in enumerate(ids) if i >= 4 and t not in ids[:i])
+        text = one.generate(prompt, g40)["text"]
+        cases = [g40, {**g40, "stop_token_ids": [stop_tok]},
+                 {**g40, "stop_token_ids": [stop_tok], "no_stop_trim": True},
+                 {**g40, "stop": [text[len(text) // 2 : len(text) // 2 + 3]]}]
+        want = [one.generate(prompt, c) for c in cases]
+    assert want[1]["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_tok}
+    assert len(want[2]["text"]) > len(want[1]["text"]) and want[3]["meta_info"]["finish_reason"]["type"] == "stop"
+    with core.Engine(model_path=str(model_path), **ENGINE, dp_size=2) as eng:
+        got = [eng.generate(prompt, c) for c in cases]
+        for g, w in zip(got, want):
+            assert (g["text"], g["output_ids"], g["meta_info"]["finish_reason"]) == \
+                (w["text"], w["output_ids"], w["meta_info"]["finish_reason"])
+        streamed = list(eng.generate(prompt, cases[1], stream=True))
+        assert streamed[-1]["text"] == want[1]["text"]

@@ -171,7 +171,8 @@ class DataParallelEngine(RequestFrontEnd):
             self.replicas[i].inflight[req.rid] = req
             self.replicas[i].routed += 1
             spec = ReqSpec(req.rid, req.prompt_ids, attrs.evolve(req.params, n=1, seed=_copy_seed(req)),
-                           req.return_logprob, req.logprob_start_len, req.top_logprobs_num, req.priority, adapter)
+                           req.return_logprob, req.logprob_start_len, req.top_logprobs_num, req.priority, adapter,
+                           detokenize=not _text_here(req))
             batches.setdefault(i, []).append(spec)
         for i, specs in batches.items():
             self._send(self.replicas[i], ("submit", specs))
@@ -322,7 +323,7 @@ class DataParallelEngine(RequestFrontEnd):
         if d.output_ids and req.first_token_time is None:
             req.first_token_time = time.perf_counter()
         req.output_ids.extend(d.output_ids)
-        req.text += d.text
+        req.text += self._text(req, d) if _text_here(req) else d.text
         req.output_logprobs.extend(d.output_logprobs)
         req.output_top_logprobs.extend(d.output_top_logprobs)
         if d.input_logprobs is not None:
@@ -334,6 +335,17 @@ class DataParallelEngine(RequestFrontEnd):
             self._finish(req, d.finish_reason)
         else:
             req.notify()
+
+    def _text(self, req: Req, d: ReqDelta) -> str:
+        """The text of a delta's tokens, as the engine's result processing makes it
+        (``Scheduler._check_finish``): a stop token's own text only with ``no_stop_trim``, the
+        held-back tail flushed when the request stopped or hit its length (not when aborted)."""
+        p, detok, eos = req.params, req.detokenizer, self.model_config.eos_ids
+        out = [detok.add([t]) for t in d.output_ids
+               if p.no_stop_trim or not ((t in eos and not p.ignore_eos) or t in p.stop_token_ids)]
+        if d.finish_reason is not None and d.finish_reason.get("type") in ("stop", "length") and detok.matched_stop is None:
+            out.append(detok.flush())
+        return "".join(out)
 
     def _finish(self, req: Req, reason: dict) -> None:
         req.finish_reason, req.finish_time = reason, time.perf_counter()
@@ -450,6 +462,12 @@ def _serves_images(args: EngineArgs, plugins: PluginManager, model_config: Any =
     mc = model_config or load_model_config(args.model_path, args.dtype, torch.device("cpu"), args.context_length,
                                            args.served_model_name, args.json_model_override_args)
     return mc.architecture in plugins.names("multimodal_processor")
+
+
+def _text_here(req: Req) -> bool:
+    """Whether the front end turns ``req``'s tokens into text (``ReqSpec.detokenize`` False): it
+    has a tokenizer and nothing for the engine to match in the text (stop strings, patterns)."""
+    return req.detokenizer is not None and not req.params.stop and not req.params.stop_regex
 
 
 def _copy_seed(req: Req) -> int | None:

@@ -39,6 +39,10 @@ class ReqSpec:
     top_logprobs_num: int
     priority: int | None
     lora: str | None = None  # the LoRA adapter's name (each replica has its own uids)
+    # False: the front end turns the tokens into text (``DataParallelEngine._on_delta``), off the
+    # engine's step path (SGLang's detokenizer runs in a process of its own); True where the engine
+    # needs the text itself: stop strings and patterns are matched where the tokens are made
+    detokenize: bool = True
 
 
 class ReqDelta(NamedTuple):
@@ -144,7 +148,10 @@ class _Replica:
                                              s.top_logprobs_num, priority=s.priority, lora_path=s.lora)
             except Exception as e:  # validated by the front end already; report rather than crash
                 self._send_now(("delta", s.rid, tuple(ReqDelta([], "", [], [], None, 0, {"type": "abort", "message": str(e)}))))
+        text_here = {s.rid for s in specs if s.detokenize}
         for r in reqs:
+            if r.rid not in text_here:
+                r.detokenizer = None
             self.sent[r] = [0, 0, 0, False]
             r.watcher = self._on_update
         try:
