@@ -12,6 +12,8 @@
 #                                   # fp8 and int8wo at 8B
 #   bench/gpu_run.sh wave [SMALL BIG]  # overlap on/off (SmolLM2 and 8B shapes), NGRAM at batch 1, the host tier's
 #                                   # load-back, the 8B through HTTP, then the gpu tests (~8 min; SMALL/BIG: shape dirs)
+#   core bench serving's client is aiohttp where installed: carry aiohttp, multidict, yarl, propcache, frozenlist,
+#   aiosignal, aiohappyeyeballs (else httpx: its client took ~2.5x the CPU an event). py-spy (final) from its wheel.
 #   The tests import openai and jsonschema: besides GPU.md's list, carry in .whl openai, httpx2,
 #   httpcore2, truststore, jiter, distro, sniffio, anyio, idna, jsonschema, referencing,
 #   jsonschema-specifications, rpds-py (the image's pytest-xdist runs them: tests -n 8, ~90 s on an H200).

@@ -781,8 +781,16 @@ def test_request_logs(srv: ServerProcess, client: httpx.Client) -> None:
     assert KEY not in logs
 
 
-def test_bench_serving_against_the_server(srv: ServerProcess) -> None:
-    from core.bench_serving import add_bench_command, format_report, run_benchmark
+@pytest.mark.parametrize("client", ["aiohttp", "httpx"])
+def test_bench_serving_against_the_server(srv: ServerProcess, client: str, monkeypatch) -> None:
+    from core.bench_serving import _AiohttpClient, add_bench_command, format_report, http_client, run_benchmark
+
+    if client == "httpx":  # aiohttp not installed: httpx's client
+        monkeypatch.setitem(sys.modules, "aiohttp", None)
+    picked = http_client("http://x", {}, 1, 1.0)
+    assert isinstance(picked, _AiohttpClient) == (client == "aiohttp")
+    if client == "httpx":
+        asyncio.run(picked.aclose())
 
     root = argparse.ArgumentParser()
     add_bench_command(root.add_subparsers(dest="command"))
