@@ -340,6 +340,19 @@ def test_kernels_compile_for_an_h100_without_one():
 # --------------------------------------------------------------------------- realistic shapes (GPU)
 
 
+def captured(step) -> torch.cuda.CUDAGraph:
+    """``step``'s launches in a CUDA graph (run once on a side stream first: Triton compiles outside the capture)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
+
+
 @pytest.mark.gpu
 @needs_cuda
 def test_lora_kernels_at_llama_8b_shapes_and_in_a_cuda_graph():
@@ -365,14 +378,7 @@ def test_lora_kernels_at_llama_8b_shapes_and_in_a_cuda_graph():
         sgmv_shrink(x, a, seg_start, seg_slot, 4, h)
         sgmv_expand(h, b, seg_start, seg_slot, 4, y)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = captured(step)
     for rep in range(3):
         lens = [1] * t if rep != 1 else [4] * (t // 4) + [0] * (t - t // 4)  # max_seg_len 4 sized the grid
         slots = torch.randint(-1, len(ranks), (t,), generator=gen).tolist()
@@ -419,14 +425,7 @@ def test_packed_layers_at_llama_8b_shapes_grouped_in_a_cuda_graph():
         h = sgmv_shrink_split(x, a, seg_start, seg_slot, 16, tok_index=tok)
         sgmv_expand_parts(h, b, seg_start, seg_slot, 16, y, spans, tok_index=tok)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = captured(step)
     for rep in range(3):
         slots = torch.randint(-1, len(ranks), (t,), generator=gen).tolist() if rep else [3] * 40 + [-1] * 24
         g_start, g_slot, g_tok, _ = grouped([1] * t, slots)
