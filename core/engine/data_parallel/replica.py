@@ -81,6 +81,9 @@ def replica_main(index: int, args: EngineArgs, conn) -> None:
                          "is_classifier": engine.is_classifier, "load": engine.load(), "pid": os.getpid(),
                          "random_seed": engine.random_seed, "chunked_prefill_size": engine.chunked_prefill_size}))
     gc_watch.freeze(f"data-parallel replica {index}")  # the model and modules: out of later collector passes
+    # a hung step cannot be joined (as under core serve, which sets the same): the replica ends its own
+    # process, the front end fails what it ran, takes it out of rotation, and stops with the last one
+    engine.watchdog.exit_code = 1
     code = loop.run_until_complete(_Replica(index, engine, conn, loop).run())
     sys.stderr.flush()
     os._exit(code)
