@@ -250,3 +250,28 @@ def test_front_end_text_matches_the_engines(model_path):
                 (w["text"], w["output_ids"], w["meta_info"]["finish_reason"])
         streamed = list(eng.generate(prompt, cases[1], stream=True))
         assert streamed[-1]["text"] == want[1]["text"]
+
+
+def test_replicas_hicache_counters_reach_the_front_ends_metrics(model_path):
+    """With the engine in other processes, /metrics' HiCache tier counters are the replicas' (each
+    reports its tier with its load; the front end sums them)."""
+    import re
+
+    import core
+    from core.server.metrics import Metrics
+
+    with core.Engine(model_path=str(model_path), **ENGINE, dp_size=2, enable_hierarchical_cache=True,
+                     hicache_write_policy="write_through") as eng:
+        metrics = Metrics("tiny")
+        metrics.attach(eng.engine)
+        for prompt in ("The capital of France", "abc def", "Hello there", "1, 2, 3,"):  # (a report: each step's)
+            eng.generate(prompt, greedy(4))  # write-through: the prompts' KV copied to the host tier
+        text = metrics.render().decode()
+        reports = [r["tier_stats"] for r in eng.engine.replica_loads()]
+        assert sum(r["bytes_to_host"] for r in reports) > 0
+
+        def value(name: str) -> float:
+            return float(re.search(rf'^{name}\{{[^}}]*\}} (\S+)$', text, re.M).group(1))
+
+        assert value("core:hicache_device_to_host_bytes_total") == sum(r["bytes_to_host"] for r in reports)
+        assert value("core:hicache_host_total_tokens") == sum(r["host_total_tokens"] for r in reports) > 0

@@ -233,10 +233,11 @@ class Metrics:
 
     def _refresh_hicache(self, engine: AsyncEngine) -> None:
         """Bring the host tier's counters up to the cache's cumulative stats (a no-op without the tier)."""
-        stats_of = getattr(getattr(engine, "tree_cache", None), "tier_stats", None)
-        if stats_of is None:
+        stats_of = (getattr(engine, "tier_stats", None)  # (replicas in other processes: their reports)
+                    or getattr(getattr(engine, "tree_cache", None), "tier_stats", None))
+        if stats_of is None or (stats := stats_of()) is None:
             return
-        m, stats = self.model_name, stats_of()
+        m = self.model_name
         for key, c in self.hicache.items():
             if (delta := stats[key] - self._hicache_seen.get(key, 0)) > 0:
                 c.labels(m).inc(delta)

@@ -251,6 +251,12 @@ class DataParallelEngine(RequestFrontEnd):
         total["cache_hit_rate"] = total["cache_hit_tokens"] / queries if queries else 0.0
         return total
 
+    def tier_stats(self) -> dict[str, Any] | None:
+        """The live replicas' HiCache tier counters (their latest reports) summed, as the metrics read
+        ``HiRadixCache.tier_stats``; None when no replica has the tier."""
+        stats = [r.load["tier_stats"] for r in self._live() if "tier_stats" in r.load]
+        return {k: sum(s[k] for s in stats) for k in stats[0]} if stats else None
+
     def replica_loads(self) -> list[dict[str, Any]]:
         """Each replica's latest load report, with ``dp_rank``, ``alive``, ``pid``, ``routed_requests``
         (sent to it so far) and, for a dead one, ``error``."""

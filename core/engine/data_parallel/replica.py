@@ -229,10 +229,17 @@ class _Replica:
         self.flush_scheduled = False
         self._deltas()
         events, self.outbox = self.outbox, []
-        self._send_raw(("events", events, self.engine.load()))
+        self._send_raw(("events", events, self._load()))
 
     def _send_now(self, event: tuple) -> None:
-        self._send_raw(("events", [event], self.engine.load()))
+        self._send_raw(("events", [event], self._load()))
+
+    def _load(self) -> dict:
+        """The engine's load, with its HiCache tier's counters (the front end's /metrics) where it has the tier."""
+        load = self.engine.load()
+        if (stats := getattr(self.engine.tree_cache, "tier_stats", None)) is not None:
+            load["tier_stats"] = stats()
+        return load
 
     def _send_raw(self, msg: tuple) -> None:
         try:
