@@ -204,12 +204,16 @@ class _AiohttpClient:
     async def __aenter__(self) -> _AiohttpClient:
         aiohttp = self._aiohttp
         self._session = aiohttp.ClientSession(headers=self._headers, connector=aiohttp.TCPConnector(limit=0),
-                                              timeout=aiohttp.ClientTimeout(total=self._timeout),
+                                              timeout=self._limits(self._timeout),
                                               read_bufsize=1 << 22)  # (a cumulative event is one line: up to 4 MiB)
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
         await self._session.close()
+
+    def _limits(self, seconds: float) -> Any:
+        """httpx's meaning of ``--timeout``: each connect and each read, not the whole stream."""
+        return self._aiohttp.ClientTimeout(total=None, sock_connect=seconds, sock_read=seconds)
 
     async def get(self, url: str) -> _Response:
         async with self._session.get(self._base + url) as r:
@@ -224,7 +228,7 @@ class _AiohttpClient:
 
         class _Stream:
             async def __aenter__(self) -> _Response:
-                t = client._aiohttp.ClientTimeout(total=timeout or client._timeout)
+                t = client._limits(timeout or client._timeout)
                 self.cm = client._session.request(method, client._base + url, json=json, timeout=t)
                 return _Response(await self.cm.__aenter__(), None)
 

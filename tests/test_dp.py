@@ -212,7 +212,8 @@ def test_engine_in_its_own_process_serves_as_one_engine(model_path, tmp_path):
         with httpx.stream("POST", url + "/generate", json={"text": prompt, "sampling_params": params, "stream": True}) as r:
             chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
         assert chunks[-1]["output_ids"] == want  # (steps the stream fell behind on coalesce)
-        assert isinstance(httpx.get(url + "/get_server_info").json()["random_seed"], int)
+        info = httpx.get(url + "/get_server_info").json()
+        assert isinstance(info["random_seed"], int) and "dp_rank" not in info["internal_states"][0]
         trace = httpx.post(url + "/start_profile", json={"output_dir": str(tmp_path)}).json()["trace"]
         assert httpx.post(url + "/generate", json={"text": prompt, "sampling_params": params}).status_code == 200
         assert httpx.post(url + "/stop_profile").json()["trace"] == trace
@@ -275,3 +276,26 @@ def test_replicas_hicache_counters_reach_the_front_ends_metrics(model_path):
 
         assert value("core:hicache_device_to_host_bytes_total") == sum(r["bytes_to_host"] for r in reports)
         assert value("core:hicache_host_total_tokens") == sum(r["host_total_tokens"] for r in reports) > 0
+
+
+def test_a_front_end_failure_fails_its_request_only(model_path, monkeypatch):
+    """An exception while the front end mirrors a delta (here its text) fails that request with the
+    error, aborts it on its replica, and leaves the other requests of the same message served."""
+    import core
+    from core.engine.data_parallel.engine import DataParallelEngine
+
+    text = DataParallelEngine._text
+
+    def boom(self, req, d):
+        if req.rid == "boom":
+            raise ValueError("no text")
+        return text(self, req, d)
+
+    monkeypatch.setattr(DataParallelEngine, "_text", boom)
+    with core.Engine(model_path=str(model_path), **ENGINE, dp_size=2) as eng:
+        want = eng.generate("abc def", greedy(6))
+        outs = eng.generate(["abc def", "abc def"], greedy(6), rid=["boom", "fine"])
+        assert outs[0]["meta_info"]["finish_reason"]["type"] == "abort" and "no text" in outs[0]["meta_info"]["finish_reason"]["message"]
+        assert outs[1]["output_ids"] == want["output_ids"] and outs[1]["text"] == want["text"]
+        assert eng.generate("abc def", greedy(6))["output_ids"] == want["output_ids"]
+        assert eng.engine.num_running() == 0 and not eng.engine.has_work()

@@ -12,6 +12,7 @@ import re
 from typing import Any
 
 import httpx
+import pytest
 
 from tests.test_speculative import GREEDY, PROMPTS, OracleDrafter, tiny  # noqa: F401  (tiny: the fixture)
 
@@ -118,3 +119,49 @@ def test_bench_serving_adds_no_zero_gaps_for_a_first_chunk_of_several_tokens():
     res = asyncio.run(go())
     assert res.success and res.output_len == 5 and len(res.itl) == 2 and 0.0 not in res.itl
     assert summarize([res], 1.0, ns)["p50_itl_ms"] > 30
+
+
+@pytest.mark.parametrize("client", ["aiohttp", "httpx"])
+def test_bench_serving_timeout_bounds_each_read_not_the_stream(client, monkeypatch):
+    """``--timeout`` is httpx's per-read bound under either client: a stream whose events each come
+    within it, but whose whole takes longer, completes (aiohttp's total timeout failed it)."""
+    web = pytest.importorskip("aiohttp.web")
+    import sys
+
+    from core.bench_serving import add_bench_command, run_benchmark
+
+    if client == "httpx":
+        monkeypatch.setitem(sys.modules, "aiohttp", None)
+
+    async def info(request):
+        return web.json_response({"vocab_size": 1000, "context_length": 4096, "served_model_name": "m"})
+
+    async def slow(request):
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        for i in range(1, 5):
+            await asyncio.sleep(0.6)
+            await resp.write(f"data: {json.dumps({'text': 'x', 'meta_info': {'completion_tokens': i}})}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    async def go():
+        app = web.Application()
+        app.router.add_get("/get_model_info", info)
+        app.router.add_post("/generate", slow)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        base = "http://127.0.0.1:%d" % site._server.sockets[0].getsockname()[1]
+        root = argparse.ArgumentParser()
+        add_bench_command(root.add_subparsers(dest="command"))
+        ns = root.parse_args(["bench", "serving", "--base-url", base, "--num-prompts", "1", "--random-input-len", "4",
+                              "--random-output-len", "4", "--timeout", "1.5"])
+        try:
+            return await run_benchmark(ns)
+        finally:
+            await runner.cleanup()
+
+    result = asyncio.run(go())
+    assert result["completed"] == 1 and result["total_output_tokens"] == 4, result["errors"]

@@ -371,7 +371,7 @@ async def get_server_info(request: Request) -> Response:
     engine = state.engine
     load = engine.load()
     # one entry per data-parallel replica (their latest reports); throughput is the whole server's
-    per_replica = engine.replica_loads() if hasattr(engine, "replica_loads") else [load]
+    per_replica = engine.replica_loads() if hasattr(engine, "replica_loads") and engine.args.dp_size > 1 else [load]
     return json_response({
         **state.args.flags,
         **_resolved(engine),

@@ -304,10 +304,17 @@ class DataParallelEngine(RequestFrontEnd):
         if kind == "events":
             r.load = msg[2]
             for event in msg[1]:
-                if event[0] == "step":
-                    self._on_step(r, event)
-                else:
-                    self._on_delta(r, event[1], ReqDelta(*event[2]))
+                try:
+                    if event[0] == "step":
+                        self._on_step(r, event)
+                    else:
+                        self._on_delta(r, event[1], ReqDelta(*event[2]))
+                except Exception as e:  # (a listener, the text): that request fails, the others go on
+                    log.error("dp.event_failed", replica=r.index, kind=event[0], exc_info=True)
+                    if event[0] == "delta" and (req := r.inflight.get(event[1])) is not None:
+                        self._send(r, ("abort", req.rid))
+                        self._finish(req, {"type": "abort", "message": f"internal error (front end): "
+                                                                      f"{type(e).__name__}: {e}"})
         elif kind == "reply":
             fut = self._calls.pop(msg[1], None)
             if fut is not None and not fut.done():
@@ -446,7 +453,10 @@ class _ReplicaProfiler:
         self.engine = engine
 
     async def start(self, *args: Any) -> str:
-        return _paths(await self.engine._call_all("start_profile", *args))
+        results = await self.engine._call_all("start_profile", *args)
+        if any(isinstance(x, BaseException) for x in results) and not all(isinstance(x, BaseException) for x in results):
+            await self.engine._call_all("stop_profile")  # (the ones that started: all or none runs)
+        return _paths(results)
 
     async def stop(self) -> str:
         return _paths(await self.engine._call_all("stop_profile"))
