@@ -299,3 +299,26 @@ def test_a_front_end_failure_fails_its_request_only(model_path, monkeypatch):
         assert outs[1]["output_ids"] == want["output_ids"] and outs[1]["text"] == want["text"]
         assert eng.generate("abc def", greedy(6))["output_ids"] == want["output_ids"]
         assert eng.engine.num_running() == 0 and not eng.engine.has_work()
+
+
+def test_a_call_to_a_replica_that_dies_fails_instead_of_hanging(model_path):
+    """A call (a weight update, /start_profile...) in flight when its replica dies, or made to a
+    dead one, raises Unavailable naming the replica; the other keeps serving."""
+    import asyncio
+
+    import core
+    from core.errors import Unavailable
+
+    with core.Engine(model_path=str(model_path), **ENGINE, dp_size=2) as eng:
+        de = eng.engine
+        victim = de.replicas[1]
+
+        async def go() -> None:
+            os.kill(victim.info["pid"], signal.SIGKILL)  # (the call below races the front end noticing)
+            with pytest.raises(Unavailable, match="replica 1"):
+                await asyncio.wait_for(de._call(victim, "freeze_gc"), 30)
+            with pytest.raises(Unavailable, match="replica 1"):  # noticed by now: refused at once
+                await asyncio.wait_for(de._call(victim, "freeze_gc"), 5)
+
+        eng._call(go())
+        assert eng.generate("abc def", greedy(3))["meta_info"]["finish_reason"]["type"] == "length"

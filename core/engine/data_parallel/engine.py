@@ -95,7 +95,7 @@ class DataParallelEngine(RequestFrontEnd):
         self.fatal_listeners: list[Callable[[str], None]] = []
         self.fatal_error: str | None = None
         self.log = log
-        self._calls: dict[int, asyncio.Future] = {}
+        self._calls: dict[int, tuple[asyncio.Future, int]] = {}  # call id -> (its answer, the replica asked)
         self._call_ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._early: list[tuple[int, Any]] = []  # messages that arrived before a loop was known
@@ -316,7 +316,7 @@ class DataParallelEngine(RequestFrontEnd):
                         self._finish(req, {"type": "abort", "message": f"internal error (front end): "
                                                                       f"{type(e).__name__}: {e}"})
         elif kind == "reply":
-            fut = self._calls.pop(msg[1], None)
+            fut, _ = self._calls.pop(msg[1], (None, None))
             if fut is not None and not fut.done():
                 fut.set_result(msg[3]) if msg[2] else fut.set_exception(msg[3])
 
@@ -378,6 +378,10 @@ class DataParallelEngine(RequestFrontEnd):
         log.error("dp.replica_died", replica=r.index, exit_code=r.process.exitcode, failed_requests=len(r.inflight))
         for req in list(r.inflight.values()):
             self._finish(req, {"type": "abort", "message": f"{r.error}; the request did not finish"})
+        for call_id in [k for k, (_, index) in self._calls.items() if index == r.index]:  # (never answered)
+            fut, _ = self._calls.pop(call_id)
+            if not fut.done():
+                fut.set_exception(Unavailable(f"{r.error}; the call did not finish"))
         if not self._live() and self.fatal_error is None:
             self.fatal_error = "every data-parallel replica died"
             for listener in self.fatal_listeners:
@@ -393,7 +397,10 @@ class DataParallelEngine(RequestFrontEnd):
     async def _call(self, r: Replica, what: str, *args: Any) -> Any:
         self._bind_loop()
         call_id = next(self._call_ids)
-        fut = self._calls[call_id] = asyncio.get_running_loop().create_future()
+        fut = asyncio.get_running_loop().create_future()
+        if not r.alive:
+            raise Unavailable(r.error or f"data-parallel replica {r.index} is not serving")
+        self._calls[call_id] = fut, r.index
         self._send(r, ("call", call_id, what, *args))
         return await fut
 
