@@ -223,19 +223,22 @@ class _AiohttpClient:
         async with self._session.post(self._base + url, json=json) as r:
             return _Response(r, await r.read())
 
-    def stream(self, method: str, url: str, json: Any = None, timeout: float | None = None) -> Any:
-        client = self
+    def stream(self, method: str, url: str, json: Any = None, timeout: float | None = None) -> _Stream:
+        return _Stream(self._session.request(method, self._base + url, json=json,
+                                             timeout=self._limits(timeout or self._timeout)))
 
-        class _Stream:
-            async def __aenter__(self) -> _Response:
-                t = client._limits(timeout or client._timeout)
-                self.cm = client._session.request(method, client._base + url, json=json, timeout=t)
-                return _Response(await self.cm.__aenter__(), None)
 
-            async def __aexit__(self, *exc: Any) -> None:
-                await self.cm.__aexit__(*exc)
+class _Stream:
+    """``httpx.AsyncClient.stream``'s context: the response, its body read as it comes."""
 
-        return _Stream()
+    def __init__(self, request: Any) -> None:
+        self._request = request
+
+    async def __aenter__(self) -> _Response:
+        return _Response(await self._request.__aenter__(), None)
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self._request.__aexit__(*exc)
 
 
 class _Response:

@@ -267,8 +267,13 @@ def test_replicas_hicache_counters_reach_the_front_ends_metrics(model_path):
         metrics.attach(eng.engine)
         for prompt in ("The capital of France", "abc def", "Hello there", "1, 2, 3,"):  # (a report: each step's)
             eng.generate(prompt, greedy(4))  # write-through: the prompts' KV copied to the host tier
-        text = metrics.render().decode()
         reports = [r["tier_stats"] for r in eng.engine.replica_loads()]
+        for _ in range(50):  # (a replica's last report may still be on its way: the front end's loop takes them)
+            time.sleep(0.1)
+            if (again := [r["tier_stats"] for r in eng.engine.replica_loads()]) == reports:
+                break
+            reports = again
+        text = metrics.render().decode()
         assert sum(r["bytes_to_host"] for r in reports) > 0
 
         def value(name: str) -> float:

@@ -43,11 +43,12 @@ class RequestFrontEnd:
     def make_requests(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None,
                       return_logprob: bool = False, logprob_start_len: int = -1, top_logprobs_num: int = 0,
                       priority: int | None = None, group: str | None = None, lora_path: str | None = None,
-                      images: list | None = None) -> list[Req]:
+                      images: list | None = None, detokenize: bool = True) -> list[Req]:
         """Validate and build the sequences of one prompt (n of them); raises InvalidRequest.
         ``group``: the API request they belong to (default ``rid``), which an abort by id also reaches.
         ``lora_path``: the name of a loaded LoRA adapter (SGLang's field name), None: the base model.
-        ``images``: decoded images (PIL) for the prompt's image placeholders, in order."""
+        ``images``: decoded images (PIL) for the prompt's image placeholders, in order.
+        ``detokenize`` False: no text (a replica whose front end makes it, ``ReqSpec.detokenize``)."""
         if self.args.is_embedding:
             raise InvalidRequest("this server runs an embedding or classification model (--is-embedding): it does "
                                  "not generate; use /v1/embeddings, /encode or /classify")
@@ -85,7 +86,7 @@ class RequestFrontEnd:
             seed = None if params.seed is None else params.seed + i
             gen = None if seed is None else torch.Generator().manual_seed(seed)
             detok = None
-            if self.tokenizer is not None:
+            if self.tokenizer is not None and detokenize:
                 from core.engine.detokenizer import IncrementalDetokenizer
 
                 detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, skip_special_tokens=params.skip_special_tokens,

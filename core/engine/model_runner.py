@@ -243,8 +243,8 @@ class ModelRunner:
             logits = all_logits[0]
             eos = self.eos_ids
             rows = batch.rows if len(live) == len(all_reqs) else [batch.rows[i] for i in live]
-            rows_ = [sr if (sr := r.sampling_row) is not None and sr.slot == row else _sampling_row(r, row, eos)
-                     for r, row in zip(reqs, rows)]
+            rows_ = [sr if (sr := r.sampling_row) is not None and sr.slot == row else _new_sampling_row(r, row, eos)
+                     for r, row in zip(reqs, rows)]  # (made once per table row it holds, not once a step)
             if batch.drafts is not None:  # a verify: each request's rows sample as its decodes would
                 rows_ = verify_rows(batch, rows_)
             grammar = self.grammar if self.grammar is not None and any(r.grammar is not None for r in reqs) else None
@@ -408,13 +408,11 @@ def batch_stop_ids(reqs: list, eos_ids: tuple[int, ...]) -> list[int]:
     return sorted(ids)
 
 
-def _sampling_row(req, row: int, eos: tuple[int, ...]) -> SamplingRow:
-    """The request's ``SamplingRow``, made once per table row it holds (its fields do not change:
-    ``output_ids`` is the request's own list), not once a step."""
-    sr = req.sampling_row
-    if sr is None or sr.slot != row:
-        sr = req.sampling_row = SamplingRow(req.params, req.prompt_ids, req.output_ids, req.generator, eos,
-                                            req.return_logprob, req.top_logprobs_num, row)
+def _new_sampling_row(req, row: int, eos: tuple[int, ...]) -> SamplingRow:
+    """The request's ``SamplingRow`` for table row ``row``, kept on it: its fields do not change
+    while it holds the row (``output_ids`` is the request's own list)."""
+    sr = req.sampling_row = SamplingRow(req.params, req.prompt_ids, req.output_ids, req.generator, eos,
+                                        req.return_logprob, req.top_logprobs_num, row)
     return sr
 
 

@@ -72,14 +72,13 @@ class _StepView:
 class DataParallelEngine(RequestFrontEnd):
     """An engine over ``args.dp_size`` replica processes (see the module docstring)."""
 
-    def __init__(self, args: EngineArgs, plugins: PluginManager | None = None) -> None:
+    def __init__(self, args: EngineArgs, plugins: PluginManager | None = None, model_config: Any = None) -> None:
         import torch
 
         self.args = args
         self.plugins = plugins or load_plugins(args.plugins, strict=args.strict_plugins)
         self.device = torch.device("cpu")  # the front end holds no model
-        self.model_config = load_model_config(args.model_path, args.dtype, self.device, args.context_length,
-                                              args.served_model_name, args.json_model_override_args)
+        self.model_config = model_config or _model_config(args)
         if _serves_images(args, self.plugins, self.model_config):  # (replicas' images)
             raise CoreError(f"--dp-size > 1 with the vision-language model {self.model_config.architecture} is not "
                             "supported yet; serve it with --dp-size 1")
@@ -430,11 +429,7 @@ class DataParallelEngine(RequestFrontEnd):
 
     async def clear_hicache_storage(self) -> bool:
         """Every live replica drops its HiCache storage tier's pages; False when none has one."""
-        results = await self._call_all("clear_storage")
-        for e in results:
-            if isinstance(e, BaseException):
-                raise e
-        return any(results)
+        return any(_answers(await self._call_all("clear_storage")))
 
     async def shutdown(self) -> None:
         """Stop every replica (killing stragglers); unfinished requests fail."""
@@ -470,21 +465,28 @@ class _ReplicaProfiler:
 
 
 def _paths(results: list[Any]) -> str:
+    return ", ".join(_answers(results))
+
+
+def _answers(results: list[Any]) -> list[Any]:
+    """``_call_all``'s answers, the first replica's failure raised."""
     for e in results:
         if isinstance(e, BaseException):
             raise e
-    return ", ".join(results)
+    return results
 
 
-def _serves_images(args: EngineArgs, plugins: PluginManager, model_config: Any = None) -> bool:
-    """Whether the engine would serve the model's image inputs (a vision-language model)."""
-    if args.enable_multimodal is False:
-        return False
+def _model_config(args: EngineArgs) -> Any:
+    """The front end's view of the model (it holds none: on the CPU)."""
     import torch
 
-    mc = model_config or load_model_config(args.model_path, args.dtype, torch.device("cpu"), args.context_length,
-                                           args.served_model_name, args.json_model_override_args)
-    return mc.architecture in plugins.names("multimodal_processor")
+    return load_model_config(args.model_path, args.dtype, torch.device("cpu"), args.context_length,
+                             args.served_model_name, args.json_model_override_args)
+
+
+def _serves_images(args: EngineArgs, plugins: PluginManager, model_config: Any) -> bool:
+    """Whether the engine would serve the model's image inputs (a vision-language model)."""
+    return args.enable_multimodal is not False and model_config.architecture in plugins.names("multimodal_processor")
 
 
 def _text_here(req: Req) -> bool:
@@ -547,10 +549,10 @@ def create_engine(args: EngineArgs, plugins: PluginManager | None = None, own_pr
 
         if own_process and args.nnodes == 1:
             plugins = plugins or load_plugins(args.plugins, strict=args.strict_plugins)
-            if not _serves_images(args, plugins):
+            if not _serves_images(args, plugins, mc := _model_config(args)):
                 log.info("engine.own_process", reason="the HTTP server's Python does not share the engine's GIL",
                          disable_with="--disable-frontend-multiprocessing")
-                return DataParallelEngine(args, plugins)
+                return DataParallelEngine(args, plugins, mc)
         return AsyncEngine(args, plugins)
     if args.nnodes > 1:
         raise CoreError("--dp-size > 1 with --nnodes > 1 is not supported yet (replicas run on one machine)")

@@ -148,13 +148,11 @@ class _Replica:
         for s in specs:
             try:
                 reqs += engine.make_requests(s.prompt_ids, s.params, s.rid, s.return_logprob, s.logprob_start_len,
-                                             s.top_logprobs_num, priority=s.priority, lora_path=s.lora)
+                                             s.top_logprobs_num, priority=s.priority, lora_path=s.lora,
+                                             detokenize=s.detokenize)
             except Exception as e:  # validated by the front end already; report rather than crash
-                self._send_now(("delta", s.rid, tuple(ReqDelta([], "", [], [], None, 0, {"type": "abort", "message": str(e)}))))
-        text_here = {s.rid for s in specs if s.detokenize}
+                self._send_now(_aborted(s.rid, str(e)))
         for r in reqs:
-            if r.rid not in text_here:
-                r.detokenizer = None
             self.sent[r] = [0, 0, 0, False]
             r.watcher = self._on_update
         try:
@@ -164,7 +162,7 @@ class _Replica:
                 r.watcher = None
                 self.sent.pop(r, None)
                 self.dirty.pop(r, None)
-                self._send_now(("delta", r.rid, tuple(ReqDelta([], "", [], [], None, 0, {"type": "abort", "message": str(e)}))))
+                self._send_now(_aborted(r.rid, str(e)))
 
     async def _call(self, call_id: int, what: str, args: tuple) -> None:
         try:
@@ -246,3 +244,8 @@ class _Replica:
             self.conn.send(msg)
         except (OSError, ValueError):  # the front end is gone
             self._finish(0)
+
+
+def _aborted(rid: str, message: str) -> tuple:
+    """The delta event of a request that failed here before it ran."""
+    return "delta", rid, tuple(ReqDelta([], "", [], [], None, 0, {"type": "abort", "message": message}))
