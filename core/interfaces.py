@@ -16,10 +16,11 @@ from typing import Any, Callable, Iterable, Protocol, Sequence, runtime_checkabl
 import attrs
 import torch
 
-PLUGIN_API_VERSION = "1.8"  # 1.1: the optional CUDA-graph capture hooks of attention backends; 1.2: drafters;
+PLUGIN_API_VERSION = "1.9"  # 1.1: the optional CUDA-graph capture hooks of attention backends; 1.2: drafters;
 # 1.3: model drafters; 1.4: tree masks (ForwardBatch.tree_mask, AttentionBackend.supports_tree_mask), draft trees;
 # 1.5: HiCache storage backends (HiCacheStorage); 1.6: ForwardBatch.lora (LoRA adapters in the batch);
-# 1.7: multimodal processors, ForwardBatch.mm_rows / mm_embeds / mrope_positions; 1.8: ForwardBatch.layer_ready
+# 1.7: multimodal processors, ForwardBatch.mm_rows / mm_embeds / mrope_positions; 1.8: ForwardBatch.layer_ready;
+# 1.9: CUDA graphs of speculative verifies (AttentionBackend.supports_cuda_graph_verify)
 
 
 # --------------------------------------------------------------------------- batches
@@ -172,7 +173,14 @@ class CudaGraphBackend(Protocol):
     ``extend_lens`` are static buffers core refills before each replay; ``forward`` must read
     everything else from ``batch.attn_metadata`` as set by ``prepare_capture`` (static buffers
     of the backend, at fixed addresses), never keep per-step state beyond the call, and never
-    sync with the host. ``prepare`` is not called for a replayed step."""
+    sync with the host. ``prepare`` is not called for a replayed step.
+
+    Optional since plugin API 1.9: a class attribute ``supports_cuda_graph_verify = True`` (on a
+    backend with ``supports_tree_mask``) says ``prepare_capture`` and ``prepare_replay`` also take
+    verify batches (``batch.is_decode`` false): ``bs`` sequences of ``T`` new tokens each, under
+    ``batch.tree_mask`` (a static ``[bs, T, T]`` buffer core refills), each sequence's prefix
+    ``seq_lens - extend_lens`` long (0 at capture). A sequence's rows past its own tokens are
+    padding that writes slot 0 and sees only itself."""
 
     def init_cuda_graph(self, max_bs: int, max_len: int) -> None:
         """Once, before any capture: allocate the static metadata for batches of up to ``max_bs``

@@ -123,21 +123,37 @@ def test_a_1_0_backend_is_accepted_and_runs_without_graphs(monkeypatch, tiny):
 
 class EagerGraph:
     """Stands in for a captured CUDA graph: replay reruns the forward on the same static batch
-    (its inputs and the backend's metadata are the buffers the real graph would read)."""
+    (its inputs and the backend's metadata are the buffers the real graph would read), and
+    refills the features it leaves on the model (an EAGLE target's) as the graph's buffer."""
 
-    def __init__(self, model, fb, out) -> None:
-        self.model, self.fb, self.out = model, fb, out
+    def __init__(self, runner, fb, out, key) -> None:
+        self.runner, self.fb, self.out, self.key = runner, fb, out, key
         self.replays = 0
 
     def replay(self) -> None:
-        self.out.copy_(self.model(self.fb))
+        model = self.runner.model
+        self.out.copy_(model(self.fb))
+        if (side := self.runner._side.get(self.key)) is not None:
+            side.copy_(model.model.captured)
         self.replays += 1
 
 
 class EagerGraphRunner(CudaGraphRunner):
-    def _record(self, fb):
+    def _record(self, fb, key):
         out = self.model(fb).clone()
-        return EagerGraph(self.model, fb, out), out
+        self._keep_side(key)
+        if key in self._side:
+            self._side[key] = self._side[key].clone()  # (a buffer of its own, as the graph's)
+        return EagerGraph(self, fb, out, key), out
+
+
+def eager_graphs(eng, max_bs: int, verify_tokens: int = 0, verify_max_bs: int = 0) -> EagerGraphRunner:
+    """Put decode (and verify) graph stand-ins into ``eng``'s runner; returns them."""
+    ae = eng.engine
+    runner = EagerGraphRunner(ae.model, ae.attn_backend, max_bs, ae.table.table.shape[1], ae.device,
+                              verify_tokens=verify_tokens, verify_max_bs=verify_max_bs).capture()
+    ae.runner.graphs = runner
+    return runner
 
 
 def test_replay_path_with_padding_matches_eager_decoding(tiny):
@@ -151,9 +167,8 @@ def test_replay_path_with_padding_matches_eager_decoding(tiny):
     graphed = make_engine(path, attention_backend="triton", skip_tokenizer_init=True, device=dev, disable_cuda_graph=True)
     try:
         ae = graphed.engine
-        runner = EagerGraphRunner(ae.model, ae.attn_backend, 4, ae.table.table.shape[1], ae.device).capture()
+        runner = eager_graphs(graphed, 4)
         assert runner.sizes == [1, 2, 4]
-        ae.runner.graphs = runner
         for t in (*ae.kv_cache.k, *ae.kv_cache.v, *eager.engine.kv_cache.k, *eager.engine.kv_cache.v):
             t.zero_()  # slots never written compare equal
         assert run(graphed) == run(eager)
@@ -163,6 +178,51 @@ def test_replay_path_with_padding_matches_eager_decoding(tiny):
     finally:
         eager.shutdown()
         graphed.shutdown()
+
+
+@pytest.mark.parametrize("trees", [False, True], ids=["chains", "trees"])
+def test_verify_replays_give_plain_greedy_tokens(tiny_spec, trees):
+    """Speculative verifies through the verify graphs' replay path (triton, interpreted on a CPU):
+    each request's draft padded to T rows under the static tree mask, the padding rows writing
+    slot 0 and seeing only themselves, the real rows handed back. An oracle drafter whose drafts
+    are partly wrong (chains), or whose kept path runs through second children (trees, their KV
+    moved after the verify), gives plain decoding's tokens; the pool's accounting returns to zero."""
+    pytest.importorskip("triton")
+    from tests.test_speculative import GREEDY, PROMPTS, OracleDrafter
+    from tests.test_speculative_tree import TreeOracle
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    opts = dict(attention_backend="triton", dtype="float32", device=dev, disable_cuda_graph=True, skip_tokenizer_init=True)
+    params = [{**GREEDY, "max_new_tokens": 10}] * 3
+    plain = make_engine(tiny_spec, **opts)
+    try:
+        want = {tuple(p): o["output_ids"] for p, o in zip(PROMPTS[:3], plain.generate(input_ids=PROMPTS[:3], sampling_params=params))}
+    finally:
+        plain.shutdown()
+    t = 7
+    eng = make_engine(tiny_spec, speculative_algorithm="NGRAM", speculative_num_draft_tokens=t, **opts)
+    try:
+        spec = eng.engine.scheduler.speculator
+        spec.drafter, spec.trees = (TreeOracle(want), True) if trees else (OracleDrafter(want), False)
+        runner = eager_graphs(eng, 4, t, 4)
+        assert runner.verify_sizes == [1, 2, 4]
+        outs = eng.generate(input_ids=PROMPTS[:3], sampling_params=params)
+        assert [o["output_ids"] for o in outs] == list(want.values())
+        verifies = {bs: g.replays for (bs, kind), g in runner._graphs.items() if kind == "verify"}
+        assert verifies[4] > 0  # three requests' verifies replayed the graph of four (one padding sequence)
+        assert sum(o["meta_info"]["spec_num_correct_drafts"] for o in outs) > 0
+        eng.engine.scheduler.check_accounting()
+    finally:
+        eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tiny_spec(tmp_path_factory):
+    from tests.conftest import build_tiny_llama
+
+    path = tmp_path_factory.mktemp("tiny-graph-spec")
+    build_tiny_llama(path, seed=3)
+    return path
 
 
 # --------------------------------------------------------------------------- on a GPU
@@ -186,3 +246,67 @@ def test_greedy_tokens_equal_with_graphs_on_and_off(tiny, backend):
     finally:
         on.shutdown()
         off.shutdown()
+
+
+from tests.test_speculative_eagle import mirror  # noqa: E402,F401  (the fixture: a one-layer target and its EAGLE head)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA-graph capture needs a CUDA GPU")
+@pytest.mark.parametrize("algo", ["ngram-chain", "ngram-tree", "standalone", "eagle", "eagle-tree"])
+def test_speculative_verifies_and_drafts_replay_graphs_on_a_gpu(tiny_spec, mirror, algo):  # noqa: F811
+    """Real CUDA graphs: verifies replay the verify graphs (chains, trees), a STANDALONE draft's
+    decode steps its own graphs, an EAGLE target's graphs hand the head its features; greedy gives
+    plain decoding's tokens, and a head or draft that mirrors the target has its drafts kept."""
+    from tests.test_speculative import GREEDY, PROMPTS, OracleDrafter
+    from tests.test_speculative_tree import TreeOracle
+
+    eagle = algo.startswith("eagle")
+    target = mirror[0] if eagle else tiny_spec
+    opts = dict(attention_backend="triton", dtype="float32", device="cuda", cuda_graph_max_bs=8, skip_tokenizer_init=True)
+    params = [{**GREEDY, "max_new_tokens": 16}] * 3
+    plain = make_engine(target, **opts)
+    try:
+        want = {tuple(p): o["output_ids"] for p, o in zip(PROMPTS[:3], plain.generate(input_ids=PROMPTS[:3], sampling_params=params))}
+    finally:
+        plain.shutdown()
+    spec_opts = {"ngram-chain": dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=7),
+                 "ngram-tree": dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=9),
+                 "standalone": dict(speculative_algorithm="STANDALONE", speculative_num_steps=4,
+                                    speculative_draft_model_path=str(tiny_spec)),
+                 "eagle": dict(speculative_algorithm="EAGLE", speculative_num_steps=3, speculative_draft_model_path=str(mirror[1])),
+                 "eagle-tree": dict(speculative_algorithm="EAGLE", speculative_num_steps=3, speculative_eagle_topk=2,
+                                    speculative_draft_model_path=str(mirror[1]))}[algo]
+    eng = make_engine(target, **opts, **spec_opts)
+    try:
+        spec = eng.engine.scheduler.speculator
+        if algo == "ngram-chain":
+            spec.drafter = OracleDrafter(want)
+        elif algo == "ngram-tree":
+            spec.drafter = TreeOracle(want)
+            assert spec.trees
+        graphs = eng.engine.runner.graphs
+        assert graphs is not None and graphs.verify_sizes and graphs.verify_tokens == spec.num_draft_tokens
+        counts = {"verify": 0, "draft": 0}
+
+        def spy(replay, kind):
+            def call(batch):
+                counts[kind] += 1
+                return replay(batch)
+            return call
+
+        graphs.replay_verify = spy(graphs.replay_verify, "verify")
+        draft_graphs = getattr(getattr(spec.drafter, "draft", None), "graphs", None)
+        assert (draft_graphs is not None) == (algo == "standalone")  # (an EAGLE head runs eagerly)
+        if draft_graphs is not None:
+            draft_graphs.replay = spy(draft_graphs.replay, "draft")
+        outs = eng.generate(input_ids=PROMPTS[:3], sampling_params=params)
+        assert [o["output_ids"] for o in outs] == list(want.values())
+        assert counts["verify"] > 0 and (counts["draft"] > 0) == (algo == "standalone")
+        m = [o["meta_info"] for o in outs]
+        kept, proposed = sum(x["spec_num_correct_drafts"] for x in m), sum(x["spec_num_proposed_drafts"] for x in m)
+        share = {"ngram-chain": 0.1, "ngram-tree": 0.4, "standalone": 0.6, "eagle": 0.6, "eagle-tree": 0.3}[algo]
+        assert kept >= share * proposed > 0  # (the oracles' wrong tokens; a tree keeps one branch of two)
+        eng.engine.scheduler.check_accounting()
+    finally:
+        eng.shutdown()

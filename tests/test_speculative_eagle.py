@@ -8,6 +8,7 @@ back at zero; bad heads are start-up errors."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +16,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from core.errors import CoreError, ModelLoadError
-from tests.conftest import TINY_BASE, build_tiny_llama, make_engine
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # (the -graphs cases) before any kernel module is imported
+
+from core.errors import CoreError, ModelLoadError  # noqa: E402
+from tests.conftest import TINY_BASE, build_tiny_llama, make_engine  # noqa: E402
 
 PROMPTS = [[5 + (i * 7 + j) % 13 for j in range(30 + 5 * i)] for i in range(4)]
 GREEDY = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
@@ -139,22 +143,31 @@ def test_random_heads_give_plain_greedy_tokens(deep, algo, variant):
         assert engine.scheduler.num_retracted > 0
 
 
-@pytest.mark.parametrize("algo", ["EAGLE3", "EAGLE", "EAGLE3-tree"])
+@pytest.mark.parametrize("algo", ["EAGLE3", "EAGLE", "EAGLE3-tree", "EAGLE3-graphs", "EAGLE-tree-graphs"])
 def test_the_head_is_handed_the_targets_features_and_the_next_tokens(deep, algo):
     """Every observation's features are transformers' hidden states of the final sequence at its
     positions (EAGLE-3: the inputs of layers 1, 2, 3 side by side; EAGLE: the final normed ones), and
     its next ids are that sequence's tokens one position on: across chunked prefills, verifies that
-    keep some drafts, and plain decodes."""
+    keep some drafts, and plain decodes. ``-graphs``: the target's decodes and verifies replay CUDA
+    graphs (their stand-ins on a CPU, the triton kernels interpreted), whose features are the
+    graphs' static buffers, cut to the batch's rows."""
     from transformers import AutoModelForCausalLM
 
     target, eagle3, eagle = deep
     seen: list[tuple[int, list[int], torch.Tensor]] = []
-    tree = algo.endswith("-tree")
-    algo = algo.removesuffix("-tree")
+    graphs = algo.endswith("-graphs")
+    tree = "-tree" in algo
+    algo = algo.split("-")[0]
+    opts = dict(attention_backend="triton", disable_cuda_graph=True) if graphs else {}
     eng = make_engine(target, dtype="float32", device="cpu", chunked_prefill_size=16, speculative_algorithm=algo,
                       speculative_num_steps=3, speculative_eagle_topk=3 if tree else 1,
-                      speculative_draft_model_path=str(eagle3 if algo == "EAGLE3" else eagle))
+                      speculative_draft_model_path=str(eagle3 if algo == "EAGLE3" else eagle), **opts)
     try:
+        if graphs:
+            from tests.test_cuda_graph import eager_graphs
+
+            t = eng.engine.scheduler.speculator.num_draft_tokens
+            runner = eager_graphs(eng, 2, t, 2)
         drafter = eng.engine.scheduler.speculator.drafter
         observe = drafter.observe
 
@@ -164,6 +177,8 @@ def test_the_head_is_handed_the_targets_features_and_the_next_tokens(deep, algo)
 
         drafter.observe = spy
         outs = eng.generate(input_ids=PROMPTS[:2], sampling_params=[{**GREEDY, "max_new_tokens": 12}] * 2)
+        if graphs:  # decodes and verifies both replayed
+            assert {kind for (_, kind), g in runner._graphs.items() if g.replays} == {False, "verify"}
     finally:
         eng.shutdown()
     hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()

@@ -516,16 +516,20 @@ class AsyncEngine(RequestFrontEnd):
         return self.fatal_error is None
 
     def _capture_cuda_graphs(self) -> CudaGraphRunner | None:
-        """Decode CUDA graphs for this model and backend, or None (eager) with the reason logged."""
+        """Decode (and verify) CUDA graphs for this model and backend, or None (eager), the reason logged."""
         args = self.args
         why = why_no_cuda_graph(self.device, self.attn_backend, self.attention_backend_name, args.disable_cuda_graph,
-                                self.tp_group is not None, getattr(self.scheduler.speculator, "features", None) is not None)
+                                self.tp_group is not None)
         if why is not None:
             log.info("cuda_graph.off", reason=why)
             return None
         max_bs = min(args.cuda_graph_max_bs or DEFAULT_MAX_BS, self.scheduler.max_running)
+        spec = self.scheduler.speculator  # verifies too, where the backend captures tree-masked extends
+        t = spec.num_draft_tokens if spec is not None and spec.trees and getattr(
+            self.attn_backend, "supports_cuda_graph_verify", False) else 0
         try:
-            return CudaGraphRunner(self.model, self.attn_backend, max_bs, self.table.table.shape[1], self.device, self.lora).capture()
+            return CudaGraphRunner(self.model, self.attn_backend, max_bs, self.table.table.shape[1], self.device,
+                                   self.lora, t, spec.token_budget // t if t else 0).capture()
         except Exception as e:  # e.g. a model that syncs with the host in its forward: run it eagerly
             log.warning("cuda_graph.capture_failed", error=f"{type(e).__name__}: {e}", exc_info=True)
             return None

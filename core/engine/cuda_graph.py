@@ -12,6 +12,17 @@ The attention backend takes part through the capture hooks of plugin API 1.1
 ``prepare_capture`` points a captured batch at it, ``prepare_replay`` refills it in place before
 each replay. A backend without them (plugin API 1.0) runs eagerly, as does everything on a CPU,
 prefill and mixed batches, and batches above the largest captured size.
+
+With speculative decoding, verifies are captured too (plugin API 1.9, a backend whose class says
+``supports_cuda_graph_verify``): a verify graph of ``bs`` sequences holds ``T`` new tokens each
+(``--speculative-num-draft-tokens``) under a tree mask, so one graph serves chains and trees of
+any shape up to ``T``. A request's rows past its own draft are padding (token 0 at position 0,
+writing slot 0, seeing only themselves), its real rows never see them, and the replay hands back
+the real rows only. Any extend whose sequences each hold at most ``T`` new tokens can replay it
+(a short prompt chunk too): the tree mask of a chain is causal.
+
+Tensors the forward leaves on the model (an EAGLE target's ``captured`` features) are static
+outputs as well: after a replay they point at the graph's buffers, cut to the batch's rows.
 """
 
 from __future__ import annotations
@@ -20,6 +31,7 @@ import bisect
 import contextlib
 from typing import Any
 
+import numpy as np
 import structlog
 import torch
 
@@ -42,7 +54,7 @@ def capture_sizes(max_bs: int) -> list[int]:
 
 
 def why_no_cuda_graph(device: torch.device, backend: Any, backend_name: str, disabled: bool,
-                      tensor_parallel: bool = False, draft_features: bool = False) -> str | None:
+                      tensor_parallel: bool = False) -> str | None:
     """Why decode steps run without CUDA graphs here, or None when they can be captured."""
     if disabled:
         return "--disable-cuda-graph"
@@ -53,16 +65,15 @@ def why_no_cuda_graph(device: torch.device, backend: Any, backend_name: str, dis
                 "(init_cuda_graph, prepare_capture, prepare_replay)")
     if tensor_parallel:
         return "tensor parallelism runs every rank eagerly"
-    if draft_features:
-        return "an EAGLE draft head reads the target's hidden states of every step, which replayed graphs do not keep"
     return None
 
 
 class CudaGraphRunner:
-    """Captured decode forwards of one model over one attention backend, by batch size."""
+    """Captured decode forwards of one model over one attention backend, by batch size; with
+    ``verify_tokens`` (T), captured verifies of up to ``verify_max_bs`` sequences of T tokens."""
 
     def __init__(self, model: torch.nn.Module, attn_backend: Any, max_bs: int, max_len: int,
-                 device: torch.device, lora: Any = None) -> None:
+                 device: torch.device, lora: Any = None, verify_tokens: int = 0, verify_max_bs: int = 0) -> None:
         self.model, self.backend, self.device = model, attn_backend, device
         self.sizes = capture_sizes(max_bs)
         # with LoRA (core.engine.lora.LoRAServing), the pool whose kernels the graphs hold (triton backend):
@@ -74,10 +85,21 @@ class CudaGraphRunner:
         self._pad = torch.zeros(4, self.max_bs, dtype=torch.int64, device=device)
         self._pad[3] = 1  # a padding row holds one key (slot 0)
         self._ones = torch.ones(self.max_bs, dtype=torch.int64, device=device)
-        self._graphs: dict[tuple[int, bool], Any] = {}  # (bs, with the LoRA kernels) -> torch.cuda.CUDAGraph
-        self._outputs: dict[tuple[int, bool], torch.Tensor] = {}
+        self._graphs: dict[tuple[int, Any], Any] = {}  # (bs, with the LoRA kernels or "verify") -> torch.cuda.CUDAGraph
+        self._outputs: dict[tuple[int, Any], torch.Tensor] = {}
+        self._side: dict[Any, torch.Tensor] = {}  # graph key -> the features it leaves on the model (EAGLE)
         self._pool: Any = None  # one memory pool for every captured size
         self._stream: Any = None
+        # verifies: T tokens per sequence; static token rows (ids, positions, slots), per-sequence
+        # KV lengths (prefix + T) and the [bs, T, T] tree mask
+        self.verify_tokens = t = verify_tokens
+        self.verify_sizes = capture_sizes(min(verify_max_bs, self.max_bs)) if t > 1 and verify_max_bs > 0 else []
+        vmax = self.verify_sizes[-1] if self.verify_sizes else 0
+        self._vtok = torch.zeros(3, vmax * t, dtype=torch.int64, device=device)
+        self._vseq = torch.full((vmax,), t, dtype=torch.int64, device=device)
+        self._vext = torch.full((vmax,), t, dtype=torch.int64, device=device)
+        self._vmask = torch.zeros(vmax, t, t, dtype=torch.bool, device=device)
+        self._veye = torch.eye(t, dtype=torch.bool, device=device).repeat(vmax, 1).view(-1) if vmax else None
         attn_backend.init_cuda_graph(self.max_bs, max_len)
 
     def _static_batch(self, bs: int, kv_indices: torch.Tensor, seq_lens_cpu: list[int]) -> ForwardBatch:
@@ -86,6 +108,13 @@ class CudaGraphRunner:
                             kv_indices=kv_indices, seq_lens_cpu=seq_lens_cpu, extend_lens_cpu=[1] * bs,
                             attn_backend=self.backend)
 
+    def _verify_batch(self, bs: int, kv_indices: torch.Tensor, seq_lens_cpu: list[int]) -> ForwardBatch:
+        t = self.verify_tokens
+        ids, pos, loc = self._vtok[:, : bs * t]
+        return ForwardBatch(input_ids=ids, positions=pos, out_cache_loc=loc, seq_lens=self._vseq[:bs],
+                            extend_lens=self._vext[:bs], kv_indices=kv_indices, seq_lens_cpu=seq_lens_cpu,
+                            extend_lens_cpu=[t] * bs, attn_backend=self.backend, tree_mask=self._vmask[:bs])
+
     @torch.inference_mode()
     def capture(self) -> CudaGraphRunner:
         """Capture every size, largest first (the smaller ones reuse its memory); returns self."""
@@ -93,14 +122,21 @@ class CudaGraphRunner:
             self._inputs.copy_(self._pad)
             fb = self._static_batch(bs, torch.zeros(bs, 1, dtype=torch.int64, device=self.device), [1] * bs)
             self.backend.prepare_capture(bs, fb)
-            self._graphs[bs, False], self._outputs[bs, False] = self._record(fb)
+            self._graphs[bs, False], self._outputs[bs, False] = self._record(fb, (bs, False))
             if self.lora is not None:  # a second graph with the LoRA kernels: batches without adapters skip them
                 with self.lora.capturing(bs):
-                    self._graphs[bs, True], self._outputs[bs, True] = self._record(fb)
-        log.info("cuda_graph.captured", sizes=self.sizes)
+                    self._graphs[bs, True], self._outputs[bs, True] = self._record(fb, (bs, True))
+        t = self.verify_tokens
+        if self._veye is not None:
+            self._vmask.view(-1).copy_(self._veye)
+        for bs in reversed(self.verify_sizes):  # (each sequence T new tokens, no prefix, seeing themselves)
+            fb = self._verify_batch(bs, torch.zeros(bs, t, dtype=torch.int64, device=self.device), [t] * bs)
+            self.backend.prepare_capture(bs, fb)
+            self._graphs[bs, "verify"], self._outputs[bs, "verify"] = self._record(fb, (bs, "verify"))
+        log.info("cuda_graph.captured", sizes=self.sizes, verify_sizes=self.verify_sizes, verify_tokens=t)
         return self
 
-    def _record(self, fb: ForwardBatch) -> tuple[Any, torch.Tensor]:
+    def _record(self, fb: ForwardBatch, key: Any) -> tuple[Any, torch.Tensor]:
         """(graph, its static output) of the model's forward over the static batch ``fb``."""
         if self._pool is None:
             self._pool, self._stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(self.device)
@@ -113,8 +149,21 @@ class CudaGraphRunner:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool, stream=stream):
             out = self.model(fb)
+            self._keep_side(key)
         torch.cuda.synchronize(self.device)
         return graph, out
+
+    def _keep_side(self, key: Any) -> None:
+        """Keep the features the forward just left on the model (``LlamaModel.captured``) as this
+        graph's static output."""
+        inner = getattr(self.model, "model", None)
+        if getattr(inner, "capture_layers", ()) and isinstance(side := inner.__dict__.get("captured"), torch.Tensor):
+            self._side[key] = side
+
+    def _put_side(self, key: Any, rows: Any) -> None:
+        """Point the model's features at the graph ``key``'s, cut to ``rows`` (a count or an index)."""
+        if (side := self._side.get(key)) is not None:
+            self.model.model.captured = side[:rows] if isinstance(rows, int) else side.index_select(0, rows)
 
     def can_run(self, batch: ForwardBatch) -> bool:
         """A pure decode batch no larger than the largest captured size, without image rows or an
@@ -122,10 +171,19 @@ class CudaGraphRunner:
         return (0 < batch.batch_size <= self.max_bs and batch.is_decode and batch.mm_rows is None
                 and batch.mrope_positions is None)
 
+    def can_verify(self, batch: ForwardBatch) -> bool:
+        """An extend (a verify, or a short chunk) a verify graph holds: at most ``verify_tokens`` new
+        tokens per sequence, no more sequences than the largest verify size, no LoRA or images."""
+        return (bool(self.verify_sizes) and 0 < batch.batch_size <= self.verify_sizes[-1] and not batch.lora
+                and batch.mm_rows is None and batch.mrope_positions is None
+                and max(batch.extend_lens_cpu) <= self.verify_tokens)
+
     def replay(self, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states ``[n, hidden]`` of a decode batch of ``n`` sequences, from the graph of the
-        smallest captured size that holds it. The result is a view of a static buffer: valid
-        until the next replay."""
+        smallest captured size that holds it (or, for an extend, ``replay_verify``). The result is a
+        view of a static buffer: valid until the next replay."""
+        if not batch.is_decode:
+            return self.replay_verify(batch)
         n = batch.batch_size
         bs = self.sizes[bisect.bisect_left(self.sizes, n)]
         self._inputs[:, :n].copy_(torch.stack((batch.input_ids, batch.positions, batch.out_cache_loc, batch.seq_lens)))
@@ -138,4 +196,40 @@ class CudaGraphRunner:
         if key[1]:
             self.lora.graph_segments(n, bs)
         self._graphs[key].replay()
+        self._put_side(key, n)
         return self._outputs[key][:n]
+
+    def replay_verify(self, batch: ForwardBatch) -> torch.Tensor:
+        """Hidden states of an extend's ``sum(extend_lens)`` new tokens, in order, from the verify
+        graph of the smallest size that holds its sequences (a new tensor: its rows gathered)."""
+        n, t, ext = batch.batch_size, self.verify_tokens, batch.extend_lens_cpu
+        bs = self.verify_sizes[bisect.bisect_left(self.verify_sizes, n)]
+        rows, cells, causal = self._layout(ext)
+        self._vtok[:, : bs * t].zero_()  # padding rows: token 0 at position 0, writing slot 0
+        self._vtok[:, rows] = torch.stack((batch.input_ids, batch.positions, batch.out_cache_loc))
+        self._vseq[:n] = batch.seq_lens - batch.extend_lens + t
+        self._vseq[n:bs] = t
+        mask = self._vmask.view(-1)[: bs * t * t]
+        mask.copy_(self._veye[: bs * t * t])  # every row sees itself; a sequence's real rows as it says
+        mask[cells] = batch.tree_mask if batch.tree_mask is not None else causal
+        kv = batch.kv_indices if bs == n else torch.nn.functional.pad(batch.kv_indices, (0, 0, 0, bs - n))
+        seq_cpu = [s - e + t for s, e in zip(batch.seq_lens_cpu, ext)] + [t] * (bs - n)
+        self.backend.prepare_replay(bs, self._verify_batch(bs, kv, seq_cpu))
+        self._graphs[bs, "verify"].replay()
+        self._put_side((bs, "verify"), rows)
+        return self._outputs[bs, "verify"].index_select(0, rows)
+
+    def _layout(self, ext: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For sequences of ``ext`` new tokens in a verify graph (T rows each): their real rows, the
+        cells of their [e, e] blocks in the flat [bs, T, T] mask (row-major, back to back, as
+        ``ForwardBatch.tree_mask``) and a causal mask's values there; one upload."""
+        t, e = self.verify_tokens, np.asarray(ext, dtype=np.int64)
+        n, total, sq = len(e), int(e.sum()), e * e
+        rows = np.repeat(np.arange(n) * t, e) + np.arange(total) - np.repeat(np.cumsum(e) - e, e)
+        k = np.arange(int(sq.sum())) - np.repeat(np.cumsum(sq) - sq, sq)
+        e_at = np.repeat(e, sq)
+        a, b = k // e_at, k % e_at
+        cells = np.repeat(np.arange(n) * t * t, sq) + a * t + b
+        host = torch.from_numpy(np.concatenate((rows, cells, b <= a)))
+        packed = host.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else host
+        return packed[:total], packed[total : total + len(cells)], packed[total + len(cells) :].bool()

@@ -61,8 +61,8 @@ def forward_step(model: torch.nn.Module, attn_backend, inputs: StepInputs, devic
     else None). The same on every tensor-parallel rank (their collectives pair up).
 
     A CPU model's ``decode_step`` (``CausalLM``) may take the whole step from the lists. Otherwise
-    the model runs on ``forward_batch(inputs)``, or a decode step that ``graphs`` captured replays
-    its CUDA graph instead of the eager forward. ``inputs.kv_moves`` are copied in ``kv`` first."""
+    the model runs on ``forward_batch(inputs)``, or a decode step (or verify) that ``graphs``
+    captured replays its CUDA graph instead of the eager forward. ``inputs.kv_moves`` are copied in ``kv`` first."""
     if inputs.kv_moves is not None and kv is not None:
         move_kv(kv, *inputs.kv_moves)
     if (device.type == "cpu" and inputs.future_tokens is None and (not inputs.lora or getattr(model, "decode_lora", False))  # (adapters: where it adds them)
@@ -70,7 +70,8 @@ def forward_step(model: torch.nn.Module, attn_backend, inputs: StepInputs, devic
         if (out := fast(inputs, attn_backend)) is not None:
             return out[0], [out[1]], out[2]
     fb = forward_batch(inputs, attn_backend, device)
-    if graphs is not None and (not inputs.lora or graphs.lora is not None) and graphs.can_run(fb):
+    if graphs is not None and (((not inputs.lora or graphs.lora is not None) and graphs.can_run(fb))
+                               or graphs.can_verify(fb)):
         if inputs.kv_loads is not None:
             inputs.kv_loads.wait_all()
         hidden = graphs.replay(fb)

@@ -10,7 +10,9 @@ when the backend is built, so importing this plugin costs nothing on machines th
 
 Decode steps can be captured in CUDA graphs (plugin API 1.1 hooks): the captured kernels read
 ``kv_indptr`` / ``kv_indices`` from static buffers that ``prepare_replay`` refills before each
-replay, and each captured size keeps the KV split count it was captured with.
+replay, and each captured size keeps the KV split count it was captured with. Speculative
+verifies too (plugin API 1.9): every sequence ``T`` new tokens under the static tree mask, the
+prefix's ``kv_indptr`` / ``kv_indices`` refilled the same way.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ def _require_triton(device: torch.device) -> None:
 class TritonBackend:
     supports_cuda_graph = True  # the decode path captures (read by the conformance kit)
     supports_tree_mask = True  # plugin API 1.4: the extend kernel reads ForwardBatch.tree_mask
+    supports_cuda_graph_verify = True  # plugin API 1.9: verifies (T tokens a sequence, a tree mask) capture too
 
     def __init__(self, config: AttentionConfig) -> None:
         _require_triton(config.device)
@@ -92,8 +95,17 @@ class TritonBackend:
         self._g_indices = torch.zeros(max_bs * max_len, dtype=torch.int32, device=dev)  # slot 0 until refilled
         self._g_rows = torch.arange(max_bs, device=dev)
         self._g_splits: dict[int, int] = {}
+        self._g_verify: tuple[torch.Tensor, torch.Tensor] | None = None  # (qo_indptr, tree offsets), for T tokens
 
     def prepare_capture(self, bs: int, batch: ForwardBatch) -> None:
+        if not batch.is_decode:  # a verify: T new tokens a sequence, no prefix at capture
+            t = batch.extend_lens_cpu[0]
+            if self._g_verify is None:  # (the largest size first)
+                ar = torch.arange(bs + 1, dtype=torch.int32, device=self.config.device)
+                self._g_verify = (ar * t, ar[:bs] * t * t)
+            self._g_indptr[: bs + 1].zero_()
+            batch.attn_metadata = self._verify_metadata(bs, batch, t)
+            return
         c = self.config
         # fixed for every replay of this size: enough splits for the longest sequence it may see
         splits = self._decode.num_kv_splits_for(bs, c.num_kv_heads, c.num_heads // c.num_kv_heads, self._g_max_len,
@@ -103,11 +115,19 @@ class TritonBackend:
         batch.attn_metadata = _Metadata(self._g_indptr[: bs + 1], self._g_indices, None, 1, splits)
 
     def prepare_replay(self, bs: int, batch: ForwardBatch) -> None:
-        total = sum(batch.seq_lens_cpu)
-        indptr, indices = self._indices(batch.kv_indices, self._g_rows[:bs], batch.seq_lens, total)
+        verify = not batch.is_decode
+        total = sum(batch.seq_lens_cpu) - (sum(batch.extend_lens_cpu) if verify else 0)
+        lens = batch.seq_lens - batch.extend_lens if verify else batch.seq_lens
+        indptr, indices = self._indices(batch.kv_indices, self._g_rows[:bs], lens, total)
         self._g_indptr[: bs + 1].copy_(indptr)
         self._g_indices[:total].copy_(indices[:total])
-        batch.attn_metadata = _Metadata(self._g_indptr[: bs + 1], self._g_indices, None, 1, self._g_splits[bs])
+        batch.attn_metadata = (self._verify_metadata(bs, batch, batch.extend_lens_cpu[0]) if verify else
+                               _Metadata(self._g_indptr[: bs + 1], self._g_indices, None, 1, self._g_splits[bs]))
+
+    def _verify_metadata(self, bs: int, batch: ForwardBatch, t: int) -> _Metadata:
+        qo, offsets = self._g_verify
+        return _Metadata(self._g_indptr[: bs + 1], self._g_indices, qo[: bs + 1], t, 1,
+                         (batch.tree_mask.reshape(-1), offsets[:bs]))
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: AttentionLayerSpec, batch: ForwardBatch

@@ -7,16 +7,21 @@ request's pages (its own, or a cached prefix it shares) hold its draft KV beside
 shared prefix's draft KV may have been written by another request or not at all, so a drafter
 tracks per request which positions it computed itself (``DraftRequest.state``) and recomputes the
 rest: the same tokens at the same positions write the same values.
+
+On CUDA a draft model's decode steps replay CUDA graphs of their own (``CudaGraphRunner``), as the
+target's do; an EAGLE head, whose forward also reads the target's features, runs eagerly.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable, Sequence
 
 import attrs
 import structlog
 import torch
 
+from core.engine.cuda_graph import DEFAULT_MAX_BS, CudaGraphRunner, why_no_cuda_graph
 from core.engine.mem_cache.kv_cache import allocate_kv_cache
 from core.engine.model_loader.loader import load_model_config
 from core.engine.model_loader.model_build import build_model
@@ -35,6 +40,7 @@ class EngineDraftModel:
     hf_config: Any
     backend: Any
     device: torch.device
+    graphs: CudaGraphRunner | None = None  # its decode steps' CUDA graphs, where captured
 
     @torch.inference_mode()
     def run(self, seqs: Sequence[DraftSeq], features: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,7 +56,7 @@ class EngineDraftModel:
                             torch.cat([s.slots[s.start:n] for s, n in zip(seqs, ends)]).tolist(), ends,
                             [len(s.tokens) for s in seqs], kv_indices, [rows])
         if features is None:
-            hidden, logits, _ = forward_step(self.model, self.backend, inputs, self.device)
+            hidden, logits, _ = forward_step(self.model, self.backend, inputs, self.device, self.graphs)
             return hidden, logits[0]
         fb = forward_batch(inputs, self.backend, self.device)
         self.backend.prepare(fb)
@@ -158,4 +164,20 @@ class EngineDraftContext:
             AttentionConfig(cfg.num_hidden_layers, heads, kv_heads, head_dim, mc.dtype, self.device, kv))
         log.info("speculative.draft_model", path=path, architecture=mc.architecture, layers=cfg.num_hidden_layers,
                  kv_slots=self.num_pages * self.page_size)
-        return EngineDraftModel(model, cfg, backend, self.device)
+        return EngineDraftModel(model, cfg, backend, self.device, self._graphs(model, backend))
+
+    def _graphs(self, model: torch.nn.Module, backend: Any) -> CudaGraphRunner | None:
+        """Decode CUDA graphs of a draft model where the target's would be captured, or None."""
+        a = self.args
+        why = why_no_cuda_graph(self.device, backend, self.backend_name, a.disable_cuda_graph, a.tp_size > 1)
+        if why is None and "features" in inspect.signature(model.forward).parameters:
+            why = "an EAGLE head's forward reads the target's features"
+        if why is not None:
+            log.info("speculative.draft_cuda_graph_off", reason=why)
+            return None
+        max_bs = min(a.cuda_graph_max_bs or DEFAULT_MAX_BS, a.max_running_requests or DEFAULT_MAX_BS)
+        try:
+            return CudaGraphRunner(model, backend, max_bs, self.target_config.context_len, self.device).capture()
+        except Exception as e:  # (as the target's: a model that syncs with the host runs eagerly)
+            log.warning("speculative.draft_cuda_graph_failed", error=f"{type(e).__name__}: {e}", exc_info=True)
+            return None
