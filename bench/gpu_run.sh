@@ -106,6 +106,11 @@ case $mode in
     timeout 60 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_lora_engine.py 2>&1 | tee -a "$OUT/gpu_tests.log" | tail -4
     timeout 100 python3 bench/bench_lora.py --model-path bench/shapes/llama-3.1-8b --load-format dummy --streams 64 \
       --adapters 16 --repeats 2 2>&1 | grep -v -i warn | tee -a "$OUT/lora.log" ;;
+  spec)  # issue 43's CUDA graphs of verifies and drafts: their tests on CUDA, NGRAM at 8B shapes batch 1 (~4 min)
+    timeout 150 python3 -m pytest -q -p no:cacheprovider --timeout 120 -rfE tests/test_cuda_graph.py \
+      -m "gpu or not gpu" 2>&1 | tee -a "$OUT/gpu_tests.log" | tail -12
+    timeout 150 python3 bench/bench_speculative.py --model-path bench/shapes/llama-3.1-8b --repeats 2 2>&1 \
+      | grep -v -i warn | tee -a "$OUT/spec.log" ;;
   serve)  # core serve on dummy weights + core bench serving: issue 42's HTTP workload (400 prompts, all at once)
     port=30123
     python3 -m core.cli serve --model-path "$1" --load-format dummy --skip-tokenizer-init --port $port \

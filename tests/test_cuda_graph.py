@@ -24,6 +24,7 @@ from core.interfaces import cuda_graph_capable  # noqa: E402
 from core.plugins import api_compatible  # noqa: E402
 from core_plugins.attention.torch_native import TorchNativeBackend  # noqa: E402
 from tests.conftest import greedy, make_engine  # noqa: E402
+from tests.test_speculative_eagle import mirror  # noqa: E402,F401  (the fixture: a one-layer target and its EAGLE head)
 
 PROMPTS = [[1, 5, 6, 7, 8], [1, 9], [1, 3, 4, 20, 30, 40, 50], [1, 11, 12]]
 LENGTHS = [9, 3, 6, 2]  # decode steps of 4, 3, 2, 2, 2, 1, 1, 1 sequences as requests finish
@@ -180,30 +181,37 @@ def test_replay_path_with_padding_matches_eager_decoding(tiny):
         graphed.shutdown()
 
 
-@pytest.mark.parametrize("trees", [False, True], ids=["chains", "trees"])
-def test_verify_replays_give_plain_greedy_tokens(tiny_spec, trees):
+@pytest.mark.parametrize("kind", ["chains", "trees", "eagle"])
+def test_verify_replays_give_plain_greedy_tokens(tiny_spec, mirror, kind):  # noqa: F811
     """Speculative verifies through the verify graphs' replay path (triton, interpreted on a CPU):
     each request's draft padded to T rows under the static tree mask, the padding rows writing
     slot 0 and seeing only themselves, the real rows handed back. An oracle drafter whose drafts
     are partly wrong (chains), or whose kept path runs through second children (trees, their KV
-    moved after the verify), gives plain decoding's tokens; the pool's accounting returns to zero."""
+    moved after the verify), gives plain decoding's tokens; the pool's accounting returns to zero.
+    ``eagle``: the mirror target, whose token 0 embeds as NaN (a zero row normalised), with its
+    EAGLE head: verifies shorter than T near ``max_new_tokens`` pad their rows with a real token,
+    since a masked key still meets its value as 0 x V."""
     pytest.importorskip("triton")
     from tests.test_speculative import GREEDY, PROMPTS, OracleDrafter
     from tests.test_speculative_tree import TreeOracle
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
+    target = mirror[0] if kind == "eagle" else tiny_spec
     opts = dict(attention_backend="triton", dtype="float32", device=dev, disable_cuda_graph=True, skip_tokenizer_init=True)
     params = [{**GREEDY, "max_new_tokens": 10}] * 3
-    plain = make_engine(tiny_spec, **opts)
+    plain = make_engine(target, **opts)
     try:
         want = {tuple(p): o["output_ids"] for p, o in zip(PROMPTS[:3], plain.generate(input_ids=PROMPTS[:3], sampling_params=params))}
     finally:
         plain.shutdown()
-    t = 7
-    eng = make_engine(tiny_spec, speculative_algorithm="NGRAM", speculative_num_draft_tokens=t, **opts)
+    spec_opts = (dict(speculative_algorithm="EAGLE", speculative_num_steps=3, speculative_draft_model_path=str(mirror[1]))
+                 if kind == "eagle" else dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=7))
+    eng = make_engine(target, **spec_opts, **opts)
     try:
         spec = eng.engine.scheduler.speculator
-        spec.drafter, spec.trees = (TreeOracle(want), True) if trees else (OracleDrafter(want), False)
+        if kind != "eagle":
+            spec.drafter, spec.trees = (TreeOracle(want), True) if kind == "trees" else (OracleDrafter(want), False)
+        t = spec.num_draft_tokens
         runner = eager_graphs(eng, 4, t, 4)
         assert runner.verify_sizes == [1, 2, 4]
         outs = eng.generate(input_ids=PROMPTS[:3], sampling_params=params)
@@ -247,8 +255,6 @@ def test_greedy_tokens_equal_with_graphs_on_and_off(tiny, backend):
         on.shutdown()
         off.shutdown()
 
-
-from tests.test_speculative_eagle import mirror  # noqa: E402,F401  (the fixture: a one-layer target and its EAGLE head)
 
 
 @pytest.mark.gpu

@@ -16,7 +16,7 @@ prefill and mixed batches, and batches above the largest captured size.
 With speculative decoding, verifies are captured too (plugin API 1.9, a backend whose class says
 ``supports_cuda_graph_verify``): a verify graph of ``bs`` sequences holds ``T`` new tokens each
 (``--speculative-num-draft-tokens``) under a tree mask, so one graph serves chains and trees of
-any shape up to ``T``. A request's rows past its own draft are padding (token 0 at position 0,
+any shape up to ``T``. A request's rows past its own draft are padding (its last token again,
 writing slot 0, seeing only themselves), its real rows never see them, and the replay hands back
 the real rows only. Any extend whose sequences each hold at most ``T`` new tokens can replay it
 (a short prompt chunk too): the tree mask of a chain is causal.
@@ -204,14 +204,16 @@ class CudaGraphRunner:
         graph of the smallest size that holds its sequences (a new tensor: its rows gathered)."""
         n, t, ext = batch.batch_size, self.verify_tokens, batch.extend_lens_cpu
         bs = self.verify_sizes[bisect.bisect_left(self.verify_sizes, n)]
-        rows, cells, causal = self._layout(ext)
-        self._vtok[:, : bs * t].zero_()  # padding rows: token 0 at position 0, writing slot 0
-        self._vtok[:, rows] = torch.stack((batch.input_ids, batch.positions, batch.out_cache_loc))
+        rows, src, keep, cells, causal = self._layout(ext)
+        self._vtok[:, n * t : bs * t].zero_()  # padding sequences: token 0 at position 0, writing slot 0
+        tok = torch.stack((batch.input_ids, batch.positions, batch.out_cache_loc))
+        self._vtok[:, : n * t] = tok[:, src]  # a sequence's padding rows repeat its last token, writing slot 0
+        self._vtok[2, : n * t] *= keep
         self._vseq[:n] = batch.seq_lens - batch.extend_lens + t
         self._vseq[n:bs] = t
         mask = self._vmask.view(-1)[: bs * t * t]
         mask.copy_(self._veye[: bs * t * t])  # every row sees itself; a sequence's real rows as it says
-        mask[cells] = batch.tree_mask if batch.tree_mask is not None else causal
+        mask[cells] = batch.tree_mask if batch.tree_mask is not None else causal.bool()
         kv = batch.kv_indices if bs == n else torch.nn.functional.pad(batch.kv_indices, (0, 0, 0, bs - n))
         seq_cpu = [s - e + t for s, e in zip(batch.seq_lens_cpu, ext)] + [t] * (bs - n)
         self.backend.prepare_replay(bs, self._verify_batch(bs, kv, seq_cpu))
@@ -219,17 +221,24 @@ class CudaGraphRunner:
         self._put_side((bs, "verify"), rows)
         return self._outputs[bs, "verify"].index_select(0, rows)
 
-    def _layout(self, ext: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """For sequences of ``ext`` new tokens in a verify graph (T rows each): their real rows, the
-        cells of their [e, e] blocks in the flat [bs, T, T] mask (row-major, back to back, as
-        ``ForwardBatch.tree_mask``) and a causal mask's values there; one upload."""
+    def _layout(self, ext: list[int]) -> tuple[torch.Tensor, ...]:
+        """For sequences of ``ext`` new tokens in a verify graph (T rows each): their real rows;
+        per row of the first ``len(ext)`` sequences, the token it holds (a padding row: its
+        sequence's last, so that its K/V are as finite as the real rows', which see them through
+        a zero weight) and whether it writes its slot; the cells of their [e, e] blocks in the
+        flat [bs, T, T] mask (row-major, back to back, as ``ForwardBatch.tree_mask``) and a causal
+        mask's values there. One upload."""
         t, e = self.verify_tokens, np.asarray(ext, dtype=np.int64)
         n, total, sq = len(e), int(e.sum()), e * e
-        rows = np.repeat(np.arange(n) * t, e) + np.arange(total) - np.repeat(np.cumsum(e) - e, e)
+        starts = np.cumsum(e) - e
+        rows = np.repeat(np.arange(n) * t, e) + np.arange(total) - np.repeat(starts, e)
+        j = np.tile(np.arange(t), n)
+        src = np.repeat(starts, t) + np.minimum(j, np.repeat(e, t) - 1)
+        keep = j < np.repeat(e, t)
         k = np.arange(int(sq.sum())) - np.repeat(np.cumsum(sq) - sq, sq)
         e_at = np.repeat(e, sq)
         a, b = k // e_at, k % e_at
         cells = np.repeat(np.arange(n) * t * t, sq) + a * t + b
-        host = torch.from_numpy(np.concatenate((rows, cells, b <= a)))
+        host = torch.from_numpy(np.concatenate((rows, src, keep, cells, b <= a)))
         packed = host.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else host
-        return packed[:total], packed[total : total + len(cells)], packed[total + len(cells) :].bool()
+        return tuple(packed.split([total, n * t, n * t, len(cells), len(cells)]))
