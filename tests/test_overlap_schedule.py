@@ -142,6 +142,47 @@ def test_logprob_requests_overlap_and_keep_their_logprobs(tiny):
     assert reasons.count("") >= 8 and set(reasons) == {""}  # every decode step overlapped
 
 
+def test_speculation_overlaps_the_steps_it_does_not_verify(tiny):
+    """NGRAM with overlap scheduling (tokens deferred on the device, as on a GPU): a step that may
+    verify waits for the one in flight, and so does the step after a verify; steps of requests
+    the drafter has nothing for overlap (it asks them again after 1, 2, 4, 8 steps). A repeated
+    prompt drafts the first answer; the tokens are the plain loop's in every case."""
+    prompts = [PROMPTS[1], PROMPTS[1], PROMPTS[3]]
+    params = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
+
+    class Nothing:
+        calls = 0
+
+        def propose(self, state: dict, tokens, max_tokens: int) -> list[int]:
+            Nothing.calls += 1
+            return []
+
+    def run(overlap: bool, drafter: Any = None, **spec: Any) -> tuple[list, list[str], list[dict]]:
+        eng = make_engine(tiny, dtype="float32", device="cpu", enable_overlap_schedule=overlap,
+                          disable_overlap_schedule=not overlap, **spec)
+        eng.engine.runner.defer_results = overlap
+        if drafter is not None:
+            eng.engine.scheduler.speculator.drafter = drafter
+        needs, reasons = eng.engine.scheduler.needs_results, []
+        eng.engine.scheduler.needs_results = lambda: reasons.append(needs()) or reasons[-1]
+        try:
+            outs = [eng.generate(input_ids=p, sampling_params=params) for p in prompts[:2]]  # the second drafts the first
+            outs += eng.generate(input_ids=prompts, sampling_params=params)
+            return [o["output_ids"] for o in outs], reasons, [o["meta_info"] for o in outs]
+        finally:
+            eng.engine.scheduler.check_accounting()
+            eng.shutdown()
+
+    plain, _, _ = run(False)
+    spec, reasons, meta = run(True, speculative_algorithm="NGRAM")
+    assert spec == plain
+    assert meta[1]["spec_num_correct_drafts"] >= 12  # the repeated request's drafts, verified under overlap
+    assert "a speculative verify" in reasons and reasons.count("") >= 10  # overlapped steps between them
+    idle, reasons, _ = run(True, Nothing(), speculative_algorithm="NGRAM")
+    assert idle == plain
+    assert reasons.count("") > 3 * reasons.count("a speculative verify") and Nothing.calls > 0
+
+
 def test_the_next_steps_host_work_runs_during_the_forward(tiny):
     """With a slow forward, step n + 1 is scheduled (and step n - 1 processed) on the loop while
     step n's forward runs on the forward thread: most schedule() calls find a forward unfinished."""

@@ -4,7 +4,7 @@ the CPU stands in for the device). ``CORE_TEST_OVERLAP=1`` makes ``tests.conftes
 build such engines unless a test pins the mode; every test keeps its own expectations, so the
 outputs are those of the plain loop: greedy and seeded samples, stop conditions, grammars,
 logprobs, penalties, chunked prefill, retraction, continuous steps, abort, TP and DP, LoRA,
-images and the host cache tier."""
+images, the host cache tier and speculative decoding."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ import pytest
 
 SUITES = ["test_engine.py", "test_sampler.py", "test_structured_output.py", "test_chunked_prefill.py",
           "test_retraction.py", "test_continuous_decode.py", "test_step_safety.py", "test_tp.py", "test_dp.py",
-          "test_lora_engine.py", "test_vlm_engine.py", "test_hicache.py"]
+          "test_lora_engine.py", "test_vlm_engine.py", "test_hicache.py", "test_speculative.py",
+          "test_speculative_tree.py", "test_speculative_draft_model.py", "test_speculative_eagle.py"]
 
 
 @pytest.mark.slow

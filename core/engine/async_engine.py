@@ -106,6 +106,8 @@ class AsyncEngine(RequestFrontEnd):
         self._gil_short = self.overlap and gil_switch.shorten()  # (restored at shutdown)
         self.runner.defer_results = self.overlap and self.device.type == "cuda" and self.tp_group is None
         self.runner.overlap = self.overlap
+        if self.scheduler.speculator is not None:
+            self.scheduler.speculator.overlap = self.overlap
         # (batch, its forward's future, start time) scheduled but not yet processed (overlap scheduling)
         self._inflight: tuple[ScheduledBatch, asyncio.Future, float] | None = None
         self._overlap_paused: set[str] = set()  # the reasons a step waited for the one in flight, logged once each

@@ -343,6 +343,6 @@ def overlap_schedule(args: EngineArgs, device: torch.device) -> bool:
 
     if args.disable_overlap_schedule and args.enable_overlap_schedule:
         raise CoreError("--disable-overlap-schedule and --enable-overlap-schedule contradict each other; pass one")
-    if args.disable_overlap_schedule or args.speculative_algorithm:  # (each verify decides the next batch)
+    if args.disable_overlap_schedule:  # (speculation: a step that may verify waits, Scheduler.needs_results)
         return False
     return args.enable_overlap_schedule or device.type == "cuda"

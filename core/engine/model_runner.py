@@ -255,7 +255,8 @@ class ModelRunner:
             if self.overlap or batch.drafts is not None:  # (a token overlap drops, a verify's rejected rows)
                 batch.rng_states = rng_states(reqs)
             if (self.defer_results and grammar is None and not batch.is_prefill and batch.drafts is None
-                    and self.speculator is None):  # a plain decode: every row live, nothing read on the host here
+                    and (self.speculator is None or self.speculator.features is None)):  # a plain decode: every
+                # row live, nothing read on the host here (an EAGLE head's observe reads the tokens)
                 return StepResult(None, pending=self.sampler.sample(logits, rows_, argmax_ids, host=False))
             result = StepResult(self.sampler.sample(logits, rows_, argmax_ids))
             if grammar is not None:

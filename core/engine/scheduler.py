@@ -228,10 +228,13 @@ class Scheduler:
         return None, aborted
 
     def needs_results(self) -> str:
-        """Why the next batch must wait for the in-flight one's results (overlap; "" if not): multi-step decodes
-        and verifies, a request with a token in flight whose sampling reads its outputs (``host_read``)."""
-        if self.decode_steps > 1 or self.speculator is not None:
-            return "--num-continuous-decode-steps" if self.decode_steps > 1 else "speculative decoding"
+        """Why the next batch must wait for the in-flight one's results (overlap; "" if not): multi-step decodes,
+        a batch that may verify drafts (their tokens follow the last one), a request with a token in
+        flight whose sampling reads its outputs (``host_read``)."""
+        if self.decode_steps > 1:
+            return "--num-continuous-decode-steps"
+        if self.speculator is not None and self.speculator.may_verify(self.running):
+            return "a speculative verify"
         return next((why for r in self.running if (why := host_read(r, overlap=True)) and r.kv_len == r.seq_len), "")
 
     def _continuous_steps(self, reqs: list[Req]) -> int:

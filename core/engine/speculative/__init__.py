@@ -21,8 +21,11 @@ never sees rejected KV.
 Drafts are paced per request (``Pace``) and a verify holds at most ``VERIFY_TOKEN_BUDGET`` tokens,
 so a large batch decodes plainly. Requests whose sampling reads their own outputs on the host
 between positions (a grammar, penalties, ``min_new_tokens`` not reached) or that return logprobs
-are not drafted for; a batch holding one decodes plainly. Overlap scheduling is off with
-speculation (as SGLang turns it off on the CPU): each verify's results decide the next batch.
+are not drafted for; a batch holding one decodes plainly. Under overlap scheduling a step that
+may verify waits for the one in flight (``may_verify``: a draft follows the last token), as does
+every step after a verify; the steps of requests that are not drafting (``Pace.wait``) overlap,
+and with overlap a request the drafter has nothing for waits 1, 2, 4 then 8 steps before asking
+again (``Pace.none``), so that text that does not repeat keeps most steps overlapped.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ DEFAULT_NUM_STEPS = 5  # model drafters' chain length (SGLang's usual choice of 
 # A batch of more requests decodes plainly: speculation switches itself off under load.
 VERIFY_TOKEN_BUDGET = {"cpu": 32, "cuda": 256}
 MAX_BACKOFF = 16  # decode steps a request waits, at most, before drafting again after a verify kept too few
+MAX_IDLE = 8  # with overlap, decode steps a request waits, at most, after the drafter had nothing for it
 # Draft tokens a verify must keep to have paid for itself, per device kind: on the CPU a verify
 # runs the extend path, which costs two to three fused decode steps even for a few tokens; on a
 # GPU a short verify costs about one decode step.
@@ -72,12 +76,17 @@ class Pace:
     wait: int = 0  # steps to decode plainly before the next draft
     backoff: int = 0  # the next wait after a verify that keeps nothing
     retractions: int = 0  # the request's retractions its drafter's state has seen (Speculator.fill)
+    idle: int = 0  # the last wait after the drafter had nothing (``none``)
 
     def want(self, room: int) -> int:
         if self.wait > 0:
             self.wait -= 1
             return 0
         return min(room, math.ceil((1 + 2 * self.kept) * self.width))
+
+    def none(self) -> None:
+        """The drafter had nothing: wait 1, 2, 4 then 8 steps (steps that overlap) before asking again."""
+        self.wait = self.idle = min(MAX_IDLE, max(1, 2 * self.idle))
 
     def update(self, n: int, nodes: int = 1, depth: int = 1, min_kept: int = 1) -> None:
         self.kept, self.width = 0.5 * self.kept + 0.5 * n, nodes / max(depth, 1)
@@ -100,6 +109,7 @@ class Speculator:
     min_draft_share: float = 0.5  # draft tokens per request a verify of more than SMALL_BATCH requests needs
     features: Any = None  # () -> the last target forward's features, where the drafter asked (``observe``)
     trees: bool = False  # draft trees are verified whole (``load``: the backend takes tree masks, and they pay)
+    overlap: bool = False  # overlap scheduling (set by the engine): an empty proposal waits (``Pace.none``)
 
     def __attrs_post_init__(self) -> None:
         self.batched = hasattr(self.drafter, "propose_batch")
@@ -121,6 +131,15 @@ class Speculator:
             self.drafter.load(ctx)
             self.features = getattr(ctx, "features", None)
 
+    def may_verify(self, running: list[Req]) -> bool:
+        """Whether the next step may verify drafts, or a verify is in flight (a request's KV runs
+        past its tokens): under overlap scheduling it then waits for the step in flight."""
+        if any(r.kv_len > r.seq_len for r in running):
+            return True
+        if len(running) >= self.token_budget:  # (verify_batch drafts for none of them)
+            return False
+        return any(r.spec_pace is None or r.spec_pace.wait == 0 for r in running) and all(map(multi_token_ok, running))
+
     def room(self, r: Req, context_len: int) -> int:
         """The draft tokens a verify of ``r`` may hold: within its ``max_new_tokens`` and the context."""
         return max(0, min(self.num_draft_tokens - 1, r.params.max_new_tokens - len(r.output_ids) - 1,
@@ -134,6 +153,11 @@ class Speculator:
         budget = self.token_budget - len(reqs)  # draft tokens this verify may hold
         if budget <= 0 or any(not multi_token_ok(r) for r in reqs):
             return None
+        if any(r.kv_len == r.seq_len for r in reqs):  # a token in flight (overlap): no drafting, the waits tick
+            for r in reqs:
+                if r.spec_pace is not None and r.spec_pace.wait > 0:
+                    r.spec_pace.wait -= 1
+            return None
         rooms = [(r.spec_pace or Pace()).want(self.room(r, scheduler.context_len)) for r in reqs]
         for i in sorted(range(len(reqs)), key=lambda i: -(reqs[i].spec_pace or Pace()).kept):  # the most kept first
             rooms[i] = min(rooms[i], budget)
@@ -143,6 +167,12 @@ class Speculator:
             trees = [self._tree(self.drafter.propose(r.spec_state, r.fill_ids(), n), n) if n > 0 else ([], None)
                      for r, n in zip(reqs, rooms)]
             drafts, parents = [t for t, _ in trees], [p for _, p in trees]
+            if self.overlap:
+                for r, n, d in zip(reqs, rooms, drafts):
+                    if n and not d:
+                        _pace(r).none()
+                    elif d:
+                        _pace(r).idle = 0
             rooms = [len(d) for d in drafts]
         pages_for = scheduler.allocator.pages_for
         # a large batch with few drafts: its verify (the extend path for every row) would cost more
@@ -278,9 +308,14 @@ def _set_trees(batch: Any, parents: list[list[int] | None]) -> None:
         row += 1 + len(d)
 
 
+def _pace(r: Req) -> Pace:
+    pace = r.spec_pace = r.spec_pace or Pace()
+    return pace
+
+
 def _state(r: Req) -> dict:
     """The drafter's state of ``r``, emptied where the request was retracted since (its KV dropped)."""
-    pace = r.spec_pace = r.spec_pace or Pace()
+    pace = _pace(r)
     if pace.retractions != r.num_retractions:
         pace.retractions, r.spec_state = r.num_retractions, {}
     return r.spec_state
