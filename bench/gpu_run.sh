@@ -110,7 +110,9 @@ case $mode in
     timeout 150 python3 -m pytest -q -p no:cacheprovider --timeout 120 -rfE tests/test_cuda_graph.py \
       -m "gpu or not gpu" 2>&1 | tee -a "$OUT/gpu_tests.log" | tail -12
     timeout 150 python3 bench/bench_speculative.py --model-path bench/shapes/llama-3.1-8b --repeats 2 2>&1 \
-      | grep -v -i warn | tee -a "$OUT/spec.log" ;;
+      | grep -v -i warn | tee -a "$OUT/spec.log"
+    [ -n "${SPEC_SMALL:-}" ] && timeout 70 "$0" bench --model-path bench/shapes/smollm2-135m --load-format dummy \
+      --skip-tokenizer-init --skip-split --skip-hf --concurrency 1,64,256 --overlap both ;;
   serve)  # core serve on dummy weights + core bench serving: issue 42's HTTP workload (400 prompts, all at once)
     port=30123
     python3 -m core.cli serve --model-path "$1" --load-format dummy --skip-tokenizer-init --port $port \
