@@ -24,7 +24,7 @@ from core.interfaces import cuda_graph_capable  # noqa: E402
 from core.plugins import api_compatible  # noqa: E402
 from core_plugins.attention.torch_native import TorchNativeBackend  # noqa: E402
 from tests.conftest import greedy, make_engine  # noqa: E402
-from tests.test_speculative_eagle import mirror  # noqa: E402,F401  (the fixture: a one-layer target and its EAGLE head)
+from tests.test_speculative_eagle import deep, mirror  # noqa: E402,F401  (fixtures: targets and their EAGLE heads)
 
 PROMPTS = [[1, 5, 6, 7, 8], [1, 9], [1, 3, 4, 20, 30, 40, 50], [1, 11, 12]]
 LENGTHS = [9, 3, 6, 2]  # decode steps of 4, 3, 2, 2, 2, 1, 1, 1 sequences as requests finish
@@ -132,8 +132,9 @@ class EagerGraph:
         self.replays = 0
 
     def replay(self) -> None:
-        model = self.runner.model
-        self.out.copy_(model(self.fb))
+        model, got = self.runner.model, self.runner._forward(self.fb)
+        for out, new in zip(*((x if isinstance(x, tuple) else (x,)) for x in (self.out, got))):
+            out.copy_(new)
         if (side := self.runner._side.get(self.key)) is not None:
             side.copy_(model.model.captured)
         self.replays += 1
@@ -141,7 +142,8 @@ class EagerGraph:
 
 class EagerGraphRunner(CudaGraphRunner):
     def _record(self, fb, key):
-        out = self.model(fb).clone()
+        out = self._forward(fb)
+        out = tuple(o.clone() for o in out) if isinstance(out, tuple) else out.clone()
         self._keep_side(key)
         if key in self._side:
             self._side[key] = self._side[key].clone()  # (a buffer of its own, as the graph's)
@@ -214,14 +216,55 @@ def test_verify_replays_give_plain_greedy_tokens(tiny_spec, mirror, kind):  # no
         t = spec.num_draft_tokens
         runner = eager_graphs(eng, 4, t, 4)
         assert runner.verify_sizes == [1, 2, 4]
+        if kind == "eagle":  # the head's draft steps through its own graphs, its last hidden state their input
+            draft, ae = spec.drafter.draft, eng.engine
+            draft.graphs = EagerGraphRunner(draft.model, draft.backend, 4, ae.table.table.shape[1], ae.device,
+                                            feature_dim=draft.model.config.hidden_size).capture()
         outs = eng.generate(input_ids=PROMPTS[:3], sampling_params=params)
         assert [o["output_ids"] for o in outs] == list(want.values())
         verifies = {bs: g.replays for (bs, kind), g in runner._graphs.items() if kind == "verify"}
         assert verifies[4] > 0  # three requests' verifies replayed the graph of four (one padding sequence)
-        assert sum(o["meta_info"]["spec_num_correct_drafts"] for o in outs) > 0
+        m = [o["meta_info"] for o in outs]
+        kept, proposed = sum(x["spec_num_correct_drafts"] for x in m), sum(x["spec_num_proposed_drafts"] for x in m)
+        assert kept >= (0.6 if kind == "eagle" else 0.1) * proposed > 0  # (the mirror head: its argmax is the target's)
+        if kind == "eagle":
+            assert sum(g.replays for g in draft.graphs._graphs.values()) > 0
         eng.engine.scheduler.check_accounting()
     finally:
         eng.shutdown()
+
+
+@pytest.mark.parametrize("algo", ["EAGLE", "EAGLE3"])
+def test_an_eagle_heads_draft_steps_replay_graphs(deep, algo):  # noqa: F811
+    """A random EAGLE / EAGLE-3 head, whose draft steps read its own last hidden state: through its
+    graphs' replay path (stand-ins, the triton kernels interpreted) it proposes exactly the drafts
+    it proposes eagerly, so the static features carry each step's input (the mirror head of the
+    test above ignores its features)."""
+    pytest.importorskip("triton")
+    from tests.test_speculative import GREEDY, PROMPTS
+
+    target, eagle3, eagle = deep
+
+    def drafts(graphed: bool) -> tuple[list, int]:
+        eng = make_engine(target, attention_backend="triton", dtype="float32", device="cpu", disable_cuda_graph=True,
+                          skip_tokenizer_init=True, speculative_algorithm=algo, speculative_num_steps=3,
+                          speculative_draft_model_path=str(eagle3 if algo == "EAGLE3" else eagle))
+        try:
+            drafter, ae = eng.engine.scheduler.speculator.drafter, eng.engine
+            draft = drafter.draft
+            if graphed:
+                draft.graphs = EagerGraphRunner(draft.model, draft.backend, 2, ae.table.table.shape[1], ae.device,
+                                                feature_dim=draft.model.config.hidden_size).capture()
+            got, propose = [], drafter.propose_batch
+            drafter.propose_batch = lambda reqs: got.append(out := propose(reqs)) or out
+            eng.generate(input_ids=PROMPTS[:2], sampling_params=[{**GREEDY, "max_new_tokens": 10}] * 2)
+            return got, sum(g.replays for g in draft.graphs._graphs.values()) if graphed else 0
+        finally:
+            eng.shutdown()
+
+    (eager, _), (graphed, replays) = drafts(False), drafts(True)
+    assert graphed == eager and len(eager) > 2
+    assert replays >= len(eager)  # (a chain's steps after its first, which observe computed)
 
 
 @pytest.fixture(scope="module")
@@ -262,7 +305,8 @@ def test_greedy_tokens_equal_with_graphs_on_and_off(tiny, backend):
 @pytest.mark.parametrize("algo", ["ngram-chain", "ngram-tree", "standalone", "eagle", "eagle-tree"])
 def test_speculative_verifies_and_drafts_replay_graphs_on_a_gpu(tiny_spec, mirror, algo):  # noqa: F811
     """Real CUDA graphs: verifies replay the verify graphs (chains, trees), a STANDALONE draft's
-    decode steps its own graphs, an EAGLE target's graphs hand the head its features; greedy gives
+    decode steps and an EAGLE head's draft steps their own graphs, an EAGLE target's graphs hand the
+    head its features; greedy gives
     plain decoding's tokens, and a head or draft that mirrors the target has its drafts kept."""
     from tests.test_speculative import GREEDY, PROMPTS, OracleDrafter
     from tests.test_speculative_tree import TreeOracle
@@ -303,12 +347,12 @@ def test_speculative_verifies_and_drafts_replay_graphs_on_a_gpu(tiny_spec, mirro
 
         graphs.replay_verify = spy(graphs.replay_verify, "verify")
         draft_graphs = getattr(getattr(spec.drafter, "draft", None), "graphs", None)
-        assert (draft_graphs is not None) == (algo == "standalone")  # (an EAGLE head runs eagerly)
+        assert (draft_graphs is not None) == algo.startswith(("standalone", "eagle"))
         if draft_graphs is not None:
             draft_graphs.replay = spy(draft_graphs.replay, "draft")
         outs = eng.generate(input_ids=PROMPTS[:3], sampling_params=params)
         assert [o["output_ids"] for o in outs] == list(want.values())
-        assert counts["verify"] > 0 and (counts["draft"] > 0) == (algo == "standalone")
+        assert counts["verify"] > 0 and (counts["draft"] > 0) == algo.startswith(("standalone", "eagle"))
         m = [o["meta_info"] for o in outs]
         kept, proposed = sum(x["spec_num_correct_drafts"] for x in m), sum(x["spec_num_proposed_drafts"] for x in m)
         share = {"ngram-chain": 0.1, "ngram-tree": 0.4, "standalone": 0.6, "eagle": 0.6, "eagle-tree": 0.3}[algo]

@@ -73,8 +73,14 @@ class CudaGraphRunner:
     ``verify_tokens`` (T), captured verifies of up to ``verify_max_bs`` sequences of T tokens."""
 
     def __init__(self, model: torch.nn.Module, attn_backend: Any, max_bs: int, max_len: int,
-                 device: torch.device, lora: Any = None, verify_tokens: int = 0, verify_max_bs: int = 0) -> None:
+                 device: torch.device, lora: Any = None, verify_tokens: int = 0, verify_max_bs: int = 0,
+                 feature_dim: int = 0) -> None:
         self.model, self.backend, self.device = model, attn_backend, device
+        # a model whose forward also takes [rows, feature_dim] features (an EAGLE head's draft steps):
+        # a static input too; its outputs may be a tuple
+        self.feature_dim = feature_dim
+        self._feat = torch.zeros(max_bs, feature_dim, dtype=next(model.parameters()).dtype, device=device) \
+            if feature_dim else None
         self.sizes = capture_sizes(max_bs)
         # with LoRA (core.engine.lora.LoRAServing), the pool whose kernels the graphs hold (triton backend):
         # every replay runs them, over the rows' adapter slots (-1: none); None: batches with adapters run eagerly
@@ -144,14 +150,18 @@ class CudaGraphRunner:
         stream.wait_stream(current)
         with torch.cuda.stream(stream):  # warm-up outside the graph: lazy initialisation, kernel compiles
             for _ in range(2):
-                self.model(fb)
+                self._forward(fb)
         current.wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool, stream=stream):
-            out = self.model(fb)
+            out = self._forward(fb)
             self._keep_side(key)
         torch.cuda.synchronize(self.device)
         return graph, out
+
+    def _forward(self, fb: ForwardBatch) -> Any:
+        """The model's forward over a static batch (with the static features, where it takes them)."""
+        return self.model(fb) if self._feat is None else self.model(fb, self._feat[: fb.batch_size])
 
     def _keep_side(self, key: Any) -> None:
         """Keep the features the forward just left on the model (``LlamaModel.captured``) as this
@@ -178,13 +188,16 @@ class CudaGraphRunner:
                 and batch.mm_rows is None and batch.mrope_positions is None
                 and max(batch.extend_lens_cpu) <= self.verify_tokens)
 
-    def replay(self, batch: ForwardBatch) -> torch.Tensor:
+    def replay(self, batch: ForwardBatch, features: torch.Tensor | None = None) -> Any:
         """Hidden states ``[n, hidden]`` of a decode batch of ``n`` sequences, from the graph of the
-        smallest captured size that holds it (or, for an extend, ``replay_verify``). The result is a
+        smallest captured size that holds it (or, for an extend, ``replay_verify``); with
+        ``features``, the model's outputs for them (a tuple where it returns one). The result is a
         view of a static buffer: valid until the next replay."""
         if not batch.is_decode:
             return self.replay_verify(batch)
         n = batch.batch_size
+        if features is not None:
+            self._feat[:n].copy_(features)
         bs = self.sizes[bisect.bisect_left(self.sizes, n)]
         self._inputs[:, :n].copy_(torch.stack((batch.input_ids, batch.positions, batch.out_cache_loc, batch.seq_lens)))
         if bs > n:
@@ -197,7 +210,8 @@ class CudaGraphRunner:
             self.lora.graph_segments(n, bs)
         self._graphs[key].replay()
         self._put_side(key, n)
-        return self._outputs[key][:n]
+        out = self._outputs[key]
+        return tuple(o[:n] for o in out) if isinstance(out, tuple) else out[:n]
 
     def replay_verify(self, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states of an extend's ``sum(extend_lens)`` new tokens, in order, from the verify

@@ -130,6 +130,8 @@ class Speculator:
         if self.batched:
             self.drafter.load(ctx)
             self.features = getattr(ctx, "features", None)
+            if (capture := getattr(ctx, "capture_graphs", None)) is not None:  # (once the drafter set its models up)
+                capture()
 
     def may_verify(self, running: list[Req]) -> bool:
         """Whether the next step may verify drafts, or a verify is in flight (a request's KV runs

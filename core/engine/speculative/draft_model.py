@@ -9,7 +9,9 @@ tracks per request which positions it computed itself (``DraftRequest.state``) a
 rest: the same tokens at the same positions write the same values.
 
 On CUDA a draft model's decode steps replay CUDA graphs of their own (``CudaGraphRunner``), as the
-target's do; an EAGLE head, whose forward also reads the target's features, runs eagerly.
+target's do; an EAGLE head's draft steps too, its features (its own last hidden state) a static
+input of theirs; what it reads after a target forward (several tokens, the target's features) runs
+eagerly.
 """
 
 from __future__ import annotations
@@ -59,8 +61,13 @@ class EngineDraftModel:
             hidden, logits, _ = forward_step(self.model, self.backend, inputs, self.device, self.graphs)
             return hidden, logits[0]
         fb = forward_batch(inputs, self.backend, self.device)
-        self.backend.prepare(fb)
-        for_logits, for_next = self.model(fb, features)
+        g = self.graphs
+        if g is not None and g.feature_dim == features.shape[-1] and g.can_run(fb):  # an EAGLE head's draft step
+            for_logits, for_next = g.replay(fb, features)
+            for_next = for_next.clone()  # (kept by the drafter past the next replay)
+        else:
+            self.backend.prepare(fb)
+            for_logits, for_next = self.model(fb, features)
         return for_next, step_logits(self.model, for_logits, inputs.logit_rows, self.device)[0]
 
 
@@ -112,6 +119,7 @@ class EngineDraftContext:
     backend_name: str
     features: Callable[[], torch.Tensor] | None = None  # set by ``capture``: the last target forward's features
     served: torch.nn.Module | None = None  # the served model (``target`` is a stand-in under --tp-size > 1)
+    loaded: list[EngineDraftModel] = attrs.field(factory=list)  # the draft models ``load_model`` built
 
     def __attrs_post_init__(self) -> None:
         self.served = self.target
@@ -164,20 +172,29 @@ class EngineDraftContext:
             AttentionConfig(cfg.num_hidden_layers, heads, kv_heads, head_dim, mc.dtype, self.device, kv))
         log.info("speculative.draft_model", path=path, architecture=mc.architecture, layers=cfg.num_hidden_layers,
                  kv_slots=self.num_pages * self.page_size)
-        return EngineDraftModel(model, cfg, backend, self.device, self._graphs(model, backend))
+        self.loaded.append(draft := EngineDraftModel(model, cfg, backend, self.device))
+        return draft
+
+    def capture_graphs(self) -> None:
+        """Capture the loaded draft models' CUDA graphs, once the drafter has set them up (an EAGLE
+        head shares the target's embedding: a graph captured before would read its own)."""
+        for draft in self.loaded:
+            draft.graphs = self._graphs(draft.model, draft.backend)
 
     def _graphs(self, model: torch.nn.Module, backend: Any) -> CudaGraphRunner | None:
         """Decode CUDA graphs of a draft model where the target's would be captured, or None."""
         a = self.args
         why = why_no_cuda_graph(self.device, backend, self.backend_name, a.disable_cuda_graph, a.tp_size > 1)
-        if why is None and "features" in inspect.signature(model.forward).parameters:
-            why = "an EAGLE head's forward reads the target's features"
+        # an EAGLE head's draft steps read its own last hidden state (its width); its first step
+        # after a target forward reads the target's features, eagerly where they are wider (EAGLE-3)
+        feature_dim = model.config.hidden_size if "features" in inspect.signature(model.forward).parameters else 0
         if why is not None:
             log.info("speculative.draft_cuda_graph_off", reason=why)
             return None
         max_bs = min(a.cuda_graph_max_bs or DEFAULT_MAX_BS, a.max_running_requests or DEFAULT_MAX_BS)
         try:
-            return CudaGraphRunner(model, backend, max_bs, self.target_config.context_len, self.device).capture()
+            return CudaGraphRunner(model, backend, max_bs, self.target_config.context_len, self.device,
+                                   feature_dim=feature_dim).capture()
         except Exception as e:  # (as the target's: a model that syncs with the host runs eagerly)
             log.warning("speculative.draft_cuda_graph_failed", error=f"{type(e).__name__}: {e}", exc_info=True)
             return None
