@@ -246,7 +246,8 @@ def test_an_eagle_heads_draft_steps_replay_graphs(deep, algo):  # noqa: F811
     target, eagle3, eagle = deep
 
     def drafts(graphed: bool) -> tuple[list, int]:
-        eng = make_engine(target, attention_backend="triton", dtype="float32", device="cpu", disable_cuda_graph=True,
+        dev = "cuda" if torch.cuda.is_available() else "cpu"
+        eng = make_engine(target, attention_backend="triton", dtype="float32", device=dev, disable_cuda_graph=True,
                           skip_tokenizer_init=True, speculative_algorithm=algo, speculative_num_steps=3,
                           speculative_draft_model_path=str(eagle3 if algo == "EAGLE3" else eagle))
         try:
