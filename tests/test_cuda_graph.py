@@ -341,9 +341,9 @@ def test_speculative_verifies_and_drafts_replay_graphs_on_a_gpu(tiny_spec, mirro
         counts = {"verify": 0, "draft": 0}
 
         def spy(replay, kind):
-            def call(batch):
+            def call(batch, *features):
                 counts[kind] += 1
-                return replay(batch)
+                return replay(batch, *features)
             return call
 
         graphs.replay_verify = spy(graphs.replay_verify, "verify")
