@@ -183,6 +183,15 @@ def test_replay_path_with_padding_matches_eager_decoding(tiny):
         graphed.shutdown()
 
 
+def plain_tokens(target, prompts: list[list[int]], params: list[dict], **opts) -> dict[tuple[int, ...], list[int]]:
+    """Each prompt's plain (non-speculative) greedy tokens, by prompt."""
+    eng = make_engine(target, **opts)
+    try:
+        return {tuple(p): o["output_ids"] for p, o in zip(prompts, eng.generate(input_ids=prompts, sampling_params=params))}
+    finally:
+        eng.shutdown()
+
+
 @pytest.mark.parametrize("kind", ["chains", "trees", "eagle"])
 def test_verify_replays_give_plain_greedy_tokens(tiny_spec, mirror, kind):  # noqa: F811
     """Speculative verifies through the verify graphs' replay path (triton, interpreted on a CPU):
@@ -201,11 +210,7 @@ def test_verify_replays_give_plain_greedy_tokens(tiny_spec, mirror, kind):  # no
     target = mirror[0] if kind == "eagle" else tiny_spec
     opts = dict(attention_backend="triton", dtype="float32", device=dev, disable_cuda_graph=True, skip_tokenizer_init=True)
     params = [{**GREEDY, "max_new_tokens": 10}] * 3
-    plain = make_engine(target, **opts)
-    try:
-        want = {tuple(p): o["output_ids"] for p, o in zip(PROMPTS[:3], plain.generate(input_ids=PROMPTS[:3], sampling_params=params))}
-    finally:
-        plain.shutdown()
+    want = plain_tokens(target, PROMPTS[:3], params, **opts)
     spec_opts = (dict(speculative_algorithm="EAGLE", speculative_num_steps=3, speculative_draft_model_path=str(mirror[1]))
                  if kind == "eagle" else dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=7))
     eng = make_engine(target, **spec_opts, **opts)
@@ -316,11 +321,7 @@ def test_speculative_verifies_and_drafts_replay_graphs_on_a_gpu(tiny_spec, mirro
     target = mirror[0] if eagle else tiny_spec
     opts = dict(attention_backend="triton", dtype="float32", device="cuda", cuda_graph_max_bs=8, skip_tokenizer_init=True)
     params = [{**GREEDY, "max_new_tokens": 16}] * 3
-    plain = make_engine(target, **opts)
-    try:
-        want = {tuple(p): o["output_ids"] for p, o in zip(PROMPTS[:3], plain.generate(input_ids=PROMPTS[:3], sampling_params=params))}
-    finally:
-        plain.shutdown()
+    want = plain_tokens(target, PROMPTS[:3], params, **opts)
     spec_opts = {"ngram-chain": dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=7),
                  "ngram-tree": dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=9),
                  "standalone": dict(speculative_algorithm="STANDALONE", speculative_num_steps=4,
