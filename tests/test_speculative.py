@@ -325,6 +325,7 @@ def test_sampled_requests_and_constrained_ones_around_drafts(tiny):
     ({"speculative_algorithm": "EAGLE9"}, "EAGLE9"),
     ({"speculative_num_draft_tokens": 4}, "needs --speculative-algorithm"),
     ({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 1}, "must be >= 2"),
+    ({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 40}, "holds at most 32 tokens"),
 ])
 def test_bad_speculative_flags_are_clear_errors(tiny, kwargs, match):
     from core.errors import CoreError

@@ -117,6 +117,11 @@ class Speculator:
     def load(self, ctx: Any) -> None:
         """Load a model drafter's models (``ctx``: a ``core.interfaces.DraftContext``)."""
         self.token_budget = VERIFY_TOKEN_BUDGET.get(ctx.device.type, VERIFY_TOKEN_BUDGET["cuda"])
+        if self.num_draft_tokens > self.token_budget:  # (a draft no verify could hold, nor its CUDA graphs)
+            raise CoreError(f"--speculative-num-draft-tokens {self.num_draft_tokens} (with --speculative-num-steps and "
+                            f"--speculative-eagle-topk): a verify on {ctx.device.type} holds at most "
+                            f"{self.token_budget} tokens, its CUDA graphs are captured up to that; use at most "
+                            f"{self.token_budget}")
         self.min_kept = MIN_KEPT.get(ctx.device.type, MIN_KEPT["cuda"])
         topk = ctx.args.speculative_eagle_topk or 1
         # On the CPU a tree verify leaves the fused C++ layers for the Python ones (their attention is
