@@ -481,3 +481,29 @@ def test_spec_verify_ct_counts_the_decodes_of_mixed_batches(tiny):
         eng.shutdown()
     m = outs[0]["meta_info"]
     assert m["spec_verify_ct"] == m["completion_tokens"] - 1  # every token after the prefill's: its own decode
+
+
+def test_a_step_waits_for_the_one_in_flight_only_where_it_may_verify():
+    """Overlap scheduling with speculation (``Speculator.may_verify``): a verify in flight, or a
+    small batch with a request due to draft, waits for the step in flight; a large batch waits
+    only where its due requests want enough draft tokens to pass ``min_draft_share``, as
+    ``verify_batch`` would ask; requests whose sampling reads their outputs never draft."""
+    from types import SimpleNamespace
+
+    from core.engine.speculative import Pace, Speculator
+
+    def req(wait: int | None, kept: float = 0.0, kv_ahead: int = 0, grammar: Any = None):
+        pace = None if wait is None else Pace(kept=kept, wait=wait)
+        return SimpleNamespace(kv_len=10 + kv_ahead, seq_len=10, spec_pace=pace, grammar=grammar, return_logprob=False,
+                               top_logprobs_num=0, may_read_outputs=False)
+
+    spec = Speculator(NgramDrafter(None), 12, token_budget=256)  # (CUDA's budget)
+    assert not spec.may_verify([req(3), req(1)])  # nobody due
+    assert spec.may_verify([req(3), req(0)]) and spec.may_verify([req(None)])  # one due (a new request: due)
+    assert spec.may_verify([req(3)] * 7 + [req(2, kv_ahead=3)])  # a verify in flight
+    assert not spec.may_verify([req(0, grammar=object()), req(0)])  # (a grammar: the batch decodes plainly)
+    big = [req(5) for _ in range(60)]
+    assert not spec.may_verify(big + [req(0)] * 4)  # 4 due wanting 1 each: < half a draft per request
+    assert spec.may_verify(big + [req(0, kept=5.0)] * 4)  # 4 due wanting 11 each: 44 >= 32
+    spec.token_budget = 32
+    assert not spec.may_verify(big + [req(0, kept=5.0)] * 4)  # more requests than a verify holds tokens

@@ -140,12 +140,17 @@ class Speculator:
 
     def may_verify(self, running: list[Req]) -> bool:
         """Whether the next step may verify drafts, or a verify is in flight (a request's KV runs
-        past its tokens): under overlap scheduling it then waits for the step in flight."""
+        past its tokens): under overlap scheduling it then waits for the step in flight. The
+        draft tokens the requests due to draft want bound what ``verify_batch`` could draft: a
+        large batch that could not pass its ``min_draft_share`` keeps overlapping."""
         if any(r.kv_len > r.seq_len for r in running):
             return True
-        if len(running) >= self.token_budget:  # (verify_batch drafts for none of them)
+        n = len(running)
+        if n >= self.token_budget:  # (verify_batch drafts for none of them)
             return False
-        return any(r.spec_pace is None or r.spec_pace.wait == 0 for r in running) and all(map(multi_token_ok, running))
+        wanted = sum(math.ceil((1 + 2 * p.kept) * p.width) for r in running if (p := r.spec_pace or _FRESH).wait == 0)
+        return (wanted > 0 and (n <= SMALL_BATCH or wanted >= self.min_draft_share * n)
+                and all(map(multi_token_ok, running)))
 
     def room(self, r: Req, context_len: int) -> int:
         """The draft tokens a verify of ``r`` may hold: within its ``max_new_tokens`` and the context."""
@@ -313,6 +318,9 @@ def _set_trees(batch: Any, parents: list[list[int] | None]) -> None:
             base = batch.positions[row]
             batch.positions[row + 1:row + 1 + len(d)] = [base + k for k in depths(p)]
         row += 1 + len(d)
+
+
+_FRESH = Pace()  # a request's pace before its first verify (read only)
 
 
 def _pace(r: Req) -> Pace:
