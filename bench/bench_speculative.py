@@ -55,7 +55,8 @@ def run_batch(engine, prompts: list[str], max_new: int) -> tuple[float, list[lis
 
 
 def dummy_main(args: argparse.Namespace) -> None:
-    """Batch 1 on dummy weights of ``--model-path``'s shapes: a new random prompt, then the same again."""
+    """Batch 1 on dummy weights of ``--model-path``'s shapes: a new random prompt, then the same
+    again; then ``--streams`` new prompts at once (output tok/s from submission to the last token)."""
     import random
 
     from core import Engine
@@ -85,6 +86,15 @@ def dummy_main(args: argparse.Namespace) -> None:
                 if r:
                     runs.setdefault((name, m), []).append((rate, out["output_ids"],
                                                            out["meta_info"].get("spec_accept_length", 1.0)))
+            if args.streams > 1:  # a batch of new prompts at once: speculation must not cost throughput
+                rng = random.Random(2000 + r)
+                batch = [[rng.randrange(100, vocab) for _ in range(128)] for _ in range(args.streams)]
+                t0 = time.perf_counter()
+                outs = eng.generate(input_ids=batch, sampling_params=params)
+                rate = sum(len(o["output_ids"]) for o in outs) / (time.perf_counter() - t0)
+                if r:
+                    runs.setdefault((f"new prompts, {args.streams} streams", m), []).append(
+                        (rate, [o["output_ids"] for o in outs], outs[0]["meta_info"].get("spec_accept_length", 1.0)))
         eng.shutdown()
         del eng
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
