@@ -339,6 +339,7 @@ def test_speculative_verifies_and_drafts_replay_graphs_on_a_gpu(tiny_spec, mirro
             assert spec.trees
         graphs = eng.engine.runner.graphs
         assert graphs is not None and graphs.verify_sizes and graphs.verify_tokens == spec.num_draft_tokens
+        assert spec.max_verify_reqs == graphs.verify_sizes[-1]  # (a larger batch decodes plainly)
         counts = {"verify": 0, "draft": 0}
 
         def spy(replay, kind):

@@ -487,7 +487,8 @@ def test_a_step_waits_for_the_one_in_flight_only_where_it_may_verify():
     """Overlap scheduling with speculation (``Speculator.may_verify``): a verify in flight, or a
     small batch with a request due to draft, waits for the step in flight; a large batch waits
     only where its due requests want enough draft tokens to pass ``min_draft_share``, as
-    ``verify_batch`` would ask; requests whose sampling reads their outputs never draft."""
+    ``verify_batch`` would ask; requests whose sampling reads their outputs never draft; a batch
+    larger than the largest verify graph decodes plainly."""
     from types import SimpleNamespace
 
     from core.engine.speculative import Pace, Speculator
@@ -505,5 +506,8 @@ def test_a_step_waits_for_the_one_in_flight_only_where_it_may_verify():
     big = [req(5) for _ in range(60)]
     assert not spec.may_verify(big + [req(0)] * 4)  # 4 due wanting 1 each: < half a draft per request
     assert spec.may_verify(big + [req(0, kept=5.0)] * 4)  # 4 due wanting 11 each: 44 >= 32
-    spec.token_budget = 32
+    spec.max_verify_reqs = 21  # (the largest verify graph: a larger verify would run eagerly)
+    assert not spec.may_verify(big + [req(0, kept=5.0)] * 4) and spec.may_verify([req(0)] * 21)
+    assert spec.verify_batch(None, [req(0)] * 22) is None
+    spec.token_budget, spec.max_verify_reqs = 32, 0
     assert not spec.may_verify(big + [req(0, kept=5.0)] * 4)  # more requests than a verify holds tokens

@@ -530,8 +530,11 @@ class AsyncEngine(RequestFrontEnd):
         t = spec.num_draft_tokens if spec is not None and spec.trees and getattr(
             self.attn_backend, "supports_cuda_graph_verify", False) else 0
         try:
-            return CudaGraphRunner(self.model, self.attn_backend, max_bs, self.table.table.shape[1], self.device,
-                                   self.lora, t, spec.token_budget // t if t else 0).capture()
+            graphs = CudaGraphRunner(self.model, self.attn_backend, max_bs, self.table.table.shape[1], self.device,
+                                     self.lora, t, spec.token_budget // t if t else 0).capture()
+            if graphs.verify_sizes:  # (a larger batch decodes plainly: its verify would run eagerly)
+                spec.max_verify_reqs = graphs.verify_sizes[-1]
+            return graphs
         except Exception as e:  # e.g. a model that syncs with the host in its forward: run it eagerly
             log.warning("cuda_graph.capture_failed", error=f"{type(e).__name__}: {e}", exc_info=True)
             return None
