@@ -100,8 +100,9 @@ class EngineArgs:
                                                                   "known one included (default 12; a draft "
                                                                   "model's: --speculative-num-steps + 1)")
     speculative_num_steps: int | None = _arg(None, MEMORY, "draft tokens a draft model proposes per verify (default 5)")
-    speculative_eagle_topk: int | None = _arg(None, MEMORY, "draft branches per step (1: chains, the only kind "
-                                                            "supported yet)")
+    speculative_eagle_topk: int | None = _arg(None, MEMORY, "draft branches per step of an EAGLE head (1, the "
+                                                            "default: chains; k > 1: trees of the k best children "
+                                                            "per level)")
     speculative_draft_model_path: str | None = _arg(None, MEMORY, "the draft model of STANDALONE (a smaller model "
                                                                   "with the target's vocabulary)")
     disable_overlap_schedule: bool = _arg(False, MEMORY, "process each step's results before scheduling the next "
