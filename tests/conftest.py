@@ -17,6 +17,13 @@ from typing import Any, Callable
 import pytest
 import torch
 
+# Without a GPU the Triton kernels run in triton's interpreter, which triton reads when a kernel
+# module is first imported: set before any test module imports one, so that a run of a few files
+# imports them as the whole suite does (else a kernel imported first by one module is compiled
+# code that another module's interpreted launch cannot call).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # --------------------------------------------------------------------------- tiny models
 
 TINY_VOCAB = 256
