@@ -325,6 +325,8 @@ CLASSIFIED: dict[str, dict[str, Any]] = {
         "speculative_num_steps": H("tests.test_speculative_draft_model::test_the_target_as_its_own_draft_has_its_chains_accepted"),
         "speculative_eagle_topk": H("tests.test_speculative_draft_model::test_bad_draft_set_ups_are_clear_errors"),
         "speculative_draft_model_path": H("tests.test_speculative_draft_model::test_another_draft_gives_plain_greedy_tokens"),
+        **{f"speculative_ngram_{f}": H("tests.test_speculative::test_sglangs_ngram_flags_shape_the_drafts", f)
+           for f in ("max_trie_depth", "min_bfs_breadth", "max_bfs_breadth", "match_type", "capacity")},
         "disable_overlap_schedule": H("tests.test_overlap_schedule::test_overlap_flags"),
         "enable_overlap_schedule": H("tests.test_overlap_schedule::test_overlap_flags"),
         "schedule_policy": H(f"{SCHED}::test_engine_policies_give_the_same_outputs"),

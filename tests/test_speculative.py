@@ -173,6 +173,49 @@ def test_the_shared_index_is_bounded(monkeypatch):
     assert d.total <= 20 and d.propose({}, [0, 70, 71], 2) == []
 
 
+def test_sglangs_ngram_flags_shape_the_drafts():
+    """--speculative-ngram-*: max breadth 1 drafts chains; SGLang's breadth (wide at a short match's
+    root, narrowing a level down, narrow under a long match); the trie depth bounds the suffix
+    matched and how deep a match drafts; the capacity bounds the shared index; PROB is refused."""
+    from types import SimpleNamespace
+
+    from core.errors import CoreError
+    from core.interfaces import DraftTree
+
+    def drafter(**flags: Any) -> NgramDrafter:
+        return NgramDrafter(SimpleNamespace(**{f"speculative_ngram_{k}": v for k, v in flags.items()}))
+
+    tokens = [1, 2, 3, 4, 9, 1, 2, 5, 6, 1, 2]  # "1 2" followed by "3 4 .." then, later, by "5 6 .."
+    assert isinstance(NgramDrafter().propose({}, tokens, 8), DraftTree)
+    assert drafter(max_bfs_breadth=1).propose({}, tokens, 8) == [5, 6, 1, 2]  # chains only
+    # "0 1 2" followed by 5, 6, 7 and "1 2" by 3 too. Breadth at the root of a k-token match with
+    # max 4: (8 - k) * 3 / 7 + 1, 3.14 -> 3 for k = 3 (7, 6, 5), and the 2-token match's 3 finds it full
+    wide = [1, 2, 3, 4, 0, 1, 2, 5, 0, 1, 2, 6, 0, 1, 2, 7, 0, 1, 2]
+    roots = lambda t: [t.tokens[j] for j, p in enumerate(t.parents) if p == -1]  # noqa: E731
+    assert roots(drafter(max_bfs_breadth=4).propose({}, wide, 60)) == [7, 6, 5]
+    assert roots(drafter(max_bfs_breadth=4, min_bfs_breadth=4).propose({}, wide, 60)) == [7, 6, 5, 3]
+    assert roots(NgramDrafter().propose({}, wide, 60)) == [7, 6, 5, 3]  # (no flag: no breadth limit)
+    assert drafter(max_bfs_breadth=2).propose({}, wide, 60) == [7, 0, 1, 2]  # (1.71 -> 1: a chain)
+    # trie depth 4: suffixes of up to 3 tokens, and a 3-token match drafts at most 1 deep
+    seq = [8, 1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3]
+    assert NgramDrafter().propose({}, seq, 5) == [4, 5, 6, 7, 8]
+    assert drafter(max_trie_depth=4).propose({}, seq, 5) == [4]
+    assert drafter(max_trie_depth=6).propose({}, seq, 5) == [4, 5]  # ("8 1 2 3", 4 tokens: 2 deep)
+    assert drafter(max_trie_depth=7).propose({}, seq, 5) == [4, 5, 6]
+    # the capacity, in n-gram ends: 70 over 7 suffix lengths holds 10 tokens of recent requests
+    d = drafter(capacity=70)
+    assert d.shared_tokens == 10
+    a, b = ({}, [10 + i for i in range(8)]), ({}, [40 + i for i in range(8)])
+    for state, toks in (a, b, a, b):
+        d.propose(state, toks, 4)
+    assert d.total <= 10 and d.propose({}, [0, 10, 11], 2) == [] and d.propose({}, [0, 40, 41], 2) == [42, 43]
+    for bad, match in [({"match_type": "PROB"}, "PROB"), ({"min_bfs_breadth": 3, "max_bfs_breadth": 2}, "min <= max"),
+                       ({"max_trie_depth": 2}, "at least 3"), ({"capacity": 0}, ">= 1")]:
+        with pytest.raises(CoreError, match=match):
+            drafter(**bad)
+    assert drafter(match_type="bfs").propose({}, tokens, 4) == [5, 6, 1, 2]
+
+
 def test_a_request_never_drafts_from_what_it_published():
     """A stored sequence that is a prefix of the request's tokens (its own, however its state was
     kept) never drafts: a kept state drafts what a fresh one does, and what a drafter that never
@@ -326,6 +369,8 @@ def test_sampled_requests_and_constrained_ones_around_drafts(tiny):
     ({"speculative_num_draft_tokens": 4}, "needs --speculative-algorithm"),
     ({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 1}, "must be >= 2"),
     ({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 40}, "holds at most 32 tokens"),
+    ({"speculative_ngram_max_bfs_breadth": 1}, "needs --speculative-algorithm"),
+    ({"speculative_algorithm": "NGRAM", "speculative_ngram_match_type": "PROB"}, "PROB"),
 ])
 def test_bad_speculative_flags_are_clear_errors(tiny, kwargs, match):
     from core.errors import CoreError

@@ -105,6 +105,21 @@ class EngineArgs:
                                                             "per level)")
     speculative_draft_model_path: str | None = _arg(None, MEMORY, "the draft model of STANDALONE (a smaller model "
                                                                   "with the target's vocabulary)")
+    speculative_ngram_max_trie_depth: int | None = _arg(None, MEMORY, "NGRAM: suffixes of up to this - 1 tokens "
+                                                                      "are matched, a k-token match drafts at most "
+                                                                      "this - k deep (default: suffixes of up to 8, "
+                                                                      "drafts as deep as the verify holds)")
+    speculative_ngram_min_bfs_breadth: int | None = _arg(None, MEMORY, "NGRAM: children a draft node holds at least "
+                                                                       "(SGLang's BFS breadth; default: no limit on "
+                                                                       "children; 1 where only the max is given)")
+    speculative_ngram_max_bfs_breadth: int | None = _arg(None, MEMORY, "NGRAM: children a draft node holds at most, "
+                                                                       "at the root of the shortest match (1: chains; "
+                                                                       "10 where only the min is given)")
+    speculative_ngram_match_type: str | None = _arg(None, MEMORY, "NGRAM: BFS, drafts filled in recency order (the "
+                                                                  "only fill; SGLang's PROB is refused)")
+    speculative_ngram_capacity: int | None = _arg(None, MEMORY, "NGRAM: n-gram ends the index shared across "
+                                                                "requests holds (SGLang: trie nodes; default: 32,768 "
+                                                                "tokens' worth)")
     disable_overlap_schedule: bool = _arg(False, MEMORY, "process each step's results before scheduling the next "
                                                          "(overlap scheduling is the default on CUDA)")
     enable_overlap_schedule: bool = _arg(False, MEMORY, "overlap scheduling on the CPU too, where the host's work "

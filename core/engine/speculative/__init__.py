@@ -379,7 +379,8 @@ def build_speculator(args: Any, plugins: Any) -> Speculator | None:
     other drafters draft up to ``--speculative-num-draft-tokens`` - 1 tokens."""
     name = args.speculative_algorithm
     if not name:
-        for flag in ("num_draft_tokens", "num_steps", "eagle_topk", "draft_model_path"):
+        for flag in ("num_draft_tokens", "num_steps", "eagle_topk", "draft_model_path", "ngram_max_trie_depth",
+                     "ngram_min_bfs_breadth", "ngram_max_bfs_breadth", "ngram_match_type", "ngram_capacity"):
             if getattr(args, "speculative_" + flag) is not None:
                 raise CoreError(f"--speculative-{flag.replace('_', '-')} needs --speculative-algorithm (e.g. NGRAM)")
         return None
@@ -389,6 +390,11 @@ def build_speculator(args: Any, plugins: Any) -> Speculator | None:
                             "layers, which no architecture served here has: pass --speculative-draft-model-path "
                             "with an EAGLE head (NEXTN then runs as EAGLE, as in SGLang)")
         name = "EAGLE"
+    ngram = [f for f in ("max_trie_depth", "min_bfs_breadth", "max_bfs_breadth", "match_type", "capacity")
+             if getattr(args, "speculative_ngram_" + f, None) is not None]
+    if ngram and name.upper() != "NGRAM":
+        raise CoreError(f"--speculative-ngram-{ngram[0].replace('_', '-')} shapes NGRAM's drafts; "
+                        f"--speculative-algorithm {name} does not use it")
     drafter = plugins.resolve("speculative_algorithm", name)(args)
     n, topk = args.speculative_num_draft_tokens, args.speculative_eagle_topk or 1
     if topk < 1 or (topk > 1 and not getattr(drafter, "trees", False)):
