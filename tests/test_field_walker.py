@@ -21,6 +21,7 @@ import httpx
 import msgspec
 import pytest
 
+from core.engine.speculative import NGRAM_FLAGS
 from tests.conftest import build_tiny_llama
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -326,7 +327,7 @@ CLASSIFIED: dict[str, dict[str, Any]] = {
         "speculative_eagle_topk": H("tests.test_speculative_draft_model::test_bad_draft_set_ups_are_clear_errors"),
         "speculative_draft_model_path": H("tests.test_speculative_draft_model::test_another_draft_gives_plain_greedy_tokens"),
         **{f"speculative_ngram_{f}": H("tests.test_speculative::test_sglangs_ngram_flags_shape_the_drafts", f)
-           for f in ("max_trie_depth", "min_bfs_breadth", "max_bfs_breadth", "match_type", "capacity")},
+           for f in NGRAM_FLAGS},
         "disable_overlap_schedule": H("tests.test_overlap_schedule::test_overlap_flags"),
         "enable_overlap_schedule": H("tests.test_overlap_schedule::test_overlap_flags"),
         "schedule_policy": H(f"{SCHED}::test_engine_policies_give_the_same_outputs"),

@@ -61,6 +61,8 @@ MAX_IDLE = 8  # with overlap, decode steps a request waits, at most, after the d
 # runs the extend path, which costs two to three fused decode steps even for a few tokens; on a
 # GPU a short verify costs about one decode step.
 MIN_KEPT = {"cpu": 2, "cuda": 1}
+# SGLang's --speculative-ngram-* flags that shape NGRAM's drafts (EngineArgs.speculative_ngram_*)
+NGRAM_FLAGS = ("max_trie_depth", "min_bfs_breadth", "max_bfs_breadth", "match_type", "capacity")
 SMALL_BATCH = 4  # a larger batch verifies only with at least ``min_draft_share`` draft tokens per request
 
 
@@ -150,11 +152,16 @@ class Speculator:
         if any(r.kv_len > r.seq_len for r in running):
             return True
         n = len(running)
-        if n >= self.token_budget or n > (self.max_verify_reqs or n):  # (verify_batch drafts for none of them)
+        if not self._holds(n):  # (verify_batch drafts for none of them)
             return False
         wanted = sum(math.ceil((1 + 2 * p.kept) * p.width) for r in running if (p := r.spec_pace or _FRESH).wait == 0)
         return (wanted > 0 and (n <= SMALL_BATCH or wanted >= self.min_draft_share * n)
                 and all(map(multi_token_ok, running)))
+
+    def _holds(self, n: int) -> bool:
+        """Whether a verify may hold ``n`` requests: their last tokens leave room for drafts in the
+        token budget, and (with verify graphs) the largest graph holds them."""
+        return n < self.token_budget and n <= (self.max_verify_reqs or n)
 
     def room(self, r: Req, context_len: int) -> int:
         """The draft tokens a verify of ``r`` may hold: within its ``max_new_tokens`` and the context."""
@@ -166,14 +173,14 @@ class Speculator:
         the batch decodes plainly: some request cannot be drafted for (``multi_token_ok``), no draft
         is proposed, or the pool cannot hold the verify's pages. A model drafter's drafts are
         placeholders here, filled by the runner (``fill``) on the forward thread."""
-        budget = self.token_budget - len(reqs)  # draft tokens this verify may hold
-        if budget <= 0 or len(reqs) > (self.max_verify_reqs or len(reqs)) or any(not multi_token_ok(r) for r in reqs):
+        if not self._holds(len(reqs)) or any(not multi_token_ok(r) for r in reqs):
             return None
         if any(r.kv_len == r.seq_len for r in reqs):  # a token in flight (overlap): no drafting, the waits tick
             for r in reqs:
-                if r.spec_pace is not None and r.spec_pace.wait > 0:
-                    r.spec_pace.wait -= 1
+                if r.spec_pace is not None:
+                    r.spec_pace.want(0)  # (a step of its wait, if it waits; nothing else)
             return None
+        budget = self.token_budget - len(reqs)  # draft tokens this verify may hold
         rooms = [(r.spec_pace or Pace()).want(self.room(r, scheduler.context_len)) for r in reqs]
         for i in sorted(range(len(reqs)), key=lambda i: -(reqs[i].spec_pace or Pace()).kept):  # the most kept first
             rooms[i] = min(rooms[i], budget)
@@ -379,8 +386,7 @@ def build_speculator(args: Any, plugins: Any) -> Speculator | None:
     other drafters draft up to ``--speculative-num-draft-tokens`` - 1 tokens."""
     name = args.speculative_algorithm
     if not name:
-        for flag in ("num_draft_tokens", "num_steps", "eagle_topk", "draft_model_path", "ngram_max_trie_depth",
-                     "ngram_min_bfs_breadth", "ngram_max_bfs_breadth", "ngram_match_type", "ngram_capacity"):
+        for flag in ("num_draft_tokens", "num_steps", "eagle_topk", "draft_model_path", *(f"ngram_{f}" for f in NGRAM_FLAGS)):
             if getattr(args, "speculative_" + flag) is not None:
                 raise CoreError(f"--speculative-{flag.replace('_', '-')} needs --speculative-algorithm (e.g. NGRAM)")
         return None
@@ -390,8 +396,7 @@ def build_speculator(args: Any, plugins: Any) -> Speculator | None:
                             "layers, which no architecture served here has: pass --speculative-draft-model-path "
                             "with an EAGLE head (NEXTN then runs as EAGLE, as in SGLang)")
         name = "EAGLE"
-    ngram = [f for f in ("max_trie_depth", "min_bfs_breadth", "max_bfs_breadth", "match_type", "capacity")
-             if getattr(args, "speculative_ngram_" + f, None) is not None]
+    ngram = [f for f in NGRAM_FLAGS if getattr(args, "speculative_ngram_" + f, None) is not None]
     if ngram and name.upper() != "NGRAM":
         raise CoreError(f"--speculative-ngram-{ngram[0].replace('_', '-')} shapes NGRAM's drafts; "
                         f"--speculative-algorithm {name} does not use it")

@@ -185,12 +185,12 @@ class EngineDraftContext:
         """Decode CUDA graphs of a draft model where the target's would be captured, or None."""
         a = self.args
         why = why_no_cuda_graph(self.device, backend, self.backend_name, a.disable_cuda_graph, a.tp_size > 1)
-        # an EAGLE head's draft steps read its own last hidden state (its width); its first step
-        # after a target forward reads the target's features, eagerly where they are wider (EAGLE-3)
-        feature_dim = model.config.hidden_size if "features" in inspect.signature(model.forward).parameters else 0
         if why is not None:
             log.info("speculative.draft_cuda_graph_off", reason=why)
             return None
+        # an EAGLE head's draft steps read its own last hidden state (its width); its first step
+        # after a target forward reads the target's features, eagerly where they are wider (EAGLE-3)
+        feature_dim = model.config.hidden_size if "features" in inspect.signature(model.forward).parameters else 0
         max_bs = min(a.cuda_graph_max_bs or DEFAULT_MAX_BS, a.max_running_requests or DEFAULT_MAX_BS)
         try:
             return CudaGraphRunner(model, backend, max_bs, self.target_config.context_len, self.device,
