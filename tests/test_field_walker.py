@@ -328,6 +328,8 @@ CLASSIFIED: dict[str, dict[str, Any]] = {
         "speculative_draft_model_path": H("tests.test_speculative_draft_model::test_another_draft_gives_plain_greedy_tokens"),
         **{f"speculative_ngram_{f}": H("tests.test_speculative::test_sglangs_ngram_flags_shape_the_drafts", f)
            for f in NGRAM_FLAGS},
+        **{f"speculative_accept_threshold_{f}": H("tests.test_speculative_accept::test_below_one_drafts_are_kept_as_the_rule_says")
+           for f in ("single", "acc")},
         "disable_overlap_schedule": H("tests.test_overlap_schedule::test_overlap_flags"),
         "enable_overlap_schedule": H("tests.test_overlap_schedule::test_overlap_flags"),
         "schedule_policy": H(f"{SCHED}::test_engine_policies_give_the_same_outputs"),

@@ -424,12 +424,13 @@ def test_http_meta_info_metrics_and_bench_serving_report_the_accept_length(tiny)
     assert report["accept_length"] == 3.0 and "Accept length" in format_report(report)
 
 
-def check_sampled_distribution(path: Path, drafter_for: Any, max_new_tokens: int = 3, **engine: Any) -> None:
+def check_sampled_distribution(path: Path, drafter_for: Any, max_new_tokens: int = 3, accept: Any = None,
+                               **engine: Any) -> None:
     """1,500 sampled outputs (temperature 1, top-k 4) of the speculating engine, its drafter
-    ``drafter_for(prompt, greedy continuation)``, against the plain engine's: position by position
-    the total variation distance stays within what the draws allow (noise ~0.03-0.05 for these few
-    categories), and the drafted greedy pair is not over-represented (as an always-accepting
-    verify would make it)."""
+    ``drafter_for(prompt, greedy continuation)`` (``accept``: its ``Speculator.accept``), against the
+    plain engine's: position by position the total variation distance stays within what the draws
+    allow (noise ~0.03-0.05 for these few categories), and the drafted greedy pair is not
+    over-represented (as an always-accepting verify would make it)."""
     from collections import Counter
 
     n, prompt = 1500, PROMPTS[1]
@@ -446,6 +447,7 @@ def check_sampled_distribution(path: Path, drafter_for: Any, max_new_tokens: int
         eng.engine.scheduler.speculator.token_budget = 100_000  # (1,500 requests: past any device's budget)
         eng.engine.scheduler.speculator.min_draft_share = 0  # (a verify however few drafts: sampled ones stand)
         eng.engine.scheduler.speculator.drafter = drafter_for(prompt, greedy)
+        eng.engine.scheduler.speculator.accept = accept
         outs = eng.generate(input_ids=[prompt] * n, sampling_params=sampled)
         spec = [o["output_ids"] for o in outs]
         assert sum(o["meta_info"]["spec_num_correct_drafts"] for o in outs) > n // 10  # drafts were verified and kept

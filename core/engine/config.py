@@ -120,6 +120,13 @@ class EngineArgs:
     speculative_ngram_capacity: int | None = _arg(None, MEMORY, "NGRAM: n-gram ends the index shared across "
                                                                 "requests holds (SGLang: trie nodes; default: 32,768 "
                                                                 "tokens' worth)")
+    speculative_accept_threshold_single: float = _arg(1.0, MEMORY, "sampled requests: a draft token whose target "
+                                                                   "probability reaches this is kept (1: exact "
+                                                                   "rejection sampling)")
+    speculative_accept_threshold_acc: float = _arg(1.0, MEMORY, "sampled requests: a draft token's chance to be kept "
+                                                                "is raised from p to min(1, p / this), p summed over "
+                                                                "the siblings tried before it (1: exact rejection "
+                                                                "sampling)")
     disable_overlap_schedule: bool = _arg(False, MEMORY, "process each step's results before scheduling the next "
                                                          "(overlap scheduling is the default on CUDA)")
     enable_overlap_schedule: bool = _arg(False, MEMORY, "overlap scheduling on the CPU too, where the host's work "

@@ -19,6 +19,7 @@ from core.engine.cuda_graph import CudaGraphRunner
 from core.engine.sampler import SampleOutput, Sampler, SamplingRow, finite_logprobs, rewind, rng_states, upload
 from core.engine.scheduler import ScheduledBatch, StepResult
 from core.engine.speculative import verify_rows
+from core.engine.speculative.accept import target_rows
 from core.engine.speculative.tree import mask_rows
 
 
@@ -238,6 +239,7 @@ class ModelRunner:
             inputs.input_ids, inputs.positions, inputs.tree_mask = batch.input_ids, batch.positions, tree_masks(batch)
         hidden, all_logits, argmax_ids = self._forward(inputs, batch.reqs)
         reqs = all_reqs = batch.reqs
+        target = None  # a verify's sampled target distributions, for relaxed acceptance
         if len(live) < len(reqs):
             reqs = [reqs[i] for i in live]
         if reqs:
@@ -254,6 +256,8 @@ class ModelRunner:
                 argmax_ids = None  # the masked logits' argmax may differ
             if self.overlap or batch.drafts is not None:  # (a token overlap drops, a verify's rejected rows)
                 batch.rng_states = rng_states(reqs)
+            if batch.drafts is not None and self.speculator.accept is not None:  # (before sampling edits the logits)
+                target = target_rows(batch, self.sampler, logits, rows_)
             if (self.defer_results and grammar is None and not batch.is_prefill and batch.drafts is None
                     and (self.speculator is None or self.speculator.features is None)):  # a plain decode: every
                 # row live, nothing read on the host here (an EAGLE head's observe reads the tokens)
@@ -266,7 +270,7 @@ class ModelRunner:
         if reqs is not all_reqs:
             result.sample = _scatter(result.sample, live, len(all_reqs))
         if batch.drafts is not None:  # a verify: the kept paths; a tree's kept KV to its positions, now
-            result.kept = self.speculator.walks(batch, result.sample.token_ids)
+            result.kept = self.speculator.walks(batch, result.sample.token_ids, target, self.sampler.generator)
             for r, (path, _) in zip(batch.reqs, result.kept):  # a seed spends a draw per token kept, as decoding does
                 if r in batch.rng_states:
                     rewind(r.generator, batch.rng_states[r], len(path) + 1)

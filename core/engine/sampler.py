@@ -300,17 +300,22 @@ def _pick_sorted(probs: torch.Tensor, order: torch.Tensor, cols: torch.Tensor, f
     loop with the same roundings (``cpu_ops.sample_sorted``): these ~20 small ops cost ~0.5 ms there."""
     if (k := layers.fused(probs)) is not None and hasattr(k, "sample_sorted"):
         return k.sample_sorted(probs, order, cols, fallback, complete)
+    drop, fits = _dropped(probs, cols)
+    out = _inverse_cdf(probs.masked_fill(drop, 0.0), order, cols[:, 4], fallback)
+    return out if complete else torch.where(fits, out, -1)
+
+
+def _dropped(probs: torch.Tensor, cols: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Of ``probs`` sorted most likely first: the columns each row's top-k (``cols[:, 1]``), top-p (2)
+    and min-p (3) drop, and per row whether its kept prefix ends within these columns (see ``_pick_sorted``)."""
     ar = torch.arange(probs.shape[1], device=probs.device).unsqueeze(0)
     top_k, top_p, min_p = cols[:, 1:2], cols[:, 2:3], cols[:, 3:4]
     cum = probs.cumsum(dim=-1)
     floor = probs[:, :1] * min_p
     drop = (ar >= top_k) | ((cum - probs >= top_p) & (top_p < 1.0)) | (probs < floor)
     drop[:, 0] = False  # the best token always survives
-    out = _inverse_cdf(probs.masked_fill(drop, 0.0), order, cols[:, 4], fallback)
-    if complete:
-        return out
     fits = (top_k <= probs.shape[1]) | ((cum[:, -1:] >= top_p) & (top_p < 1.0)) | (probs[:, -1:] < floor)
-    return torch.where(fits.squeeze(1), out, -1)
+    return drop, fits.squeeze(1)
 
 
 def _inverse_cdf(probs: torch.Tensor, order: torch.Tensor | None, target: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
@@ -447,6 +452,33 @@ class Sampler:
         if advance is not None:
             advance(tokens)
         return self._output(tokens, rows, raw_lp, host)
+
+    def target_probs(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Each row's distribution as ``sample`` draws from it, float32 [rows, vocab_size]: logit bias,
+        temperature, then top-k / top-p / min-p, renormalised (for rows without penalties,
+        ``min_new_tokens`` or a forced token: a speculative verify's sampled rows). ``logits`` is not
+        modified. A filtered row's kept prefix is found among its ``TOP_CANDIDATES`` most likely
+        tokens where it ends there, else by sorting the whole vocabulary (as ``_sample_filtered``)."""
+        logits = logits[:, : self.vocab_size].float()
+        if any(r.params.logit_bias for r in rows):
+            logits = apply_logit_bias(logits.clone(), rows)
+        vocab = logits.shape[1]
+        cols = upload([v for r in rows for v in (max(r.params.temperature, SAMPLING_EPS), r.params.top_k
+                                                  if 0 < r.params.top_k < vocab else vocab, r.params.top_p,
+                                                  r.params.min_p, 0.0)], torch.float32, logits.device).view(-1, 5)
+        probs = torch.softmax(logits / cols[:, :1], dim=-1)
+        if filtered := [i for i, r in enumerate(rows) if _filters(r.params, vocab)]:
+            idx = upload(filtered, torch.long, logits.device)
+            sub, sub_cols = probs[idx], cols[idx]
+            cand, order = sub.topk(min(TOP_CANDIDATES, vocab), dim=-1)
+            drop, fits = _dropped(cand, sub_cols)
+            kept = torch.zeros_like(sub).scatter_(1, order, cand.masked_fill(drop, 0.0))
+            if not bool(fits.all()):
+                wide = (~fits).nonzero().squeeze(1)
+                full, full_order = sub[wide].sort(dim=-1, descending=True)
+                kept[wide] = torch.zeros_like(full).scatter_(1, full_order, full.masked_fill(_dropped(full, sub_cols[wide])[0], 0.0))
+            probs[idx] = kept
+        return probs / probs.sum(dim=-1, keepdim=True)
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow], which: list[int]):
         """Penalise rows ``which`` in place; returns what counts their sampled tokens afterwards

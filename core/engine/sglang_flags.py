@@ -100,8 +100,8 @@ remote-instance-weight-loader-send-weights-group-ports remote-instance-weight-lo
 retraction-policy return-aux-hidden-state-layer-ids return-hidden-states-mode return-input-ids return-output-ids
 rl-on-policy-target rl-quant-profile sampling-backend sampling-mask-max-tokens
 scheduler-recv-interval shared-experts-tp-size show-time-cost sidecar sidecar-args sleep-on-idle sm-group-num
-smg-grpc-mode smg-http-sidecar-port soft-watchdog-timeout spec-trace-dir speculative-accept-threshold-acc
-speculative-accept-threshold-single speculative-adaptive speculative-adaptive-config speculative-attention-mode
+smg-grpc-mode smg-http-sidecar-port soft-watchdog-timeout spec-trace-dir
+speculative-adaptive speculative-adaptive-config speculative-attention-mode
 speculative-dflash-block-size speculative-domino-candidate-pool-size speculative-draft-attention-backend
 speculative-draft-kv-cache-dtype speculative-draft-load-format speculative-draft-model speculative-draft-model-path
 speculative-draft-model-quantization speculative-draft-model-revision speculative-draft-sink-size

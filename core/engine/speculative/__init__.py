@@ -40,6 +40,7 @@ import torch
 from core.engine.request import Req
 from core.engine.sampler import draws_ahead, penalised
 from core.errors import CoreError
+from core.engine.speculative.accept import TargetRows, Thresholds, relaxed_walks
 from core.engine.speculative.tree import as_tree, depths, first_chain, kv_moves, walk
 from core.interfaces import DraftObservation, DraftRequest
 
@@ -116,6 +117,9 @@ class Speculator:
     # largest captured size: a larger verify would run eagerly, slower than the plain decode's graph
     # (H200, 8B shapes, 64 streams: 3,586 against 8,905 tok/s), so such a batch decodes plainly
     max_verify_reqs: int = 0
+    # SGLang's --speculative-accept-threshold-single/-acc below 1: sampled drafts kept more readily
+    # (``accept``); None: the exact walk, the target's distribution
+    accept: Thresholds | None = None
 
     def __attrs_post_init__(self) -> None:
         self.batched = hasattr(self.drafter, "propose_batch")
@@ -244,13 +248,17 @@ class Speculator:
         if any(p is not None for p in parents):
             _set_trees(batch, parents)
 
-    def walks(self, batch: Any, sampled: list[int]) -> list[tuple[list[int], int]]:
+    def walks(self, batch: Any, sampled: list[int], target: TargetRows | None = None,
+              generator: torch.Generator | None = None) -> list[tuple[list[int], int]]:
         """Per request of a verify: the draft nodes the target's samples keep (root to leaf) and its
-        token after them (``tree.walk``; ``sampled``: every row's sample, in order)."""
+        token after them (``tree.walk``; ``sampled``: every row's sample, in order); with ``accept``,
+        the sampled requests' (``target``: their distributions, ``target_rows``) by the thresholds."""
         out, row = [], 0
         for i, d in enumerate(batch.drafts):
             out.append(walk(d, batch.draft_parents[i] if batch.draft_parents else None, sampled[row:row + 1 + len(d)]))
             row += 1 + len(d)
+        if target is not None and self.accept is not None:
+            relaxed_walks(batch, sampled, target, self.accept, generator, out)
         return out
 
     def observe(self, batch: Any, sampled: list[int], kept: list[tuple[list[int], int]] | None,
@@ -385,10 +393,16 @@ def build_speculator(args: Any, plugins: Any) -> Speculator | None:
     ``trees`` is true) has ``--speculative-num-draft-tokens`` - 1 nodes, by default k per level;
     other drafters draft up to ``--speculative-num-draft-tokens`` - 1 tokens."""
     name = args.speculative_algorithm
+    accept = Thresholds(args.speculative_accept_threshold_single, args.speculative_accept_threshold_acc)
+    for flag, v in (("single", accept.single), ("acc", accept.acc)):
+        if not 0.0 <= v <= 1.0:
+            raise CoreError(f"--speculative-accept-threshold-{flag} must be within [0, 1], got {v}")
     if not name:
         for flag in ("num_draft_tokens", "num_steps", "eagle_topk", "draft_model_path", *(f"ngram_{f}" for f in NGRAM_FLAGS)):
             if getattr(args, "speculative_" + flag) is not None:
                 raise CoreError(f"--speculative-{flag.replace('_', '-')} needs --speculative-algorithm (e.g. NGRAM)")
+        if accept != Thresholds():
+            raise CoreError("--speculative-accept-threshold-* needs --speculative-algorithm (e.g. NGRAM)")
         return None
     if name.upper() == "NEXTN":  # SGLang runs NEXTN (a model's multi-token-prediction layers) as EAGLE
         if not args.speculative_draft_model_path:
@@ -422,4 +436,4 @@ def build_speculator(args: Any, plugins: Any) -> Speculator | None:
         n = n or DEFAULT_NUM_DRAFT_TOKENS
     if n < 2:
         raise CoreError(f"--speculative-num-draft-tokens must be >= 2 (the last token and a draft), got {n}")
-    return Speculator(drafter, n)
+    return Speculator(drafter, n, accept=None if accept == Thresholds() else accept)
