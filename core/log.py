@@ -9,7 +9,7 @@ import structlog
 
 LEVELS = ("debug", "info", "warning", "error", "critical")
 
-_default_factory: object = None  # the logger factory configure_default_logging installed
+_default_config: tuple = ()  # the logger factory and processors configure_default_logging installed
 
 
 class _CurrentStderr:
@@ -44,9 +44,15 @@ def configure_logging(level: str = "info", json: bool = False) -> None:
 def configure_default_logging(level: str = "info") -> None:
     """For library use (``from core import Engine``): structlog's unconfigured default prints to
     stdout, into the user's own output, so route our logs to stderr unless the application has
-    configured structlog itself (its set-up wins). Repeated calls may change the level."""
-    global _default_factory
-    if structlog.is_configured() and structlog.get_config()["logger_factory"] is not _default_factory:
+    configured structlog itself (its set-up wins, a change of processors alone too: structlog's
+    ``capture_logs``). Repeated calls may change the level."""
+    global _default_config
+    if structlog.is_configured() and _installed() != _default_config:
         return
     configure_logging(level)
-    _default_factory = structlog.get_config()["logger_factory"]
+    _default_config = _installed()
+
+
+def _installed() -> tuple:
+    config = structlog.get_config()
+    return config["logger_factory"], list(config["processors"])  # (a copy: structlog edits its list in place)

@@ -248,3 +248,26 @@ def test_an_application_structlog_setup_is_kept() -> None:
         structlog.reset_defaults()
         if was:
             structlog.configure(**saved)
+
+
+def test_captured_logs_stay_captured_when_an_engine_starts() -> None:
+    """structlog's ``capture_logs`` (an application's processors alone) survives a later Engine's
+    set-up, however logging was set up before: the default set-up itself included."""
+    import structlog
+    from structlog.testing import capture_logs
+
+    from core.log import configure_default_logging
+
+    was, saved = structlog.is_configured(), structlog.get_config()
+    saved["processors"] = list(saved["processors"])  # (structlog edits its list in place)
+    structlog.reset_defaults()
+    try:
+        configure_default_logging("info")  # (what the first Engine of a process does)
+        with capture_logs() as logs:
+            configure_default_logging("info")  # (a second Engine, inside the capture)
+            structlog.get_logger("core.engine").info("engine.ready")
+        assert [e["event"] for e in logs] == ["engine.ready"]
+    finally:
+        structlog.reset_defaults()
+        if was:
+            structlog.configure(**saved)
