@@ -6,7 +6,9 @@ Rows (one engine with ``--enable-lora`` and the adapters, the modes taking turns
 times; the best of each): ``base`` (no request names an adapter: the model's fastest path),
 ``lora`` (each stream its own adapter), and ``plain`` (an engine without ``--enable-lora``, the
 reference for what enabling LoRA costs a base-only batch). Printed: TPOT p50 (ms) of the
-streams, output tok/s, and the step ratio lora / base (issue 44's CPU bar: <= 1.3x).
+streams, output tok/s, and the step ratio lora / base (issue 44's CPU bar: <= 1.3x), of the best
+runs and per round (plain, base and lora back to back, both engines loaded: the median of those
+is the steadier figure on a noisy machine).
 
 The adapters are peft checkpoints for the model's shapes with random A and B
 (``core.testing.lora.write_random_adapter``).
@@ -82,18 +84,17 @@ def main() -> None:
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(100, vocab - 100, (args.input_len,), generator=g).tolist() for _ in range(args.streams)]
         results: dict[str, list[tuple[float, float]]] = {"plain": [], "base": [], "lora": []}
-        run(plain, prompts, [None] * args.streams, 8)  # warm-up
-        for _ in range(args.repeats):
-            results["plain"].append(run(plain, prompts, [None] * args.streams, args.output_len))
-        plain.shutdown()
         eng = Engine(**common, enable_lora=True, lora_paths=paths, max_loras_per_batch=min(n_ad, args.streams),
                      disable_radix_cache=True)
         names = [f"a{i % n_ad}" for i in range(args.streams)]
+        run(plain, prompts, [None] * args.streams, 8)  # warm-up
         run(eng, prompts, names, 8)
-        for _ in range(args.repeats):
+        for _ in range(args.repeats):  # the three back to back in each round (both engines loaded, one running)
+            results["plain"].append(run(plain, prompts, [None] * args.streams, args.output_len))
             results["base"].append(run(eng, prompts, [None] * args.streams, args.output_len))
             results["lora"].append(run(eng, prompts, names, args.output_len))
         eng.shutdown()
+        plain.shutdown()
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else f"{cpu_model_name()}, {args.cpu_threads} threads"
     print(f"# {dev}, torch {torch.__version__}; {args.model_path or 'default model'}; {args.streams} streams over "
           f"{n_ad} rank-{args.rank} adapters (all 7 linear layers), {args.input_len} in / {args.output_len} out, "
@@ -104,6 +105,11 @@ def main() -> None:
         print(f"{k:<8}{tpot:>14.2f}{tps:>14.1f}")
     print(f"lora / base step: {best['lora'][0] / best['base'][0]:.2f}x   lora / plain: "
           f"{best['lora'][0] / best['plain'][0]:.2f}x")
+    # each round's base and lora ran back to back, under the same load from the VM's neighbours
+    for num, ref in (("lora", "base"), ("lora", "plain"), ("base", "plain")):
+        rounds = sorted(x[0] / y[0] for y, x in zip(results[ref], results[num]))
+        print(f"{num} / {ref} per round: median {statistics.median(rounds):.2f}x, range {rounds[0]:.2f}-{rounds[-1]:.2f}x "
+              f"over {len(rounds)} rounds")
 
 
 if __name__ == "__main__":
