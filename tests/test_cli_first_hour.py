@@ -58,7 +58,7 @@ def test_a_typo_with_equals_and_a_stray_word(capsys: pytest.CaptureFixture) -> N
 
 
 @pytest.mark.parametrize("flag", ["--cpu-offload-gb", "--max-lora-chunk-size", "--speculative-draft-model-revision",
-                                  "--enable-p2p-check", "--tool-server"])
+                                  "--enable-nccl-nvls", "--tool-server"])
 def test_an_sglang_flag_core_lacks_is_named_as_one(capsys: pytest.CaptureFixture, flag: str) -> None:
     assert flag in SGLANG_FLAGS_LACKING
     assert _exit_line(capsys, flag) == f"core serve: error: {flag} is an SGLang flag this server does not support yet"

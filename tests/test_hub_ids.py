@@ -119,6 +119,30 @@ def test_tokenizer_path_and_served_name_resolve_through_the_same_resolver(hf_cac
     assert named.served_model_name == "mine"
 
 
+def test_download_dir_is_the_cache_hub_ids_resolve_in(hf_cache, tiny_llama, tmp_path, monkeypatch):
+    """SGLang's ``--download-dir``: the model and tokenizer ids are looked up in (and downloaded
+    into) that folder instead of HF_HUB_CACHE; a weight update from disk uses it too."""
+    from core.engine.config import EngineArgs
+
+    src, _ = tiny_llama()
+    mine = tmp_path / "mine"
+    model = cache_repo(mine, "org/tiny", src)
+    args = resolve_hub_args(EngineArgs(model_path="org/tiny", tokenizer_path="org/tiny", download_dir=str(mine)))
+    assert (args.model_path, args.tokenizer_path) == (str(model), str(model))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelLoadError, match=r"HF_HUB_CACHE="):  # (not in the default cache)
+        resolve_hub_args(EngineArgs(model_path="org/tiny"))
+    with pytest.raises(ModelLoadError, match=rf"--download-dir {mine}"):
+        resolve_hub_path("org/other", cache_dir=str(mine))
+    eng = make_engine("org/tiny", download_dir=str(mine))
+    try:
+        other = cache_repo(mine, "org/tiny-v2", src)
+        assert eng._call(eng.engine.update_weights_from_disk("org/tiny-v2"))[0] is True
+        assert eng.engine.model_config.path == other
+    finally:
+        eng.shutdown()
+
+
 # --------------------------------------------------------------------------- not cached: refused
 
 

@@ -29,6 +29,7 @@ from core.engine.frontend import RequestFrontEnd
 from core.engine.mem_cache.kv_cache import (
     PageAllocator, ReqToTokenTable, allocate_kv_cache, cpu_kv_tokens, kv_bytes_per_token, kv_cache_dtype,
 )
+from core.engine.batch_log import BatchLog
 from core.engine.model_loader.loader import ModelConfig, load_model_config, pooling_config, with_tokenizer_eos
 from core.engine.grammar import GrammarManager
 from core.engine.profiler import StepProfiler
@@ -123,7 +124,7 @@ class AsyncEngine(RequestFrontEnd):
         self.step_listeners: list[Callable[[ScheduledBatch, float], None]] = []
         self.finish_listeners: list[Callable[[Req], None]] = [] if self.lora is None else [self.lora.release]
         self.profiler = StepProfiler(self._executor, self.device)  # /start_profile, /stop_profile
-        self.step_listeners.append(self.profiler.on_step)
+        self.step_listeners += [self.profiler.on_step, BatchLog(self, args.decode_log_interval).on_step]
         self.plugins.pm.hook.on_startup(engine=self)
 
     # ------------------------------------------------------------------ start-up

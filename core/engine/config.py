@@ -69,6 +69,8 @@ class EngineArgs:
                                                "SmolLM2-135M-Instruct)", aliases=("--model",))
     tokenizer_path: str | None = _arg(None, MODEL, "tokenizer folder or model-hub id (default: the model's)")
     revision: str | None = _arg(None, MODEL, "branch, tag or commit of a model-hub id --model-path (default: main)")
+    download_dir: str | None = _arg(None, MODEL, "the model-hub cache a hub id --model-path is looked up in and "
+                                                  "downloaded into (default: huggingface_hub's, HF_HUB_CACHE)")
     served_model_name: str | None = _arg(None, MODEL, "model name the API reports (default: the model path)")
     dtype: str = _arg("auto", MODEL, "weights and activations dtype", choices=DTYPES)
     context_length: int | None = _arg(None, MODEL, "context length (default: from config.json)")
@@ -127,6 +129,8 @@ class EngineArgs:
                                                                 "is raised from p to min(1, p / this), p summed over "
                                                                 "the siblings tried before it (1: exact rejection "
                                                                 "sampling)")
+    sleep_on_idle: bool = _arg(False, MEMORY, "accepted for SGLang launch commands: an idle engine always sleeps "
+                                              "(its loop waits for a request; no polling)")
     disable_overlap_schedule: bool = _arg(False, MEMORY, "process each step's results before scheduling the next "
                                                          "(overlap scheduling is the default on CUDA)")
     enable_overlap_schedule: bool = _arg(False, MEMORY, "overlap scheduling on the CPU too, where the host's work "
@@ -203,6 +207,11 @@ class EngineArgs:
                                                       "default: a free local port; required with --nnodes > 1)")
     nnodes: int = _arg(1, PARALLEL, "machines the tensor-parallel ranks span (--tp-size / --nnodes ranks each)")
     node_rank: int = _arg(0, PARALLEL, "this machine's index among --nnodes (0 serves HTTP, the others only run ranks)")
+    disable_custom_all_reduce: bool = _arg(False, PARALLEL, "accepted for SGLang launch commands: the all-reduce is "
+                                                            "always torch.distributed's (NCCL, gloo), there is no "
+                                                            "custom one")
+    enable_p2p_check: bool = _arg(False, PARALLEL, "accepted for SGLang launch commands: no custom all-reduce reads "
+                                                   "peer GPUs' memory, so there is no peer access to check")
     dist_timeout: float | None = _arg(None, PARALLEL, "seconds a collective or the ranks' rendezvous may wait before "
                                                       "the engine fails its requests and stops (default 300)")
     enable_multimodal: bool | None = _arg(None, MODEL, "serve a vision-language model's image inputs (the default "
@@ -233,6 +242,9 @@ class EngineArgs:
                                      choices=("lru", "fifo"))
     # ---- logging
     log_level: str = _arg("info", LOGGING, None, choices=LOG_LEVELS)
+    decode_log_interval: int = _arg(40, LOGGING, "log a scheduler.decode_batch line (running and queued requests, "
+                                                 "KV token usage, generation throughput) every this many decode "
+                                                 "batches; every prefill batch logs a scheduler.prefill_batch line")
     gc_warning_threshold_secs: float = _arg(0.0, LOGGING, "log a garbage-collector pass longer than this many "
                                                           "seconds (a stall of every stream); 0 disables")
     gc_threshold: list[int] | None = _arg(None, MEMORY, "the garbage collector's thresholds (gc.set_threshold: 1 to "
@@ -348,6 +360,8 @@ def check_scheduling_args(args: EngineArgs) -> None:
         raise CoreError(f"--radix-eviction-policy {args.radix_eviction_policy!r} is not one of {', '.join(EVICTION_POLICIES)}")
     if args.num_continuous_decode_steps < 1:
         raise CoreError(f"--num-continuous-decode-steps must be >= 1, got {args.num_continuous_decode_steps}")
+    if args.decode_log_interval < 1:
+        raise CoreError(f"--decode-log-interval must be >= 1, got {args.decode_log_interval}")
     if args.schedule_conservativeness <= 0:
         raise CoreError(f"--schedule-conservativeness must be > 0, got {args.schedule_conservativeness}")
 

@@ -18,11 +18,11 @@ cuda-graph-backend-decode cuda-graph-backend-prefill cuda-graph-bs-decode cuda-g
 cuda-graph-max-bs-decode cuda-graph-max-bs-prefill cuda-graph-max-seq-len-prefill cuda-graph-prefill-max-context
 custom-weight-loader dcp-comm-backend dcp-replicate-q-proj dcp-size debug-cuda-graph debug-tensor-dump-input-file
 debug-tensor-dump-layers debug-tensor-dump-output-folder decode-attention-backend decode-context-parallel-size
-decode-log-interval decoupled-spec-bind-endpoint decoupled-spec-connect-endpoints decoupled-spec-rank
+decoupled-spec-bind-endpoint decoupled-spec-connect-endpoints decoupled-spec-rank
 decoupled-spec-role decrypted-config-file decrypted-draft-config-file deepep-config deepep-dispatcher-output-dtype
 deepep-mode deepep-v2-mode default-chat-template-kwargs default-priority-value delete-ckpt-after-loading
 detokenizer-worker-num disable-aiter-allreduce-fusion-in-decode disable-aiter-allreduce-fusion-in-prefill
-disable-attn-tp-gather disable-chunked-prefix-cache disable-cuda-graph-padding disable-custom-all-reduce
+disable-attn-tp-gather disable-chunked-prefix-cache disable-cuda-graph-padding 
 disable-decode-cuda-graph disable-fast-image-processor disable-flashinfer-autotune
 disable-flashinfer-cutlass-moe-fp4-allgather disable-hybrid-swa-memory disable-outlines-disk-cache
 disable-overlap-schedule disable-prefill-cuda-graph disable-priority-preemption disable-shared-experts-fusion
@@ -30,7 +30,7 @@ disable-tokenizer-batch-decode disaggregation-bootstrap-port disaggregation-deco
 disaggregation-decode-enable-offload-kvcache disaggregation-decode-enable-radix-cache
 disaggregation-decode-extra-slots disaggregation-decode-host-receive-threshold
 disaggregation-decode-polling-interval disaggregation-decode-retraction-backup disaggregation-enable-kv-checksum
-disaggregation-ib-device disaggregation-transfer-backend dllm-algorithm dllm-algorithm-config dllm-fdfo download-dir
+disaggregation-ib-device disaggregation-transfer-backend dllm-algorithm dllm-algorithm-config dllm-fdfo 
 dsa-decode-backend dsa-paged-mqa-logits-backend dsa-prefill-backend dsa-topk-backend dsa-triton-union
 dsv4-attn-backend dsv4-prefill-backend dwdp-size dynamic-batch-tokenizer-batch-size
 dynamic-batch-tokenizer-batch-timeout elastic-ep-backend elastic-ep-initial-size elastic-ep-join-mode
@@ -48,7 +48,7 @@ enable-layerwise-nvtx-marker enable-lean-attention enable-linear-replayssm enabl
 enable-linker-mla-dedup enable-lmcache enable-lora-overlap-loading enable-mamba-cache-stochastic-rounding
 enable-megamoe-for-layernorm-sp enable-memory-saver enable-metrics-for-all-schedulers enable-mfu-metrics enable-mis
 enable-mm-global-cache enable-mscclpp enable-multi-layer-eagle enable-nccl-nvls enable-nvidia-megakernel
-enable-p2p-check enable-page-major-kv-layout enable-paged-experts enable-pd-role-switch enable-pdmux
+enable-page-major-kv-layout enable-paged-experts enable-pd-role-switch enable-pdmux
 enable-precise-embedding-interpolation enable-prefill-cp enable-prefill-delayer enable-prefix-mm-cache
 enable-profile-cuda-graph enable-quant-communications enable-request-time-stats-logging enable-response-store
 enable-return-aux-hidden-states enable-return-hidden-states enable-return-indexer-topk enable-return-routed-experts
@@ -99,7 +99,7 @@ remote-instance-weight-loader-seed-instance-ip remote-instance-weight-loader-see
 remote-instance-weight-loader-send-weights-group-ports remote-instance-weight-loader-start-seed-via-transfer-engine
 retraction-policy return-aux-hidden-state-layer-ids return-hidden-states-mode return-input-ids return-output-ids
 rl-on-policy-target rl-quant-profile sampling-backend sampling-mask-max-tokens
-scheduler-recv-interval shared-experts-tp-size show-time-cost sidecar sidecar-args sleep-on-idle sm-group-num
+scheduler-recv-interval shared-experts-tp-size show-time-cost sidecar sidecar-args sm-group-num
 smg-grpc-mode smg-http-sidecar-port soft-watchdog-timeout spec-trace-dir
 speculative-adaptive speculative-adaptive-config speculative-attention-mode
 speculative-dflash-block-size speculative-domino-candidate-pool-size speculative-draft-attention-backend

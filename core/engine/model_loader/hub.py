@@ -74,23 +74,26 @@ def hub_offline() -> bool:
 
 
 def resolve_hub_path(path: str, *, revision: str | None = None, tokenizer: bool = False,
-                     weights: bool = True) -> Path:
+                     weights: bool = True, cache_dir: str | None = None) -> Path:
     """The local folder (or .gguf file) for hub id ``path``: cached, else downloaded.
 
     ``tokenizer``: only the tokenizer files are needed; ``weights=False`` (``--load-format
-    dummy``): only config and tokenizer. Raises ModelLoadError saying why it cannot be had."""
+    dummy``): only config and tokenizer; ``cache_dir`` (``--download-dir``): the hub cache to
+    look in and download into, instead of huggingface_hub's. Raises ModelLoadError saying why it
+    cannot be had."""
     m = _HUB_ID.fullmatch(path)
     if m is None:
         raise ModelLoadError(f"{path!r} is not a model-hub id (org/name)")
     repo, file = m["repo"], m["file"]
     what = "tokenizer path" if tokenizer else "model path"
-    cache = hub_cache_dir()
+    cache = Path(cache_dir).expanduser() if cache_dir else hub_cache_dir()
+    where = f"--download-dir {cache}" if cache_dir else f"HF_HUB_CACHE={cache}"
     folder = _cached_snapshot(repo, revision, cache)
     if folder is not None and _complete(folder, file, tokenizer, weights):
         log.info("hub.cached", repo=repo, revision=revision or "main", path=str(folder))
         return folder / file if file else folder
     refusal = (f"{what} {path!r} does not exist locally and is not{' completely' if folder else ''} in the local "
-               f"Hugging Face cache (HF_HUB_CACHE={cache})")
+               f"Hugging Face cache ({where})")
     if hub_offline():
         raise ModelLoadError(f"{refusal}; HF_HUB_OFFLINE is set, so it was not downloaded: pass a local folder or "
                              f".gguf file, or unset HF_HUB_OFFLINE")
@@ -108,11 +111,13 @@ def resolve_hub_args(args: EngineArgs) -> EngineArgs:
     path naming the same repository)."""
     changes: dict[str, str] = {}
     if is_hub_id(args.model_path):
-        local = resolve_hub_path(args.model_path, revision=args.revision, weights=args.load_format != "dummy")
+        local = resolve_hub_path(args.model_path, revision=args.revision, weights=args.load_format != "dummy",
+                                 cache_dir=args.download_dir)
         changes.update(model_path=str(local), served_model_name=args.served_model_name or args.model_path)
     if is_hub_id(args.tokenizer_path):
         revision = args.revision if args.tokenizer_path == args.model_path else None
-        changes["tokenizer_path"] = str(resolve_hub_path(args.tokenizer_path, revision=revision, tokenizer=True))
+        changes["tokenizer_path"] = str(resolve_hub_path(args.tokenizer_path, revision=revision, tokenizer=True,
+                                                         cache_dir=args.download_dir))
     return attrs.evolve(args, **changes) if changes else args
 
 

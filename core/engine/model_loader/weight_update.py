@@ -12,6 +12,7 @@ import structlog
 import torch
 
 from core.engine import gc_watch
+from core.engine.model_loader.hub import is_hub_id, resolve_hub_path
 from core.engine.model_loader.loader import load_model_config, with_tokenizer_eos
 
 if TYPE_CHECKING:
@@ -48,6 +49,8 @@ def reload_weights(engine: AsyncEngine, model_path: str, load_format: str = "aut
         return False, ("Failed to update weights: not supported with --enable-lora (the adapters are bound to the "
                        "served weights); restart the server with the new model")
     try:
+        if is_hub_id(model_path):  # (into --download-dir, as the served model was)
+            model_path = str(resolve_hub_path(model_path, cache_dir=args.download_dir))
         new = load_model_config(model_path, args.dtype, engine.device, args.context_length, args.served_model_name,
                                 args.json_model_override_args)
     except Exception as e:

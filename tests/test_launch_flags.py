@@ -1,0 +1,58 @@
+"""SGLang launch flags of operation rather than output: ``--decode-log-interval`` (SGLang's
+"Prefill batch" / "Decode batch" log lines, as ``scheduler.prefill_batch`` / ``.decode_batch``),
+and the flags accepted because what they ask for is what the engine always does
+(``--sleep-on-idle``: an idle engine uses no CPU; ``--disable-custom-all-reduce`` and
+``--enable-p2p-check``: there is no custom all-reduce). ``--download-dir`` is tested with the
+hub ids (tests/test_hub_ids.py)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from structlog.testing import capture_logs
+
+from core.errors import CoreError
+from tests.conftest import greedy, make_engine
+
+
+def test_prefill_and_decode_batches_are_logged_as_sglang_does(tiny_llama):
+    path, _ = tiny_llama()
+    eng = make_engine(path, decode_log_interval=3, disable_overlap_schedule=True, chunked_prefill_size=16)
+    try:
+        prompt = [5 + i % 40 for i in range(24)]
+        with capture_logs() as logs:
+            eng.generate(input_ids=prompt, sampling_params={**greedy(10), "ignore_eos": True})
+            eng.generate(input_ids=prompt + [7, 8], sampling_params={**greedy(4), "ignore_eos": True})
+    finally:
+        eng.shutdown()
+    prefills = [e for e in logs if e["event"] == "scheduler.prefill_batch"]
+    decodes = [e for e in logs if e["event"] == "scheduler.decode_batch"]
+    # the first prompt in two chunks (the second's start is no cache hit), the second's 24 cached tokens
+    assert [(e["new_seq"], e["new_token"], e["cached_token"]) for e in prefills] == [(1, 16, 0), (1, 8, 0), (1, 2, 24)], prefills
+    assert all(e["log_level"] == "info" and 0 < e["token_usage"] <= 1 and e["queue_req"] == 0 for e in prefills)
+    # 9 + 3 decode steps (the first token comes from each prefill): one line every 3rd
+    assert len(decodes) == 4, decodes
+    assert all(e["running_req"] == 1 and e["token"] > 24 and e["gen_throughput"] > 0 for e in decodes), decodes
+
+
+def test_flags_sglang_launch_commands_carry_are_accepted(tiny_llama):
+    from core.cli import build_parser
+
+    ns = build_parser().parse_args(["serve", "--model-path", "m", "--enable-p2p-check", "--disable-custom-all-reduce",
+                                    "--sleep-on-idle", "--decode-log-interval", "10", "--download-dir", "/d"])
+    assert (ns.enable_p2p_check, ns.disable_custom_all_reduce, ns.sleep_on_idle, ns.decode_log_interval,
+            ns.download_dir) == (True, True, True, 10, "/d")
+    path, _ = tiny_llama()
+    with pytest.raises(CoreError, match="--decode-log-interval must be >= 1"):
+        make_engine(path, decode_log_interval=0)
+    eng = make_engine(path, sleep_on_idle=True, enable_p2p_check=True, disable_custom_all_reduce=True)
+    try:
+        assert eng.generate("ab", greedy(2))["meta_info"]["completion_tokens"] == 2
+        time.sleep(0.2)
+        cpu = time.process_time()
+        time.sleep(1.0)  # idle: the engine's loop and threads wait, none polls
+        assert time.process_time() - cpu < 0.05
+    finally:
+        eng.shutdown()
+
