@@ -309,6 +309,8 @@ CLASSIFIED: dict[str, dict[str, Any]] = {
         "decode_log_interval": H("tests.test_launch_flags::test_prefill_and_decode_batches_are_logged_as_sglang_does"),
         "sleep_on_idle": H("tests.test_launch_flags::test_flags_sglang_launch_commands_carry_are_accepted"),
         "disable_custom_all_reduce": P, "enable_p2p_check": P,
+        **{f: H("tests.test_launch_flags::test_gpu_placement_follows_sglangs_base_gpu_id_and_gpu_id_step")
+           for f in ("base_gpu_id", "gpu_id_step")},
         "dtype": H("tests.test_cpu_attention::test_bfloat16_engine_is_as_close_to_float32_as_torch_native"),
         "context_length": H("tests.test_loader::test_context_length_cannot_exceed_the_model"),
         "skip_tokenizer_init": H(f"{ENGINE}::test_text_prompt_without_tokenizer"),

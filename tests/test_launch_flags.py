@@ -56,3 +56,34 @@ def test_flags_sglang_launch_commands_carry_are_accepted(tiny_llama):
     finally:
         eng.shutdown()
 
+
+
+def test_gpu_placement_follows_sglangs_base_gpu_id_and_gpu_id_step(monkeypatch):
+    """SGLang's ``--base-gpu-id`` / ``--gpu-id-step``: replica r's local rank k runs on GPU
+    base + (r * ranks per node + k) * step; each data-parallel replica is handed its first GPU
+    (before, every replica ran on the first GPU); a layout past the machine's GPUs, both
+    ``--device cuda:N`` and ``--base-gpu-id``, or either flag on the CPU are start-up errors."""
+    import torch
+
+    from core.engine.config import EngineArgs
+    from core.engine.data_parallel.engine import replica_args
+    from core.engine.device import gpu_index, placed_device
+    from core.engine.distributed.collectives import DistPlan, rank_device
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    args = EngineArgs(model_path="m", device="cuda", dp_size=2, tp_size=2, base_gpu_id=1, gpu_id_step=2)
+    assert placed_device(args) == torch.device("cuda", 1)
+    firsts = [replica_args(args, i) for i in range(2)]
+    assert [(a.device, a.base_gpu_id, a.dp_size) for a in firsts] == [("cuda:1", 0, 1), ("cuda:5", 0, 1)]
+    plan = DistPlan(2, 1, 0, "127.0.0.1:1", 60.0, "nccl", gpu_id_step=2)
+    assert [rank_device(placed_device(a), plan, k).index for a in firsts for k in range(2)] == [1, 3, 5, 7]
+    assert gpu_index(0, 1, 3, 2, 1) == 7  # (the default: GPUs in order)
+    assert [replica_args(EngineArgs(model_path="m", device="cuda", dp_size=4), i).device for i in range(4)] == [
+        "cuda:0", "cuda:1", "cuda:2", "cuda:3"]
+    with pytest.raises(CoreError, match="reach cuda:9; this machine has 8"):
+        placed_device(EngineArgs(model_path="m", device="cuda", dp_size=2, tp_size=2, base_gpu_id=3, gpu_id_step=2))
+    with pytest.raises(CoreError, match="give one of them"):
+        placed_device(EngineArgs(model_path="m", device="cuda:2", base_gpu_id=1))
+    with pytest.raises(CoreError, match="runs on cpu"):
+        placed_device(EngineArgs(model_path="m", device="cpu", base_gpu_id=1))
+    assert replica_args(EngineArgs(model_path="m", device="cpu", dp_size=2), 1).device == "cpu"

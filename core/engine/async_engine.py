@@ -17,7 +17,7 @@ import torch
 
 from core.engine import gc_watch, gil_switch
 from core.engine.distributed.collectives import KVSpec
-from core.engine.device import check_openmp_policy, configure_cpu_runtime, pick_device
+from core.engine.device import check_openmp_policy, configure_cpu_runtime, engine_device
 from core.engine.distributed.tensor_parallel import RankFailure, start_tensor_parallel
 from core.engine.lora.serving import attach_lora
 from core.engine.multimodal.engine import attach_multimodal
@@ -63,7 +63,7 @@ class AsyncEngine(RequestFrontEnd):
         self.args = args
         configure_cpu_runtime(args.cpu_threads)
         self.plugins = plugins or load_plugins(args.plugins, strict=args.strict_plugins)
-        self.device = pick_device(args.device)
+        self.device = engine_device(args)
         check_openmp_policy(self.device)
         self.model_config: ModelConfig = load_model_config(
             args.model_path, args.dtype, self.device, args.context_length, args.served_model_name, args.json_model_override_args

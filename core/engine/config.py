@@ -207,6 +207,10 @@ class EngineArgs:
                                                       "default: a free local port; required with --nnodes > 1)")
     nnodes: int = _arg(1, PARALLEL, "machines the tensor-parallel ranks span (--tp-size / --nnodes ranks each)")
     node_rank: int = _arg(0, PARALLEL, "this machine's index among --nnodes (0 serves HTTP, the others only run ranks)")
+    base_gpu_id: int = _arg(0, PARALLEL, "the first GPU this server uses (--device cuda:N says the same); the "
+                                         "ranks and data-parallel replicas take the next ones")
+    gpu_id_step: int = _arg(1, PARALLEL, "GPUs between two consecutive ranks (and replicas' first ranks follow their "
+                                         "predecessors' last)")
     disable_custom_all_reduce: bool = _arg(False, PARALLEL, "accepted for SGLang launch commands: the all-reduce is "
                                                             "always torch.distributed's (NCCL, gloo), there is no "
                                                             "custom one")

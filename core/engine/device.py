@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import os
 from pathlib import Path
+from typing import Any
 
 import structlog
 import torch
@@ -54,6 +55,46 @@ def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+def placed_device(args: Any, gpus: int | None = None) -> torch.device:
+    """The device of ``args``' first rank: on CUDA the GPU SGLang's ``--base-gpu-id`` names (or
+    ``--device cuda:N``: one or the other), checked to leave room for every rank and replica
+    ``--gpu-id-step`` apart (``gpu_index``); ``gpus``: the GPU count (default: this machine's)."""
+    from core.errors import CoreError
+
+    device, base, step = pick_device(args.device), args.base_gpu_id, args.gpu_id_step
+    if base < 0 or step < 1:
+        raise CoreError(f"--base-gpu-id must be >= 0 and --gpu-id-step >= 1, got {base} and {step}")
+    if device.type != "cuda":
+        if (base, step) != (0, 1):
+            raise CoreError(f"--base-gpu-id and --gpu-id-step place ranks on CUDA GPUs; this engine runs on {device.type}")
+        return device
+    if device.index is not None and base:
+        raise CoreError(f"--device {device} and --base-gpu-id {base} both name the first GPU: give one of them")
+    first = device.index if device.index is not None else base
+    per_node = args.tp_size // max(1, args.nnodes)
+    last = gpu_index(first, step, args.dp_size - 1, per_node, per_node - 1)
+    gpus = torch.cuda.device_count() if gpus is None else gpus
+    if last >= gpus:
+        raise CoreError(f"{args.dp_size * per_node} GPU(s) from cuda:{first}, {step} apart (--base-gpu-id, "
+                        f"--gpu-id-step, --dp-size, --tp-size), reach cuda:{last}; this machine has {gpus}")
+    return torch.device("cuda", first)
+
+
+def engine_device(args: Any) -> torch.device:
+    """``placed_device``, made the process's current CUDA device there (streams, CUDA graphs and
+    kernels launched without a device go to it)."""
+    device = placed_device(args)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
+
+
+def gpu_index(first: int, step: int, replica: int, ranks_per_node: int, local_rank: int) -> int:
+    """SGLang's placement: data-parallel replica ``replica``'s local tensor-parallel rank
+    ``local_rank`` runs on GPU ``first + (replica * ranks_per_node + local_rank) * step``."""
+    return first + (replica * ranks_per_node + local_rank) * step
 
 
 @functools.cache

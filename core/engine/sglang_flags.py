@@ -10,7 +10,7 @@ from __future__ import annotations
 SGLANG_FLAGS_LACKING: frozenset[str] = frozenset("--" + name for name in """
 abort-on-priority-when-disabled admin-api-key asr-max-buffer-seconds
 asr-max-concurrent-sessions attention-context-parallel-size attention-data-parallel-size attn-cp-size attn-dp-size
-base-gpu-id batch-notify-size bf16-gemm-backend boundary-reduction bucket-e2e-request-latency
+batch-notify-size bf16-gemm-backend boundary-reduction bucket-e2e-request-latency
 bucket-inter-token-latency bucket-time-to-first-token c128-page-size checkpoint-engine-wait-weights-before-ready
 completion-template constrained-json-disable-any-whitespace constrained-json-max-whitespace-cnt
 constrained-json-whitespace-pattern context-bucket cp-strategy cpu-offload-gb crash-dump-folder
@@ -65,7 +65,7 @@ expert-distribution-recorder-mode experts-shared-outer-loras export-metrics-to-f
 extra-metric-labels fastapi-root-path flashinfer-a2a-dispatch-type flashinfer-allreduce-fusion-backend
 flashinfer-autotune-skip-ops flashinfer-mla-disable-ragged flashinfer-mxfp4-moe-precision flexkv-config-file
 forward-hooks forward-pass-metrics-ipc-name forward-pass-metrics-worker-id fp4-gemm-backend fp8-gemm-backend
-fuseep-mode gated-launch-port generation-tokens-buckets gpu-id-step
+fuseep-mode gated-launch-port generation-tokens-buckets 
 grpc-http-sidecar-port grpc-mode grpc-port grpc-response-timeout-secs hf-chat-template-name
 hicache-host-memory-fraction hicache-host-memory-mode 
 hicache-storage-backend-extra-config 

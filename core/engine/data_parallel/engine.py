@@ -30,6 +30,7 @@ from core.engine.distributed.collectives import process_context
 from core.engine.config import EngineArgs, lora_requested
 from core.engine.data_parallel.replica import ReqDelta, ReqSpec, replica_main
 from core.engine.data_parallel.router import Router
+from core.engine.device import gpu_index, placed_device
 from core.engine.frontend import RequestFrontEnd
 from core.engine.grammar import GrammarManager
 from core.engine.lora.replicated import ReplicatedAdapters
@@ -118,12 +119,11 @@ class DataParallelEngine(RequestFrontEnd):
     # ------------------------------------------------------------------ start-up
     def _start(self) -> list[Replica]:
         ctx = process_context()
-        one = attrs.evolve(self.args, dp_size=1, max_loaded_loras=None)  # (the front end evicts adapters: ReplicatedAdapters)
         replicas = []
         for i in range(self.args.dp_size):
             mine, theirs = ctx.Pipe()
             # not a daemon: a replica may start its own tensor-parallel ranks; it exits when the pipe closes
-            p = ctx.Process(target=replica_main, args=(i, one, theirs), name=f"core-dp-replica{i}")
+            p = ctx.Process(target=replica_main, args=(i, replica_args(self.args, i), theirs), name=f"core-dp-replica{i}")
             p.start()
             theirs.close()
             replicas.append(Replica(i, p, mine))
@@ -462,6 +462,18 @@ class _ReplicaProfiler:
 
     async def stop(self) -> str:
         return _paths(await self.engine._call_all("stop_profile"))
+
+
+def replica_args(args: EngineArgs, index: int) -> EngineArgs:
+    """Replica ``index``'s arguments: one replica's (the front end evicts adapters itself,
+    ``ReplicatedAdapters``), on CUDA its own GPUs as SGLang places them (``gpu_index``: after the
+    ranks of the replicas before it), named in its ``--device`` (its ``--base-gpu-id`` then 0)."""
+    one = attrs.evolve(args, dp_size=1, max_loaded_loras=None)
+    device = placed_device(args)
+    if device.type != "cuda":
+        return one
+    first = gpu_index(device.index, args.gpu_id_step, index, args.tp_size // max(1, args.nnodes), 0)
+    return attrs.evolve(one, device=f"cuda:{first}", base_gpu_id=0)
 
 
 def _paths(results: list[Any]) -> str:

@@ -13,6 +13,7 @@ from typing import Any
 import attrs
 import torch
 
+from core.engine.device import gpu_index
 from core.errors import CoreError
 from core.parallel import TensorParallel
 
@@ -44,6 +45,7 @@ class DistPlan:
     init_addr: str  # HOST:PORT of rank 0's rendezvous
     timeout_s: float
     backend: str  # "nccl" or "gloo"
+    gpu_id_step: int = 1  # --gpu-id-step: GPUs between consecutive ranks
 
     @property
     def ranks_per_node(self) -> int:
@@ -67,10 +69,12 @@ class KVSpec:
 
 
 def rank_device(device: torch.device, plan: DistPlan, rank: int) -> torch.device:
-    """A rank's device: the CPU, or GPU ``base + local rank`` (``base``: the index in ``--device cuda:N``)."""
+    """A rank's device: the CPU, or GPU ``first + local rank * --gpu-id-step`` (``first``: the
+    first rank's, ``core.engine.device.placed_device``)."""
     if device.type != "cuda":
         return device
-    return torch.device("cuda", (device.index or 0) + rank - plan.node_rank * plan.ranks_per_node)
+    return torch.device("cuda", gpu_index(device.index or 0, plan.gpu_id_step, 0, plan.ranks_per_node,
+                                          rank - plan.node_rank * plan.ranks_per_node))
 
 
 def init_rank(plan: DistPlan, rank: int) -> tuple[TensorParallel, Any]:

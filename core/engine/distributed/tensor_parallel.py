@@ -74,7 +74,8 @@ def plan_for(args: EngineArgs, device: torch.device) -> DistPlan | None:
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise CoreError(f"--dist-init-addr must be HOST:PORT, got {addr!r}")
     backend = "nccl" if device.type == "cuda" else "gloo"
-    return DistPlan(tp, nnodes, node_rank, addr, float(args.dist_timeout or DEFAULT_DIST_TIMEOUT_S), backend)
+    return DistPlan(tp, nnodes, node_rank, addr, float(args.dist_timeout or DEFAULT_DIST_TIMEOUT_S), backend,
+                    args.gpu_id_step)
 
 
 def _free_port() -> int:
@@ -282,10 +283,10 @@ def serve_node(args: EngineArgs) -> int:
     scheduler) until rank 0 stops them or a signal arrives; 0 when they all exited cleanly."""
     import signal
 
-    from core.engine.device import pick_device
+    from core.engine.device import placed_device
     from core.engine.distributed.tp_worker import rank_main
 
-    plan = plan_for(args, pick_device(args.device))
+    plan = plan_for(args, placed_device(args))
     if plan is None or plan.node_rank == 0:
         raise CoreError("only --node-rank > 0 of a --tp-size > 1 group runs ranks without serving")
     ctx = process_context()

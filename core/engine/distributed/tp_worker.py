@@ -23,7 +23,7 @@ import torch
 from core.engine import gc_watch
 from core.engine.config import EngineArgs
 from core.engine.distributed.collectives import DistPlan, KVSpec, agree, broadcast, describe, init_rank, rank_device
-from core.engine.device import configure_cpu_runtime
+from core.engine.device import configure_cpu_runtime, placed_device
 from core.engine.mem_cache.kv_cache import allocate_kv_cache
 from core.engine.model_loader.loader import load_model_config
 from core.engine.model_loader.model_build import build_model
@@ -54,8 +54,7 @@ def rank_main(rank: int, args: EngineArgs, plan: DistPlan) -> None:
 def _serve(rank: int, args: EngineArgs, plan: DistPlan) -> int:
     from core.plugins import load_plugins
 
-    device = rank_device(torch.device(args.device if args.device != "auto" else
-                                      ("cuda" if torch.cuda.is_available() else "cpu")), plan, rank)
+    device = rank_device(placed_device(args), plan, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     tp, control = init_rank(plan, rank)
