@@ -95,16 +95,9 @@ def test_thresholds_at_one_keep_the_target_distribution(tiny):
 def test_thresholds_at_one_keep_the_target_distribution_through_trees(tiny, monkeypatch):
     """As above through trees of a wrong first child and the greedy token per level: siblings'
     summed probabilities, and a fresh draw where the target's sample was a rejected child."""
-    from core.engine.speculative import Speculator
-    from tests.test_speculative_tree import TreeOracle
+    from tests.test_speculative_tree import TreeOracle, verify_trees_on_the_cpu
 
-    load = Speculator.load
-
-    def load_with_trees(self: Speculator, ctx: Any) -> None:  # (the CPU cuts a chain drafter's trees by default)
-        load(self, ctx)
-        self.trees = True
-
-    monkeypatch.setattr(Speculator, "load", load_with_trees)
+    verify_trees_on_the_cpu(monkeypatch)
     check_sampled_distribution(tiny, lambda prompt, greedy: TreeOracle({tuple(prompt): greedy}), max_new_tokens=4,
                                accept=Thresholds(), speculative_num_draft_tokens=5)
 

@@ -102,20 +102,26 @@ def test_without_tree_masks_the_first_chain_is_verified(tiny):
     assert all(o["meta_info"]["spec_num_correct_drafts"] == 0 < o["meta_info"]["spec_num_proposed_drafts"] for o in spec)
 
 
-def test_sampled_tree_verification_keeps_the_target_distribution(tiny, monkeypatch):
-    """Sampling through trees: per level a wrong first child and the greedy token; the kept path
-    follows the target's own samples, so the sampled outputs keep the plain engine's distribution
-    (and a verify that kept the first child regardless fails this)."""
+def verify_trees_on_the_cpu(monkeypatch) -> None:
+    """Trees verified whole on the CPU too (it cuts a chain drafter's trees to their first chain by default)."""
     from core.engine.speculative import Speculator
-    from tests.test_speculative import check_sampled_distribution
 
     load = Speculator.load
 
-    def load_with_trees(self: Speculator, ctx: Any) -> None:  # (the CPU cuts a chain drafter's trees by default)
+    def load_with_trees(self: Speculator, ctx: Any) -> None:
         load(self, ctx)
         self.trees = True
 
     monkeypatch.setattr(Speculator, "load", load_with_trees)
+
+
+def test_sampled_tree_verification_keeps_the_target_distribution(tiny, monkeypatch):
+    """Sampling through trees: per level a wrong first child and the greedy token; the kept path
+    follows the target's own samples, so the sampled outputs keep the plain engine's distribution
+    (and a verify that kept the first child regardless fails this)."""
+    from tests.test_speculative import check_sampled_distribution
+
+    verify_trees_on_the_cpu(monkeypatch)
     check_sampled_distribution(tiny, lambda prompt, greedy: TreeOracle({tuple(prompt): greedy}), max_new_tokens=4,
                                speculative_num_draft_tokens=5)
 
