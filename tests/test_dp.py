@@ -153,7 +153,7 @@ def test_server_aggregates_replicas_and_survives_one_dying(model_path):
 
     from tests.server_utils import launch, stop
 
-    server = launch("--model-path", str(model_path), "--dtype", "float32", "--dp-size", "2", "--enable-metrics",
+    server = launch("--model-path", str(model_path), "--device", "cpu", "--dtype", "float32", "--dp-size", "2", "--enable-metrics",
                     "--load-balance-method", "shortest_queue")
     url = server.base_url
 

@@ -23,7 +23,6 @@ import attrs
 import torch
 
 
-
 @attrs.frozen
 class Thresholds:
     single: float = 1.0  # a child whose target probability reaches this is kept
