@@ -111,6 +111,9 @@ case $mode in
       -m "gpu or not gpu" 2>&1 | tee -a "$OUT/gpu_tests.log" | tail -12
     timeout 150 python3 bench/bench_speculative.py --model-path bench/shapes/llama-3.1-8b --repeats 2 2>&1 \
       | grep -v -i warn | tee -a "$OUT/spec.log"
+    # SPEC_STREAMS=64: the same at 64 new prompts at once (a verify past the largest verify graph decodes plainly)
+    [ -n "${SPEC_STREAMS:-}" ] && timeout 200 python3 bench/bench_speculative.py --model-path bench/shapes/llama-3.1-8b \
+      --repeats 1 --streams "$SPEC_STREAMS" 2>&1 | grep -v -i warn | tee -a "$OUT/spec.log"
     [ -n "${SPEC_SMALL:-}" ] && timeout 70 "$0" bench --model-path bench/shapes/smollm2-135m --load-format dummy \
       --skip-tokenizer-init --skip-split --skip-hf --concurrency 1,64,256 --overlap both ;;
   serve)  # core serve on dummy weights + core bench serving: issue 42's HTTP workload (400 prompts, all at once)
