@@ -87,3 +87,56 @@ def test_gpu_placement_follows_sglangs_base_gpu_id_and_gpu_id_step(monkeypatch):
     with pytest.raises(CoreError, match="runs on cpu"):
         placed_device(EngineArgs(model_path="m", device="cpu", base_gpu_id=1))
     assert replica_args(EngineArgs(model_path="m", device="cpu", dp_size=2), 1).device == "cpu"
+
+
+def test_preferred_sampling_params_fill_what_requests_leave_unset(tiny_llama):
+    """SGLang's ``--preferred-sampling-params``: under a /generate request's own keys (as SGLang
+    merges them), and for what an OpenAI request leaves unset (``max_new_tokens`` caps a request
+    without ``max_tokens``); /get_model_info reports them; keys that cannot be a server default
+    and bad values are start-up errors."""
+    import asyncio
+
+    import httpx
+
+    from core.cli import build_parser
+    from core.engine import AsyncEngine
+    from core.engine.config import engine_args_from_kwargs
+    from core.server.app import create_app
+    from core.server.args import ServerArgs, validate_serve_args
+    from core.server.state import build_state
+
+    path, _ = tiny_llama()
+    preferred = {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}
+
+    async def go() -> dict:
+        args = engine_args_from_kwargs(dict(model_path=str(path), dtype="float32", max_total_tokens=1024, cpu_threads=1,
+                                            device="cpu", grammar_backend="none"))
+        engine = AsyncEngine(args)
+        state = build_state(engine, ServerArgs(preferred_sampling_params=preferred,
+                                               chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}"))
+        state.ready = True
+        out = {}
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(state)), base_url="http://t") as c:
+            gen = [(await c.post("/generate", json={"text": "hello", "sampling_params": sp})).json()
+                   for sp in ({}, {"max_new_tokens": 5}, {"temperature": 1.0, "top_k": 1})]
+            out["generate"] = [len(g["output_ids"]) for g in gen]
+            comp = [(await c.post("/v1/completions", json={"model": "m", "prompt": "hello", **extra})).json()
+                    for extra in ({}, {"max_tokens": 5})]
+            out["completions"] = [c_["usage"]["completion_tokens"] for c_ in comp]
+            chat = await c.post("/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+            assert chat.status_code == 200, chat.text
+            out["chat"] = chat.json()["usage"]["completion_tokens"]
+            out["info"] = (await c.get("/get_model_info")).json()["preferred_sampling_params"]
+        await engine.shutdown()
+        return out
+
+    out = asyncio.run(go())
+    assert out["generate"] == [3, 5, 3] and out["completions"] == [3, 5] and out["chat"] == 3, out
+    assert out["info"] == preferred
+    parser = build_parser()
+    for flag, match in (('{"n": 2}', "n cannot be a server default"), ('{"temperature": -1}', "temperature"),
+                        ('{"json_schema": "{}"}', "json_schema cannot be a server default")):
+        with pytest.raises(CoreError, match=match):
+            validate_serve_args(parser.parse_args(["serve", "--model-path", "m", "--preferred-sampling-params", flag]))
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--model-path", "m", "--preferred-sampling-params", "[1]"])

@@ -89,7 +89,7 @@ moe-runner-backend monokernel-backend mooncake-ib-device msprobe-dump-config ncc
 num-reserved-decode-tokens numa-node offload-group-size offload-mode offload-num-in-group offload-prefetch-step
 optimistic-prefill-attempts otlp-service-name otlp-traces-endpoint paged-experts-num-resident pdmux-config-path
 ple-offload-backend ple-offload-dir ple-offload-embedding pp-async-batch-depth pp-max-micro-batch-size pre-warm-nccl
-preferred-sampling-params prefill-attention-backend prefill-decode-interval prefill-decode-interval-min-bs
+prefill-attention-backend prefill-decode-interval prefill-decode-interval-min-bs
 prefill-delayer-forward-passes-buckets prefill-delayer-max-delay-ms prefill-delayer-max-delay-passes
 prefill-delayer-queue-min-ratio prefill-delayer-token-usage-low-watermark prefill-delayer-wait-seconds-buckets
 prefill-kv-cache-dequant-dtype prefill-max-requests prefill-only-disable-kv-cache

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import json
 import os
 import re
 from typing import Any, Callable, NoReturn, Sequence
@@ -380,6 +381,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sampling-defaults", default="model", choices=["openai", "model"],
                    help="where a chat request's omitted temperature, top_p, top_k, min_p and repetition_penalty come "
                         "from: the model's generation_config.json (model, the default, as SGLang) or OpenAI's defaults")
+    g.add_argument("--preferred-sampling-params", type=_json_object, default=None, metavar="JSON",
+                   help="server-wide defaults for the sampling parameters a request leaves unset, as a JSON object "
+                        f"of {', '.join(PREFERRED_SAMPLING_KEYS)} (SGLang's; /get_model_info reports them)")
     g.add_argument("--allow-auto-truncate", action="store_true",
                    help="a prompt longer than the context keeps its first context-length - 1 tokens (the tail is "
                         "dropped, as SGLang does) instead of being rejected; max tokens are cut to what fits. "
@@ -418,6 +422,40 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 
 
 # ---------------------------------------------------------------------------- validation
+# the sampling parameters --preferred-sampling-params may set (a constraint or n as a server default is refused)
+PREFERRED_SAMPLING_KEYS = ("max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p",
+                           "frequency_penalty", "presence_penalty", "repetition_penalty", "stop", "stop_token_ids",
+                           "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "seed",
+                           "sampling_seed")
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object is needed, got {text!r}")
+    return value
+
+
+def check_preferred_sampling_params(preferred: dict[str, Any] | None) -> None:
+    """``--preferred-sampling-params``: keys among ``PREFERRED_SAMPLING_KEYS``, values sampling
+    parameters accept (checked by building them)."""
+    from core.engine.sampling_params import SamplingParams
+    from core.errors import InvalidRequest
+
+    if not preferred:
+        return
+    if bad := sorted(set(preferred) - set(PREFERRED_SAMPLING_KEYS)):
+        raise CoreError(f"--preferred-sampling-params: {', '.join(bad)} cannot be a server default; it may set "
+                        f"{', '.join(PREFERRED_SAMPLING_KEYS)}")
+    try:
+        SamplingParams.from_dict(preferred).validate()
+    except InvalidRequest as e:
+        raise CoreError(f"--preferred-sampling-params: {e}") from None
+
+
 def validate_serve_args(ns: argparse.Namespace) -> None:
     """Raise CoreError naming the first flag that asks for something core cannot do yet."""
     for dest, (ok, note) in NOT_SUPPORTED_YET.items():
@@ -432,6 +470,7 @@ def validate_serve_args(ns: argparse.Namespace) -> None:
         raise CoreError(f"--port must be in [1, 65535], got {ns.port}")
     if ns.stream_interval < 1:
         raise CoreError(f"--stream-interval must be >= 1, got {ns.stream_interval}")
+    check_preferred_sampling_params(getattr(ns, "preferred_sampling_params", None))
     if ns.max_queued_requests is not None and ns.max_queued_requests < 0:
         raise CoreError(f"--max-queued-requests must be >= 0, got {ns.max_queued_requests}")
     if getattr(ns, "schedule_conservativeness", 1.0) <= 0:
@@ -517,6 +556,7 @@ class ServerArgs:
     tool_call_parser: str | None = None
     allow_auto_truncate: bool = False
     sampling_defaults: str = "model"
+    preferred_sampling_params: dict[str, Any] | None = None
     flags: dict[str, Any] = attrs.field(factory=dict)  # every serve flag, JSON-able, the key redacted (/get_server_info)
 
     @classmethod

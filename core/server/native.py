@@ -122,11 +122,15 @@ _UNSUPPORTED_GENERATE_FIELDS = GenerateReqInput.__struct_fields__[
 _UNSUPPORTED_SAMPLING_KEYS = {"custom_params": (None, {}), "watermark": (None, {}), "beam_width": (None, 1)}
 
 
-def _sampling_params(d: dict | None) -> tuple[SamplingParams, int | None]:
-    """SamplingParams from a request dict (None values mean 'default'), plus a per-request stream_interval."""
+def _sampling_params(d: dict | None, preferred: dict | None = None) -> tuple[SamplingParams, int | None]:
+    """SamplingParams from a request dict (None values mean 'default'; ``preferred``:
+    ``--preferred-sampling-params``, under the request's own keys, as SGLang merges them), plus a
+    per-request stream_interval."""
     if d is not None and not isinstance(d, dict):
         raise InvalidRequest("sampling_params must be an object", param="sampling_params")
     d = {k: v for k, v in (d or {}).items() if v is not None}
+    if preferred:  # (SGLang's two names of the seed: one, so that the request's wins whichever it uses)
+        d = {**_seed_named(preferred), **_seed_named(d)}
     for key, unset in _UNSUPPORTED_SAMPLING_KEYS.items():
         if key in d and d.pop(key) not in unset:
             raise InvalidRequest(f"sampling parameter {key} is not supported by this server", param=key)
@@ -136,6 +140,10 @@ def _sampling_params(d: dict | None) -> tuple[SamplingParams, int | None]:
     params = SamplingParams.from_dict(d)
     check_sampling_limits(params)
     return params, interval
+
+
+def _seed_named(d: dict) -> dict:
+    return {("seed" if k == "sampling_seed" and "seed" not in d else k): v for k, v in d.items()}
 
 
 def _check_total(state: ServerState, ids: list[int], sp: Any) -> None:
@@ -184,7 +192,7 @@ def build_generate_requests(state: ServerState, obj: GenerateReqInput) -> tuple[
     prios = per_item(obj.priority, n, "priority", None)
     loras = adapters_per_item(engine, obj.lora_path, n)
     images = generate_images(state, obj.image_data, obj.modalities, n, batch)
-    parsed = [_sampling_params(sp) for sp in sps]
+    parsed = [_sampling_params(sp, state.args.preferred_sampling_params) for sp in sps]
     # a scoring request (return_logprob, no new tokens) without logprob_start_len gets the whole
     # prompt's logprobs: SGLang would return none, which leaves such a request nothing to read
     # (SGLang's own frontend reads them for select's unconditional_likelihood_normalized)
@@ -341,7 +349,7 @@ async def get_model_info(request: Request) -> Response:
         "model_path": state.model_path,
         "tokenizer_path": state.args.tokenizer_path or state.model_path,
         "is_generation": not state.engine.args.is_embedding,  # --is-embedding serves /encode, /classify only
-        "preferred_sampling_params": None,
+        "preferred_sampling_params": state.args.preferred_sampling_params,
         "weight_version": state.weight_version,
         "served_model_name": state.served_model_name,
         "load_format": state.engine.args.load_format,

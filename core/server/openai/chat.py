@@ -308,7 +308,7 @@ def prepare_chat(state: Any, r: ChatCompletionRequest, rid: str | None = None) -
     ids = render_chat(state, r, hide_tools=plan.hides_tools, images=urls)
     images = chat_images(state, urls or [])  # (the processor checks the template gave each its placeholder)
     ids, max_new = fit_context(state, ids, max_tokens, "messages")
-    params = sampling_params(r, max_new, n, constraint, state.chat_sampling_defaults)
+    params = sampling_params(r, max_new, n, constraint, state.chat_sampling_defaults, state.args.preferred_sampling_params)
     params.thinking = thinking_budget(state, r, from_first_token)
     if r.skip_special_tokens is None and any(getattr(p, "reads_special_tokens", False)
                                              for p in (plan.reasoning_parser, plan.tool_parser)):

@@ -61,7 +61,8 @@ def prepare_completion(state: Any, r: CompletionRequest, rid: str | None = None)
         check(0 <= r.logprobs <= MAX_TOP_LOGPROBS, f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {r.logprobs}",
               "logprobs")
         job.logprobs, job.top = True, r.logprobs
-    max_tokens = DEFAULT_MAX_TOKENS if r.max_tokens is UNSET else r.max_tokens
+    preferred = state.args.preferred_sampling_params or {}  # (--preferred-sampling-params over OpenAI's default)
+    max_tokens = preferred.get("max_new_tokens", DEFAULT_MAX_TOKENS) if r.max_tokens is UNSET else r.max_tokens
     check_min_tokens(r, max_tokens)
     prompts = _split_prompt(r.prompt)
     check(len(prompts) * n <= MAX_SEQUENCES, f"a request may ask for at most {MAX_SEQUENCES} completions "
@@ -83,7 +84,7 @@ def prepare_completion(state: Any, r: CompletionRequest, rid: str | None = None)
             else:
                 texts.append(engine.tokenizer.decode(ids, skip_special_tokens=True) if engine.tokenizer is not None else "")
         start = 0 if echo and job.logprobs else -1
-        job.add_prompt(ids, sampling_params(r, max_new, n, constraint), p if len(prompts) > 1 else -1, start)
+        job.add_prompt(ids, sampling_params(r, max_new, n, constraint, None, state.args.preferred_sampling_params), p if len(prompts) > 1 else -1, start)
     job.echo_texts = texts if echo else None
     return job
 

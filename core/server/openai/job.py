@@ -189,36 +189,44 @@ def check_min_tokens(r: Any, max_tokens: int | None, name: str = "max_tokens") -
 
 
 def sampling_params(r: Any, max_new: int, n: int, constraint: dict[str, str],
-                    defaults: dict[str, Any] | None = None) -> SamplingParams:
-    """The request's sampling parameters; an omitted temperature, top_p, top_k, min_p or
-    repetition_penalty takes ``defaults`` (chat: the model's generation_config.json under
+                    defaults: dict[str, Any] | None = None, preferred: dict[str, Any] | None = None) -> SamplingParams:
+    """The request's sampling parameters. What the request leaves unset takes ``preferred``
+    (``--preferred-sampling-params``; ``max_new_tokens`` caps the room a request without
+    ``max_tokens`` has); an omitted temperature, top_p, top_k, min_p or repetition_penalty
+    then takes ``defaults`` (chat: the model's generation_config.json under
     ``--sampling-defaults model``, as SGLang), else OpenAI's."""
-    stop = [r.stop] if isinstance(r.stop, str) else list(r.stop or [])
-    d = defaults or {}
+    pre = dict(preferred or {})
+    if "sampling_seed" in pre:
+        pre.setdefault("seed", pre.pop("sampling_seed"))
+    d = {**(defaults or {}), **pre}
+    if "max_new_tokens" in pre and getattr(r, "max_completion_tokens", None) is None and r.max_tokens is None:  # (chat)
+        max_new = min(max_new, pre["max_new_tokens"])
+    src = r.stop if r.stop is not None else pre.get("stop")
+    stop = [src] if isinstance(src, str) else list(src or [])
 
-    def pick(name: str, off: Any) -> Any:
-        value = getattr(r, name)
+    def pick(name: str, off: Any, field: str | None = None) -> Any:
+        value = getattr(r, field or name)
         return d.get(name, off) if value is None else value
 
     top_k = pick("top_k", -1)
     params = SamplingParams(
         max_new_tokens=max_new,
-        min_new_tokens=min(r.min_tokens or 0, max_new),
+        min_new_tokens=min(pick("min_new_tokens", 0, "min_tokens"), max_new),
         temperature=pick("temperature", 1.0),
         top_p=pick("top_p", 1.0),
         top_k=-1 if top_k == 0 else top_k,
         min_p=pick("min_p", 0.0),
-        frequency_penalty=0.0 if r.frequency_penalty is None else r.frequency_penalty,
-        presence_penalty=0.0 if r.presence_penalty is None else r.presence_penalty,
+        frequency_penalty=pick("frequency_penalty", 0.0),
+        presence_penalty=pick("presence_penalty", 0.0),
         repetition_penalty=pick("repetition_penalty", 1.0),
         stop=[s for s in stop if s],  # OpenAI clients sometimes send "" entries
-        stop_token_ids=list(r.stop_token_ids or []),
-        ignore_eos=bool(r.ignore_eos),
-        skip_special_tokens=r.skip_special_tokens is not False,
-        spaces_between_special_tokens=r.spaces_between_special_tokens is not False,
-        no_stop_trim=bool(r.no_stop_trim or r.include_stop_str_in_output),
+        stop_token_ids=list(pick("stop_token_ids", None) or []),
+        ignore_eos=bool(pick("ignore_eos", False)),
+        skip_special_tokens=pick("skip_special_tokens", True) is not False,
+        spaces_between_special_tokens=pick("spaces_between_special_tokens", True) is not False,
+        no_stop_trim=bool(pick("no_stop_trim", False) or r.include_stop_str_in_output),
         n=n,
-        seed=r.seed,
+        seed=pick("seed", None),
         logit_bias=r.logit_bias or None,
         **constraint,
     )
