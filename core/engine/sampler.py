@@ -282,6 +282,15 @@ def _filters(p: SamplingParams, vocab: int) -> bool:
     return 0 < p.top_k < vocab or p.top_p < 1.0 or p.min_p > 0.0
 
 
+def _param_cols(rows: list[SamplingRow], vocab: int, u: list[float], device: torch.device) -> torch.Tensor:
+    """Each row's temperature, top-k, top-p, min-p and uniform ``u`` as one [rows, 5] float32
+    tensor: one flat list (an array, not torch.tensor's parse of nested tuples), one upload. The
+    temperature is at least SAMPLING_EPS (a smaller one is greedy, never here): the kernels divide by it."""
+    return upload([v for r, x in zip(rows, u)
+                   for v in (max(r.params.temperature, SAMPLING_EPS), r.params.top_k if 0 < r.params.top_k < vocab
+                             else vocab, r.params.top_p, r.params.min_p, x)], torch.float32, device).view(-1, 5)
+
+
 def _sample_plain(logits: torch.Tensor, cols: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
     """Rows without filters: the unsorted distribution at temperature ``cols[:, 0]``, sampled at
     ``cols[:, 4]``; on the CPU in one C++ loop (``core_kernels.cpu_ops.sample_rows``)."""
@@ -463,9 +472,7 @@ class Sampler:
         if any(r.params.logit_bias for r in rows):
             logits = apply_logit_bias(logits.clone(), rows)
         vocab = logits.shape[1]
-        cols = upload([v for r in rows for v in (max(r.params.temperature, SAMPLING_EPS), r.params.top_k
-                                                  if 0 < r.params.top_k < vocab else vocab, r.params.top_p,
-                                                  r.params.min_p, 0.0)], torch.float32, logits.device).view(-1, 5)
+        cols = _param_cols(rows, vocab, [0.0] * len(rows), logits.device)
         probs = torch.softmax(logits / cols[:, :1], dim=-1)
         if filtered := [i for i, r in enumerate(rows) if _filters(r.params, vocab)]:
             idx = upload(filtered, torch.long, logits.device)
@@ -517,13 +524,7 @@ class Sampler:
         (e.g. all -inf, or overflow at a tiny temperature) keep ``fallback``.
         """
         vocab = logits.shape[1]
-        u = self._uniforms(rows)
-        # one flat float32 list (an array, not torch.tensor's parse of nested tuples), 5 columns; the
-        # temperature at least SAMPLING_EPS (a smaller one is greedy, never here): the kernels divide by it
-        cols = upload([v for r, x in zip(rows, u)
-                       for v in (max(r.params.temperature, SAMPLING_EPS), r.params.top_k if 0 < r.params.top_k < vocab
-                                 else vocab, r.params.top_p, r.params.min_p, x)],
-                      torch.float32, logits.device).view(-1, 5)
+        cols = _param_cols(rows, vocab, self._uniforms(rows), logits.device)
         filtered = [i for i, r in enumerate(rows) if _filters(r.params, vocab)]
         if not filtered:  # plain sampling: no order needed
             return _sample_plain(logits, cols, fallback)

@@ -22,6 +22,12 @@ def _str_list(s: object) -> object:
     return [s] if isinstance(s, str) else list(s) if isinstance(s, (list, tuple)) else s or []
 
 
+def seed_named(d: dict) -> dict:
+    """``d`` with SGLang's newer name of the seed, ``sampling_seed``, as ``seed`` (where ``seed``
+    itself is not given): a copy."""
+    return {("seed" if k == "sampling_seed" and "seed" not in d else k): v for k, v in d.items()}
+
+
 @attrs.frozen
 class ThinkingBudget:
     """At most ``budget`` tokens of reasoning (vLLM's ``thinking_token_budget``, Anthropic's
@@ -87,9 +93,7 @@ class SamplingParams:
     @classmethod
     def from_dict(cls, d: dict | None) -> SamplingParams:
         """Build from a JSON-style dict; unknown keys are an error naming them."""
-        d = dict(d or {})
-        if "sampling_seed" in d and "seed" not in d:  # SGLang's newer name
-            d["seed"] = d.pop("sampling_seed")
+        d = seed_named(d or {})
         known = {f.name for f in attrs.fields(cls)} - {"thinking"}
         unknown = sorted(set(d) - known)
         if unknown:

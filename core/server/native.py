@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from core.engine.frontend import batch_rids, check_total, per_item
 from core.engine.request import Req
-from core.engine.sampling_params import SamplingParams
+from core.engine.sampling_params import SamplingParams, seed_named
 from core.errors import InvalidRequest
 from core.server.generate_output import output_of, stream_body
 from core.server.http import (
@@ -130,7 +130,7 @@ def _sampling_params(d: dict | None, preferred: dict | None = None) -> tuple[Sam
         raise InvalidRequest("sampling_params must be an object", param="sampling_params")
     d = {k: v for k, v in (d or {}).items() if v is not None}
     if preferred:  # (SGLang's two names of the seed: one, so that the request's wins whichever it uses)
-        d = {**_seed_named(preferred), **_seed_named(d)}
+        d = {**seed_named(preferred), **seed_named(d)}
     for key, unset in _UNSUPPORTED_SAMPLING_KEYS.items():
         if key in d and d.pop(key) not in unset:
             raise InvalidRequest(f"sampling parameter {key} is not supported by this server", param=key)
@@ -140,10 +140,6 @@ def _sampling_params(d: dict | None, preferred: dict | None = None) -> tuple[Sam
     params = SamplingParams.from_dict(d)
     check_sampling_limits(params)
     return params, interval
-
-
-def _seed_named(d: dict) -> dict:
-    return {("seed" if k == "sampling_seed" and "seed" not in d else k): v for k, v in d.items()}
 
 
 def _check_total(state: ServerState, ids: list[int], sp: Any) -> None:

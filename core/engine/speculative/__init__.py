@@ -185,8 +185,8 @@ class Speculator:
                     r.spec_pace.want(0)  # (a step of its wait, if it waits; nothing else)
             return None
         budget = self.token_budget - len(reqs)  # draft tokens this verify may hold
-        rooms = [(r.spec_pace or Pace()).want(self.room(r, scheduler.context_len)) for r in reqs]
-        for i in sorted(range(len(reqs)), key=lambda i: -(reqs[i].spec_pace or Pace()).kept):  # the most kept first
+        rooms = [(r.spec_pace or _FRESH).want(self.room(r, scheduler.context_len)) for r in reqs]
+        for i in sorted(range(len(reqs)), key=lambda i: -(reqs[i].spec_pace or _FRESH).kept):  # the most kept first
             rooms[i] = min(rooms[i], budget)
             budget -= rooms[i]
         drafts, parents = None, None
@@ -303,9 +303,7 @@ class Speculator:
         sampled too (a chain's prefix, a tree's path from the root), then the target's own token."""
         n = len(path)
         if draft:
-            if req.spec_pace is None:
-                req.spec_pace = Pace()
-            req.spec_pace.update(n, len(draft), max(depths(parents)) if parents else len(draft), min(self.min_kept, len(draft)))
+            _pace(req).update(n, len(draft), max(depths(parents)) if parents else len(draft), min(self.min_kept, len(draft)))
         req.spec_verify_ct += 1
         req.spec_num_proposed_drafts += len(draft)
         req.spec_num_correct_drafts += n

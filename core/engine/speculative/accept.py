@@ -37,22 +37,25 @@ class TargetRows:
     which: list[int]
     probs: torch.Tensor
     starts: list[int]  # each one's first row in ``probs``
+    batch_rows: list[int]  # each one's first row in the verify (its root's)
 
 
 def target_rows(batch: Any, sampler: Any, logits: torch.Tensor, rows: list[Any]) -> TargetRows | None:
     """The target distributions of a verify's sampled requests that have drafts (``rows``: every
     verify row's ``SamplingRow``), or None where it has none."""
-    which, sel, starts, row = [], [], [], 0
+    which, sel, starts, batch_rows, row = [], [], [], [], 0
     for i, d in enumerate(batch.drafts):
         if d and not rows[row].params.is_greedy:
             which.append(i)
             starts.append(len(sel))
+            batch_rows.append(row)
             sel += range(row, row + 1 + len(d))
         row += 1 + len(d)
     if not which:
         return None
     idx = torch.tensor(sel, device=logits.device)
-    return TargetRows(which, sampler.target_probs(logits.index_select(0, idx), [rows[k] for k in sel]), starts)
+    return TargetRows(which, sampler.target_probs(logits.index_select(0, idx), [rows[k] for k in sel]), starts,
+                      batch_rows)
 
 
 def relaxed_walk(tokens: list[int], parents: list[int] | None, sampled: list[int], child_p: list[float],
@@ -90,9 +93,6 @@ def _coins(req: Any, n: int, generator: torch.Generator) -> list[float]:
 def relaxed_walks(batch: Any, sampled: list[int], target: TargetRows, th: Thresholds, generator: torch.Generator,
                   walks: list[tuple[list[int], int]]) -> None:
     """Replace ``walks`` (``Speculator.walks``) of ``target.which`` by their relaxed walks."""
-    starts_of_rows = [0]
-    for d in batch.drafts:
-        starts_of_rows.append(starts_of_rows[-1] + 1 + len(d))
     rows, cols = [], []  # each drafted node's parent row in ``target.probs`` and its token
     for i, start in zip(target.which, target.starts):
         parents = batch.draft_parents[i] if batch.draft_parents else None
@@ -102,11 +102,10 @@ def relaxed_walks(batch: Any, sampled: list[int], target: TargetRows, th: Thresh
     dev = target.probs.device
     child_p = target.probs[torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)].tolist()
     at = 0
-    for i, start in zip(target.which, target.starts):
+    for i, start, row0 in zip(target.which, target.starts, target.batch_rows):
         d, r = batch.drafts[i], batch.reqs[i]
         parents = batch.draft_parents[i] if batch.draft_parents else None
         coins = _coins(r, len(d) + 2, generator)
-        row0 = starts_of_rows[i]
         path, nxt, rejected = relaxed_walk(d, parents, sampled[row0:row0 + 1 + len(d)], child_p[at:at + len(d)], coins, th)
         at += len(d)
         if nxt is None:  # the target without the rejected children, at the last kept node's row

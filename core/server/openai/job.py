@@ -13,7 +13,7 @@ from typing import Any, AsyncIterator, Mapping
 import msgspec
 import structlog
 
-from core.engine.sampling_params import SamplingParams
+from core.engine.sampling_params import SamplingParams, seed_named
 from core.errors import InvalidRequest
 from core.server.http import SSE_DONE, ApiError, log_ignored_field, read_body, sse_error
 from core.server.limits import MAX_N, MAX_SEQUENCES, check_sampling_limits  # noqa: F401 (MAX_SEQUENCES: re-exported)
@@ -195,9 +195,7 @@ def sampling_params(r: Any, max_new: int, n: int, constraint: dict[str, str],
     ``max_tokens`` has); an omitted temperature, top_p, top_k, min_p or repetition_penalty
     then takes ``defaults`` (chat: the model's generation_config.json under
     ``--sampling-defaults model``, as SGLang), else OpenAI's."""
-    pre = dict(preferred or {})
-    if "sampling_seed" in pre:
-        pre.setdefault("seed", pre.pop("sampling_seed"))
+    pre = seed_named(preferred or {})
     d = {**(defaults or {}), **pre}
     if "max_new_tokens" in pre and getattr(r, "max_completion_tokens", None) is None and r.max_tokens is None:  # (chat)
         max_new = min(max_new, pre["max_new_tokens"])
