@@ -332,6 +332,28 @@ void store_kv(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& loc, c
   });
 }
 
+// Row b of a decode batch's slot table [B, n] up to seq_lens[b], zeros after it, as a new tensor:
+// ForwardBatch's padding promise. The torch form (an arange, a broadcast compare, an out-of-place
+// masked_fill) took ~70 us at 256 rows of ~190 columns; this is one copy (~5 us), on one thread.
+at::Tensor zero_past(const at::Tensor& table, const at::Tensor& seq_lens) {
+  TORCH_CHECK(table.dim() == 2 && table.stride(1) == 1 && table.scalar_type() == at::kLong,
+              "zero_past: int64 [B, n] with contiguous rows");
+  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.is_contiguous() && seq_lens.scalar_type() == at::kLong &&
+                  seq_lens.size(0) == table.size(0),
+              "zero_past: int64 seq_lens [B], one per row");
+  const int64_t rows = table.size(0), n = table.size(1), stride = table.stride(0);
+  auto out = at::empty({rows, n}, table.options());
+  const int64_t* src = table.const_data_ptr<int64_t>();
+  const int64_t* len = seq_lens.const_data_ptr<int64_t>();
+  int64_t* dst = out.data_ptr<int64_t>();
+  for (int64_t b = 0; b < rows; ++b) {
+    const int64_t keep = std::clamp<int64_t>(len[b], 0, n);
+    std::memcpy(dst + b * n, src + b * stride, keep * sizeof(int64_t));
+    std::memset(dst + b * n + keep, 0, (n - keep) * sizeof(int64_t));
+  }
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(core_cpu_ops, m) {
@@ -342,6 +364,7 @@ TORCH_LIBRARY(core_cpu_ops, m) {
   m.def("store_kv(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor loc, Tensor k, Tensor v) -> ()");
   m.def("add_rms_norm(Tensor x, Tensor r, Tensor w, float eps, float offset) -> (Tensor, Tensor)");
   m.def("rotary(Tensor pos, Tensor q, Tensor k, Tensor cos, Tensor sin, int rotary_dim) -> (Tensor, Tensor)");
+  m.def("zero_past(Tensor table, Tensor seq_lens) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(core_cpu_ops, CPU, m) {
@@ -352,4 +375,5 @@ TORCH_LIBRARY_IMPL(core_cpu_ops, CPU, m) {
   m.impl("sample_sorted", &sample_sorted);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("store_kv", &store_kv);
+  m.impl("zero_past", &zero_past);
 }

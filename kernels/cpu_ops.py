@@ -1,7 +1,7 @@
 """Two of the fused per-layer ops of ``kernels/fused_ops.py`` for CPU tensors, same signatures:
 one C++ loop each (``cpu_ops.cpp``) for RMS norm and for rotary of q and k. No ``gated_act``:
 torch's vectorised silu and mul are as fast on the CPU. Also the KV store (``store_kv``, for the
-``cpu`` attention backend), the sampler's greedy ``argmax``, ``sample_rows`` and ``sample_sorted``; ``add_rms_norm`` (a residual add
+``cpu`` attention backend), the slot table's padding (``zero_past``), the sampler's greedy ``argmax``, ``sample_rows`` and ``sample_sorted``; ``add_rms_norm`` (a residual add
 and the next norm in one pass) is called from the one-op layer (``kernels/cpu_decode``).
 
 On the CPU the torch ops' cost is dispatch, not arithmetic: norms and rotary took ~1.9 ms of a
@@ -45,6 +45,12 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, loc: torch.Tensor, k:
     k = k.to(k_cache.dtype).reshape(k.shape[0], *k_cache.shape[1:])
     v = v.to(v_cache.dtype).reshape(v.shape[0], *v_cache.shape[1:])
     torch.ops.core_cpu_ops.store_kv(k_cache, v_cache, loc, k, v)
+
+
+def zero_past(table: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+    """A copy of int64 ``table [B, n]`` (contiguous rows) with each row's columns from its
+    ``seq_lens`` entry on set to 0: ``table.masked_fill(arange(n) >= seq_lens[:, None], 0)``."""
+    return torch.ops.core_cpu_ops.zero_past(table, seq_lens)
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:

@@ -331,3 +331,19 @@ def test_triton_sampling_refuses_bad_arguments() -> None:
                        ((p, o, c[:, :4], fb), "cols"), ((p, o, c, fb[:1]), "fallback")]:
         with pytest.raises(ValueError, match=what):
             fused_ops.sample_sorted(*args, False)
+
+
+def test_cpu_zero_past_is_the_masked_copy_of_the_slot_table():
+    """The padding forward_batch promises (columns past a row's length hold slot 0), as one copy;
+    the source table (a view with a row stride, as step_inputs hands it) is not written."""
+    if not cpu_ops.available():
+        pytest.skip("the CPU ops cannot be built here")
+    table = torch.randint(1, 1000, (6, 40), dtype=torch.int64)
+    view = table[:, :25]
+    lens = torch.tensor([25, 0, 1, 24, 7, 30], dtype=torch.int64)  # (a length past n keeps the whole row)
+    before = table.clone()
+    got = cpu_ops.zero_past(view, lens)
+    want = view.masked_fill(torch.arange(25)[None, :] >= lens[:, None], 0)
+    assert torch.equal(got, want) and torch.equal(table, before)
+    with pytest.raises(RuntimeError, match="seq_lens"):
+        cpu_ops.zero_past(view, lens[:3])
