@@ -9,7 +9,7 @@ import inspect
 import pytest
 
 import core
-from core.errors import InvalidRequest
+from core.errors import CoreError, InvalidRequest
 from tests.conftest import build_tiny_llama, make_engine
 
 SP = {"max_new_tokens": 24, "temperature": 1.0, "ignore_eos": True}
@@ -103,3 +103,26 @@ def test_the_tokenizers_eos_token_stops_generation(tmp_path):
     finally:
         eng.shutdown()
     assert out["output_ids"] == [first] and out["meta_info"]["finish_reason"] == {"type": "stop", "matched": first}
+
+
+def test_preferred_sampling_params_of_the_offline_engine(path):
+    """SGLang's Engine takes ``preferred_sampling_params`` (its tokenizer manager merges them, so the
+    offline engine honours them as /generate does): under each request's own keys."""
+    with pytest.raises(CoreError, match="preferred_sampling_params: n cannot be a server default"):
+        core.Engine(model_path=str(path), preferred_sampling_params={"n": 2})
+    with pytest.raises(CoreError, match="preferred_sampling_params: .*temperature"):
+        core.Engine(model_path=str(path), preferred_sampling_params={"temperature": -1})
+    e = make_engine(path, context_length=32, preferred_sampling_params={"max_new_tokens": 3, "temperature": 0,
+                                                                       "ignore_eos": True})
+    try:
+        plain = e.generate(input_ids=[5, 6, 7])
+        assert len(plain["output_ids"]) == 3 and plain["meta_info"]["finish_reason"]["type"] == "length"
+        again = [e.generate(input_ids=[5, 6, 7])["output_ids"] for _ in range(3)]
+        assert again == [plain["output_ids"]] * 3  # greedy from the preferred temperature (flat logits: samples vary)
+        own = e.generate(input_ids=[[5, 6, 7], [8, 9]], sampling_params=[{"max_new_tokens": 5}, None])
+        assert [len(o["output_ids"]) for o in own] == [5, 3]
+        assert own[0]["output_ids"][:3] == plain["output_ids"]  # still greedy: only max_new_tokens was the request's
+        chunks = list(e.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 2}, stream=True))
+        assert chunks[-1]["output_ids"] == plain["output_ids"][:2]
+    finally:
+        e.shutdown()

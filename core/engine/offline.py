@@ -14,6 +14,7 @@ configure_default_logging()  # before the engine modules load: their logs go to 
 
 from core.engine.config import engine_args_from_kwargs  # noqa: E402
 from core.engine.data_parallel.engine import create_engine  # noqa: E402
+from core.engine.sampling_params import check_preferred, under_preferred  # noqa: E402
 
 
 @dataclasses.dataclass
@@ -58,6 +59,9 @@ class Engine:
     ``load_lora_adapter`` / ``unload_lora_adapter``, ``shutdown``."""
 
     def __init__(self, **kwargs: Any) -> None:
+        # SGLang's preferred_sampling_params: what a request's sampling_params leave unset
+        self._preferred = kwargs.pop("preferred_sampling_params", None) or None
+        check_preferred(self._preferred, "preferred_sampling_params")
         args = engine_args_from_kwargs(kwargs)
         configure_default_logging(args.log_level)  # unless the application configured structlog itself
         self._loop = asyncio.new_event_loop()
@@ -85,10 +89,23 @@ class Engine:
         a path, a data URI, base64, bytes or an http(s) URL; the prompt holds the images'
         placeholders (as the model's chat template writes them)."""
         images = _images(self.engine, image_data, prompt, input_ids)
+        sampling_params = self._with_preferred(sampling_params)
         result = self._call(self.engine.generate(prompt, sampling_params, input_ids, return_logprob,
                                                  logprob_start_len, top_logprobs_num, stream, rid,
                                                  **_lora(lora_path), **images))
         return self._iter_sync(result) if stream else result
+
+    def _with_preferred(self, sampling_params: Any) -> Any:
+        """``sampling_params`` (a dict, None or a list of them) over ``preferred_sampling_params``,
+        as SGLang merges them: the request's keys win."""
+        if self._preferred is None:
+            return sampling_params
+        if isinstance(sampling_params, list):
+            return [under_preferred(self._preferred, sp) if sp is None or isinstance(sp, dict) else sp
+                    for sp in sampling_params]
+        if sampling_params is None or isinstance(sampling_params, dict):
+            return under_preferred(self._preferred, sampling_params)
+        return sampling_params
 
     def _iter_sync(self, agen) -> Iterator[dict]:
         try:
@@ -106,7 +123,7 @@ class Engine:
                              rid: str | list[str] | None = None, lora_path: str | list[str | None] | None = None) -> Any:
         images = await asyncio.to_thread(_images, self.engine, image_data, prompt, input_ids) if image_data is not None else {}
         fut = asyncio.run_coroutine_threadsafe(
-            self.engine.generate(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
+            self.engine.generate(prompt, self._with_preferred(sampling_params), input_ids, return_logprob, logprob_start_len,
                                  top_logprobs_num, stream, rid, **_lora(lora_path), **images),
             self._loop)
         result = await asyncio.wrap_future(fut)

@@ -28,6 +28,39 @@ def seed_named(d: dict) -> dict:
     return {("seed" if k == "sampling_seed" and "seed" not in d else k): v for k, v in d.items()}
 
 
+# the parameters SGLang's preferred_sampling_params may set here (a constraint or n as a default is refused)
+PREFERRED_SAMPLING_KEYS = ("max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p",
+                           "frequency_penalty", "presence_penalty", "repetition_penalty", "stop", "stop_token_ids",
+                           "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "seed",
+                           "sampling_seed")
+
+
+def check_preferred(preferred: dict | None, name: str = "--preferred-sampling-params") -> None:
+    """SGLang's ``preferred_sampling_params`` (server-wide values for what a request leaves unset):
+    keys among ``PREFERRED_SAMPLING_KEYS``, values sampling parameters accept; else a CoreError
+    naming ``name`` (the flag, or the offline Engine's argument)."""
+    from core.errors import CoreError
+
+    if not preferred:
+        return
+    if not isinstance(preferred, dict):
+        raise CoreError(f"{name}: a JSON object (dict) of sampling parameters is needed, got {preferred!r}")
+    if bad := sorted(set(preferred) - set(PREFERRED_SAMPLING_KEYS)):
+        raise CoreError(f"{name}: {', '.join(bad)} cannot be a server default; it may set "
+                        f"{', '.join(PREFERRED_SAMPLING_KEYS)}")
+    try:
+        SamplingParams.from_dict(preferred).validate()
+    except InvalidRequest as e:
+        raise CoreError(f"{name}: {e}") from None
+
+
+def under_preferred(preferred: dict | None, d: dict | None) -> dict:
+    """A request's sampling dict over ``preferred`` (SGLang's merge: the request's keys win; its
+    None values count as unset). Either name of the seed in the request overrides the preferred one."""
+    d = {k: v for k, v in (d or {}).items() if v is not None}
+    return {**seed_named(preferred), **seed_named(d)} if preferred else d
+
+
 @attrs.frozen
 class ThinkingBudget:
     """At most ``budget`` tokens of reasoning (vLLM's ``thinking_token_budget``, Anthropic's
