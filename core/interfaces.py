@@ -409,7 +409,9 @@ class Grammar(Protocol):
 
 @runtime_checkable
 class GrammarBackend(Protocol):
-    """Compiles constraints, constructed as ``backend(tokenizer, vocab_size, *, stop_token_ids)``.
+    """Compiles constraints, constructed as ``backend(tokenizer, vocab_size, *, stop_token_ids)``
+    plus, only when set, ``any_whitespace=False`` / ``whitespace_pattern=REGEX`` for JSON schemas
+    (SGLang's ``--constrained-json-*``; a backend without the keyword is refused them at start-up).
     Core caches what ``compile`` returns by (backend, kind, spec), compiles on a thread pool, and
     gives each request ``compiled.copy()`` (a fresh matcher)."""
 

@@ -543,7 +543,7 @@ def test_a_step_waits_for_the_one_in_flight_only_where_it_may_verify():
     def req(wait: int | None, kept: float = 0.0, kv_ahead: int = 0, grammar: Any = None):
         pace = None if wait is None else Pace(kept=kept, wait=wait)
         return SimpleNamespace(kv_len=10 + kv_ahead, seq_len=10, spec_pace=pace, grammar=grammar, return_logprob=False,
-                               top_logprobs_num=0, may_read_outputs=False)
+                               top_logprobs_num=0, return_hidden_states=False, may_read_outputs=False)
 
     spec = Speculator(NgramDrafter(None), 12, token_budget=256)  # (CUDA's budget)
     assert not spec.may_verify([req(3), req(1)])  # nobody due

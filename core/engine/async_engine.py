@@ -31,7 +31,7 @@ from core.engine.mem_cache.kv_cache import (
 )
 from core.engine.batch_log import BatchLog
 from core.engine.model_loader.loader import ModelConfig, load_model_config, pooling_config, with_tokenizer_eos
-from core.engine.grammar import GrammarManager
+from core.engine.grammar import GrammarManager, json_whitespace_options
 from core.engine.profiler import StepProfiler
 from core.engine.model_loader.model_build import build_model
 from core.engine.cuda_graph import DEFAULT_MAX_BS, CudaGraphRunner, why_no_cuda_graph
@@ -93,7 +93,7 @@ class AsyncEngine(RequestFrontEnd):
         if self.tp_group is not None:
             self.runner.tp = self.tp_group
             self.tp_group.on_failure = self._on_rank_failure
-        self.grammar = GrammarManager(self.plugins, args.grammar_backend, self.tokenizer, self.vocab_size, mc.eos_ids)
+        self.grammar = GrammarManager(self.plugins, args.grammar_backend, self.tokenizer, self.vocab_size, mc.eos_ids, json_whitespace_options(args))
         self.runner.grammar, self.runner.speculator, self.runner.kv_cache = self.grammar, self.scheduler.speculator, self.kv_cache
         self.lora, self.multimodal = attach_lora(self), attach_multimodal(self)  # (before the graphs capture LoRA)
         self.runner.graphs = self._capture_cuda_graphs()

@@ -179,6 +179,12 @@ class EngineArgs:
     watchdog_timeout: float = _arg(300.0, MEMORY, "seconds one forward or scheduling step may take; a longer one fails "
                                                    "every in-flight request and marks the engine failed (core serve "
                                                    "then exits non-zero for a supervisor to restart it); 0 disables")
+    enable_return_hidden_states: bool = _arg(False, MEMORY, "requests may ask for the last layer's hidden states "
+                                                            "(return_hidden_states: true or \"last\"); the same as "
+                                                            "--return-hidden-states-mode full")
+    return_hidden_states_mode: str | None = _arg(None, MEMORY, "the most a request's return_hidden_states may ask: "
+                                                               "last (\"last\" only) or full (also true)",
+                                                 choices=("last", "full"))
     # ---- kernel backends and plugins
     attention_backend: str | None = _arg(None, BACKENDS, "attention backend (default: chosen for the device by the choose_attention_backend hook: flashinfer or triton on CUDA, cpu on CPU where its C++ kernel builds, else torch_native; `core plugins` shows the choice)")
     quantization: str | None = _arg(None, BACKENDS, "quantization method (any registered; default: the checkpoint's "
@@ -192,6 +198,12 @@ class EngineArgs:
     disable_cuda_graph: bool = _arg(False, BACKENDS, "run decode steps without CUDA graphs")
     grammar_backend: str | None = _arg(None, BACKENDS, "constrained decoding backend: xgrammar (default), llguidance, "
                                                        "or none to disable")
+    constrained_json_whitespace_pattern: str | None = _arg(
+        None, BACKENDS, "regex for the whitespace JSON constraints (json_schema, json_object) allow between "
+                        "tokens, e.g. '[\\n\\t ]*' (the llguidance backend; default: the backend's own)")
+    constrained_json_disable_any_whitespace: bool = _arg(
+        False, BACKENDS, "JSON constraints (json_schema, json_object) allow no free whitespace: one line, with "
+                         "xgrammar's ', ' and ': ' or llguidance's ',' and ':' (the xgrammar and llguidance backends)")
     plugins: str | list[str] | None = _arg(None, BACKENDS, "comma-separated plugins to load "
                                                            "(default: $CORE_PLUGINS or all installed)")
     strict_plugins: bool = _arg(False, BACKENDS, "a plugin that fails to load stops start-up")
@@ -368,6 +380,9 @@ def check_scheduling_args(args: EngineArgs) -> None:
         raise CoreError(f"--decode-log-interval must be >= 1, got {args.decode_log_interval}")
     if args.schedule_conservativeness <= 0:
         raise CoreError(f"--schedule-conservativeness must be > 0, got {args.schedule_conservativeness}")
+    from core.engine.hidden_states import check_args
+
+    check_args(args)
 
 
 def lora_requested(args: Any) -> bool:

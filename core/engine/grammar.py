@@ -13,6 +13,10 @@ The grammar backend itself is a plugin (``--grammar-backend``, default ``xgramma
 * ``GrammarManager.accept(reqs, tokens)`` advances each constrained request's matcher with
   its sampled token; the scheduler finishes a request whose grammar terminated, and aborts one
   whose grammar rejected the token (a dead end: the mask allowed nothing).
+
+SGLang's JSON whitespace flags reach the backend as constructor keywords, passed only when set:
+a backend honours a flag by taking its keyword, and one that does not is refused at start-up
+(``check_json_whitespace``) rather than left to ignore it.
 """
 
 from __future__ import annotations
@@ -20,13 +24,15 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import inspect
+import re
 import threading
 from typing import Any
 
 import structlog
 import torch
 
-from core.errors import InvalidRequest
+from core.errors import CoreError, InvalidRequest
 from core.interfaces import apply_token_bitmask
 
 __all__ = ["GrammarManager", "apply_token_bitmask", "DEFAULT_GRAMMAR_BACKEND"]
@@ -35,18 +41,53 @@ log = structlog.get_logger("core.engine.grammar")
 
 DEFAULT_GRAMMAR_BACKEND = "xgrammar"
 CACHE_SIZE = 512
+# the JSON whitespace flags: EngineArgs field -> (backend keyword, the built-in backends that take it)
+JSON_WHITESPACE_FLAGS = {"constrained_json_disable_any_whitespace": ("any_whitespace", "xgrammar or llguidance"),
+                         "constrained_json_whitespace_pattern": ("whitespace_pattern", "llguidance")}
+
+
+def json_whitespace_options(args: Any) -> dict[str, Any]:
+    """The backend keywords the JSON whitespace flags ask for; empty when they are unset."""
+    opts: dict[str, Any] = {}
+    if getattr(args, "constrained_json_disable_any_whitespace", False):
+        opts["any_whitespace"] = False
+    if (pattern := getattr(args, "constrained_json_whitespace_pattern", None)) is not None:
+        opts["whitespace_pattern"] = pattern
+    return opts
+
+
+def check_json_whitespace(plugins: Any, name: str | None, opts: dict[str, Any]) -> None:
+    """Refuse a JSON whitespace flag the grammar backend ``name`` cannot honour (it does not take
+    the flag's keyword, or there is no backend), naming the flag and the backends that can."""
+    name = name or DEFAULT_GRAMMAR_BACKEND
+    if not opts:
+        return
+    params = {} if name == "none" else inspect.signature(plugins.resolve("grammar_backend", name)).parameters
+    for field, (keyword, able) in JSON_WHITESPACE_FLAGS.items():
+        if keyword in opts and keyword not in params:
+            raise CoreError(f"--{field.replace('_', '-')} is not supported by --grammar-backend {name}; "
+                            f"use --grammar-backend {able}")
+    if (pattern := opts.get("whitespace_pattern")) is not None:
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise CoreError(f"--constrained-json-whitespace-pattern {pattern!r} is not a regular expression: {e}") from None
 
 
 class GrammarManager:
     """The engine's side of constrained decoding over one grammar backend plugin (or none)."""
 
-    def __init__(self, plugins: Any, name: str | None, tokenizer: Any, vocab_size: int, eos_ids: tuple[int, ...]) -> None:
+    def __init__(self, plugins: Any, name: str | None, tokenizer: Any, vocab_size: int, eos_ids: tuple[int, ...],
+                 json_whitespace: dict[str, Any] | None = None) -> None:
+        """``json_whitespace``: ``json_whitespace_options`` of the engine's args (refused here when
+        the backend cannot honour them)."""
         self.name = name or DEFAULT_GRAMMAR_BACKEND
         self.vocab_size = vocab_size
         self.backend = None
+        check_json_whitespace(plugins, self.name, json_whitespace or {})
         if self.name != "none" and tokenizer is not None:
             factory = plugins.resolve("grammar_backend", self.name)
-            self.backend = factory(tokenizer, vocab_size, stop_token_ids=list(eos_ids))
+            self.backend = factory(tokenizer, vocab_size, stop_token_ids=list(eos_ids), **(json_whitespace or {}))
         self._cache: collections.OrderedDict[tuple[str, str, str], concurrent.futures.Future] = collections.OrderedDict()
         self._lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="core-grammar")

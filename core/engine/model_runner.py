@@ -17,6 +17,7 @@ from core.interfaces import ForwardBatch, KVCache
 from core.layers import fused
 from core.engine.mem_cache.kv_cache import ReqToTokenTable, copy_rows
 from core.engine.cuda_graph import CudaGraphRunner
+from core.engine.hidden_states import rows as hidden_rows
 from core.engine.sampler import SampleOutput, Sampler, SamplingRow, finite_logprobs, rewind, rng_states, upload
 from core.engine.scheduler import ScheduledBatch, StepResult
 from core.engine.speculative import verify_rows
@@ -164,6 +165,9 @@ class ModelRunner:
     # never waits for the copy (SGLang's future token map).
     defer_results = False
     overlap = False  # overlap scheduling (set by the engine): a batch's token may be dropped (``ScheduledBatch.drop_token``)
+    # some request asked for its hidden states (set by the front end, for good): each batch is checked
+    # for them (``core.engine.hidden_states.rows``); until then, never
+    hidden_states = False
 
     def __init__(self, model: torch.nn.Module, attn_backend, table: ReqToTokenTable, sampler: Sampler,
                  eos_ids: tuple[int, ...], device: torch.device) -> None:
@@ -242,6 +246,7 @@ class ModelRunner:
             self.speculator.fill(batch, inputs.kv_indices)
             inputs.input_ids, inputs.positions, inputs.tree_mask = batch.input_ids, batch.positions, tree_masks(batch)
         hidden, all_logits, argmax_ids = self._forward(inputs, batch.reqs)
+        states = hidden_rows(batch, hidden, live) if self.hidden_states else None  # (requests that asked)
         reqs = all_reqs = batch.reqs
         target = None  # a verify's sampled target distributions, for relaxed acceptance
         if len(live) < len(reqs):
@@ -262,7 +267,7 @@ class ModelRunner:
                 batch.rng_states = rng_states(reqs)
             if batch.drafts is not None and self.speculator.accept is not None:  # (before sampling edits the logits)
                 target = target_rows(batch, self.sampler, logits, rows_)
-            if (self.defer_results and grammar is None and not batch.is_prefill and batch.drafts is None
+            if (self.defer_results and grammar is None and states is None and not batch.is_prefill and batch.drafts is None
                     and (self.speculator is None or self.speculator.features is None)):  # a plain decode: every
                 # row live, nothing read on the host here (an EAGLE head's observe reads the tokens)
                 return StepResult(None, pending=self.sampler.sample(logits, rows_, argmax_ids, host=False))
@@ -285,6 +290,7 @@ class ModelRunner:
             self.speculator.observe(batch, result.sample.token_ids, result.kept, inputs.kv_indices)
         for i, k in prompt_rows.items():
             result.input_logprobs[i] = self._prompt_logprobs(all_logits[k] if k >= 0 else None, all_reqs[i])
+        result.hidden = states
         return result
 
     def _forward(self, inputs: StepInputs, reqs: list) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor | None]:

@@ -35,6 +35,8 @@ class Req:
     lora_id: int = 0  # the LoRA adapter's uid (core.engine.lora), 0: the base model
     mm: Any = None  # core.engine.multimodal.ImageInputs of a request with images (prompt_ids are its input_ids)
     log_metrics: bool = True  # SGLang's log_metrics: False keeps the request out of the /metrics counters
+    # SGLang's return_hidden_states (core.engine.hidden_states): False, True (every token) or "last"
+    return_hidden_states: bool | str = False
     # (kind, spec) the sampling params constrain the output to, or None; derived once, here
     constraint: tuple[str, str] | None = attrs.field(init=False)
     # whether sampling may read its outputs on the host between two of its tokens for a reason its
@@ -48,6 +50,7 @@ class Req:
     output_top_logprobs: list[list[tuple[int, float]]] = attrs.field(factory=list)
     input_logprobs: list[float | None] = attrs.field(factory=list)
     input_top_logprobs: list[list[tuple[int, float]]] = attrs.field(factory=list)
+    hidden_states: list = attrs.field(factory=list)  # the prompt's rows, then one vector per token fed back
 
     # KV state, owned by the scheduler
     row: int = -1
@@ -77,6 +80,7 @@ class Req:
     abort_message: str = "request aborted"  # the finish message once an abort is reaped
     arrival: float = attrs.field(factory=time.perf_counter)
     first_token_time: float | None = None
+    forward_entry_time: float | None = None  # its first admission into a batch (the end of its queueing)
     finish_time: float | None = None
 
     # update delivery (``notify``): what the consumers (core.engine.frontend, data_parallel.replica) wait on
@@ -143,8 +147,16 @@ class Req:
 
     @property
     def needs_prompt_logprobs(self) -> bool:
-        """Prompt logprobs need the whole prompt computed in one prefill: no cached prefix, no chunks."""
-        return self.return_logprob and self.logprob_start_len >= 0
+        """Prompt logprobs (and every prompt token's hidden state) need the whole prompt computed in
+        one prefill: no cached prefix, no chunks."""
+        return (self.return_logprob and self.logprob_start_len >= 0) or self.return_hidden_states is True
+
+    def add_hidden(self, states: list) -> None:
+        """The hidden states of the forward that produced this request's newest token (``hidden_states.rows``)."""
+        if self.return_hidden_states == "last":
+            self.hidden_states[:] = [states]
+        else:
+            self.hidden_states.append(states)
 
     def fill_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
@@ -204,6 +216,10 @@ class Req:
             info["input_token_logprobs"] = [(lp, t, None) for lp, t in zip(self.input_logprobs, toks)]
             if self.top_logprobs_num:
                 info["input_top_logprobs"] = _tops(self.input_top_logprobs)
+        if self.return_hidden_states is True:  # SGLang's: every entry so far
+            info["hidden_states"] = list(self.hidden_states)
+        elif self.return_hidden_states and self.hidden_states:  # "last": the newest vector
+            info["hidden_states"] = self.hidden_states[-1]
         return info
 
 

@@ -3,6 +3,8 @@ data, so that the scheduler never touches the device and a test can drive it wit
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 
 from core.engine.request import Req
@@ -68,6 +70,8 @@ class StepResult:
     kept: list[tuple[list[int], int]] | None = None
     # the tokens still on their way from the device (``ModelRunner.defer_results``): ``resolve`` waits
     pending: DeviceSample | None = None
+    # per request index: the hidden states of a request that asked (``core.engine.hidden_states.rows``), or None
+    hidden: dict[int, Any] | None = None
 
     def resolve(self) -> StepResult:
         """Itself with ``sample`` on the host (waits for a pending copy: on the forward thread,

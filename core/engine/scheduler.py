@@ -343,7 +343,7 @@ class Scheduler:
                     self.tree_cache.dec_lock_ref(node)
                 break
             self.waiting.popleft()
-            req.row = self.table.alloc_row()
+            req.row, req.forward_entry_time = self.table.alloc_row(), req.forward_entry_time or time.perf_counter()
             req.pages, req.tree_pages, req.last_node, req.kv_len = list(pages), len(pages), node, prefix
             req.kv_done = prefix
             self._write_row(req, 0, prefix)
@@ -490,7 +490,7 @@ class Scheduler:
         updates: list[tuple[Req, str]] = []
         # (hoisted: a decode of 256 requests took ~2 us a request through the attribute chains)
         drafts, rows, seq_lens, multi, check = batch.drafts, batch.rows, batch.seq_lens, batch.steps > 1, self._check_finish
-        spec, prefill = self.speculator is not None, batch.is_prefill
+        spec, prefill, hidden = self.speculator is not None, batch.is_prefill, result.hidden
         for i, req in enumerate(batch.reqs):
             if req.row != rows[i]:  # retracted (or failed) after this batch was built (overlap): its token
                 batch.drop_token(req)  # is dropped, recomputed after readmission (as SGLang does) with its own draw
@@ -522,6 +522,8 @@ class Scheduler:
                 updates.append((req, self._append_steps(req, [tok] + [t[i] for t in result.more_tokens], now)))
                 continue
             out.append(tok)  # (SGLang counts every decode: each token after the first, mixed or re-prefilled)
+            if hidden and i in hidden:  # its forward's state (core.engine.hidden_states), kept with the token
+                req.add_hidden(hidden[i])
             if spec:
                 req.spec_verify_ct += len(out) > 1
             if req.first_token_time is None:
@@ -584,19 +586,17 @@ class Scheduler:
         now = time.perf_counter()
         for req in reqs:
             if not req.finished:
-                req.finish_reason = {"type": "abort", "message": message}
-                req.finish_time = now
+                req.finish_reason, req.finish_time = {"type": "abort", "message": message}, now
             if req.row >= 0:
                 self._free(req, cache=False)
             elif req in self.waiting:
                 self.waiting.remove(req)
 
     def fail_all(self, message: str) -> list[Req]:
-        """Finish every queued and running request with ``message`` and return them: the
-        containment for a scheduling bug, after which no request's state can be trusted.
-        Afterwards nothing is queued or running and the pool is consistent; if freeing the
-        requests one by one cannot restore that, the prefix cache is dropped and every page
-        and table row is given back wholesale."""
+        """Finish every queued and running request with ``message`` and return them: the containment
+        for a scheduling bug, after which no request's state can be trusted. Afterwards nothing is
+        queued or running and the pool is consistent; if freeing the requests one by one cannot
+        restore that, the prefix cache is dropped and every page and table row is given back wholesale."""
         reqs = [*self.waiting, *self.running]
         self.waiting.clear()
         try:

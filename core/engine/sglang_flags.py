@@ -8,19 +8,19 @@ from __future__ import annotations
 # add_argument calls; extracted from the source text, minus the flags core's serve parser knows). A flag core
 # adds later is parsed before this list is consulted, so the list only has to be complete, not minimal.
 SGLANG_FLAGS_LACKING: frozenset[str] = frozenset("--" + name for name in """
-abort-on-priority-when-disabled admin-api-key asr-max-buffer-seconds
+abort-on-priority-when-disabled asr-max-buffer-seconds
 asr-max-concurrent-sessions attention-context-parallel-size attention-data-parallel-size attn-cp-size attn-dp-size
-batch-notify-size bf16-gemm-backend boundary-reduction bucket-e2e-request-latency
-bucket-inter-token-latency bucket-time-to-first-token c128-page-size checkpoint-engine-wait-weights-before-ready
-completion-template constrained-json-disable-any-whitespace constrained-json-max-whitespace-cnt
-constrained-json-whitespace-pattern context-bucket cp-strategy cpu-offload-gb crash-dump-folder
+batch-notify-size bf16-gemm-backend boundary-reduction 
+c128-page-size checkpoint-engine-wait-weights-before-ready
+completion-template constrained-json-max-whitespace-cnt
+context-bucket cp-strategy cpu-offload-gb crash-dump-folder
 cuda-graph-backend-decode cuda-graph-backend-prefill cuda-graph-bs-decode cuda-graph-bs-prefill cuda-graph-config
 cuda-graph-max-bs-decode cuda-graph-max-bs-prefill cuda-graph-max-seq-len-prefill cuda-graph-prefill-max-context
 custom-weight-loader dcp-comm-backend dcp-replicate-q-proj dcp-size debug-cuda-graph debug-tensor-dump-input-file
 debug-tensor-dump-layers debug-tensor-dump-output-folder decode-attention-backend decode-context-parallel-size
 decoupled-spec-bind-endpoint decoupled-spec-connect-endpoints decoupled-spec-rank
 decoupled-spec-role decrypted-config-file decrypted-draft-config-file deepep-config deepep-dispatcher-output-dtype
-deepep-mode deepep-v2-mode default-chat-template-kwargs default-priority-value delete-ckpt-after-loading
+deepep-mode deepep-v2-mode default-priority-value delete-ckpt-after-loading
 detokenizer-worker-num disable-aiter-allreduce-fusion-in-decode disable-aiter-allreduce-fusion-in-prefill
 disable-attn-tp-gather disable-chunked-prefix-cache disable-cuda-graph-padding 
 disable-decode-cuda-graph disable-fast-image-processor disable-flashinfer-autotune
@@ -50,8 +50,8 @@ enable-megamoe-for-layernorm-sp enable-memory-saver enable-metrics-for-all-sched
 enable-mm-global-cache enable-mscclpp enable-multi-layer-eagle enable-nccl-nvls enable-nvidia-megakernel
 enable-page-major-kv-layout enable-paged-experts enable-pd-role-switch enable-pdmux
 enable-precise-embedding-interpolation enable-prefill-cp enable-prefill-delayer enable-prefix-mm-cache
-enable-profile-cuda-graph enable-quant-communications enable-request-time-stats-logging enable-response-store
-enable-return-aux-hidden-states enable-return-hidden-states enable-return-indexer-topk enable-return-routed-experts
+enable-profile-cuda-graph enable-quant-communications enable-response-store
+enable-return-aux-hidden-states enable-return-indexer-topk enable-return-routed-experts
 enable-scattered-sconv enable-session-radix-cache enable-shared-experts-attn-tp enable-single-batch-overlap
 enable-ssl-refresh enable-streaming-session enable-strict-thinking enable-symm-mem enable-tf32-matmul
 enable-tokenizer-batch-encode enable-torch-compile-debug-mode enable-torch-symm-mem enable-tp-lm-head-all-to-all
@@ -61,12 +61,12 @@ encoder-only encoder-register-urls encoder-transfer-backend encoder-urls enforce
 enforce-shared-experts-fusion engine-info-bootstrap-port ep-dispatch-algorithm ep-num-redundant-experts
 eplb-algorithm eplb-min-rebalancing-utilization-threshold eplb-rebalance-layers-per-chunk
 eplb-rebalance-num-iterations expert-balancedness-report-mode expert-distribution-recorder-buffer-size
-expert-distribution-recorder-mode experts-shared-outer-loras export-metrics-to-file export-metrics-to-file-dir
-extra-metric-labels fastapi-root-path flashinfer-a2a-dispatch-type flashinfer-allreduce-fusion-backend
+expert-distribution-recorder-mode experts-shared-outer-loras 
+extra-metric-labels flashinfer-a2a-dispatch-type flashinfer-allreduce-fusion-backend
 flashinfer-autotune-skip-ops flashinfer-mla-disable-ragged flashinfer-mxfp4-moe-precision flexkv-config-file
 forward-hooks forward-pass-metrics-ipc-name forward-pass-metrics-worker-id fp4-gemm-backend fp8-gemm-backend
-fuseep-mode gated-launch-port generation-tokens-buckets 
-grpc-http-sidecar-port grpc-mode grpc-port grpc-response-timeout-secs hf-chat-template-name
+fuseep-mode gated-launch-port 
+grpc-http-sidecar-port grpc-mode grpc-port grpc-response-timeout-secs 
 hicache-host-memory-fraction hicache-host-memory-mode 
 hicache-storage-backend-extra-config 
 hicache-storage-prefetch-retry-max-attempts hicache-storage-prefetch-retry-poll-interval 
@@ -76,7 +76,7 @@ int8-mamba-ckpt-size kt-cpuinfer kt-max-deferred-experts-per-token kt-method kt-
 kt-weight-path kv-canary kv-canary-real-data kv-canary-sweep-interval kv-events-config language-model-only
 language-only linear-attn-backend linear-attn-decode-backend linear-attn-prefill-backend
 linear-attn-verify-backend linear-replayssm-cache-len lmcache-config-file load-publish-endpoint
-load-snapshot-publish-interval log-level-http log-requests-format log-requests-target 
+load-snapshot-publish-interval log-level-http 
 lora-drain-wait-threshold lora-strict-loading lora-use-virtual-experts
 mamba-backend mamba-cache-philox-rounds mamba-full-memory-ratio mamba-max-states-per-path mamba-radix-cache-strategy
 mamba-ssm-dtype mamba-track-interval max-ep-size max-lora-chunk-size 
@@ -93,11 +93,11 @@ prefill-attention-backend prefill-decode-interval prefill-decode-interval-min-bs
 prefill-delayer-forward-passes-buckets prefill-delayer-max-delay-ms prefill-delayer-max-delay-passes
 prefill-delayer-queue-min-ratio prefill-delayer-token-usage-low-watermark prefill-delayer-wait-seconds-buckets
 prefill-kv-cache-dequant-dtype prefill-max-requests prefill-only-disable-kv-cache
-priority-scheduling-preemption-threshold prompt-tokens-buckets qsa-indexer-dtype quantization-param-path
+priority-scheduling-preemption-threshold qsa-indexer-dtype quantization-param-path
 quantize-and-serve radix-cache-backend radix-eviction-policy-config remote-instance-weight-loader-backend
 remote-instance-weight-loader-seed-instance-ip remote-instance-weight-loader-seed-instance-service-port
 remote-instance-weight-loader-send-weights-group-ports remote-instance-weight-loader-start-seed-via-transfer-engine
-retraction-policy return-aux-hidden-state-layer-ids return-hidden-states-mode return-input-ids return-output-ids
+retraction-policy return-aux-hidden-state-layer-ids return-input-ids return-output-ids
 rl-on-policy-target rl-quant-profile sampling-backend sampling-mask-max-tokens
 scheduler-recv-interval shared-experts-tp-size show-time-cost sidecar sidecar-args sm-group-num
 smg-grpc-mode smg-http-sidecar-port soft-watchdog-timeout spec-trace-dir
@@ -112,14 +112,14 @@ speculative-moe-runner-backend speculative-ngram-capacity speculative-ngram-exte
 speculative-ngram-external-corpus-path speculative-ngram-external-sam-budget speculative-ngram-match-type
 speculative-ngram-max-bfs-breadth speculative-ngram-max-trie-depth speculative-ngram-min-bfs-breadth
 speculative-num-draft-tokens speculative-num-steps speculative-token-map speculative-use-block-verification
-speculative-use-rejection-sampling ssl-ca-certs ssl-certfile ssl-keyfile ssl-keyfile-password
-startup-weight-load-mode stream-response-default-include-usage strip-thinking-cache swa-full-tokens-ratio
+speculative-use-rejection-sampling 
+startup-weight-load-mode strip-thinking-cache swa-full-tokens-ratio
 swa-prefix-tails tbo-token-distribution-threshold tokenizer-backend tokenizer-metrics-allowed-custom-labels
 tokenizer-metrics-custom-labels-header tokenizer-worker-num tool-server torch-compile-max-bs trace-modules
 triton-attention-num-kv-splits triton-attention-reduce-in-fp32 triton-attention-split-tile-size
 trust-mm-content-hashes trust-request-chat-template unified-cache-external-linker-backend
-unified-cache-external-linker-config uno-lora-path use-ray uvicorn-access-log-exclude-prefixes warmups
+unified-cache-external-linker-config uno-lora-path use-ray warmups
 watermark-config weight-cache-mode weight-cache-socket weight-cache-timeout weight-loader-disable-mmap
 weight-loader-drop-cache-after-load weight-loader-prefetch-checkpoints weight-loader-prefetch-num-threads
-weight-version
+
 """.split())

@@ -327,7 +327,7 @@ async def count_tokens(request: Request) -> Response:
         chat = chat_request(MessagesRequest(**fields, max_tokens=1 << 30))  # the same checks as /v1/messages
 
         def count() -> int:
-            common_checks(chat)
+            common_checks(chat, state.args.default_chat_template_kwargs)
             plan = plan_tools(state, chat)  # tools and tool_choice are checked as a request's would be
             return len(render_chat(state, chat, hide_tools=plan.hides_tools, fit=False))
 

@@ -19,8 +19,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from core.errors import CoreError
-from core.server import anthropic, embeddings, lora, native, profile, tokenize
-from core.server.http import ApiError, ApiKeyMiddleware, api_error
+from core.server import anthropic, embeddings, lora, native, profile, request_log, tokenize
+from core.server.http import ApiError, ApiKeyMiddleware, RootPathMiddleware, api_error, route_path
 from core.server.openai import batches, files, responses, routes
 from core.server.state import ServerState
 
@@ -47,6 +47,7 @@ ROUTES = [
     Route("/start_profile", profile.start_profile, methods=["GET", "POST"]),
     Route("/stop_profile", profile.stop_profile, methods=["GET", "POST"]),
     Route("/update_weights_from_disk", native.update_weights_from_disk, methods=["POST"]),
+    Route("/update_weight_version", native.update_weight_version, methods=["POST"]),
     Route("/load_lora_adapter", lora.load_lora_adapter, methods=["POST"]),
     Route("/unload_lora_adapter", lora.unload_lora_adapter, methods=["POST"]),
     Route("/metrics", native.metrics_endpoint, methods=["GET"]),  # 404 without --enable-metrics
@@ -91,7 +92,7 @@ async def _error(request: Request, exc: Exception) -> Response:
     elif err.status >= 500:  # a refusal of the server's own (queue full, draining, failed): said in the log too
         log.warning("server.request_refused", method=request.method, path=request.url.path, status=err.status,
                     reason=err.message)
-    return err.response(request.url.path)
+    return err.response(route_path(request.scope))
 
 
 async def _http_exception(request: Request, exc: Exception) -> Response:
@@ -102,7 +103,7 @@ async def _http_exception(request: Request, exc: Exception) -> Response:
         msg = f"method {request.method} is not allowed on {request.url.path}"
     else:
         msg = str(exc.detail)
-    resp = ApiError(exc.status_code, msg).response(request.url.path)
+    resp = ApiError(exc.status_code, msg).response(route_path(request.scope))
     for k, v in (exc.headers or {}).items():
         resp.headers[k] = v
     return resp
@@ -120,9 +121,13 @@ EXCEPTION_HANDLERS: dict[Any, Callable[[Request, Exception], Awaitable[Response]
 }
 
 
-def build_app(state: Any = None, api_key: str | None = None) -> Starlette:
-    """The app over ``state`` (stored as ``app.state.core``), with the API-key check when ``api_key``."""
-    middleware = [Middleware(ApiKeyMiddleware, api_key=api_key)] if api_key else []
+def build_app(state: Any = None, api_key: str | None = None, admin_api_key: str | None = None,
+              root_path: str = "") -> Starlette:
+    """The app over ``state`` (stored as ``app.state.core``), with the key checks when a key is
+    given and the ASGI ``root_path`` (``--fastapi-root-path``) when ``root_path``."""
+    middleware = [Middleware(RootPathMiddleware, root_path=root_path)] if root_path.rstrip("/") else []
+    if api_key or admin_api_key:
+        middleware.append(Middleware(ApiKeyMiddleware, api_key=api_key, admin_api_key=admin_api_key))
     app = Starlette(routes=ROUTES, middleware=middleware, exception_handlers=EXCEPTION_HANDLERS)
     app.state.core = state
     app.state.max_body_bytes = getattr(getattr(state, "args", None), "max_request_body_bytes", None)
@@ -130,7 +135,10 @@ def build_app(state: Any = None, api_key: str | None = None) -> Starlette:
 
 
 def create_app(state: ServerState) -> Starlette:
-    """The server's app: ``build_app`` plus the request log (``--log-requests``)."""
+    """The server's app: ``build_app`` plus the request log (``--log-requests``) and the per-request
+    time stats and metrics files (``core.server.request_log``)."""
+    request_log.attach(state)
     if state.args.log_requests:
         state.engine.finish_listeners.append(native.request_logger(state))
-    return build_app(state, state.args.api_key)
+    args = state.args
+    return build_app(state, args.api_key, args.admin_api_key, args.fastapi_root_path)

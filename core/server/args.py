@@ -25,9 +25,12 @@ import attrs
 
 from core.engine.config import DRAFT_MODEL_ALGORITHMS, add_engine_args, engine_args_from_namespace  # noqa: F401 (engine_args_from_namespace: re-exported)
 from core.engine import gc_watch
+from core.engine.sampling_params import PREFERRED_SAMPLING_KEYS, check_preferred
 from core.engine.sglang_flags import SGLANG_FLAGS_LACKING
 from core.errors import CoreError
 from core.server.limits import DEFAULT_MAX_BODY_BYTES
+from core.server.observability import Observability, add_observability_args, check_observability, observability_of
+from core.server.tls import check_ssl_args
 
 # SGLang's help sections, in the order of its server-arguments docs.
 GROUPS = (
@@ -341,6 +344,15 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help=f"largest JSON request body; a larger one gets HTTP 413 (default {DEFAULT_MAX_BODY_BYTES}, "
                         "8 MiB; /v1/files uploads have their own limit)")
+    g.add_argument("--fastapi-root-path", default="", metavar="PREFIX",
+                   help="the path prefix a proxy strips before forwarding (the ASGI root_path): routes stay at "
+                        "/generate etc., request URLs carry the prefix")
+    g.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this PEM certificate (needs --ssl-keyfile)")
+    g.add_argument("--ssl-keyfile", default=None, help="the certificate's PEM private key (needs --ssl-certfile)")
+    g.add_argument("--ssl-ca-certs", default=None,
+                   help="CA certificates (PEM) loaded into the server's TLS context; clients are not asked for "
+                        "certificates (no mutual TLS, as in SGLang)")
+    g.add_argument("--ssl-keyfile-password", default=None, help="the password of an encrypted --ssl-keyfile")
 
     g = s("Memory and scheduling")
     g.add_argument("--max-queued-requests", type=int, default=None,
@@ -365,9 +377,16 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--log-requests-level", type=int, default=2, choices=[0, 1, 2, 3],
                    help="0: metadata, 1: + sampling params, 2: + inputs/outputs up to 2048 chars, 3: everything")
     g.add_argument("--enable-metrics", action="store_true", help="serve Prometheus metrics at /metrics")
+    add_observability_args(g)
 
     g = s("API related")
     g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but /health*, /ready* and /metrics")
+    g.add_argument("--admin-api-key", default=None,
+                   help="the key of the admin endpoints (weight updates, /flush_cache, LoRA loading, profiling, "
+                        "/abort_request...); there --api-key is then not accepted, nor this key elsewhere")
+    g.add_argument("--weight-version", default="default",
+                   help="the weights' version string, reported by /get_model_info and in meta_info; "
+                        "/update_weights_from_disk and /update_weight_version change it")
     g.add_argument("--chat-template", default=None, help="chat template: a Jinja file path or a template string")
     g.add_argument("--file-storage-path", default="sglang_storage", help="where the files API stores uploads")
     g.add_argument("--enable-cache-report", action="store_true",
@@ -384,6 +403,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--preferred-sampling-params", type=_json_object, default=None, metavar="JSON",
                    help="server-wide defaults for the sampling parameters a request leaves unset, as a JSON object "
                         f"of {', '.join(PREFERRED_SAMPLING_KEYS)} (SGLang's; /get_model_info reports them)")
+    g.add_argument("--default-chat-template-kwargs", type=_json_object, default=None, metavar="JSON",
+                   help='chat template kwargs of every chat request, under its own (per key, the request wins), '
+                        'e.g. \'{"enable_thinking": false}\'; the reasoning parser reads the merged ones')
+    g.add_argument("--hf-chat-template-name", default=None, metavar="NAME",
+                   help="the tokenizer's named chat template to use when it has several (default: its 'default', "
+                        "else the first)")
+    g.add_argument("--stream-response-default-include-usage", action="store_true",
+                   help="every streamed chat or completion ends with the usage chunk, stream_options or not")
     g.add_argument("--allow-auto-truncate", action="store_true",
                    help="a prompt longer than the context keeps its first context-length - 1 tokens (the tail is "
                         "dropped, as SGLang does) instead of being rejected; max tokens are cut to what fits. "
@@ -422,13 +449,6 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 
 
 # ---------------------------------------------------------------------------- validation
-# the sampling parameters --preferred-sampling-params may set (a constraint or n as a server default is refused)
-PREFERRED_SAMPLING_KEYS = ("max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "min_p",
-                           "frequency_penalty", "presence_penalty", "repetition_penalty", "stop", "stop_token_ids",
-                           "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "seed",
-                           "sampling_seed")
-
-
 def _json_object(text: str) -> dict[str, Any]:
     try:
         value = json.loads(text)
@@ -439,21 +459,15 @@ def _json_object(text: str) -> dict[str, Any]:
     return value
 
 
-def check_preferred_sampling_params(preferred: dict[str, Any] | None) -> None:
-    """``--preferred-sampling-params``: keys among ``PREFERRED_SAMPLING_KEYS``, values sampling
-    parameters accept (checked by building them)."""
-    from core.engine.sampling_params import SamplingParams
-    from core.errors import InvalidRequest
+def check_serve_chat_flags(ns: argparse.Namespace) -> None:
+    """``--default-chat-template-kwargs`` and the JSON whitespace flags, refused before the model
+    loads where every request would fail or the grammar backend cannot honour them."""
+    from core.engine.grammar import check_json_whitespace, json_whitespace_options
+    from core.server.openai.chat_template import check_default_template_kwargs
 
-    if not preferred:
-        return
-    if bad := sorted(set(preferred) - set(PREFERRED_SAMPLING_KEYS)):
-        raise CoreError(f"--preferred-sampling-params: {', '.join(bad)} cannot be a server default; it may set "
-                        f"{', '.join(PREFERRED_SAMPLING_KEYS)}")
-    try:
-        SamplingParams.from_dict(preferred).validate()
-    except InvalidRequest as e:
-        raise CoreError(f"--preferred-sampling-params: {e}") from None
+    check_default_template_kwargs(getattr(ns, "default_chat_template_kwargs", None))
+    if (plugins := getattr(ns, "_plugin_manager", None)) is not None:  # (the engine checks again, with its own)
+        check_json_whitespace(plugins, getattr(ns, "grammar_backend", None), json_whitespace_options(ns))
 
 
 def validate_serve_args(ns: argparse.Namespace) -> None:
@@ -470,7 +484,8 @@ def validate_serve_args(ns: argparse.Namespace) -> None:
         raise CoreError(f"--port must be in [1, 65535], got {ns.port}")
     if ns.stream_interval < 1:
         raise CoreError(f"--stream-interval must be >= 1, got {ns.stream_interval}")
-    check_preferred_sampling_params(getattr(ns, "preferred_sampling_params", None))
+    check_preferred(getattr(ns, "preferred_sampling_params", None))
+    check_serve_chat_flags(ns)
     if ns.max_queued_requests is not None and ns.max_queued_requests < 0:
         raise CoreError(f"--max-queued-requests must be >= 0, got {ns.max_queued_requests}")
     if getattr(ns, "schedule_conservativeness", 1.0) <= 0:
@@ -481,8 +496,11 @@ def validate_serve_args(ns: argparse.Namespace) -> None:
         raise CoreError(f"--max-running-requests must be >= 1, got {ns.max_running_requests}")
     if ns.context_length is not None and ns.context_length < 2:
         raise CoreError(f"--context-length must be >= 2, got {ns.context_length}")
-    if ns.api_key is not None and not ns.api_key:
-        raise CoreError("--api-key must not be empty")
+    for flag, key in (("--api-key", ns.api_key), ("--admin-api-key", getattr(ns, "admin_api_key", None))):
+        if key is not None and not key:
+            raise CoreError(f"{flag} must not be empty")
+    check_ssl_args(ns)
+    check_observability(ns)  # (bucket, request-log and export flags; their directories are made here)
     if ns.graceful_shutdown_timeout < 0:
         raise CoreError("--graceful-shutdown-timeout must be >= 0")
     if ns.max_request_body_bytes < 1:
@@ -557,23 +575,38 @@ class ServerArgs:
     allow_auto_truncate: bool = False
     sampling_defaults: str = "model"
     preferred_sampling_params: dict[str, Any] | None = None
+    default_chat_template_kwargs: dict[str, Any] | None = None
+    hf_chat_template_name: str | None = None
+    stream_response_default_include_usage: bool = False
+    fastapi_root_path: str = ""
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    ssl_ca_certs: str | None = None
+    ssl_keyfile_password: str | None = None
+    admin_api_key: str | None = None
+    weight_version: str = "default"
+    observability: Observability = attrs.field(factory=Observability)  # core.server.observability's flags
     flags: dict[str, Any] = attrs.field(factory=dict)  # every serve flag, JSON-able, the key redacted (/get_server_info)
 
     @classmethod
     def from_namespace(cls, ns: argparse.Namespace) -> ServerArgs:
         names = [f.name for f in attrs.fields(cls) if f.name != "flags"]
-        return cls(**{n: getattr(ns, n) for n in names if hasattr(ns, n)}, flags=public_flags(ns))
+        return cls(**{n: getattr(ns, n) for n in names if hasattr(ns, n)}, flags=public_flags(ns),
+                   observability=observability_of(ns))
+
+
+SECRET_FLAGS = ("api_key", "admin_api_key", "ssl_keyfile_password")
 
 
 def public_flags(ns: argparse.Namespace) -> dict[str, Any]:
-    """The parsed flags, JSON-able, with the API key redacted."""
+    """The parsed flags, JSON-able, with the keys and the key password redacted (SECRET_FLAGS)."""
     import msgspec
 
     out: dict[str, Any] = {}
     for k, v in vars(ns).items():
         if k.startswith("_") or k == "func" or callable(v):
             continue
-        if k == "api_key" and v is not None:
+        if k in SECRET_FLAGS and v is not None:
             v = "<redacted>"
         try:
             msgspec.json.encode(v)

@@ -33,6 +33,7 @@ def meta_of(state: ServerState, req: Req, with_text: bool, since: int | None = N
     ``return_text_in_logprobs``; ``since``: the output positions already sent, whose output
     logprobs are left out (SGLang slices these; the rest stays whole)."""
     meta = req.meta_info()
+    meta["weight_version"] = state.weight_version  # SGLang's: the version serving now (--weight-version)
     if since is not None:
         for key in ("output_token_logprobs", "output_top_logprobs"):
             if key in meta:

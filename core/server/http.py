@@ -309,31 +309,77 @@ async def abort_on_disconnect(request: Request, abort: Callable[[], None]) -> As
 
 
 # ---------------------------------------------------------------------------- auth
+# SGLang's ADMIN_OPTIONAL endpoints that core serves: with --admin-api-key they take that key only
+ADMIN_PATHS = frozenset({
+    "/flush_cache", "/freeze_gc", "/clear_hicache_storage_backend", "/hicache/storage-backend/clear",
+    "/abort_request", "/start_profile", "/stop_profile", "/update_weights_from_disk", "/update_weight_version",
+    "/load_lora_adapter", "/unload_lora_adapter",
+})
+
+
+def route_path(scope: dict) -> str:
+    """The path the routes match: ``path`` less the ``root_path`` prefix (``--fastapi-root-path``),
+    as starlette's router strips it."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and path.startswith(root) and (len(path) == len(root) or path[len(root)] == "/"):
+        return path[len(root):] or "/"
+    return path
+
+
 class ApiKeyMiddleware:
-    """``Authorization: Bearer <key>`` (or ``x-api-key: <key>``, the anthropic client's header) on
-    every endpoint except health, readiness and metrics (``/health*``, ``/ready*``, ``/metrics*``,
-    which SGLang leaves open for Kubernetes probes and Prometheus); constant-time compare."""
+    """SGLang's keys: ``--api-key`` on every endpoint but the admin ones (``ADMIN_PATHS``), which
+    take ``--admin-api-key`` when it is set (and then only it), else ``--api-key``; with only an
+    admin key the other endpoints are open. Health, readiness and metrics (``/health*``,
+    ``/ready*``, ``/metrics*``) are always open, for Kubernetes probes and Prometheus. A key is
+    sent as ``Authorization: Bearer <key>`` (or ``x-api-key: <key>``, the anthropic client's
+    header); a missing or wrong one is a 401. Constant-time compare."""
 
     OPEN_PREFIXES = ("/health", "/ready", "/metrics")
 
-    def __init__(self, app: Any, api_key: str) -> None:
+    def __init__(self, app: Any, api_key: str | None = None, admin_api_key: str | None = None) -> None:
         self.app = app
-        self._key = api_key.encode()
+        self._key = api_key.encode() if api_key else None
+        self._admin = admin_api_key.encode() if admin_api_key else None
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["method"] != "OPTIONS" and not scope["path"].startswith(self.OPEN_PREFIXES):
-            auth, x_key = b"", None
-            for name, value in scope["headers"]:
-                if name == b"authorization":
-                    auth = value
-                elif name == b"x-api-key":
-                    x_key = value.strip()
-            scheme, _, token = auth.strip().partition(b" ")
-            bearer = hmac.compare_digest(token.strip(), self._key) and scheme.lower() == b"bearer"
-            if not (bearer or (x_key is not None and hmac.compare_digest(x_key, self._key))):
-                resp = ApiError(401, "Invalid or missing API key; send 'Authorization: Bearer <key>' (or "
-                                     "'x-api-key: <key>').", code="invalid_api_key").response(scope["path"])
+        if scope["type"] == "http" and scope["method"] != "OPTIONS":
+            path = route_path(scope)
+            admin = path in ADMIN_PATHS and self._admin is not None
+            want = self._admin if admin else self._key
+            if want is not None and not path.startswith(self.OPEN_PREFIXES) and not _has_key(scope, want):
+                which = "the admin API key (--admin-api-key)" if admin else "the API key"
+                resp = ApiError(401, f"Invalid or missing API key: {path} needs {which}; send 'Authorization: "
+                                     "Bearer <key>' (or 'x-api-key: <key>').",
+                                code="invalid_api_key").response(path)
                 resp.headers["WWW-Authenticate"] = "Bearer"
                 await resp(scope, receive, send)
                 return
+        await self.app(scope, receive, send)
+
+
+def _has_key(scope: dict, key: bytes) -> bool:
+    auth, x_key = b"", None
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            auth = value
+        elif name == b"x-api-key":
+            x_key = value.strip()
+    scheme, _, token = auth.strip().partition(b" ")
+    bearer = hmac.compare_digest(token.strip(), key) and scheme.lower() == b"bearer"
+    return bearer or (x_key is not None and hmac.compare_digest(x_key, key))
+
+
+class RootPathMiddleware:
+    """``--fastapi-root-path``, as SGLang's uvicorn applies it: ``root_path`` set and the request's
+    ``path`` (and ``raw_path``) prefixed with it, so the routes match the path the proxy forwarded
+    (the prefix stripped) while URLs built from the request carry the prefix."""
+
+    def __init__(self, app: Any, root_path: str) -> None:
+        self.app, self.root = app, root_path.rstrip("/")
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] in ("http", "websocket") and self.root:
+            raw = scope.get("raw_path") or scope["path"].encode()
+            scope = {**scope, "root_path": self.root, "path": self.root + scope["path"],
+                     "raw_path": self.root.encode() + raw}
         await self.app(scope, receive, send)

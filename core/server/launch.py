@@ -132,6 +132,7 @@ async def _serve(ns: argparse.Namespace) -> int:
     from core.server.native import run_internal_generate
     from core.server.openai.batches import shutdown_batches
     from core.server.state import build_state
+    from core.server.tls import apply_ssl, url_scheme
 
     args = ServerArgs.from_namespace(ns)
     loop = asyncio.get_running_loop()
@@ -155,6 +156,7 @@ async def _serve(ns: argparse.Namespace) -> int:
     config.loglevel = "WARNING" if args.log_level in ("warning", "error", "critical") else args.log_level.upper()
     config.graceful_timeout = grace + 5.0
     config.keep_alive_timeout = 75.0
+    apply_ssl(config, args)  # --ssl-*: HTTPS (checked, files loaded, at start-up)
 
     stop = asyncio.Event()  # shutting down: drain, then close
     close = asyncio.Event()  # hypercorn stops listening and finishes the open responses
@@ -195,7 +197,8 @@ async def _serve(ns: argparse.Namespace) -> int:
                 log.info("server.warmup_done", seconds=round(time.perf_counter() - t0, 3))
             gc_watch.freeze("server")  # what start-up built: later collector passes skip it
             state.ready = True
-            log.info("server.ready", url=f"http://{_bind(args.host, args.port)}", model=state.served_model_name)
+            log.info("server.ready", url=f"{url_scheme(args)}://{_bind(args.host, args.port)}",
+                     model=state.served_model_name)
         except Exception as e:
             log.error("server.warmup_failed", error=f"{type(e).__name__}: {e}")
             exit_code = 1

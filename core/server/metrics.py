@@ -33,15 +33,21 @@ ITL_BUCKETS = (0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.025, 0.03, 0.035
                0.4, 0.6, 0.8, 1.0, 2.0, 4.0, 6.0, 8.0)
 E2E_BUCKETS = (0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 2.0, 4.0, 6.0, 8.0, 10.0, 20.0, 40.0, 60.0, 80.0, 100.0, 150.0,
                200.0, 250.0, 300.0, 350.0, 500.0, 1000.0)
+# SGLang's prompt / generation token-length histograms' default bounds (--prompt-tokens-buckets default)
+TOKEN_BUCKETS = (100, 300, 500, 700, 1000, 1500, 2000, 3000, 4000, 5000, 6000, 7000, 8000, 9000, 10000, 12500,
+                 15000, 17500, 20000, 22500, 25000, 27500, 30000, 35000, 40000, 60000, 80000, 100000, 200000,
+                 300000, 400000, 600000, 800000, 1000000, 1100000)
 THROUGHPUT_WINDOW_S = 10.0
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
 class Metrics:
-    """SGLang-named metrics for one served model; ``enabled=False`` makes every method a no-op."""
+    """SGLang-named metrics for one served model; ``enabled=False`` makes every method a no-op.
+    ``buckets``: histogram bounds by attribute name (``ttft``, ``itl``...), from SGLang's bucket flags
+    (``core.server.observability``); the others keep their defaults."""
 
-    def __init__(self, model_name: str, enabled: bool = True) -> None:
+    def __init__(self, model_name: str, enabled: bool = True, buckets: dict[str, tuple[float, ...]] | None = None) -> None:
         self.enabled = enabled
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
@@ -58,8 +64,8 @@ class Metrics:
         def gauge(name: str, doc: str) -> Gauge:
             return Gauge(name, doc, labels, registry=reg)
 
-        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
-            return Histogram(name, doc, labels, buckets=buckets, registry=reg)
+        def hist(name: str, doc: str, default: tuple[float, ...], key: str) -> Histogram:
+            return Histogram(name, doc, labels, buckets=(buckets or {}).get(key, default), registry=reg)
 
         # counters (prometheus-client appends _total)
         self.prompt_tokens = counter("sglang:prompt_tokens", "Number of prefill tokens processed.")
@@ -68,10 +74,21 @@ class Metrics:
         self.num_requests = counter("sglang:num_requests", "Number of requests processed.")
         self.num_aborted_requests = counter("sglang:num_aborted_requests", "Number of requests aborted.")
         # histograms
-        self.ttft = hist("sglang:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS)
-        self.itl = hist("sglang:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
-        self.tpot = hist("sglang:time_per_output_token_seconds", "Histogram of time per output token in seconds.", ITL_BUCKETS)
-        self.e2e = hist("sglang:e2e_request_latency_seconds", "Histogram of end-to-end request latency in seconds.", E2E_BUCKETS)
+        self.ttft = hist("sglang:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                         TTFT_BUCKETS, "ttft")
+        self.itl = hist("sglang:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                        ITL_BUCKETS, "itl")
+        self.tpot = hist("sglang:time_per_output_token_seconds", "Histogram of time per output token in seconds.",
+                         ITL_BUCKETS, "tpot")
+        self.e2e = hist("sglang:e2e_request_latency_seconds", "Histogram of end-to-end request latency in seconds.",
+                        E2E_BUCKETS, "e2e")
+        self.prompt_tokens_hist = hist("sglang:prompt_tokens_histogram", "Histogram of prompt token length.",
+                                       TOKEN_BUCKETS, "prompt_tokens_hist")
+        self.uncached_prompt_tokens_hist = hist("sglang:uncached_prompt_tokens_histogram", "Histogram of uncached "
+                                                "(compute) prompt token length.", TOKEN_BUCKETS,
+                                                "uncached_prompt_tokens_hist")
+        self.generation_tokens_hist = hist("sglang:generation_tokens_histogram", "Histogram of generation token "
+                                           "length.", TOKEN_BUCKETS, "generation_tokens_hist")
         # gauges (load ones refreshed at scrape time)
         self.num_running_reqs = gauge("sglang:num_running_reqs", "The number of running requests.")
         self.num_queue_reqs = gauge("sglang:num_queue_reqs", "The number of requests in the waiting queue.")
@@ -179,6 +196,9 @@ class Metrics:
             self.prompt_tokens.labels(m).inc(len(req.prompt_ids))
             self.generation_tokens.labels(m).inc(n_out)
             self.cached_tokens.labels(m).inc(req.cached_tokens)
+            self.prompt_tokens_hist.labels(m).observe(len(req.prompt_ids))
+            self.uncached_prompt_tokens_hist.labels(m).observe(len(req.prompt_ids) - req.cached_tokens)
+            self.generation_tokens_hist.labels(m).observe(n_out)
             if (req.finish_reason or {}).get("type") == "abort":
                 self.num_aborted_requests.labels(m).inc()
             end = req.finish_time or time.perf_counter()

@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from core.engine.frontend import batch_rids, check_total, per_item
 from core.engine.request import Req
-from core.engine.sampling_params import SamplingParams, seed_named
+from core.engine.sampling_params import SamplingParams, under_preferred
 from core.errors import InvalidRequest
 from core.server.generate_output import output_of, stream_body
 from core.server.http import (
@@ -33,6 +33,7 @@ from core.server.limits import check_sampling_limits, check_sequences
 from core.server.lora import adapters_per_item, lora_kwargs
 from core.server.metrics import CONTENT_TYPE
 from core.server.multimodal import generate_images, images_kwargs, needs_thread
+from core.server.request_log import emit as emit_request_log
 from core.server.state import ServerState
 
 log = structlog.get_logger("core.server.native")
@@ -68,6 +69,8 @@ class GenerateReqInput(msgspec.Struct):
     custom_labels: Any = None
     external_trace_header: Any = None
     received_time: Any = None
+    # the last layer's hidden states in meta_info (core.engine.hidden_states): true, "last", or a list aligned with a batch
+    return_hidden_states: Any = None
     # SGLang fields for features core does not have: accepted only when unset (null, false, empty)
     video_data: Any = None
     audio_data: Any = None
@@ -76,7 +79,6 @@ class GenerateReqInput(msgspec.Struct):
     custom_logit_processor: Any = None
     session_params: Any = None
     session_id: Any = None
-    return_hidden_states: Any = None
     token_ids_logprob: Any = None
     bootstrap_host: Any = None
     bootstrap_port: Any = None
@@ -128,9 +130,7 @@ def _sampling_params(d: dict | None, preferred: dict | None = None) -> tuple[Sam
     per-request stream_interval."""
     if d is not None and not isinstance(d, dict):
         raise InvalidRequest("sampling_params must be an object", param="sampling_params")
-    d = {k: v for k, v in (d or {}).items() if v is not None}
-    if preferred:  # (SGLang's two names of the seed: one, so that the request's wins whichever it uses)
-        d = {**seed_named(preferred), **seed_named(d)}
+    d = under_preferred(preferred, d)
     for key, unset in _UNSUPPORTED_SAMPLING_KEYS.items():
         if key in d and d.pop(key) not in unset:
             raise InvalidRequest(f"sampling parameter {key} is not supported by this server", param=key)
@@ -186,6 +186,7 @@ def build_generate_requests(state: ServerState, obj: GenerateReqInput) -> tuple[
     starts = per_item(obj.logprob_start_len, n, "logprob_start_len", -1)
     tops = per_item(obj.top_logprobs_num, n, "top_logprobs_num", 0)
     prios = per_item(obj.priority, n, "priority", None)
+    hiddens = per_item(obj.return_hidden_states, n, "return_hidden_states", False)
     loras = adapters_per_item(engine, obj.lora_path, n)
     images = generate_images(state, obj.image_data, obj.modalities, n, batch)
     parsed = [_sampling_params(sp, state.args.preferred_sampling_params) for sp in sps]
@@ -207,7 +208,7 @@ def build_generate_requests(state: ServerState, obj: GenerateReqInput) -> tuple[
         group = obj.rid if batch and isinstance(obj.rid, str) else None  # /abort_request {rid} reaches every item
         reqs += engine.make_requests(token_ids, params, rid or uuid.uuid4().hex, bool(lps[i]), starts[i], tops[i],
                                      priority=prios[i], group=group, **lora_kwargs(loras[i]),
-                                     **images_kwargs(images[i]))
+                                     **images_kwargs(images[i]), return_hidden_states=hiddens[i])
     for r in reqs:
         r.log_metrics = obj.log_metrics
     return reqs, batch, interval
@@ -228,7 +229,7 @@ def _log_received(state: ServerState, reqs: list[Req], body: Any) -> None:
         if text is None:
             text = getattr(body, "input_ids", None)
         fields["input"] = _clip(text, level)
-    log.info("request.received", **fields)
+    emit_request_log(state, "request.received", **fields)
 
 
 def _clip(v: Any, level: int) -> Any:
@@ -250,7 +251,7 @@ def request_logger(state: ServerState) -> Callable[[Req], None]:
                                       "finish_reason": req.finish_reason}
             if level >= 2:
                 fields["output"] = _clip(req.text if req.detokenizer is not None else list(req.output_ids), level)
-            log.info("request.output", **fields)
+            emit_request_log(state, "request.output", **fields)
         except Exception:  # logging must never break serving
             pass
 
@@ -533,6 +534,26 @@ async def update_weights_from_disk(request: Request) -> Response:
             message += f" Weight version updated to {obj.weight_version}."
     return json_response({"success": success, "message": message, "num_paused_requests": 0},
                          status=200 if success else 400)
+
+
+class UpdateWeightVersionReqInput(msgspec.Struct, forbid_unknown_fields=True):
+    """SGLang's UpdateWeightVersionReqInput: a new version string for the weights being served."""
+
+    new_version: str
+    abort_all_requests: bool = True
+
+
+async def update_weight_version(request: Request) -> Response:
+    """SGLang's /update_weight_version: relabel the served weights (nothing is reloaded); by
+    default the running requests are aborted first, as SGLang does."""
+    state = state_of(request)
+    obj = await read_body(request, UpdateWeightVersionReqInput)
+    if obj.abort_all_requests:
+        state.engine.abort_all("aborted to update the weight version")
+    state.weight_version = obj.new_version
+    log.info("server.weight_version", weight_version=obj.new_version)
+    return json_response({"success": True, "message": f"Weight version updated to {obj.new_version}",
+                          "new_version": obj.new_version})
 
 
 async def metrics_endpoint(request: Request) -> Response:

@@ -51,10 +51,11 @@ class ServerState:
     ready: bool = False
     shutting_down: bool = False
     model_path: str | None = None  # what /get_model_info reports (changes with /update_weights_from_disk)
-    weight_version: str = "default"
+    weight_version: str = "default"  # --weight-version; /update_weights_from_disk, /update_weight_version change it
     started_at: float = attrs.field(factory=time.time)
     # requests sent with SGLang's no_logs: --log-requests writes neither their input nor their output
     unlogged: weakref.WeakSet[Req] = attrs.field(factory=weakref.WeakSet)
+    request_log: Any = None  # core.server.request_log.RequestLog (create_app's; None: the server log)
 
     _token_chars: int | None = attrs.field(default=None, init=False, repr=False)
 
@@ -149,15 +150,19 @@ def engine_failure(engine: object) -> str | None:
 
 def build_state(engine: AsyncEngine, args: ServerArgs) -> ServerState:
     """The state of a server over ``engine``; an unknown ``--tool-call-parser`` or
-    ``--reasoning-parser`` stops start-up, listing the registered names."""
+    ``--reasoning-parser`` stops start-up, listing the registered names, as does an
+    ``--hf-chat-template-name`` the tokenizer lacks."""
+    from core.server.openai.chat_template import pick_named_template
+
     for kind, name in (("tool_parser", args.tool_call_parser), ("reasoning_parser", args.reasoning_parser)):
         if name:
             engine.plugins.get(kind, name)
+    pick_named_template(getattr(engine, "tokenizer", None), args.hf_chat_template_name, bool(args.chat_template))
     served = engine.model_config.served_name
-    metrics = Metrics(served, enabled=args.enable_metrics)
+    metrics = Metrics(served, enabled=args.enable_metrics, buckets=args.observability.buckets())
     metrics.attach(engine)
     state = ServerState(engine=engine, args=args, metrics=metrics, served_model_name=served,
-                        model_path=args.model_path or engine.model_config.source)
+                        model_path=args.model_path or engine.model_config.source, weight_version=args.weight_version)
     if defaults := state.chat_sampling_defaults:
         log.info("server.chat_sampling_defaults", source="generation_config.json", **defaults)
     return state

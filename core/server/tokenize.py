@@ -77,7 +77,7 @@ def _token_ids(state: Any, r: TokenizeRequest) -> list[list[int]] | list[int]:
         chat = convert_body({"messages": r.messages, "tools": r.tools, "tool_choice": r.tool_choice,
                              "reasoning_effort": r.reasoning_effort, "chat_template_kwargs": r.chat_template_kwargs,
                              "continue_final_message": r.continue_final_message}, ChatCompletionRequest)
-        apply_reasoning_effort(chat)  # (the count is the chat prompt's: the same template inputs)
+        apply_reasoning_effort(chat, state.args.default_chat_template_kwargs)  # (the chat prompt's count: same inputs)
         return render_chat(state, chat, add_generation_prompt=r.add_generation_prompt, fit=False,
                            add_special_tokens=bool(r.add_special_tokens))
     special = r.add_special_tokens is not False

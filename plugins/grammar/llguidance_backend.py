@@ -31,8 +31,13 @@ class LLGuidanceGrammar:
 
 
 class LLGuidanceBackend:
-    def __init__(self, tokenizer, vocab_size: int, *, stop_token_ids: list[int] | None = None) -> None:
+    def __init__(self, tokenizer, vocab_size: int, *, stop_token_ids: list[int] | None = None,
+                 any_whitespace: bool = True, whitespace_pattern: str | None = None) -> None:
+        """``any_whitespace`` False: compact JSON; ``whitespace_pattern``: the regex JSON's whitespace
+        follows instead (SGLang's --constrained-json-* flags; llguidance's JSON options)."""
         self.vocab_size = vocab_size
+        self.json_options = ({"whitespace_flexible": any_whitespace, "whitespace_pattern": whitespace_pattern}
+                             if not any_whitespace or whitespace_pattern is not None else None)
         try:
             self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=stop_token_ids or None)
         except TypeError:
@@ -46,7 +51,10 @@ class LLGuidanceBackend:
         if fmt is None:
             raise ValueError(f"the llguidance backend does not support {kind} constraints")
         try:
-            grammar = llguidance.grammar_from(fmt, spec)
+            if fmt == "json_schema" and self.json_options is not None:
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(spec, defaults=self.json_options)
+            else:
+                grammar = llguidance.grammar_from(fmt, spec)
         except Exception as e:
             raise ValueError(str(e)) from None
         ok, err = _validate(grammar, self.tokenizer)

@@ -30,15 +30,17 @@ class XGrammarGrammar:
 
 
 class XGrammarBackend:
-    def __init__(self, tokenizer, vocab_size: int, *, stop_token_ids: list[int] | None = None) -> None:
-        self.vocab_size = vocab_size
+    def __init__(self, tokenizer, vocab_size: int, *, stop_token_ids: list[int] | None = None,
+                 any_whitespace: bool = True) -> None:
+        """``any_whitespace`` False: JSON schemas compile to compact JSON (--constrained-json-disable-any-whitespace)."""
+        self.vocab_size, self.any_whitespace = vocab_size, any_whitespace
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids or None)
         self.compiler = xgr.GrammarCompiler(info, max_threads=2)
 
     def compile(self, kind: str, spec: str) -> XGrammarGrammar:
         try:
             if kind == "json_schema":
-                compiled = self.compiler.compile_json_schema(spec)
+                compiled = self.compiler.compile_json_schema(spec, any_whitespace=self.any_whitespace)
             elif kind == "regex":
                 compiled = self.compiler.compile_regex(spec)
             elif kind == "ebnf":

@@ -32,7 +32,7 @@ from core.engine.data_parallel.replica import ReqDelta, ReqSpec, replica_main
 from core.engine.data_parallel.router import Router
 from core.engine.device import gpu_index, placed_device
 from core.engine.frontend import RequestFrontEnd
-from core.engine.grammar import GrammarManager
+from core.engine.grammar import GrammarManager, json_whitespace_options
 from core.engine.lora.replicated import ReplicatedAdapters
 from core.engine.mem_cache.kv_cache import PageAllocator
 from core.engine.model_loader.loader import load_model_config, with_tokenizer_eos
@@ -87,7 +87,7 @@ class DataParallelEngine(RequestFrontEnd):
         self.model_config = with_tokenizer_eos(self.model_config, self.tokenizer)
         self.vocab_size = self.model_config.text_config.vocab_size
         self.grammar = GrammarManager(self.plugins, args.grammar_backend, self.tokenizer, self.vocab_size,
-                                      self.model_config.eos_ids)
+                                      self.model_config.eos_ids, json_whitespace_options(args))
         self.router = Router(args.dp_size, args.load_balance_method)
         self.lora = ReplicatedAdapters(args, self._call_all, self._adapters_in_flight) if lora_requested(args) else None
         self.step_listeners: list[Callable[[Any, float], None]] = []
@@ -324,6 +324,7 @@ class DataParallelEngine(RequestFrontEnd):
         reqs = [r.inflight[rid] for rid in rids if rid in r.inflight]
         for req in reqs:
             req.kv_len = req.seq_len  # the mirror: every token computed (listeners skip partial prefill chunks)
+            req.forward_entry_time = req.forward_entry_time or time.perf_counter() - duration
         if reqs:
             for listener in self.step_listeners:
                 listener(_StepView(reqs, is_prefill, steps_run), duration)

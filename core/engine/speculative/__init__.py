@@ -370,6 +370,8 @@ def host_read(req: Req, overlap: bool = False) -> str:
         return "a grammar"
     if not overlap and (req.return_logprob or req.top_logprobs_num):
         return "logprobs"
+    if not overlap and req.return_hidden_states:  # one forward's state per token (core.engine.hidden_states)
+        return "hidden states"
     if not req.may_read_outputs:
         return ""
     p = req.params

@@ -10,11 +10,17 @@ from typing import Any, AsyncIterator
 import attrs
 from msgspec import UNSET
 
+from core.engine.hidden_states import for_response
 from core.engine.sampling_params import ThinkingBudget
 from core.errors import CoreError, InvalidRequest
 from core.server.http import ApiError, sse_event, stream_due
 from core.server.multimodal import chat_images, image_part_url
-from core.server.openai.chat_template import ChatTemplate, check_renders_messages, from_json_file
+from core.server.openai.chat_template import (
+    RESERVED_TEMPLATE_KWARGS,
+    ChatTemplate,
+    check_renders_messages,
+    from_json_file,
+)
 from core.server.openai.job import (
     MAX_TOP_LOGPROBS,
     Job,
@@ -24,6 +30,7 @@ from core.server.openai.job import (
     finish_of,
     fit_context,
     sampling_params,
+    weight_version_metadata,
 )
 from core.server.openai.logprobs import chat_logprobs
 from core.server.openai.protocol import (
@@ -42,8 +49,6 @@ ALLOWED_ROLES = ("system", "user", "assistant", "tool", "developer")
 # ----------------------------------------------------------------------------- chat templates
 
 _TEMPLATES: dict[str, ChatTemplate] = {}
-_RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-                             "continue_final_message", "tokenize", "return_dict", "return_tensors", "padding", "truncation"}
 
 
 def loaded_chat_template(value: str) -> ChatTemplate:
@@ -197,7 +202,7 @@ def render_chat(state: Any, r: ChatCompletionRequest, hide_tools: bool | None = 
         raise InvalidRequest("chat_template_kwargs.add_generation_prompt false is not supported: the prompt always ends "
                              "where the assistant's answer starts (use continue_final_message to continue a final "
                              "assistant message)", param="chat_template_kwargs.add_generation_prompt")
-    if reserved := sorted(kwargs.keys() & _RESERVED_TEMPLATE_KWARGS):
+    if reserved := sorted(kwargs.keys() & RESERVED_TEMPLATE_KWARGS):
         raise InvalidRequest(f"chat_template_kwargs.{reserved[0]} is set by the server from the request (messages, "
                              "tools, documents, --chat-template); remove it from chat_template_kwargs",
                              param=f"chat_template_kwargs.{reserved[0]}")
@@ -282,7 +287,7 @@ async def choice_deltas(job: ChatJob) -> AsyncIterator[tuple[dict, int, str, str
 
 def prepare_chat(state: Any, r: ChatCompletionRequest, rid: str | None = None) -> ChatJob:
     """Validate, render and build the engine requests of a chat request (nothing is submitted)."""
-    n, constraint = common_checks(r)
+    n, constraint = common_checks(r, state.args.default_chat_template_kwargs)
     job = ChatJob(state, "chat", r, rid)
     job.n = n
     job.select_adapters(1)
@@ -328,8 +333,11 @@ async def chat_response(job: ChatJob) -> ChatCompletionResponse:
         reasoning, content, calls, reason = job.post().full(out["text"], reason)
         msg = ChatMessage(role="assistant", content=content, reasoning_content=reasoning if reasoning is not None else UNSET,
                           tool_calls=calls if calls else UNSET)
-        choices.append(ChatChoice(index=i, message=msg, logprobs=lp, finish_reason=reason, matched_stop=matched))
-    return ChatCompletionResponse(id=job.id, created=job.created, model=job.model, choices=choices, usage=job.usage(outs))
+        hs = for_response(out["meta_info"], job.r.return_hidden_states)
+        choices.append(ChatChoice(index=i, message=msg, logprobs=lp, finish_reason=reason, matched_stop=matched,
+                                  hidden_states=UNSET if hs is None else hs))
+    return ChatCompletionResponse(id=job.id, created=job.created, model=job.model, choices=choices, usage=job.usage(outs),
+                                  metadata=weight_version_metadata(job.state))
 
 
 async def chat_stream(job: ChatJob) -> AsyncIterator[bytes]:
@@ -369,5 +377,8 @@ async def chat_stream(job: ChatJob) -> AsyncIterator[bytes]:
                           tool_calls=calls if calls else UNSET)
         yield chunk(ChatStreamChoice(index=i, delta=dm, logprobs=lp,
                                      finish_reason=reason, matched_stop=matched if reason else UNSET))
+    for i, out in enumerate(last):  # SGLang: each choice's hidden states in a chunk of their own, after the content
+        if out is not None and (hs := for_response(out["meta_info"], job.r.return_hidden_states)) is not None:
+            yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(hidden_states=hs)))
     if job.include_usage:
         yield chunk(None, job.usage(last))

@@ -15,6 +15,7 @@ never read as Jinja, which used to make every prompt the JSON text itself.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import attrs
 import structlog
@@ -154,3 +155,47 @@ def check_renders_messages(template: str, where: str) -> None:
     if PROBE_TEXT not in text:
         raise CoreError(f"--chat-template {where}: the template drops the messages (a user message's text does "
                         f"not appear in its output {text[:80]!r}); is it a chat template?")
+
+
+# ----------------------------------------------------------------------------- serve flags
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")  # the Responses API's
+# chat_template_kwargs keys the server sets from the request itself (a 400 in a request, refused as a default)
+RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tools", "documents", "chat_template",
+                                      "add_generation_prompt", "continue_final_message", "tokenize", "return_dict",
+                                      "return_tensors", "padding", "truncation"})
+
+
+def check_default_template_kwargs(kwargs: dict[str, Any] | None) -> None:
+    """``--default-chat-template-kwargs``: refuse at start-up what would make every chat request a 400."""
+    kwargs = kwargs or {}
+    if reserved := sorted(kwargs.keys() & RESERVED_TEMPLATE_KWARGS - {"add_generation_prompt", "continue_final_message"}):
+        raise CoreError(f"--default-chat-template-kwargs: {reserved[0]} is set by the server from each request "
+                        "(messages, tools, documents; the template is --chat-template); remove it")
+    if kwargs.get("add_generation_prompt", True) is not True:
+        raise CoreError("--default-chat-template-kwargs: add_generation_prompt false is not supported: the prompt "
+                        "always ends where the assistant's answer starts")
+    if (effort := kwargs.get("reasoning_effort")) is not None and effort not in REASONING_EFFORTS:
+        raise CoreError(f"--default-chat-template-kwargs: reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, "
+                        f"got {effort!r}")
+
+
+def pick_named_template(tok: Any, name: str | None, overridden: bool) -> None:
+    """``--hf-chat-template-name``: a tokenizer with several named chat templates (a dict; a list in
+    tokenizer_config.json) keeps the one named, else a name it lacks stops start-up listing its names.
+    Without a name, one with a ``default`` is left to choose per request (``tool_use`` with tools),
+    one without renders with its first, as SGLang's. The name has no effect (a warning) on a single
+    template or under ``--chat-template`` (``overridden``), as in SGLang."""
+    templates = getattr(tok, "chat_template", None) if tok is not None else None
+    if name and (overridden or not isinstance(templates, dict)):
+        log.warning("chat_template.name_unused", hf_chat_template_name=name,
+                    why="--chat-template replaces the tokenizer's" if overridden else "the tokenizer has no named templates")
+        return
+    if not isinstance(templates, dict) or overridden or not templates:
+        return
+    if name and name not in templates:
+        raise CoreError(f"--hf-chat-template-name {name!r}: the tokenizer has no such chat template; its templates: "
+                        f"{', '.join(templates)}")
+    if name or "default" not in templates:
+        name = name or next(iter(templates))
+        tok.chat_template = templates[name]
+        log.info("chat_template.named", name=name, available=list(templates))

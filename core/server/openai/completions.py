@@ -7,6 +7,7 @@ from typing import Any, AsyncIterator
 
 from msgspec import UNSET
 
+from core.engine.hidden_states import for_response
 from core.errors import InvalidRequest
 from core.server.http import sse_event
 from core.server.openai.job import (
@@ -20,6 +21,7 @@ from core.server.openai.job import (
     finish_of,
     fit_context,
     sampling_params,
+    weight_version_metadata,
 )
 from core.server.openai.logprobs import Offsets, completion_logprobs
 from core.server.openai.protocol import CompletionChoice, CompletionRequest, CompletionResponse
@@ -99,8 +101,11 @@ async def completion_response(job: CompletionJob) -> CompletionResponse:
         lp = completion_logprobs(job.vocab, out["meta_info"], 0, job.top, Offsets(), echo) if job.logprobs else None
         if echo:
             text = job.echo_texts[i // job.n] + text
-        choices.append(CompletionChoice(index=i, text=text, logprobs=lp, finish_reason=reason, matched_stop=matched))
-    return CompletionResponse(id=job.id, created=job.created, model=job.model, choices=choices, usage=job.usage(outs))
+        hs = for_response(out["meta_info"], job.r.return_hidden_states)
+        choices.append(CompletionChoice(index=i, text=text, logprobs=lp, finish_reason=reason, matched_stop=matched,
+                                        hidden_states=UNSET if hs is None else hs))
+    return CompletionResponse(id=job.id, created=job.created, model=job.model, choices=choices, usage=job.usage(outs),
+                              metadata=weight_version_metadata(job.state))
 
 
 async def completion_stream(job: CompletionJob) -> AsyncIterator[bytes]:
@@ -137,5 +142,8 @@ async def completion_stream(job: CompletionJob) -> AsyncIterator[bytes]:
         sent_text[i], sent_toks[i] = out["text"], ntok
         yield chunk(CompletionChoice(index=i, text=delta, logprobs=lp, finish_reason=reason,
                                      matched_stop=matched if reason else UNSET))
+    for i, out in enumerate(last):  # SGLang: each choice's hidden states in a chunk of their own, after the text
+        if out is not None and (hs := for_response(out["meta_info"], job.r.return_hidden_states)) is not None:
+            yield chunk(CompletionChoice(index=i, text="", hidden_states=hs))
     if job.include_usage:
         yield chunk(None, job.usage(last))

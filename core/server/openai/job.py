@@ -18,14 +18,15 @@ from core.errors import InvalidRequest
 from core.server.http import SSE_DONE, ApiError, log_ignored_field, read_body, sse_error
 from core.server.limits import MAX_N, MAX_SEQUENCES, check_sampling_limits  # noqa: F401 (MAX_SEQUENCES: re-exported)
 from core.server.lora import lora_kwargs, request_adapters
+from core.server.openai.chat_template import REASONING_EFFORTS
 from core.server.openai.logprobs import vocab_of
 from core.server.openai.protocol import IGNORED_FIELDS, NOOP_FIELDS, PromptTokensDetails, UsageInfo
+from core.server.request_log import emit as emit_request_log
 
 log = structlog.get_logger("core.server.openai")
 
 MAX_TOP_LOGPROBS = 20
 MAX_TEMPERATURE = 2.0
-REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")  # the Responses API's
 JSON_OBJECT = '{"type": "object"}'
 
 
@@ -157,26 +158,35 @@ def effort_template_kwargs(effort: str | None, kwargs: dict[str, Any] | None) ->
     return kwargs
 
 
-def apply_reasoning_effort(r: Any) -> None:
-    """A chat request's ``reasoning_effort`` into its template kwargs, as the Responses API does."""
+def apply_reasoning_effort(r: Any, defaults: dict[str, Any] | None = None) -> None:
+    """A chat request's ``reasoning_effort`` into its template kwargs, as the Responses API does; then
+    ``defaults`` (``--default-chat-template-kwargs``) under them, per key, as SGLang merges them (so
+    the reasoning parser and the thinking budget read the merged kwargs). A default
+    ``reasoning_effort`` stands for the request's when it sets none, and gives way to its own."""
+    if defaults:
+        defaults = dict(defaults)
+        default_effort = defaults.pop("reasoning_effort", None)
+        if r.reasoning_effort is None and "reasoning_effort" not in (r.chat_template_kwargs or {}):
+            r.reasoning_effort = default_effort
     effort = getattr(r, "reasoning_effort", None)
-    if effort is None:
-        return
-    check(effort in REASONING_EFFORTS, f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, "
-          f"got {effort!r}", "reasoning_effort")
-    r.chat_template_kwargs = effort_template_kwargs(effort, r.chat_template_kwargs)
+    if effort is not None:
+        check(effort in REASONING_EFFORTS, f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, "
+              f"got {effort!r}", "reasoning_effort")
+        r.chat_template_kwargs = effort_template_kwargs(effort, r.chat_template_kwargs)
+    if defaults:
+        r.chat_template_kwargs = {**defaults, **(r.chat_template_kwargs or {})}
 
 
-def common_checks(r: Any) -> tuple[int, dict[str, str]]:
+def common_checks(r: Any, template_defaults: dict[str, Any] | None = None) -> tuple[int, dict[str, str]]:
     """Validation shared by chat and completions (vLLM's fields mapped on the way); returns (n, the
-    request's constraint)."""
+    request's constraint). ``template_defaults``: a chat's ``--default-chat-template-kwargs``."""
     n = 1 if r.n is None else r.n
     check(1 <= n <= MAX_N, f"n must be between 1 and {MAX_N}, got {n}", "n")
     if r.temperature is not None:
         check(0 <= r.temperature <= MAX_TEMPERATURE, f"temperature must be between 0 and {MAX_TEMPERATURE:g}, "
               f"got {r.temperature}", "temperature")
     constraint = request_constraint(r)
-    apply_reasoning_effort(r)
+    apply_reasoning_effort(r, template_defaults)
     if r.min_tokens is not None:
         check(r.min_tokens >= 0, f"min_tokens must be >= 0, got {r.min_tokens}", "min_tokens")
     return n, constraint
@@ -280,6 +290,12 @@ def finish_of(out: dict) -> tuple[str | None, Any]:
     return fr.get("type"), fr.get("matched")
 
 
+def weight_version_metadata(state: Any) -> dict[str, Any] | None:
+    """SGLang's ``metadata`` of a non-streaming response: the weight version serving it."""
+    version = getattr(state, "weight_version", None)  # (a test's stub state may have none)
+    return None if version is None else {"weight_version": version}
+
+
 def raise_if_aborted(out: dict | None) -> None:
     if out is None:
         raise ApiError(500, "the request ended without output")
@@ -302,9 +318,11 @@ class Job:
         self.model = r.model or state.served_model_name
         self.stream = bool(r.stream)
         opts = r.stream_options
-        self.include_usage = bool(self.stream and opts is not None and opts.include_usage)
+        # --stream-response-default-include-usage: the usage chunk even where stream_options says false (SGLang's "or")
+        self.include_usage = self.stream and bool((opts is not None and opts.include_usage)
+                                                  or state.args.stream_response_default_include_usage)
         # vLLM's continuous_usage_stats: with include_usage, every chunk carries the usage so far
-        self.continuous_usage = self.include_usage and bool(opts.continuous_usage_stats)
+        self.continuous_usage = self.include_usage and bool(opts is not None and opts.continuous_usage_stats)
         self.cache_report = state.args.enable_cache_report
         self.interval = max(1, state.args.stream_interval)
         self.n = 1
@@ -330,7 +348,8 @@ class Job:
         try:
             self.reqs += self.engine.make_requests(ids, params, rid, self.logprobs, start_len, self.top,
                                                    priority=self.r.priority, group=self.id, **lora_kwargs(adapter),
-                                                   **({"images": images} if images else {}))
+                                                   **({"images": images} if images else {}),
+                                                   return_hidden_states=getattr(self.r, "return_hidden_states", False))
         except InvalidRequest as e:
             raise engine_error(e) from None
 
@@ -343,8 +362,8 @@ class Job:
             raise engine_error(e) from None
         self.state.submit(self.reqs)
         if self.state.args.log_requests:
-            log.info("request.received", rids=[r.rid for r in self.reqs], endpoint=self.kind,
-                     prompt_tokens=[len(r.prompt_ids) for r in self.reqs[:: self.n]])
+            emit_request_log(self.state, "request.received", rids=[r.rid for r in self.reqs], endpoint=self.kind,
+                             prompt_tokens=[len(r.prompt_ids) for r in self.reqs[:: self.n]])
 
     # ---- results
     def usage(self, outs: list[dict | None]) -> UsageInfo:

@@ -91,6 +91,8 @@ class _GenerationRequest(Struct, kw_only=True):
     rid: str | None = None  # SGLang: the request id (for /abort_request); also the response id
     priority: int | None = None  # SGLang: scheduling priority (with --enable-priority-scheduling)
     lora_path: str | list[str | None] | None = None  # SGLang: the LoRA adapter(s); ``model`` wins (core.server.lora)
+    # SGLang: true or "last": the last layer's hidden states in each choice (core.engine.hidden_states)
+    return_hidden_states: bool | str | None = False
     # structured output (at most one; compiled by the grammar backend)
     regex: str | None = None
     json_schema: str | None = None
@@ -162,8 +164,6 @@ _NOOP_COMMON: dict[str, tuple[Any, ...]] = {
     "kv_transfer_params": (None,), "ec_transfer_params": (None,), "vllm_xargs": (None, {}),
     "repetition_detection": (None,), "logprob_token_ids": (None,),
     "watermarking": (None, False),
-    # SGLang
-    "return_hidden_states": (None, False),
 }
 _NOOP_CHAT: dict[str, tuple[Any, ...]] = {
     # vLLM
@@ -245,6 +245,7 @@ class ChatChoice(Struct, kw_only=True):
     logprobs: ChoiceLogprobs | None = None
     finish_reason: str | None = None
     matched_stop: int | str | None = None  # SGLang extension: the stop string / token that ended the choice
+    hidden_states: Any | UnsetType = UNSET  # SGLang extension (return_hidden_states)
 
 
 class ChatCompletionResponse(Struct, kw_only=True):
@@ -255,6 +256,7 @@ class ChatCompletionResponse(Struct, kw_only=True):
     choices: list[ChatChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
+    metadata: dict[str, Any] | None | UnsetType = UNSET  # SGLang's {"weight_version": ...} (non-streaming responses)
 
 
 class DeltaMessage(Struct, kw_only=True):
@@ -262,6 +264,7 @@ class DeltaMessage(Struct, kw_only=True):
     content: str | None | UnsetType = UNSET
     reasoning_content: str | UnsetType = UNSET
     tool_calls: list[dict[str, Any]] | UnsetType = UNSET
+    hidden_states: Any | UnsetType = UNSET  # SGLang extension: a chunk of its own after the content
 
 
 class ChatStreamChoice(Struct, kw_only=True):
@@ -288,6 +291,7 @@ class CompletionChoice(Struct, kw_only=True):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     matched_stop: int | str | None | UnsetType = UNSET
+    hidden_states: Any | UnsetType = UNSET  # SGLang extension (return_hidden_states)
 
 
 class CompletionResponse(Struct, kw_only=True):
@@ -298,6 +302,7 @@ class CompletionResponse(Struct, kw_only=True):
     choices: list[CompletionChoice]
     usage: UsageInfo | None | UnsetType = UNSET
     system_fingerprint: str | None = None
+    metadata: dict[str, Any] | None | UnsetType = UNSET  # SGLang's {"weight_version": ...} (non-streaming responses)
 
 
 class ModelCard(Struct, kw_only=True):
