@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Iterator
+from typing import Any, Iterator
 
 import httpx
 import pytest
@@ -46,9 +46,10 @@ class ServerProcess:
 
 def launch(*extra_args: str, env: dict | None = None, base_args: tuple[str, ...] = BASE_ARGS,
            startup_timeout: float = STARTUP_TIMEOUT, wait_path: str = "/health",
-           python: str = sys.executable) -> ServerProcess:
+           python: str = sys.executable, verify: Any = None) -> ServerProcess:
     """Spawn ``python -m core.cli serve`` on a free port and wait until ``wait_path`` answers 200.
-    ``python`` is the interpreter (e.g. a virtual environment's, to test an installed plugin)."""
+    ``python`` is the interpreter (e.g. a virtual environment's, to test an installed plugin);
+    ``verify``: an ``ssl.SSLContext`` trusting the server's certificate (the flags serve HTTPS)."""
     port = free_port()
     args = [python, "-m", "core.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *base_args, *extra_args]
     fd, log_path = tempfile.mkstemp(prefix="core-serve-", suffix=".log")
@@ -56,13 +57,13 @@ def launch(*extra_args: str, env: dict | None = None, base_args: tuple[str, ...]
     proc = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     log_file.close()
-    server = ServerProcess(proc, f"http://127.0.0.1:{port}", log_path)
+    server = ServerProcess(proc, f"{'http' if verify is None else 'https'}://127.0.0.1:{port}", log_path)
     deadline = time.monotonic() + startup_timeout
     while True:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode} during start-up:\n{server.logs()[-4000:]}")
         try:
-            if httpx.get(server.base_url + wait_path, timeout=2.0).status_code == 200:
+            if httpx.get(server.base_url + wait_path, timeout=2.0, verify=verify or True).status_code == 200:
                 return server
         except httpx.HTTPError:
             pass
@@ -158,3 +159,30 @@ def server() -> Iterator[str]:
         yield url
     finally:
         _release_default()
+
+
+def serve_in_process(engine_kwargs: dict[str, Any], server_args: Any, calls: Any, timeout: float = 120) -> Any:
+    """``await calls(client)`` against the app of an in-process ``AsyncEngine`` (a small fp32 CPU
+    engine, no grammar backend, updated with ``engine_kwargs``) under ``server_args`` (ServerArgs),
+    through httpx's ASGI transport; the engine is shut down after."""
+    import asyncio
+
+    from core.engine import AsyncEngine
+    from core.engine.config import engine_args_from_kwargs
+    from core.server.app import create_app
+    from core.server.state import build_state
+
+    async def go() -> Any:
+        kw = dict(dtype="float32", max_total_tokens=2048, cpu_threads=1, device="cpu", grammar_backend="none",
+                  random_seed=0)
+        engine = AsyncEngine(engine_args_from_kwargs({**kw, **engine_kwargs}))
+        state = build_state(engine, server_args)
+        state.ready = True
+        try:
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(state)), base_url="http://t",
+                                         timeout=timeout) as c:
+                return await calls(c)
+        finally:
+            await engine.shutdown()
+
+    return asyncio.run(go())

@@ -6,7 +6,6 @@ are start-up errors of ``core serve`` itself."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import socket
 from datetime import datetime
@@ -20,6 +19,7 @@ from structlog.testing import capture_logs
 
 from core.engine.sglang_flags import SGLANG_FLAGS_LACKING
 from tests.conftest import greedy
+from tests.server_utils import serve_in_process
 
 PROMPT = [5, 6, 7, 8, 9, 10, 11]
 
@@ -27,30 +27,13 @@ PROMPT = [5, 6, 7, 8, 9, 10, 11]
 def _serve(model: Path, flags: list[str], requests: Callable[[httpx.AsyncClient], Awaitable[Any]]) -> Any:
     """Parse and check ``flags`` as ``core serve`` does, then run ``requests`` against the app."""
     from core.cli import build_parser
-    from core.engine import AsyncEngine
-    from core.engine.config import engine_args_from_kwargs
-    from core.server.app import create_app
     from core.server.args import ServerArgs, validate_serve_args
-    from core.server.state import build_state
 
     ns = build_parser().parse_args(["serve", "--model-path", str(model), *flags])
     validate_serve_args(ns)
     args = ServerArgs.from_namespace(ns)
 
-    async def go() -> Any:
-        kw = dict(model_path=str(model), dtype="float32", max_total_tokens=2048, cpu_threads=1, device="cpu",
-                  grammar_backend="none", random_seed=0)
-        engine = AsyncEngine(engine_args_from_kwargs(kw))
-        state = build_state(engine, args)
-        state.ready = True
-        try:
-            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(state)), base_url="http://t",
-                                         timeout=60) as c:
-                return await requests(c)
-        finally:
-            await engine.shutdown()
-
-    return asyncio.run(go())
+    return serve_in_process({"model_path": str(model)}, args, requests, timeout=60)
 
 
 async def _generate(c: httpx.AsyncClient, rid: str, n: int = 3, **body: Any) -> dict:

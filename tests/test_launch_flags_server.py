@@ -8,12 +8,9 @@ from __future__ import annotations
 import asyncio
 import datetime
 import ipaddress
-import os
 import ssl
 import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 from typing import Iterator
 
@@ -21,7 +18,7 @@ import httpx
 import pytest
 
 from core.errors import CoreError
-from tests.server_utils import BASE_ARGS, STARTUP_TIMEOUT, ServerProcess, free_port, stop
+from tests.server_utils import ServerProcess, launch, stop
 
 KEY, ADMIN = "sk-user-key-1", "sk-admin-key-2"
 PASSWORD = "pem-pass"
@@ -68,38 +65,15 @@ def _trusting(cert: Path) -> ssl.SSLContext:
 
 
 # ---------------------------------------------------------------------------- the real server
-def _launch_https(args: list[str], verify: ssl.SSLContext) -> ServerProcess:
-    port = free_port()
-    cmd = [sys.executable, "-m", "core.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *BASE_ARGS, *args]
-    fd, log_path = tempfile.mkstemp(prefix="core-serve-tls-", suffix=".log")
-    with os.fdopen(fd, "w") as log_file:
-        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, cwd=ROOT_DIR)
-    server = ServerProcess(proc, f"https://127.0.0.1:{port}", log_path)
-    deadline = time.monotonic() + STARTUP_TIMEOUT
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{server.logs()[-4000:]}")
-        try:
-            if httpx.get(server.base_url + "/health", verify=verify, timeout=2.0).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            stop(server, check=False)
-            raise RuntimeError(f"server not healthy after {STARTUP_TIMEOUT:.0f}s:\n{server.logs()[-4000:]}")
-        time.sleep(0.2)
-
-
 @pytest.fixture(scope="module")
 def srv(tiny_llama, certs: dict[str, Path]) -> Iterator[ServerProcess]:
     path, _ = tiny_llama()
-    server = _launch_https(["--model-path", str(path), "--dtype", "float32", "--skip-server-warmup",
-                            "--ssl-certfile", str(certs["cert"]), "--ssl-keyfile", str(certs["key"]),
-                            "--ssl-keyfile-password", PASSWORD, "--ssl-ca-certs", str(certs["cert"]),
-                            "--fastapi-root-path", ROOT, "--api-key", KEY, "--admin-api-key", ADMIN,
-                            "--weight-version", "v1",
-                            "--chat-template", "{% for m in messages %}{{ m['content'] }}{% endfor %}"],
-                           _trusting(certs["cert"]))
+    server = launch("--model-path", str(path), "--dtype", "float32", "--skip-server-warmup",
+                    "--ssl-certfile", str(certs["cert"]), "--ssl-keyfile", str(certs["key"]),
+                    "--ssl-keyfile-password", PASSWORD, "--ssl-ca-certs", str(certs["cert"]),
+                    "--fastapi-root-path", ROOT, "--api-key", KEY, "--admin-api-key", ADMIN,
+                    "--weight-version", "v1", "--chat-template", "{% for m in messages %}{{ m['content'] }}{% endfor %}",
+                    verify=_trusting(certs["cert"]))
     yield server
     stop(server)
 

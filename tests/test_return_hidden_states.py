@@ -9,7 +9,6 @@ newest vector; a server without the flag refuses the request."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import pytest
@@ -18,6 +17,7 @@ import torch
 from core.errors import CoreError
 from tests.conftest import assert_pool_free, greedy, make_engine
 from tests.model_utils import prompt
+from tests.server_utils import serve_in_process
 
 ATOL = 1e-4
 PROMPTS = [prompt(7, 1), prompt(11, 2), prompt(5, 3)]
@@ -176,28 +176,10 @@ def test_speculative_decoding_decodes_such_batches_plainly(tiny_llama):
 # ----------------------------------------------------------------------------- HTTP
 def _serve(path, calls, **engine_kwargs):
     """Run ``calls(client)`` against an in-process app over an engine with ``engine_kwargs``."""
-    import httpx
-
-    from core.engine import AsyncEngine
-    from core.engine.config import engine_args_from_kwargs
-    from core.server.app import create_app
     from core.server.args import ServerArgs
-    from core.server.state import build_state
 
-    async def go():
-        args = engine_args_from_kwargs(dict(model_path=str(path), dtype="float32", max_total_tokens=1024, cpu_threads=1,
-                                            device="cpu", grammar_backend="none", **engine_kwargs))
-        engine = AsyncEngine(args)
-        state = build_state(engine, ServerArgs(chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}"))
-        state.ready = True
-        try:
-            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(state)), base_url="http://t",
-                                         timeout=120) as c:
-                return await calls(c)
-        finally:
-            await engine.shutdown()
-
-    return asyncio.run(go())
+    chat = ServerArgs(chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    return serve_in_process({"model_path": str(path), "max_total_tokens": 1024, **engine_kwargs}, chat, calls)
 
 
 def _events(text: str) -> list[dict]:
