@@ -382,6 +382,8 @@ CLASSIFIED: dict[str, dict[str, Any]] = {
         "enable_return_hidden_states": H("tests.test_return_hidden_states::test_offline_engine_returns_transformers_hidden_states"),
         "return_hidden_states_mode": H("tests.test_return_hidden_states::test_without_the_flag_requests_are_refused_as_sglang_does"),
         "attention_backend": H("tests.test_attention_choice::test_explicit_flag_wins_over_the_choice"),
+        "prefill_attention_backend": H("tests.test_attention_phases::test_each_phase_runs_on_the_backend_named"),
+        "decode_attention_backend": H("tests.test_attention_phases::test_each_phase_runs_on_the_backend_named"),
         "quantization": H("tests.test_quant_models::test_weight_only_methods_track_the_dense_model"),
         "torchao_config": H("tests.test_quant_models::test_torchao_config_selects_the_method"),
         "cuda_graph_max_bs": H("tests.test_cuda_graph::test_greedy_tokens_equal_with_graphs_on_and_off"),

@@ -5,6 +5,7 @@ afresh gives (``sse_event(output_of(...))``), escapes and non-ASCII text include
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -14,6 +15,7 @@ from core.server.generate_output import Chunks, meta_of, output_of
 from core.server.http import sse_event
 
 # text pieces a step may add: JSON escapes, control characters, non-ASCII, astral code points
+STATE = SimpleNamespace(weight_version="v7")  # what meta_of reads of the server state here
 PIECES = ["Hello", ' "quoted"', " back\\slash", "\nnew line\t", "\u0001", " caf\u00e9", " \U0001F600", "\u2028", "</s>", ""]
 
 
@@ -26,7 +28,8 @@ def test_events_equal_the_whole_output_encoded_afresh(index):
         r.text += piece
         if step == len(PIECES) - 1:
             r.finish_reason = {"type": "length"}
-        meta = meta_of(None, r, False)
+        meta = meta_of(STATE, r, False)
+        assert meta["weight_version"] == "v7"  # SGLang's: the version serving the request
         want = {"text": r.text, "output_ids": r.output_ids, "meta_info": meta}
         if index is not None:
             want["index"] = index
@@ -46,7 +49,7 @@ def test_a_shorter_output_starts_over():
 def test_output_of_slices_what_was_sent():
     r = Req("r", [1], SamplingParams(max_new_tokens=8), return_logprob=True)
     r.output_ids, r.text, r.output_logprobs = [5, 6, 7], "xyz", [-0.1, -0.2, -0.3]
-    out = output_of(None, r, False, since=(2, 1))
+    out = output_of(STATE, r, False, since=(2, 1))
     assert out["output_ids"] == [7] and out["text"] == "yz"
     assert out["meta_info"]["output_token_logprobs"] == [[-0.3, 7, None]]
     assert out["meta_info"]["completion_tokens"] == 3  # whole, as in SGLang

@@ -104,6 +104,13 @@ def test_https_with_an_encrypted_key_verifies_against_the_certificate(srv: Serve
     assert info["ssl_certfile"] == str(certs["cert"])
 
 
+def test_without_enable_http2_tls_answers_http11(srv: ServerProcess, certs: dict[str, Path]) -> None:
+    """No ``--enable-http2``: ALPN offers only http/1.1, so a client offering h2 gets HTTP/1.1, as
+    from SGLang's uvicorn (tests/test_launch_flags_http2.py has the flag on)."""
+    with httpx.Client(base_url=srv.base_url, http2=True, verify=_trusting(certs["cert"]), timeout=30) as c:
+        assert c.get("/health").http_version == "HTTP/1.1"
+
+
 def test_root_path_is_the_asgi_root_path_as_sglang_sets_it(client: httpx.Client) -> None:
     """``--fastapi-root-path /api``: the proxy strips the prefix, so routes answer at their own
     paths; the request's URL carries the prefix (uvicorn's root_path, which SGLang passes it to),

@@ -35,6 +35,7 @@ from core.engine.grammar import GrammarManager, json_whitespace_options
 from core.engine.profiler import StepProfiler
 from core.engine.model_loader.model_build import build_model
 from core.engine.cuda_graph import DEFAULT_MAX_BS, CudaGraphRunner, why_no_cuda_graph
+from core.engine.hybrid_attention import attention_backend_name, build_attention_backend
 from core.engine.model_runner import ModelRunner
 from core.plugins import PluginManager, load_plugins
 from core.engine.mem_cache.hierarchical import build_tree_cache
@@ -190,14 +191,10 @@ class AsyncEngine(RequestFrontEnd):
             schedule_low_priority_values_first=args.schedule_low_priority_values_first, seed=self.random_seed,
             decode_steps=args.num_continuous_decode_steps, speculator=build_speculator(args, self.plugins),
         )
-        backend_name = args.attention_backend
-        if backend_name is None:
-            backend_name, why, chooser = self.plugins.choose_attention_backend(self.device, mc)
-            log.info("attention_backend.chosen", backend=backend_name, reason=why, chosen_by=chooser)
+        backend_name = attention_backend_name(args, self.plugins, self.device, mc)  # (per phase: hybrid_attention)
         self.attention_backend_name = backend_name
-        self.attn_backend = self.plugins.resolve("attention_backend", backend_name)(
-            AttentionConfig(cfg.num_hidden_layers, heads, kv_heads, head_dim, mc.dtype, self.device, self.kv_cache)
-        )
+        self.attn_backend = build_attention_backend(self.plugins, backend_name, AttentionConfig(
+            cfg.num_hidden_layers, heads, kv_heads, head_dim, mc.dtype, self.device, self.kv_cache))
         if self.tp_group is not None:
             self.tp_group.setup_kv(KVSpec(num_pages, ps, kv_dtype, backend_name))
         if (spec := self.scheduler.speculator) is not None:  # a model drafter's models, with the target's KV geometry
@@ -569,8 +566,8 @@ class AsyncEngine(RequestFrontEnd):
         layers, (hkv, d) = len(self.kv_cache.k), k0.shape[1:]
         kv = allocate_kv_cache(layers, num_slots, 1, hkv, d, k0.dtype, self.device)
         heads = self.model_config.text_config.num_attention_heads
-        return self.plugins.resolve("attention_backend", self.attention_backend_name)(
-            AttentionConfig(layers, heads, hkv, d, self.model_config.dtype, self.device, kv))
+        return build_attention_backend(self.plugins, self.attention_backend_name,
+                                       AttentionConfig(layers, heads, hkv, d, self.model_config.dtype, self.device, kv))
 
     # ------------------------------------------------------------------ weights
     async def update_weights_from_disk(self, model_path: str, flush_cache: bool = True,

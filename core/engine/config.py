@@ -187,6 +187,8 @@ class EngineArgs:
                                                  choices=("last", "full"))
     # ---- kernel backends and plugins
     attention_backend: str | None = _arg(None, BACKENDS, "attention backend (default: chosen for the device by the choose_attention_backend hook: flashinfer or triton on CUDA, cpu on CPU where its C++ kernel builds, else torch_native; `core plugins` shows the choice)")
+    prefill_attention_backend: str | None = _arg(None, BACKENDS, "attention backend of prefill, extend and mixed batches, speculative verifies and draft extends (SGLang's flag; default: --attention-backend); differing from the decode one, both run over the one KV pool")
+    decode_attention_backend: str | None = _arg(None, BACKENDS, "attention backend of decode steps, the one CUDA graphs capture (SGLang's flag; default: --attention-backend)")
     quantization: str | None = _arg(None, BACKENDS, "quantization method (any registered; default: the checkpoint's "
                                                     "quantization_config, gguf for a .gguf model on CPU in bf16/fp16, "
                                                     "else none)")

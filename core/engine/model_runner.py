@@ -17,6 +17,7 @@ from core.interfaces import ForwardBatch, KVCache
 from core.layers import fused
 from core.engine.mem_cache.kv_cache import ReqToTokenTable, copy_rows
 from core.engine.cuda_graph import CudaGraphRunner
+from core.engine.hybrid_attention import decode_backend, phase_backend
 from core.engine.hidden_states import rows as hidden_rows
 from core.engine.sampler import SampleOutput, Sampler, SamplingRow, finite_logprobs, rewind, rng_states, upload
 from core.engine.scheduler import ScheduledBatch, StepResult
@@ -68,7 +69,11 @@ def forward_step(model: torch.nn.Module, attn_backend, inputs: StepInputs, devic
     captured replays its CUDA graph instead of the eager forward. ``inputs.kv_moves`` are copied in ``kv`` first."""
     if inputs.kv_moves is not None and kv is not None:
         move_kv(kv, *inputs.kv_moves)
-    if (device.type == "cpu" and inputs.future_tokens is None and (not inputs.lora or getattr(model, "decode_lora", False))  # (adapters: where it adds them)
+    # per-phase backends (core.engine.hybrid_attention): this batch's own; the decode fast path only with the
+    # decode backend (a prefill batch never takes it: its plans, keyed by backend, stay put)
+    phase = phase_backend(attn_backend, inputs.extend_lens, inputs.tree_mask is not None)
+    decoding, attn_backend = phase is decode_backend(attn_backend), phase
+    if (device.type == "cpu" and decoding and inputs.future_tokens is None and (not inputs.lora or getattr(model, "decode_lora", False))  # (adapters: where it adds them)
             and (fast := getattr(model, "decode_step", None)) is not None):
         if (out := fast(inputs, attn_backend)) is not None:
             return out[0], [out[1]], out[2]
@@ -119,7 +124,8 @@ def forward_batch(inputs: StepInputs, attn_backend, device: torch.device) -> For
     return ForwardBatch(
         input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc, seq_lens=seq_lens,
         extend_lens=extend_lens, kv_indices=kv_indices, seq_lens_cpu=inputs.seq_lens,
-        extend_lens_cpu=inputs.extend_lens, attn_backend=attn_backend,
+        extend_lens_cpu=inputs.extend_lens,
+        attn_backend=phase_backend(attn_backend, inputs.extend_lens, inputs.tree_mask is not None),
         tree_mask=None if inputs.tree_mask is None else inputs.tree_mask.to(device, non_blocking=True), lora=inputs.lora,
         mm_rows=inputs.mm_rows, mm_embeds=inputs.mm_embeds, mrope_positions=inputs.mrope_positions,
     )
@@ -330,7 +336,7 @@ class ModelRunner:
                 and (not lora or getattr(self.model, "decode_lora", False))  # (adapters: where the model adds them)
                 and (fast := getattr(self.model, "decode_steps", None)) is not None):
             whole = attrs.evolve(step, out_cache_loc=batch.out_cache_loc, lora=lora)
-            if (tokens := fast(whole, self.attn_backend, k, stop)) is not None:
+            if (tokens := fast(whole, decode_backend(self.attn_backend), k, stop)) is not None:
                 batch.steps_run = len(tokens)
                 return StepResult(SampleOutput(tokens[0], None, None), tokens[1:])
         rows = [SamplingRow(r.params, r.prompt_ids, r.output_ids, r.generator, self.eos_ids, False, 0, row)
@@ -376,7 +382,7 @@ class ModelRunner:
         ``make_backend(num_slots)`` (slot 0 padding), so it never touches the scheduler's pool."""
         dev, lens = self.device, [len(p) for p in prompts]
         total = sum(lens)
-        backend = make_backend(total + 1)
+        backend = phase_backend(make_backend(total + 1), lens)  # (per-phase backends: this batch's)
         starts = torch.tensor([0] + lens[:-1], device=dev).cumsum(0)
         kmax = max(lens)
         j = torch.arange(kmax, device=dev)

@@ -17,7 +17,7 @@ context-bucket cp-strategy cpu-offload-gb crash-dump-folder
 cuda-graph-backend-decode cuda-graph-backend-prefill cuda-graph-bs-decode cuda-graph-bs-prefill cuda-graph-config
 cuda-graph-max-bs-decode cuda-graph-max-bs-prefill cuda-graph-max-seq-len-prefill cuda-graph-prefill-max-context
 custom-weight-loader dcp-comm-backend dcp-replicate-q-proj dcp-size debug-cuda-graph debug-tensor-dump-input-file
-debug-tensor-dump-layers debug-tensor-dump-output-folder decode-attention-backend decode-context-parallel-size
+debug-tensor-dump-layers debug-tensor-dump-output-folder decode-context-parallel-size
 decoupled-spec-bind-endpoint decoupled-spec-connect-endpoints decoupled-spec-rank
 decoupled-spec-role decrypted-config-file decrypted-draft-config-file deepep-config deepep-dispatcher-output-dtype
 deepep-mode deepep-v2-mode default-priority-value delete-ckpt-after-loading
@@ -43,7 +43,7 @@ enable-draft-weights-cpu-backup enable-dsa-cache-layer-split enable-dsa-fused-in
 enable-dynamic-chunking enable-elastic-expert-backup enable-encoder-swa-bounded-replay enable-eplb
 enable-flashinfer-allreduce-fusion enable-flexkv enable-forward-pass-metrics enable-fp32-lm-head
 enable-fused-moe-sum-all-reduce enable-fused-qk-norm-rope enable-hisparse
-enable-http-worker-reuseport enable-http2 enable-int8-mamba-checkpoint enable-kv-cache-sharding enable-layernorm-sp
+enable-http-worker-reuseport enable-int8-mamba-checkpoint enable-kv-cache-sharding enable-layernorm-sp
 enable-layerwise-nvtx-marker enable-lean-attention enable-linear-replayssm enable-linear-replayssm-spec
 enable-linker-mla-dedup enable-lmcache enable-lora-overlap-loading enable-mamba-cache-stochastic-rounding
 enable-megamoe-for-layernorm-sp enable-memory-saver enable-metrics-for-all-schedulers enable-mfu-metrics enable-mis
@@ -70,8 +70,8 @@ grpc-http-sidecar-port grpc-mode grpc-port grpc-response-timeout-secs
 hicache-host-memory-fraction hicache-host-memory-mode 
 hicache-storage-backend-extra-config 
 hicache-storage-prefetch-retry-max-attempts hicache-storage-prefetch-retry-poll-interval 
-hierarchical-sparse-attention-extra-config hisparse-config http2-initial-connection-window-size
-http2-max-concurrent-streams image-processor-backend init-expert-location
+hierarchical-sparse-attention-extra-config hisparse-config
+image-processor-backend init-expert-location
 int8-mamba-ckpt-size kt-cpuinfer kt-max-deferred-experts-per-token kt-method kt-num-gpu-experts kt-threadpool-count
 kt-weight-path kv-canary kv-canary-real-data kv-canary-sweep-interval kv-events-config language-model-only
 language-only linear-attn-backend linear-attn-decode-backend linear-attn-prefill-backend
@@ -89,7 +89,7 @@ moe-runner-backend monokernel-backend mooncake-ib-device msprobe-dump-config ncc
 num-reserved-decode-tokens numa-node offload-group-size offload-mode offload-num-in-group offload-prefetch-step
 optimistic-prefill-attempts otlp-service-name otlp-traces-endpoint paged-experts-num-resident pdmux-config-path
 ple-offload-backend ple-offload-dir ple-offload-embedding pp-async-batch-depth pp-max-micro-batch-size pre-warm-nccl
-prefill-attention-backend prefill-decode-interval prefill-decode-interval-min-bs
+prefill-decode-interval prefill-decode-interval-min-bs
 prefill-delayer-forward-passes-buckets prefill-delayer-max-delay-ms prefill-delayer-max-delay-passes
 prefill-delayer-queue-min-ratio prefill-delayer-token-usage-low-watermark prefill-delayer-wait-seconds-buckets
 prefill-kv-cache-dequant-dtype prefill-max-requests prefill-only-disable-kv-cache
@@ -115,7 +115,7 @@ speculative-num-draft-tokens speculative-num-steps speculative-token-map specula
 speculative-use-rejection-sampling 
 startup-weight-load-mode strip-thinking-cache swa-full-tokens-ratio
 swa-prefix-tails tbo-token-distribution-threshold tokenizer-backend tokenizer-metrics-allowed-custom-labels
-tokenizer-metrics-custom-labels-header tokenizer-worker-num tool-server torch-compile-max-bs trace-modules
+tokenizer-metrics-custom-labels-header tool-server torch-compile-max-bs trace-modules
 triton-attention-num-kv-splits triton-attention-reduce-in-fp32 triton-attention-split-tile-size
 trust-mm-content-hashes trust-request-chat-template unified-cache-external-linker-backend
 unified-cache-external-linker-config uno-lora-path use-ray warmups

@@ -30,6 +30,7 @@ from core.engine.sglang_flags import SGLANG_FLAGS_LACKING
 from core.errors import CoreError
 from core.server.limits import DEFAULT_MAX_BODY_BYTES
 from core.server.observability import Observability, add_observability_args, check_observability, observability_of
+from core.server.http2 import add_frontend_args, check_frontend_args
 from core.server.tls import check_ssl_args
 
 # SGLang's help sections, in the order of its server-arguments docs.
@@ -353,6 +354,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                    help="CA certificates (PEM) loaded into the server's TLS context; clients are not asked for "
                         "certificates (no mutual TLS, as in SGLang)")
     g.add_argument("--ssl-keyfile-password", default=None, help="the password of an encrypted --ssl-keyfile")
+    add_frontend_args(g, s("Model and tokenizer"))  # --enable-http2, --http2-*, --tokenizer-worker-num
 
     g = s("Memory and scheduling")
     g.add_argument("--max-queued-requests", type=int, default=None,
@@ -500,6 +502,7 @@ def validate_serve_args(ns: argparse.Namespace) -> None:
         if key is not None and not key:
             raise CoreError(f"{flag} must not be empty")
     check_ssl_args(ns)
+    check_frontend_args(ns)
     check_observability(ns)  # (bucket, request-log and export flags; their directories are made here)
     if ns.graceful_shutdown_timeout < 0:
         raise CoreError("--graceful-shutdown-timeout must be >= 0")

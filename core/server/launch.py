@@ -129,6 +129,7 @@ async def _serve(ns: argparse.Namespace) -> int:
     from core.engine.config import engine_args_from_namespace
     from core.engine.data_parallel.engine import create_engine
     from core.server.app import create_app
+    from core.server.http2 import apply_http2
     from core.server.native import run_internal_generate
     from core.server.openai.batches import shutdown_batches
     from core.server.state import build_state
@@ -157,6 +158,7 @@ async def _serve(ns: argparse.Namespace) -> int:
     config.graceful_timeout = grace + 5.0
     config.keep_alive_timeout = 75.0
     apply_ssl(config, args)  # --ssl-*: HTTPS (checked, files loaded, at start-up)
+    apply_http2(config, ns)  # --enable-http2: ALPN h2, the streams and window of HTTP/2 connections
 
     stop = asyncio.Event()  # shutting down: drain, then close
     close = asyncio.Event()  # hypercorn stops listening and finishes the open responses

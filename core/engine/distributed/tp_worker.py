@@ -24,6 +24,7 @@ from core.engine import gc_watch
 from core.engine.config import EngineArgs
 from core.engine.distributed.collectives import DistPlan, KVSpec, agree, broadcast, describe, init_rank, rank_device
 from core.engine.device import configure_cpu_runtime, placed_device
+from core.engine.hybrid_attention import build_attention_backend
 from core.engine.mem_cache.kv_cache import allocate_kv_cache
 from core.engine.model_loader.loader import load_model_config
 from core.engine.model_loader.model_build import build_model
@@ -117,8 +118,8 @@ def _attention_backend(plugins, mc, spec: KVSpec, tp, device: torch.device):
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     heads, kv_heads = local_heads(heads, getattr(cfg, "num_key_value_heads", None) or heads, tp)
     kv = allocate_kv_cache(cfg.num_hidden_layers, spec.num_pages, spec.page_size, kv_heads, head_dim, spec.dtype, device)
-    return plugins.resolve("attention_backend", spec.backend)(
-        AttentionConfig(cfg.num_hidden_layers, heads, kv_heads, head_dim, mc.dtype, device, kv)), kv
+    return build_attention_backend(plugins, spec.backend,  # (a "prefill=..,decode=.." name: both, core.engine.hybrid_attention)
+                                   AttentionConfig(cfg.num_hidden_layers, heads, kv_heads, head_dim, mc.dtype, device, kv)), kv
 
 
 def _reload(plugins, args: EngineArgs, old, model_path: str, device: torch.device, tp, control):

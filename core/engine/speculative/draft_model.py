@@ -24,6 +24,7 @@ import structlog
 import torch
 
 from core.engine.cuda_graph import DEFAULT_MAX_BS, CudaGraphRunner, why_no_cuda_graph
+from core.engine.hybrid_attention import build_attention_backend, verify_backend_name
 from core.engine.mem_cache.kv_cache import allocate_kv_cache
 from core.engine.model_loader.loader import load_model_config
 from core.engine.model_loader.model_build import build_model
@@ -133,7 +134,7 @@ class EngineDraftContext:
         cfg = self.target_config.hf_config
         types = getattr(cfg, "layer_types", None)
         sliding = "sliding_attention" in types if types is not None else bool(getattr(cfg, "sliding_window", None))
-        backend = self.plugins.resolve("attention_backend", self.backend_name)
+        backend = self.plugins.resolve("attention_backend", verify_backend_name(self.backend_name))  # (verifies: prefill's)
         return bool(getattr(backend, "supports_tree_mask", False)) and not sliding
 
     def capture(self, layers: Sequence[int]) -> None:
@@ -168,8 +169,8 @@ class EngineDraftContext:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
         kv = allocate_kv_cache(cfg.num_hidden_layers, self.num_pages, self.page_size, kv_heads, head_dim, self.kv_dtype,
                                self.device)
-        backend = self.plugins.resolve("attention_backend", self.backend_name)(
-            AttentionConfig(cfg.num_hidden_layers, heads, kv_heads, head_dim, mc.dtype, self.device, kv))
+        backend = build_attention_backend(self.plugins, self.backend_name,  # (draft extends: prefill's; steps: decode's)
+                                          AttentionConfig(cfg.num_hidden_layers, heads, kv_heads, head_dim, mc.dtype, self.device, kv))
         log.info("speculative.draft_model", path=path, architecture=mc.architecture, layers=cfg.num_hidden_layers,
                  kv_slots=self.num_pages * self.page_size)
         self.loaded.append(draft := EngineDraftModel(model, cfg, backend, self.device))
