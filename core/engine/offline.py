@@ -58,8 +58,9 @@ class Engine:
     """SGLang's offline engine: ``Engine(model_path=...)``, ``generate``, ``async_generate``,
     ``load_lora_adapter`` / ``unload_lora_adapter``, ``shutdown``."""
 
+    _preferred: dict[str, Any] | None = None  # SGLang's preferred_sampling_params: what requests leave unset
+
     def __init__(self, **kwargs: Any) -> None:
-        # SGLang's preferred_sampling_params: what a request's sampling_params leave unset
         self._preferred = kwargs.pop("preferred_sampling_params", None) or None
         check_preferred(self._preferred, "preferred_sampling_params")
         args = engine_args_from_kwargs(kwargs)
