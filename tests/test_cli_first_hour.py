@@ -157,6 +157,8 @@ def no_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     (["--attention-backend", "flashinfer"], "--attention-backend flashinfer cannot run here: it needs a CUDA "
                                             "GPU and this machine has none; use cpu or torch_native, or leave it unset"),
     (["--attention-backend", "triton"], "--attention-backend triton cannot run here: it needs a CUDA GPU and this machine has none"),
+    (["--decode-attention-backend", "triton"], "--decode-attention-backend triton cannot run here: it needs a CUDA GPU"),
+    (["--prefill-attention-backend", "flashinfer"], "--prefill-attention-backend flashinfer cannot run here"),
     (["--device", "npu"], "--device npu is not supported: use cpu, cuda or cuda:N, or leave it unset"),
     (["--device", "cuda:x"], "--device cuda:x is not supported"),
     (["--device", "cuda"], "--device cuda needs a CUDA GPU; this machine has none: use cpu, or leave it unset"),

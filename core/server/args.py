@@ -523,7 +523,7 @@ def check_device_args(ns: argparse.Namespace) -> None:
     a 16-bit dtype makes CPU serving many times slower than the fast one."""
     import torch
 
-    device, backend = getattr(ns, "device", "auto"), getattr(ns, "attention_backend", None)
+    device = getattr(ns, "device", "auto")
     if device != "auto" and not re.fullmatch(r"cpu|cuda(:\d+)?", device):
         raise CoreError(f"--device {device} is not supported: use cpu, cuda or cuda:N, or leave it unset")
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -532,10 +532,11 @@ def check_device_args(ns: argparse.Namespace) -> None:
     if device.startswith("cuda") and int(device.partition(":")[2] or 0) >= gpus:
         raise CoreError(f"--device {device}: this machine has {gpus} CUDA GPU(s), cuda:0 to cuda:{gpus - 1}")
     on_cuda = device.startswith("cuda") or (device == "auto" and gpus > 0)
-    if backend in CUDA_ONLY_ATTENTION_BACKENDS and not on_cuda:
-        why = "this machine has none" if not gpus else "--device cpu was given"
-        raise CoreError(f"--attention-backend {backend} cannot run here: it needs a CUDA GPU and {why}; "
-                        "use cpu or torch_native, or leave it unset")
+    for flag in ("attention", "prefill_attention", "decode_attention"):  # (the per-phase ones too)
+        if (backend := getattr(ns, f"{flag}_backend", None)) in CUDA_ONLY_ATTENTION_BACKENDS and not on_cuda:
+            why = "this machine has none" if not gpus else "--device cpu was given"
+            raise CoreError(f"--{flag.replace('_', '-')}-backend {backend} cannot run here: it needs a CUDA GPU and "
+                            f"{why}; use cpu or torch_native, or leave it unset")
     # (a slow --dtype on this CPU is warned about where the dtype is picked: core.engine.model_loader.loader.pick_dtype)
 
 
