@@ -275,12 +275,17 @@ void blocks_shared(int64_t blocks, PhaseClock& clock, bool meet, Phase phase, F&
 // of its own 16-column output blocks right after computing them, while the GEMM's weights stream
 // (B is kept by blocks, [N / 16, slots, R, 16]: one thread's blocks are one run of memory). As the Python path (LayerLoRA: y += (x A^T) B^T in the activation dtype) h is
 // rounded to the activation dtype and the delta is added to the output in float32, rounded once.
+// Over int4 / int8 weights the pool keeps the adapters as int8 codes (half the bytes of bf16, a
+// quarter of float32) with a power-of-two scale per A row and per B column (per part): the values
+// are exactly the pool's dequantized ones, which the Python layers use, so only the sums' order
+// differs. B's scales multiply h (exact: powers of two) rather than each code.
 
 // One linear's adapters: A [slots, parts * R, K] and B by blocks [N / 16, slots, R, 16], in the
 // stack's dtype; part p's outputs are the columns [spans[p][0], + spans[p][1]) (multiples of 16).
 struct LoraWeight {
   const void* a = nullptr;  // null: the linear has no adapters
   const void* b = nullptr;
+  const float *sa = nullptr, *sb = nullptr;  // int8 a and b: their scales, [slots, parts * R] each (null: E)
   int64_t slots = 0, parts = 0, R = 0, K = 0, N = 0;
   int64_t spans[3][2] = {};
   int64_t width() const { return parts * R; }  // h's values per row
@@ -352,6 +357,67 @@ inline void add_block(const float* b, const float* h, int64_t R, float* out) {
 }
 #endif
 
+// The same over int8 codes: a . x with a's codes (the caller applies the row's scale), and the
+// block's delta with h[r] s[r] (B's column scales) as the weights of the codes.
+#if defined(__AVX512F__)
+inline core_attention::vf vload_i8(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+#elif defined(__AVX2__)
+inline core_attention::vf vload_i8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+#endif
+
+#ifdef CORE_GEMV_BF16
+inline core_attention::vf vload_x(const uint16_t* p) { return bf16x16(p); }
+#endif
+inline core_attention::vf vload_x(const float* p) { return core_attention::vload(p); }
+
+template <typename X>
+inline float dot(const int8_t* a, const X* x, int64_t K) {
+  using namespace core_attention;
+  vf s0 = vzero(), s1 = vzero();
+  int64_t k = 0;
+  for (; k + 2 * CORE_SIMD <= K; k += 2 * CORE_SIMD)
+    s0 = vfma(vload_i8(a + k), vload_x(x + k), s0), s1 = vfma(vload_i8(a + k + CORE_SIMD), vload_x(x + k + CORE_SIMD), s1);
+  for (; k < K; k += CORE_SIMD) s0 = vfma(vload_i8(a + k), vload_x(x + k), s0);
+  return vsum(vadd(s0, s1));
+}
+
+inline void add_block(const int8_t* b, const float* h, const float* s, int64_t R, float* out) {
+  using namespace core_attention;
+  for (int c = 0; c < 16; c += CORE_SIMD) {
+    vf s0 = vzero(), s1 = vzero();
+    int64_t r = 0;
+    for (; r + 2 <= R; r += 2)
+      s0 = vfma(vset1(h[r] * s[r]), vload_i8(b + 16 * r + c), s0),
+      s1 = vfma(vset1(h[r + 1] * s[r + 1]), vload_i8(b + 16 * r + 16 + c), s1);
+    if (r < R) s0 = vfma(vset1(h[r] * s[r]), vload_i8(b + 16 * r + c), s0);
+    vstore(out + c, vadd(vload(out + c), vadd(s0, s1)));
+  }
+}
+
+#ifdef CORE_GEMV_BF16
+inline void add_block(const int8_t* b, const float* h, const float* s, int64_t R, uint16_t* out) {
+  __m512 s0 = widen_bf16x16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(out))), s1 = _mm512_setzero_ps();
+  int64_t r = 0;
+  for (; r + 2 <= R; r += 2) {
+    s0 = _mm512_fmadd_ps(_mm512_set1_ps(h[r] * s[r]), vload_i8(b + 16 * r), s0);
+    s1 = _mm512_fmadd_ps(_mm512_set1_ps(h[r + 1] * s[r + 1]), vload_i8(b + 16 * r + 16), s1);
+  }
+  if (r < R) s0 = _mm512_fmadd_ps(_mm512_set1_ps(h[r] * s[r]), vload_i8(b + 16 * r), s0);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), f_bf16x16(_mm512_add_ps(s0, s1)));
+}
+#endif
+
+// h's value r of one row: A's row `row` (slot * width + r) . x, in float32 (E: unrounded).
+template <typename E>
+inline float lora_dot(const LoraWeight& w, int64_t row, const E* x) {
+  if (w.sa) return w.sa[row] * dot(static_cast<const int8_t*>(w.a) + row * w.K, raw(x), w.K);
+  return dot(raw(static_cast<const E*>(w.a)) + row * w.K, raw(x), w.K);
+}
+
 // One GEMM's adapters: its weights (null: none), its input x [M, K] and where its h goes.
 template <typename E>
 struct LoraJob {
@@ -372,8 +438,8 @@ void lora_shrink(const LoraBatch& lb, bool split, int64_t r0, int64_t r1, const 
       const LoraWeight& w = *j->w;
       for (int64_t t = r0; t < r1; ++t) {
         if (lb.slot_of[t] < 0) continue;
-        const auto* a = raw(static_cast<const E*>(w.a)) + lb.slot_of[t] * w.width() * w.K;
-        for (int64_t r = 0; r < w.width(); ++r) j->h[t * lb.width + r] = rnd<E>(dot(a + r * w.K, raw(j->x + t * w.K), w.K));
+        const int64_t row = lb.slot_of[t] * w.width();
+        for (int64_t r = 0; r < w.width(); ++r) j->h[t * lb.width + r] = rnd<E>(lora_dot(w, row + r, j->x + t * w.K));
       }
     }
     return;
@@ -384,10 +450,9 @@ void lora_shrink(const LoraBatch& lb, bool split, int64_t r0, int64_t r1, const 
     const LoraJob<E>& j = i < n0 ? j0 : j1;
     const LoraWeight& w = *j.w;
     const int64_t item = i < n0 ? i : i - n0, g = item / w.width(), r = item % w.width();
-    const auto* a = raw(static_cast<const E*>(w.a)) + (lb.slot[g] * w.width() + r) * w.K;
     for (int64_t q = lb.start[g]; q < lb.start[g + 1]; ++q) {
-      const int64_t t = lb.rows[q];
-      j.h[t * lb.width + r] = rnd<E>(dot(a, raw(j.x + t * w.K), w.K));  // rounded as the Python path's E GEMM
+      const int64_t t = lb.rows[q];  // (rounded as the Python path's E GEMM)
+      j.h[t * lb.width + r] = rnd<E>(lora_dot(w, lb.slot[g] * w.width() + r, j.x + t * w.K));
     }
   }
 }
@@ -397,11 +462,16 @@ template <typename E>
 void lora_expand(const LoraBatch& lb, const LoraWeight& w, const float* h, E* out, int64_t nb) {
   const int p = w.part_of(nb * 16);
   if (p < 0) return;
-  const auto* b = raw(static_cast<const E*>(w.b)) + nb * w.slots * w.R * 16;
+  const int64_t at = nb * w.slots * w.R * 16;  // this block's codes of slot 0
   for (int64_t g = 0; g < lb.groups(); ++g)
     for (int64_t q = lb.start[g]; q < lb.start[g + 1]; ++q) {
-      const int64_t t = lb.rows[q];
-      add_block(b + lb.slot[g] * w.R * 16, h + t * lb.width + p * w.R, w.R, raw(out + t * w.N + nb * 16));
+      const int64_t t = lb.rows[q], blk = at + lb.slot[g] * w.R * 16;
+      const float* ht = h + t * lb.width + p * w.R;
+      if (w.sb)
+        add_block(static_cast<const int8_t*>(w.b) + blk, ht, w.sb + lb.slot[g] * w.width() + p * w.R, w.R,
+                  raw(out + t * w.N + nb * 16));
+      else
+        add_block(raw(static_cast<const E*>(w.b)) + blk, ht, w.R, raw(out + t * w.N + nb * 16));
     }
 }
 
@@ -624,16 +694,18 @@ class DecodeStack : public torch::CustomClassHolder {
   // The adapters the calls' lora rows select (core/engine/lora/pool.py's LayerLoRA buffers, in
   // place: an adapter loaded into a slot later is read as it is): per layer and linear (qkv, o,
   // gate, up, down; 5 L entries) a [slots, parts * rank, K] and b [N / 16, slots, rank, 16] in the
-  // stack's dtype (empty: no adapters), and spans 6 ints (part p's first output column and width;
-  // width 0: no part p). No tensors: none bound.
-  void set_lora(std::vector<at::Tensor> a, std::vector<at::Tensor> b, std::vector<int64_t> spans, int64_t slots,
-                int64_t rank) {
+  // stack's dtype (empty: no adapters), or int8 where the linear's sa and sb (5 L entries or none)
+  // are its scales, float32 [slots, parts * rank] each, and spans 6 ints (part p's first output
+  // column and width; width 0: no part p). No tensors: none bound.
+  void set_lora(std::vector<at::Tensor> a, std::vector<at::Tensor> b, std::vector<at::Tensor> sa,
+                std::vector<at::Tensor> sb, std::vector<int64_t> spans, int64_t slots, int64_t rank) {
 #ifdef CORE_GEMV_ANY
     lora_.clear(), lora_tensors_.clear(), lora_slots_ = 0, lora_width_ = 0;
     if (a.empty()) return;
     TORCH_CHECK(static_cast<int64_t>(a.size()) == 5 * L && b.size() == a.size() &&
-                    static_cast<int64_t>(spans.size()) == 30 * L && slots > 0 && rank > 0,
-                "DecodeStack: set_lora: per layer and linear an A, a B and 6 span ints");
+                    static_cast<int64_t>(spans.size()) == 30 * L && slots > 0 && rank > 0 &&
+                    (sa.empty() || sa.size() == a.size()) && sb.size() == sa.size(),
+                "DecodeStack: set_lora: per layer and linear an A, a B, 6 span ints (and the int8 ones' scales)");
     std::vector<LoraWeight> out(5 * L);
     for (int64_t i = 0; i < 5 * L; ++i) {
       if (!a[i].numel()) continue;
@@ -645,11 +717,20 @@ class DecodeStack : public torch::CustomClassHolder {
                     "DecodeStack: set_lora: linear ", i, ": part spans in 16-column blocks inside its ", w.N, " columns");
         w.spans[w.parts][0] = start, w.spans[w.parts][1] = size;
       }
-      TORCH_CHECK(w.parts > 0 && a[i].scalar_type() == dtype_ && b[i].scalar_type() == dtype_ && a[i].is_contiguous() &&
+      const bool q8 = !sa.empty() && sa[i].numel();
+      const auto wt = q8 ? at::kChar : dtype_;
+      TORCH_CHECK(w.parts > 0 && a[i].scalar_type() == wt && b[i].scalar_type() == wt && a[i].is_contiguous() &&
                       b[i].is_contiguous() && a[i].sizes() == at::IntArrayRef({slots, w.width(), w.K}) &&
                       b[i].sizes() == at::IntArrayRef({w.N / 16, slots, rank, 16}),
-                  "DecodeStack: set_lora: linear ", i, ": ", dtype_, " A [", slots, ", ", w.width(), ", ", w.K,
+                  "DecodeStack: set_lora: linear ", i, ": ", wt, " A [", slots, ", ", w.width(), ", ", w.K,
                   "] and B [", w.N / 16, ", ", slots, ", ", rank, ", 16], contiguous");
+      if (q8) {
+        for (const at::Tensor& s : {sa[i], sb[i]})
+          TORCH_CHECK(s.scalar_type() == at::kFloat && s.is_contiguous() && s.sizes() == at::IntArrayRef({slots, w.width()}),
+                      "DecodeStack: set_lora: linear ", i, ": int8 codes' scales float32 [", slots, ", ", w.width(), "]");
+        w.sa = sa[i].const_data_ptr<float>(), w.sb = sb[i].const_data_ptr<float>();
+        lora_tensors_.push_back(sa[i]), lora_tensors_.push_back(sb[i]);
+      }
       w.a = a[i].const_data_ptr(), w.b = b[i].const_data_ptr();
       lora_width_ = std::max(lora_width_, w.width());
       lora_tensors_.push_back(a[i]), lora_tensors_.push_back(b[i]);

@@ -176,18 +176,23 @@ def _bind_lora(p: dict[str, Any]) -> tuple[torch.nn.Module, Any, Any]:
                                   or lora.A.device.type != "cpu") for lora in loras)):
         pool = None
     if pool is None:
-        p["stack"].set_lora([], [], [], 0, 0)
+        p["stack"].set_lora([], [], [], [], [], 0, 0)
         return mods[i], loras[i], None
     spans = [v for lora in loras for v in _part_spans(lora)]
+    # A as the stack reads it: int8 codes with their scales (LayerLoRA.q8), else the pool's own A
+    a = [(lora.A_q8 if lora.q8 else lora.A) if lora else _EMPTY for lora in loras]
+    q8 = any(lora is not None and lora.q8 for lora in loras)
+    sa, sb = ([lora.scales[k] if lora is not None and lora.q8 else _EMPTY for lora in loras] if q8 else []
+              for k in (0, 1))
     # (on huge pages, in the order a step reads them: the adapters are as many bytes as the weights)
-    into_arena([t for lora in loras if lora is not None for t in (lora.A, lora.B_blocks)])
+    into_arena([t for lora, at in zip(loras, a) if lora is not None for t in (at, lora.B_blocks)])
     try:
-        p["stack"].set_lora([lora.A if lora else _EMPTY for lora in loras],
-                            [lora.B_blocks if lora else _EMPTY for lora in loras], spans, pool.slots, pool.max_rank)
+        p["stack"].set_lora(a, [lora.B_blocks if lora else _EMPTY for lora in loras], sa, sb, spans, pool.slots,
+                            pool.max_rank)
     except RuntimeError as e:  # a layout the checks above let through: those batches keep the Python layers
         structlog.get_logger(__name__).warning("cpu_decode.lora_unavailable", reason=str(e).splitlines()[0],
                                                fallback="the Python layers for batches with adapters")
-        p["stack"].set_lora([], [], [], 0, 0)
+        p["stack"].set_lora([], [], [], [], [], 0, 0)
         pool = None
     return mods[i], loras[i], pool
 

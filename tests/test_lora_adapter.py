@@ -346,6 +346,33 @@ def test_pool_attaches_one_object_per_targeted_layer(case):
         make_pool(case, targets=["bogus"])
 
 
+def test_q8_rows_codes_times_power_of_two_scales_are_exact_in_bf16():
+    """The int8 form adapters take over packed weights: per row a power-of-two scale whose codes
+    use the int8 range (|code| > 63 on a row's largest value), code x scale exact in bf16, and
+    every value within half a step; an all-zero row stays zero."""
+    from core.engine.lora.pool import q8_rows
+
+    t = torch.randn(6, 96, generator=torch.Generator().manual_seed(0)) * torch.tensor([1e-4, 0.01, 1, 30, 1e3, 0])[:, None]
+    q, s = q8_rows(t)
+    assert q.dtype == torch.int8 and q.shape == t.shape and s.shape == (6,)
+    assert torch.equal(torch.exp2(torch.log2(s).round()), s)  # powers of two
+    deq = q.float() * s[:, None]
+    assert torch.equal(deq.to(torch.bfloat16).float(), deq)
+    assert ((deq - t).abs() <= s[:, None] / 2).all()
+    assert (q[:5].abs().amax(dim=1) > 63).all() and q.abs().max() <= 127 and not deq[5].any()
+
+
+def test_dense_weights_keep_the_adapters_values(case):
+    """Over plain (unpacked) weights the pool keeps the adapter as given: no int8 codes."""
+    pool = make_pool(case, slots=1, max_rank=8)
+    ad = adapter(case, "a")
+    pool.load(ad, 0)
+    state = pool.layers["model.layers.0.mlp.down_proj"]
+    a, _ = ad.weights[("model.layers.0.mlp.down_proj", None)]
+    assert not any(st.q8 for st in pool.layers.values()) and state.A_q8 is None
+    assert torch.equal(state.A[0, : a.shape[0]], a)
+
+
 def test_fused_target_names_select_every_part(case):
     pool = make_pool(case, slots=1, max_rank=2, targets=["qkv_proj", "gate_up_proj"])
     assert pool.layers["model.layers.0.self_attn.qkv_proj"].shards == ["q", "k", "v"]

@@ -118,3 +118,32 @@ def test_a_stack_without_adapter_buffers_leaves_lora_batches_to_the_python_layer
     monkeypatch.setattr(LayerLoRA, "__init__", no_blocks)
     got, calls = run(setup, monkeypatch, True, "float32")
     assert got == want and calls["decode"] and not any(calls["decode"] + calls["stack"])  # base-only steps: the stack
+
+
+def test_adapters_over_packed_weights_are_int8_codes_of_the_values_every_path_uses(setup):
+    """Over int8 (or int4) weights the pool keeps each adapter as int8 codes, a power-of-two scale
+    per A row and per B column: the Python layers' A and B hold the codes' exact values, within
+    half a step of the checkpoint's (scaling folded into B), and the stack reads the same codes."""
+    path, paths = setup
+    eng = make_engine(path, dtype="bfloat16", torchao_config="int8wo", attention_backend="cpu", cpu_threads=2,
+                      enable_lora=True, lora_paths=paths, max_loras_per_batch=3)
+    try:
+        eng.generate(input_ids=prompt(6, seed=0), sampling_params={"max_new_tokens": 1}, lora_path="all16")  # (into a slot)
+        lora = eng.engine.runner.lora
+        pool, ad = lora.pool, lora.manager.adapter("all16")
+        slot = pool.slot_of("all16")
+        assert pool.layers and all(st.q8 for st in pool.layers.values())
+        for (module, shard), (a, b) in ad.weights.items():
+            st = pool.layers[module]
+            p, r = st.shards.index(shard), a.shape[0]
+            rows = slice(p * pool.max_rank, p * pool.max_rank + r)
+            start, size = st.spans[p]
+            sa, sb = st.scales[0, slot, rows], st.scales[1, slot, rows]
+            A, B = st.A[slot, rows].float(), st.B[slot, start : start + size, :r].float()
+            assert torch.equal(A, st.A_q8[slot, rows].float() * sa[:, None])
+            assert ((A - a).abs() <= sa[:, None] / 2).all()
+            codes = st.B_blocks[start // 16 : (start + size) // 16, slot, :r].transpose(0, 1).reshape(r, size)
+            assert st.B_blocks.dtype == torch.int8 and torch.equal(B, (codes.float() * sb[:, None]).t())
+            assert ((B - b * ad.scaling).abs() <= sb / 2).all()
+    finally:
+        eng.shutdown()

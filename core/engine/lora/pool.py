@@ -88,8 +88,16 @@ class LayerLoRA:
                       if pool.backend == "torch" else None)
         # the CPU's fused decode ops (kernels/cpu_decode): B by 16-output blocks, [out / 16, slots, R, 16],
         # so that the slots' deltas for one block of their GEMMs are contiguous (a copy of B, kept in step)
-        self.B_blocks = (torch.zeros(layer.out_features // 16, slots, rank, 16, dtype=dtype, device=device)
-                         if pool.backend == "torch" and device.type == "cpu" and layer.out_features % 16 == 0 else None)
+        blocks = pool.backend == "torch" and device.type == "cpu" and layer.out_features % 16 == 0
+        # over int4 / int8-packed weights (the GGUF default model) those ops read the adapters as int8
+        # codes, a power-of-two scale per A row and per B column (A_q8, B_blocks, scales: [A's, B's]);
+        # A, B and B_all then hold the codes' exact values, so every path computes with the same adapter
+        self.q8 = (blocks and dtype in (torch.bfloat16, torch.float32) and _packed(layer)
+                   and all(start % 16 == 0 and size % 16 == 0 for start, size in self.spans))
+        self.B_blocks = (torch.zeros(layer.out_features // 16, slots, rank, 16, dtype=torch.int8 if self.q8 else dtype,
+                                     device=device) if blocks else None)
+        self.A_q8 = torch.zeros(self.A.shape, dtype=torch.int8, device=device) if self.q8 else None
+        self.scales = torch.zeros(2, slots, len(shards) * rank, device=device) if self.q8 else None
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``y`` (the layer's ``[T, out]`` output for input ``x`` ``[T, in]``) plus each token's
@@ -130,18 +138,48 @@ class LayerLoRA:
             self.B_all[:, slot * w : (slot + 1) * w].zero_()
         if self.B_blocks is not None:
             self.B_blocks[:, slot].zero_()
+        if self.q8:
+            self.A_q8[slot].zero_()
+            self.scales[:, slot].zero_()
 
     def copy(self, slot: int, shard: object, a: torch.Tensor, b: torch.Tensor) -> None:
         """Write one part's (this rank's slice of) ``a`` ``[r, in]`` and scaled ``b`` ``[out, r]``."""
         p, r = self.shards.index(shard), a.shape[0]
         start, size = self.spans[p]
+        if self.q8:
+            qa, sa = q8_rows(a)
+            qb, sb = q8_rows(b.t())  # (per column of b)
+            rows = slice(p * self.rank, p * self.rank + r)
+            self.A_q8[slot, rows].copy_(qa)
+            self.scales[0, slot, rows].copy_(sa)
+            self.scales[1, slot, rows].copy_(sb)
+            if self.B_blocks is not None:
+                self.B_blocks[start // 16 : (start + size) // 16, slot, :r].copy_(qb.view(r, size // 16, 16).transpose(0, 1))
+            a, b = qa * sa[:, None], (qb * sb[:, None]).t()
         self.A[slot, p * self.rank : p * self.rank + r].copy_(a)
         self.B[slot, start : start + size, :r].copy_(b)
         if self.B_all is not None:
             col = slot * self.A.shape[1] + p * self.rank
             self.B_all[start : start + size, col : col + r].copy_(b)
-        if self.B_blocks is not None:
+        if self.B_blocks is not None and not self.q8:
             self.B_blocks[:, slot].copy_(self.B[slot].view(-1, 16, self.rank).transpose(1, 2))
+
+
+def _packed(layer: Linear) -> bool:
+    """Whether ``layer``'s weights are int4 / int8 codes for the CPU's kernels (its quant method's
+    ``cpu_linear_args`` kinds 0 and 1)."""
+    args = getattr(getattr(layer, "quant_method", None), "cpu_linear_args", lambda _: None)(layer)
+    return args is not None and args[0] in (0, 1)
+
+
+def q8_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t`` ``[n, k]`` as int8 codes ``[n, k]`` and a float32 scale per row, a power of two, so that
+    code x scale is exact in bf16 and float32 (at most 127 in magnitude: 7 bits): every path that
+    multiplies by the dequantized values computes with the same numbers as the codes' kernels."""
+    t = t.float()
+    amax = t.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny * 127)
+    scale = torch.exp2(torch.ceil(torch.log2(amax / 127)))
+    return torch.round(t / scale[:, None]).clamp_(-127, 127).to(torch.int8), scale
 
 
 def _expected(layer: Linear, shard: object) -> tuple[int, int]:
