@@ -59,6 +59,7 @@ SAMPLER, ENGINE, ME = "tests.test_sampler", "tests.test_engine", "tests.test_fie
 DETOK, SCHED, STRUCT = "tests.test_detokenizer", "tests.test_schedule_policy", "tests.test_structured_output"
 HUB = "tests.test_hub_ids"
 LORA = "tests.test_lora_server"
+CLP = "tests.test_custom_logit_processor"
 
 # the fields each chat and completion request shares (_GenerationRequest)
 _GENERATION = {
@@ -87,6 +88,8 @@ _GENERATION = {
     "priority": H(f"{SCHED}::test_priority_field_reaches_the_request"),
     "lora_path": H(f"{LORA}::test_completions_prompts_get_their_adapters"),
     "return_hidden_states": H("tests.test_return_hidden_states::test_openai_endpoints_carry_the_last_tokens_state"),
+    "custom_logit_processor": H(f"{CLP}::test_over_http_generate_and_openai"),
+    "custom_params": H(f"{CLP}::test_over_http_generate_and_openai"),
     "regex": H(f"{VLLM}::test_regex"),
     "json_schema": H(f"{STRUCT}::test_generate_constraints"),
     "ebnf": H(f"{STRUCT}::test_generate_constraints"),
@@ -121,6 +124,7 @@ CLASSIFIED: dict[str, dict[str, Any]] = {
         "image_data": H("tests.test_multimodal_inputs::test_generate_image_data_forms"),
         "modalities": H("tests.test_multimodal_inputs::test_generate_image_data_forms"),
         "return_hidden_states": H("tests.test_return_hidden_states::test_generate_endpoint_batch_and_stream"),
+        "custom_logit_processor": H(f"{CLP}::test_over_http_generate_and_openai"),
         **dict.fromkeys(("routing_key", "conversation_id", "custom_labels", "external_trace_header",
                          "received_time"), P),
     },
@@ -300,6 +304,8 @@ CLASSIFIED: dict[str, dict[str, Any]] = {
         "n": H(f"{ENGINE}::test_n_returns_n_outputs"),
         "seed": H(f"{ENGINE}::test_seed_reproduces_and_different_seeds_differ"),
         "logit_bias": H(f"{SAMPLER}::test_logit_bias_moves_greedy_and_sampled_choices_per_row"),
+        "custom_params": H(f"{CLP}::test_processors_drive_their_own_rows_with_live_outputs"),
+        "custom_logit_processor": H(f"{CLP}::test_processors_drive_their_own_rows_with_live_outputs"),
         "json_schema": H(f"{STRUCT}::test_generate_constraints"),
         "regex": H(f"{VLLM}::test_regex"),
         "ebnf": H(f"{STRUCT}::test_generate_constraints"),
@@ -379,6 +385,7 @@ CLASSIFIED: dict[str, dict[str, Any]] = {
         "cpu_threads": H(f"{ME}::test_engine_args_reach_the_engine"),
         "watchdog_timeout": H("tests.test_robustness_watchdog::test_watchdog_fails_in_flight_requests_and_health",
                               "--watchdog-timeout"),
+        "enable_custom_logit_processor": H(f"{CLP}::test_refused_without_the_flag_and_with_bad_values"),
         "enable_return_hidden_states": H("tests.test_return_hidden_states::test_offline_engine_returns_transformers_hidden_states"),
         "return_hidden_states_mode": H("tests.test_return_hidden_states::test_without_the_flag_requests_are_refused_as_sglang_does"),
         "attention_backend": H("tests.test_attention_choice::test_explicit_flag_wins_over_the_choice"),

@@ -404,7 +404,7 @@ def test_incremental_streaming_output(client: httpx.Client, cfg_client: httpx.Cl
     # SGLang fields of features this server lacks: a 400 once set, though the names are known
     ({"text": "hi", "return_entropy": True}, "return_entropy"),
     ({"text": "hi", "lora_path": "my-adapter"}, "lora_path"),
-    ({"text": "hi", "sampling_params": {"custom_params": {"k": 1}}}, "custom_params"),
+    ({"text": "hi", "custom_logit_processor": "{}"}, "custom_logit_processor"),  # (without --enable-custom-logit-processor)
     ({"text": "hi", "sampling_params": {"beam_width": 4}}, "beam_width"),
     ({"text": "hi", "sampling_params": {"stop_regex": "(unclosed"}}, "stop_regex"),
     ({"text": "hi", "sampling_params": {"stop_regex": [""]}}, "stop_regex"),

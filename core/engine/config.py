@@ -182,6 +182,10 @@ class EngineArgs:
     enable_return_hidden_states: bool = _arg(False, MEMORY, "requests may ask for the last layer's hidden states "
                                                             "(return_hidden_states: true or \"last\"); the same as "
                                                             "--return-hidden-states-mode full")
+    enable_custom_logit_processor: bool = _arg(False, MEMORY, "requests may carry a custom logit processor "
+                                                              "(custom_logit_processor: SGLang's CustomLogitProcessor"
+                                                              ".to_str()): client code run in the server, so for "
+                                                              "trusted clients only; needs dill")
     return_hidden_states_mode: str | None = _arg(None, MEMORY, "the most a request's return_hidden_states may ask: "
                                                                "last (\"last\" only) or full (also true)",
                                                  choices=("last", "full"))
@@ -385,6 +389,11 @@ def check_scheduling_args(args: EngineArgs) -> None:
     from core.engine.hidden_states import check_args
 
     check_args(args)
+    if args.enable_custom_logit_processor:
+        import importlib.util
+
+        if importlib.util.find_spec("dill") is None:  # (SGLang's clients pickle processors with dill)
+            raise CoreError("--enable-custom-logit-processor needs the dill package: pip install dill")
 
 
 def lora_requested(args: Any) -> bool:

@@ -16,6 +16,7 @@ import attrs
 import torch
 
 from core.engine.hidden_states import check_request as check_hidden_request
+from core.engine.logit_processor import check as check_processor
 from core.engine.request import Req
 from core.engine.sampling_params import SamplingParams
 from core.errors import CoreError, InvalidRequest
@@ -44,17 +45,22 @@ class RequestFrontEnd:
     def make_requests(self, prompt_ids: list[int], params: SamplingParams, rid: str | None = None,
                       return_logprob: bool = False, logprob_start_len: int = -1, top_logprobs_num: int = 0,
                       priority: int | None = None, group: str | None = None, lora_path: str | None = None,
-                      images: list | None = None, detokenize: bool = True, return_hidden_states: Any = False) -> list[Req]:
+                      images: list | None = None, detokenize: bool = True, return_hidden_states: Any = False,
+                      custom_logit_processor: Any = None) -> list[Req]:
         """Validate and build the sequences of one prompt (n of them); raises InvalidRequest.
         ``group``: the API request they belong to (default ``rid``), which an abort by id also reaches.
         ``lora_path``: the name of a loaded LoRA adapter (SGLang's field name), None: the base model.
         ``images``: decoded images (PIL) for the prompt's image placeholders, in order.
         ``detokenize`` False: no text (a replica whose front end makes it, ``ReqSpec.detokenize``).
-        ``return_hidden_states``: SGLang's (True, "last"), within the server's mode (core.engine.hidden_states)."""
+        ``return_hidden_states``: SGLang's (True, "last"), within the server's mode (core.engine.hidden_states).
+        ``custom_logit_processor``: SGLang's serialized processor (core.engine.logit_processor)."""
         if self.args.is_embedding:
             raise InvalidRequest("this server runs an embedding or classification model (--is-embedding): it does "
                                  "not generate; use /v1/embeddings, /encode or /classify")
         params.validate(self.vocab_size)
+        if (proc := check_processor(custom_logit_processor, self.args.enable_custom_logit_processor,
+                                    self.args.speculative_algorithm is not None)) is not None:
+            params = attrs.evolve(params, custom_logit_processor=proc)
         runner = getattr(self, "runner", None)  # (none here: replicas in other processes, --dp-size > 1)
         hidden = check_hidden_request(self.args, return_hidden_states, local=runner is not None)
         lora_id = self._lora_id(lora_path)
@@ -173,7 +179,7 @@ class RequestFrontEnd:
                        logprob_start_len: int | list[int] | None = -1, top_logprobs_num: int | list[int] = 0,
                        stream: bool = False, rid: str | list[str] | None = None,
                        lora_path: str | list[str | None] | None = None, image_data: Any = None,
-                       return_hidden_states: Any = False) -> Any:
+                       return_hidden_states: Any = False, custom_logit_processor: Any = None) -> Any:
         """SGLang's generate: one prompt -> dict (a list when n > 1); a batch -> list. ``rid``,
         ``return_logprob``, ``logprob_start_len`` and ``top_logprobs_num`` may be lists aligned with a batch
         (``per_item``: None, SGLang's default, and None entries are ours).
@@ -181,7 +187,9 @@ class RequestFrontEnd:
         ``lora_path``: an adapter name for every prompt, or a list aligned with the batch.
         ``image_data``: SGLang's forms: an image (a PIL image, a path, a URL, a data URI or base64)
         or a list of them for one prompt; for a batch, a list aligned with it. ``return_hidden_states``:
-        SGLang's (True, "last"; a list aligned with a batch), in ``meta_info["hidden_states"]``."""
+        SGLang's (True, "last"; a list aligned with a batch), in ``meta_info["hidden_states"]``.
+        ``custom_logit_processor``: SGLang's ``CustomLogitProcessor.to_str()`` (or a list aligned with a
+        batch), with ``--enable-custom-logit-processor``; its ``custom_params`` in ``sampling_params``."""
         batch = isinstance(prompt, list) or (isinstance(input_ids, list) and input_ids and isinstance(input_ids[0], list))
         prompts: list = (prompt if isinstance(prompt, list) else input_ids) if batch else [input_ids if input_ids is not None else prompt]
         is_ids = input_ids is not None
@@ -202,6 +210,7 @@ class RequestFrontEnd:
         starts = per_item(logprob_start_len, n, "logprob_start_len", -1)
         tops = per_item(top_logprobs_num, n, "top_logprobs_num", 0)
         hiddens = per_item(return_hidden_states, n, "return_hidden_states", False)
+        procs = per_item(custom_logit_processor, n, "custom_logit_processor", None)
         groups = []
         for i, (p, sp) in enumerate(zip(prompts, sps)):
             params = sp if isinstance(sp, SamplingParams) else SamplingParams.from_dict(sp)
@@ -210,7 +219,8 @@ class RequestFrontEnd:
                 check_total(len(ids), sp.get("max_new_tokens"), self.model_config.context_len)
             groups.append(self.make_requests(ids, params, rids[i], bool(lps[i]), starts[i], tops[i],
                                              group=rid if isinstance(rid, str) else rids[i],  # (an abort by it: all)
-                                             lora_path=loras[i], images=images[i], return_hidden_states=hiddens[i]))
+                                             lora_path=loras[i], images=images[i], return_hidden_states=hiddens[i],
+                                             custom_logit_processor=procs[i]))
         reqs = [r for g in groups for r in g]
         await self.prepare_grammars(reqs)
         self.submit(reqs)

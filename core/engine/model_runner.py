@@ -448,4 +448,4 @@ def _scatter(sample: SampleOutput, live: list[int], n: int) -> SampleOutput:
             lps[i] = sample.logprobs[j]
         if tops is not None:
             tops[i] = sample.top_logprobs[j]
-    return SampleOutput(toks, lps, tops)
+    return SampleOutput(toks, lps, tops, sample.failed and {live[j]: why for j, why in sample.failed.items()})

@@ -135,7 +135,8 @@ class Req:
 
     @may_read_outputs.default
     def _may_read_outputs(self) -> bool:
-        return self.params.min_new_tokens > 0 or penalised(self.params) or self.params.thinking is not None
+        p = self.params
+        return p.min_new_tokens > 0 or penalised(p) or p.thinking is not None or p.custom_logit_processor is not None
 
     @property
     def finished(self) -> bool:

@@ -24,6 +24,7 @@ import attrs
 import torch
 
 from core import layers
+from core.engine import logit_processor
 from core.engine.sampling_params import SAMPLING_EPS, SamplingParams
 
 
@@ -47,7 +48,7 @@ class SamplingRow:
     def _plain(self) -> bool:
         p = self.params
         return (p.is_greedy and not penalised(p) and not p.min_new_tokens and not p.logit_bias and p.thinking is None
-                and not self.return_logprob and not self.top_logprobs_num)
+                and p.custom_logit_processor is None and not self.return_logprob and not self.top_logprobs_num)
 
 
 @attrs.define
@@ -55,6 +56,7 @@ class SampleOutput:
     token_ids: list[int]
     logprobs: list[float] | None  # chosen token's logprob per row; None if no row asked
     top_logprobs: list[list[tuple[int, float]]] | None  # desc by logprob; [] where 0 asked
+    failed: dict[int, str] | None = None  # rows whose custom logit processor failed: why (their requests fail)
 
 
 @attrs.define(eq=False)
@@ -68,6 +70,7 @@ class DeviceSample:
     copies: list[torch.Tensor]  # on the host (in flight): tokens, then chosen logprobs, then top values and ids
     top_nums: list[int] | None  # per row, the top logprobs it asked for (None: no top-k computed)
     event: Any = None  # a CUDA event recorded after the copies (None: they are done)
+    failed: dict[int, str] | None = None  # as SampleOutput's
 
     @classmethod
     def start(cls, parts: list[torch.Tensor], top_nums: list[int] | None) -> DeviceSample:
@@ -84,11 +87,12 @@ class DeviceSample:
             self.event.synchronize()
         lists = [t.tolist() for t in self.copies]
         if len(lists) == 1:
-            return SampleOutput(lists[0], None, None)
+            return SampleOutput(lists[0], None, None, self.failed)
         if self.top_nums is None:
-            return SampleOutput(lists[0], lists[1], None)
+            return SampleOutput(lists[0], lists[1], None, self.failed)
         vals, ids = lists[2], lists[3]
-        return SampleOutput(lists[0], lists[1], [list(zip(ids[i][:n], vals[i][:n])) for i, n in enumerate(self.top_nums)])
+        return SampleOutput(lists[0], lists[1], [list(zip(ids[i][:n], vals[i][:n])) for i, n in enumerate(self.top_nums)],
+                            self.failed)
 
 
 # The logprob written for a token the distribution rules out (-inf: a grammar-masked token,
@@ -415,7 +419,7 @@ class Sampler:
             logits = logits[:, : self.vocab_size]
         if all(r.plain for r in rows):  # (the common greedy batch: no pass over the rows' params)
             return self._output(argmax_ids if argmax_ids is not None else argmax(logits), rows, None, host)
-        greedy, want_lp, pen_rows, short, biased, forced = True, False, [], False, False, {}
+        greedy, want_lp, pen_rows, short, biased, forced, procs = True, False, [], False, False, {}, False
         for i, r in enumerate(rows):  # one pass: what this batch needs at all
             p = r.params
             if p.thinking is not None and (tok := p.thinking.forced(r.output_ids)) is not None:
@@ -426,7 +430,8 @@ class Sampler:
                 pen_rows.append(i)
             short = short or len(r.output_ids) < p.min_new_tokens
             biased = biased or bool(p.logit_bias)
-        plain = not pen_rows and not short and not biased and not forced
+            procs = procs or p.custom_logit_processor is not None
+        plain = not pen_rows and not short and not biased and not forced and not procs
         # before any float32 copy: a bf16 / fp16 row's argmax is that of its exact float32 values
         raw_argmax = argmax_ids if argmax_ids is not None else argmax(logits)
         if greedy and plain and not want_lp:
@@ -442,6 +447,7 @@ class Sampler:
             apply_logit_bias(logits, rows)
         if short:
             apply_min_tokens(logits, rows)
+        failed = logit_processor.apply(logits, rows) if procs else None
         if plain:  # the logits are the model's own: their argmax is the fallback
             tokens = raw_argmax
         else:
@@ -460,7 +466,9 @@ class Sampler:
                                                                             tokens.device)
         if advance is not None:
             advance(tokens)
-        return self._output(tokens, rows, raw_lp, host)
+        out = self._output(tokens, rows, raw_lp, host)
+        out.failed = failed or None
+        return out
 
     def target_probs(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Each row's distribution as ``sample`` draws from it, float32 [rows, vocab_size]: logit bias,

@@ -122,12 +122,17 @@ class SamplingParams:
     structural_tag: str | None = None
     # set by the server from its reasoning parser, never from a request's sampling_params (from_dict)
     thinking: ThinkingBudget | None = None
+    # SGLang's custom_params: what the request's custom logit processor reads (core.engine.logit_processor)
+    custom_params: dict | None = attrs.field(default=None, validator=attrs.validators.optional(
+        attrs.validators.instance_of(dict)))
+    # the request's custom_logit_processor (a top-level field, checked by the front end), never from from_dict
+    custom_logit_processor: str | None = None
 
     @classmethod
     def from_dict(cls, d: dict | None) -> SamplingParams:
         """Build from a JSON-style dict; unknown keys are an error naming them."""
         d = seed_named(d or {})
-        known = {f.name for f in attrs.fields(cls)} - {"thinking"}
+        known = {f.name for f in attrs.fields(cls)} - {"thinking", "custom_logit_processor"}
         unknown = sorted(set(d) - known)
         if unknown:
             raise InvalidRequest(f"unknown sampling parameter(s): {', '.join(unknown)}", param=unknown[0])

@@ -52,10 +52,8 @@ class Scheduler:
         schedule_low_priority_values_first: bool = False, seed: int = 0,
         decode_steps: int = 1, speculator: Speculator | None = None,
     ) -> None:
-        self.allocator, self.table = allocator, table
-        self.tree_cache = tree_cache
-        self.max_running = max_running_requests
-        self.max_prefill_tokens = max_prefill_tokens
+        self.allocator, self.table, self.tree_cache = allocator, table, tree_cache
+        self.max_running, self.max_prefill_tokens = max_running_requests, max_prefill_tokens
         self.chunked_prefill_size = chunked_prefill_size if chunked_prefill_size and chunked_prefill_size > 0 else None
         self.context_len = context_len
         self.eos_ids = frozenset(eos_ids)
@@ -504,6 +502,8 @@ class Scheduler:
                     continue
             if prompt_lps and i in prompt_lps:
                 req.input_logprobs, req.input_top_logprobs = prompt_lps[i]
+            if s.failed and i in s.failed and req.finish_reason is None:  # its logit processor failed: as an abort
+                req.finish_reason = {"type": "abort", "message": s.failed[i]}
             if req.finish_reason is not None or req.aborted:  # aborted while the forward ran: dropped at the next step
                 if multi:  # a multi-step decode's entries after the first are not kept
                     req.kv_len = req.kv_done = req.seq_len

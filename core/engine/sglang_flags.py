@@ -36,7 +36,7 @@ dsv4-attn-backend dsv4-prefill-backend dwdp-size dynamic-batch-tokenizer-batch-s
 dynamic-batch-tokenizer-batch-timeout elastic-ep-backend elastic-ep-initial-size elastic-ep-join-mode
 elastic-ep-join-rank-offset elastic-ep-scale-timeout enable-adaptive-dispatch-to-encoder
 enable-aiter-allreduce-fusion enable-amd-monokernel enable-attn-tp-input-scattered
-enable-broadcast-mm-inputs-process enable-cp-decode-attn-tp enable-cudagraph-gc enable-custom-logit-processor
+enable-broadcast-mm-inputs-process enable-cp-decode-attn-tp enable-cudagraph-gc
 enable-decoder-swa-bounded-replay enable-deepseek-v4-fp4-indexer enable-dense-mlp-attn-tp
 enable-deterministic-inference enable-dp-attention-local-control-broadcast enable-dp-lm-head
 enable-draft-weights-cpu-backup enable-dsa-cache-layer-split enable-dsa-fused-indexer enable-dynamic-batch-tokenizer

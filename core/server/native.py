@@ -71,12 +71,13 @@ class GenerateReqInput(msgspec.Struct):
     received_time: Any = None
     # the last layer's hidden states in meta_info (core.engine.hidden_states): true, "last", or a list aligned with a batch
     return_hidden_states: Any = None
+    # SGLang's CustomLogitProcessor.to_str() (or a list aligned with a batch): core.engine.logit_processor
+    custom_logit_processor: Any = None
     # SGLang fields for features core does not have: accepted only when unset (null, false, empty)
     video_data: Any = None
     audio_data: Any = None
     input_embeds: Any = None
     lora_id: Any = None  # SGLang's internal adapter id (lora_path names the adapter)
-    custom_logit_processor: Any = None
     session_params: Any = None
     session_id: Any = None
     token_ids_logprob: Any = None
@@ -121,7 +122,7 @@ _UNSUPPORTED_GENERATE_FIELDS = GenerateReqInput.__struct_fields__[
 
 # SGLang sampling parameters of features core does not have: accepted only when unset
 # (beam_width 1 is plain sampling)
-_UNSUPPORTED_SAMPLING_KEYS = {"custom_params": (None, {}), "watermark": (None, {}), "beam_width": (None, 1)}
+_UNSUPPORTED_SAMPLING_KEYS = {"watermark": (None, {}), "beam_width": (None, 1)}
 
 
 def _sampling_params(d: dict | None, preferred: dict | None = None) -> tuple[SamplingParams, int | None]:
@@ -187,6 +188,7 @@ def build_generate_requests(state: ServerState, obj: GenerateReqInput) -> tuple[
     tops = per_item(obj.top_logprobs_num, n, "top_logprobs_num", 0)
     prios = per_item(obj.priority, n, "priority", None)
     hiddens = per_item(obj.return_hidden_states, n, "return_hidden_states", False)
+    procs = per_item(obj.custom_logit_processor, n, "custom_logit_processor", None)
     loras = adapters_per_item(engine, obj.lora_path, n)
     images = generate_images(state, obj.image_data, obj.modalities, n, batch)
     parsed = [_sampling_params(sp, state.args.preferred_sampling_params) for sp in sps]
@@ -208,7 +210,8 @@ def build_generate_requests(state: ServerState, obj: GenerateReqInput) -> tuple[
         group = obj.rid if batch and isinstance(obj.rid, str) else None  # /abort_request {rid} reaches every item
         reqs += engine.make_requests(token_ids, params, rid or uuid.uuid4().hex, bool(lps[i]), starts[i], tops[i],
                                      priority=prios[i], group=group, **lora_kwargs(loras[i]),
-                                     **images_kwargs(images[i]), return_hidden_states=hiddens[i])
+                                     **images_kwargs(images[i]), return_hidden_states=hiddens[i],
+                                     custom_logit_processor=procs[i])
     for r in reqs:
         r.log_metrics = obj.log_metrics
     return reqs, batch, interval

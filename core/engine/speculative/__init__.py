@@ -375,6 +375,8 @@ def host_read(req: Req, overlap: bool = False) -> str:
     if not req.may_read_outputs:
         return ""
     p = req.params
+    if p.custom_logit_processor is not None:  # (it may read the outputs: SGLang's custom_params["__req__"])
+        return "a custom logit processor"
     if penalised(p):
         return "penalties"
     if len(req.output_ids) < p.min_new_tokens:

@@ -236,6 +236,7 @@ def sampling_params(r: Any, max_new: int, n: int, constraint: dict[str, str],
         n=n,
         seed=pick("seed", None),
         logit_bias=r.logit_bias or None,
+        custom_params=getattr(r, "custom_params", None),
         **constraint,
     )
     check_sampling_limits(params)
@@ -349,7 +350,8 @@ class Job:
             self.reqs += self.engine.make_requests(ids, params, rid, self.logprobs, start_len, self.top,
                                                    priority=self.r.priority, group=self.id, **lora_kwargs(adapter),
                                                    **({"images": images} if images else {}),
-                                                   return_hidden_states=getattr(self.r, "return_hidden_states", False))
+                                                   return_hidden_states=getattr(self.r, "return_hidden_states", False),
+                                                   custom_logit_processor=getattr(self.r, "custom_logit_processor", None))
         except InvalidRequest as e:
             raise engine_error(e) from None
 

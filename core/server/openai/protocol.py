@@ -93,6 +93,9 @@ class _GenerationRequest(Struct, kw_only=True):
     lora_path: str | list[str | None] | None = None  # SGLang: the LoRA adapter(s); ``model`` wins (core.server.lora)
     # SGLang: true or "last": the last layer's hidden states in each choice (core.engine.hidden_states)
     return_hidden_states: bool | str | None = False
+    # SGLang: CustomLogitProcessor.to_str() (with --enable-custom-logit-processor) and what it reads
+    custom_logit_processor: str | None = None
+    custom_params: dict[str, Any] | None = None
     # structured output (at most one; compiled by the grammar backend)
     regex: str | None = None
     json_schema: str | None = None
