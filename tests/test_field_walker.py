@@ -244,7 +244,7 @@ CLASSIFIED: dict[str, dict[str, Any]] = {
         "max_tokens": H(f"{OAI}::test_completion_basic_and_default_max_tokens"),
         "echo": H(f"{OAI}::test_completion_echo_and_logprobs"),
         "logprobs": H(f"{OAI}::test_completion_echo_and_logprobs"),
-        "suffix": R("x"), "best_of": R(3),
+        "suffix": H("tests.test_completion_template::test_suffix_completions_read_the_fim_prompt"), "best_of": R(3),
     },
     "StructuredOutputs": {
         "json": H(f"{VLLM}::test_json_schema_and_json_object"),

@@ -12,7 +12,7 @@ abort-on-priority-when-disabled asr-max-buffer-seconds
 asr-max-concurrent-sessions attention-context-parallel-size attention-data-parallel-size attn-cp-size attn-dp-size
 batch-notify-size bf16-gemm-backend boundary-reduction 
 c128-page-size checkpoint-engine-wait-weights-before-ready
-completion-template constrained-json-max-whitespace-cnt
+constrained-json-max-whitespace-cnt
 context-bucket cp-strategy cpu-offload-gb crash-dump-folder
 cuda-graph-backend-decode cuda-graph-backend-prefill cuda-graph-bs-decode cuda-graph-bs-prefill cuda-graph-config
 cuda-graph-max-bs-decode cuda-graph-max-bs-prefill cuda-graph-max-seq-len-prefill cuda-graph-prefill-max-context

@@ -411,6 +411,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hf-chat-template-name", default=None, metavar="NAME",
                    help="the tokenizer's named chat template to use when it has several (default: its 'default', "
                         "else the first)")
+    g.add_argument("--completion-template", default=None, metavar="NAME|FILE",
+                   help="fill-in-the-middle markers for /v1/completions' suffix: deepseek_coder, star_coder, "
+                        "qwen_coder or a JSON file in SGLang's format (without it a suffix is refused)")
     g.add_argument("--stream-response-default-include-usage", action="store_true",
                    help="every streamed chat or completion ends with the usage chunk, stream_options or not")
     g.add_argument("--allow-auto-truncate", action="store_true",
@@ -514,6 +517,9 @@ def validate_serve_args(ns: argparse.Namespace) -> None:
         gc_watch.check(ns)
     if ns.chat_template and _looks_like_path(ns.chat_template) and not os.path.isfile(os.path.expanduser(ns.chat_template)):
         raise CoreError(f"--chat-template {ns.chat_template}: no such file")
+    from core.server.openai.completion_template import load_completion_template
+
+    load_completion_template(getattr(ns, "completion_template", None))
     check_device_args(ns)
 
 
@@ -581,6 +587,7 @@ class ServerArgs:
     preferred_sampling_params: dict[str, Any] | None = None
     default_chat_template_kwargs: dict[str, Any] | None = None
     hf_chat_template_name: str | None = None
+    completion_template: str | None = None
     stream_response_default_include_usage: bool = False
     fastapi_root_path: str = ""
     ssl_certfile: str | None = None

@@ -56,6 +56,7 @@ class ServerState:
     # requests sent with SGLang's no_logs: --log-requests writes neither their input nor their output
     unlogged: weakref.WeakSet[Req] = attrs.field(factory=weakref.WeakSet)
     request_log: Any = None  # core.server.request_log.RequestLog (create_app's; None: the server log)
+    completion_template: Any = None  # --completion-template (core.server.openai.completion_template), loaded once
 
     _token_chars: int | None = attrs.field(default=None, init=False, repr=False)
 
@@ -153,6 +154,7 @@ def build_state(engine: AsyncEngine, args: ServerArgs) -> ServerState:
     ``--reasoning-parser`` stops start-up, listing the registered names, as does an
     ``--hf-chat-template-name`` the tokenizer lacks."""
     from core.server.openai.chat_template import pick_named_template
+    from core.server.openai.completion_template import load_completion_template
 
     for kind, name in (("tool_parser", args.tool_call_parser), ("reasoning_parser", args.reasoning_parser)):
         if name:
@@ -162,7 +164,8 @@ def build_state(engine: AsyncEngine, args: ServerArgs) -> ServerState:
     metrics = Metrics(served, enabled=args.enable_metrics, buckets=args.observability.buckets())
     metrics.attach(engine)
     state = ServerState(engine=engine, args=args, metrics=metrics, served_model_name=served,
-                        model_path=args.model_path or engine.model_config.source, weight_version=args.weight_version)
+                        model_path=args.model_path or engine.model_config.source, weight_version=args.weight_version,
+                        completion_template=load_completion_template(args.completion_template))
     if defaults := state.chat_sampling_defaults:
         log.info("server.chat_sampling_defaults", source="generation_config.json", **defaults)
     return state

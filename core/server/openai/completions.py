@@ -52,10 +52,21 @@ def _split_prompt(prompt: Any) -> list[str | list[int]]:
                          param="prompt")
 
 
+def _fill_in_the_middle(state: Any, prompts: list, suffix: str | None) -> list:
+    """The prompts around a ``suffix`` (the code after the cursor) in ``--completion-template``'s
+    markers; unchanged without one (None or "")."""
+    if not suffix:
+        return prompts
+    template = getattr(state, "completion_template", None)
+    check(template is not None, "suffix needs a fill-in-the-middle template: start the server with "
+          "--completion-template (deepseek_coder, star_coder, qwen_coder or a JSON file)", "suffix")
+    check(all(isinstance(p, str) for p in prompts), "suffix needs text prompts (not token ids)", "suffix")
+    return [template.prompt(p, suffix) for p in prompts]
+
+
 def prepare_completion(state: Any, r: CompletionRequest, rid: str | None = None) -> CompletionJob:
     """Validate, tokenize and build the engine requests of a completions request (nothing is submitted)."""
     n, constraint = common_checks(r)
-    check(r.suffix is None, "suffix is not supported by this server", "suffix")
     check(r.best_of is None or r.best_of == n, "best_of is not supported by this server (unless equal to n)", "best_of")
     job = CompletionJob(state, "completion", r, rid)
     job.n = n
@@ -66,7 +77,7 @@ def prepare_completion(state: Any, r: CompletionRequest, rid: str | None = None)
     preferred = state.args.preferred_sampling_params or {}  # (--preferred-sampling-params over OpenAI's default)
     max_tokens = preferred.get("max_new_tokens", DEFAULT_MAX_TOKENS) if r.max_tokens is UNSET else r.max_tokens
     check_min_tokens(r, max_tokens)
-    prompts = _split_prompt(r.prompt)
+    prompts = _fill_in_the_middle(state, _split_prompt(r.prompt), r.suffix)
     check(len(prompts) * n <= MAX_SEQUENCES, f"a request may ask for at most {MAX_SEQUENCES} completions "
           f"(prompts x n), got {len(prompts) * n}", "prompt")
     job.select_adapters(len(prompts))

@@ -13,8 +13,8 @@ field is dropped silently. A top-level key that is not a field of the request St
 * anything else: a 400 naming the field (``param``), so a typo or a feature this server lacks
   is never answered with a 200 that quietly did something else.
 
-Fields that are known but whose feature this engine lacks (``suffix``, ``best_of`` != ``n``)
-are declared here and rejected with a 400 by the chat and completions modules. vLLM's
+Fields that are known but whose feature this engine lacks (``best_of`` != ``n``; ``suffix``
+without ``--completion-template``) are declared here and rejected with a 400 by the chat and completions modules. vLLM's
 structured output (``structured_outputs`` and the older ``guided_*`` fields) and its names for
 SGLang's options (``include_stop_str_in_output``, ``request_id``) are fields too, mapped in
 ``core.server.openai.job``. Nested objects are lenient except ``structured_outputs``.
