@@ -307,8 +307,64 @@ struct LoraBatch {
 };
 
 // a . x over K values (K % 32 == 0, as every stack GEMM's), summed in float32 with two sums in
-// flight: bf16 through AVX512-BF16's pair products (exact products, float32 sums), float32 FMAs.
-// out[block] += sum_r h[r] b[r] over a 16-column block b [R, 16], rounded once into out.
+// flight: bf16 through AVX512-BF16's pair products (exact products, float32 sums), float32 and
+// int8 weights through float32 FMAs (an int8 row's scale applied by the caller).
+// out[block] += sum_r h[r] s[r] b[r] over a 16-column block b [R, 16] (s: int8 B's column scales;
+// none for bf16 / float32 B), summed in float32 and rounded once into out.
+inline core_attention::vf vload_w(const float* p) { return core_attention::vload(p); }
+#if defined(__AVX512F__)
+inline core_attention::vf vload_w(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+#elif defined(__AVX2__)
+inline core_attention::vf vload_w(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+#endif
+inline core_attention::vf vload_x(const float* p) { return core_attention::vload(p); }
+#ifdef CORE_GEMV_BF16
+inline core_attention::vf vload_w(const uint16_t* p) { return bf16x16(p); }
+inline core_attention::vf vload_x(const uint16_t* p) { return bf16x16(p); }
+#endif
+
+template <typename W, typename X>
+inline float dot_fma(const W* a, const X* x, int64_t K) {
+  using namespace core_attention;
+  vf s0 = vzero(), s1 = vzero();
+  int64_t k = 0;
+  for (; k + 2 * CORE_SIMD <= K; k += 2 * CORE_SIMD)
+    s0 = vfma(vload_w(a + k), vload_x(x + k), s0), s1 = vfma(vload_w(a + k + CORE_SIMD), vload_x(x + k + CORE_SIMD), s1);
+  for (; k < K; k += CORE_SIMD) s0 = vfma(vload_w(a + k), vload_x(x + k), s0);
+  return vsum(vadd(s0, s1));
+}
+
+inline float scaled(const float* h, const float* s, int64_t r) { return s ? h[r] * s[r] : h[r]; }
+
+template <typename W>
+inline void add_block_f32(const W* b, const float* h, const float* s, int64_t R, float* out) {
+  using namespace core_attention;
+  for (int c = 0; c < 16; c += CORE_SIMD) {
+    vf s0 = vzero(), s1 = vzero();
+    int64_t r = 0;
+    for (; r + 2 <= R; r += 2)
+      s0 = vfma(vset1(scaled(h, s, r)), vload_w(b + 16 * r + c), s0),
+      s1 = vfma(vset1(scaled(h, s, r + 1)), vload_w(b + 16 * r + 16 + c), s1);
+    if (r < R) s0 = vfma(vset1(scaled(h, s, r)), vload_w(b + 16 * r + c), s0);
+    vstore(out + c, vadd(vload(out + c), vadd(s0, s1)));
+  }
+}
+
+template <typename X>
+inline float dot(const int8_t* a, const X* x, int64_t K) { return dot_fma(a, x, K); }
+inline void add_block(const int8_t* b, const float* h, const float* s, int64_t R, float* out) {
+  add_block_f32(b, h, s, R, out);
+}
+
+#ifdef CORE_GEMV_F32
+inline float dot(const float* a, const float* x, int64_t K) { return dot_fma(a, x, K); }
+inline void add_block(const float* b, const float* h, int64_t R, float* out) { add_block_f32(b, h, nullptr, R, out); }
+#endif
+
 #ifdef CORE_GEMV_BF16
 inline float dot(const uint16_t* a, const uint16_t* x, int64_t K) {
   const auto pair = [&](__m512 s, int64_t k) {
@@ -321,93 +377,21 @@ inline float dot(const uint16_t* a, const uint16_t* x, int64_t K) {
   return _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
 }
 
-inline void add_block(const uint16_t* b, const float* h, int64_t R, uint16_t* out) {
+template <typename W>
+inline void add_block_bf16(const W* b, const float* h, const float* s, int64_t R, uint16_t* out) {
   __m512 s0 = widen_bf16x16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(out))), s1 = _mm512_setzero_ps();
   int64_t r = 0;
   for (; r + 2 <= R; r += 2) {
-    s0 = _mm512_fmadd_ps(_mm512_set1_ps(h[r]), bf16x16(b + 16 * r), s0);
-    s1 = _mm512_fmadd_ps(_mm512_set1_ps(h[r + 1]), bf16x16(b + 16 * r + 16), s1);
+    s0 = _mm512_fmadd_ps(_mm512_set1_ps(scaled(h, s, r)), vload_w(b + 16 * r), s0);
+    s1 = _mm512_fmadd_ps(_mm512_set1_ps(scaled(h, s, r + 1)), vload_w(b + 16 * r + 16), s1);
   }
-  if (r < R) s0 = _mm512_fmadd_ps(_mm512_set1_ps(h[r]), bf16x16(b + 16 * r), s0);
+  if (r < R) s0 = _mm512_fmadd_ps(_mm512_set1_ps(scaled(h, s, r)), vload_w(b + 16 * r), s0);
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), f_bf16x16(_mm512_add_ps(s0, s1)));
 }
-#endif
 
-#ifdef CORE_GEMV_F32
-inline float dot(const float* a, const float* x, int64_t K) {
-  using namespace core_attention;
-  vf s0 = vzero(), s1 = vzero();
-  int64_t k = 0;
-  for (; k + 2 * CORE_SIMD <= K; k += 2 * CORE_SIMD)
-    s0 = vfma(vload(a + k), vload(x + k), s0), s1 = vfma(vload(a + k + CORE_SIMD), vload(x + k + CORE_SIMD), s1);
-  for (; k < K; k += CORE_SIMD) s0 = vfma(vload(a + k), vload(x + k), s0);
-  return vsum(vadd(s0, s1));
-}
-
-inline void add_block(const float* b, const float* h, int64_t R, float* out) {
-  using namespace core_attention;
-  for (int c = 0; c < 16; c += CORE_SIMD) {
-    vf s0 = vzero(), s1 = vzero();
-    int64_t r = 0;
-    for (; r + 2 <= R; r += 2)
-      s0 = vfma(vset1(h[r]), vload(b + 16 * r + c), s0), s1 = vfma(vset1(h[r + 1]), vload(b + 16 * r + 16 + c), s1);
-    if (r < R) s0 = vfma(vset1(h[r]), vload(b + 16 * r + c), s0);
-    vstore(out + c, vadd(vload(out + c), vadd(s0, s1)));
-  }
-}
-#endif
-
-// The same over int8 codes: a . x with a's codes (the caller applies the row's scale), and the
-// block's delta with h[r] s[r] (B's column scales) as the weights of the codes.
-#if defined(__AVX512F__)
-inline core_attention::vf vload_i8(const int8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
-#elif defined(__AVX2__)
-inline core_attention::vf vload_i8(const int8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
-#endif
-
-#ifdef CORE_GEMV_BF16
-inline core_attention::vf vload_x(const uint16_t* p) { return bf16x16(p); }
-#endif
-inline core_attention::vf vload_x(const float* p) { return core_attention::vload(p); }
-
-template <typename X>
-inline float dot(const int8_t* a, const X* x, int64_t K) {
-  using namespace core_attention;
-  vf s0 = vzero(), s1 = vzero();
-  int64_t k = 0;
-  for (; k + 2 * CORE_SIMD <= K; k += 2 * CORE_SIMD)
-    s0 = vfma(vload_i8(a + k), vload_x(x + k), s0), s1 = vfma(vload_i8(a + k + CORE_SIMD), vload_x(x + k + CORE_SIMD), s1);
-  for (; k < K; k += CORE_SIMD) s0 = vfma(vload_i8(a + k), vload_x(x + k), s0);
-  return vsum(vadd(s0, s1));
-}
-
-inline void add_block(const int8_t* b, const float* h, const float* s, int64_t R, float* out) {
-  using namespace core_attention;
-  for (int c = 0; c < 16; c += CORE_SIMD) {
-    vf s0 = vzero(), s1 = vzero();
-    int64_t r = 0;
-    for (; r + 2 <= R; r += 2)
-      s0 = vfma(vset1(h[r] * s[r]), vload_i8(b + 16 * r + c), s0),
-      s1 = vfma(vset1(h[r + 1] * s[r + 1]), vload_i8(b + 16 * r + 16 + c), s1);
-    if (r < R) s0 = vfma(vset1(h[r] * s[r]), vload_i8(b + 16 * r + c), s0);
-    vstore(out + c, vadd(vload(out + c), vadd(s0, s1)));
-  }
-}
-
-#ifdef CORE_GEMV_BF16
+inline void add_block(const uint16_t* b, const float* h, int64_t R, uint16_t* out) { add_block_bf16(b, h, nullptr, R, out); }
 inline void add_block(const int8_t* b, const float* h, const float* s, int64_t R, uint16_t* out) {
-  __m512 s0 = widen_bf16x16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(out))), s1 = _mm512_setzero_ps();
-  int64_t r = 0;
-  for (; r + 2 <= R; r += 2) {
-    s0 = _mm512_fmadd_ps(_mm512_set1_ps(h[r] * s[r]), vload_i8(b + 16 * r), s0);
-    s1 = _mm512_fmadd_ps(_mm512_set1_ps(h[r + 1] * s[r + 1]), vload_i8(b + 16 * r + 16), s1);
-  }
-  if (r < R) s0 = _mm512_fmadd_ps(_mm512_set1_ps(h[r] * s[r]), vload_i8(b + 16 * r), s0);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), f_bf16x16(_mm512_add_ps(s0, s1)));
+  add_block_bf16(b, h, s, R, out);
 }
 #endif
 
