@@ -402,9 +402,11 @@ class Grammar(Protocol):
     def accept_token(self, token_id: int) -> bool:
         """Advance the matcher; False if the token is not allowed."""
 
-    def is_terminated(self) -> bool: ...
+    def is_terminated(self) -> bool:
+        """Whether the constraint is complete (the output ends here)."""
 
-    def copy(self) -> Grammar: ...
+    def copy(self) -> Grammar:
+        """A new matcher for the same grammar, at its start (each request gets its own)."""
 
 
 @runtime_checkable

@@ -311,6 +311,8 @@ CLASSIFIED: dict[str, dict[str, Any]] = {
         "ebnf": H(f"{STRUCT}::test_generate_constraints"),
         "structural_tag": H(f"{VLLM}::test_request_constraint_mapping"),
         "thinking": H("tests.test_openai_tool_fields::test_a_thinking_budget_leaves_an_answer_without_reasoning_alone"),
+        "reasoning_gate": H("tests.test_openai_tool_fields::test_a_hybrid_models_first_token_decides_whether_it_reasons",
+                            "enable_thinking"),
     },
     "EngineArgs": {
         "model_path": H(f"{NSF}::test_update_flushes_every_data_parallel_replica"),
@@ -385,6 +387,9 @@ CLASSIFIED: dict[str, dict[str, Any]] = {
         "cpu_threads": H(f"{ME}::test_engine_args_reach_the_engine"),
         "watchdog_timeout": H("tests.test_robustness_watchdog::test_watchdog_fails_in_flight_requests_and_health",
                               "--watchdog-timeout"),
+        "default_priority_value": H("tests.test_schedule_policy::test_default_priority_value_and_abort_on_priority_when_disabled"),
+        "abort_on_priority_when_disabled": H(
+            "tests.test_schedule_policy::test_default_priority_value_and_abort_on_priority_when_disabled"),
         "enable_custom_logit_processor": H(f"{CLP}::test_refused_without_the_flag_and_with_bad_values"),
         "enable_return_hidden_states": H("tests.test_return_hidden_states::test_offline_engine_returns_transformers_hidden_states"),
         "return_hidden_states_mode": H("tests.test_return_hidden_states::test_without_the_flag_requests_are_refused_as_sglang_does"),

@@ -41,35 +41,119 @@ def r1(tiny_llama):
     s.close()
 
 
-# ---- a constraint under a reasoning parser whose output starts inside <think>
+# ---- a constraint under a reasoning parser: the answer after the reasoning (SGLang's, vLLM's order)
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_a_constrained_answer_is_content_not_reasoning(r1, stream):
-    """The grammar holds from the first token, so the output has no think block: deepseek-r1's
-    parser had put all of it into reasoning_content, leaving content empty."""
-    body = {"messages": HI, "temperature": 0, "max_tokens": 30, "ebnf": 'root ::= "{\\"a\\": 1}"', "stream": stream}
-    r = r1.post("/v1/chat/completions", json=body)
+def _chat(served, body: dict, stream: bool) -> tuple[str, str]:
+    r = served.post("/v1/chat/completions", json={**body, "stream": stream})
     assert r.status_code == 200, r.text
     if stream:
         deltas = [c["choices"][0]["delta"] for c in _sse(r.text) if c["choices"]]
-        content = "".join(d.get("content") or "" for d in deltas)
-        reasoning = "".join(d.get("reasoning_content") or "" for d in deltas)
-    else:
-        msg = r.json()["choices"][0]["message"]
-        content, reasoning = msg["content"], msg.get("reasoning_content") or ""
-    assert (content, reasoning) == ('{"a": 1}', "")
+        return "".join(d.get("content") or "" for d in deltas), "".join(d.get("reasoning_content") or "" for d in deltas)
+    msg = r.json()["choices"][0]["message"]
+    return msg["content"] or "", msg.get("reasoning_content") or ""
+
+
+ANSWER = {"ebnf": 'root ::= "{\\"a\\": 1}"'}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_constrained_answer_follows_the_reasoning(r1, stream):
+    """deepseek-r1's output starts inside <think>: the reasoning runs free (the random model never
+    closes it: no answer within max_tokens, as on SGLang) and the grammar holds what follows the
+    end tag (here forced by a thinking budget of 3 tokens)."""
+    body = {"messages": HI, "temperature": 0, "max_tokens": 30, **ANSWER}
+    unconstrained = r1.post("/v1/chat/completions", json={**body, "ebnf": None, "logprobs": True}).json()["choices"][0]
+    free = [t["token"] for t in unconstrained["logprobs"]["content"]]
+    assert _chat(r1, body, stream) == ("", "".join(free))
+    content, reasoning = _chat(r1, {**body, "thinking_token_budget": 3}, stream)
+    assert (content, reasoning) == ('{"a": 1}', "".join(free[:3]))
+
+
+def test_a_hybrid_models_first_token_decides_whether_it_reasons(tiny_llama):
+    """qwen3's output reasons only if it opens <think>: the first token may be the grammar's or the
+    tag's (then the rest of the tag is forced); thinking turned off keeps the grammar from the start."""
+    s = Served(tiny_llama()[0], "--reasoning-parser", "qwen3")
+    try:
+        tok = s.engine.tokenizer
+        lt = tok.encode("<", add_special_tokens=False)[0]
+        body = {"messages": HI, "temperature": 0, "max_tokens": 40, **ANSWER}
+        assert _chat(s, body, False) == ('{"a": 1}', "")  # (the model's first choice is the grammar's)
+        opened = {**body, "logit_bias": {str(lt): 100}, "thinking_token_budget": 2}
+        assert _chat(s, opened, False) == ('{"a": 1}', "<<")  # "<" opens <think>; two tokens of reasoning
+        off = {**opened, "chat_template_kwargs": {"enable_thinking": False}}
+        assert _chat(s, off, False) == ('{"a": 1}', "")
+    finally:
+        s.close()
+
+
+class _Inner:
+    """A grammar matcher that allows tokens 3 and 40 and ends after one token."""
+
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+
+    def fill_bitmask(self, bitmask, index):
+        bitmask[index].zero_()
+        bitmask[index, 0], bitmask[index, 1] = 1 << 3, 1 << 8
+
+    def accept_token(self, token_id):
+        self.seen.append(token_id)
+        return token_id in (3, 40)
+
+    def is_terminated(self):
+        return bool(self.seen)
+
+    def copy(self):
+        return _Inner()
+
+
+def _allowed(matcher) -> set[int]:
+    import torch
+
+    bitmask = torch.full((2, 2), -1, dtype=torch.int32)
+    matcher.fill_bitmask(bitmask, 1)
+    return {t for t in range(64) if int(bitmask[1, t // 32]) >> (t % 32) & 1}
+
+
+def test_after_reasoning_lets_the_reasoning_through_and_holds_the_answer():
+    """core.engine.grammar.AfterReasoning: with an optional opener (<think> = 31, 63) the first
+    token is the grammar's or the opener's (whose rest is then forced); the reasoning is free until
+    the end tag (9, 10, matched across a false start); then the grammar holds, and ends the output."""
+    from core.engine.grammar import AfterReasoning, ReasoningGate
+
+    gate = ReasoningGate(end_ids=(9, 10), start_ids=(31, 63))
+    m = AfterReasoning(_Inner(), gate)
+    assert _allowed(m) == {3, 40, 31} and not m.is_terminated()
+    assert m.accept_token(31) and _allowed(m) == {63} and m.accept_token(63)
+    assert _allowed(m) == set(range(64))  # reasoning: anything
+    for t in (5, 9, 9, 10):
+        assert m.accept_token(t) and m.inner.seen == []
+    assert _allowed(m) == {3, 40} and not m.is_terminated()
+    assert not m.accept_token(5)  # (the inner grammar decides from here: it rejects 5)
+    assert m.inner.seen == [5] and m.is_terminated()
+    answer = AfterReasoning(_Inner(), gate)  # the first token is the grammar's: no reasoning
+    assert answer.accept_token(40) and answer.inner.seen == [40] and answer.is_terminated()
+    both = AfterReasoning(_Inner(), ReasoningGate(end_ids=(9,), start_ids=(3, 63)))  # 3: the tag's and the grammar's
+    assert both.accept_token(3) and _allowed(both) == {3, 40, 63}  # still either
+    assert both.accept_token(40) and both.state == "answer" and both.inner.seen == [3, 40]
+    inside = AfterReasoning(_Inner(), ReasoningGate(end_ids=(9,)))  # output starts inside the reasoning
+    assert _allowed(inside) == set(range(64)) and inside.accept_token(3) and inside.inner.seen == []
+    assert inside.accept_token(9) and _allowed(inside) == {3, 40}
+    assert isinstance(inside.copy(), AfterReasoning) and inside.copy().state == "think"
 
 
 def test_a_required_tool_call_survives_a_reasoning_parser(r1):
+    """The call follows the reasoning (closed here by a thinking budget), which is reasoning_content."""
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris"]}}, "required": ["city"],
         "additionalProperties": False}}}]
-    body = {"messages": HI, "temperature": 0, "max_tokens": 80, "tools": tools, "tool_choice": "required",
-            "parallel_tool_calls": False}
+    body = {"messages": HI, "temperature": 0, "max_tokens": 200, "tools": tools, "tool_choice": "required",
+            "parallel_tool_calls": False, "thinking_token_budget": 2}  # (the random model wanders in whitespace)
     r = r1.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
+    assert choice["message"]["reasoning_content"]
     calls = choice["message"]["tool_calls"]
     assert [c["function"]["name"] for c in calls] == ["get_weather"]
     assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
@@ -77,14 +161,15 @@ def test_a_required_tool_call_survives_a_reasoning_parser(r1):
 
 
 def test_a_messages_json_answer_is_a_text_block(r1):
-    body = {"messages": HI, "max_tokens": 30, "temperature": 0,
+    """After the thinking block (its budget closes it), the JSON answer is the text block."""
+    body = {"messages": HI, "max_tokens": 30, "temperature": 0, "thinking": {"type": "enabled", "budget_tokens": 2},
             "output_config": {"format": {"type": "json_schema", "schema": {"type": "object", "properties": {
                 "a": {"type": "integer", "enum": [1]}}, "required": ["a"], "additionalProperties": False}}}}
     r = r1.post("/v1/messages", json=body)
     assert r.status_code == 200, r.text
     blocks = r.json()["content"]
-    assert [b["type"] for b in blocks] == ["text"]
-    assert json.loads(blocks[0]["text"]) == {"a": 1}
+    assert [b["type"] for b in blocks] == ["thinking", "text"]
+    assert json.loads(blocks[1]["text"]) == {"a": 1}
 
 
 # ---- parallel_tool_calls: false under tool_choice auto

@@ -25,8 +25,12 @@ def served(tiny_llama):
 
 @pytest.fixture
 def forced(monkeypatch):
-    """The Responses API has no regex field: its chat request gets one."""
+    """The Responses API has no regex field: its chat request gets one, which (the gate that holds a
+    grammar back until the reasoning ends turned off) holds the whole output, reasoning included."""
+    import core.server.openai.chat as chat
     import core.server.openai.responses as responses
+
+    monkeypatch.setattr(chat, "reasoning_gate", lambda state, r: None)
 
     made = responses.chat_request
 

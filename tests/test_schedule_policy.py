@@ -106,10 +106,11 @@ def test_cache_aware_policies_fall_back_to_fcfs_without_the_cache():
     assert _drain(s) == ["none", "b", "a_short", "a"]
 
 
-@pytest.mark.parametrize("low_first,expected", [(False, ["hi", "mid1", "mid2", "none", "lo"]),
-                                                (True, ["lo", "none", "mid1", "mid2", "hi"])])
+@pytest.mark.parametrize("low_first,expected", [(False, ["hi", "mid1", "mid2", "lo", "none"]),
+                                                (True, ["lo", "mid1", "mid2", "hi", "none"])])
 def test_priority_scheduling(low_first, expected):
-    """No priority counts as 0; equal priorities keep arrival order."""
+    """No priority comes after every priority, either way round (SGLang gives it the lowest);
+    equal priorities keep arrival order."""
     s = _sched("fcfs", enable_priority_scheduling=True, schedule_low_priority_values_first=low_first)
     for rid, p in [("mid1", 5), ("lo", -1), ("hi", 10), ("none", None), ("mid2", 5)]:
         s.add(_req(rid, [10, 11, 12], priority=p))
@@ -144,3 +145,23 @@ def test_priority_field_reaches_the_request(tiny_llama, engine_factory):
     assert r.priority == 3
     with pytest.raises(InvalidRequest, match="priority"):
         eng.engine.make_requests([5, 6, 7], SamplingParams(max_new_tokens=1), priority="high")
+
+
+def test_default_priority_value_and_abort_on_priority_when_disabled(tiny_llama, engine_factory):
+    """SGLang's --default-priority-value stands for a request's missing priority under priority
+    scheduling; --abort-on-priority-when-disabled refuses (503) a priority the server would ignore."""
+    from core.errors import Unavailable
+
+    path, _ = tiny_llama()
+    eng = engine_factory(path, enable_priority_scheduling=True, default_priority_value=7)
+    (r,) = eng.engine.make_requests([5, 6, 7], SamplingParams(max_new_tokens=1))
+    (q,) = eng.engine.make_requests([5, 6, 7], SamplingParams(max_new_tokens=1), priority=-2)
+    assert (r.priority, q.priority) == (7, -2)
+    eng = engine_factory(path, abort_on_priority_when_disabled=True)
+    with pytest.raises(Unavailable, match="Using priority is disabled for this server"):
+        eng.engine.make_requests([5, 6, 7], SamplingParams(max_new_tokens=1), priority=1)
+    (r,) = eng.engine.make_requests([5, 6, 7], SamplingParams(max_new_tokens=1))
+    assert r.priority is None
+    eng = engine_factory(path)  # (without either flag, a priority is accepted and ignored, as SGLang)
+    (r,) = eng.engine.make_requests([5, 6, 7], SamplingParams(max_new_tokens=1), priority=1)
+    assert r.priority == 1

@@ -879,6 +879,7 @@ def test_parallel_flags_parse_with_sglangs_spellings() -> None:
     assert (ns.tp_size, ns.dp_size, ns.load_balance_method, ns.nnodes, ns.node_rank, ns.dist_init_addr) == (
         2, 2, "prefix", 2, 1, "10.0.0.1:5000")
     assert _parse("--tensor-parallel-size", "4").tp_size == 4 and _parse("--data-parallel-size", "3").dp_size == 3
+    assert _parse("--speculative-draft-model", "d").speculative_draft_model_path == "d"  # (SGLang's alias)
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -106,7 +106,8 @@ class EngineArgs:
                                                             "default: chains; k > 1: trees of the k best children "
                                                             "per level)")
     speculative_draft_model_path: str | None = _arg(None, MEMORY, "the draft model of STANDALONE (a smaller model "
-                                                                  "with the target's vocabulary)")
+                                                                  "with the target's vocabulary)",
+                                                    aliases=("--speculative-draft-model",))
     speculative_ngram_max_trie_depth: int | None = _arg(None, MEMORY, "NGRAM: suffixes of up to this - 1 tokens "
                                                                       "are matched, a k-token match drafts at most "
                                                                       "this - k deep (default: suffixes of up to 8, "
@@ -143,6 +144,12 @@ class EngineArgs:
                                                            "(higher values first)")
     schedule_low_priority_values_first: bool = _arg(False, MEMORY, "with --enable-priority-scheduling, lower priority "
                                                                    "values run first")
+    default_priority_value: int | None = _arg(None, MEMORY, "with --enable-priority-scheduling, the priority of a "
+                                                            "request that sets none (default: after every request "
+                                                            "that sets one, as SGLang)")
+    abort_on_priority_when_disabled: bool = _arg(False, MEMORY, "without --enable-priority-scheduling, refuse a "
+                                                                "request that sets a priority (503, as SGLang) "
+                                                                "instead of ignoring it")
     disable_radix_cache: bool = _arg(False, MEMORY, "no prefix cache: every prompt is prefilled in full")
     radix_eviction_policy: str = _arg("lru", MEMORY, "which unused cached prefixes are evicted first when the KV pool "
                                                      "runs low", choices=EVICTION_POLICIES)

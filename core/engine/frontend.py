@@ -15,11 +15,12 @@ from typing import Any, AsyncIterator
 import attrs
 import torch
 
+from core.engine.grammar import AfterReasoning
 from core.engine.hidden_states import check_request as check_hidden_request
 from core.engine.logit_processor import check as check_processor
 from core.engine.request import Req
 from core.engine.sampling_params import SamplingParams
-from core.errors import CoreError, InvalidRequest
+from core.errors import CoreError, InvalidRequest, Unavailable
 
 
 class RequestFrontEnd:
@@ -83,6 +84,12 @@ class RequestFrontEnd:
             raise InvalidRequest("top_logprobs_num must be an integer in [0, 20]", param="top_logprobs_num")
         if priority is not None and (not isinstance(priority, int) or isinstance(priority, bool)):
             raise InvalidRequest("priority must be an integer", param="priority")
+        if not self.args.enable_priority_scheduling:
+            if priority is not None and self.args.abort_on_priority_when_disabled:
+                raise Unavailable("Using priority is disabled for this server. Please send a new request without a "
+                                  "priority.")
+        elif priority is None:
+            priority = self.args.default_priority_value
         if not isinstance(logprob_start_len, int) or not -1 <= logprob_start_len < len(prompt_ids):
             raise InvalidRequest(f"logprob_start_len must be -1 or in [0, {len(prompt_ids)})", param="logprob_start_len")
         params = SamplingParams(**{**_asdict(params), "max_new_tokens": min(params.max_new_tokens, ctx - len(prompt_ids))})
@@ -154,6 +161,8 @@ class RequestFrontEnd:
         for r in reqs:
             if r.constraint is not None and r.grammar is None:
                 r.grammar = await self.grammar.compile(*r.constraint)
+                if (gate := r.params.reasoning_gate) is not None:  # (the answer after the reasoning)
+                    r.grammar = AfterReasoning(r.grammar, gate)
 
     async def stream(self, req: Req) -> AsyncIterator[dict]:
         """Yield the request's cumulative output after each step until it finishes (steps the

@@ -13,6 +13,10 @@ The grammar backend itself is a plugin (``--grammar-backend``, default ``xgramma
 * ``GrammarManager.accept(reqs, tokens)`` advances each constrained request's matcher with
   its sampled token; the scheduler finishes a request whose grammar terminated, and aborts one
   whose grammar rejected the token (a dead end: the mask allowed nothing).
+* A request whose output reasons first (``SamplingParams.reasoning_gate``, set by the chat
+  server from its reasoning parser) gets its matcher wrapped in :class:`AfterReasoning`: the
+  reasoning runs free and the grammar holds what follows its end tag, as SGLang's and vLLM's
+  reasoning parsers do with structured output.
 
 SGLang's JSON whitespace flags reach the backend as constructor keywords, passed only when set:
 a backend honours a flag by taking its keyword, and one that does not is refused at start-up
@@ -29,13 +33,14 @@ import re
 import threading
 from typing import Any
 
+import attrs
 import structlog
 import torch
 
 from core.errors import CoreError, InvalidRequest
 from core.interfaces import apply_token_bitmask
 
-__all__ = ["GrammarManager", "apply_token_bitmask", "DEFAULT_GRAMMAR_BACKEND"]
+__all__ = ["GrammarManager", "apply_token_bitmask", "DEFAULT_GRAMMAR_BACKEND", "ReasoningGate", "AfterReasoning"]
 
 log = structlog.get_logger("core.engine.grammar")
 
@@ -156,3 +161,66 @@ class GrammarManager:
             if not g.accept_token(tok):  # the mask left nothing the grammar takes: end the request, say why
                 log.warning("grammar.token_rejected", rid=r.rid, token=tok)
                 r.aborted, r.abort_message = True, "the grammar allows no further token"
+
+
+@attrs.frozen
+class ReasoningGate:
+    """Where a constraint starts in an output that reasons first: after ``end_ids`` (the reasoning
+    parser's end tag, tokenized). ``start_ids``: its start tag where the output may also answer at
+    once (Qwen3's ``<think>``): while the output so far can still open the tag and still be the
+    answer's start, both go on (the mask allows the tag's next token and the grammar's); the tag
+    complete, the reasoning runs; the output leaving the tag, the grammar holds all of it. Empty
+    where the output starts inside the reasoning (the prompt opened it)."""
+
+    end_ids: tuple[int, ...]
+    start_ids: tuple[int, ...] = ()
+
+
+class AfterReasoning:
+    """A matcher (``core.interfaces.Grammar``) over ``inner`` that lets the reasoning through
+    unconstrained and holds the answer after it to ``inner``."""
+
+    def __init__(self, inner: Any, gate: ReasoningGate) -> None:
+        self.inner, self.gate = inner, gate
+        self.state = "open" if gate.start_ids else "think"  # open -> think -> answer, or open -> answer
+        self.opened = 0  # tokens of the output so far, while it may still be the start tag
+        self.answer_alive = True  # while opening: ``inner`` has taken every token so far
+        self.pristine = inner.copy() if gate.start_ids else None  # the grammar's start, for after the tag
+        self.tail: tuple[int, ...] = ()  # the reasoning's last tokens, for the end tag
+
+    def fill_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
+        if self.state == "answer":
+            self.inner.fill_bitmask(bitmask, index)
+        elif self.state == "open":  # the start tag's next token, and the grammar's while it holds
+            if self.answer_alive:
+                self.inner.fill_bitmask(bitmask, index)
+            else:
+                bitmask[index].zero_()
+            tok = self.gate.start_ids[self.opened]
+            word = int(bitmask[index, tok // 32]) | (1 << tok % 32)
+            bitmask[index, tok // 32] = word - (1 << 32) if word >= 1 << 31 else word
+        # (thinking: the row stays all allowed)
+
+    def accept_token(self, token_id: int) -> bool:
+        if self.state == "answer":
+            return self.inner.accept_token(token_id)
+        if self.state == "open":
+            self.answer_alive = self.answer_alive and self.inner.accept_token(token_id)
+            if token_id == self.gate.start_ids[self.opened]:
+                self.opened += 1
+                if self.opened == len(self.gate.start_ids):  # the tag: reasoning, the grammar from the start after it
+                    self.state, self.inner = "think", self.pristine
+                return True
+            self.state = "answer"
+            return self.answer_alive
+        end = self.gate.end_ids
+        self.tail = (self.tail + (token_id,))[-len(end):]
+        if self.tail == end:
+            self.state = "answer"
+        return True
+
+    def is_terminated(self) -> bool:
+        return self.state == "answer" and self.inner.is_terminated()
+
+    def copy(self) -> AfterReasoning:
+        return AfterReasoning(self.inner.copy(), self.gate)

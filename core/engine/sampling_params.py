@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from typing import Any
 
 import attrs
 
@@ -127,12 +128,15 @@ class SamplingParams:
         attrs.validators.instance_of(dict)))
     # the request's custom_logit_processor (a top-level field, checked by the front end), never from from_dict
     custom_logit_processor: str | None = None
+    # set by the server from its reasoning parser (core.engine.grammar.ReasoningGate), never from from_dict:
+    # the constraint holds only the answer after the reasoning
+    reasoning_gate: Any = None
 
     @classmethod
     def from_dict(cls, d: dict | None) -> SamplingParams:
         """Build from a JSON-style dict; unknown keys are an error naming them."""
         d = seed_named(d or {})
-        known = {f.name for f in attrs.fields(cls)} - {"thinking", "custom_logit_processor"}
+        known = {f.name for f in attrs.fields(cls)} - {"thinking", "custom_logit_processor", "reasoning_gate"}
         unknown = sorted(set(d) - known)
         if unknown:
             raise InvalidRequest(f"unknown sampling parameter(s): {', '.join(unknown)}", param=unknown[0])

@@ -51,7 +51,9 @@ class SchedulePolicy:
         cache_aware = policy in ("lpm", "dfs-weight")
         if cache_aware and (self.tree_cache is None or len(q) > LPM_MAX_QUEUE):
             policy = "fcfs"
-        prio = (lambda r: self.priority_sign * (r.priority or 0)) if self.enable_priority else (lambda r: 0)
+        # (a request without a priority after every one with, as SGLang; --default-priority-value gives it one)
+        prio = ((lambda r: (0, self.priority_sign * r.priority) if r.priority is not None else (1, 0))
+                if self.enable_priority else (lambda r: 0))
         nodes: dict[int, Any] = {}
         if cache_aware and policy != "fcfs":
             for r in q:

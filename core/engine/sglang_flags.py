@@ -8,7 +8,7 @@ from __future__ import annotations
 # add_argument calls; extracted from the source text, minus the flags core's serve parser knows). A flag core
 # adds later is parsed before this list is consulted, so the list only has to be complete, not minimal.
 SGLANG_FLAGS_LACKING: frozenset[str] = frozenset("--" + name for name in """
-abort-on-priority-when-disabled asr-max-buffer-seconds
+asr-max-buffer-seconds
 asr-max-concurrent-sessions attention-context-parallel-size attention-data-parallel-size attn-cp-size attn-dp-size
 batch-notify-size bf16-gemm-backend boundary-reduction 
 c128-page-size checkpoint-engine-wait-weights-before-ready
@@ -20,7 +20,7 @@ custom-weight-loader dcp-comm-backend dcp-replicate-q-proj dcp-size debug-cuda-g
 debug-tensor-dump-layers debug-tensor-dump-output-folder decode-context-parallel-size
 decoupled-spec-bind-endpoint decoupled-spec-connect-endpoints decoupled-spec-rank
 decoupled-spec-role decrypted-config-file decrypted-draft-config-file deepep-config deepep-dispatcher-output-dtype
-deepep-mode deepep-v2-mode default-priority-value delete-ckpt-after-loading
+deepep-mode deepep-v2-mode delete-ckpt-after-loading
 detokenizer-worker-num disable-aiter-allreduce-fusion-in-decode disable-aiter-allreduce-fusion-in-prefill
 disable-attn-tp-gather disable-chunked-prefix-cache disable-cuda-graph-padding 
 disable-decode-cuda-graph disable-fast-image-processor disable-flashinfer-autotune
@@ -103,7 +103,7 @@ scheduler-recv-interval shared-experts-tp-size show-time-cost sidecar sidecar-ar
 smg-grpc-mode smg-http-sidecar-port soft-watchdog-timeout spec-trace-dir
 speculative-adaptive speculative-adaptive-config speculative-attention-mode
 speculative-dflash-block-size speculative-domino-candidate-pool-size speculative-draft-attention-backend
-speculative-draft-kv-cache-dtype speculative-draft-load-format speculative-draft-model speculative-draft-model-path
+speculative-draft-kv-cache-dtype speculative-draft-load-format speculative-draft-model-path
 speculative-draft-model-quantization speculative-draft-model-revision speculative-draft-sink-size
 speculative-draft-window-size speculative-dsa-topk-backend speculative-dspark-align-verify-tokens-to-graph-tier
 speculative-dspark-block-size speculative-dspark-confidence-sts-path speculative-dspark-sps-table-path

@@ -11,6 +11,7 @@ import attrs
 from msgspec import UNSET
 
 from core.engine.hidden_states import for_response
+from core.engine.grammar import ReasoningGate
 from core.engine.sampling_params import ThinkingBudget
 from core.errors import CoreError, InvalidRequest
 from core.server.http import ApiError, sse_event, stream_due
@@ -244,6 +245,25 @@ class ChatJob(Job):
         return ChoicePost(self.plan, self.r)
 
 
+def reasoning_tags(state: Any, r: ChatCompletionRequest) -> tuple[Any, tuple[int, ...], tuple[int, ...]] | None:
+    """(the reasoning parser, its end tag tokenized, its start tag tokenized where the output may
+    answer without reasoning, else ()) where the request's output reasons first: None without
+    --reasoning-parser or with thinking turned off (the request's separate_reasoning false still
+    reasons)."""
+    name = state.args.reasoning_parser
+    parser = state.engine.plugins.resolve("reasoning_parser", name) if name else None
+    if parser is None or not getattr(parser, "think_end", None):
+        return None
+    p = parser()
+    if hasattr(p, "configure"):
+        p.configure(r.chat_template_kwargs or {})
+    if getattr(p, "enabled", True) is False:
+        return None
+    tok = state.engine.tokenizer
+    start = () if getattr(parser, "force_reasoning", False) else tuple(tok.encode(parser.think_start, add_special_tokens=False))
+    return parser, tuple(tok.encode(parser.think_end, add_special_tokens=False)), start
+
+
 def thinking_budget(state: Any, r: ChatCompletionRequest, constrained: bool) -> ThinkingBudget | None:
     """``thinking_token_budget`` as the engine's ``ThinkingBudget``: the reasoning parser's end tag,
     tokenized, closes a reasoning that reaches the budget. None where there is no budget, or no
@@ -253,19 +273,21 @@ def thinking_budget(state: Any, r: ChatCompletionRequest, constrained: bool) -> 
         return None
     check(isinstance(budget, int) and budget >= 0, f"thinking_token_budget must be -1 or >= 0, got {budget}",
           "thinking_token_budget")
-    name = state.args.reasoning_parser  # (the request's separate_reasoning false still reasons)
-    parser = state.engine.plugins.resolve("reasoning_parser", name) if name else None
-    end = getattr(parser, "think_end", None)
-    check(parser is not None and bool(end), "thinking_token_budget needs --reasoning-parser (its end tag closes the "
-          "reasoning)", "thinking_token_budget")
-    p = parser()
-    if hasattr(p, "configure"):
-        p.configure(r.chat_template_kwargs or {})
-    if constrained or getattr(p, "enabled", True) is False:
+    name = state.args.reasoning_parser
+    check(bool(name) and bool(getattr(state.engine.plugins.resolve("reasoning_parser", name), "think_end", None)),
+          "thinking_token_budget needs --reasoning-parser (its end tag closes the reasoning)", "thinking_token_budget")
+    tags = None if constrained else reasoning_tags(state, r)
+    return None if tags is None else ThinkingBudget(budget, tags[1], tags[2])
+
+
+def reasoning_gate(state: Any, r: ChatCompletionRequest) -> ReasoningGate | None:
+    """Where a request's output reasons first, its constraint holds only the answer after the
+    reasoning (SGLang's and vLLM's reasoning parsers with structured output do the same). Not
+    for a parser whose answer opens with a header of its own (gpt-oss's final channel)."""
+    tags = reasoning_tags(state, r)
+    if tags is None or getattr(tags[0], "content_prefix", ""):
         return None
-    tok = state.engine.tokenizer
-    start = () if getattr(parser, "force_reasoning", False) else tuple(tok.encode(parser.think_start, add_special_tokens=False))
-    return ThinkingBudget(budget, tuple(tok.encode(end, add_special_tokens=False)), start)
+    return ReasoningGate(tags[1], tags[2])
 
 
 async def choice_deltas(job: ChatJob) -> AsyncIterator[tuple[dict, int, str, str, list[dict]]]:
@@ -302,6 +324,8 @@ def prepare_chat(state: Any, r: ChatCompletionRequest, rid: str | None = None) -
               "constraint (response_format, regex, json_schema, ebnf)", "tool_choice")
         constraint = {plan.constraint[0]: plan.constraint[1]}
     from_first_token = bool(constraint) and not plan.triggered  # (a triggered tag lets free text, thinking, through)
+    gate = reasoning_gate(state, r) if from_first_token else None  # (then the answer after the reasoning)
+    from_first_token = from_first_token and gate is None
     if from_first_token and plan.reasoning_parser is not None:
         job.plan = plan = attrs.evolve(plan, reasoning_parser=unforced(plan.reasoning_parser))
     max_tokens = r.max_completion_tokens if r.max_completion_tokens is not None else r.max_tokens
@@ -314,7 +338,7 @@ def prepare_chat(state: Any, r: ChatCompletionRequest, rid: str | None = None) -
     images = chat_images(state, urls or [])  # (the processor checks the template gave each its placeholder)
     ids, max_new = fit_context(state, ids, max_tokens, "messages")
     params = sampling_params(r, max_new, n, constraint, state.chat_sampling_defaults, state.args.preferred_sampling_params)
-    params.thinking = thinking_budget(state, r, from_first_token)
+    params.thinking, params.reasoning_gate = thinking_budget(state, r, from_first_token), gate
     if r.skip_special_tokens is None and any(getattr(p, "reads_special_tokens", False)
                                              for p in (plan.reasoning_parser, plan.tool_parser)):
         params.skip_special_tokens = False  # the parsers' markers are special tokens (gpt-oss)
