@@ -263,3 +263,17 @@ def test_sglang_launch_commands_with_these_flags_are_accepted() -> None:
     assert ns.uvicorn_access_log_exclude_prefixes == []  # (nargs="*", as SGLang)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--model-path", "m", "--log-requests-format", "yaml"])
+
+
+def test_log_level_http_sets_the_http_servers_level() -> None:
+    """SGLang's --log-level-http: hypercorn's level (its uvicorn's there), --log-level without it."""
+    from core.cli import build_parser
+    from core.server.args import ServerArgs
+    from core.server.launch import hypercorn_log_level
+
+    def level(*argv: str) -> str:
+        return hypercorn_log_level(ServerArgs.from_namespace(build_parser().parse_args(["serve", *argv])))
+
+    assert level() == "INFO" and level("--log-level", "debug") == "DEBUG" and level("--log-level", "error") == "WARNING"
+    assert level("--log-level-http", "error") == "ERROR"
+    assert level("--log-level", "error", "--log-level-http", "debug") == "DEBUG"

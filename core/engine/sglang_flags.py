@@ -76,7 +76,7 @@ int8-mamba-ckpt-size kt-cpuinfer kt-max-deferred-experts-per-token kt-method kt-
 kt-weight-path kv-canary kv-canary-real-data kv-canary-sweep-interval kv-events-config language-model-only
 language-only linear-attn-backend linear-attn-decode-backend linear-attn-prefill-backend
 linear-attn-verify-backend linear-replayssm-cache-len lmcache-config-file load-publish-endpoint
-load-snapshot-publish-interval log-level-http 
+load-snapshot-publish-interval 
 lora-drain-wait-threshold lora-strict-loading lora-use-virtual-experts
 mamba-backend mamba-cache-philox-rounds mamba-full-memory-ratio mamba-max-states-per-path mamba-radix-cache-strategy
 mamba-ssm-dtype mamba-track-interval max-ep-size max-lora-chunk-size 

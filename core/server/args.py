@@ -375,6 +375,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "last chunk (default: everything so far)")
 
     g = s("Logging")
+    g.add_argument("--log-level-http", default=None, choices=["debug", "info", "warning", "error", "critical"],
+                   help="the HTTP server's (hypercorn's) log level (default: --log-level)")
     g.add_argument("--log-requests", action="store_true", help="log the inputs and outputs of every request")
     g.add_argument("--log-requests-level", type=int, default=2, choices=[0, 1, 2, 3],
                    help="0: metadata, 1: + sampling params, 2: + inputs/outputs up to 2048 chars, 3: everything")
@@ -566,6 +568,7 @@ class ServerArgs:
     model_path: str | None = None
     tokenizer_path: str | None = None
     log_level: str = "info"
+    log_level_http: str | None = None
     skip_server_warmup: bool = False
     graceful_shutdown_timeout: float = 5.0
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES

@@ -120,6 +120,14 @@ def _check_bind(host: str, port: int) -> None:
             raise CoreError(f"cannot listen on {_bind(host, port)}: {e.strerror or e}") from None
 
 
+def hypercorn_log_level(args: ServerArgs) -> str:
+    """hypercorn's level: ``--log-level-http`` (SGLang's, for its uvicorn), else ``--log-level``
+    (its warnings kept above that)."""
+    if args.log_level_http:
+        return args.log_level_http.upper()
+    return "WARNING" if args.log_level in ("warning", "error", "critical") else args.log_level.upper()
+
+
 async def _serve(ns: argparse.Namespace) -> int:
     # the HTTP stack and torch load here, not when the CLI builds its parser
     from hypercorn.asyncio import serve
@@ -154,7 +162,7 @@ async def _serve(ns: argparse.Namespace) -> int:
     config.bind = [_bind(args.host, args.port)]
     config.backlog = LISTEN_BACKLOG  # also how many connections asyncio accepts per wake-up
     config.accesslog = None
-    config.loglevel = "WARNING" if args.log_level in ("warning", "error", "critical") else args.log_level.upper()
+    config.loglevel = hypercorn_log_level(args)
     config.graceful_timeout = grace + 5.0
     config.keep_alive_timeout = 75.0
     apply_ssl(config, args)  # --ssl-*: HTTPS (checked, files loaded, at start-up)
