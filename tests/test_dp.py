@@ -78,13 +78,20 @@ def test_round_robin_spreads_and_matches_one_engine(model_path):
     import core
 
     prompts = ["The capital of France", "abc def", "Hello there", "1, 2, 3,"]
+    asked = dict(return_logprob=True, logprob_start_len=0, token_ids_logprob=[3, 17])  # (through the replicas' deltas)
+    keys = ("input_token_ids_logprobs", "output_token_ids_logprobs")
     with core.Engine(model_path=str(model_path), **ENGINE) as one:
         want = one.generate(prompts, greedy(6))
+        want_asked = one.generate(prompts[2], greedy(3), **asked)["meta_info"]
     with core.Engine(model_path=str(model_path), **ENGINE, dp_size=2) as eng:
         got = eng.generate(prompts, greedy(6))
         assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
         assert [o["text"] for o in got] == [o["text"] for o in want]
         assert _routed(eng) == [2, 2]
+        got_asked = eng.generate(prompts[2], greedy(3), **asked)["meta_info"]
+        assert [len(got_asked[k]) for k in keys] == [len(want_asked[k]) for k in keys] and len(got_asked[keys[1]]) == 3
+        assert [[t for _, t, _ in p or []] for k in keys for p in got_asked[k]] == [
+            [t for _, t, _ in p or []] for k in keys for p in want_asked[k]]
         chunks = list(eng.generate(prompts[0], greedy(6), stream=True))  # streaming through a replica
         assert chunks[-1]["text"] == want[0]["text"]
         # more than one chunk (a consumer that lags gets the newest chunk only: a long answer, so

@@ -125,6 +125,7 @@ CLASSIFIED: dict[str, dict[str, Any]] = {
         "modalities": H("tests.test_multimodal_inputs::test_generate_image_data_forms"),
         "return_hidden_states": H("tests.test_return_hidden_states::test_generate_endpoint_batch_and_stream"),
         "custom_logit_processor": H(f"{CLP}::test_over_http_generate_and_openai"),
+        "token_ids_logprob": H("tests.test_token_ids_logprob::test_generate_returns_them_with_text"),
         **dict.fromkeys(("routing_key", "conversation_id", "custom_labels", "external_trace_header",
                          "received_time"), P),
     },

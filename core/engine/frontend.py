@@ -47,14 +47,16 @@ class RequestFrontEnd:
                       return_logprob: bool = False, logprob_start_len: int = -1, top_logprobs_num: int = 0,
                       priority: int | None = None, group: str | None = None, lora_path: str | None = None,
                       images: list | None = None, detokenize: bool = True, return_hidden_states: Any = False,
-                      custom_logit_processor: Any = None) -> list[Req]:
+                      custom_logit_processor: Any = None, token_ids_logprob: Any = None) -> list[Req]:
         """Validate and build the sequences of one prompt (n of them); raises InvalidRequest.
         ``group``: the API request they belong to (default ``rid``), which an abort by id also reaches.
         ``lora_path``: the name of a loaded LoRA adapter (SGLang's field name), None: the base model.
         ``images``: decoded images (PIL) for the prompt's image placeholders, in order.
         ``detokenize`` False: no text (a replica whose front end makes it, ``ReqSpec.detokenize``).
         ``return_hidden_states``: SGLang's (True, "last"), within the server's mode (core.engine.hidden_states).
-        ``custom_logit_processor``: SGLang's serialized processor (core.engine.logit_processor)."""
+        ``custom_logit_processor``: SGLang's serialized processor (core.engine.logit_processor).
+        ``token_ids_logprob``: SGLang's, token ids whose logprobs ``return_logprob`` reports at
+        every position it covers (``input_/output_token_ids_logprobs``)."""
         if self.args.is_embedding:
             raise InvalidRequest("this server runs an embedding or classification model (--is-embedding): it does "
                                  "not generate; use /v1/embeddings, /encode or /classify")
@@ -62,6 +64,7 @@ class RequestFrontEnd:
         if (proc := check_processor(custom_logit_processor, self.args.enable_custom_logit_processor,
                                     self.args.speculative_algorithm is not None)) is not None:
             params = attrs.evolve(params, custom_logit_processor=proc)
+        asked = self._token_ids(token_ids_logprob)
         runner = getattr(self, "runner", None)  # (none here: replicas in other processes, --dp-size > 1)
         hidden = check_hidden_request(self.args, return_hidden_states, local=runner is not None)
         lora_id = self._lora_id(lora_path)
@@ -114,8 +117,21 @@ class RequestFrontEnd:
                                                stop_regex=params.stop_regex)
             reqs.append(Req(rid if params.n == 1 else f"{rid}-{i}", prompt_ids, params, return_logprob, top_logprobs_num,
                             logprob_start_len, gen, detok, priority=priority, group=group or rid, lora_id=lora_id, mm=mm,
-                            return_hidden_states=hidden))
+                            return_hidden_states=hidden, token_ids_logprob=asked))
         return reqs
+
+    def _token_ids(self, ids: Any) -> list[int] | None:
+        """A request's token_ids_logprob as a list of token ids (None for none); SGLang's forms: a
+        list, or one id."""
+        if ids is None or ids == []:
+            return None
+        ids = [ids] if isinstance(ids, int) and not isinstance(ids, bool) else ids
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise InvalidRequest("token_ids_logprob must be a list of token ids (integers)", param="token_ids_logprob")
+        if bad := [t for t in ids if not 0 <= t < self.vocab_size]:
+            raise InvalidRequest(f"token_ids_logprob contains out-of-vocabulary token id {bad[0]}; valid range is "
+                                 f"[0, {self.vocab_size})", param="token_ids_logprob")
+        return ids
 
     def _lora_id(self, name: Any) -> int:
         """The uid of LoRA adapter ``name`` (0: none named); InvalidRequest naming the problem."""
@@ -188,7 +204,8 @@ class RequestFrontEnd:
                        logprob_start_len: int | list[int] | None = -1, top_logprobs_num: int | list[int] = 0,
                        stream: bool = False, rid: str | list[str] | None = None,
                        lora_path: str | list[str | None] | None = None, image_data: Any = None,
-                       return_hidden_states: Any = False, custom_logit_processor: Any = None) -> Any:
+                       return_hidden_states: Any = False, custom_logit_processor: Any = None,
+                       token_ids_logprob: Any = None) -> Any:
         """SGLang's generate: one prompt -> dict (a list when n > 1); a batch -> list. ``rid``,
         ``return_logprob``, ``logprob_start_len`` and ``top_logprobs_num`` may be lists aligned with a batch
         (``per_item``: None, SGLang's default, and None entries are ours).
@@ -220,6 +237,7 @@ class RequestFrontEnd:
         tops = per_item(top_logprobs_num, n, "top_logprobs_num", 0)
         hiddens = per_item(return_hidden_states, n, "return_hidden_states", False)
         procs = per_item(custom_logit_processor, n, "custom_logit_processor", None)
+        asked = token_ids_per_item(token_ids_logprob, n)
         groups = []
         for i, (p, sp) in enumerate(zip(prompts, sps)):
             params = sp if isinstance(sp, SamplingParams) else SamplingParams.from_dict(sp)
@@ -229,7 +247,7 @@ class RequestFrontEnd:
             groups.append(self.make_requests(ids, params, rids[i], bool(lps[i]), starts[i], tops[i],
                                              group=rid if isinstance(rid, str) else rids[i],  # (an abort by it: all)
                                              lora_path=loras[i], images=images[i], return_hidden_states=hiddens[i],
-                                             custom_logit_processor=procs[i]))
+                                             custom_logit_processor=procs[i], token_ids_logprob=asked[i]))
         reqs = [r for g in groups for r in g]
         await self.prepare_grammars(reqs)
         self.submit(reqs)
@@ -343,6 +361,17 @@ def per_item(value: Any, n: int, name: str, default: Any) -> list:
         if len(value) != n:
             raise InvalidRequest(f"{name} has {len(value)} entries but there are {n} prompts", param=name)
         return [default if v is None else v for v in value]
+    return [value] * n
+
+
+def token_ids_per_item(value: Any, n: int) -> list:
+    """SGLang's token_ids_logprob per prompt: a list of lists aligned with a batch, else the same
+    ids (a list, or one id) for every prompt."""
+    if isinstance(value, list) and value and isinstance(value[0], list):
+        if len(value) != n:
+            raise InvalidRequest(f"token_ids_logprob has {len(value)} lists but there are {n} prompts",
+                                 param="token_ids_logprob")
+        return value
     return [value] * n
 
 

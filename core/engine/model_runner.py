@@ -354,16 +354,18 @@ class ModelRunner:
         batch.steps_run = len(tokens)
         return StepResult(SampleOutput(tokens[0], None, None), tokens[1:])
 
-    def _prompt_logprobs(self, logits: torch.Tensor | None, req) -> tuple[list, list]:
+    def _prompt_logprobs(self, logits: torch.Tensor | None, req) -> tuple[list, list, list]:
         """Logprob of each prompt token from ``logprob_start_len`` given its prefix (``logits``:
         of the positions before them; None when there are none); the first prompt token has
         none (None), as in SGLang. (SGLang also returns None for the token at a
         ``logprob_start_len`` > 0; its own frontend's unconditional-likelihood ``select`` fails
-        on that None, so that token keeps its logprob here.)"""
+        on that None, so that token keeps its logprob here.) Then the top logprobs and those of
+        ``token_ids_logprob`` where asked for, per position."""
         n = len(req.prompt_ids)
         first = max(req.logprob_start_len, 1)
         vals: list[float | None] = [None] if req.logprob_start_len == 0 else []
         tops: list[list[tuple[int, float]]] = [[]] if req.logprob_start_len == 0 else []
+        asked: list[list[tuple[int, float]]] = [[]] if req.logprob_start_len == 0 and req.token_ids_logprob else []
         if first < n:
             lp = finite_logprobs(torch.log_softmax(logits.float(), -1))
             targets = torch.tensor(req.prompt_ids[first:n], device=lp.device)
@@ -371,7 +373,9 @@ class ModelRunner:
             if req.top_logprobs_num:
                 tv, ti = lp.topk(req.top_logprobs_num, dim=-1)
                 tops += [list(zip(i, v)) for i, v in zip(ti.tolist(), tv.tolist())]
-        return vals, tops
+            if ids := req.token_ids_logprob:
+                asked += [list(zip(ids, v)) for v in lp[:, ids].tolist()]
+        return vals, tops, asked
 
     @torch.inference_mode()
     def encode(self, prompts: list[list[int]], make_backend, pooling: str = "last", normalize: bool = True,
@@ -434,7 +438,8 @@ def _new_sampling_row(req, row: int, eos: tuple[int, ...]) -> SamplingRow:
     """The request's ``SamplingRow`` for table row ``row``, kept on it: its fields do not change
     while it holds the row (``output_ids`` is the request's own list)."""
     sr = req.sampling_row = SamplingRow(req.params, req.prompt_ids, req.output_ids, req.generator, eos,
-                                        req.return_logprob, req.top_logprobs_num, row)
+                                        req.return_logprob, req.top_logprobs_num, row,
+                                        tuple(req.token_ids_logprob or ()) if req.return_logprob else ())
     return sr
 
 
@@ -448,4 +453,9 @@ def _scatter(sample: SampleOutput, live: list[int], n: int) -> SampleOutput:
             lps[i] = sample.logprobs[j]
         if tops is not None:
             tops[i] = sample.top_logprobs[j]
-    return SampleOutput(toks, lps, tops, sample.failed and {live[j]: why for j, why in sample.failed.items()})
+    out = SampleOutput(toks, lps, tops, sample.failed and {live[j]: why for j, why in sample.failed.items()})
+    if sample.token_ids_logprobs is not None:
+        out.token_ids_logprobs = [[] for _ in range(n)]
+        for j, i in enumerate(live):
+            out.token_ids_logprobs[i] = sample.token_ids_logprobs[j]
+    return out

@@ -82,7 +82,7 @@ class Engine:
                  return_logprob: bool | list[bool] = False, logprob_start_len: int | list[int] | None = -1,
                  top_logprobs_num: int | list[int] = 0, stream: bool = False, rid: str | list[str] | None = None,
                  lora_path: str | list[str | None] | None = None, return_hidden_states: Any = False,
-                 custom_logit_processor: str | list[str | None] | None = None) -> Any:
+                 custom_logit_processor: str | list[str | None] | None = None, token_ids_logprob: Any = None) -> Any:
         """SGLang's ``Engine.generate``: its first four parameters in its order, the rest by name
         (``return_logprob``, ``logprob_start_len``, ``top_logprobs_num``, ``return_hidden_states`` and ``rid``
         may be lists aligned with a batch). ``lora_path``: a loaded LoRA adapter's name for every prompt, or a list aligned with a
@@ -91,13 +91,15 @@ class Engine:
         a path, a data URI, base64, bytes or an http(s) URL; the prompt holds the images'
         placeholders (as the model's chat template writes them). ``custom_logit_processor``: SGLang's
         ``CustomLogitProcessor.to_str()`` (``enable_custom_logit_processor=True``), its
-        ``custom_params`` in ``sampling_params``."""
+        ``custom_params`` in ``sampling_params``. ``token_ids_logprob``: token ids whose logprobs
+        ``return_logprob`` reports at each position (a list of lists for a batch)."""
         images = _images(self.engine, image_data, prompt, input_ids)
         sampling_params = self._with_preferred(sampling_params)
         result = self._call(self.engine.generate(prompt, sampling_params, input_ids, return_logprob,
                                                  logprob_start_len, top_logprobs_num, stream, rid,
                                                  **_lora(lora_path), **images, return_hidden_states=return_hidden_states,
-                                                 custom_logit_processor=custom_logit_processor))
+                                                 custom_logit_processor=custom_logit_processor,
+                                                 token_ids_logprob=token_ids_logprob))
         return self._iter_sync(result) if stream else result
 
     def _with_preferred(self, sampling_params: Any) -> Any:
@@ -127,12 +129,14 @@ class Engine:
                              top_logprobs_num: int | list[int] = 0, stream: bool = False,
                              rid: str | list[str] | None = None, lora_path: str | list[str | None] | None = None,
                              return_hidden_states: Any = False,
-                             custom_logit_processor: str | list[str | None] | None = None) -> Any:
+                             custom_logit_processor: str | list[str | None] | None = None,
+                             token_ids_logprob: Any = None) -> Any:
         images = await asyncio.to_thread(_images, self.engine, image_data, prompt, input_ids) if image_data is not None else {}
         fut = asyncio.run_coroutine_threadsafe(
             self.engine.generate(prompt, self._with_preferred(sampling_params), input_ids, return_logprob, logprob_start_len,
                                  top_logprobs_num, stream, rid, **_lora(lora_path), **images,
-                                 return_hidden_states=return_hidden_states, custom_logit_processor=custom_logit_processor),
+                                 return_hidden_states=return_hidden_states, custom_logit_processor=custom_logit_processor,
+                                 token_ids_logprob=token_ids_logprob),
             self._loop)
         result = await asyncio.wrap_future(fut)
         return self._iter_async(result) if stream else result

@@ -37,6 +37,8 @@ class Req:
     log_metrics: bool = True  # SGLang's log_metrics: False keeps the request out of the /metrics counters
     # SGLang's return_hidden_states (core.engine.hidden_states): False, True (every token) or "last"
     return_hidden_states: bool | str = False
+    # SGLang's token_ids_logprob: with return_logprob, these tokens' logprobs at every position asked for
+    token_ids_logprob: list[int] | None = None
     # (kind, spec) the sampling params constrain the output to, or None; derived once, here
     constraint: tuple[str, str] | None = attrs.field(init=False)
     # whether sampling may read its outputs on the host between two of its tokens for a reason its
@@ -50,6 +52,8 @@ class Req:
     output_top_logprobs: list[list[tuple[int, float]]] = attrs.field(factory=list)
     input_logprobs: list[float | None] = attrs.field(factory=list)
     input_top_logprobs: list[list[tuple[int, float]]] = attrs.field(factory=list)
+    output_token_ids_logprobs: list[list[tuple[int, float]]] = attrs.field(factory=list)
+    input_token_ids_logprobs: list[list[tuple[int, float]]] = attrs.field(factory=list)
     hidden_states: list = attrs.field(factory=list)  # the prompt's rows, then one vector per token fed back
 
     # KV state, owned by the scheduler
@@ -138,6 +142,15 @@ class Req:
         p = self.params
         return p.min_new_tokens > 0 or penalised(p) or p.thinking is not None or p.custom_logit_processor is not None
 
+    def add_logprobs(self, sample: Any, i: int) -> None:
+        """Row ``i`` of a step's ``SampleOutput``: the chosen token's logprob, and the top ones and
+        those of ``token_ids_logprob`` where asked for."""
+        self.output_logprobs.append(sample.logprobs[i])
+        if self.top_logprobs_num and sample.top_logprobs is not None:
+            self.output_top_logprobs.append(sample.top_logprobs[i])
+        if self.token_ids_logprob and sample.token_ids_logprobs is not None:
+            self.output_token_ids_logprobs.append(sample.token_ids_logprobs[i])
+
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -217,6 +230,9 @@ class Req:
             info["input_token_logprobs"] = [(lp, t, None) for lp, t in zip(self.input_logprobs, toks)]
             if self.top_logprobs_num:
                 info["input_top_logprobs"] = _tops(self.input_top_logprobs)
+            if self.token_ids_logprob:
+                info["output_token_ids_logprobs"] = _tops(self.output_token_ids_logprobs)
+                info["input_token_ids_logprobs"] = _tops(self.input_token_ids_logprobs)
         if self.return_hidden_states is True:  # SGLang's: every entry so far
             info["hidden_states"] = list(self.hidden_states)
         elif self.return_hidden_states and self.hidden_states:  # "last": the newest vector

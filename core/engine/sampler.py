@@ -40,6 +40,7 @@ class SamplingRow:
     return_logprob: bool = False
     top_logprobs_num: int = 0
     slot: int = -1  # the sequence's engine slot (table row) for the kept penalty state; -1: none
+    token_ids_logprob: tuple[int, ...] = ()  # tokens whose logprobs it returns at each step (SGLang's field)
     # greedy with nothing that edits the logits or reads them back: the batch's argmax is its token
     # (fixed by the params: a row is made once per table row, so ``sample`` checks one flag a row)
     plain: bool = attrs.field(init=False)
@@ -48,7 +49,8 @@ class SamplingRow:
     def _plain(self) -> bool:
         p = self.params
         return (p.is_greedy and not penalised(p) and not p.min_new_tokens and not p.logit_bias and p.thinking is None
-                and p.custom_logit_processor is None and not self.return_logprob and not self.top_logprobs_num)
+                and p.custom_logit_processor is None and not self.return_logprob and not self.top_logprobs_num
+                and not self.token_ids_logprob)
 
 
 @attrs.define
@@ -57,6 +59,8 @@ class SampleOutput:
     logprobs: list[float] | None  # chosen token's logprob per row; None if no row asked
     top_logprobs: list[list[tuple[int, float]]] | None  # desc by logprob; [] where 0 asked
     failed: dict[int, str] | None = None  # rows whose custom logit processor failed: why (their requests fail)
+    # per row, the logprobs of its token_ids_logprob [(token id, logprob)]; None if no row asked
+    token_ids_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @attrs.define(eq=False)
@@ -71,28 +75,30 @@ class DeviceSample:
     top_nums: list[int] | None  # per row, the top logprobs it asked for (None: no top-k computed)
     event: Any = None  # a CUDA event recorded after the copies (None: they are done)
     failed: dict[int, str] | None = None  # as SampleOutput's
+    ids: list[tuple[int, ...]] | None = None  # per row, its token_ids_logprob (their logprobs: the last copy)
 
     @classmethod
-    def start(cls, parts: list[torch.Tensor], top_nums: list[int] | None) -> DeviceSample:
+    def start(cls, parts: list[torch.Tensor], top_nums: list[int] | None,
+              ids: list[tuple[int, ...]] | None = None) -> DeviceSample:
         if parts[0].device.type != "cuda":
-            return cls(parts[0], parts, top_nums)
+            return cls(parts[0], parts, top_nums, ids=ids)
         copies = [t.to("cpu", non_blocking=True) for t in parts]  # (pinned by torch: a true async copy)
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(parts[0].device))
-        return cls(parts[0], copies, top_nums, event)
+        return cls(parts[0], copies, top_nums, event, ids=ids)
 
     def finish(self) -> SampleOutput:
         """The lists, once the copies have landed (waits for them, the GIL released)."""
         if self.event is not None:
             self.event.synchronize()
         lists = [t.tolist() for t in self.copies]
-        if len(lists) == 1:
-            return SampleOutput(lists[0], None, None, self.failed)
-        if self.top_nums is None:
-            return SampleOutput(lists[0], lists[1], None, self.failed)
-        vals, ids = lists[2], lists[3]
-        return SampleOutput(lists[0], lists[1], [list(zip(ids[i][:n], vals[i][:n])) for i, n in enumerate(self.top_nums)],
-                            self.failed)
+        out = SampleOutput(lists[0], lists[1] if len(lists) > 1 else None, None, self.failed)
+        if self.top_nums is not None:
+            vals, ids = lists[2], lists[3]
+            out.top_logprobs = [list(zip(ids[i][:n], vals[i][:n])) for i, n in enumerate(self.top_nums)]
+        if self.ids is not None:
+            out.token_ids_logprobs = [list(zip(ids, vals)) for ids, vals in zip(self.ids, lists[-1])]
+        return out
 
 
 # The logprob written for a token the distribution rules out (-inf: a grammar-masked token,
@@ -425,7 +431,7 @@ class Sampler:
             if p.thinking is not None and (tok := p.thinking.forced(r.output_ids)) is not None:
                 forced[i] = tok
             greedy = greedy and p.is_greedy
-            want_lp = want_lp or r.return_logprob or r.top_logprobs_num > 0
+            want_lp = want_lp or r.return_logprob or r.top_logprobs_num > 0 or bool(r.token_ids_logprob)
             if penalised(p):
                 pen_rows.append(i)
             short = short or len(r.output_ids) < p.min_new_tokens
@@ -563,11 +569,16 @@ class Sampler:
                 host: bool = True) -> SampleOutput | DeviceSample:
         """Gather the chosen token's logprob and the requested top-k; on the host (lists, converted
         once), or with ``host`` False still on the device, their copy started (``DeviceSample``)."""
-        parts, top_nums = [tokens], None
+        parts, top_nums, ids = [tokens], None, None
         if raw_lp is not None:
             parts.append(raw_lp.gather(1, tokens.unsqueeze(1)).squeeze(1))
             if (k := min(max(r.top_logprobs_num for r in rows), raw_lp.shape[1])) > 0:
                 parts += raw_lp.topk(k, dim=-1)
                 top_nums = [r.top_logprobs_num for r in rows]
-        out = DeviceSample.start(parts, top_nums)
+            if any(r.token_ids_logprob for r in rows):  # each row's own tokens, padded to the longest list
+                ids = [r.token_ids_logprob for r in rows]
+                width = max(map(len, ids))
+                parts.append(raw_lp.gather(1, upload([[*t, *[0] * (width - len(t))] for t in ids], torch.long,
+                                                     raw_lp.device)))
+        out = DeviceSample.start(parts, top_nums, ids)
         return out.finish() if host else out

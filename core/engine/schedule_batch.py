@@ -63,8 +63,9 @@ class StepResult:
     sample: SampleOutput | None  # the (first) step's tokens; None while ``pending``
     # the tokens of a multi-step decode's later steps, one list per step (``ScheduledBatch.steps``)
     more_tokens: list[list[int]] = attrs.field(factory=list)
-    # per request index: (logprobs of prompt tokens from logprob_start_len, their top logprobs)
-    input_logprobs: dict[int, tuple[list[float | None], list[list[tuple[int, float]]]]] = attrs.field(factory=dict)
+    # per request index: (logprobs of prompt tokens from logprob_start_len, their top logprobs, those of
+    # its token_ids_logprob)
+    input_logprobs: dict[int, tuple[list[float | None], list, list]] = attrs.field(factory=dict)
     # a verify, per request: the draft nodes kept (root to leaf) and the target's token after them
     # (``Speculator.walks``, computed once by the runner for the KV moves, the drafter and the scheduler)
     kept: list[tuple[list[int], int]] | None = None

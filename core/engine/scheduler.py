@@ -484,7 +484,7 @@ class Scheduler:
         Returns (request, new text) for every request in the batch."""
         now = time.perf_counter()
         s = result.sample
-        toks, lps, tops, prompt_lps = s.token_ids, s.logprobs, s.top_logprobs, result.input_logprobs
+        toks, lps, prompt_lps = s.token_ids, s.logprobs, result.input_logprobs
         updates: list[tuple[Req, str]] = []
         # (hoisted: a decode of 256 requests took ~2 us a request through the attribute chains)
         drafts, rows, seq_lens, multi, check = batch.drafts, batch.rows, batch.seq_lens, batch.steps > 1, self._check_finish
@@ -501,7 +501,7 @@ class Scheduler:
                     updates.append((req, self._append_steps(req, kept, now)))
                     continue
             if prompt_lps and i in prompt_lps:
-                req.input_logprobs, req.input_top_logprobs = prompt_lps[i]
+                req.input_logprobs, req.input_top_logprobs, req.input_token_ids_logprobs = prompt_lps[i]
             if s.failed and i in s.failed and req.finish_reason is None:  # its logit processor failed: as an abort
                 req.finish_reason = {"type": "abort", "message": s.failed[i]}
             if req.finish_reason is not None or req.aborted:  # aborted while the forward ran: dropped at the next step
@@ -529,9 +529,7 @@ class Scheduler:
             if req.first_token_time is None:
                 req.first_token_time = now
             if lps is not None and req.return_logprob:
-                req.output_logprobs.append(lps[i])
-                if req.top_logprobs_num and tops is not None:
-                    req.output_top_logprobs.append(tops[i])
+                req.add_logprobs(s, i)
             delta = check(req, tok)
             if delta:
                 req.text += delta

@@ -19,6 +19,10 @@ from core.server.state import ServerState
 log = structlog.get_logger("core.server.generate_output")
 
 
+# meta_info's per-position lists of (logprob, token id, text): the top logprobs, and token_ids_logprob's
+TOP_KEYS = ("output_top_logprobs", "input_top_logprobs", "output_token_ids_logprobs", "input_token_ids_logprobs")
+
+
 def _fmt_token_lps(items: list, texts: dict[int, str]) -> list:
     return [[lp, tid, texts.get(tid)] for lp, tid, _ in items]
 
@@ -35,7 +39,7 @@ def meta_of(state: ServerState, req: Req, with_text: bool, since: int | None = N
     meta = req.meta_info()
     meta["weight_version"] = state.weight_version  # SGLang's: the version serving now (--weight-version)
     if since is not None:
-        for key in ("output_token_logprobs", "output_top_logprobs"):
+        for key in ("output_token_logprobs", "output_top_logprobs", "output_token_ids_logprobs"):
             if key in meta:
                 meta[key] = meta[key][since:]
     if req.return_logprob:
@@ -45,7 +49,7 @@ def meta_of(state: ServerState, req: Req, with_text: bool, since: int | None = N
             named: set[int] = set()  # (not ``ids``: those are the output's)
             for key in ("output_token_logprobs", "input_token_logprobs"):
                 named.update(t for _, t, _ in meta.get(key, []))
-            for key in ("output_top_logprobs", "input_top_logprobs"):
+            for key in TOP_KEYS:
                 for pos in meta.get(key, []):
                     named.update(t for _, t, _ in (pos or []))
             order = sorted(named)
@@ -53,7 +57,7 @@ def meta_of(state: ServerState, req: Req, with_text: bool, since: int | None = N
         for key in ("output_token_logprobs", "input_token_logprobs"):
             if key in meta:
                 meta[key] = _fmt_token_lps(meta[key], texts)
-        for key in ("output_top_logprobs", "input_top_logprobs"):
+        for key in TOP_KEYS:
             if key in meta:
                 meta[key] = _fmt_top_lps(meta[key], texts)
     return meta

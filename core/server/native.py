@@ -15,7 +15,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
-from core.engine.frontend import batch_rids, check_total, per_item
+from core.engine.frontend import batch_rids, check_total, per_item, token_ids_per_item
 from core.engine.request import Req
 from core.engine.sampling_params import SamplingParams, under_preferred
 from core.errors import InvalidRequest
@@ -73,6 +73,8 @@ class GenerateReqInput(msgspec.Struct):
     return_hidden_states: Any = None
     # SGLang's CustomLogitProcessor.to_str() (or a list aligned with a batch): core.engine.logit_processor
     custom_logit_processor: Any = None
+    # token ids whose logprobs return_logprob reports at each position (a list of lists: one per prompt)
+    token_ids_logprob: Any = None
     # SGLang fields for features core does not have: accepted only when unset (null, false, empty)
     video_data: Any = None
     audio_data: Any = None
@@ -80,7 +82,6 @@ class GenerateReqInput(msgspec.Struct):
     lora_id: Any = None  # SGLang's internal adapter id (lora_path names the adapter)
     session_params: Any = None
     session_id: Any = None
-    token_ids_logprob: Any = None
     bootstrap_host: Any = None
     bootstrap_port: Any = None
     bootstrap_room: Any = None
@@ -189,6 +190,7 @@ def build_generate_requests(state: ServerState, obj: GenerateReqInput) -> tuple[
     prios = per_item(obj.priority, n, "priority", None)
     hiddens = per_item(obj.return_hidden_states, n, "return_hidden_states", False)
     procs = per_item(obj.custom_logit_processor, n, "custom_logit_processor", None)
+    asked = token_ids_per_item(obj.token_ids_logprob, n)
     loras = adapters_per_item(engine, obj.lora_path, n)
     images = generate_images(state, obj.image_data, obj.modalities, n, batch)
     parsed = [_sampling_params(sp, state.args.preferred_sampling_params) for sp in sps]
@@ -211,7 +213,7 @@ def build_generate_requests(state: ServerState, obj: GenerateReqInput) -> tuple[
         reqs += engine.make_requests(token_ids, params, rid or uuid.uuid4().hex, bool(lps[i]), starts[i], tops[i],
                                      priority=prios[i], group=group, **lora_kwargs(loras[i]),
                                      **images_kwargs(images[i]), return_hidden_states=hiddens[i],
-                                     custom_logit_processor=procs[i])
+                                     custom_logit_processor=procs[i], token_ids_logprob=asked[i])
     for r in reqs:
         r.log_metrics = obj.log_metrics
     return reqs, batch, interval

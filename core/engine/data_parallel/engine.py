@@ -171,7 +171,7 @@ class DataParallelEngine(RequestFrontEnd):
             self.replicas[i].routed += 1
             spec = ReqSpec(req.rid, req.prompt_ids, attrs.evolve(req.params, n=1, seed=_copy_seed(req)),
                            req.return_logprob, req.logprob_start_len, req.top_logprobs_num, req.priority, adapter,
-                           detokenize=not _text_here(req))
+                           detokenize=not _text_here(req), token_ids_logprob=req.token_ids_logprob)
             batches.setdefault(i, []).append(spec)
         for i, specs in batches.items():
             self._send(self.replicas[i], ("submit", specs))
@@ -339,8 +339,9 @@ class DataParallelEngine(RequestFrontEnd):
         req.text += self._text(req, d) if _text_here(req) else d.text
         req.output_logprobs.extend(d.output_logprobs)
         req.output_top_logprobs.extend(d.output_top_logprobs)
+        req.output_token_ids_logprobs.extend(d.output_token_ids_logprobs)
         if d.input_logprobs is not None:
-            req.input_logprobs, req.input_top_logprobs = d.input_logprobs
+            req.input_logprobs, req.input_top_logprobs, req.input_token_ids_logprobs = d.input_logprobs
         req.cached_tokens = d.cached_tokens
         req.spec_verify_ct, req.spec_num_proposed_drafts, req.spec_num_correct_drafts = d.spec
         req.kv_len = req.seq_len

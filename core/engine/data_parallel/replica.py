@@ -43,6 +43,7 @@ class ReqSpec:
     # engine's step path (SGLang's detokenizer runs in a process of its own); True where the engine
     # needs the text itself: stop strings and patterns are matched where the tokens are made
     detokenize: bool = True
+    token_ids_logprob: list[int] | None = None  # SGLang's: these tokens' logprobs at each position
 
 
 class ReqDelta(NamedTuple):
@@ -54,7 +55,8 @@ class ReqDelta(NamedTuple):
     text: str
     output_logprobs: list[float]
     output_top_logprobs: list[Any]
-    input_logprobs: tuple[list, list] | None  # (logprobs, top logprobs) of the prompt, sent once
+    output_token_ids_logprobs: list[Any]
+    input_logprobs: tuple[list, list, list] | None  # (logprobs, top, token_ids_logprob's) of the prompt, sent once
     cached_tokens: int
     finish_reason: dict | None
     spec: tuple[int, int, int] = (0, 0, 0)  # speculative decoding's counts: verifies, drafts proposed, kept
@@ -149,7 +151,7 @@ class _Replica:
             try:
                 reqs += engine.make_requests(s.prompt_ids, s.params, s.rid, s.return_logprob, s.logprob_start_len,
                                              s.top_logprobs_num, priority=s.priority, lora_path=s.lora,
-                                             detokenize=s.detokenize)
+                                             detokenize=s.detokenize, token_ids_logprob=s.token_ids_logprob)
             except Exception as e:  # validated by the front end already; report rather than crash
                 self._send_now(_aborted(s.rid, str(e)))
         for r in reqs:
@@ -213,9 +215,11 @@ class _Replica:
             n_ids, n_text, n_lp, input_sent = sent
             inputs = None
             if not input_sent and req.input_logprobs:
-                inputs, sent[3] = (list(req.input_logprobs), list(req.input_top_logprobs)), True
+                inputs = (list(req.input_logprobs), list(req.input_top_logprobs), list(req.input_token_ids_logprobs))
+                sent[3] = True
             delta = ReqDelta(req.output_ids[n_ids:], req.text[n_text:], req.output_logprobs[n_lp:],
-                             req.output_top_logprobs[n_lp:], inputs, req.cached_tokens, req.finish_reason,
+                             req.output_top_logprobs[n_lp:], req.output_token_ids_logprobs[n_lp:], inputs,
+                             req.cached_tokens, req.finish_reason,
                              (req.spec_verify_ct, req.spec_num_proposed_drafts, req.spec_num_correct_drafts))
             sent[0], sent[1], sent[2] = len(req.output_ids), len(req.text), len(req.output_logprobs)
             self.outbox.append(("delta", req.rid, tuple(delta)))
