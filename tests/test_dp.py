@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from core.errors import InvalidRequest
 from tests.conftest import greedy
 
 ENGINE = dict(dtype="float32", max_total_tokens=1024, cpu_threads=1, device="cpu", log_level="warning")
@@ -83,11 +84,18 @@ def test_round_robin_spreads_and_matches_one_engine(model_path):
     with core.Engine(model_path=str(model_path), **ENGINE) as one:
         want = one.generate(prompts, greedy(6))
         want_asked = one.generate(prompts[2], greedy(3), **asked)["meta_info"]
+        assert one.generate(prompts[0], greedy(6), routed_dp_rank=0)["output_ids"] == want[0]["output_ids"]
+        with pytest.raises(InvalidRequest, match=r"routed_dp_rank=1 out of range \[0, 1\)"):
+            one.generate(prompts[0], greedy(1), data_parallel_rank=1)  # (SGLang's old name)
     with core.Engine(model_path=str(model_path), **ENGINE, dp_size=2) as eng:
         got = eng.generate(prompts, greedy(6))
         assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want]
         assert [o["text"] for o in got] == [o["text"] for o in want]
         assert _routed(eng) == [2, 2]
+        pinned = eng.generate(prompts, greedy(6), routed_dp_rank=1)  # SGLang's external routing: all to replica 1
+        assert _routed(eng) == [2, 6] and [o["output_ids"] for o in pinned] == [o["output_ids"] for o in want]
+        with pytest.raises(InvalidRequest, match=r"routed_dp_rank=2 out of range \[0, 2\)"):
+            eng.generate(prompts[0], greedy(1), routed_dp_rank=2)
         got_asked = eng.generate(prompts[2], greedy(3), **asked)["meta_info"]
         assert [len(got_asked[k]) for k in keys] == [len(want_asked[k]) for k in keys] and len(got_asked[keys[1]]) == 3
         assert [[t for _, t, _ in p or []] for k in keys for p in got_asked[k]] == [
@@ -334,3 +342,27 @@ def test_a_call_to_a_replica_that_dies_fails_instead_of_hanging(model_path):
 
         eng._call(go())
         assert eng.generate("abc def", greedy(3))["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_routed_dp_rank_over_http_body_and_header(model_path):
+    """/generate's routed_dp_rank (data_parallel_rank: the old name) and the OpenAI endpoints'
+    X-Data-Parallel-Rank header, checked against the replicas there are (one here: rank 0 only)."""
+    from core.server.args import ServerArgs
+    from tests.server_utils import serve_in_process
+
+    async def calls(c):
+        gen = {"text": "hi", "sampling_params": {"max_new_tokens": 1}}
+        comp = {"prompt": "hi", "max_tokens": 1}
+        return [(await c.post("/generate", json={**gen, "routed_dp_rank": 0})).status_code,
+                (await c.post("/generate", json={**gen, "data_parallel_rank": 1})).json(),
+                (await c.post("/v1/completions", json=comp, headers={"X-Data-Parallel-Rank": "0"})).status_code,
+                (await c.post("/v1/completions", json={**comp, "routed_dp_rank": 0},
+                              headers={"X-Data-Parallel-Rank": "3"})).json(),
+                (await c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1},
+                              headers={"X-Data-Parallel-Rank": "x"})).json()]
+
+    ok_gen, bad_gen, ok_comp, bad_comp, bad_header = serve_in_process({"model_path": str(model_path)}, ServerArgs(), calls)
+    assert ok_gen == ok_comp == 200
+    assert bad_gen["error"]["param"] == "routed_dp_rank" and "routed_dp_rank=1 out of range [0, 1)" in bad_gen["error"]["message"]
+    assert "routed_dp_rank=3" in bad_comp["error"]["message"]  # (the header wins over the body)
+    assert bad_header["error"]["param"] == "routed_dp_rank"

@@ -47,7 +47,8 @@ class RequestFrontEnd:
                       return_logprob: bool = False, logprob_start_len: int = -1, top_logprobs_num: int = 0,
                       priority: int | None = None, group: str | None = None, lora_path: str | None = None,
                       images: list | None = None, detokenize: bool = True, return_hidden_states: Any = False,
-                      custom_logit_processor: Any = None, token_ids_logprob: Any = None) -> list[Req]:
+                      custom_logit_processor: Any = None, token_ids_logprob: Any = None,
+                      routed_dp_rank: Any = None) -> list[Req]:
         """Validate and build the sequences of one prompt (n of them); raises InvalidRequest.
         ``group``: the API request they belong to (default ``rid``), which an abort by id also reaches.
         ``lora_path``: the name of a loaded LoRA adapter (SGLang's field name), None: the base model.
@@ -56,7 +57,8 @@ class RequestFrontEnd:
         ``return_hidden_states``: SGLang's (True, "last"), within the server's mode (core.engine.hidden_states).
         ``custom_logit_processor``: SGLang's serialized processor (core.engine.logit_processor).
         ``token_ids_logprob``: SGLang's, token ids whose logprobs ``return_logprob`` reports at
-        every position it covers (``input_/output_token_ids_logprobs``)."""
+        every position it covers (``input_/output_token_ids_logprobs``). ``routed_dp_rank``: SGLang's,
+        the data-parallel replica to run on (0 alone without ``--dp-size``)."""
         if self.args.is_embedding:
             raise InvalidRequest("this server runs an embedding or classification model (--is-embedding): it does "
                                  "not generate; use /v1/embeddings, /encode or /classify")
@@ -65,6 +67,7 @@ class RequestFrontEnd:
                                     self.args.speculative_algorithm is not None)) is not None:
             params = attrs.evolve(params, custom_logit_processor=proc)
         asked = self._token_ids(token_ids_logprob)
+        dp_rank = self._dp_rank(routed_dp_rank)
         runner = getattr(self, "runner", None)  # (none here: replicas in other processes, --dp-size > 1)
         hidden = check_hidden_request(self.args, return_hidden_states, local=runner is not None)
         lora_id = self._lora_id(lora_path)
@@ -117,8 +120,20 @@ class RequestFrontEnd:
                                                stop_regex=params.stop_regex)
             reqs.append(Req(rid if params.n == 1 else f"{rid}-{i}", prompt_ids, params, return_logprob, top_logprobs_num,
                             logprob_start_len, gen, detok, priority=priority, group=group or rid, lora_id=lora_id, mm=mm,
-                            return_hidden_states=hidden, token_ids_logprob=asked))
+                            return_hidden_states=hidden, token_ids_logprob=asked, routed_dp_rank=dp_rank))
         return reqs
+
+    def _dp_rank(self, rank: Any) -> int | None:
+        """A request's routed_dp_rank checked: a live replica's index (SGLang's 400 otherwise); 0
+        without --dp-size is no choice at all (None)."""
+        if rank is None:
+            return None
+        replicas = max(1, getattr(self.args, "dp_size", 1))
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < replicas:
+            raise InvalidRequest(f"routed_dp_rank={rank!r} out of range [0, {replicas})", param="routed_dp_rank")
+        if (router := getattr(self, "router", None)) is not None and rank not in router.live:
+            raise Unavailable(f"DP rank {rank} is not active")
+        return rank if replicas > 1 else None
 
     def _token_ids(self, ids: Any) -> list[int] | None:
         """A request's token_ids_logprob as a list of token ids (None for none); SGLang's forms: a
@@ -205,7 +220,7 @@ class RequestFrontEnd:
                        stream: bool = False, rid: str | list[str] | None = None,
                        lora_path: str | list[str | None] | None = None, image_data: Any = None,
                        return_hidden_states: Any = False, custom_logit_processor: Any = None,
-                       token_ids_logprob: Any = None) -> Any:
+                       token_ids_logprob: Any = None, routed_dp_rank: Any = None) -> Any:
         """SGLang's generate: one prompt -> dict (a list when n > 1); a batch -> list. ``rid``,
         ``return_logprob``, ``logprob_start_len`` and ``top_logprobs_num`` may be lists aligned with a batch
         (``per_item``: None, SGLang's default, and None entries are ours).
@@ -247,7 +262,8 @@ class RequestFrontEnd:
             groups.append(self.make_requests(ids, params, rids[i], bool(lps[i]), starts[i], tops[i],
                                              group=rid if isinstance(rid, str) else rids[i],  # (an abort by it: all)
                                              lora_path=loras[i], images=images[i], return_hidden_states=hiddens[i],
-                                             custom_logit_processor=procs[i], token_ids_logprob=asked[i]))
+                                             custom_logit_processor=procs[i], token_ids_logprob=asked[i],
+                                             routed_dp_rank=routed_dp_rank))
         reqs = [r for g in groups for r in g]
         await self.prepare_grammars(reqs)
         self.submit(reqs)

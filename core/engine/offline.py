@@ -82,7 +82,8 @@ class Engine:
                  return_logprob: bool | list[bool] = False, logprob_start_len: int | list[int] | None = -1,
                  top_logprobs_num: int | list[int] = 0, stream: bool = False, rid: str | list[str] | None = None,
                  lora_path: str | list[str | None] | None = None, return_hidden_states: Any = False,
-                 custom_logit_processor: str | list[str | None] | None = None, token_ids_logprob: Any = None) -> Any:
+                 custom_logit_processor: str | list[str | None] | None = None, token_ids_logprob: Any = None,
+                 routed_dp_rank: int | None = None, data_parallel_rank: int | None = None) -> Any:
         """SGLang's ``Engine.generate``: its first four parameters in its order, the rest by name
         (``return_logprob``, ``logprob_start_len``, ``top_logprobs_num``, ``return_hidden_states`` and ``rid``
         may be lists aligned with a batch). ``lora_path``: a loaded LoRA adapter's name for every prompt, or a list aligned with a
@@ -92,14 +93,16 @@ class Engine:
         placeholders (as the model's chat template writes them). ``custom_logit_processor``: SGLang's
         ``CustomLogitProcessor.to_str()`` (``enable_custom_logit_processor=True``), its
         ``custom_params`` in ``sampling_params``. ``token_ids_logprob``: token ids whose logprobs
-        ``return_logprob`` reports at each position (a list of lists for a batch)."""
+        ``return_logprob`` reports at each position (a list of lists for a batch). ``routed_dp_rank``
+        (or SGLang's old name ``data_parallel_rank``): the data-parallel replica to run on."""
         images = _images(self.engine, image_data, prompt, input_ids)
         sampling_params = self._with_preferred(sampling_params)
         result = self._call(self.engine.generate(prompt, sampling_params, input_ids, return_logprob,
                                                  logprob_start_len, top_logprobs_num, stream, rid,
                                                  **_lora(lora_path), **images, return_hidden_states=return_hidden_states,
                                                  custom_logit_processor=custom_logit_processor,
-                                                 token_ids_logprob=token_ids_logprob))
+                                                 token_ids_logprob=token_ids_logprob,
+                                                 routed_dp_rank=_dp_rank(routed_dp_rank, data_parallel_rank)))
         return self._iter_sync(result) if stream else result
 
     def _with_preferred(self, sampling_params: Any) -> Any:
@@ -130,13 +133,15 @@ class Engine:
                              rid: str | list[str] | None = None, lora_path: str | list[str | None] | None = None,
                              return_hidden_states: Any = False,
                              custom_logit_processor: str | list[str | None] | None = None,
-                             token_ids_logprob: Any = None) -> Any:
+                             token_ids_logprob: Any = None, routed_dp_rank: int | None = None,
+                             data_parallel_rank: int | None = None) -> Any:
         images = await asyncio.to_thread(_images, self.engine, image_data, prompt, input_ids) if image_data is not None else {}
         fut = asyncio.run_coroutine_threadsafe(
             self.engine.generate(prompt, self._with_preferred(sampling_params), input_ids, return_logprob, logprob_start_len,
                                  top_logprobs_num, stream, rid, **_lora(lora_path), **images,
                                  return_hidden_states=return_hidden_states, custom_logit_processor=custom_logit_processor,
-                                 token_ids_logprob=token_ids_logprob),
+                                 token_ids_logprob=token_ids_logprob,
+                                 routed_dp_rank=_dp_rank(routed_dp_rank, data_parallel_rank)),
             self._loop)
         result = await asyncio.wrap_future(fut)
         return self._iter_async(result) if stream else result
@@ -266,3 +271,8 @@ async def _settle(timeout: float = 10.0) -> None:
 
 async def _run(fn, *a):
     return fn(*a)
+
+
+def _dp_rank(routed_dp_rank: int | None, data_parallel_rank: int | None) -> int | None:
+    """SGLang's routed_dp_rank, or its deprecated name data_parallel_rank."""
+    return data_parallel_rank if routed_dp_rank is None else routed_dp_rank

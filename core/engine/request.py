@@ -39,6 +39,7 @@ class Req:
     return_hidden_states: bool | str = False
     # SGLang's token_ids_logprob: with return_logprob, these tokens' logprobs at every position asked for
     token_ids_logprob: list[int] | None = None
+    routed_dp_rank: int | None = None  # SGLang's: the data-parallel replica it must run on (None: the router's choice)
     # (kind, spec) the sampling params constrain the output to, or None; derived once, here
     constraint: tuple[str, str] | None = attrs.field(init=False)
     # whether sampling may read its outputs on the host between two of its tokens for a reason its

@@ -75,6 +75,8 @@ class GenerateReqInput(msgspec.Struct):
     custom_logit_processor: Any = None
     # token ids whose logprobs return_logprob reports at each position (a list of lists: one per prompt)
     token_ids_logprob: Any = None
+    routed_dp_rank: Any = None  # the data-parallel replica to run on (data_parallel_rank: SGLang's old name)
+    data_parallel_rank: Any = None
     # SGLang fields for features core does not have: accepted only when unset (null, false, empty)
     video_data: Any = None
     audio_data: Any = None
@@ -87,8 +89,6 @@ class GenerateReqInput(msgspec.Struct):
     bootstrap_room: Any = None
     bootstrap_pair_key: Any = None
     decode_tp_size: Any = None
-    data_parallel_rank: Any = None
-    routed_dp_rank: Any = None
     disagg_prefill_dp_rank: Any = None
     mm_hashes: Any = None
     mm_content_hashes: Any = None
@@ -191,6 +191,7 @@ def build_generate_requests(state: ServerState, obj: GenerateReqInput) -> tuple[
     hiddens = per_item(obj.return_hidden_states, n, "return_hidden_states", False)
     procs = per_item(obj.custom_logit_processor, n, "custom_logit_processor", None)
     asked = token_ids_per_item(obj.token_ids_logprob, n)
+    dp_rank = obj.data_parallel_rank if obj.routed_dp_rank is None else obj.routed_dp_rank  # (the first: SGLang's old name)
     loras = adapters_per_item(engine, obj.lora_path, n)
     images = generate_images(state, obj.image_data, obj.modalities, n, batch)
     parsed = [_sampling_params(sp, state.args.preferred_sampling_params) for sp in sps]
@@ -213,7 +214,8 @@ def build_generate_requests(state: ServerState, obj: GenerateReqInput) -> tuple[
         reqs += engine.make_requests(token_ids, params, rid or uuid.uuid4().hex, bool(lps[i]), starts[i], tops[i],
                                      priority=prios[i], group=group, **lora_kwargs(loras[i]),
                                      **images_kwargs(images[i]), return_hidden_states=hiddens[i],
-                                     custom_logit_processor=procs[i], token_ids_logprob=asked[i])
+                                     custom_logit_processor=procs[i], token_ids_logprob=asked[i],
+                                     routed_dp_rank=dp_rank)
     for r in reqs:
         r.log_metrics = obj.log_metrics
     return reqs, batch, interval

@@ -166,7 +166,12 @@ class DataParallelEngine(RequestFrontEnd):
             if req.lora_id and adapter is None:  # unloaded since it was named: as AsyncEngine's admission does
                 self._finish(req, {"type": "abort", "message": "its LoRA adapter was unloaded before it started"})
                 continue
-            i = self.router.pick(req.prompt_ids, [len(r.inflight) for r in self.replicas])
+            i = req.routed_dp_rank
+            if i is None:
+                i = self.router.pick(req.prompt_ids, [len(r.inflight) for r in self.replicas])
+            elif i not in self.router.live:  # (it died since the request was checked)
+                self._finish(req, {"type": "abort", "message": f"DP rank {i} is not active"})
+                continue
             self.replicas[i].inflight[req.rid] = req
             self.replicas[i].routed += 1
             spec = ReqSpec(req.rid, req.prompt_ids, attrs.evolve(req.params, n=1, seed=_copy_seed(req)),

@@ -351,7 +351,8 @@ class Job:
                                                    priority=self.r.priority, group=self.id, **lora_kwargs(adapter),
                                                    **({"images": images} if images else {}),
                                                    return_hidden_states=getattr(self.r, "return_hidden_states", False),
-                                                   custom_logit_processor=getattr(self.r, "custom_logit_processor", None))
+                                                   custom_logit_processor=getattr(self.r, "custom_logit_processor", None),
+                                                   routed_dp_rank=getattr(self.r, "routed_dp_rank", None))
         except InvalidRequest as e:
             raise engine_error(e) from None
 

@@ -96,6 +96,8 @@ class _GenerationRequest(Struct, kw_only=True):
     # SGLang: CustomLogitProcessor.to_str() (with --enable-custom-logit-processor) and what it reads
     custom_logit_processor: str | None = None
     custom_params: dict[str, Any] | None = None
+    # SGLang: the data-parallel replica to run on (its X-Data-Parallel-Rank header wins)
+    routed_dp_rank: int | None = None
     # structured output (at most one; compiled by the grammar backend)
     regex: str | None = None
     json_schema: str | None = None

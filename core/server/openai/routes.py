@@ -85,9 +85,19 @@ from core.server.openai.tools import check_tools
 _STARTED = int(time.time())
 
 
+def _dp_rank_header(request: Request, r: Any) -> Any:
+    """SGLang's ``X-Data-Parallel-Rank`` header, over the body's ``routed_dp_rank``."""
+    if (value := request.headers.get("x-data-parallel-rank")) is not None:
+        try:
+            r.routed_dp_rank = int(value)
+        except ValueError:
+            raise InvalidRequest(f"X-Data-Parallel-Rank must be an integer, got {value!r}", param="routed_dp_rank") from None
+    return r
+
+
 async def chat_completions(request: Request) -> Response:
     state = state_of(request)
-    r = await read_checked(request, ChatCompletionRequest)
+    r = _dp_rank_header(request, await read_checked(request, ChatCompletionRequest))
     job = await (asyncio.to_thread(prepare_chat, state, r) if has_image_parts(r.messages)  # images: off the loop
                  else prepare_off_loop(request, prepare_chat, state, r))
     await job.start()
@@ -100,7 +110,8 @@ async def chat_completions(request: Request) -> Response:
 
 async def completions(request: Request) -> Response:
     state = state_of(request)
-    job = await prepare_off_loop(request, prepare_completion, state, await read_checked(request, CompletionRequest))
+    r = _dp_rank_header(request, await read_checked(request, CompletionRequest))
+    job = await prepare_off_loop(request, prepare_completion, state, r)
     await job.start()
     if job.stream:
         return EventStream(job.guarded(completion_stream(job)))
