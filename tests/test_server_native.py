@@ -140,7 +140,7 @@ def test_health_is_open_and_everything_else_needs_the_key(srv: ServerProcess) ->
     for path in ("/health", "/health_generate", "/metrics"):  # probes and scrapers, as SGLang leaves them
         assert httpx.get(url + path).status_code != 401, path
     for method, path in [("GET", "/get_model_info"), ("GET", "/get_server_info"), ("GET", "/v1/loads"),
-                         ("POST", "/generate")]:
+                         ("POST", "/generate"), ("GET", "/ping")]:  # (SGLang's /ping takes the key too)
         err = assert_error(httpx.request(method, url + path, json={"text": "hi"}), 401)
         assert err["code"] == "invalid_api_key"
     assert_error(httpx.get(url + "/get_model_info", headers={"Authorization": "Bearer wrong"}), 401)
@@ -162,6 +162,16 @@ def test_no_key_server_is_open_and_metrics_off_is_404(cfg_client: httpx.Client) 
 
 def test_health_generate(client: httpx.Client) -> None:
     assert client.get("/health_generate").status_code == 200
+
+
+def test_sagemakers_ping_and_invocations(client: httpx.Client) -> None:
+    """SGLang's SageMaker routes: /ping is an empty 200 while serving, /invocations is chat."""
+    ping = client.get("/ping")
+    assert ping.status_code == 200 and ping.content == b""
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
+    inv, chat = client.post("/invocations", json=body), client.post("/v1/chat/completions", json=body)
+    assert inv.status_code == 200 and inv.json()["object"] == "chat.completion"
+    assert inv.json()["choices"][0]["message"] == chat.json()["choices"][0]["message"]
 
 
 # ---------------------------------------------------------------------------- /generate

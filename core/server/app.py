@@ -33,6 +33,7 @@ ROUTES = [
     Route("/classify", embeddings.classify, methods=["POST", "PUT"]),
     Route("/health", native.health, methods=["GET", "POST"]),
     Route("/health_generate", native.health_generate, methods=["GET", "POST"]),
+    Route("/ping", native.ping, methods=["GET"]),  # SageMaker's health check (SGLang's, under --api-key)
     Route("/get_model_info", native.get_model_info, methods=["GET"]),
     Route("/model_info", native.get_model_info, methods=["GET"]),
     Route("/get_server_info", native.get_server_info, methods=["GET"]),
@@ -60,6 +61,7 @@ ROUTES = [
     Route("/separate_reasoning", routes.separate_reasoning, methods=["POST"]),
     # OpenAI-compatible
     Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
+    Route("/invocations", routes.chat_completions, methods=["POST"]),  # SageMaker's inference route: chat
     Route("/v1/completions", routes.completions, methods=["POST"]),
     Route("/v1/models", routes.list_models, methods=["GET"]),
     Route("/v1/models/{model_id:path}", routes.retrieve_model, methods=["GET"]),

@@ -309,6 +309,12 @@ async def health(request: Request) -> Response:
     return Response(status_code=200 if ok else 503)
 
 
+async def ping(request: Request) -> Response:
+    """SageMaker's health check (SGLang's ``/ping``): 200 while serving, else 503, with no body."""
+    state = state_of(request)
+    return Response(status_code=200 if state.ready and not state.shutting_down and state.healthy else 503)
+
+
 async def health_generate(request: Request) -> Response:
     state = state_of(request)
     if not state.ready or state.shutting_down or not state.healthy:
