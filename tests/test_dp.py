@@ -7,6 +7,7 @@ Replicas are processes from the engine's fork server (the first start pays its i
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import gc
 import os
@@ -111,6 +112,17 @@ def test_round_robin_spreads_and_matches_one_engine(model_path):
         assert a["meta_info"]["cached_tokens"] == 0 and b["meta_info"]["cached_tokens"] == 0
         load = eng.engine.load()
         assert load["max_total_num_tokens"] == 2 * eng.engine.max_total_tokens and load["num_running_reqs"] == 0
+
+        async def paused_then_resumed():  # /pause_generation: every replica pauses, then goes on
+            await eng.engine.pause_generation("in_place")
+            task = asyncio.ensure_future(eng.engine.generate(prompts[1], greedy(6)))
+            await asyncio.sleep(0.3)
+            ran = task.done()
+            await eng.engine.continue_generation()
+            return ran, await task
+
+        ran, out = eng._call(paused_then_resumed())
+        assert not ran and out["output_ids"] == want[1]["output_ids"]
         ok, msg = eng._call(eng.engine.update_weights_from_disk(str(model_path)))  # every replica reloads
         assert ok, msg
         assert eng.generate(prompts[1], greedy(6))["output_ids"] == want[1]["output_ids"]

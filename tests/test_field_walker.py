@@ -167,8 +167,12 @@ CLASSIFIED: dict[str, dict[str, Any]] = {
         "torch_empty_cache": H(f"{NSF}::test_update_is_atomic_with_in_flight_and_new_requests"),
         "recapture_cuda_graph": H(f"{NSF}::test_update_is_atomic_with_in_flight_and_new_requests"),
         "abort_all_requests": H(f"{ME}::test_abort_all_gives_its_message_and_update_aborts_running_requests"),
-        "is_async": R(True), "keep_pause": R(True), "token_step": R(3),
+        "is_async": R(True), "token_step": R(3),
+        "keep_pause": H("tests.test_pause_generation::test_the_http_endpoints"),  # (an update never resumes)
     },
+    "PauseGenerationReqInput": {"mode": H("tests.test_pause_generation::test_the_http_endpoints")},
+    "ContinueGenerationReqInput": {  # (CUDA only: empty_cache in core.engine.pause.resume)
+        "torch_empty_cache": H("tests.test_pause_generation::test_the_http_endpoints", "continue_generation")},
     "UpdateWeightVersionReqInput": {
         "new_version": H("tests.test_launch_flags_server::test_update_weight_version_aborts_running_requests_unless_told_not_to"),
         "abort_all_requests": H("tests.test_launch_flags_server::test_update_weight_version_aborts_running_requests_unless_told_not_to"),

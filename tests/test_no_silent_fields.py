@@ -117,7 +117,7 @@ def test_update_refuses_fields_of_missing_features(two_models) -> None:
     async def main() -> None:
         engine, c = await _serve(path_a)
         try:
-            for field, value in (("is_async", True), ("keep_pause", True), ("token_step", 3)):
+            for field, value in (("is_async", True), ("token_step", 3)):
                 r = await c.post("/update_weights_from_disk", json={"model_path": str(path_a), field: value})
                 assert r.status_code == 400 and r.json()["error"]["param"] == field, (field, r.text)
             info = (await c.get("/get_model_info")).json()

@@ -15,7 +15,7 @@ from typing import Any, Callable
 import structlog
 import torch
 
-from core.engine import gc_watch, gil_switch
+from core.engine import gc_watch, gil_switch, pause
 from core.engine.distributed.collectives import KVSpec
 from core.engine.device import check_openmp_policy, configure_cpu_runtime, engine_device
 from core.engine.distributed.tensor_parallel import RankFailure, start_tensor_parallel
@@ -119,6 +119,7 @@ class AsyncEngine(RequestFrontEnd):
         self._task: asyncio.Task | None = None
         # while a weight update runs: requests submitted meanwhile, admitted once it is done (None: no update)
         self._held: list[Req] | None = None
+        self.paused, self.parked = False, None  # /pause_generation (core.engine.pause); parked: the loop waits
         self._update_lock = asyncio.Lock()  # one weight update at a time
         self.log = log
         # Observers (metrics, request logs): called on the loop thread, must be cheap and never raise.
@@ -356,6 +357,8 @@ class AsyncEngine(RequestFrontEnd):
         and the host's scheduling and result processing run while the device computes. Where
         the next batch needs those results first (``Scheduler.needs_results``) they are
         processed before scheduling, for that step only."""
+        if self.paused:  # nothing is scheduled until /continue_generation (core.engine.pause)
+            return await pause.park(self)
         self.watchdog.begin()
         if self._inflight is not None and (why := self.scheduler.needs_results()):
             if why not in self._overlap_paused:  # (each reason once: it may hold for every step)
@@ -586,17 +589,11 @@ class AsyncEngine(RequestFrontEnd):
         ``load_format`` names the checkpoint format to read (``--load-format``'s values). Shielded: a caller that goes away does not leave the swap done without its flush."""
         return await asyncio.shield(update_weights(self, model_path, flush_cache, torch_empty_cache, load_format))
 
-    def _release_held(self) -> None:
-        """Admit the requests held during a weight update (or fail them if the engine stopped)."""
-        held, self._held = self._held or [], None
-        if not held:
-            return
-        try:
-            self.submit(held)
-        except CoreError as e:
-            for r in held:
-                r.finish_reason, r.finish_time = {"type": "abort", "message": str(e)}, time.perf_counter()
-                self._finished(r)
+    async def pause_generation(self, mode: str = "abort") -> None:  # SGLang's (core.engine.pause)
+        await pause.pause(self, mode)
+
+    async def continue_generation(self, torch_empty_cache: bool = False) -> None:
+        pause.resume(self, torch_empty_cache)
 
     async def shutdown(self) -> None:
         """Abort whatever is queued or running, stop the scheduler and the worker thread."""

@@ -516,10 +516,9 @@ class UpdateWeightFromDiskReqInput(msgspec.Struct, forbid_unknown_fields=True):
     flush_cache: bool = True
 
 
-# field -> why it cannot be honoured: no pause_generation here, and no trainer-step tracking of outputs
+# field -> why it cannot be honoured (keep_pause is: an update never ends a /pause_generation, as in SGLang)
 _UNSUPPORTED_UPDATE_FIELDS = {
     "is_async": "asynchronous weight updates are not supported; the update completes before the response",
-    "keep_pause": "this server has no pause_generation, so there is no pause to keep",
     "token_step": "outputs are not tagged with trainer steps by this server",
 }
 
@@ -547,6 +546,34 @@ async def update_weights_from_disk(request: Request) -> Response:
             message += f" Weight version updated to {obj.weight_version}."
     return json_response({"success": success, "message": message, "num_paused_requests": 0},
                          status=200 if success else 400)
+
+
+class PauseGenerationReqInput(msgspec.Struct, forbid_unknown_fields=True):
+    """SGLang's: ``abort``, ``retract`` or ``in_place`` (core.engine.pause)."""
+
+    mode: str = "abort"
+
+
+class ContinueGenerationReqInput(msgspec.Struct, forbid_unknown_fields=True):
+    torch_empty_cache: bool = True  # (CUDA's cached blocks back to the driver first)
+
+
+async def _optional_body(request: Request, typ: type) -> Any:
+    """``typ`` from the body, or its defaults for an empty one (SGLang's clients may send none)."""
+    return typ() if not await request.body() else await read_body(request, typ)
+
+
+async def pause_generation(request: Request) -> Response:
+    """SGLang's /pause_generation: answers once no step runs (``core.engine.pause``)."""
+    obj = await _optional_body(request, PauseGenerationReqInput)
+    await state_of(request).engine.pause_generation(obj.mode)
+    return json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+
+async def continue_generation(request: Request) -> Response:
+    obj = await _optional_body(request, ContinueGenerationReqInput)
+    await state_of(request).engine.continue_generation(obj.torch_empty_cache)
+    return json_response({"message": "Generation continued successfully.", "status": "ok"})
 
 
 class UpdateWeightVersionReqInput(msgspec.Struct, forbid_unknown_fields=True):

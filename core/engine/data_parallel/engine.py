@@ -434,6 +434,17 @@ class DataParallelEngine(RequestFrontEnd):
         failed = [f"replica {r.index}: {msg}" for r, (ok, msg) in zip(self._live(), results) if not ok]
         return (False, "; ".join(failed)) if failed else results[0]
 
+    async def pause_generation(self, mode: str = "abort") -> None:
+        """SGLang's /pause_generation on every live replica (``core.engine.pause``)."""
+        from core.engine.pause import MODES
+
+        if mode not in MODES:
+            raise InvalidRequest(f"mode must be one of {', '.join(MODES)}, got {mode!r}", param="mode")
+        await asyncio.gather(*(self._call(r, "pause", mode) for r in self._live()))
+
+    async def continue_generation(self, torch_empty_cache: bool = False) -> None:
+        await asyncio.gather(*(self._call(r, "resume", torch_empty_cache) for r in self._live()))
+
     async def clear_hicache_storage(self) -> bool:
         """Every live replica drops its HiCache storage tier's pages; False when none has one."""
         return any(_answers(await self._call_all("clear_storage")))

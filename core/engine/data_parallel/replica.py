@@ -174,6 +174,10 @@ class _Replica:
                 value = await self.engine.update_weights_from_disk(*args)
             elif what == "freeze_gc":
                 value = await self.engine.freeze_gc()
+            elif what == "pause":
+                value = await self.engine.pause_generation(*args)
+            elif what == "resume":
+                value = await self.engine.continue_generation(*args)
             elif what == "load_lora":
                 value = await self.engine.load_lora_adapter(*args)
             elif what == "unload_lora":

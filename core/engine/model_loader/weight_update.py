@@ -5,6 +5,7 @@ flushes the prefix cache, while requests submitted meanwhile are held (``AsyncEn
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import TYPE_CHECKING
 
 import attrs
@@ -14,6 +15,7 @@ import torch
 from core.engine import gc_watch
 from core.engine.model_loader.hub import is_hub_id, resolve_hub_path
 from core.engine.model_loader.loader import load_model_config, with_tokenizer_eos
+from core.errors import CoreError
 
 if TYPE_CHECKING:
     from core.engine.async_engine import AsyncEngine
@@ -28,7 +30,7 @@ async def update_weights(engine: AsyncEngine, model_path: str, flush_cache: bool
     async with engine._update_lock:
         engine._held = []
         try:
-            while engine.scheduler.has_work and engine.fatal_error is None:
+            while engine.scheduler.has_work and engine.fatal_error is None and not engine.paused:  # (paused: at once)
                 await asyncio.sleep(UPDATE_IDLE_POLL_S)
             ok, message = await engine._on_forward_thread(reload_weights, engine, model_path, load_format)
             if ok and flush_cache and engine.scheduler.flush_cache():  # idle: always succeeds
@@ -38,7 +40,20 @@ async def update_weights(engine: AsyncEngine, model_path: str, flush_cache: bool
                 torch.cuda.empty_cache()
             return ok, message
         finally:
-            engine._release_held()
+            release_held(engine)
+
+
+def release_held(engine: AsyncEngine) -> None:
+    """Admit the requests held during a weight update (or fail them if the engine stopped)."""
+    held, engine._held = engine._held or [], None
+    if not held:
+        return
+    try:
+        engine.submit(held)
+    except CoreError as e:
+        for r in held:
+            r.finish_reason, r.finish_time = {"type": "abort", "message": str(e)}, time.perf_counter()
+            engine._finished(r)
 
 
 def reload_weights(engine: AsyncEngine, model_path: str, load_format: str = "auto") -> tuple[bool, str]:
