@@ -395,6 +395,7 @@ CLASSIFIED: dict[str, dict[str, Any]] = {
         "cpu_threads": H(f"{ME}::test_engine_args_reach_the_engine"),
         "watchdog_timeout": H("tests.test_robustness_watchdog::test_watchdog_fails_in_flight_requests_and_health",
                               "--watchdog-timeout"),
+        "prefill_max_requests": H("tests.test_scheduler::test_prefill_max_requests_reaches_the_scheduler"),
         "default_priority_value": H("tests.test_schedule_policy::test_default_priority_value_and_abort_on_priority_when_disabled"),
         "abort_on_priority_when_disabled": H(
             "tests.test_schedule_policy::test_default_priority_value_and_abort_on_priority_when_disabled"),

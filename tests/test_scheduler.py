@@ -374,3 +374,33 @@ def test_an_abort_while_the_steps_run_drops_them():
     s.abort("b")
     s.schedule()
     assert_all_free(s)
+
+
+def test_prefill_max_requests_caps_a_prefill_batch() -> None:
+    """SGLang's --prefill-max-requests: five short prompts that fit one prefill go two at a time."""
+    alloc, table = PageAllocator(65, 1), ReqToTokenTable(8, 65, torch.device("cpu"))
+    s = Scheduler(alloc, table, max_running_requests=8, max_prefill_tokens=1000, context_len=64, eos_ids=(EOS,),
+                  prefill_max_requests=2)
+    for i in range(5):
+        s.add(req(f"r{i}", 3))
+    sizes = []
+    while s.waiting:
+        batch = s.schedule()[0]
+        if batch.is_prefill:
+            sizes.append(len(batch.reqs))
+        s.process(batch, StepResult(SampleOutput([7] * len(batch.reqs), None, None)))
+    assert sizes == [2, 2, 1]
+    assert make().prefill_max_requests >= 1 << 62  # (no limit by default)
+
+
+def test_prefill_max_requests_reaches_the_scheduler(tiny_llama) -> None:
+    from core.errors import CoreError
+    from tests.conftest import make_engine
+
+    eng = make_engine(tiny_llama()[0], prefill_max_requests=3)
+    try:
+        assert eng.engine.scheduler.prefill_max_requests == 3
+    finally:
+        eng.shutdown()
+    with pytest.raises(CoreError, match="--prefill-max-requests must be >= 1, got 0"):
+        make_engine(tiny_llama()[0], prefill_max_requests=0)

@@ -144,6 +144,8 @@ class EngineArgs:
                                                            "(higher values first)")
     schedule_low_priority_values_first: bool = _arg(False, MEMORY, "with --enable-priority-scheduling, lower priority "
                                                                    "values run first")
+    prefill_max_requests: int | None = _arg(None, MEMORY, "the most requests one prefill batch admits (default: "
+                                                          "no limit)")
     default_priority_value: int | None = _arg(None, MEMORY, "with --enable-priority-scheduling, the priority of a "
                                                             "request that sets none (default: after every request "
                                                             "that sets one, as SGLang)")
@@ -391,6 +393,8 @@ def check_scheduling_args(args: EngineArgs) -> None:
         raise CoreError(f"--num-continuous-decode-steps must be >= 1, got {args.num_continuous_decode_steps}")
     if args.decode_log_interval < 1:
         raise CoreError(f"--decode-log-interval must be >= 1, got {args.decode_log_interval}")
+    if args.prefill_max_requests is not None and args.prefill_max_requests < 1:
+        raise CoreError(f"--prefill-max-requests must be >= 1, got {args.prefill_max_requests}")
     if args.schedule_conservativeness <= 0:
         raise CoreError(f"--schedule-conservativeness must be > 0, got {args.schedule_conservativeness}")
     from core.engine.hidden_states import check_args

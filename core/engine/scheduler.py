@@ -50,10 +50,11 @@ class Scheduler:
         schedule_policy: str = "fcfs", schedule_conservativeness: float = 1.0,
         enable_mixed_chunk: bool = False, enable_priority_scheduling: bool = False,
         schedule_low_priority_values_first: bool = False, seed: int = 0,
-        decode_steps: int = 1, speculator: Speculator | None = None,
+        decode_steps: int = 1, speculator: Speculator | None = None, prefill_max_requests: int | None = None,
     ) -> None:
         self.allocator, self.table, self.tree_cache = allocator, table, tree_cache
         self.max_running, self.max_prefill_tokens = max_running_requests, max_prefill_tokens
+        self.prefill_max_requests = prefill_max_requests or 1 << 62  # --prefill-max-requests: a prefill batch's requests
         self.chunked_prefill_size = chunked_prefill_size if chunked_prefill_size and chunked_prefill_size > 0 else None
         self.context_len = context_len
         self.eos_ids = frozenset(eos_ids)
@@ -310,7 +311,7 @@ class Scheduler:
         skipped: list[Req] = []  # waiting requests whose LoRA adapter would exceed --max-loras-per-batch
         while self.waiting and len(self.running) < self.max_running and self.table.num_free:
             req = self.waiting[0]
-            if req.aborted:  # aborted between reap and now: dropped at the next step
+            if req.aborted or len(out) >= self.prefill_max_requests:  # (aborted since the reap: dropped next step)
                 break
             if req.lora_id and self.max_loras and len({r.lora_id for r in self.running if r.lora_id} | {req.lora_id}) > self.max_loras:
                 skipped.append(self.waiting.popleft())

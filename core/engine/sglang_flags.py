@@ -92,7 +92,7 @@ ple-offload-backend ple-offload-dir ple-offload-embedding pp-async-batch-depth p
 prefill-decode-interval prefill-decode-interval-min-bs
 prefill-delayer-forward-passes-buckets prefill-delayer-max-delay-ms prefill-delayer-max-delay-passes
 prefill-delayer-queue-min-ratio prefill-delayer-token-usage-low-watermark prefill-delayer-wait-seconds-buckets
-prefill-kv-cache-dequant-dtype prefill-max-requests prefill-only-disable-kv-cache
+prefill-kv-cache-dequant-dtype prefill-only-disable-kv-cache
 priority-scheduling-preemption-threshold qsa-indexer-dtype quantization-param-path
 quantize-and-serve radix-cache-backend radix-eviction-policy-config remote-instance-weight-loader-backend
 remote-instance-weight-loader-seed-instance-ip remote-instance-weight-loader-seed-instance-service-port
