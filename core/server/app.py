@@ -21,7 +21,7 @@ from starlette.routing import Route
 from core.errors import CoreError
 from core.server import anthropic, embeddings, lora, native, profile, request_log, tokenize
 from core.server.http import ApiError, ApiKeyMiddleware, RootPathMiddleware, api_error, route_path
-from core.server.openai import batches, files, responses, routes
+from core.server.openai import batches, files, responses, routes, score
 from core.server.state import ServerState
 
 log = structlog.get_logger("core.server.app")
@@ -64,6 +64,7 @@ ROUTES = [
     # OpenAI-compatible
     Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
     Route("/invocations", routes.chat_completions, methods=["POST"]),  # SageMaker's inference route: chat
+    Route("/v1/score", score.score, methods=["POST"]),
     Route("/v1/completions", routes.completions, methods=["POST"]),
     Route("/v1/models", routes.list_models, methods=["GET"]),
     Route("/v1/models/{model_id:path}", routes.retrieve_model, methods=["GET"]),
