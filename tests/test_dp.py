@@ -123,6 +123,8 @@ def test_round_robin_spreads_and_matches_one_engine(model_path):
 
         ran, out = eng._call(paused_then_resumed())
         assert not ran and out["output_ids"] == want[1]["output_ids"]
+        norms = eng._call(eng.engine.weights_by_name("model.norm.weight", 3))  # /get_weights_by_name: per replica
+        assert len(norms) == 2 and norms[0] == norms[1] and len(norms[0]) == 3
         ok, msg = eng._call(eng.engine.update_weights_from_disk(str(model_path)))  # every replica reloads
         assert ok, msg
         assert eng.generate(prompts[1], greedy(6))["output_ids"] == want[1]["output_ids"]

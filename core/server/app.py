@@ -47,6 +47,7 @@ ROUTES = [
     Route("/abort_request", native.abort_request, methods=["POST"]),
     Route("/start_profile", profile.start_profile, methods=["GET", "POST"]),
     Route("/stop_profile", profile.stop_profile, methods=["GET", "POST"]),
+    Route("/get_weights_by_name", native.get_weights_by_name, methods=["GET", "POST"]),
     Route("/pause_generation", native.pause_generation, methods=["POST"]),
     Route("/continue_generation", native.continue_generation, methods=["POST"]),
     Route("/update_weights_from_disk", native.update_weights_from_disk, methods=["POST"]),

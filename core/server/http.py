@@ -313,7 +313,7 @@ async def abort_on_disconnect(request: Request, abort: Callable[[], None]) -> As
 ADMIN_PATHS = frozenset({
     "/flush_cache", "/freeze_gc", "/clear_hicache_storage_backend", "/hicache/storage-backend/clear",
     "/abort_request", "/start_profile", "/stop_profile", "/update_weights_from_disk", "/update_weight_version",
-    "/load_lora_adapter", "/unload_lora_adapter", "/pause_generation", "/continue_generation",
+    "/load_lora_adapter", "/unload_lora_adapter", "/pause_generation", "/continue_generation", "/get_weights_by_name",
 })
 
 

@@ -548,6 +548,25 @@ async def update_weights_from_disk(request: Request) -> Response:
                          status=200 if success else 400)
 
 
+class GetWeightsByNameReqInput(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    truncate_size: int = 100
+
+
+async def get_weights_by_name(request: Request) -> Response:
+    """SGLang's /get_weights_by_name: the parameter's first ``truncate_size`` rows (a list per
+    data-parallel replica with --dp-size > 1, as SGLang's)."""
+    from core.engine.model_loader.weights_by_name import weights_by_name
+
+    state = state_of(request)
+    obj = await read_body(request, GetWeightsByNameReqInput)
+    engine = state.engine
+    if hasattr(engine, "model"):  # (an engine in this process)
+        return json_response(await asyncio.to_thread(weights_by_name, engine.model, obj.name, obj.truncate_size))
+    values = await engine.weights_by_name(obj.name, obj.truncate_size)
+    return json_response(values[0] if engine.args.dp_size <= 1 else values)
+
+
 class PauseGenerationReqInput(msgspec.Struct, forbid_unknown_fields=True):
     """SGLang's: ``abort``, ``retract`` or ``in_place`` (core.engine.pause)."""
 

@@ -434,6 +434,10 @@ class DataParallelEngine(RequestFrontEnd):
         failed = [f"replica {r.index}: {msg}" for r, (ok, msg) in zip(self._live(), results) if not ok]
         return (False, "; ".join(failed)) if failed else results[0]
 
+    async def weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        """Each live replica's values of parameter ``name`` (``model_loader.weights_by_name``)."""
+        return list(await asyncio.gather(*(self._call(r, "weights_by_name", name, truncate_size) for r in self._live())))
+
     async def pause_generation(self, mode: str = "abort") -> None:
         """SGLang's /pause_generation on every live replica (``core.engine.pause``)."""
         from core.engine.pause import MODES

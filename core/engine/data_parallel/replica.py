@@ -21,6 +21,7 @@ import structlog
 from core.engine import gc_watch
 from core.engine.config import EngineArgs
 from core.engine.device import configure_cpu_runtime
+from core.engine.model_loader.weights_by_name import weights_by_name
 from core.engine.request import Req
 from core.engine.sampling_params import SamplingParams
 
@@ -174,6 +175,8 @@ class _Replica:
                 value = await self.engine.update_weights_from_disk(*args)
             elif what == "freeze_gc":
                 value = await self.engine.freeze_gc()
+            elif what == "weights_by_name":
+                value = weights_by_name(self.engine.model, *args)
             elif what == "pause":
                 value = await self.engine.pause_generation(*args)
             elif what == "resume":
