@@ -170,6 +170,8 @@ CLASSIFIED: dict[str, dict[str, Any]] = {
         "is_async": R(True), "token_step": R(3),
         "keep_pause": H("tests.test_pause_generation::test_the_http_endpoints"),  # (an update never resumes)
     },
+    "GetWeightsByNameReqInput": {"name": H("tests.test_weights_by_name::test_the_http_endpoint"),
+                                 "truncate_size": H("tests.test_weights_by_name::test_the_http_endpoint")},
     "PauseGenerationReqInput": {"mode": H("tests.test_pause_generation::test_the_http_endpoints")},
     "ContinueGenerationReqInput": {  # (CUDA only: empty_cache in core.engine.pause.resume)
         "torch_empty_cache": H("tests.test_pause_generation::test_the_http_endpoints", "continue_generation")},
