@@ -462,3 +462,24 @@ def test_text_on_both_sides_of_calls_is_not_glued(qwen):
     assert msg["content"] == "Sure.\nAnd also:" and len(msg["tool_calls"]) == 2
     chunks = _sse(qwen.post("/v1/chat/completions", json={**body, "stream": True}).text)
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == msg["content"]
+
+
+def test_usage_counts_the_reasoning_tokens(r1, qwen):
+    """SGLang's usage.reasoning_tokens and OpenAI's completion_tokens_details.reasoning_tokens: the
+    tokens through the end tag (all of them while the reasoning is open); none without a parser."""
+    from core.server.openai.job import reasoning_tokens
+
+    end = tuple(r1.engine.tokenizer.encode("</think>", add_special_tokens=False))
+    body = {"messages": HI, "temperature": 0, "max_tokens": 24}
+    open_ = r1.post("/v1/chat/completions", json=body).json()["usage"]
+    assert open_["reasoning_tokens"] == open_["completion_tokens"] == 24
+    assert open_["completion_tokens_details"] == {"reasoning_tokens": 24}
+    closed = r1.post("/v1/chat/completions", json={**body, "thinking_token_budget": 3}).json()["usage"]
+    assert closed["reasoning_tokens"] == 3 + len(end) < closed["completion_tokens"]
+    streamed = [c for c in _sse(r1.post("/v1/chat/completions", json={
+        **body, "thinking_token_budget": 3, "stream": True, "stream_options": {"include_usage": True}}).text)
+        if c.get("usage")]
+    assert streamed[-1]["usage"]["reasoning_tokens"] == 3 + len(end)
+    plain = qwen.post("/v1/chat/completions", json=body).json()["usage"]
+    assert plain["reasoning_tokens"] == 0 and "completion_tokens_details" not in plain
+    assert reasoning_tokens([7, 1, 2, 8, 9, 3], (8, 9), (7,)) == 5 and reasoning_tokens([4, 8, 9], (8, 9), (7,)) == 0

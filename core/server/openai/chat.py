@@ -325,6 +325,8 @@ def prepare_chat(state: Any, r: ChatCompletionRequest, rid: str | None = None) -
         constraint = {plan.constraint[0]: plan.constraint[1]}
     from_first_token = bool(constraint) and not plan.triggered  # (a triggered tag lets free text, thinking, through)
     gate = reasoning_gate(state, r) if from_first_token else None  # (then the answer after the reasoning)
+    tags = reasoning_tags(state, r)
+    job.reasoning_ids = tags[1:] if tags is not None and not (from_first_token and gate is None) else None
     from_first_token = from_first_token and gate is None
     if from_first_token and plan.reasoning_parser is not None:
         job.plan = plan = attrs.evolve(plan, reasoning_parser=unforced(plan.reasoning_parser))

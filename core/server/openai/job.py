@@ -20,7 +20,9 @@ from core.server.limits import MAX_N, MAX_SEQUENCES, check_sampling_limits  # no
 from core.server.lora import lora_kwargs, request_adapters
 from core.server.openai.chat_template import REASONING_EFFORTS
 from core.server.openai.logprobs import vocab_of
-from core.server.openai.protocol import IGNORED_FIELDS, NOOP_FIELDS, PromptTokensDetails, UsageInfo
+from core.server.openai.protocol import (
+    IGNORED_FIELDS, NOOP_FIELDS, CompletionTokensDetails, PromptTokensDetails, UsageInfo,
+)
 from core.server.request_log import emit as emit_request_log
 
 log = structlog.get_logger("core.server.openai")
@@ -331,6 +333,8 @@ class Job:
         self.logprobs = False
         self.top = 0
         self.adapters: list[str | None] = []  # the LoRA adapter of each prompt (core.server.lora)
+        # (the reasoning's end tag, its start tag or ()) where the output reasons first (chat): usage counts it
+        self.reasoning_ids: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
     @property
     def vocab(self) -> Any:
@@ -372,7 +376,7 @@ class Job:
     def usage(self, outs: list[dict | None]) -> UsageInfo:
         """Usage so far (``outs``: each request's latest output, None before its first): every prompt
         counts from the start (a continuous-usage stream's first chunks too, as vLLM's), once per prompt."""
-        prompt = completion = cached = 0
+        prompt = completion = cached = reasoning = 0
         for i, (req, out) in enumerate(zip(self.reqs, outs)):
             if i % self.n == 0:
                 prompt += len(req.prompt_ids)
@@ -382,7 +386,12 @@ class Job:
             completion += meta["completion_tokens"]
             if i % self.n == 0:
                 cached += meta.get("cached_tokens", 0) or 0
-        usage = UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+            if self.reasoning_ids is not None:
+                reasoning += reasoning_tokens(out["output_ids"], *self.reasoning_ids)
+        usage = UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                          reasoning_tokens=reasoning)
+        if reasoning:
+            usage.completion_tokens_details = CompletionTokensDetails(reasoning_tokens=reasoning)
         if self.cache_report:
             usage.prompt_tokens_details = PromptTokensDetails(cached_tokens=cached)
         return usage
@@ -425,3 +434,13 @@ class Job:
         finally:
             await events.aclose()
             self.abort()
+
+
+def reasoning_tokens(ids: list[int], end_ids: tuple[int, ...], start_ids: tuple[int, ...]) -> int:
+    """The output's reasoning tokens, as SGLang counts them: from the first token (or the start tag,
+    which an output that may answer at once must open with) through the end tag; all of them while
+    the reasoning is still open."""
+    if start_ids and tuple(ids[: len(start_ids)]) != start_ids:
+        return 0
+    n = len(end_ids)
+    return next((i + n for i in range(len(start_ids), len(ids) - n + 1) if tuple(ids[i : i + n]) == end_ids), len(ids))

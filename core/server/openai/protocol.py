@@ -202,11 +202,17 @@ class PromptTokensDetails(Struct):
     cached_tokens: int = 0
 
 
+class CompletionTokensDetails(Struct):
+    reasoning_tokens: int = 0
+
+
 class UsageInfo(Struct, kw_only=True):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails | UnsetType = UNSET
+    reasoning_tokens: int = 0  # SGLang's; also OpenAI's completion_tokens_details.reasoning_tokens where any
+    completion_tokens_details: CompletionTokensDetails | UnsetType = UNSET
 
 
 # chat logprobs: choices[i].logprobs.content[{token, logprob, bytes, top_logprobs}]
