@@ -483,3 +483,10 @@ def test_usage_counts_the_reasoning_tokens(r1, qwen):
     plain = qwen.post("/v1/chat/completions", json=body).json()["usage"]
     assert plain["reasoning_tokens"] == 0 and "completion_tokens_details" not in plain
     assert reasoning_tokens([7, 1, 2, 8, 9, 3], (8, 9), (7,)) == 5 and reasoning_tokens([4, 8, 9], (8, 9), (7,)) == 0
+
+
+def test_a_responses_usage_counts_its_reasoning_tokens_as_chat_does(r1):
+    """(The random model never closes its reasoning: all 16 tokens are reasoning, in tokens.)"""
+    usage = r1.post("/v1/responses", json={"input": "hi", "temperature": 0, "max_output_tokens": 16}).json()["usage"]
+    chat = r1.post("/v1/chat/completions", json={"messages": HI, "temperature": 0, "max_tokens": 16}).json()["usage"]
+    assert usage["output_tokens_details"]["reasoning_tokens"] == chat["reasoning_tokens"] == 16

@@ -50,7 +50,7 @@ from core.server.http import (
     state_of,
 )
 from core.server.openai.chat import ChatJob, choice_deltas, joined_text, prepare_chat
-from core.server.openai.job import REASONING_EFFORTS, effort_template_kwargs, finish_of, read_checked
+from core.server.openai.job import REASONING_EFFORTS, effort_template_kwargs, finish_of, read_checked, reasoning_tokens
 from core.server.openai.logprobs import chat_logprobs
 from core.server.openai.protocol import ChatCompletionRequest
 
@@ -270,12 +270,14 @@ def _responses_error(e: InvalidRequest) -> InvalidRequest:
 
 
 def _usage(job: ChatJob, out: dict, reasoning: str | None) -> dict[str, Any]:
+    """The response's usage; its reasoning tokens counted in the output's tokens, as chat's
+    (``job.reasoning_tokens``: through the end tag) where the output reasons."""
     meta = out["meta_info"]
     prompt, completion = meta["prompt_tokens"], meta["completion_tokens"]
-    tok = job.engine.tokenizer
-    reasoning_tokens = len(tok.encode(reasoning, add_special_tokens=False)) if reasoning and tok is not None else 0
+    ids = getattr(job, "reasoning_ids", None)
+    thought = reasoning_tokens(out["output_ids"], *ids) if reasoning and ids else 0
     return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": meta.get("cached_tokens", 0) or 0},
-            "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": min(reasoning_tokens, completion)},
+            "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": thought},
             "total_tokens": prompt + completion}
 
 
