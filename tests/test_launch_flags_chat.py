@@ -86,7 +86,7 @@ def test_default_chat_template_kwargs_sit_under_the_requests_own(tiny_llama, mon
 
     # (the regex holds the whole output, reasoning included: the gate that holds a grammar back until
     # the reasoning ends is turned off)
-    monkeypatch.setattr(chat_module, "reasoning_gate", lambda state, r: None)
+    monkeypatch.setattr(chat_module, "reasoning_gate", lambda tags: None)
     path, _ = tiny_llama()
     defaults = {"enable_thinking": False, "style": "terse"}
     server = ServerArgs(chat_template=TEMPLATE, reasoning_parser="qwen3", default_chat_template_kwargs=defaults)

@@ -992,7 +992,7 @@ class _ScriptedJob:
         self.id, self.model, self.created, self.interval, self.logprobs, self.top = "id-1", "m", 0, 1, False, 0
         self.reqs = [SimpleNamespace(prompt_ids=[1, 2, 3])]
         self.engine = SimpleNamespace(tokenizer=None)
-        self.aborted = False
+        self.aborted, self.reasoning_ids = False, None
 
     def post(self):
         steps = iter(self.steps)

@@ -30,7 +30,7 @@ def forced(monkeypatch):
     import core.server.openai.chat as chat
     import core.server.openai.responses as responses
 
-    monkeypatch.setattr(chat, "reasoning_gate", lambda state, r: None)
+    monkeypatch.setattr(chat, "reasoning_gate", lambda tags: None)
 
     made = responses.chat_request
 

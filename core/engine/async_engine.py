@@ -119,7 +119,7 @@ class AsyncEngine(RequestFrontEnd):
         self._task: asyncio.Task | None = None
         # while a weight update runs: requests submitted meanwhile, admitted once it is done (None: no update)
         self._held: list[Req] | None = None
-        self.paused, self.parked = False, None  # /pause_generation (core.engine.pause); parked: the loop waits
+        self.paused, self.parked = False, asyncio.Event()  # /pause_generation (core.engine.pause): the loop waits
         self._update_lock = asyncio.Lock()  # one weight update at a time
         self.log = log
         # Observers (metrics, request logs): called on the loop thread, must be cheap and never raise.

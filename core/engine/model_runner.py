@@ -447,15 +447,13 @@ def _scatter(sample: SampleOutput, live: list[int], n: int) -> SampleOutput:
     """Spread the samples of the ``live`` rows back over all ``n`` requests of the batch (0 / None elsewhere)."""
     toks, lps = [0] * n, None if sample.logprobs is None else [0.0] * n
     tops = None if sample.top_logprobs is None else [[] for _ in range(n)]
+    asked = None if sample.token_ids_logprobs is None else [[] for _ in range(n)]
     for j, i in enumerate(live):
         toks[i] = sample.token_ids[j]
         if lps is not None:
             lps[i] = sample.logprobs[j]
         if tops is not None:
             tops[i] = sample.top_logprobs[j]
-    out = SampleOutput(toks, lps, tops, sample.failed and {live[j]: why for j, why in sample.failed.items()})
-    if sample.token_ids_logprobs is not None:
-        out.token_ids_logprobs = [[] for _ in range(n)]
-        for j, i in enumerate(live):
-            out.token_ids_logprobs[i] = sample.token_ids_logprobs[j]
-    return out
+        if asked is not None:
+            asked[i] = sample.token_ids_logprobs[j]
+    return SampleOutput(toks, lps, tops, sample.failed and {live[j]: why for j, why in sample.failed.items()}, asked)

@@ -34,17 +34,20 @@ MODES = ("abort", "retract", "in_place")
 IDLE_POLL_S = 0.005  # how often an abort-mode pause checks whether the aborted requests are gone
 
 
-async def pause(engine: AsyncEngine, mode: str = "abort") -> None:
-    """Pause ``engine`` in ``mode``; returns once no step runs."""
+def check_mode(mode: str) -> None:
     if mode not in MODES:
         raise InvalidRequest(f"mode must be one of {', '.join(MODES)}, got {mode!r}", param="mode")
+
+
+async def pause(engine: AsyncEngine, mode: str = "abort") -> None:
+    """Pause ``engine`` in ``mode``; returns once no step runs."""
+    check_mode(mode)
     if mode == "abort":
         engine.abort_all("aborted by /pause_generation")
         while engine.scheduler.has_work and engine.fatal_error is None:  # (the loop drops them)
             await asyncio.sleep(IDLE_POLL_S)
     engine.paused = True
     if engine._task is not None and not engine._task.done() and engine._wake is not None:
-        engine.parked = engine.parked or asyncio.Event()
         engine._wake.set()  # an idle loop comes round to the pause
         await engine.parked.wait()
     if mode == "retract":
@@ -62,8 +65,7 @@ def resume(engine: AsyncEngine, torch_empty_cache: bool = False) -> None:
 
         torch.cuda.empty_cache()
     engine.paused = False
-    if engine.parked is not None:
-        engine.parked.clear()
+    engine.parked.clear()
     if engine._wake is not None:
         engine._wake.set()
     log.info("engine.resumed")
@@ -73,7 +75,6 @@ async def park(engine: AsyncEngine) -> None:
     """The loop's step while paused: finish the step in flight, say so, and wait to be woken."""
     if engine._inflight is not None:
         await engine._complete(*engine._inflight)
-    engine.parked = engine.parked or asyncio.Event()
     engine.parked.set()
     engine._wake.clear()
     if engine.paused:

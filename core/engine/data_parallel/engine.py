@@ -440,10 +440,9 @@ class DataParallelEngine(RequestFrontEnd):
 
     async def pause_generation(self, mode: str = "abort") -> None:
         """SGLang's /pause_generation on every live replica (``core.engine.pause``)."""
-        from core.engine.pause import MODES
+        from core.engine.pause import check_mode
 
-        if mode not in MODES:
-            raise InvalidRequest(f"mode must be one of {', '.join(MODES)}, got {mode!r}", param="mode")
+        check_mode(mode)  # (here: before any replica pauses)
         await asyncio.gather(*(self._call(r, "pause", mode) for r in self._live()))
 
     async def continue_generation(self, torch_empty_cache: bool = False) -> None:

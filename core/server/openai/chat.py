@@ -264,10 +264,11 @@ def reasoning_tags(state: Any, r: ChatCompletionRequest) -> tuple[Any, tuple[int
     return parser, tuple(tok.encode(parser.think_end, add_special_tokens=False)), start
 
 
-def thinking_budget(state: Any, r: ChatCompletionRequest, constrained: bool) -> ThinkingBudget | None:
+def thinking_budget(state: Any, r: ChatCompletionRequest, tags: tuple | None) -> ThinkingBudget | None:
     """``thinking_token_budget`` as the engine's ``ThinkingBudget``: the reasoning parser's end tag,
     tokenized, closes a reasoning that reaches the budget. None where there is no budget, or no
-    reasoning (thinking turned off, or a constraint from the first token)."""
+    reasoning (``tags``, :func:`reasoning_tags`' None: thinking turned off, or a constraint from the
+    first token)."""
     budget = r.thinking_token_budget
     if budget is None or budget == -1:
         return None
@@ -276,15 +277,14 @@ def thinking_budget(state: Any, r: ChatCompletionRequest, constrained: bool) -> 
     name = state.args.reasoning_parser
     check(bool(name) and bool(getattr(state.engine.plugins.resolve("reasoning_parser", name), "think_end", None)),
           "thinking_token_budget needs --reasoning-parser (its end tag closes the reasoning)", "thinking_token_budget")
-    tags = None if constrained else reasoning_tags(state, r)
     return None if tags is None else ThinkingBudget(budget, tags[1], tags[2])
 
 
-def reasoning_gate(state: Any, r: ChatCompletionRequest) -> ReasoningGate | None:
-    """Where a request's output reasons first, its constraint holds only the answer after the
-    reasoning (SGLang's and vLLM's reasoning parsers with structured output do the same). Not
-    for a parser whose answer opens with a header of its own (gpt-oss's final channel)."""
-    tags = reasoning_tags(state, r)
+def reasoning_gate(tags: tuple | None) -> ReasoningGate | None:
+    """Where a request's output reasons first (``tags``: :func:`reasoning_tags`'), its constraint
+    holds only the answer after the reasoning (SGLang's and vLLM's reasoning parsers with structured
+    output do the same). Not for a parser whose answer opens with a header of its own (gpt-oss's
+    final channel)."""
     if tags is None or getattr(tags[0], "content_prefix", ""):
         return None
     return ReasoningGate(tags[1], tags[2])
@@ -324,10 +324,10 @@ def prepare_chat(state: Any, r: ChatCompletionRequest, rid: str | None = None) -
               "constraint (response_format, regex, json_schema, ebnf)", "tool_choice")
         constraint = {plan.constraint[0]: plan.constraint[1]}
     from_first_token = bool(constraint) and not plan.triggered  # (a triggered tag lets free text, thinking, through)
-    gate = reasoning_gate(state, r) if from_first_token else None  # (then the answer after the reasoning)
     tags = reasoning_tags(state, r)
-    job.reasoning_ids = tags[1:] if tags is not None and not (from_first_token and gate is None) else None
+    gate = reasoning_gate(tags) if from_first_token else None  # (then the answer after the reasoning)
     from_first_token = from_first_token and gate is None
+    job.reasoning_ids = None if tags is None or from_first_token else tags[1:]  # (usage counts them)
     if from_first_token and plan.reasoning_parser is not None:
         job.plan = plan = attrs.evolve(plan, reasoning_parser=unforced(plan.reasoning_parser))
     max_tokens = r.max_completion_tokens if r.max_completion_tokens is not None else r.max_tokens
@@ -340,7 +340,7 @@ def prepare_chat(state: Any, r: ChatCompletionRequest, rid: str | None = None) -
     images = chat_images(state, urls or [])  # (the processor checks the template gave each its placeholder)
     ids, max_new = fit_context(state, ids, max_tokens, "messages")
     params = sampling_params(r, max_new, n, constraint, state.chat_sampling_defaults, state.args.preferred_sampling_params)
-    params.thinking, params.reasoning_gate = thinking_budget(state, r, from_first_token), gate
+    params.thinking, params.reasoning_gate = thinking_budget(state, r, None if from_first_token else tags), gate
     if r.skip_special_tokens is None and any(getattr(p, "reads_special_tokens", False)
                                              for p in (plan.reasoning_parser, plan.tool_parser)):
         params.skip_special_tokens = False  # the parsers' markers are special tokens (gpt-oss)

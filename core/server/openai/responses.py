@@ -270,11 +270,11 @@ def _responses_error(e: InvalidRequest) -> InvalidRequest:
 
 
 def _usage(job: ChatJob, out: dict, reasoning: str | None) -> dict[str, Any]:
-    """The response's usage; its reasoning tokens counted in the output's tokens, as chat's
-    (``job.reasoning_tokens``: through the end tag) where the output reasons."""
+    """The response's usage; its reasoning tokens counted in the output's tokens as chat's usage
+    counts them (``job.reasoning_ids``, ``reasoning_tokens``: through the end tag)."""
     meta = out["meta_info"]
     prompt, completion = meta["prompt_tokens"], meta["completion_tokens"]
-    ids = getattr(job, "reasoning_ids", None)
+    ids = job.reasoning_ids
     thought = reasoning_tokens(out["output_ids"], *ids) if reasoning and ids else 0
     return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": meta.get("cached_tokens", 0) or 0},
             "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": thought},

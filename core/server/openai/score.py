@@ -84,7 +84,8 @@ def _scores(lps: list[float], apply_softmax: bool, temperature: float) -> list[f
     if apply_softmax:
         top = max(lps)
         weights = [math.exp((lp - top) / temperature) for lp in lps]
-        return [w / sum(weights) for w in weights]
+        total = sum(weights)
+        return [w / total for w in weights]
     return [math.exp(lp) for lp in lps]
 
 
