@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any, AsyncIterator
@@ -252,6 +253,12 @@ def test_json_whitespace_options_shape_the_grammar_backends_masks(name):
     if name == "llguidance":
         tabs = cls(tok, len(tok), stop_token_ids=[2], whitespace_pattern="[\t]*")
         assert _allowed_after(tabs, "json_schema", schema, "{", tok) & ws == {"\t"}
+    if name == "xgrammar":  # --constrained-json-max-whitespace-cnt (xgrammar's option; SGLang's too)
+        bounded = cls(tok, len(tok), stop_token_ids=[2], max_whitespace_cnt=2)
+        assert ws <= _allowed_after(bounded, "json_schema", schema, "{ ", tok)
+        assert not ws & _allowed_after(bounded, "json_schema", schema, "{ \n", tok)
+        assert not ws & _allowed_after(bounded, "json_schema", schema, "{\t\t", tok)
+        assert ws <= _allowed_after(bounded, "json_schema", schema, '{ \n"a": ', tok)  # a new run after a token
 
 
 def _byte_model(tmp_path: Path) -> Path:
@@ -293,6 +300,9 @@ def test_json_whitespace_flags_give_compact_constrained_output(tmp_path):
         assert text in (f'{{"a"{spacing}true}}', f'{{"a"{spacing}false}}'), (backend, text)
     text = asyncio.run(answer(grammar_backend="llguidance", constrained_json_whitespace_pattern="[\t]*"))
     assert json.loads(text)["a"] in (True, False) and not set(text) & {" ", "\n"}, text
+    text = asyncio.run(answer(constrained_json_max_whitespace_cnt=3))  # runs of at most 3, still valid JSON
+    assert json.loads(text)["a"] in (True, False) and any(c in text for c in " \n"), text
+    assert re.search(r"\s{4}", loose) and not re.search(r"\s{4}", text), (loose, text)
 
 
 def test_json_whitespace_flags_a_backend_cannot_honour_are_startup_errors(tiny_llama):
@@ -307,7 +317,13 @@ def test_json_whitespace_flags_a_backend_cannot_honour_are_startup_errors(tiny_l
             (["--constrained-json-disable-any-whitespace", "--grammar-backend", "none"],
              "--constrained-json-disable-any-whitespace is not supported by --grammar-backend none; use --grammar-backend xgrammar or llguidance"),
             (["--constrained-json-whitespace-pattern", "[", "--grammar-backend", "llguidance"],
-             "--constrained-json-whitespace-pattern '\\[' is not a regular expression")):
+             "--constrained-json-whitespace-pattern '\\[' is not a regular expression"),
+            (["--constrained-json-max-whitespace-cnt", "0"], "--constrained-json-max-whitespace-cnt must be >= 1"),
+            (["--constrained-json-max-whitespace-cnt", "2", "--grammar-backend", "none"],
+             "--constrained-json-max-whitespace-cnt is not supported by --grammar-backend none"),
+            (["--constrained-json-max-whitespace-cnt", "2", "--grammar-backend", "llguidance"],
+             "--constrained-json-max-whitespace-cnt is not supported by --grammar-backend llguidance; use "
+             "--grammar-backend xgrammar")):
         with pytest.raises(CoreError, match=match):
             _validate(*argv)
     _validate("--constrained-json-whitespace-pattern", "[ ]?", "--grammar-backend", "llguidance",

@@ -207,6 +207,9 @@ class EngineArgs:
                                                     "else none)")
     torchao_config: str | None = _arg(None, BACKENDS, "quantize a dense checkpoint at load, weight-only (SGLang's "
                                                       "names): int8wo, int4wo-32, int4wo-64, int4wo-128, int4wo-256")
+    enable_fp32_lm_head: bool = _arg(False, BACKENDS, "logits in float32, not rounded to the activations' dtype: "
+                                                      "the LM head multiplies by the unquantized table (a GGUF "
+                                                      "file's head dequantized), accumulating into float32")
     cuda_graph_max_bs: int | None = _arg(None, BACKENDS, "largest decode batch captured in a CUDA graph (sizes 1, 2, 4, "
                                                          "8, then every 16; default: 256, at most "
                                                          "--max-running-requests)")
@@ -219,6 +222,10 @@ class EngineArgs:
     constrained_json_disable_any_whitespace: bool = _arg(
         False, BACKENDS, "JSON constraints (json_schema, json_object) allow no free whitespace: one line, with "
                          "xgrammar's ', ' and ': ' or llguidance's ',' and ':' (the xgrammar and llguidance backends)")
+    constrained_json_max_whitespace_cnt: int | None = _arg(
+        None, BACKENDS, "JSON constraints (json_schema, json_object) allow at most this many whitespace characters in "
+                        "a row, a guard against a model looping on newlines (the xgrammar backend; default: no "
+                        "limit)")
     plugins: str | list[str] | None = _arg(None, BACKENDS, "comma-separated plugins to load "
                                                            "(default: $CORE_PLUGINS or all installed)")
     strict_plugins: bool = _arg(False, BACKENDS, "a plugin that fails to load stops start-up")

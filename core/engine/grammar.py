@@ -48,7 +48,8 @@ DEFAULT_GRAMMAR_BACKEND = "xgrammar"
 CACHE_SIZE = 512
 # the JSON whitespace flags: EngineArgs field -> (backend keyword, the built-in backends that take it)
 JSON_WHITESPACE_FLAGS = {"constrained_json_disable_any_whitespace": ("any_whitespace", "xgrammar or llguidance"),
-                         "constrained_json_whitespace_pattern": ("whitespace_pattern", "llguidance")}
+                         "constrained_json_whitespace_pattern": ("whitespace_pattern", "llguidance"),
+                         "constrained_json_max_whitespace_cnt": ("max_whitespace_cnt", "xgrammar")}
 
 
 def json_whitespace_options(args: Any) -> dict[str, Any]:
@@ -58,6 +59,8 @@ def json_whitespace_options(args: Any) -> dict[str, Any]:
         opts["any_whitespace"] = False
     if (pattern := getattr(args, "constrained_json_whitespace_pattern", None)) is not None:
         opts["whitespace_pattern"] = pattern
+    if (most := getattr(args, "constrained_json_max_whitespace_cnt", None)) is not None:
+        opts["max_whitespace_cnt"] = most
     return opts
 
 
@@ -72,6 +75,9 @@ def check_json_whitespace(plugins: Any, name: str | None, opts: dict[str, Any]) 
         if keyword in opts and keyword not in params:
             raise CoreError(f"--{field.replace('_', '-')} is not supported by --grammar-backend {name}; "
                             f"use --grammar-backend {able}")
+    if (most := opts.get("max_whitespace_cnt")) is not None and most < 1:
+        raise CoreError(f"--constrained-json-max-whitespace-cnt must be >= 1, got {most} (to allow no whitespace, "
+                        "pass --constrained-json-disable-any-whitespace)")
     if (pattern := opts.get("whitespace_pattern")) is not None:
         try:
             re.compile(pattern)

@@ -12,7 +12,7 @@ asr-max-buffer-seconds
 asr-max-concurrent-sessions attention-context-parallel-size attention-data-parallel-size attn-cp-size attn-dp-size
 batch-notify-size bf16-gemm-backend boundary-reduction 
 c128-page-size checkpoint-engine-wait-weights-before-ready
-constrained-json-max-whitespace-cnt
+
 context-bucket cp-strategy cpu-offload-gb crash-dump-folder
 cuda-graph-backend-decode cuda-graph-backend-prefill cuda-graph-bs-decode cuda-graph-bs-prefill cuda-graph-config
 cuda-graph-max-bs-decode cuda-graph-max-bs-prefill cuda-graph-max-seq-len-prefill cuda-graph-prefill-max-context
@@ -41,7 +41,7 @@ enable-decoder-swa-bounded-replay enable-deepseek-v4-fp4-indexer enable-dense-ml
 enable-deterministic-inference enable-dp-attention-local-control-broadcast enable-dp-lm-head
 enable-draft-weights-cpu-backup enable-dsa-cache-layer-split enable-dsa-fused-indexer enable-dynamic-batch-tokenizer
 enable-dynamic-chunking enable-elastic-expert-backup enable-encoder-swa-bounded-replay enable-eplb
-enable-flashinfer-allreduce-fusion enable-flexkv enable-forward-pass-metrics enable-fp32-lm-head
+enable-flashinfer-allreduce-fusion enable-flexkv enable-forward-pass-metrics 
 enable-fused-moe-sum-all-reduce enable-fused-qk-norm-rope enable-hisparse
 enable-http-worker-reuseport enable-int8-mamba-checkpoint enable-kv-cache-sharding enable-layernorm-sp
 enable-layerwise-nvtx-marker enable-lean-attention enable-linear-replayssm enable-linear-replayssm-spec

@@ -31,16 +31,18 @@ class XGrammarGrammar:
 
 class XGrammarBackend:
     def __init__(self, tokenizer, vocab_size: int, *, stop_token_ids: list[int] | None = None,
-                 any_whitespace: bool = True) -> None:
-        """``any_whitespace`` False: JSON schemas compile to compact JSON (--constrained-json-disable-any-whitespace)."""
-        self.vocab_size, self.any_whitespace = vocab_size, any_whitespace
+                 any_whitespace: bool = True, max_whitespace_cnt: int | None = None) -> None:
+        """``any_whitespace`` False: JSON schemas compile to compact JSON (--constrained-json-disable-any-whitespace);
+        ``max_whitespace_cnt``: at most that many whitespace characters in a row (--constrained-json-max-whitespace-cnt)."""
+        self.vocab_size, self.any_whitespace, self.max_whitespace_cnt = vocab_size, any_whitespace, max_whitespace_cnt
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids or None)
         self.compiler = xgr.GrammarCompiler(info, max_threads=2)
 
     def compile(self, kind: str, spec: str) -> XGrammarGrammar:
         try:
             if kind == "json_schema":
-                compiled = self.compiler.compile_json_schema(spec, any_whitespace=self.any_whitespace)
+                compiled = self.compiler.compile_json_schema(spec, any_whitespace=self.any_whitespace,
+                                                          max_whitespace_cnt=self.max_whitespace_cnt)
             elif kind == "regex":
                 compiled = self.compiler.compile_regex(spec)
             elif kind == "ebnf":

@@ -13,6 +13,7 @@ from core.engine.config import EngineArgs
 from core.engine.model_loader.loader import ModelConfig, build_quant_method, check_load_format, checkpoint_weights, finish_loading
 from core.errors import ModelLoadError, UnknownNameError
 from core.interfaces import ModelContext
+from core.layers import VocabEmbedding
 
 
 def build_model(plugins, args: EngineArgs, mc: ModelConfig, device: torch.device,
@@ -36,6 +37,10 @@ def build_model(plugins, args: EngineArgs, mc: ModelConfig, device: torch.device
     else:
         model.load_weights(checkpoint_weights(mc, model, quant, load_format))
     finish_loading(model, quant)
+    if args.enable_fp32_lm_head:
+        for m in model.modules():
+            if isinstance(m, VocabEmbedding):
+                m.use_fp32_logits()
     return model.eval()
 
 
