@@ -302,3 +302,34 @@ def test_load_format_reads_only_the_named_format(tmp_path):
         make_engine(tmp_path / "st", load_format="gguf")
     with pytest.raises(ModelLoadError, match="is a GGUF file"):
         make_engine(loader.default_model_path(), load_format="safetensors")
+
+
+def test_weight_loader_disable_mmap_reads_files_whole(tiny_llama, monkeypatch):
+    """``--weight-loader-disable-mmap``: the safetensors files are read whole, never mapped (a
+    mapping here fails), and the engine serves transformers' tokens as with the mapping."""
+    import safetensors
+
+    path, hf = tiny_llama("gqa")
+    read: list[str] = []
+    real_read = type(path).read_bytes
+
+    def record(self):
+        if self.suffix == ".safetensors":
+            read.append(self.name)
+        return real_read(self)
+
+    def no_map(*a, **kw):
+        raise AssertionError("safe_open (a memory map) under --weight-loader-disable-mmap")
+
+    monkeypatch.setattr(safetensors, "safe_open", no_map)
+    monkeypatch.setattr(type(path), "read_bytes", record)
+    eng = make_engine(path, skip_tokenizer_init=True, weight_loader_disable_mmap=True)
+    try:
+        p = [1, 9, 8, 7, 6, 5]
+        out = eng.generate(input_ids=p, sampling_params=greedy(5))
+        assert_greedy_matches(hf, p, out["output_ids"], 5)
+        assert read == [f.name for f in sorted(path.glob("*.safetensors"))]
+    finally:
+        eng.shutdown()
+    with pytest.raises(AssertionError, match="a memory map"):  # (the default maps them)
+        make_engine(path, skip_tokenizer_init=True)

@@ -78,6 +78,8 @@ class EngineArgs:
     json_model_override_args: str | None = _arg(None, MODEL, "JSON object overriding config.json fields")
     load_format: str = _arg("auto", MODEL, "weights format (auto: safetensors, .bin or .gguf; "
                                            "dummy: random weights from config.json alone)")
+    weight_loader_disable_mmap: bool = _arg(False, MODEL, "read each safetensors file whole instead of mapping it "
+                                                          "(network file systems where mmap is slow or unsafe)")
     is_embedding: bool = _arg(False, MODEL, "serve an embedding / classification model (/v1/embeddings, /encode, "
                                             "/classify)", serve_only=True)
     device: str = _arg("auto", MODEL, "cpu, cuda or cuda:N (default: cuda if available, else cpu)")

@@ -119,7 +119,7 @@ tokenizer-metrics-custom-labels-header tool-server torch-compile-max-bs trace-mo
 triton-attention-num-kv-splits triton-attention-reduce-in-fp32 triton-attention-split-tile-size
 trust-mm-content-hashes trust-request-chat-template unified-cache-external-linker-backend
 unified-cache-external-linker-config uno-lora-path use-ray warmups
-watermark-config weight-cache-mode weight-cache-socket weight-cache-timeout weight-loader-disable-mmap
+watermark-config weight-cache-mode weight-cache-socket weight-cache-timeout 
 weight-loader-drop-cache-after-load weight-loader-prefetch-checkpoints weight-loader-prefetch-num-threads
 
 """.split())

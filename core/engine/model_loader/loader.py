@@ -275,14 +275,22 @@ def _weight_files(path: Path, load_format: str = "auto") -> tuple[str, list[Path
     raise ModelLoadError(f"no {wanted} weights in {path}" + (f" (--load-format {load_format})" if load_format != "auto" else ""))
 
 
-def iter_weights(path: Path, load_format: str = "auto", only: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(path: Path, load_format: str = "auto", only: set[str] | None = None,
+                 mmap: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) from safetensors files, else from PyTorch .bin files (``load_format``:
-    only that format); ``only``: just those names (safetensors files read no others)."""
+    only that format); ``only``: just those names (safetensors files read no others). ``mmap``
+    False (``--weight-loader-disable-mmap``): each safetensors file is read whole into memory, for
+    file systems where mapping is slow or unsafe (network mounts), as SGLang does."""
     kind, files = _weight_files(path, load_format)
     if kind == "safetensors":
         from safetensors import safe_open
+        from safetensors.torch import load as load_bytes
 
         for f in files:
+            if not mmap:
+                tensors = load_bytes(Path(f).read_bytes())
+                yield from ((n, t) for n, t in tensors.items() if only is None or n in only)
+                continue
             with safe_open(f, framework="pt") as sf:
                 for name in sf.keys():
                     if only is None or name in only:
@@ -294,20 +302,21 @@ def iter_weights(path: Path, load_format: str = "auto", only: set[str] | None = 
 
 # --------------------------------------------------------------------------- GGUF kept quantized
 
-def checkpoint_weights(mc: ModelConfig, model: torch.nn.Module | None, quant: object,
-                       load_format: str = "auto", only: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def checkpoint_weights(mc: ModelConfig, model: torch.nn.Module | None, quant: object, load_format: str = "auto",
+                       only: set[str] | None = None, mmap: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """What ``model.load_weights`` consumes: the folder's tensors (for a GGUF model, its whole
     dequantized folder, ``gguf_dense_folder``), except that under a quant method with ``gguf_raw``
     (the ``gguf`` method) every ``Linear`` weight ``X.weight`` of a GGUF model arrives as
     ``X.qweight`` (its raw GGUF rows, uint8 ``[rows, bytes]``, rows in the converted order) and
     ``X.qweight_type`` (int32 ``[1]``, the GGML type): those the table lists straight from the
     file (the packed folder holds no copy of them), the others (in the folder) as their float32
-    bytes with type F32 (0). ``only``: just those names, dense (no quant method)."""
+    bytes with type F32 (0). ``only``: just those names, dense (no quant method); ``mmap``: as
+    :func:`iter_weights`'s."""
     if not getattr(quant, "gguf_raw", False):
         if mc.gguf_file is not None:
-            yield from iter_weights(gguf_dense_folder(mc.gguf_file, mc.path), only=only)
+            yield from iter_weights(gguf_dense_folder(mc.gguf_file, mc.path), only=only, mmap=mmap)
         else:
-            yield from iter_weights(mc.path, load_format, only)
+            yield from iter_weights(mc.path, load_format, only, mmap)
         return
     import gguf
 
@@ -324,7 +333,7 @@ def checkpoint_weights(mc: ModelConfig, model: torch.nn.Module | None, quant: ob
         yield name.removesuffix(".weight") + ".qweight", raw
         yield name.removesuffix(".weight") + ".qweight_type", torch.tensor([kind], dtype=torch.int32)
 
-    for name, tensor in iter_weights(mc.path):  # what the file does not feed
+    for name, tensor in iter_weights(mc.path, mmap=mmap):  # what the file does not feed
         if name in table:  # a folder that also holds the listed tensors dequantized
             continue
         if not fed_raw(name):

@@ -35,7 +35,7 @@ def build_model(plugins, args: EngineArgs, mc: ModelConfig, device: torch.device
     if load_format == "dummy":
         init_dummy_weights(model, args.random_seed or 0)
     else:
-        model.load_weights(checkpoint_weights(mc, model, quant, load_format))
+        model.load_weights(checkpoint_weights(mc, model, quant, load_format, mmap=not args.weight_loader_disable_mmap))
     finish_loading(model, quant)
     if args.enable_fp32_lm_head:
         for m in model.modules():
