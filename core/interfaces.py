@@ -16,11 +16,12 @@ from typing import Any, Callable, Iterable, Protocol, Sequence, runtime_checkabl
 import attrs
 import torch
 
-PLUGIN_API_VERSION = "1.9"  # 1.1: the optional CUDA-graph capture hooks of attention backends; 1.2: drafters;
+PLUGIN_API_VERSION = "1.10"  # 1.1: the optional CUDA-graph capture hooks of attention backends; 1.2: drafters;
 # 1.3: model drafters; 1.4: tree masks (ForwardBatch.tree_mask, AttentionBackend.supports_tree_mask), draft trees;
 # 1.5: HiCache storage backends (HiCacheStorage); 1.6: ForwardBatch.lora (LoRA adapters in the batch);
 # 1.7: multimodal processors, ForwardBatch.mm_rows / mm_embeds / mrope_positions; 1.8: ForwardBatch.layer_ready;
-# 1.9: CUDA graphs of speculative verifies (AttentionBackend.supports_cuda_graph_verify)
+# 1.9: CUDA graphs of speculative verifies (AttentionBackend.supports_cuda_graph_verify);
+# 1.10: batch-invariant attention (AttentionBackend.supports_batch_invariant, --enable-deterministic-inference)
 
 
 # --------------------------------------------------------------------------- batches
@@ -146,6 +147,12 @@ class AttentionBackend(Protocol):
     Optional since plugin API 1.4: a class attribute ``supports_tree_mask = True`` says the
     backend honours ``ForwardBatch.tree_mask`` (speculative draft trees); without it, core never
     hands it a tree.
+
+    Optional since plugin API 1.10: a class (or instance) attribute ``supports_batch_invariant =
+    True`` says that when core sets ``batch_invariant = True`` on the instance (before the first
+    forward, under ``--enable-deterministic-inference``), each query row's output depends on its
+    own sequence alone, bit for bit: not on the batch's other sequences or size, nor on whether
+    the row came in a prefill, a prefill chunk or a decode. Without it, the flag is refused.
     """
 
     def prepare(self, batch: ForwardBatch) -> None:

@@ -431,8 +431,6 @@ class VocabEmbedding(nn.Module):
             self.weight.weight_loader = self._load_rows  # type: ignore[attr-defined]
         self.pack_head: Callable[[nn.Module], nn.Module | None] | None = None
         self.packed_head: nn.Module | None = None
-        self.fp32_head: torch.Tensor | None = None  # --enable-fp32-lm-head off a GPU: the table in float32
-        self.fp32_logits = False
 
     def _load_rows(self, param: torch.Tensor, loaded: torch.Tensor, shard: object = None) -> None:
         if loaded.shape != (self.vocab_size, param.shape[1]):
@@ -456,33 +454,13 @@ class VocabEmbedding(nn.Module):
             self.packed_head, self.pack_head = self.pack_head(self), None
         return self.packed_head
 
-    def use_fp32_logits(self) -> None:
-        """``--enable-fp32-lm-head``: logits in float32, not rounded to the activations' dtype (SGLang's
-        flag). The head then multiplies by the table itself (a packed head is dropped: its output is
-        rounded, or its weights quantized); on a GPU a bf16 / fp16 product accumulates into float32
-        outputs, on the CPU the table gets a float32 copy on first use (only a table used as the head)."""
-        self.pack_head = self.packed_head = None
-        self.fp32_logits = True
-
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden [N, hidden] @ weight^T`` in ``hidden.dtype``, float32 under ``use_fp32_logits``
-        (through the packed head when there is one)."""
-        if self.fp32_logits:
-            out = self._fp32_logits(hidden)
-        else:
-            head = self.head()
-            out = head(hidden) if head is not None else F.linear(hidden, self.weight)
+        """``hidden [N, hidden] @ weight^T`` in ``hidden.dtype`` (through the packed head when there is one)."""
+        head = self.head()
+        out = head(hidden) if head is not None else F.linear(hidden, self.weight)
         if self.tp.size > 1:
             out = self.tp.all_gather(out)[:, : self.vocab_size]
         return out
-
-    def _fp32_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        w = self.weight
-        if w.device.type == "cuda" and w.dtype in (torch.bfloat16, torch.float16) and hidden.dtype == w.dtype:
-            return torch.mm(hidden, w.t(), out_dtype=torch.float32)
-        if self.fp32_head is None:
-            self.fp32_head = w.detach().float()  # (float32 tables: the table itself)
-        return F.linear(hidden.float(), self.fp32_head)
 
 
 def checkpoint_target(name: str, packed: Mapping[str, tuple[str, object]]) -> tuple[str, object]:

@@ -296,6 +296,7 @@ struct Params {
   const int64_t* ext;
   float* partial = nullptr;  // [B, parts, H, 2 + D]: each split part's max, sum and unnormalised output
   int parts = 1;
+  bool batch_invariant = false;  // (plan's): a decode's token runs as an extend's would
 };
 
 // Scratch of one thread, grown to fit the largest task (run_tasks keeps one per thread).
@@ -733,7 +734,7 @@ template <typename T, int DC>
 void run_task(const Params& p, const Task& t, const T* q, const T* kc, const T* vc, T* out, Scratch& w) {
 #ifdef CORE_F32_DECODE
   if constexpr (std::is_same_v<T, float> && (DC == 64 || DC == 128)) {
-    if (p.cap == 0.0f && p.G <= 16 && p.ext[t.b] == 1) {  // a decode (extends: the tiled blocks below)
+    if (p.cap == 0.0f && p.G <= 16 && p.ext[t.b] == 1 && !p.batch_invariant) {  // a decode (extends: tiled blocks)
       const int64_t first = p.seq_lens[t.b] - p.ext[t.b] + t.r0;
       for (int r = 0; r < t.nr; ++r) decode_f32<DC>(p, t, q, kc, vc, out, w, first + r, p.q_start[t.b] + t.r0 + r);
       return;
@@ -893,9 +894,13 @@ struct Work {
 
 // Checks the batch's layout (B sequences: seq_lens sl, extend_lens el, slot rows idx of
 // idx_width slots at idx_stride; q of q_rows rows at q_stride) and plans its tasks for nthreads.
+// batch_invariant (--enable-deterministic-inference): every token computed as an extend computes
+// it (a float32 decode too, not by decode_f32), its keys never split, so that a row's result follows
+// neither the batch's size nor whether its token came in a prefill, a chunk of one or a decode.
 inline void plan(Work& w, int64_t B, const int64_t* sl, const int64_t* el, const int64_t* idx, int64_t idx_stride,
                  int64_t idx_width, int64_t q_rows, int64_t q_stride, int64_t H, int64_t Hkv, int64_t D,
-                 at::ScalarType dtype, double scale, int64_t window, double cap, int64_t nthreads) {
+                 at::ScalarType dtype, double scale, int64_t window, double cap, int64_t nthreads,
+                 bool batch_invariant = false) {
   const int64_t G = H / Hkv;
   std::vector<int64_t>& q_start = w.q_start;
   q_start.assign(B, 0);
@@ -913,7 +918,7 @@ inline void plan(Work& w, int64_t B, const int64_t* sl, const int64_t* el, const
   // ~30 % faster than one head's rows.
   // (head dims of 16 and 32: bf16 only; decode_f32 would round differently from the extends' tiled
   // blocks, which the same token computed by a prefill, e.g. after a retraction, must match)
-  const bool vec_path = cap == 0.0 && G <= 16 &&
+  const bool vec_path = !batch_invariant && cap == 0.0 && G <= 16 &&
                         ((dtype == at::kBFloat16 && kDecodeBf16 && (D == 16 || D == 32 || D == 64 || D == 128)) ||
                          (dtype == at::kFloat && kDecodeF32 && (D == 64 || D == 128)));
   const bool whole_seqs = vec_path && B >= 4 * nthreads;
@@ -949,6 +954,7 @@ inline void plan(Work& w, int64_t B, const int64_t* sl, const int64_t* el, const
                window, idx, sl, q_start.data(), el};
   w.p.partial = w.partial.data();
   w.p.parts = static_cast<int>(split);
+  w.p.batch_invariant = batch_invariant;
 }
 
 // Inside a parallel region, every thread: a share of the tasks (dynamically scheduled, longest

@@ -51,7 +51,7 @@ using Lin = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional
 using AddRms = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&, double, double);
 using Store = void(at::Tensor&, at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&);
 using Attn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                        const at::Tensor&, double, int64_t, double);
+                        const at::Tensor&, double, int64_t, double, bool);
 
 template <typename F>
 c10::TypedOperatorHandle<F> op(const char* name) {
@@ -111,7 +111,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(const at::Tensor& x, const std::
                         const at::Tensor& sin, int64_t rotary_dim, int64_t num_heads, int64_t num_kv_heads,
                         int64_t head_dim, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& out_loc, const at::Tensor& kv_indices, const at::Tensor& seq_lens,
-                        const at::Tensor& extend_lens, double scale, int64_t window, double cap) {
+                        const at::Tensor& extend_lens, double scale, int64_t window, double cap, bool batch_invariant) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "decode_layer: x [rows, hidden] contiguous");
   TORCH_CHECK(!residual || residual->sizes() == x.sizes(), "decode_layer: residual [rows, hidden]");
   TORCH_CHECK(lin.size() == 20 && kinds.size() == 5 && max_rows.size() == 5, "decode_layer: five linears (qkv, o, gate, up, down)");
@@ -130,7 +130,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(const at::Tensor& x, const std::
   auto [qr, kr] = o.rot.call(positions, q, k, cos, sin, rotary_dim);
   at::Tensor kc = k_cache, vc = v_cache;
   o.store.call(kc, vc, out_loc, kr, v);
-  const at::Tensor a = o.attn.call(qr, k_cache, v_cache, kv_indices, seq_lens, extend_lens, scale, window, cap);
+  const at::Tensor a = o.attn.call(qr, k_cache, v_cache, kv_indices, seq_lens, extend_lens, scale, window, cap, batch_invariant);
   auto [x1, h1] = o.add_rms.call(x0, linear(o, a.view({m, q_size}), lin, 1, kinds[1], max_rows[1]), post_norm, eps, 0.0);
   at::Tensor gate, up;
   if (kinds[2] == kinds[3] && kinds[2] < 2 && m < max_rows[2] && m < max_rows[3] && !has_bias(lin, 2) && !has_bias(lin, 3) &&
@@ -660,6 +660,9 @@ class DecodeStack : public torch::CustomClassHolder {
   // attention; its share of the head; the argmax; the threads' join) to profile()'s sums: the
   // split of a decode step that bench/bench_offline.py prints. Off, a phase's end costs a branch.
   // Turning it on or off clears the sums; not while a call runs.
+  // --enable-deterministic-inference: the attention planned batch-invariant (core_attention::plan).
+  void set_batch_invariant(bool on) { batch_invariant_ = on; }
+
   void set_profiling(bool on) {
     profiling_ = on;
     prof_.fill(0.0);
@@ -906,7 +909,7 @@ class DecodeStack : public torch::CustomClassHolder {
                 "DecodeStack: int64 kv_indices [B, max_len] (contiguous rows), one row per sequence");
     core_attention::Work work;
     core_attention::plan(work, B, sl, el, kv_indices.const_data_ptr<int64_t>(), kv_indices.stride(0), kv_indices.size(1), M, qs, H, Hkv, D,
-                         dtype_, scale_, window_, 0.0, nt);
+                         dtype_, scale_, window_, 0.0, nt, batch_invariant_);
     const auto attend = D == 16 ? &core_attention::run_tasks<E, 16>
                         : D == 32 ? &core_attention::run_tasks<E, 32>
                         : D == 64 ? &core_attention::run_tasks<E, 64>
@@ -1048,7 +1051,7 @@ class DecodeStack : public torch::CustomClassHolder {
   double eps_, final_eps_, scale_;
   int64_t window_, rot_, H, Hkv, D, L = 0, hid = 0, qs = 0, kvs = 0, nqkv = 0, I = 0, slots = 0;
   at::ScalarType dtype_ = at::kFloat;
-  bool profiling_ = false;
+  bool profiling_ = false, batch_invariant_ = false;
   std::array<double, kPhases> prof_{};
   int64_t prof_calls_ = 0;
   int64_t lora_slots_ = 0, lora_width_ = 0;  // set_lora's slots (0: none bound) and the most h values a row has
@@ -1070,7 +1073,7 @@ TORCH_LIBRARY(core_cpu_decode, m) {
   m.def("decode_layer(Tensor x, Tensor? residual, Tensor in_norm, Tensor post_norm, float eps, Tensor[] lin, int[] kinds, int[] max_rows, "
         "Tensor positions, Tensor cos, Tensor sin, int rotary_dim, int num_heads, int num_kv_heads, int head_dim, "
         "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor out_loc, Tensor kv_indices, Tensor seq_lens, "
-        "Tensor extend_lens, float scale, int window, float cap) -> (Tensor, Tensor)");
+        "Tensor extend_lens, float scale, int window, float cap, bool batch_invariant=False) -> (Tensor, Tensor)");
   m.class_<DecodeStack>("DecodeStack")
       .def(torch::init<std::vector<at::Tensor>, std::vector<int64_t>, double, at::Tensor, at::Tensor, int64_t, int64_t,
                        int64_t, int64_t, std::vector<at::Tensor>, std::vector<at::Tensor>, double, int64_t,
@@ -1083,6 +1086,7 @@ TORCH_LIBRARY(core_cpu_decode, m) {
       .def("decode", &DecodeStack::decode, "", CORE_ARGS(ARG(ids), ARG(positions), ARG(out_loc), ARG(kv_indices), ARG(seq_lens), ARG(vocab)))
       .def("decode_steps", &DecodeStack::decode_steps, "",
            CORE_ARGS(ARG(ids), ARG(positions), ARG(out_loc), ARG(kv_indices), ARG(seq_lens), ARG(vocab), ARG(steps), ARG(stop_ids)))
+      .def("set_batch_invariant", &DecodeStack::set_batch_invariant)
       .def("set_profiling", &DecodeStack::set_profiling)
       .def("profile", &DecodeStack::profile)
       .def("phase_names", &DecodeStack::phase_names);

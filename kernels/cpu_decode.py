@@ -69,7 +69,10 @@ def _linear(layer: torch.nn.Module) -> tuple[int, int, list[torch.Tensor]] | Non
 
 
 def plan(layer: torch.nn.Module, backend: Any) -> dict[str, Any] | None:
-    """The static arguments of ``layer`` (a ``LlamaDecoderLayer``) for :func:`run`, or None."""
+    """The static arguments of ``layer`` (a ``LlamaDecoderLayer``) for :func:`run`, or None. Under a
+    ``batch_invariant`` backend (``--enable-deterministic-inference``) only for gemv linears (int4 /
+    int8: the same per row for any row count), the attention planned batch-invariant."""
+    invariant = getattr(backend, "batch_invariant", False)
     attn, mlp = layer.self_attn, layer.mlp
     spec = attn.attn.spec
     caches = getattr(backend, "decode_caches", lambda _: None)(spec.layer_id)
@@ -82,6 +85,8 @@ def plan(layer: torch.nn.Module, backend: Any) -> dict[str, Any] | None:
     linears = [_linear(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)]
     if any(lin is None or lin[2][3].numel() and lin[2][3].dtype != caches[0].dtype for lin in linears):
         return None
+    if invariant and any(lin[0] not in (0, 1) or lin[2][3].numel() for lin in linears):
+        return None  # (oneDNN's dense GEMMs choose by the row count)
     return {
         "norms": [n.weight.detach().to(caches[0].dtype).contiguous() for n in norms],
         "eps": norms[0].eps,
@@ -93,6 +98,7 @@ def plan(layer: torch.nn.Module, backend: Any) -> dict[str, Any] | None:
         "caches": caches,
         "attn": (spec.scaling, spec.sliding_window or 0, 0.0),
         "linears": (attn.qkv_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj),  # (their LoRA: serves_lora)
+        "batch_invariant": invariant,
     }
 
 
@@ -106,7 +112,7 @@ def run(p: dict[str, Any], x: torch.Tensor, batch: Any,
     return torch.ops.core_cpu_decode.decode_layer(
         x.contiguous(), residual, p["norms"][0], p["norms"][1], p["eps"], p["lin"], p["kinds"], p["max_rows"],
         batch.positions, cos, sin, rot, *p["heads"], *p["caches"], batch.out_cache_loc, batch.kv_indices,
-        batch.seq_lens, batch.extend_lens, scale, window, cap)
+        batch.seq_lens, batch.extend_lens, scale, window, cap, p["batch_invariant"])
 
 
 def plan_stack(plans: list[dict[str, Any] | None], norm: torch.nn.Module | None = None,
@@ -125,7 +131,7 @@ def plan_stack(plans: list[dict[str, Any] | None], norm: torch.nn.Module | None 
         return None
     first = plans[0]
     dtype = first["caches"][0].dtype
-    same = ("eps", "heads", "attn")
+    same = ("eps", "heads", "attn", "batch_invariant")
     if (dtype not in (torch.bfloat16, torch.float32) or any(k not in (0, 1) for p in plans for k in p["kinds"])
             or any(p[k] != first[k] for p in plans for k in same)
             or any(p["rotary"][0] is not first["rotary"][0] for p in plans)  # one rotary table (one module)
@@ -146,6 +152,7 @@ def plan_stack(plans: list[dict[str, Any] | None], norm: torch.nn.Module | None 
         structlog.get_logger(__name__).warning("cpu_decode.stack_unavailable", reason=str(e).splitlines()[0],
                                                fallback="one op per layer")
         return None
+    stack.set_batch_invariant(first["batch_invariant"])
     max_rows = min([STACK_MAX_ROWS + 1] + [r for p in plans for r in p["max_rows"]])
     embeds = bool(tail) and embedding is not None and embedding.dtype == dtype and embedding.device.type == "cpu"
     if embeds:

@@ -15,7 +15,7 @@ from typing import Any, Callable
 import structlog
 import torch
 
-from core.engine import gc_watch, gil_switch, pause
+from core.engine import deterministic, gc_watch, gil_switch, pause
 from core.engine.distributed.collectives import KVSpec
 from core.engine.device import check_openmp_policy, configure_cpu_runtime, engine_device
 from core.engine.distributed.tensor_parallel import RankFailure, start_tensor_parallel
@@ -197,6 +197,7 @@ class AsyncEngine(RequestFrontEnd):
         self.attention_backend_name = backend_name
         self.attn_backend = build_attention_backend(self.plugins, backend_name, AttentionConfig(
             cfg.num_hidden_layers, heads, kv_heads, head_dim, mc.dtype, self.device, self.kv_cache))
+        deterministic.setup(args, self.device, self.model, self.attn_backend)  # (--enable-deterministic-inference)
         if self.tp_group is not None:
             self.tp_group.setup_kv(KVSpec(num_pages, ps, kv_dtype, backend_name))
         if (spec := self.scheduler.speculator) is not None:  # a model drafter's models, with the target's KV geometry

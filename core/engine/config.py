@@ -209,6 +209,9 @@ class EngineArgs:
                                                     "else none)")
     torchao_config: str | None = _arg(None, BACKENDS, "quantize a dense checkpoint at load, weight-only (SGLang's "
                                                       "names): int8wo, int4wo-32, int4wo-64, int4wo-128, int4wo-256")
+    enable_deterministic_inference: bool = _arg(False, BACKENDS, "batch-invariant kernels: a request's tokens and "
+                                                                 "logprobs do not depend on what it is batched with "
+                                                                 "(CPU; unseeded samples take seed 42; slower)")
     enable_fp32_lm_head: bool = _arg(False, BACKENDS, "logits in float32, not rounded to the activations' dtype: "
                                                       "the LM head multiplies by the unquantized table (a GGUF "
                                                       "file's head dequantized), accumulating into float32")

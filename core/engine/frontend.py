@@ -15,6 +15,7 @@ from typing import Any, AsyncIterator
 import attrs
 import torch
 
+from core.engine.deterministic import request_seed
 from core.engine.grammar import AfterReasoning
 from core.engine.hidden_states import check_request as check_hidden_request
 from core.engine.logit_processor import check as check_processor
@@ -108,7 +109,8 @@ class RequestFrontEnd:
             runner.hidden_states = True  # its batches are checked for them from now on
         reqs = []
         for i in range(params.n):
-            seed = None if params.seed is None else params.seed + i
+            seed = request_seed(params.seed, self.args.enable_deterministic_inference)
+            seed = None if seed is None else seed + i
             gen = None if seed is None else torch.Generator().manual_seed(seed)
             detok = None
             if self.tokenizer is not None and detokenize:

@@ -38,7 +38,7 @@ elastic-ep-join-rank-offset elastic-ep-scale-timeout enable-adaptive-dispatch-to
 enable-aiter-allreduce-fusion enable-amd-monokernel enable-attn-tp-input-scattered
 enable-broadcast-mm-inputs-process enable-cp-decode-attn-tp enable-cudagraph-gc
 enable-decoder-swa-bounded-replay enable-deepseek-v4-fp4-indexer enable-dense-mlp-attn-tp
-enable-deterministic-inference enable-dp-attention-local-control-broadcast enable-dp-lm-head
+enable-dp-attention-local-control-broadcast enable-dp-lm-head
 enable-draft-weights-cpu-backup enable-dsa-cache-layer-split enable-dsa-fused-indexer enable-dynamic-batch-tokenizer
 enable-dynamic-chunking enable-elastic-expert-backup enable-encoder-swa-bounded-replay enable-eplb
 enable-flashinfer-allreduce-fusion enable-flexkv enable-forward-pass-metrics 

@@ -70,6 +70,8 @@ def kernel_status(build: bool = True) -> tuple[bool, str]:
 
 class CpuBackend:
     supports_tree_mask = True  # plugin API 1.4: tree batches take torch_native's path over the same pool
+    supports_batch_invariant = True  # plugin API 1.10: batch_invariant = True plans every row alike (below)
+    batch_invariant = False
 
     def __init__(self, config: AttentionConfig) -> None:
         if config.device.type != "cpu":
@@ -81,6 +83,7 @@ class CpuBackend:
         if (dtype := self.kv.k[0].dtype) not in POOL_DTYPES:
             log.info("cpu_attention.torch_native", reason=f"the kernel does not read a {dtype} KV pool")
             self._native = TorchNativeBackend(config)
+            self.supports_batch_invariant = False
 
     def decode_caches(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The layer's K and V pools, for a caller that runs this backend's kernel itself
@@ -114,7 +117,7 @@ class CpuBackend:
             vc.index_copy_(0, batch.out_cache_loc, v.to(vc.dtype))
         qc = q if q.dtype == kc.dtype and q.stride(1) == q.shape[2] and q.stride(2) == 1 else q.to(kc.dtype).contiguous()
         out = self._op(qc, kc, vc, batch.kv_indices, batch.seq_lens, batch.extend_lens, layer.scaling,
-                       layer.sliding_window or 0, layer.logit_cap)
+                       layer.sliding_window or 0, layer.logit_cap, self.batch_invariant)
         return out if out.dtype == q.dtype else out.to(q.dtype)
 
 

@@ -58,7 +58,7 @@ void dispatch_dim(const Work& w, const at::Tensor& q, const at::Tensor& kc, cons
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& kv_indices, const at::Tensor& seq_lens, const at::Tensor& extend_lens,
-                           double scale, int64_t window, double cap) {
+                           double scale, int64_t window, double cap, bool batch_invariant) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "q [T, H, D] and caches [slots, Hkv, D]");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "the caches and each row of q must be contiguous");
@@ -75,7 +75,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   Work w;
   plan(w, B, seq_lens.const_data_ptr<int64_t>(), extend_lens.const_data_ptr<int64_t>(), kv_indices.const_data_ptr<int64_t>(),
        kv_indices.stride(0), kv_indices.size(1), q.size(0), q.stride(0), H, Hkv, D, q.scalar_type(),
-       scale, window, cap, at::get_num_threads());
+       scale, window, cap, at::get_num_threads(), batch_invariant);
   at::Tensor out = at::empty({q.size(0), H, D}, q.options());
   switch (q.scalar_type()) {
     case at::kFloat: dispatch_dim<float>(w, q, k_cache, v_cache, out); break;
@@ -90,7 +90,7 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_cache, const
 
 TORCH_LIBRARY(core_cpu, m) {
   m.def("paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor kv_indices, Tensor seq_lens, "
-        "Tensor extend_lens, float scale, int window, float cap) -> Tensor");
+        "Tensor extend_lens, float scale, int window, float cap, bool batch_invariant=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(core_cpu, CPU, m) { m.impl("paged_attention", &paged_attention); }

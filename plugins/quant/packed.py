@@ -359,6 +359,7 @@ class PackedHead(torch.nn.Module):
             self.quant_format = "int8_blocks"
             self.register_buffer("qweight_int8_cpu", cpu_gemv.pack_int8(q))
             self.register_buffer("qscale_blocks", cpu_gemv.pack_block_scales(scale))
+            self.row_invariant = True  # (each row's logits the same for any row count: batch-invariant as it is)
             return  # no dense copy: every batch size gets the same float32 logits from the same codes
         if blocks is not None:
             weight = dequantize_int8_blocks(*blocks).to(weight.dtype)

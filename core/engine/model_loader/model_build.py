@@ -37,11 +37,31 @@ def build_model(plugins, args: EngineArgs, mc: ModelConfig, device: torch.device
     else:
         model.load_weights(checkpoint_weights(mc, model, quant, load_format, mmap=not args.weight_loader_disable_mmap))
     finish_loading(model, quant)
-    if args.enable_fp32_lm_head:
+    if args.enable_fp32_lm_head:  # (a packed head is dropped: its output is rounded, or its weights quantized)
         for m in model.modules():
             if isinstance(m, VocabEmbedding):
-                m.use_fp32_logits()
+                m.pack_head, m.packed_head = Float32Head, None
     return model.eval()
+
+
+class Float32Head(torch.nn.Module):
+    """``--enable-fp32-lm-head`` (SGLang's flag): a ``VocabEmbedding``'s logits in float32, not rounded
+    to the activations' dtype, from the table itself: on a GPU a bf16 / fp16 product accumulating
+    into float32 outputs, elsewhere through a float32 copy of the table, made on first use (only a
+    table used as the head gets one)."""
+
+    def __init__(self, emb: VocabEmbedding) -> None:
+        super().__init__()
+        self.__dict__["emb"] = emb  # (not a submodule: the table is the embedding's)
+        self.__dict__["table"] = None
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        w = self.__dict__["emb"].weight
+        if w.device.type == "cuda" and w.dtype in (torch.bfloat16, torch.float16) and hidden.dtype == w.dtype:
+            return torch.mm(hidden, w.t(), out_dtype=torch.float32)
+        if self.__dict__["table"] is None:
+            self.__dict__["table"] = w.detach().float()  # (a float32 table: the table itself)
+        return torch.nn.functional.linear(hidden.float(), self.__dict__["table"])
 
 
 def init_dummy_weights(model: torch.nn.Module, seed: int, low: float = -1e-3, high: float = 1e-3) -> None:
