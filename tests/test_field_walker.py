@@ -179,6 +179,16 @@ CLASSIFIED: dict[str, dict[str, Any]] = {
         "new_version": H("tests.test_launch_flags_server::test_update_weight_version_aborts_running_requests_unless_told_not_to"),
         "abort_all_requests": H("tests.test_launch_flags_server::test_update_weight_version_aborts_running_requests_unless_told_not_to"),
     },
+    "ScoringRequest": {  # score._UNSUPPORTED are refused
+        "model": P,
+        **{f: H("tests.test_score::test_scores_are_the_next_token_probabilities_of_the_labels")
+           for f in ("query", "items", "label_token_ids", "apply_softmax", "temperature", "return_token_logprobs",
+                     "item_first")},
+    },
+    "RerankRequest": {
+        **{f: H("tests.test_rerank::test_a_generative_rerankers_scores_are_its_yes_share")
+           for f in ("query", "documents", "instruct", "top_n", "return_documents")},
+    },
     "TokenizeRequest": {
         "model": P,
         "prompt": H(f"{NAT}::test_tokenize_counts_what_generate_and_chat_send"),
@@ -442,10 +452,10 @@ def _structs() -> dict[str, Any]:
     from core.engine.config import EngineArgs
     from core.engine.sampling_params import SamplingParams
     from core.server import anthropic, embeddings, lora, native, profile, tokenize
-    from core.server.openai import protocol, responses
+    from core.server.openai import protocol, rerank, responses, score
 
     out: dict[str, Any] = {}
-    for module in (native, lora, profile, tokenize, embeddings, anthropic, protocol, responses):
+    for module in (native, lora, profile, tokenize, embeddings, anthropic, protocol, responses, score, rerank):
         for name, obj in vars(module).items():
             if (isinstance(obj, type) and issubclass(obj, msgspec.Struct) and obj.__module__ == module.__name__
                     and not name.startswith("_")
@@ -462,8 +472,9 @@ def _fields(typ: Any) -> tuple[str, ...]:
 def _server_refused() -> dict[str, tuple[str, ...]]:
     """The fields each struct's server code refuses by its own list (the walker probes each)."""
     from core.server import embeddings, native
+    from core.server.openai import score
 
-    return {"GenerateReqInput": native._UNSUPPORTED_GENERATE_FIELDS,
+    return {"GenerateReqInput": native._UNSUPPORTED_GENERATE_FIELDS, "ScoringRequest": score._UNSUPPORTED,
             "EmbeddingRequest": embeddings._OPENAI_UNSUPPORTED, "EmbeddingReqInput": embeddings._NATIVE_UNSUPPORTED}
 
 
@@ -634,6 +645,7 @@ ENDPOINTS = {
     "CompletionRequest": ("/v1/completions", {"prompt": "hi", "max_tokens": 1}, "app"),
     "StructuredOutputs": ("/v1/chat/completions", {"messages": MSGS, "max_tokens": 1}, "app"),
     "ResponsesRequest": ("/v1/responses", {"input": "hi", "max_output_tokens": 1}, "app"),
+    "ScoringRequest": ("/v1/score", {"query": PROMPT[:3], "items": [[5]], "label_token_ids": [5]}, "app"),
 }
 
 

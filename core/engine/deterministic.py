@@ -21,8 +21,8 @@ arithmetic for a row depend on that row alone:
 * **Sampling.** A request without a seed samples with seed 42 (SGLang's), from its own generator.
 
 Refused at start-up, naming the reason: CUDA (the GPU kernels are not batch-invariant here yet),
-``--tp-size`` > 1, LoRA adapters, speculative decoding, mixture-of-experts layers and attention
-backends without the mode.
+``--tp-size`` > 1, LoRA adapters, speculative decoding, ``--is-embedding``, mixture-of-experts
+layers and attention backends without the mode.
 """
 
 from __future__ import annotations
@@ -58,6 +58,8 @@ def check_args(args: Any, device: torch.device) -> None:
         reason = "not with LoRA adapters (their GEMMs are grouped by adapter, the groups by batch)"
     elif args.speculative_algorithm:
         reason = "not with speculative decoding (a verify attends over draft trees, another path)"
+    elif args.is_embedding:
+        reason = "not with --is-embedding yet (its forwards run over a scratch attention backend)"
     if reason:
         raise CoreError(f"--enable-deterministic-inference: {reason}")
 

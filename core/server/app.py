@@ -21,7 +21,7 @@ from starlette.routing import Route
 from core.errors import CoreError
 from core.server import anthropic, embeddings, lora, native, profile, request_log, tokenize
 from core.server.http import ApiError, ApiKeyMiddleware, RootPathMiddleware, api_error, route_path
-from core.server.openai import batches, files, responses, routes, score
+from core.server.openai import batches, files, rerank, responses, routes, score
 from core.server.state import ServerState
 
 log = structlog.get_logger("core.server.app")
@@ -32,6 +32,7 @@ ROUTES = [
     Route("/encode", embeddings.encode, methods=["POST", "PUT"]),
     Route("/classify", embeddings.classify, methods=["POST", "PUT"]),
     Route("/health", native.health, methods=["GET", "POST"]),
+    Route("/ready", native.ping, methods=["GET"]),
     Route("/health_generate", native.health_generate, methods=["GET", "POST"]),
     Route("/ping", native.ping, methods=["GET"]),  # SageMaker's health check (SGLang's, under --api-key)
     Route("/get_model_info", native.get_model_info, methods=["GET"]),
@@ -66,6 +67,7 @@ ROUTES = [
     Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
     Route("/invocations", routes.chat_completions, methods=["POST"]),  # SageMaker's inference route: chat
     Route("/v1/score", score.score, methods=["POST"]),
+    Route("/v1/rerank", rerank.rerank, methods=["POST", "PUT"]),
     Route("/v1/completions", routes.completions, methods=["POST"]),
     Route("/v1/models", routes.list_models, methods=["GET"]),
     Route("/v1/models/{model_id:path}", routes.retrieve_model, methods=["GET"]),

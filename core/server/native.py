@@ -310,7 +310,8 @@ async def health(request: Request) -> Response:
 
 
 async def ping(request: Request) -> Response:
-    """SageMaker's health check (SGLang's ``/ping``): 200 while serving, else 503, with no body."""
+    """SageMaker's health check (SGLang's ``/ping``), and SGLang's readiness probe ``/ready``: 200 while
+    serving, else 503, with no body."""
     state = state_of(request)
     return Response(status_code=200 if state.ready and not state.shutting_down and state.healthy else 503)
 
