@@ -185,6 +185,11 @@ CLASSIFIED: dict[str, dict[str, Any]] = {
            for f in ("query", "items", "label_token_ids", "apply_softmax", "temperature", "return_token_logprobs",
                      "item_first")},
     },
+    "ConfigureLoggingReq": {  # request_log._NO_DUMPS are refused
+        **{f: H("tests.test_launch_flags_observability::"
+                "test_configure_logging_turns_the_request_log_on_and_off_at_run_time")
+           for f in ("log_requests", "log_requests_level", "log_requests_format", "log_level")},
+    },
     "RerankRequest": {
         **{f: H("tests.test_rerank::test_a_generative_rerankers_scores_are_its_yes_share")
            for f in ("query", "documents", "instruct", "top_n", "return_documents")},
@@ -451,11 +456,12 @@ CLASSIFIED: dict[str, dict[str, Any]] = {
 def _structs() -> dict[str, Any]:
     from core.engine.config import EngineArgs
     from core.engine.sampling_params import SamplingParams
-    from core.server import anthropic, embeddings, lora, native, profile, tokenize
+    from core.server import anthropic, embeddings, lora, native, profile, request_log, tokenize
     from core.server.openai import protocol, rerank, responses, score
 
     out: dict[str, Any] = {}
-    for module in (native, lora, profile, tokenize, embeddings, anthropic, protocol, responses, score, rerank):
+    for module in (native, lora, profile, tokenize, embeddings, anthropic, protocol, responses, score, rerank,
+                   request_log):
         for name, obj in vars(module).items():
             if (isinstance(obj, type) and issubclass(obj, msgspec.Struct) and obj.__module__ == module.__name__
                     and not name.startswith("_")
@@ -474,7 +480,10 @@ def _server_refused() -> dict[str, tuple[str, ...]]:
     from core.server import embeddings, native
     from core.server.openai import score
 
+    from core.server import request_log
+
     return {"GenerateReqInput": native._UNSUPPORTED_GENERATE_FIELDS, "ScoringRequest": score._UNSUPPORTED,
+            "ConfigureLoggingReq": request_log._NO_DUMPS,
             "EmbeddingRequest": embeddings._OPENAI_UNSUPPORTED, "EmbeddingReqInput": embeddings._NATIVE_UNSUPPORTED}
 
 
@@ -646,6 +655,7 @@ ENDPOINTS = {
     "StructuredOutputs": ("/v1/chat/completions", {"messages": MSGS, "max_tokens": 1}, "app"),
     "ResponsesRequest": ("/v1/responses", {"input": "hi", "max_output_tokens": 1}, "app"),
     "ScoringRequest": ("/v1/score", {"query": PROMPT[:3], "items": [[5]], "label_token_ids": [5]}, "app"),
+    "ConfigureLoggingReq": ("/configure_logging", {}, "app"),
 }
 
 

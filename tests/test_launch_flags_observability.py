@@ -208,6 +208,46 @@ def test_without_a_target_text_lines_stay_in_the_server_log(tiny_llama) -> None:
     assert events[0]["rids"] == ["plain-rid"] and "input" not in events[0]  # level 0: metadata only
 
 
+def test_configure_logging_turns_the_request_log_on_and_off_at_run_time(tiny_llama, monkeypatch, capsys) -> None:
+    """SGLang's ``/configure_logging``: ``log_requests`` and ``log_requests_level`` apply to the next
+    requests, ``log_requests_format`` switches the lines to JSON, ``log_level`` sets the server's
+    level; request dumps are refused (400 naming the field), as are bad values."""
+    import core.server.request_log as request_log
+
+    path, _ = tiny_llama()
+    levels: list[str] = []
+    monkeypatch.setattr(request_log, "set_log_level", levels.append)
+
+    async def requests(c: httpx.AsyncClient) -> list:
+        await _generate(c, "before", 2)
+        on = await c.post("/configure_logging", json={"log_requests": True, "log_requests_level": 0})
+        await _generate(c, "level-0", 2)
+        json_on = await c.post("/configure_logging", json={"log_requests_level": 2, "log_requests_format": "json",
+                                                           "log_level": "WARNING"})
+        await _generate(c, "json-2", 2)
+        off = await c.post("/configure_logging", json={"log_requests": False})
+        await _generate(c, "after", 2)
+        bad = [await c.post("/configure_logging", json=b) for b in (
+            {"dump_requests_folder": "/tmp/x"}, {"crash_dump_folder": "/tmp/y"}, {"log_requests_level": 9},
+            {"log_requests_format": "xml"}, {"log_level": "loud"}, {"nonsense": 1})]
+        return [on.status_code, json_on.status_code, off.status_code], bad
+
+    with capture_logs() as server_log:
+        codes, bad = _serve(path, [], requests)
+    assert codes == [200, 200, 200] and levels == ["warning"]
+    text = [e for e in server_log if e["event"] in ("request.received", "request.output")]
+    assert [(e["event"], e.get("rid") or e["rids"][0]) for e in text] == [("request.received", "level-0"),
+                                                                          ("request.output", "level-0")]
+    assert "input" not in text[0] and "output" not in text[1]  # level 0: metadata only
+    lines = [json.loads(ln) for ln in capsys.readouterr().out.splitlines() if ln.startswith("{")]
+    assert [(r["event"], r.get("rid") or r["rids"][0]) for r in lines] == [("request.received", "json-2"),
+                                                                           ("request.output", "json-2")]
+    assert json.loads(lines[0]["input"]) == PROMPT and isinstance(lines[1]["output"], str)  # level 2: input, output
+    assert [r.status_code for r in bad] == [400] * 6
+    assert [r.json()["error"].get("param") for r in bad[:5]] == ["dump_requests_folder", "crash_dump_folder",
+                                                                 "log_requests_level", "log_requests_format", "log_level"]
+
+
 # ---------------------------------------------------------------------------- per-request records
 def test_request_time_stats_are_logged_per_finished_request(tiny_llama) -> None:
     path, _ = tiny_llama()

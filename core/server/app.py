@@ -33,6 +33,7 @@ ROUTES = [
     Route("/classify", embeddings.classify, methods=["POST", "PUT"]),
     Route("/health", native.health, methods=["GET", "POST"]),
     Route("/ready", native.ping, methods=["GET"]),
+    Route("/configure_logging", request_log.configure, methods=["GET", "POST"]),
     Route("/health_generate", native.health_generate, methods=["GET", "POST"]),
     Route("/ping", native.ping, methods=["GET"]),  # SageMaker's health check (SGLang's, under --api-key)
     Route("/get_model_info", native.get_model_info, methods=["GET"]),
@@ -146,7 +147,6 @@ def create_app(state: ServerState) -> Starlette:
     """The server's app: ``build_app`` plus the request log (``--log-requests``) and the per-request
     time stats and metrics files (``core.server.request_log``)."""
     request_log.attach(state)
-    if state.args.log_requests:
-        state.engine.finish_listeners.append(native.request_logger(state))
+    state.engine.finish_listeners.append(native.request_logger(state))  # (logs while --log-requests is on)
     args = state.args
     return build_app(state, args.api_key, args.admin_api_key, args.fastapi_root_path)

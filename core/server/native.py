@@ -247,12 +247,13 @@ def _clip(v: Any, level: int) -> Any:
 
 
 def request_logger(state: ServerState) -> Callable[[Req], None]:
-    """A finish listener that logs each request's output (``--log-requests``)."""
-    level = state.args.log_requests_level
+    """A finish listener that logs each request's output (``--log-requests``, at its level now:
+    ``/configure_logging`` changes both)."""
 
     def on_finish(req: Req) -> None:
-        if req.rid.startswith(("HEALTH_CHECK_", "WARMUP_")) or req in state.unlogged:
+        if not state.args.log_requests or req.rid.startswith(("HEALTH_CHECK_", "WARMUP_")) or req in state.unlogged:
             return
+        level = state.args.log_requests_level
         try:
             fields: dict[str, Any] = {"rid": req.rid, "completion_tokens": len(req.output_ids),
                                       "finish_reason": req.finish_reason}

@@ -1,6 +1,7 @@
 """Per-request records: where ``--log-requests`` lines go and how they look (SGLang's
 ``--log-requests-format`` / ``--log-requests-target``), ``--enable-request-time-stats-logging``'s
-line per finished request, and ``--export-metrics-to-file``'s JSON line per finished request."""
+line per finished request, ``--export-metrics-to-file``'s JSON line per finished request, and
+SGLang's ``/configure_logging``, which changes the request log (and the log level) at run time."""
 
 from __future__ import annotations
 
@@ -15,7 +16,14 @@ from logging.handlers import TimedRotatingFileHandler
 from typing import TYPE_CHECKING, Any, Callable
 
 import attrs
+import msgspec
 import structlog
+from starlette.requests import Request
+from starlette.responses import Response
+
+from core.errors import InvalidRequest
+from core.log import LEVELS, configure_logging as set_log_level
+from core.server.http import read_body, state_of
 
 if TYPE_CHECKING:
     from core.engine.request import Req
@@ -161,3 +169,46 @@ def attach(state: Any) -> None:
     if obs.export_metrics_dir:
         skip = export_skip(args.log_requests, args.log_requests_level)
         state.engine.finish_listeners.append(MetricsFileExporter(obs.export_metrics_dir, skip))
+
+
+class ConfigureLoggingReq(msgspec.Struct, forbid_unknown_fields=True):
+    """SGLang's ``/configure_logging`` body: what changes (None: as it is)."""
+
+    log_requests: bool | None = None
+    log_requests_level: int | None = None
+    log_requests_format: str | None = None
+    log_level: str | None = None
+    dump_requests_folder: str | None = None
+    dump_requests_threshold: int | None = None
+    crash_dump_folder: str | None = None
+    dump_requests_exclude_meta_keys: list[str] | None = None
+
+
+_NO_DUMPS = ("dump_requests_folder", "dump_requests_threshold", "crash_dump_folder", "dump_requests_exclude_meta_keys")
+
+
+async def configure(request: Request) -> Response:
+    """SGLang's ``/configure_logging``: ``--log-requests``, its level and format, and ``--log-level``
+    (this process's), from now on. Request dumps (SGLang's ``dump_requests_*``, ``crash_dump_folder``)
+    are not kept by this server: a 400 naming the field."""
+    state = state_of(request)
+    body = await read_body(request, ConfigureLoggingReq)
+    for name in _NO_DUMPS:
+        if getattr(body, name) is not None:
+            raise InvalidRequest(f"{name} is not supported by this server (it keeps no request dumps)", param=name)
+    if body.log_requests_level is not None and not 0 <= body.log_requests_level <= 3:
+        raise InvalidRequest("log_requests_level must be 0, 1, 2 or 3", param="log_requests_level")
+    if body.log_requests_format not in (None, "text", "json"):
+        raise InvalidRequest("log_requests_format must be 'text' or 'json'", param="log_requests_format")
+    if body.log_level is not None and body.log_level.lower() not in LEVELS:
+        raise InvalidRequest(f"log_level must be one of {', '.join(LEVELS)}", param="log_level")
+    args = state.args
+    changes: dict[str, Any] = {k: v for k in ("log_requests", "log_requests_level") if (v := getattr(body, k)) is not None}
+    if body.log_requests_format is not None:
+        obs = changes["observability"] = attrs.evolve(args.observability, log_requests_format=body.log_requests_format)
+        state.request_log = RequestLog.of(obs)
+    state.args = attrs.evolve(args, **changes)
+    if body.log_level is not None:
+        set_log_level(body.log_level.lower())
+    log.info("logging.configured", **{k: v for k, v in msgspec.structs.asdict(body).items() if v is not None})
+    return Response(status_code=200)
