@@ -140,3 +140,27 @@ def test_preferred_sampling_params_fill_what_requests_leave_unset(tiny_llama):
             validate_serve_args(parser.parse_args(["serve", "--model-path", "m", "--preferred-sampling-params", flag]))
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--model-path", "m", "--preferred-sampling-params", "[1]"])
+
+
+def test_enable_tf32_matmul_sets_cudas_float32_precision():
+    """``--enable-tf32-matmul`` / ``--no-enable-tf32-matmul`` (SGLang's, unset by default) set a CUDA
+    process's float32 matmul precision; off CUDA nothing changes (TF32 is a CUDA format)."""
+    import torch
+
+    from core.cli import build_parser
+    from core.engine.config import engine_args_from_namespace
+    from core.engine.device import use_cuda_device
+
+    parse = lambda *f: engine_args_from_namespace(build_parser().parse_args(["serve", "--model-path", "m", *f]))  # noqa: E731
+    on, off, unset = parse("--enable-tf32-matmul"), parse("--no-enable-tf32-matmul"), parse()
+    assert (on.enable_tf32_matmul, off.enable_tf32_matmul, unset.enable_tf32_matmul) == (True, False, None)
+    before = torch.get_float32_matmul_precision()
+    try:
+        use_cuda_device(torch.device("cpu"), on)
+        assert torch.get_float32_matmul_precision() == before
+        use_cuda_device(torch.device("cuda"), on)  # (a CUDA process's set-up: the setting is process-wide)
+        assert torch.get_float32_matmul_precision() == "high"
+        use_cuda_device(torch.device("cuda"), unset)
+        assert torch.get_float32_matmul_precision() == "highest"
+    finally:
+        torch.set_float32_matmul_precision(before)

@@ -51,11 +51,14 @@ class Flag:
     choices: tuple[str, ...] | None = None
     serve_only: bool = False  # only ``core serve`` offers it (the option means nothing to ``core generate``)
     nargs: str | None = None  # argparse's nargs: "*" takes a list (``--lora-paths a=x b=y``)
+    negatable: bool = False  # a switch with a ``--no-`` form too (argparse's BooleanOptionalAction)
 
 
 def _arg(default: Any, group: str, help: str | None = None, *, aliases: tuple[str, ...] = (),
-         choices: tuple[str, ...] | None = None, serve_only: bool = False, nargs: str | None = None) -> Any:
-    return attrs.field(default=default, metadata={FLAG: Flag(group, help, aliases, choices, serve_only, nargs)})
+         choices: tuple[str, ...] | None = None, serve_only: bool = False, nargs: str | None = None,
+         negatable: bool = False) -> Any:
+    return attrs.field(default=default, metadata={FLAG: Flag(group, help, aliases, choices, serve_only, nargs,
+                                                             negatable)})
 
 
 @attrs.define(kw_only=True)
@@ -212,6 +215,9 @@ class EngineArgs:
     enable_deterministic_inference: bool = _arg(False, BACKENDS, "batch-invariant kernels: a request's tokens and "
                                                                  "logprobs do not depend on what it is batched with "
                                                                  "(CPU; unseeded samples take seed 42; slower)")
+    enable_tf32_matmul: bool | None = _arg(None, BACKENDS, "float32 matmuls in TensorFloat32 on CUDA (faster, 10 "
+                                                           "mantissa bits; default: off; no effect off CUDA)",
+                                           negatable=True)
     enable_fp32_lm_head: bool = _arg(False, BACKENDS, "logits in float32, not rounded to the activations' dtype: "
                                                       "the LM head multiplies by the unquantized table (a GGUF "
                                                       "file's head dequantized), accumulating into float32")
@@ -327,7 +333,8 @@ def add_engine_args(parser: argparse.ArgumentParser, *, serve: bool = False) -> 
             group = groups[flag.group] = parser.add_argument_group(flag.group)
         names = ("--" + field.name.replace("_", "-"), *flag.aliases)
         if kind is None:
-            group.add_argument(*names, dest=field.name, action="store_true", default=field.default, help=flag.help)
+            action = argparse.BooleanOptionalAction if flag.negatable else "store_true"
+            group.add_argument(*names, dest=field.name, action=action, default=field.default, help=flag.help)
         else:
             group.add_argument(*names, dest=field.name, type=kind, default=field.default, help=flag.help,
                                choices=list(flag.choices) if flag.choices else None, nargs=flag.nargs)

@@ -88,7 +88,16 @@ def engine_device(args: Any) -> torch.device:
     device = placed_device(args)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    use_cuda_device(device, args)
     return device
+
+
+def use_cuda_device(device: torch.device, args: Any) -> None:
+    """On CUDA: this process's float32 matmuls in TensorFloat32 or not (``--enable-tf32-matmul`` /
+    ``--no-enable-tf32-matmul``, SGLang's; unset: off, PyTorch's default). Nothing elsewhere: TF32 is
+    a CUDA format (SGLang: "CUDA only")."""
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high" if getattr(args, "enable_tf32_matmul", None) else "highest")
 
 
 def gpu_index(first: int, step: int, replica: int, ranks_per_node: int, local_rank: int) -> int:

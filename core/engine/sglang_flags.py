@@ -53,7 +53,7 @@ enable-precise-embedding-interpolation enable-prefill-cp enable-prefill-delayer 
 enable-profile-cuda-graph enable-quant-communications enable-response-store
 enable-return-aux-hidden-states enable-return-indexer-topk enable-return-routed-experts
 enable-scattered-sconv enable-session-radix-cache enable-shared-experts-attn-tp enable-single-batch-overlap
-enable-ssl-refresh enable-streaming-session enable-strict-thinking enable-symm-mem enable-tf32-matmul
+enable-ssl-refresh enable-streaming-session enable-strict-thinking enable-symm-mem 
 enable-tokenizer-batch-encode enable-torch-compile-debug-mode enable-torch-symm-mem enable-tp-lm-head-all-to-all
 enable-trace enable-two-batch-overlap enable-unified-cache-external-linker enable-unified-memory
 enable-w4a4-mxfp4-megamoe enable-waterfill enable-watermark enable-weights-cpu-backup encoder-bootstrap-port

@@ -23,7 +23,7 @@ import torch
 from core.engine import gc_watch
 from core.engine.config import EngineArgs
 from core.engine.distributed.collectives import DistPlan, KVSpec, agree, broadcast, describe, init_rank, rank_device
-from core.engine.device import configure_cpu_runtime, placed_device
+from core.engine.device import configure_cpu_runtime, placed_device, use_cuda_device
 from core.engine.hybrid_attention import build_attention_backend
 from core.engine.mem_cache.kv_cache import allocate_kv_cache
 from core.engine.model_loader.loader import load_model_config
@@ -58,6 +58,7 @@ def _serve(rank: int, args: EngineArgs, plan: DistPlan) -> int:
     device = rank_device(placed_device(args), plan, rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    use_cuda_device(device, args)
     tp, control = init_rank(plan, rank)
     error, model = None, None
     try:
