@@ -65,9 +65,10 @@ def test_a_request_is_the_same_in_any_batch(tiny_llama, dtype, head_dim):
 
 @pytest.mark.slow
 def test_the_default_model_is_the_same_in_any_batch():
-    """The GGUF default (int4 layers on kernels/cpu_gemv, the int8-blocks head, bf16)."""
+    """The GGUF default (int4 layers on kernels/cpu_gemv, the int8-blocks head, bf16: the fused C++
+    layers serve); the second engine also decodes four steps per call (one C++ call for them)."""
     kw = dict(skip_tokenizer_init=True, cpu_threads=2, max_total_tokens=16384, enable_deterministic_inference=True)
-    eng, chunked = core.Engine(**kw), core.Engine(chunked_prefill_size=16, **kw)
+    eng, chunked = core.Engine(**kw), core.Engine(chunked_prefill_size=16, num_continuous_decode_steps=4, **kw)
     try:
         p, *others = _prompts(1, 70, 5, 40, 40000)
         p = p + [11] * (40 - len(p))

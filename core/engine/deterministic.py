@@ -21,8 +21,8 @@ arithmetic for a row depend on that row alone:
 * **Sampling.** A request without a seed samples with seed 42 (SGLang's), from its own generator.
 
 Refused at start-up, naming the reason: CUDA (the GPU kernels are not batch-invariant here yet),
-``--tp-size`` > 1, LoRA adapters, speculative decoding, ``--is-embedding``, mixture-of-experts
-layers and attention backends without the mode.
+``--tp-size`` > 1, LoRA adapters, speculative decoding, ``--is-embedding``, vision-language and
+mixture-of-experts models, and attention backends without the mode.
 """
 
 from __future__ import annotations
@@ -76,6 +76,9 @@ def configure(model: torch.nn.Module, attn_backend: Any) -> None:
                             "batch-invariant mode; use --attention-backend cpu")
         b.batch_invariant = True
     attn_backend.batch_invariant = True
+    if callable(getattr(model, "encode_images", None)):
+        raise CoreError("--enable-deterministic-inference: not with vision-language models yet (their image "
+                        "encoders are not made batch-invariant)")
     for m in model.modules():
         if isinstance(m, FusedExperts):
             raise CoreError("--enable-deterministic-inference: not with mixture-of-experts layers (each expert's "
