@@ -21,7 +21,8 @@ PLUGIN_API_VERSION = "1.10"  # 1.1: the optional CUDA-graph capture hooks of att
 # 1.5: HiCache storage backends (HiCacheStorage); 1.6: ForwardBatch.lora (LoRA adapters in the batch);
 # 1.7: multimodal processors, ForwardBatch.mm_rows / mm_embeds / mrope_positions; 1.8: ForwardBatch.layer_ready;
 # 1.9: CUDA graphs of speculative verifies (AttentionBackend.supports_cuda_graph_verify);
-# 1.10: batch-invariant attention (AttentionBackend.supports_batch_invariant, --enable-deterministic-inference)
+# 1.10: batch-invariant attention (AttentionBackend.supports_batch_invariant, --enable-deterministic-inference),
+# GrammarBackend.compile's per-request JSON keywords (any_whitespace, whitespace_pattern)
 
 
 # --------------------------------------------------------------------------- batches
@@ -426,7 +427,10 @@ class GrammarBackend(Protocol):
 
     def compile(self, kind: str, spec: str) -> Grammar:
         """``kind`` is one of ``json_schema``, ``regex``, ``ebnf``, ``structural_tag``.
-        Raises ``ValueError`` with the backend's message on an invalid spec."""
+        Raises ``ValueError`` with the backend's message on an invalid spec. Optional keywords
+        (plugin API 1.10), passed only for a ``json_schema`` whose request set them:
+        ``any_whitespace=False``, ``whitespace_pattern=REGEX`` (vLLM's per-request options);
+        a request asking for one the method does not take is refused, naming it."""
 
     def allocate_bitmask(self, batch_size: int) -> torch.Tensor: ...
 

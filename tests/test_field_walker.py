@@ -102,7 +102,7 @@ _GENERATION = {
     "guided_grammar": H(f"{VLLM}::test_grammar_and_guidance_duplicates"),
     "guided_json_object": H(f"{VLLM}::test_json_schema_and_json_object"),
     "structural_tag": H(f"{VLLM}::test_request_constraint_mapping"),
-    "guided_whitespace_pattern": R("\\s*"),
+    "guided_whitespace_pattern": H("tests.test_launch_flags_chat::test_vllms_per_request_json_options_shape_that_requests_output"),
     "include_stop_str_in_output": H(f"{VLLM}::test_vllm_names_of_sglang_options"),
     "request_id": H(f"{VLLM}::test_vllm_names_of_sglang_options"),
 }
@@ -280,8 +280,10 @@ CLASSIFIED: dict[str, dict[str, Any]] = {
         "structural_tag": H(f"{VLLM}::test_request_constraint_mapping"),
         "disable_fallback": H(f"{VLLM}::test_request_constraint_mapping"),  # honoured: no other backend to fall back to
         "backend": P,
-        **{k: R(v, {"regex": "a+"}) for k, v in (("disable_any_whitespace", True),
-                                                ("disable_additional_properties", True), ("whitespace_pattern", " "))},
+        "disable_any_whitespace": H("tests.test_launch_flags_chat::test_vllms_per_request_json_options_shape_that_requests_output"),
+        "whitespace_pattern": H("tests.test_launch_flags_chat::test_vllms_per_request_json_options_shape_that_requests_output"),
+        "disable_additional_properties": H(
+            "tests.test_launch_flags_chat::test_disable_additional_properties_closes_every_object_of_the_schema"),
     },
     "StreamOptions": {
         "include_usage": H(f"{OAI}::test_chat_stream_include_usage"),
@@ -336,6 +338,7 @@ CLASSIFIED: dict[str, dict[str, Any]] = {
         "ebnf": H(f"{STRUCT}::test_generate_constraints"),
         "structural_tag": H(f"{VLLM}::test_request_constraint_mapping"),
         "thinking": H("tests.test_openai_tool_fields::test_a_thinking_budget_leaves_an_answer_without_reasoning_alone"),
+        "json_options": H("tests.test_launch_flags_chat::test_disable_additional_properties_closes_every_object_of_the_schema"),
         "reasoning_gate": H("tests.test_openai_tool_fields::test_a_hybrid_models_first_token_decides_whether_it_reasons",
                             "enable_thinking"),
     },

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator
 
 import httpx
+import msgspec
 import pytest
 from structlog.testing import capture_logs
 
@@ -303,6 +304,63 @@ def test_json_whitespace_flags_give_compact_constrained_output(tmp_path):
     text = asyncio.run(answer(constrained_json_max_whitespace_cnt=3))  # runs of at most 3, still valid JSON
     assert json.loads(text)["a"] in (True, False) and any(c in text for c in " \n"), text
     assert re.search(r"\s{4}", loose) and not re.search(r"\s{4}", text), (loose, text)
+
+
+def test_vllms_per_request_json_options_shape_that_requests_output(tmp_path):
+    """vLLM's per-request options on a JSON constraint: ``structured_outputs.disable_any_whitespace``
+    (xgrammar and llguidance: compact JSON), ``structured_outputs.whitespace_pattern`` and the older
+    ``guided_whitespace_pattern`` (llguidance: only the pattern's whitespace; xgrammar has no such
+    option: a 400 naming it); the server's defaults stay for the next request."""
+    from core.server.args import ServerArgs
+    from core.testing.grammar import tokenizer
+
+    path = _byte_model(tmp_path / "m")
+    tok = tokenizer()
+    bias = {str(tok.encode(c, add_special_tokens=False)[0]): 60 for c in (" ", "\n")}
+    schema = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"], "additionalProperties": False}
+    base = {"messages": HI, "max_tokens": 24, "temperature": 0, "logit_bias": bias}
+
+    async def answers(backend: str, *bodies: dict) -> list:
+        async with served(path, ServerArgs(chat_template=TEMPLATE), grammar_backend=backend) as (c, _):
+            out = []
+            for body in bodies:
+                r = await c.post("/v1/chat/completions", json={**base, **body})
+                out.append(r.json()["choices"][0]["message"]["content"] if r.status_code == 200 else r)
+            return out
+
+    for backend, spacing in (("xgrammar", ": "), ("llguidance", ":")):
+        compact, loose = asyncio.run(answers(backend, {"structured_outputs": {"json": schema, "disable_any_whitespace": True}},
+                                             {"structured_outputs": {"json": schema}}))
+        assert compact in (f'{{"a"{spacing}true}}', f'{{"a"{spacing}false}}'), (backend, compact)
+        assert any(c in loose for c in " \n"), (backend, loose)  # the next request: the server's default again
+    tabs, old = asyncio.run(answers("llguidance", {"structured_outputs": {"json": schema, "whitespace_pattern": "[\t]*"}},
+                                    {"guided_json": schema, "guided_whitespace_pattern": "[\t]*"}))
+    for text in (tabs, old):
+        assert json.loads(text)["a"] in (True, False) and not set(text) & {" ", "\n"}, text
+    (refused,) = asyncio.run(answers("xgrammar", {"guided_json": schema, "guided_whitespace_pattern": "[\t]*"}))
+    err = refused.json()["error"]
+    assert refused.status_code == 400 and err["param"] == "whitespace_pattern" and "llguidance" in err["message"]
+
+
+def test_disable_additional_properties_closes_every_object_of_the_schema():
+    """vLLM's ``disable_additional_properties``: every object schema without ``additionalProperties``
+    gets ``false`` (nested ones too; one that sets it keeps its own); the options reach the sampling
+    parameters of a JSON constraint only."""
+    from core.server.openai.job import closed_objects, request_constraint
+    from core.server.openai.protocol import ChatCompletionRequest
+
+    schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "integer"}}},
+                                               "c": {"type": "object", "additionalProperties": True},
+                                               "d": {"type": "array", "items": {"properties": {"e": {}}}}}}
+    closed = closed_objects(schema)
+    assert closed["additionalProperties"] is False and closed["properties"]["a"]["additionalProperties"] is False
+    assert closed["properties"]["c"]["additionalProperties"] is True
+    assert closed["properties"]["d"]["items"]["additionalProperties"] is False and "additionalProperties" not in \
+        closed["properties"]["d"]
+    req = lambda so: msgspec.convert({"messages": HI, "structured_outputs": so}, ChatCompletionRequest)  # noqa: E731
+    got = request_constraint(req({"json": schema, "disable_additional_properties": True, "disable_any_whitespace": True}))
+    assert json.loads(got["json_schema"]) == closed and got["json_options"] == {"any_whitespace": False}
+    assert request_constraint(req({"regex": "a+", "whitespace_pattern": " "})) == {"regex": "a+"}  # (vLLM: ignored)
 
 
 def test_json_whitespace_flags_a_backend_cannot_honour_are_startup_errors(tiny_llama):

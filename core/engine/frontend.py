@@ -193,7 +193,7 @@ class RequestFrontEnd:
         raises InvalidRequest with the backend's message for an invalid spec."""
         for r in reqs:
             if r.constraint is not None and r.grammar is None:
-                r.grammar = await self.grammar.compile(*r.constraint)
+                r.grammar = await self.grammar.compile(*r.constraint, options=r.params.json_options)
                 if (gate := r.params.reasoning_gate) is not None:  # (the answer after the reasoning)
                     r.grammar = AfterReasoning(r.grammar, gate)
 

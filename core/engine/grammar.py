@@ -52,6 +52,10 @@ JSON_WHITESPACE_FLAGS = {"constrained_json_disable_any_whitespace": ("any_whites
                          "constrained_json_max_whitespace_cnt": ("max_whitespace_cnt", "xgrammar")}
 
 
+# The per-request JSON keywords a backend's compile may take -> the built-in backends that take them
+JSON_REQUEST_OPTIONS = {"any_whitespace": "xgrammar or llguidance", "whitespace_pattern": "llguidance"}
+
+
 def json_whitespace_options(args: Any) -> dict[str, Any]:
     """The backend keywords the JSON whitespace flags ask for; empty when they are unset."""
     opts: dict[str, Any] = {}
@@ -99,7 +103,7 @@ class GrammarManager:
         if self.name != "none" and tokenizer is not None:
             factory = plugins.resolve("grammar_backend", self.name)
             self.backend = factory(tokenizer, vocab_size, stop_token_ids=list(eos_ids), **(json_whitespace or {}))
-        self._cache: collections.OrderedDict[tuple[str, str, str], concurrent.futures.Future] = collections.OrderedDict()
+        self._cache: collections.OrderedDict[tuple[str, str, str, tuple], concurrent.futures.Future] = collections.OrderedDict()
         self._lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="core-grammar")
 
@@ -107,23 +111,23 @@ class GrammarManager:
     def enabled(self) -> bool:
         return self.backend is not None
 
-    def _future(self, kind: str, spec: str) -> concurrent.futures.Future:
-        key = (self.name, kind, spec)
+    def _future(self, kind: str, spec: str, options: tuple = ()) -> concurrent.futures.Future:
+        key = (self.name, kind, spec, options)
         with self._lock:
             fut = self._cache.get(key)
             if fut is not None:
                 self._cache.move_to_end(key)
                 return fut
-            fut = self._pool.submit(self._compile_checked, kind, spec)
+            fut = self._pool.submit(self._compile_checked, kind, spec, dict(options))
             self._cache[key] = fut
             while len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
             return fut
 
-    def _compile_checked(self, kind: str, spec: str) -> Any:
+    def _compile_checked(self, kind: str, spec: str, options: dict[str, Any]) -> Any:
         """Compile, and refuse a grammar whose start allows no token at all (``root ::= root``):
         decoding it could only emit tokens the grammar rejects."""
-        proto = self.backend.compile(kind, spec)
+        proto = self.backend.compile(kind, spec, **options)
         probe = proto.copy()
         if not probe.is_terminated():
             bitmask = self.backend.allocate_bitmask(1)
@@ -133,14 +137,23 @@ class GrammarManager:
                 raise ValueError("the grammar accepts no output (no token can start it)")
         return proto
 
-    async def compile(self, kind: str, spec: str) -> Any:
+    async def compile(self, kind: str, spec: str, options: dict[str, Any] | None = None) -> Any:
         """A fresh matcher for (kind, spec); compilation runs off the loop and is cached.
-        An invalid spec raises InvalidRequest carrying the backend's message."""
+        An invalid spec raises InvalidRequest carrying the backend's message. ``options``: a JSON
+        schema's whitespace keywords for this request (``any_whitespace``, ``whitespace_pattern``:
+        vLLM's per-request options), passed to the backend's ``compile`` where it takes them."""
         if self.backend is None:
             raise InvalidRequest(f"{kind} constraints need a grammar backend, but the server runs with "
                                  f"--grammar-backend none", param=kind)
+        options = options if kind == "json_schema" else None  # (vLLM's options shape JSON only)
+        if options:
+            takes = inspect.signature(self.backend.compile).parameters
+            for keyword in options:
+                if keyword not in takes:
+                    raise InvalidRequest(f"a per-request {keyword} is not supported by --grammar-backend {self.name}"
+                                         f"; use --grammar-backend {JSON_REQUEST_OPTIONS[keyword]}", param=keyword)
         try:
-            proto = await asyncio.wrap_future(self._future(kind, spec))
+            proto = await asyncio.wrap_future(self._future(kind, spec, tuple(sorted((options or {}).items()))))
         except (ValueError, RuntimeError, TypeError) as e:
             raise InvalidRequest(f"invalid {kind}: {e}", param=kind) from None
         return proto.copy()

@@ -121,6 +121,9 @@ class SamplingParams:
     regex: str | None = None
     ebnf: str | None = None
     structural_tag: str | None = None
+    # set by the OpenAI server from vLLM's per-request JSON whitespace options, never from from_dict: the
+    # grammar backend's keywords for this request's json_schema (core.engine.grammar.GrammarManager.compile)
+    json_options: dict | None = None
     # set by the server from its reasoning parser, never from a request's sampling_params (from_dict)
     thinking: ThinkingBudget | None = None
     # SGLang's custom_params: what the request's custom logit processor reads (core.engine.logit_processor)
@@ -136,7 +139,8 @@ class SamplingParams:
     def from_dict(cls, d: dict | None) -> SamplingParams:
         """Build from a JSON-style dict; unknown keys are an error naming them."""
         d = seed_named(d or {})
-        known = {f.name for f in attrs.fields(cls)} - {"thinking", "custom_logit_processor", "reasoning_gate"}
+        known = {f.name for f in attrs.fields(cls)} - {"thinking", "custom_logit_processor", "reasoning_gate",
+                                                       "json_options"}
         unknown = sorted(set(d) - known)
         if unknown:
             raise InvalidRequest(f"unknown sampling parameter(s): {', '.join(unknown)}", param=unknown[0])

@@ -46,13 +46,23 @@ class LLGuidanceBackend:
             self.tokenizer = llguidance.hf.from_tokenizer(
                 tokenizer, n_vocab=vocab_size, eos_token=stop_token_ids[0] if stop_token_ids else None)
 
-    def compile(self, kind: str, spec: str) -> LLGuidanceGrammar:
+    def compile(self, kind: str, spec: str, *, any_whitespace: bool | None = None,
+                whitespace_pattern: str | None = None) -> LLGuidanceGrammar:
+        """``any_whitespace`` / ``whitespace_pattern``: this request's JSON whitespace (vLLM's
+        ``disable_any_whitespace``, ``whitespace_pattern``), over the server's."""
         fmt = _FORMATS.get(kind)
         if fmt is None:
             raise ValueError(f"the llguidance backend does not support {kind} constraints")
+        options = self.json_options
+        if any_whitespace is not None or whitespace_pattern is not None:
+            options = dict(options or {"whitespace_flexible": True, "whitespace_pattern": None})
+            if any_whitespace is not None:
+                options["whitespace_flexible"] = any_whitespace
+            if whitespace_pattern is not None:
+                options["whitespace_pattern"] = whitespace_pattern
         try:
-            if fmt == "json_schema" and self.json_options is not None:
-                grammar = llguidance.LLMatcher.grammar_from_json_schema(spec, defaults=self.json_options)
+            if fmt == "json_schema" and options is not None:
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(spec, defaults=options)
             else:
                 grammar = llguidance.grammar_from(fmt, spec)
         except Exception as e:

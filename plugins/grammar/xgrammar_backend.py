@@ -38,10 +38,12 @@ class XGrammarBackend:
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids or None)
         self.compiler = xgr.GrammarCompiler(info, max_threads=2)
 
-    def compile(self, kind: str, spec: str) -> XGrammarGrammar:
+    def compile(self, kind: str, spec: str, *, any_whitespace: bool | None = None) -> XGrammarGrammar:
+        """``any_whitespace``: this request's (vLLM's ``disable_any_whitespace``), else the server's."""
         try:
             if kind == "json_schema":
-                compiled = self.compiler.compile_json_schema(spec, any_whitespace=self.any_whitespace,
+                ws = self.any_whitespace if any_whitespace is None else any_whitespace
+                compiled = self.compiler.compile_json_schema(spec, any_whitespace=ws,
                                                           max_whitespace_cnt=self.max_whitespace_cnt)
             elif kind == "regex":
                 compiled = self.compiler.compile_regex(spec)

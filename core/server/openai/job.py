@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import uuid
 from typing import Any, AsyncIterator, Mapping
@@ -94,20 +95,52 @@ def _vllm_constraint(param: str, key: str, value: Any) -> tuple[str, str, str] |
     return _VLLM_KINDS[key], spec, param
 
 
+def vllm_json_options(r: Any) -> tuple[dict[str, Any], bool]:
+    """vLLM's per-request JSON options: (the grammar backend's whitespace keywords, whether additional
+    properties are disallowed): ``guided_whitespace_pattern``, and ``structured_outputs``'
+    ``whitespace_pattern``, ``disable_any_whitespace`` and ``disable_additional_properties``."""
+    so = r.structured_outputs
+    opts: dict[str, Any] = {}
+    pattern = r.guided_whitespace_pattern if so is None or so.whitespace_pattern is None else so.whitespace_pattern
+    if pattern is not None:
+        check(isinstance(pattern, str) and _compiles(pattern), f"whitespace_pattern {pattern!r} is not a regular "
+              "expression", "structured_outputs.whitespace_pattern" if so is not None and so.whitespace_pattern
+              is not None else "guided_whitespace_pattern")
+        opts["whitespace_pattern"] = pattern
+    if so is not None and so.disable_any_whitespace:
+        opts["any_whitespace"] = False
+    return opts, bool(so is not None and so.disable_additional_properties)
+
+
+def _compiles(pattern: str) -> bool:
+    try:
+        re.compile(pattern)
+    except re.error:
+        return False
+    return True
+
+
+def closed_objects(schema: Any) -> Any:
+    """``schema`` with ``additionalProperties: false`` on every object schema that does not set it
+    (vLLM's ``disable_additional_properties``)."""
+    if isinstance(schema, list):
+        return [closed_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: closed_objects(v) for k, v in schema.items()}
+    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
 def _vllm_constraints(r: Any) -> list[tuple[str, str, str]]:
     """vLLM's structured output as (kind, spec, param): ``structured_outputs`` (vLLM >= 0.10) and the
-    older top-level ``guided_*`` and ``structural_tag``. Options the grammar backends cannot be
-    given (whitespace control, disabling additional properties) are a 400 unless off."""
-    check(r.guided_whitespace_pattern is None, "guided_whitespace_pattern is not supported by this server",
-          "guided_whitespace_pattern")
+    older top-level ``guided_*`` and ``structural_tag`` (their options: :func:`vllm_json_options`)."""
     found = [_vllm_constraint(f"guided_{key}", key, getattr(r, f"guided_{key}"))
              for key in ("json", "regex", "choice", "grammar", "json_object")]
     found.append(_vllm_constraint("structural_tag", "structural_tag", r.structural_tag))
     so = r.structured_outputs
     if so is not None:
-        for option in ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern"):
-            check(getattr(so, option) in (None, False), f"structured_outputs.{option} is not supported by this server",
-                  f"structured_outputs.{option}")
         if so.backend is not None:
             log_ignored_field("request.field_ignored", "structured_outputs.backend")
         own = [_vllm_constraint(f"structured_outputs.{key}", key, getattr(so, key)) for key in _VLLM_KINDS]
@@ -116,11 +149,12 @@ def _vllm_constraints(r: Any) -> list[tuple[str, str, str]]:
     return [c for c in found if c is not None]
 
 
-def request_constraint(r: Any) -> dict[str, str]:
+def request_constraint(r: Any) -> dict[str, Any]:
     """Structured output of a request as SamplingParams fields: response_format (json_schema,
     json_object, structural_tag), SGLang's extra_body regex / json_schema / ebnf, or vLLM's fields
     (:func:`_vllm_constraints`). At most one; the same constraint asked twice counts once (guidance
-    sends vLLM's old and new field together)."""
+    sends vLLM's old and new field together). vLLM's JSON options shape a JSON schema constraint
+    (``json_options``, and the schema's objects closed); on another they are ignored, as vLLM does."""
     found = [(name, getattr(r, name), name) for name in ("regex", "json_schema", "ebnf")
              if getattr(r, name) is not None]
     rf = r.response_format
@@ -145,7 +179,15 @@ def request_constraint(r: Any) -> dict[str, str]:
     if len(distinct) > 1:
         params = list(distinct.values())
         raise InvalidRequest(f"only one constraint per request is allowed, got {', '.join(params)}", param=params[1])
-    return {kind: spec for kind, spec in distinct}
+    out: dict[str, Any] = {kind: spec for kind, spec in distinct}
+    opts, closed = vllm_json_options(r)
+    if "json_schema" in out and (opts or closed):
+        if closed:
+            out["json_schema"] = json.dumps(closed_objects(json.loads(out["json_schema"])))
+        out["json_options"] = opts or None
+    elif opts or closed:
+        log_ignored_field("request.field_ignored", "structured_outputs options (no JSON constraint)")
+    return out
 
 
 def effort_template_kwargs(effort: str | None, kwargs: dict[str, Any] | None) -> dict[str, Any]:
