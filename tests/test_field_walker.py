@@ -292,6 +292,7 @@ CLASSIFIED: dict[str, dict[str, Any]] = {
     "BatchRequest": dict.fromkeys(("input_file_id", "endpoint", "completion_window", "metadata"),
                                   H(f"{OAI}::test_files_and_batches_round_trip")),
     "ResponsesRequest": {
+        "background": H(f"{OAI}::test_responses_in_the_background"),
         "model": H(f"{OAI}::test_responses_answer_as_chat_does_and_continue_a_conversation"),
         "input": H(f"{OAI}::test_responses_answer_as_chat_does_and_continue_a_conversation"),
         "instructions": H(f"{OAI}::test_responses_answer_as_chat_does_and_continue_a_conversation"),
@@ -309,7 +310,7 @@ CLASSIFIED: dict[str, dict[str, Any]] = {
                          "chat_template_kwargs", "request_id", "priority", "metadata", "user", "frequency_penalty",
                          "presence_penalty", "stop"),
                         H(f"{ME}::test_responses_fields_reach_the_chat_request")),
-        "truncation": R("auto"), "background": R(True), "conversation": R("conv_1"), "prompt": R({"id": "p"}),
+        "truncation": R("auto"), "conversation": R("conv_1"), "prompt": R({"id": "p"}),
     },
     "SamplingParams": {
         "max_new_tokens": H(f"{ENGINE}::test_max_new_tokens_zero_returns_only_prompt_logprobs"),

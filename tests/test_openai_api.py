@@ -390,6 +390,33 @@ def test_responses_answer_as_chat_does_and_continue_a_conversation(client, http)
     assert_error(http.get(f"/v1/responses/{unstored.id}"), 404, "response_id")
 
 
+def test_responses_in_the_background(client, http):
+    """``background``: the answer is the response queued; polled, it ends as the same request's
+    foreground answer; a running one cancelled ends ``cancelled`` (its request aborted), a finished
+    one is returned as it is; background needs ``store``."""
+    assert http.post("/flush_cache").status_code == 200  # (compared from a cold prefix cache, see above)
+    fore = client.responses.create(model="m", input="Hi", max_output_tokens=12, **GREEDY)
+    assert http.post("/flush_cache").status_code == 200
+    back = client.responses.create(model="m", input="Hi", max_output_tokens=12, background=True, **GREEDY)
+    assert back.status in ("queued", "in_progress") and back.background and not back.output
+    deadline = time.monotonic() + 60
+    while (got := client.responses.retrieve(back.id)).status in ("queued", "in_progress"):
+        assert time.monotonic() < deadline, got.status
+        time.sleep(0.05)
+    assert got.status == fore.status and got.output_text == fore.output_text and got.usage == fore.usage
+    assert client.responses.cancel(back.id).status == fore.status  # finished: as it is
+
+    long = client.responses.create(model="m", input="Count to a thousand.", max_output_tokens=4000, background=True,
+                                   temperature=1.0)
+    cancelled = client.responses.cancel(long.id)
+    assert cancelled.status == "cancelled" and client.responses.retrieve(long.id).status == "cancelled"
+    _wait_idle(http)  # its request was aborted: 4000 tokens would take minutes
+    time.sleep(0.2)
+    assert client.responses.retrieve(long.id).status == "cancelled"
+    assert_error(http.post("/v1/responses", json={"input": "hi", "background": True, "store": False}), 400, "store")
+    assert_error(http.post("/v1/responses/resp_none/cancel"), 404, "response_id")
+
+
 def test_responses_stream_events(client, http):
     assert http.post("/flush_cache").status_code == 200  # both from a cold prefix cache (see above)
     whole = client.responses.create(model="m", input="Hi", max_output_tokens=40, **GREEDY)
@@ -493,7 +520,6 @@ def test_responses_stream_abort_and_disconnect(base_url, http):
     ({"input": [{"role": "bot", "content": "x"}]}, 400, "input"),
     ({"input": [{"type": "function_call", "name": "f"}]}, 400, "input"),
     ({"input": "hi", "tools": [{"type": "web_search"}]}, 400, "tools"),
-    ({"input": "hi", "background": True}, 400, "background"),
     ({"input": "hi", "previous_response_id": "resp_missing"}, 404, "previous_response_id"),
     ({"input": "hi", "max_output_tokens": -1}, 400, "max_output_tokens"),
     ({"input": "hi", "text": {"format": {"type": "grammar"}}}, 400, "text"),

@@ -76,6 +76,7 @@ ROUTES = [
     Route("/v1/responses/{response_id}", responses.retrieve_response, methods=["GET"]),
     Route("/v1/responses/{response_id}", responses.delete_response, methods=["DELETE"]),
     Route("/v1/responses/{response_id}/input_items", responses.list_input_items, methods=["GET"]),
+    Route("/v1/responses/{response_id}/cancel", responses.cancel_response, methods=["POST"]),
     Route("/v1/messages", anthropic.messages, methods=["POST"]),
     Route("/v1/messages/count_tokens", anthropic.count_tokens, methods=["POST"]),
     Route("/v1/embeddings", embeddings.openai_embeddings, methods=["POST"]),

@@ -13,7 +13,11 @@ messages, function tools in chat's shape, ``text.format`` the ``response_format`
   goes first): ``GET``/``DELETE /v1/responses/{id}``, ``GET .../input_items``, and
   ``previous_response_id`` continues its conversation (its input and output, not its
   ``instructions``, as OpenAI does). A restart forgets them.
-* Refused with a 400 rather than ignored: ``background``, ``conversation``, ``prompt`` templates,
+* ``background`` (with ``store``): the answer is the response ``queued``; it runs on, ``in_progress``,
+  to ``completed`` (``incomplete``, ``failed``) in the store, where ``GET`` polls it, and ``POST
+  /v1/responses/{id}/cancel`` stops it (``cancelled``; a finished one is returned as it is, as
+  SGLang). Streamed, a background response streams on its connection, as SGLang's.
+* Refused with a 400 rather than ignored: ``conversation``, ``prompt`` templates,
   non-function tools (web search, file search...), image / file / audio input parts,
   ``truncation: auto``, and ``item_reference`` items.
 * Finishing on ``max_output_tokens`` gives status ``incomplete`` with
@@ -26,6 +30,7 @@ messages, function tools in chat's shape, ``text.format`` the ``response_format`
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import re
 import uuid
@@ -222,7 +227,9 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 def chat_request(r: ResponsesRequest, history: list[dict[str, Any]], items: list[dict[str, Any]]) -> ChatCompletionRequest:
-    for name in ("background", "conversation", "prompt"):
+    if r.background and r.store is False:
+        raise InvalidRequest("background=true requires store=true.", param="store")
+    for name in ("conversation", "prompt"):
         if getattr(r, name):
             raise InvalidRequest(f"{name} is not supported by this server", param=name)
     if r.truncation not in (None, "disabled"):
@@ -323,6 +330,7 @@ def _response(job: ChatJob, r: ResponsesRequest, status: str, output: list[dict]
     effort = (r.reasoning or {}).get("effort")
     return {
         "id": job.id, "object": "response", "created_at": job.created, "status": status, "model": job.model,
+        "background": bool(r.background),
         "output": output, "usage": usage, "error": error,
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
         "instructions": r.instructions, "max_output_tokens": r.max_output_tokens, "metadata": r.metadata or {},
@@ -383,8 +391,61 @@ async def create_response(request: Request) -> Response:
 
     if r.stream:
         return EventStream(_stream(job, r, keep))
+    if r.background:  # (the store holds it as it goes: queued, in progress, then the full response)
+        queued = _response(job, r, "queued", [], None)
+        keep(queued)
+        task = asyncio.create_task(_background(job, r, keep, store))
+        tasks = _background_tasks(request)
+        tasks[job.id] = job, task
+        task.add_done_callback(lambda _: tasks.pop(job.id, None))
+        return json_response(queued)
     async with abort_on_disconnect(request, job.abort):
         (out,) = await job.final_outputs()
+    response = _full_response(job, r, out)
+    keep(response)
+    return json_response(response)
+
+
+def _background_tasks(request: Request) -> dict[str, tuple[ChatJob, asyncio.Task]]:
+    tasks = getattr(request.app.state, "responses_background", None)
+    if tasks is None:
+        tasks = request.app.state.responses_background = {}
+    return tasks
+
+
+async def _background(job: ChatJob, r: ResponsesRequest, keep: Any, store: dict[str, Stored]) -> None:
+    """A background response's run: its stored status ``in_progress``, then its full response, or
+    ``failed`` with the error (never over a cancel)."""
+    if (entry := store.get(job.id)) is not None:
+        entry.response = {**entry.response, "status": "in_progress"}
+    try:
+        (out,) = await job.final_outputs()
+        response = _full_response(job, r, out)
+    except Exception as e:  # (an engine failure: the stored response says so, the server goes on)
+        log.warning("responses.background_failed", id=job.id, error=str(e))
+        response = _response(job, r, "failed", [], None, {"code": "server_error", "message": str(e)})
+    if (entry := store.get(job.id)) is not None and entry.response["status"] != "cancelled":
+        keep(response)
+
+
+async def cancel_response(request: Request) -> Response:
+    """``POST /v1/responses/{id}/cancel``: a queued or running background response stops, ``cancelled``;
+    any other is returned as it is (SGLang's)."""
+    ident = request.path_params["response_id"]
+    stored = _store(request).get(ident)
+    if stored is None:
+        raise _not_found(ident)
+    if stored.response["status"] in ("queued", "in_progress"):
+        stored.response = {**stored.response, "status": "cancelled"}
+        if (running := _background_tasks(request).pop(ident, None)) is not None:
+            job, task = running
+            job.abort()
+            task.cancel()
+    return json_response(stored.response)
+
+
+def _full_response(job: ChatJob, r: ResponsesRequest, out: dict[str, Any]) -> dict[str, Any]:
+    """The whole response from a request's final output."""
     reason, _ = finish_of(out)
     reasoning, content, calls, reason = job.post().full(out["text"], reason)
     status = _status(reason)
@@ -401,9 +462,7 @@ async def create_response(request: Request) -> Response:
         output.append(_message_item(content or "", "completed", lp))
     output += [_call_item(c) for c in calls or []]
     output[-1]["status"] = status  # the item the output ended in, as the stream closes it
-    response = _response(job, r, status, output, _usage(job, out, reasoning))
-    keep(response)
-    return json_response(response)
+    return _response(job, r, status, output, _usage(job, out, reasoning))
 
 
 class _Events:
