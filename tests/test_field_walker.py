@@ -416,6 +416,8 @@ CLASSIFIED: dict[str, dict[str, Any]] = {
         "cpu_threads": H(f"{ME}::test_engine_args_reach_the_engine"),
         "watchdog_timeout": H("tests.test_robustness_watchdog::test_watchdog_fails_in_flight_requests_and_health",
                               "--watchdog-timeout"),
+        "soft_watchdog_timeout": H("tests.test_robustness_watchdog::test_soft_watchdog_logs_a_slow_step_once_and_lets_it_finish",
+                                   "--soft-watchdog-timeout"),
         "prefill_max_requests": H("tests.test_scheduler::test_prefill_max_requests_reaches_the_scheduler"),
         "default_priority_value": H("tests.test_schedule_policy::test_default_priority_value_and_abort_on_priority_when_disabled"),
         "abort_on_priority_when_disabled": H(

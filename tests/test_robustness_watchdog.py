@@ -58,6 +58,39 @@ def test_watchdog_fails_in_flight_requests_and_health(tiny_llama) -> None:
         s.close()
 
 
+def test_soft_watchdog_logs_a_slow_step_once_and_lets_it_finish(tiny_llama) -> None:
+    """``--soft-watchdog-timeout``: a step past it is logged once, with its requests and the stuck
+    thread's stack, and finishes as usual; the engine stays healthy; a fast step logs nothing."""
+    from structlog.testing import capture_logs
+
+    s = Served(tiny_llama()[0], "--soft-watchdog-timeout", "0.2")
+    run = s.engine.runner.run
+
+    def slow(batch: Any) -> Any:
+        if any(r.rid.startswith("slow-") for r in batch.reqs):
+            time.sleep(0.8)
+        return run(batch)
+
+    s.engine.runner.run = slow
+
+    async def scenario() -> tuple[dict, dict]:
+        fast = (await s.client.post("/generate", json=gen())).json()
+        out = (await s.client.post("/generate", json={**gen(), "rid": "slow-1"})).json()
+        return fast, out
+
+    try:
+        with capture_logs() as logs:
+            fast, out = s.run(scenario())
+        soft = [e for e in logs if e["event"] == "engine.soft_watchdog"]
+        assert fast["meta_info"]["finish_reason"]["type"] == "length"
+        assert out["meta_info"]["finish_reason"]["type"] == "length"  # it finished: only reported
+        assert soft and all(e["rids"] == ["slow-1"] for e in soft) and "thread" in soft[0]["stack"]
+        assert len({e["step"] for e in soft}) == len(soft)  # once per step
+        assert s.engine.healthy and not s.engine.watchdog.tripped
+    finally:
+        s.close()
+
+
 def test_watchdog_flag() -> None:
     from core.cli import build_parser
     from core.engine.config import engine_args_from_namespace
@@ -69,6 +102,12 @@ def test_watchdog_flag() -> None:
     assert build_parser().parse_args(["serve", "--drain-timeout", "7"]).graceful_shutdown_timeout == 7.0
     with pytest.raises(CoreError, match="--watchdog-timeout"):
         validate_serve_args(build_parser().parse_args(["serve", "--watchdog-timeout", "-1"]))
+    assert engine_args_from_namespace(ns).soft_watchdog_timeout is None
+    from core.engine.config import check_scheduling_args
+
+    with pytest.raises(CoreError, match="--soft-watchdog-timeout must be > 0"):
+        check_scheduling_args(engine_args_from_namespace(build_parser().parse_args(["serve", "--soft-watchdog-timeout",
+                                                                                      "0"])))
 
 
 def test_hung_forward_trips_the_watchdog_and_the_server_exits_nonzero(tiny_llama, patched_python) -> None:

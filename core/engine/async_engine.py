@@ -114,7 +114,7 @@ class AsyncEngine(RequestFrontEnd):
         self._inflight: tuple[ScheduledBatch, asyncio.Future, float] | None = None
         self._overlap_paused: set[str] = set()  # the reasons a step waited for the one in flight, logged once each
         # a step past --watchdog-timeout stops the engine for good, through the same thread-safe path as a failed rank
-        self.watchdog = Watchdog(args.watchdog_timeout, self._on_rank_failure)
+        self.watchdog = Watchdog(args.watchdog_timeout, self._on_rank_failure, soft_timeout=args.soft_watchdog_timeout)
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         # while a weight update runs: requests submitted meanwhile, admitted once it is done (None: no update)

@@ -193,6 +193,9 @@ class EngineArgs:
     watchdog_timeout: float = _arg(300.0, MEMORY, "seconds one forward or scheduling step may take; a longer one fails "
                                                    "every in-flight request and marks the engine failed (core serve "
                                                    "then exits non-zero for a supervisor to restart it); 0 disables")
+    soft_watchdog_timeout: float | None = _arg(None, MEMORY, "seconds after which a step still running is logged "
+                                                             "once (its requests and the stuck thread's stack) and "
+                                                             "goes on (default: off)")
     enable_return_hidden_states: bool = _arg(False, MEMORY, "requests may ask for the last layer's hidden states "
                                                             "(return_hidden_states: true or \"last\"); the same as "
                                                             "--return-hidden-states-mode full")
@@ -414,6 +417,8 @@ def check_scheduling_args(args: EngineArgs) -> None:
         raise CoreError(f"--decode-log-interval must be >= 1, got {args.decode_log_interval}")
     if args.prefill_max_requests is not None and args.prefill_max_requests < 1:
         raise CoreError(f"--prefill-max-requests must be >= 1, got {args.prefill_max_requests}")
+    if args.soft_watchdog_timeout is not None and args.soft_watchdog_timeout <= 0:
+        raise CoreError(f"--soft-watchdog-timeout must be > 0 seconds, got {args.soft_watchdog_timeout}")
     if args.schedule_conservativeness <= 0:
         raise CoreError(f"--schedule-conservativeness must be > 0, got {args.schedule_conservativeness}")
     from core.engine.hidden_states import check_args

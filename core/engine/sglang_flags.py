@@ -100,7 +100,7 @@ remote-instance-weight-loader-send-weights-group-ports remote-instance-weight-lo
 retraction-policy return-aux-hidden-state-layer-ids return-input-ids return-output-ids
 rl-on-policy-target rl-quant-profile sampling-backend sampling-mask-max-tokens
 scheduler-recv-interval shared-experts-tp-size show-time-cost sidecar sidecar-args sm-group-num
-smg-grpc-mode smg-http-sidecar-port soft-watchdog-timeout spec-trace-dir
+smg-grpc-mode smg-http-sidecar-port spec-trace-dir
 speculative-adaptive speculative-adaptive-config speculative-attention-mode
 speculative-dflash-block-size speculative-domino-candidate-pool-size speculative-draft-attention-backend
 speculative-draft-kv-cache-dtype speculative-draft-load-format speculative-draft-model-path

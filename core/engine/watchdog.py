@@ -12,6 +12,9 @@ joined, so only ``os._exit`` gets the process to a supervisor that restarts it.
 
 The thread, not a coroutine, watches because the step that hangs may be on the event loop
 itself (a scheduling step, a plugin hook).
+
+``soft_timeout`` (SGLang's ``--soft-watchdog-timeout``) only reports: a step running past it is
+logged once (``engine.soft_watchdog``: stage, requests, the stuck thread's stack) and goes on.
 """
 
 from __future__ import annotations
@@ -36,8 +39,10 @@ class Watchdog:
     (the hooks then cost an attribute write)."""
 
     def __init__(self, timeout: float, on_timeout: Callable[[str], None], *, exit_code: int | None = None,
-                 exit_grace: float = EXIT_GRACE_S) -> None:
+                 exit_grace: float = EXIT_GRACE_S, soft_timeout: float | None = None) -> None:
         self.timeout = float(timeout)
+        self.soft_timeout = float(soft_timeout or 0)
+        self._reported = 0  # the last step the soft timeout logged
         self.on_timeout = on_timeout
         self.exit_code = exit_code  # set (e.g. by core serve): leave the process this long after a trip
         self.exit_grace = exit_grace
@@ -53,7 +58,7 @@ class Watchdog:
 
     @property
     def enabled(self) -> bool:
-        return self.timeout > 0
+        return self.timeout > 0 or self.soft_timeout > 0
 
     # ------------------------------------------------------------------ the loop's hooks
     def begin(self) -> None:
@@ -85,20 +90,24 @@ class Watchdog:
         self._thread.start()
 
     def _watch(self) -> None:
-        poll = min(MAX_POLL_S, self.timeout / 4)
+        poll = min([MAX_POLL_S] + [t / 4 for t in (self.timeout, self.soft_timeout) if t > 0])
         while not self._stop.wait(poll):
             cur = self._current
             if cur is None:
                 continue
             elapsed = time.monotonic() - cur[1]
-            if elapsed > self.timeout:
+            if 0 < self.timeout < elapsed:
                 self._trip(cur, elapsed)
                 return
+            if 0 < self.soft_timeout < elapsed and self._reported != cur[0]:
+                self._reported = cur[0]
+                stage, rids = _what(cur[2])
+                log.warning("engine.soft_watchdog", stage=stage, step=cur[0], elapsed_s=round(elapsed, 3),
+                            soft_timeout_s=self.soft_timeout, rids=rids, stack=_stack_of(cur[3]))
 
     def _trip(self, step: tuple[int, float, Any, str], elapsed: float) -> None:
         number, _, batch, stuck = step
-        rids = [r.rid for r in batch.reqs] if batch is not None else []
-        stage = "scheduling" if batch is None else ("prefill forward" if batch.is_prefill else "decode forward")
+        stage, rids = _what(batch)
         shown = ", ".join(rids[:16]) + (f" and {len(rids) - 16} more" if len(rids) > 16 else "")
         message = (f"the engine watchdog fired: a {stage} step ran for {elapsed:.1f}s, over --watchdog-timeout "
                    f"{self.timeout:g}s" + (f" (requests {shown})" if rids else ""))
@@ -116,6 +125,13 @@ class Watchdog:
                       reason="a step hung; exiting so that a supervisor restarts the server")
             _flush()
             os._exit(self.exit_code)
+
+
+def _what(batch: Any) -> tuple[str, list[str]]:
+    """(the step's stage, its requests' ids)."""
+    if batch is None:
+        return "scheduling", []
+    return ("prefill forward" if batch.is_prefill else "decode forward"), [r.rid for r in batch.reqs]
 
 
 def _stack_of(name_prefix: str) -> str:
