@@ -189,6 +189,7 @@ CLASSIFIED: dict[str, dict[str, Any]] = {
         **{f: H("tests.test_launch_flags_observability::"
                 "test_configure_logging_turns_the_request_log_on_and_off_at_run_time")
            for f in ("log_requests", "log_requests_level", "log_requests_format", "log_level")},
+        "crash_dump_folder": H("tests.test_robustness_watchdog::test_a_crash_dumps_the_recent_requests"),
     },
     "RerankRequest": {
         **{f: H("tests.test_rerank::test_a_generative_rerankers_scores_are_its_yes_share")

@@ -228,7 +228,7 @@ def test_configure_logging_turns_the_request_log_on_and_off_at_run_time(tiny_lla
         off = await c.post("/configure_logging", json={"log_requests": False})
         await _generate(c, "after", 2)
         bad = [await c.post("/configure_logging", json=b) for b in (
-            {"dump_requests_folder": "/tmp/x"}, {"crash_dump_folder": "/tmp/y"}, {"log_requests_level": 9},
+            {"dump_requests_folder": "/tmp/x"}, {"dump_requests_threshold": 5}, {"log_requests_level": 9},
             {"log_requests_format": "xml"}, {"log_level": "loud"}, {"nonsense": 1})]
         return [on.status_code, json_on.status_code, off.status_code], bad
 
@@ -244,7 +244,7 @@ def test_configure_logging_turns_the_request_log_on_and_off_at_run_time(tiny_lla
                                                                            ("request.output", "json-2")]
     assert json.loads(lines[0]["input"]) == PROMPT and isinstance(lines[1]["output"], str)  # level 2: input, output
     assert [r.status_code for r in bad] == [400] * 6
-    assert [r.json()["error"].get("param") for r in bad[:5]] == ["dump_requests_folder", "crash_dump_folder",
+    assert [r.json()["error"].get("param") for r in bad[:5]] == ["dump_requests_folder", "dump_requests_threshold",
                                                                  "log_requests_level", "log_requests_format", "log_level"]
 
 

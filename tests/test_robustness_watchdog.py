@@ -58,6 +58,45 @@ def test_watchdog_fails_in_flight_requests_and_health(tiny_llama) -> None:
         s.close()
 
 
+@pytest.mark.parametrize("at_runtime", [False, True])
+def test_a_crash_dumps_the_recent_requests(tiny_llama, tmp_path, at_runtime) -> None:
+    """``--crash-dump-folder`` (or ``/configure_logging``'s ``crash_dump_folder``): when the engine
+    stops for good (here a watchdog trip) the requests of the last minutes, the one that hung
+    included, are written there as JSON with the error."""
+    import json
+
+    folder = tmp_path / "dumps"
+    flags = ("--watchdog-timeout", "0.5") + (() if at_runtime else ("--crash-dump-folder", str(folder)))
+    s = Served(tiny_llama()[0], *flags)
+    run = s.engine.runner.run
+    release = threading.Event()
+
+    def hanging(batch: Any) -> Any:
+        if any(r.rid.startswith("hang-") for r in batch.reqs):
+            release.wait(30)
+        return run(batch)
+
+    s.engine.runner.run = hanging
+
+    async def scenario() -> None:
+        c = s.client
+        if at_runtime:
+            assert (await c.post("/configure_logging", json={"crash_dump_folder": str(folder)})).status_code == 200
+        assert (await c.post("/generate", json={**gen(), "rid": "before"})).status_code == 200
+        await asyncio.wait_for(c.post("/generate", json={**gen(), "rid": "hang-1"}), 10)
+
+    try:
+        s.run(scenario())
+        (dump,) = folder.glob("crash_dump_*.json")
+        data = json.loads(dump.read_text())
+        assert "watchdog" in data["error"] and [r["rid"] for r in data["requests"]] == ["before", "hang-1"]
+        assert data["requests"][1]["input_ids"] == s.engine.tokenize(gen()["text"], None)
+        assert data["requests"][1]["sampling_params"]["max_new_tokens"] == gen()["sampling_params"]["max_new_tokens"]
+    finally:
+        release.set()
+        s.close()
+
+
 def test_soft_watchdog_logs_a_slow_step_once_and_lets_it_finish(tiny_llama) -> None:
     """``--soft-watchdog-timeout``: a step past it is logged once, with its requests and the stuck
     thread's stack, and finishes as usual; the engine stays healthy; a fast step logs nothing."""

@@ -13,7 +13,7 @@ asr-max-concurrent-sessions attention-context-parallel-size attention-data-paral
 batch-notify-size bf16-gemm-backend boundary-reduction 
 c128-page-size checkpoint-engine-wait-weights-before-ready
 
-context-bucket cp-strategy cpu-offload-gb crash-dump-folder
+context-bucket cp-strategy cpu-offload-gb 
 cuda-graph-backend-decode cuda-graph-backend-prefill cuda-graph-bs-decode cuda-graph-bs-prefill cuda-graph-config
 cuda-graph-max-bs-decode cuda-graph-max-bs-prefill cuda-graph-max-seq-len-prefill cuda-graph-prefill-max-context
 custom-weight-loader dcp-comm-backend dcp-replicate-q-proj dcp-size debug-cuda-graph debug-tensor-dump-input-file

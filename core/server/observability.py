@@ -35,6 +35,7 @@ class Observability:
     log_requests_target: tuple[str, ...] | None = None  # "stdout" and/or directories; None: the server log
     request_time_stats: bool = False
     export_metrics_dir: str | None = None  # --export-metrics-to-file's directory, None when off
+    crash_dump_folder: str | None = None  # --crash-dump-folder (core.server.request_log.CrashDump)
 
     def buckets(self) -> dict[str, tuple[float, ...]]:
         """The configured bounds by ``core.server.metrics.Metrics`` histogram attribute."""
@@ -71,6 +72,9 @@ def add_observability_args(g: argparse._ArgumentGroup) -> None:
                         "--export-metrics-to-file-dir/sglang-request-metrics-YYYYMMDD_HH.log")
     g.add_argument("--export-metrics-to-file-dir", default=None, metavar="DIR",
                    help="the directory of --export-metrics-to-file (created if missing)")
+    g.add_argument("--crash-dump-folder", default=None, metavar="DIR",
+                   help="when the engine stops for good (a watchdog trip, a dead rank or replica), write the "
+                        "requests of the last 5 minutes there as JSON, for a reproduction (created if missing)")
     g.add_argument("--uvicorn-access-log-exclude-prefixes", nargs="*", default=[], metavar="PREFIX",
                    help="accepted for SGLang launch commands: this server writes no HTTP access log, "
                         "so no path is ever logged")
@@ -103,6 +107,8 @@ def observability_of(ns: argparse.Namespace) -> Observability:
             _writable_dir("--log-requests-target", t)
     if export_dir:
         _writable_dir("--export-metrics-to-file-dir", export_dir)
+    if crash := get("crash_dump_folder"):
+        _writable_dir("--crash-dump-folder", crash)
     return Observability(
         ttft_buckets=_bounds("--bucket-time-to-first-token", get("bucket_time_to_first_token")),
         itl_buckets=_bounds("--bucket-inter-token-latency", get("bucket_inter_token_latency")),
@@ -112,7 +118,7 @@ def observability_of(ns: argparse.Namespace) -> Observability:
         log_requests_format=get("log_requests_format", "text"),
         log_requests_target=tuple(targets) if targets else None,
         request_time_stats=bool(get("enable_request_time_stats_logging")),
-        export_metrics_dir=export_dir if export else None)
+        export_metrics_dir=export_dir if export else None, crash_dump_folder=crash or None)
 
 
 def _bounds(flag: str, values: Any) -> tuple[float, ...] | None:

@@ -5,6 +5,7 @@ SGLang's ``/configure_logging``, which changes the request log (and the log leve
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
@@ -159,11 +160,53 @@ def export_skip(log_requests: bool, level: int) -> frozenset[str]:
     return frozenset({"input_ids"} | ({"sampling_params"} if level == 0 else set()))
 
 
+class CrashDump:
+    """``--crash-dump-folder`` (SGLang's): the requests of the last ``WINDOW_S`` seconds (id, prompt
+    tokens, sampling parameters, arrival time), written to ``DIR/crash_dump_<time>.json`` with the
+    error when the engine stops for good (a watchdog trip, a dead tensor-parallel rank or every
+    data-parallel replica: its ``fatal_listeners``), so that the failure can be replayed."""
+
+    WINDOW_S = 300.0
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+        self.recent: collections.deque[tuple[float, dict[str, Any]]] = collections.deque()
+
+    def record(self, reqs: list[Req]) -> None:
+        now = time.time()
+        for r in reqs:
+            params = {k: v for k, v in attrs.asdict(r.params, recurse=False).items()
+                      if isinstance(v, (str, int, float, bool, list, dict)) or v is None}
+            self.recent.append((now, {"rid": r.rid, "time": now, "input_ids": list(r.prompt_ids),
+                                      "sampling_params": params}))
+        while self.recent and self.recent[0][0] < now - self.WINDOW_S:
+            self.recent.popleft()
+
+    def dump(self, message: str) -> None:
+        os.makedirs(self.folder, exist_ok=True)
+        path = os.path.join(self.folder, f"crash_dump_{datetime.now().strftime('%Y%m%d_%H%M%S_%f')}.json")
+        cutoff = time.time() - self.WINDOW_S
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump({"error": message, "requests": [r for t, r in self.recent if t >= cutoff]}, f)
+        log.error("server.crash_dump", path=path, requests=len(self.recent))
+
+
+def use_crash_dump(state: Any, folder: str) -> None:
+    """Keep the recent requests for a crash dump into ``folder`` from now on (start-up's flag, or
+    ``/configure_logging``'s ``crash_dump_folder``)."""
+    if state.crash_dump is None:
+        state.crash_dump = CrashDump(folder)
+        state.engine.fatal_listeners.append(lambda message: state.crash_dump.dump(message))
+    state.crash_dump.folder = folder
+
+
 def attach(state: Any) -> None:
     """The server's request log and its finish listeners, from ``state.args`` (``create_app``)."""
     args = state.args
     obs = args.observability
     state.request_log = RequestLog.of(obs)
+    if obs.crash_dump_folder:
+        use_crash_dump(state, obs.crash_dump_folder)
     if obs.request_time_stats:
         state.engine.finish_listeners.append(time_stats_logger)
     if obs.export_metrics_dir:
@@ -184,12 +227,12 @@ class ConfigureLoggingReq(msgspec.Struct, forbid_unknown_fields=True):
     dump_requests_exclude_meta_keys: list[str] | None = None
 
 
-_NO_DUMPS = ("dump_requests_folder", "dump_requests_threshold", "crash_dump_folder", "dump_requests_exclude_meta_keys")
+_NO_DUMPS = ("dump_requests_folder", "dump_requests_threshold", "dump_requests_exclude_meta_keys")
 
 
 async def configure(request: Request) -> Response:
-    """SGLang's ``/configure_logging``: ``--log-requests``, its level and format, and ``--log-level``
-    (this process's), from now on. Request dumps (SGLang's ``dump_requests_*``, ``crash_dump_folder``)
+    """SGLang's ``/configure_logging``: ``--log-requests``, its level and format, ``--log-level`` (this
+    process's) and ``--crash-dump-folder``, from now on. SGLang's per-request dumps (``dump_requests_*``)
     are not kept by this server: a 400 naming the field."""
     state = state_of(request)
     body = await read_body(request, ConfigureLoggingReq)
@@ -210,5 +253,7 @@ async def configure(request: Request) -> Response:
     state.args = attrs.evolve(args, **changes)
     if body.log_level is not None:
         set_log_level(body.log_level.lower())
+    if body.crash_dump_folder:
+        use_crash_dump(state, body.crash_dump_folder)
     log.info("logging.configured", **{k: v for k, v in msgspec.structs.asdict(body).items() if v is not None})
     return Response(status_code=200)

@@ -57,6 +57,7 @@ class ServerState:
     unlogged: weakref.WeakSet[Req] = attrs.field(factory=weakref.WeakSet)
     request_log: Any = None  # core.server.request_log.RequestLog (create_app's; None: the server log)
     completion_template: Any = None  # --completion-template (core.server.openai.completion_template), loaded once
+    crash_dump: Any = None  # --crash-dump-folder: core.server.request_log.CrashDump, which submit feeds
 
     _token_chars: int | None = attrs.field(default=None, init=False, repr=False)
 
@@ -139,6 +140,8 @@ class ServerState:
         for ident in dict.fromkeys(x for r in reqs for x in (r.rid, r.group) if x):
             if self.engine.has_request(ident):  # an abort by this id would reach the running one too
                 raise InvalidRequest(f"a request with id {ident!r} is already running", param="rid")
+        if self.crash_dump is not None:
+            self.crash_dump.record(reqs)
         self.engine.submit(reqs)
 
 
