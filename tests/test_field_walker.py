@@ -419,6 +419,7 @@ CLASSIFIED: dict[str, dict[str, Any]] = {
                               "--watchdog-timeout"),
         "soft_watchdog_timeout": H("tests.test_robustness_watchdog::test_soft_watchdog_logs_a_slow_step_once_and_lets_it_finish",
                                    "--soft-watchdog-timeout"),
+        "retraction_policy": H("tests.test_retraction::test_retraction_policy_picks_the_victim"),
         "prefill_max_requests": H("tests.test_scheduler::test_prefill_max_requests_reaches_the_scheduler"),
         "default_priority_value": H("tests.test_schedule_policy::test_default_priority_value_and_abort_on_priority_when_disabled"),
         "abort_on_priority_when_disabled": H(

@@ -120,3 +120,46 @@ def test_max_running_requests_caps_the_batch(tiny_llama, engine_factory):
     outs = eng.generate(input_ids=[[5 + i, 6, 7] for i in range(8)], sampling_params=greedy(4))
     assert len(outs) == 8 and max(sizes) == 3
     assert_pool_free(eng)
+
+
+@pytest.mark.parametrize("policy", ["length", "priority"])
+def test_retraction_policy_picks_the_victim(policy):
+    """``--retraction-policy`` (SGLang's orders): ``length`` retracts the request with the fewest
+    output tokens (then the longest prompt); ``priority`` the least important first (one without a
+    priority least of all; here higher values first), then as ``length``. Either way the others
+    finish unchanged and the victim resumes."""
+    s = _sched(40, cache=False, retraction_policy=policy, enable_priority_scheduling=True)
+    low = Req("low", list(range(10, 14)), SamplingParams(max_new_tokens=12), priority=1)
+    high = Req("high", list(range(20, 24)), SamplingParams(max_new_tokens=12), priority=5)
+    long = Req("long", list(range(30, 38)), SamplingParams(max_new_tokens=12), priority=9)
+    for r in (low, high):
+        s.add(r)
+    batch, _ = s.schedule()
+    s.process(batch, StepResult(SampleOutput([7] * len(batch.reqs), None, None)))
+    s.add(long)  # admitted last, with a longer prompt: the fewest output tokens from here on
+    s.new_token_ratio = 0.0  # (an optimistic estimate: all three get in, then decode runs out of pages)
+    victim = None
+    for _ in range(40):
+        batch, _ = s.schedule()
+        s.process(batch, StepResult(SampleOutput([7] * len(batch.reqs), None, None)))
+        if s.waiting:
+            victim = s.waiting[0]
+            break
+    assert victim is (long if policy == "length" else low), victim.rid
+    _run(s)
+    for r in (low, high, long):
+        assert r.output_ids == [7] * 12
+
+
+def test_retraction_policy_reaches_the_scheduler(tiny_llama) -> None:
+    from core.errors import CoreError
+
+    from tests.conftest import make_engine
+
+    eng = make_engine(tiny_llama()[0], retraction_policy="priority")
+    try:
+        assert eng.engine.scheduler.policy.retraction == "priority"
+    finally:
+        eng.shutdown()
+    with pytest.raises(CoreError, match="--retraction-policy 'oldest' is not one of length, priority"):
+        make_engine(tiny_llama()[0], retraction_policy="oldest")

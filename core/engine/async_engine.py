@@ -191,7 +191,7 @@ class AsyncEngine(RequestFrontEnd):
             enable_priority_scheduling=args.enable_priority_scheduling,
             schedule_low_priority_values_first=args.schedule_low_priority_values_first, seed=self.random_seed,
             decode_steps=args.num_continuous_decode_steps, speculator=build_speculator(args, self.plugins),
-            prefill_max_requests=args.prefill_max_requests,
+            prefill_max_requests=args.prefill_max_requests, retraction_policy=args.retraction_policy,
         )
         backend_name = attention_backend_name(args, self.plugins, self.device, mc)  # (per phase: hybrid_attention)
         self.attention_backend_name = backend_name

@@ -21,7 +21,7 @@ from core.engine.mem_cache import (
     HICACHE_IO_BACKENDS, HICACHE_MEM_LAYOUTS, HICACHE_STORAGE_PREFETCH_POLICIES, HICACHE_WRITE_POLICIES,
 )
 from core.engine.mem_cache.radix_cache import EVICTION_POLICIES
-from core.engine.schedule_policy import SCHEDULE_POLICIES
+from core.engine.schedule_policy import RETRACTION_POLICIES, SCHEDULE_POLICIES
 
 FLAG = "core.flag"  # attrs metadata key
 
@@ -149,6 +149,10 @@ class EngineArgs:
                                                            "(higher values first)")
     schedule_low_priority_values_first: bool = _arg(False, MEMORY, "with --enable-priority-scheduling, lower priority "
                                                                    "values run first")
+    retraction_policy: str = _arg("length", MEMORY, "which running request a decode out of KV pages retracts first: "
+                                                   "length (the fewest output tokens, then the longest prompt) or "
+                                                   "priority (the least important, then as length)",
+                                  choices=RETRACTION_POLICIES)
     prefill_max_requests: int | None = _arg(None, MEMORY, "the most requests one prefill batch admits (default: "
                                                           "no limit)")
     default_priority_value: int | None = _arg(None, MEMORY, "with --enable-priority-scheduling, the priority of a "
@@ -409,6 +413,8 @@ def check_scheduling_args(args: EngineArgs) -> None:
 
     if args.schedule_policy not in SCHEDULE_POLICIES:
         raise CoreError(f"--schedule-policy {args.schedule_policy!r} is not one of {', '.join(SCHEDULE_POLICIES)}")
+    if args.retraction_policy not in RETRACTION_POLICIES:
+        raise CoreError(f"--retraction-policy {args.retraction_policy!r} is not one of {', '.join(RETRACTION_POLICIES)}")
     if args.radix_eviction_policy not in EVICTION_POLICIES:
         raise CoreError(f"--radix-eviction-policy {args.radix_eviction_policy!r} is not one of {', '.join(EVICTION_POLICIES)}")
     if args.num_continuous_decode_steps < 1:

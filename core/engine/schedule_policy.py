@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from core.engine.request import Req
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
+RETRACTION_POLICIES = ("length", "priority")  # --retraction-policy (SGLang's)
 LPM_MAX_QUEUE = 128  # longer queues fall back to fcfs for the cache-aware policies
 
 # (req) -> (tokens of its prefix cached in any tier, the radix node where its device match ends)
@@ -33,14 +34,29 @@ class SchedulePolicy:
     """Orders the waiting queue; sets ``Req.prefix_len`` of the requests it matched."""
 
     def __init__(self, name: str, tree_cache: RadixCache | None = None, *, enable_priority: bool = False,
-                 low_priority_values_first: bool = False, seed: int = 0) -> None:
+                 low_priority_values_first: bool = False, seed: int = 0, retraction: str = "length") -> None:
         if name not in SCHEDULE_POLICIES:
             raise ValueError(f"unknown schedule policy {name!r}; choose one of {', '.join(SCHEDULE_POLICIES)}")
-        self.name = name
+        if retraction not in RETRACTION_POLICIES:
+            raise ValueError(f"unknown retraction policy {retraction!r}; choose one of {', '.join(RETRACTION_POLICIES)}")
+        self.name, self.retraction = name, retraction
         self.tree_cache = tree_cache
         self.enable_priority = enable_priority
         self.priority_sign = 1 if low_priority_values_first else -1
         self.rng = random.Random(seed)
+
+    def retraction_victim(self, candidates: list[Req]) -> Req:
+        """The running request to retract first when a decode runs out of pages (``--retraction-policy``,
+        SGLang's orders): ``length``, the one with the fewest output tokens, then the longest prompt
+        (the least decoding lost, the most pages freed); ``priority``, the least important first (one
+        without a priority least of all), then as ``length``. Ties: the first of ``candidates``."""
+        def key(r: Req) -> tuple:
+            length = (-len(r.output_ids), len(r.prompt_ids))
+            if self.retraction == "length":
+                return length
+            return ((1, 0) if r.priority is None else (0, self.priority_sign * r.priority), *length)
+
+        return max(candidates, key=key)
 
     def order(self, queue: list[Req], match: PrefixMatch) -> list[Req]:
         """``queue`` (in arrival order) in the order to admit it; ``match`` finds a request's cached prefix."""

@@ -51,6 +51,7 @@ class Scheduler:
         enable_mixed_chunk: bool = False, enable_priority_scheduling: bool = False,
         schedule_low_priority_values_first: bool = False, seed: int = 0,
         decode_steps: int = 1, speculator: Speculator | None = None, prefill_max_requests: int | None = None,
+        retraction_policy: str = "length",
     ) -> None:
         self.allocator, self.table, self.tree_cache = allocator, table, tree_cache
         self.max_running, self.max_prefill_tokens = max_running_requests, max_prefill_tokens
@@ -58,8 +59,8 @@ class Scheduler:
         self.chunked_prefill_size = chunked_prefill_size if chunked_prefill_size and chunked_prefill_size > 0 else None
         self.context_len = context_len
         self.eos_ids = frozenset(eos_ids)
-        self.policy = SchedulePolicy(schedule_policy, tree_cache, enable_priority=enable_priority_scheduling,
-                                     low_priority_values_first=schedule_low_priority_values_first, seed=seed)
+        self.policy = SchedulePolicy(schedule_policy, tree_cache, enable_priority=enable_priority_scheduling, seed=seed,
+                                     low_priority_values_first=schedule_low_priority_values_first, retraction=retraction_policy)
         self.enable_mixed_chunk = enable_mixed_chunk
         self.decode_steps = decode_steps  # --num-continuous-decode-steps: the most decode steps one batch runs
         self.speculator = speculator  # --speculative-algorithm (core.engine.speculative)
@@ -366,7 +367,7 @@ class Scheduler:
         return out
 
     def _ensure_decode_memory(self, decodable: list[Req]) -> list[Req]:
-        """Retract the most recently admitted requests until the decode step's new pages fit."""
+        """Retract requests (``SchedulePolicy.retraction_victim``'s first) until the decode step's new pages fit."""
         ps = self.ps
         need = sum(1 for r in decodable if r.kv_len % ps == 0)
         if self._can_alloc(need):
@@ -376,7 +377,7 @@ class Scheduler:
             victims = [r for r in reversed(self.running) if not (len(decodable) == 1 and r is decodable[0])]
             if not victims:
                 break
-            victim = victims[0]
+            victim = self.policy.retraction_victim(victims)
             if victim in decodable:
                 decodable.remove(victim)
                 need -= 1 if victim.kv_len % ps == 0 else 0

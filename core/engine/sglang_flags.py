@@ -97,7 +97,7 @@ priority-scheduling-preemption-threshold qsa-indexer-dtype quantization-param-pa
 quantize-and-serve radix-cache-backend radix-eviction-policy-config remote-instance-weight-loader-backend
 remote-instance-weight-loader-seed-instance-ip remote-instance-weight-loader-seed-instance-service-port
 remote-instance-weight-loader-send-weights-group-ports remote-instance-weight-loader-start-seed-via-transfer-engine
-retraction-policy return-aux-hidden-state-layer-ids return-input-ids return-output-ids
+return-aux-hidden-state-layer-ids return-input-ids return-output-ids
 rl-on-policy-target rl-quant-profile sampling-backend sampling-mask-max-tokens
 scheduler-recv-interval shared-experts-tp-size show-time-cost sidecar sidecar-args sm-group-num
 smg-grpc-mode smg-http-sidecar-port spec-trace-dir
