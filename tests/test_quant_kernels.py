@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from core.engine.device import cpu_flags
 from core.layers import Linear
 from core_plugins.quant import gguf as gguf_quant
 from core_plugins.quant import packed
@@ -345,6 +346,7 @@ def test_cpu_dense_copy_serves_many_rows_and_packed_serves_few(monkeypatch):
     there), fewer rows use the packed kernel; both compute the same product."""
     monkeypatch.setattr(packed, "DENSE_MIN_ROWS", 16)
     monkeypatch.setattr(packed, "GEMV_DENSE_MIN_ROWS", 16)  # this machine's own kernel, where it runs
+    monkeypatch.setattr(packed, "_dense_beats_gemv", lambda dtype: True)  # (a CPU where oneDNN wins)
     torch.manual_seed(0)
     w = torch.randn(64, 128)
     layer = torch.nn.Module()
@@ -446,6 +448,7 @@ def test_unquantized_cpu_bf16_packs_layers_and_head(monkeypatch):
 @needs_onednn
 def test_cpu_dense_copy_of_a_packed_layer_is_onednn_packed(monkeypatch):
     monkeypatch.setattr(packed, "DENSE_MIN_ROWS", 4)
+    monkeypatch.setattr(packed, "_dense_beats_gemv", lambda dtype: True)
     torch.manual_seed(0)
     q, scale, zero = packed.quantize_int4(torch.randn(64, 128), 32)
     layer = torch.nn.Module()
@@ -454,6 +457,31 @@ def test_cpu_dense_copy_of_a_packed_layer_is_onednn_packed(monkeypatch):
     assert layer.dense_weight.is_mkldnn
     x = torch.randn(6, 128, dtype=torch.bfloat16)
     assert rel_err(packed.packed_linear(layer, x), x.float() @ packed.dequantize_int4(q, scale, zero).T) < 2 * BF16_REL
+
+
+def test_a_cpu_where_the_gemv_kernel_wins_keeps_no_dense_copy(monkeypatch):
+    """Where oneDNN's dense GEMM does not beat this machine's int4 / int8 kernels at a prefill's size
+    (timed once: ``_dense_beats_gemv``), packed layers keep no dense copy (their size in memory) and
+    every row count runs the kernel; the probe's answer is a cached bool."""
+    if "amx_bf16" in cpu_flags() or not packed.cpu_gemv.available():
+        pytest.skip("needs the bf16 gemv kernels and no AMX (with AMX the copies always serve)")
+    answer = packed._dense_beats_gemv(torch.bfloat16)
+    assert isinstance(answer, bool) and packed._dense_beats_gemv(torch.bfloat16) is answer
+    monkeypatch.setattr(packed, "_dense_beats_gemv", lambda dtype: False)
+    q, scale, zero = packed.quantize_int4(torch.randn(64, 128, generator=torch.Generator().manual_seed(0)), 32)
+    layer = torch.nn.Module()
+    layer.bias = None
+    packed.set_int4(layer, q, scale, zero, torch.bfloat16)
+    i8 = torch.nn.Module()
+    i8.bias = None
+    packed.set_int8(i8, *packed.quantize_int8(torch.randn(64, 128)), torch.bfloat16)
+    assert "dense_weight" not in layer.__dict__ and "dense_weight" not in i8.__dict__
+    calls = []
+    real = packed.cpu_gemv.mm
+    monkeypatch.setattr(packed.cpu_gemv, "mm", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    for rows in (1, 70, 300):
+        packed.packed_linear(layer, torch.randn(rows, 128, dtype=torch.bfloat16))
+    assert calls == [1, 70, 300]
 
 
 def test_gptq_refuses_a_sorted_g_idx_with_unequal_groups():

@@ -32,6 +32,9 @@ off in decode, not in long prefills. torch's kernels are ~50x slower with float3
 
 from __future__ import annotations
 
+import time
+
+import structlog
 import torch
 import torch.nn.functional as F
 
@@ -51,10 +54,14 @@ INT4_GROUP_SIZES = (32, 64, 128, 256)
 # With this machine's own kernels (``kernels/cpu_gemv``, int8 activations on AVX512-VNNI, without
 # AMX) the packed layers keep up with oneDNN's bf16 GEMM far longer: two threads, Zen 5, int4
 # [3072, 576] 240 against 256 us at 64 rows (and ahead to 256), [576, 1536] even at 64 (138 / 137)
-# and behind from 96; so layers go dense from 65 rows there. With AMX oneDNN's bf16 GEMMs are several
-# times faster, so from 4. The int8 LM head never goes dense there (see PackedHead).
+# and behind from 96; so layers go dense from 65 rows there. On Zen 4, which runs AVX-512 on 256-bit
+# units, the int8 kernels stay ~25 % ahead of oneDNN's bf16 GEMM up to 2048 rows (two threads, SmolLM2's
+# shapes), so a copy would only cost memory: whether oneDNN wins at DENSE_PROBE_ROWS is timed once per
+# process (_dense_beats_gemv), and where it does not the layers keep no copy. With AMX oneDNN's bf16
+# GEMMs are several times faster, so from 4. The int8 LM head never goes dense there (see PackedHead).
 DENSE_MIN_ROWS: int | None = 4
-GEMV_DENSE_MIN_ROWS = 65  # layers on kernels/cpu_gemv, CPUs without AMX (set on the layer when packed)
+GEMV_DENSE_MIN_ROWS = 65  # layers on kernels/cpu_gemv, CPUs without AMX where oneDNN wins (set on the layer when packed)
+DENSE_PROBE_ROWS = 256  # _dense_beats_gemv's GEMM: a prefill's size
 PLAIN_DENSE_MIN_ROWS = 16
 DENSE_COPY_RAM_FRACTION = 0.2
 FORMATS = ("int4", "int8", "dense")  # narrowest first: a packed layer takes its widest shard's
@@ -174,7 +181,8 @@ def set_int8(layer: torch.nn.Module, q: torch.Tensor, scale: torch.Tensor, dtype
     n, k = q.shape
     if device.type == "cpu" and cpu_gemv.shape_ok_int8(n, k) and cpu_gemv.available_for(dtype):
         layer.register_buffer("qweight_int8_cpu", cpu_gemv.pack_int8(q))  # this machine's own kernel
-        layer.dense_min_rows = _gemv_dense_min_rows()
+        layer.dense_min_rows = _gemv_dense_min_rows(dtype)
+        dense_copy = dense_copy and layer.dense_min_rows is not None
     else:
         layer.register_buffer("qweight_int8", q.to(device).contiguous())
     layer.register_buffer("qscale", scale.to(device=device, dtype=dtype))
@@ -203,8 +211,8 @@ def set_int4(layer: torch.nn.Module, q: torch.Tensor, scale: torch.Tensor, zero:
         qw, sz = cpu_gemv.pack(q, scale, zero, dtype)
         layer.register_buffer("qweight_int4_cpu", qw)
         layer.register_buffer("qscale_zero_cpu", sz)
-        layer.dense_min_rows = _gemv_dense_min_rows()
-        if _dense_wanted(device, dtype):
+        layer.dense_min_rows = _gemv_dense_min_rows(dtype)
+        if _dense_wanted(device, dtype) and layer.dense_min_rows is not None:
             _keep_dense_copy(layer, dequantize_int4(q, scale, zero), dtype, device)
         return None
     if device.type == "cuda":
@@ -233,12 +241,49 @@ def _dense_from(layer: torch.nn.Module, dense: torch.Tensor) -> int | None:
     """Rows from which this layer's GEMM uses its dense copy (None: never)."""
     if not DENSE_MIN_ROWS:
         return None
-    lo = max(DENSE_MIN_ROWS, getattr(layer, "dense_min_rows", 0))
+    lo = max(DENSE_MIN_ROWS, getattr(layer, "dense_min_rows", 0) or 0)
     return lo if dense.is_mkldnn else max(lo, PLAIN_DENSE_MIN_ROWS)
 
 
-def _gemv_dense_min_rows() -> int:
-    return 0 if "amx_bf16" in cpu_flags() else GEMV_DENSE_MIN_ROWS
+def _gemv_dense_min_rows(dtype: torch.dtype) -> int | None:
+    """Rows from which a layer on kernels/cpu_gemv switches to its dense copy (None: it keeps none)."""
+    if "amx_bf16" in cpu_flags():
+        return 0
+    return GEMV_DENSE_MIN_ROWS if not _dense_wanted(torch.device("cpu"), dtype) or _dense_beats_gemv(dtype) else None
+
+
+_PROBED: dict[tuple[torch.dtype, int], bool] = {}  # (activations' dtype, threads) -> _dense_beats_gemv's answer
+
+
+def _dense_beats_gemv(dtype: torch.dtype) -> bool:
+    """Whether oneDNN's GEMM over a dense copy beats the int4 gemv kernel at DENSE_PROBE_ROWS rows here,
+    by 10 % or more (timed once per dtype and thread count, best of 5, SmolLM2's [1536, 576] shape:
+    ~20 ms). On a tie the layers keep no copy: it saves their size in memory."""
+    key = (dtype, torch.get_num_threads())
+    if key not in _PROBED:
+        g = torch.Generator().manual_seed(0)
+        q = torch.randint(0, 16, (1536, 576), generator=g, dtype=torch.int32)
+        scale, zero = torch.rand(1536, 576 // 32, generator=g) / 64 + 1e-3, torch.zeros(1536, 576 // 32)
+        qw, sz = cpu_gemv.pack(q, scale, zero, dtype)
+        w = cpu_gemv.unpack(qw, sz).to(dtype).contiguous()
+        dense = onednn.prepack(w) if onednn.wanted(w) else w
+        x = torch.randn(DENSE_PROBE_ROWS, 576, generator=g).to(dtype)
+
+        def best(f) -> float:
+            f()
+            times = []
+            for _ in range(5):
+                t = time.perf_counter()
+                f()
+                times.append(time.perf_counter() - t)
+            return min(times)
+
+        gemv = best(lambda: cpu_gemv.mm(x.to(cpu_gemv.act_dtype(sz)), qw, sz))
+        onednn_s = best(lambda: onednn.linear(x, dense, None))
+        _PROBED[key] = onednn_s < 0.9 * gemv
+        structlog.get_logger(__name__).info("packed.dense_copies", kept=_PROBED[key], rows=DENSE_PROBE_ROWS,
+                                            gemv_us=round(gemv * 1e6), dense_us=round(onednn_s * 1e6))
+    return _PROBED[key]
 
 
 def packed_linear(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
