@@ -23,8 +23,8 @@ def patched_python(tmp_path_factory) -> str:
     return make_patched_python(tmp_path_factory.mktemp("launcher"))
 
 
-def test_watchdog_fails_in_flight_requests_and_health(tiny_llama) -> None:
-    s = Served(tiny_llama()[0], "--watchdog-timeout", "0.5")
+def _hang(s: Served) -> threading.Event:
+    """The engine's forward hangs on batches with a ``hang-`` request until the event is set."""
     run = s.engine.runner.run
     release = threading.Event()
 
@@ -34,6 +34,12 @@ def test_watchdog_fails_in_flight_requests_and_health(tiny_llama) -> None:
         return run(batch)
 
     s.engine.runner.run = hanging
+    return release
+
+
+def test_watchdog_fails_in_flight_requests_and_health(tiny_llama) -> None:
+    s = Served(tiny_llama()[0], "--watchdog-timeout", "0.5")
+    release = _hang(s)
 
     async def scenario() -> None:
         c = s.client
@@ -68,15 +74,7 @@ def test_a_crash_dumps_the_recent_requests(tiny_llama, tmp_path, at_runtime) -> 
     folder = tmp_path / "dumps"
     flags = ("--watchdog-timeout", "0.5") + (() if at_runtime else ("--crash-dump-folder", str(folder)))
     s = Served(tiny_llama()[0], *flags)
-    run = s.engine.runner.run
-    release = threading.Event()
-
-    def hanging(batch: Any) -> Any:
-        if any(r.rid.startswith("hang-") for r in batch.reqs):
-            release.wait(30)
-        return run(batch)
-
-    s.engine.runner.run = hanging
+    release = _hang(s)
 
     async def scenario() -> None:
         c = s.client
