@@ -94,9 +94,10 @@ def configure(model: torch.nn.Module, attn_backend: Any) -> None:
 
 def row_invariant_kernel(layer: torch.nn.Module) -> bool:
     """Whether the layer multiplies through ``kernels/cpu_gemv`` whatever the row count, once its
-    dense copy is gone: int4 / int8 codes packed for it."""
-    return getattr(layer, "quant_format", None) in ("int4", "int8") and (
-        getattr(layer, "qweight_int4_cpu", None) is not None or getattr(layer, "qweight_int8_cpu", None) is not None)
+    dense copy is gone: its quant method's ``cpu_linear_args`` (what ``kernels/cpu_decode`` reads
+    too) says int4 or int8 codes (kinds 0, 1)."""
+    args = getattr(layer.quant_method, "cpu_linear_args", lambda _: None)(layer)
+    return args is not None and args[0] in (0, 1)
 
 
 def row_blocked(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, block: int = ROW_BLOCK) -> torch.Tensor:

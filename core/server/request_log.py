@@ -25,6 +25,7 @@ from starlette.responses import Response
 from core.errors import InvalidRequest
 from core.log import LEVELS, configure_logging as set_log_level
 from core.server.http import read_body, state_of
+from core.server.observability import LOG_FORMATS
 
 if TYPE_CHECKING:
     from core.engine.request import Req
@@ -170,24 +171,26 @@ class CrashDump:
 
     def __init__(self, folder: str) -> None:
         self.folder = folder
-        self.recent: collections.deque[tuple[float, dict[str, Any]]] = collections.deque()
+        self.recent: collections.deque[dict[str, Any]] = collections.deque()  # oldest first
 
     def record(self, reqs: list[Req]) -> None:
         now = time.time()
         for r in reqs:
             params = {k: v for k, v in attrs.asdict(r.params, recurse=False).items()
                       if isinstance(v, (str, int, float, bool, list, dict)) or v is None}
-            self.recent.append((now, {"rid": r.rid, "time": now, "input_ids": list(r.prompt_ids),
-                                      "sampling_params": params}))
-        while self.recent and self.recent[0][0] < now - self.WINDOW_S:
+            self.recent.append({"rid": r.rid, "time": now, "input_ids": list(r.prompt_ids), "sampling_params": params})
+        self._forget(now)
+
+    def _forget(self, now: float) -> None:
+        while self.recent and self.recent[0]["time"] < now - self.WINDOW_S:
             self.recent.popleft()
 
     def dump(self, message: str) -> None:
         os.makedirs(self.folder, exist_ok=True)
         path = os.path.join(self.folder, f"crash_dump_{datetime.now().strftime('%Y%m%d_%H%M%S_%f')}.json")
-        cutoff = time.time() - self.WINDOW_S
+        self._forget(time.time())
         with open(path, "w", encoding="utf-8") as f:
-            json.dump({"error": message, "requests": [r for t, r in self.recent if t >= cutoff]}, f)
+            json.dump({"error": message, "requests": list(self.recent)}, f)
         log.error("server.crash_dump", path=path, requests=len(self.recent))
 
 
@@ -241,8 +244,8 @@ async def configure(request: Request) -> Response:
             raise InvalidRequest(f"{name} is not supported by this server (it keeps no request dumps)", param=name)
     if body.log_requests_level is not None and not 0 <= body.log_requests_level <= 3:
         raise InvalidRequest("log_requests_level must be 0, 1, 2 or 3", param="log_requests_level")
-    if body.log_requests_format not in (None, "text", "json"):
-        raise InvalidRequest("log_requests_format must be 'text' or 'json'", param="log_requests_format")
+    if body.log_requests_format is not None and body.log_requests_format not in LOG_FORMATS:
+        raise InvalidRequest(f"log_requests_format must be one of {', '.join(LOG_FORMATS)}", param="log_requests_format")
     if body.log_level is not None and body.log_level.lower() not in LEVELS:
         raise InvalidRequest(f"log_level must be one of {', '.join(LEVELS)}", param="log_level")
     args = state.args

@@ -32,6 +32,7 @@ off in decode, not in long prefills. torch's kernels are ~50x slower with float3
 
 from __future__ import annotations
 
+import functools
 import time
 
 import structlog
@@ -252,38 +253,39 @@ def _gemv_dense_min_rows(dtype: torch.dtype) -> int | None:
     return GEMV_DENSE_MIN_ROWS if not _dense_wanted(torch.device("cpu"), dtype) or _dense_beats_gemv(dtype) else None
 
 
-_PROBED: dict[tuple[torch.dtype, int], bool] = {}  # (activations' dtype, threads) -> _dense_beats_gemv's answer
-
-
 def _dense_beats_gemv(dtype: torch.dtype) -> bool:
     """Whether oneDNN's GEMM over a dense copy beats the int4 gemv kernel at DENSE_PROBE_ROWS rows here,
-    by 10 % or more (timed once per dtype and thread count, best of 5, SmolLM2's [1536, 576] shape:
-    ~20 ms). On a tie the layers keep no copy: it saves their size in memory."""
-    key = (dtype, torch.get_num_threads())
-    if key not in _PROBED:
-        g = torch.Generator().manual_seed(0)
-        q = torch.randint(0, 16, (1536, 576), generator=g, dtype=torch.int32)
-        scale, zero = torch.rand(1536, 576 // 32, generator=g) / 64 + 1e-3, torch.zeros(1536, 576 // 32)
-        qw, sz = cpu_gemv.pack(q, scale, zero, dtype)
-        w = cpu_gemv.unpack(qw, sz).to(dtype).contiguous()
-        dense = onednn.prepack(w) if onednn.wanted(w) else w
-        x = torch.randn(DENSE_PROBE_ROWS, 576, generator=g).to(dtype)
+    by 10 % or more (timed once per dtype and thread count: ``_probe``)."""
+    return _probe(dtype, torch.get_num_threads())
 
-        def best(f) -> float:
+
+@functools.cache
+def _probe(dtype: torch.dtype, threads: int) -> bool:
+    """``_dense_beats_gemv`` for ``threads`` threads: best of 5, SmolLM2's [1536, 576] shape, ~20 ms.
+    On a tie the layers keep no copy: it saves their size in memory."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(0, 16, (1536, 576), generator=g, dtype=torch.int32)
+    scale, zero = torch.rand(1536, 576 // 32, generator=g) / 64 + 1e-3, torch.zeros(1536, 576 // 32)
+    qw, sz = cpu_gemv.pack(q, scale, zero, dtype)
+    w = cpu_gemv.unpack(qw, sz).to(dtype).contiguous()
+    dense = onednn.prepack(w) if onednn.wanted(w) else w
+    x = torch.randn(DENSE_PROBE_ROWS, 576, generator=g).to(dtype)
+
+    def best(f) -> float:
+        f()
+        times = []
+        for _ in range(5):
+            t = time.perf_counter()
             f()
-            times = []
-            for _ in range(5):
-                t = time.perf_counter()
-                f()
-                times.append(time.perf_counter() - t)
-            return min(times)
+            times.append(time.perf_counter() - t)
+        return min(times)
 
-        gemv = best(lambda: cpu_gemv.mm(x.to(cpu_gemv.act_dtype(sz)), qw, sz))
-        onednn_s = best(lambda: onednn.linear(x, dense, None))
-        _PROBED[key] = onednn_s < 0.9 * gemv
-        structlog.get_logger(__name__).info("packed.dense_copies", kept=_PROBED[key], rows=DENSE_PROBE_ROWS,
-                                            gemv_us=round(gemv * 1e6), dense_us=round(onednn_s * 1e6))
-    return _PROBED[key]
+    gemv = best(lambda: cpu_gemv.mm(x.to(cpu_gemv.act_dtype(sz)), qw, sz))
+    onednn_s = best(lambda: onednn.linear(x, dense, None))
+    kept = onednn_s < 0.9 * gemv
+    structlog.get_logger(__name__).info("packed.dense_copies", kept=kept, rows=DENSE_PROBE_ROWS, threads=threads,
+                                        gemv_us=round(gemv * 1e6), dense_us=round(onednn_s * 1e6))
+    return kept
 
 
 def packed_linear(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:

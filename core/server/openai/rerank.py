@@ -29,8 +29,6 @@ from starlette.responses import Response
 from core.errors import CoreError, InvalidRequest
 from core.server.http import ApiError, json_response, read_body_ignoring_unknown, state_of
 
-_ANSWER = 'answer can only be "yes" or "no"'  # (what marks a reranker's chat template, as SGLang reads it)
-
 
 class RerankRequest(Struct, kw_only=True):
     query: Any = None
@@ -67,8 +65,8 @@ def _template(state: Any) -> str | None:
         text = getattr(state.engine.tokenizer, "chat_template", None)
     if not isinstance(text, str):
         return None
-    low = text.lower()
-    return text if _ANSWER in low or ("answer can only be" in low and '"yes"' in low and '"no"' in low) else None
+    low = text.lower()  # (what marks a reranker's template, as SGLang reads it: 'answer can only be "yes" or "no"')
+    return text if "answer can only be" in low and '"yes"' in low and '"no"' in low else None
 
 
 def _yes_no(tok: Any) -> list[int]:
