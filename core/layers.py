@@ -450,9 +450,18 @@ class VocabEmbedding(nn.Module):
     def head(self) -> nn.Module | None:
         """The packed head that ``logits`` multiplies through (built on the first call), or None
         where it multiplies by the table itself."""
-        if self.pack_head is not None:
-            self.packed_head, self.pack_head = self.pack_head(self), None
+        if self.pack_head is not None and "head_built" not in self.__dict__:
+            self.packed_head, self.__dict__["head_built"] = self.pack_head(self), True
         return self.packed_head
+
+    def weights_updated(self) -> None:
+        """The table's values changed in place (a weight update): a head built from it refreshes
+        itself (its ``table_updated(embedding)``) or is built again on its next use."""
+        head = self.packed_head
+        if head is not None and (refresh := getattr(head, "table_updated", None)) is not None:
+            refresh(self)
+        elif self.__dict__.pop("head_built", None):
+            self.packed_head = None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden [N, hidden] @ weight^T`` in ``hidden.dtype`` (through the packed head when there is one)."""
@@ -478,6 +487,7 @@ def load_packed_weights(
     packed: Mapping[str, tuple[str, object]] = {},
     skip: Callable[[str], bool] = lambda name: False,
     optional: Set[str] = frozenset(),
+    partial: bool = False,
 ) -> set[str]:
     """Copy checkpoint tensors into ``model``'s parameters by name.
 
@@ -485,9 +495,17 @@ def load_packed_weights(
     e.g. ``{"q_proj": ("qkv_proj", "q")}``. An unknown checkpoint tensor (unless
     ``skip(name)``), a shape mismatch, or a parameter (or shard of a packed one) that
     the checkpoint lacks raises ModelLoadError naming the tensor: a missing tensor
-    would otherwise serve uninitialised memory. Returns the checkpoint names loaded."""
+    would otherwise serve uninitialised memory. Returns the checkpoint names loaded.
+
+    ``partial`` (a weight update of a served model: ``core.engine.model_loader.weight_sync``):
+    any subset of the tensors, and all or nothing: every name is resolved before anything is
+    written, and on a failure the parameters written so far get their values back."""
     params = dict(model.named_parameters())
     seen: set[str] = set()
+    weights = list(weights) if partial else weights
+    if partial and (unknown := [n for n, _ in weights if not skip(n) and checkpoint_target(n, packed)[0] not in params]):
+        raise ModelLoadError(f"tensor {unknown[0]!r} has no matching model parameter ({len(unknown)} unknown)")
+    saved: dict[str, torch.Tensor] = {}  # (partial) each written parameter's values before the update
     for name, tensor in weights:
         if skip(name):
             continue
@@ -495,6 +513,8 @@ def load_packed_weights(
         if target not in params:
             raise ModelLoadError(f"checkpoint tensor {name!r} has no matching model parameter")
         param = params[target]
+        if partial and target not in saved:
+            saved[target] = param.detach().clone()
         loader = getattr(param, "weight_loader", None)
         try:
             if loader is None:
@@ -502,8 +522,12 @@ def load_packed_weights(
             else:
                 loader(param, tensor.to(param.dtype), shard)
         except ValueError as e:  # e.g. a shape mismatch: name the tensor
+            for t, old in saved.items():
+                params[t].data.copy_(old)
             raise ModelLoadError(f"checkpoint tensor {name!r}: {e}") from None
         seen.add(name)
+    if partial:
+        return seen
     expected: set[str] = set()
     for pname in params:
         shards = [pname.replace(f".{dst}.", f".{src}.") for src, (dst, _) in packed.items() if f".{dst}." in pname]

@@ -45,6 +45,7 @@ from core.engine.scheduler import ScheduledBatch, Scheduler
 from core.engine.speculative import build_speculator
 from core.engine.speculative.draft_model import EngineDraftContext
 from core.engine.watchdog import Watchdog
+from core.engine.model_loader.weight_sync import WeightSync
 from core.engine.model_loader.weight_update import update_weights
 
 log = structlog.get_logger("core.engine")
@@ -121,6 +122,7 @@ class AsyncEngine(RequestFrontEnd):
         self._held: list[Req] | None = None
         self.paused, self.parked = False, asyncio.Event()  # /pause_generation (core.engine.pause): the loop waits
         self._update_lock = asyncio.Lock()  # one weight update at a time
+        self.weight_sync = WeightSync(self)  # weights from a trainer, in place (RL: core.engine.model_loader.weight_sync)
         self.log = log
         # Observers (metrics, request logs): called on the loop thread, must be cheap and never raise.
         self.step_listeners: list[Callable[[ScheduledBatch, float], None]] = []
@@ -621,6 +623,7 @@ class AsyncEngine(RequestFrontEnd):
         if self.tp_group is not None:
             self.tp_group.stop()
         self.grammar.shutdown()
+        self.weight_sync.close()
         getattr(self.tree_cache, "close", bool)()  # (the storage tier's queued writes land: mem_cache)
         self.plugins.pm.hook.on_shutdown(engine=self)
 

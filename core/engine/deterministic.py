@@ -137,6 +137,10 @@ class RowBlockedHead(torch.nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return row_blocked(self.__dict__["fn"], hidden)
 
+    def table_updated(self, embedding: torch.nn.Module) -> None:
+        if (refresh := getattr(self.__dict__["fn"], "table_updated", None)) is not None:  # (a packed head)
+            refresh(embedding)
+
 
 def _invariant_head(pack: Callable[[torch.nn.Module], torch.nn.Module | None] | None,
                     emb: torch.nn.Module) -> torch.nn.Module:

@@ -14,7 +14,9 @@ configure_default_logging()  # before the engine modules load: their logs go to 
 
 from core.engine.config import engine_args_from_kwargs  # noqa: E402
 from core.engine.data_parallel.engine import create_engine  # noqa: E402
+from core.engine.model_loader.weights_by_name import weights_by_name  # noqa: E402
 from core.engine.sampling_params import check_preferred, under_preferred  # noqa: E402
+from core.errors import CoreError  # noqa: E402
 
 
 @dataclasses.dataclass
@@ -56,7 +58,7 @@ async def _lora_update(engine: Any, update: Any) -> LoRAUpdateOutput:
 
 class Engine:
     """SGLang's offline engine: ``Engine(model_path=...)``, ``generate``, ``async_generate``,
-    ``load_lora_adapter`` / ``unload_lora_adapter``, ``shutdown``."""
+    ``load_lora_adapter`` / ``unload_lora_adapter``, the weight updates an RL trainer drives, ``shutdown``."""
 
     _preferred: dict[str, Any] | None = None  # SGLang's preferred_sampling_params: what requests leave unset
 
@@ -237,6 +239,56 @@ class Engine:
     async def async_unload_lora_adapter(self, lora_name: str) -> LoRAUpdateOutput:
         coro = _lora_update(self.engine, self.engine.unload_lora_adapter(lora_name))
         return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._loop))
+
+    # ---- weights from a trainer (SGLang's RL interface: core.engine.model_loader.weight_sync); (success, message)
+    def _sync(self) -> Any:
+        ws = getattr(self.engine, "weight_sync", None)
+        if ws is None:
+            raise CoreError("weight updates from a trainer are not supported with --dp-size > 1")
+        return ws
+
+    def update_weights_from_tensor(self, named_tensors: Any, load_format: str | None = None,
+                                   flush_cache: bool = True) -> tuple[bool, str]:
+        """``named_tensors``: ``[(name, tensor)]`` (Hugging Face names; ``load_format="direct"``: the
+        server's parameter names), SGLang's per-rank ``LocalSerializedTensor`` values, or with
+        ``load_format="flattened_bucket"`` a bucket (or its serialized payloads). Waits for the
+        running requests; ``flush_cache=False`` keeps the prefix cache (more updates to come)."""
+        return self._call(self._sync().update_from_tensor(named_tensors, load_format, flush_cache))
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str = "weight_update_group", backend: str = "nccl") -> tuple[bool, str]:
+        """Join the trainer's process group (rank 0 is the trainer); blocks until every rank joined."""
+        return self._sync().init_group(master_address, master_port, rank_offset, world_size, group_name, backend)
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                        group_name: str = "weight_update_group", flush_cache: bool = True,
+                                        load_format: str | None = None) -> tuple[bool, str]:
+        """Receive ``names`` from the trainer's broadcasts (in this order) and load them."""
+        return self._call(self._sync().update_from_distributed(names, dtypes, shapes, group_name, flush_cache, load_format))
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> tuple[bool, str]:
+        return self._sync().destroy_group(group_name)
+
+    def begin_weight_update(self, selector: str = "all") -> tuple[bool, str]:
+        return self._call(_run(self._sync().begin, selector))
+
+    def end_weight_update(self) -> tuple[bool, str]:
+        return self._call(_run(self._sync().end))
+
+    def update_weights_from_disk(self, model_path: str, load_format: str | None = None) -> tuple[bool, str, int]:
+        """Reload the weights from ``model_path`` (same architecture), after the running requests."""
+        ok, message = self._call(self.engine.update_weights_from_disk(model_path, load_format=load_format or "auto"))
+        return ok, message, 0
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        """The first ``truncate_size`` rows of a parameter by its checkpoint name (float32 lists)."""
+        if not hasattr(self.engine, "model"):
+            return self._call(self.engine.weights_by_name(name, truncate_size))[0]
+        return self._call(_run(weights_by_name, self.engine.model, name, truncate_size))
+
+    def flush_cache(self) -> bool:
+        """Empty the prefix cache (False, as SGLang's, while requests are running)."""
+        return self._call(_run(self.engine.flush_cache))
 
     def freeze_gc(self) -> None:
         """SGLang's ``Engine.freeze_gc``: what the engine holds now (its model, modules, warm-up)

@@ -19,7 +19,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from core.errors import CoreError
-from core.server import anthropic, embeddings, lora, native, profile, request_log, tokenize
+from core.server import anthropic, embeddings, lora, native, profile, request_log, tokenize, weights
 from core.server.http import ApiError, ApiKeyMiddleware, RootPathMiddleware, api_error, route_path
 from core.server.openai import batches, files, rerank, responses, routes, score
 from core.server.state import ServerState
@@ -54,6 +54,12 @@ ROUTES = [
     Route("/continue_generation", native.continue_generation, methods=["POST"]),
     Route("/update_weights_from_disk", native.update_weights_from_disk, methods=["POST"]),
     Route("/update_weight_version", native.update_weight_version, methods=["POST"]),
+    Route("/update_weights_from_tensor", weights.update_weights_from_tensor, methods=["POST"]),
+    Route("/update_weights_from_distributed", weights.update_weights_from_distributed, methods=["POST"]),
+    Route("/init_weights_update_group", weights.init_weights_update_group, methods=["POST"]),
+    Route("/destroy_weights_update_group", weights.destroy_weights_update_group, methods=["POST"]),
+    Route("/begin_weight_update", weights.begin_weight_update, methods=["POST"]),
+    Route("/end_weight_update", weights.end_weight_update, methods=["POST"]),
     Route("/load_lora_adapter", lora.load_lora_adapter, methods=["POST"]),
     Route("/unload_lora_adapter", lora.unload_lora_adapter, methods=["POST"]),
     Route("/metrics", native.metrics_endpoint, methods=["GET"]),  # 404 without --enable-metrics

@@ -314,7 +314,8 @@ ADMIN_PATHS = frozenset({
     "/flush_cache", "/freeze_gc", "/clear_hicache_storage_backend", "/hicache/storage-backend/clear",
     "/abort_request", "/start_profile", "/stop_profile", "/update_weights_from_disk", "/update_weight_version",
     "/load_lora_adapter", "/unload_lora_adapter", "/pause_generation", "/continue_generation", "/get_weights_by_name",
-    "/configure_logging",
+    "/configure_logging", "/update_weights_from_tensor", "/update_weights_from_distributed", "/init_weights_update_group",
+    "/destroy_weights_update_group", "/begin_weight_update", "/end_weight_update",
 })
 
 

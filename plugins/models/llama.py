@@ -91,6 +91,9 @@ class LlamaDecoderLayer(nn.Module):
             return self.mlp(self.post_attention_layernorm(x), residual=x)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def weights_updated(self) -> None:
+        self.__dict__.pop("_cpu_plan", None)
+
     def _cpu_decode(self, backend: Any) -> dict[str, Any] | None:
         """This layer as one C++ op (``kernels/cpu_decode``), planned once per attention backend."""
         cached = self.__dict__.get("_cpu_plan")
@@ -174,6 +177,9 @@ class LlamaModel(nn.Module):
             plan = cpu_decode.plan_stack(plans, self.norm, packed, table)
             cached = self.__dict__["_cpu_stack_plan"] = (backend, head, plan)
         return cached[2]
+
+    def weights_updated(self) -> None:
+        self.__dict__.pop("_cpu_stack_plan", None)
 
     def step_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """The logits the last forward computed with the stack, if ``hidden`` is what it returned."""
@@ -261,8 +267,11 @@ class LlamaForCausalLM(nn.Module):
     def skip_weight(self, name: str) -> bool:
         return "rotary_emb.inv_freq" in name or (self.tied and name == "lm_head.weight")
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_packed_weights(self, weights, self.packed_modules, self.skip_weight)
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], partial: bool = False) -> None:
+        load_packed_weights(self, weights, self.packed_modules, self.skip_weight, partial=partial)
+
+    def weights_updated(self) -> None:
+        self.__dict__.pop("_decode_plan", None)  # (the plans below hold the packed copies that were rebuilt)
 
 
 @hookimpl

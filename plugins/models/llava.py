@@ -215,8 +215,9 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
             return int(name.split(".")[3]) >= len(self.vision_tower.encoder.layers)
         return False
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_packed_weights(self, ((_our_name(n), t) for n, t in weights), self.packed_modules, self.skip_weight)
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], partial: bool = False) -> None:
+        load_packed_weights(self, ((_our_name(n), t) for n, t in weights), self.packed_modules, self.skip_weight,
+                            partial=partial)
 
 
 _PREFIXES = (

@@ -269,8 +269,9 @@ class Qwen2VLForConditionalGeneration(LlamaForCausalLM):
     def skip_weight(self, name: str) -> bool:
         return "rotary_emb.inv_freq" in name or (self.tied and name == "lm_head.weight")
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_packed_weights(self, ((_our_name(n), t) for n, t in weights), self.packed_modules, self.skip_weight)
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], partial: bool = False) -> None:
+        load_packed_weights(self, ((_our_name(n), t) for n, t in weights), self.packed_modules, self.skip_weight,
+                            partial=partial)
 
 
 def _our_name(name: str) -> str:

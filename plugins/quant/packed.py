@@ -147,6 +147,11 @@ class _DenseBudget:
         self.left -= nbytes
         return True
 
+    def give(self, nbytes: int) -> None:
+        """A copy of ``nbytes`` taken before was dropped."""
+        if self.left is not None:
+            self.left += nbytes
+
 
 DENSE_BUDGET = _DenseBudget()
 

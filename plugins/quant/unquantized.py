@@ -26,7 +26,8 @@ class Unquantized:
         return onednn.linear(x, layer.__dict__.get("onednn_weight", layer.weight), layer.bias)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        layer.__dict__.pop("onednn_weight", None)
+        if layer.__dict__.pop("onednn_weight", None) is not None:  # (again after a weight update: its bytes back)
+            packed.DENSE_BUDGET.give(layer.weight.numel() * layer.weight.element_size())
         if (w := packed.onednn_copy(layer.weight)) is not None:
             layer.__dict__["onednn_weight"] = w
 
@@ -48,6 +49,10 @@ class PackedDenseHead(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return onednn.linear(x, self.__dict__["onednn_weight"], None)
+
+    def table_updated(self, embedding: torch.nn.Module) -> None:
+        """The table changed in place (a weight update): packed again, the same size."""
+        self.__dict__["onednn_weight"] = onednn.prepack(embedding.weight)
 
 
 @hookimpl

@@ -55,6 +55,9 @@ class Float32Head(torch.nn.Module):
         self.__dict__["emb"] = emb  # (not a submodule: the table is the embedding's)
         self.__dict__["table"] = None
 
+    def table_updated(self, embedding: torch.nn.Module) -> None:
+        self.__dict__["table"] = None  # (made again on the next use)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         w = self.__dict__["emb"].weight
         if w.device.type == "cuda" and w.dtype in (torch.bfloat16, torch.float16) and hidden.dtype == w.dtype:

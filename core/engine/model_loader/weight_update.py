@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
 
 import attrs
 import structlog
@@ -27,12 +27,20 @@ UPDATE_IDLE_POLL_S = 0.005  # how often a weight update checks whether the runni
 async def update_weights(engine: AsyncEngine, model_path: str, flush_cache: bool, torch_empty_cache: bool,
                          load_format: str) -> tuple[bool, str]:
     """``AsyncEngine.update_weights_from_disk``: wait for the running requests, swap, flush, admit the held ones."""
+    return await exclusive(engine, flush_cache, torch_empty_cache, reload_weights, engine, model_path, load_format)
+
+
+async def exclusive(engine: AsyncEngine, flush_cache: bool, torch_empty_cache: bool,
+                    job: Callable[..., tuple[bool, str]], *args: Any) -> tuple[bool, str]:
+    """``job(*args)`` -> (success, message) on the forward thread with nothing running: one update
+    at a time, after the queued and running requests finish (at once while generation is paused),
+    requests submitted meanwhile held; then, on success, the prefix cache flushed (``flush_cache``)."""
     async with engine._update_lock:
         engine._held = []
         try:
             while engine.scheduler.has_work and engine.fatal_error is None and not engine.paused:  # (paused: at once)
                 await asyncio.sleep(UPDATE_IDLE_POLL_S)
-            ok, message = await engine._on_forward_thread(reload_weights, engine, model_path, load_format)
+            ok, message = await engine._on_forward_thread(job, *args)
             if ok and flush_cache and engine.scheduler.flush_cache():  # idle: always succeeds
                 log.info("engine.cache_flushed", reason="weights updated")
                 getattr(engine.tree_cache, "clear_storage", bool)()  # a stored page has no weight version
