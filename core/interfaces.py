@@ -16,13 +16,14 @@ from typing import Any, Callable, Iterable, Protocol, Sequence, runtime_checkabl
 import attrs
 import torch
 
-PLUGIN_API_VERSION = "1.10"  # 1.1: the optional CUDA-graph capture hooks of attention backends; 1.2: drafters;
+PLUGIN_API_VERSION = "1.11"  # 1.1: the optional CUDA-graph capture hooks of attention backends; 1.2: drafters;
 # 1.3: model drafters; 1.4: tree masks (ForwardBatch.tree_mask, AttentionBackend.supports_tree_mask), draft trees;
 # 1.5: HiCache storage backends (HiCacheStorage); 1.6: ForwardBatch.lora (LoRA adapters in the batch);
 # 1.7: multimodal processors, ForwardBatch.mm_rows / mm_embeds / mrope_positions; 1.8: ForwardBatch.layer_ready;
 # 1.9: CUDA graphs of speculative verifies (AttentionBackend.supports_cuda_graph_verify);
 # 1.10: batch-invariant attention (AttentionBackend.supports_batch_invariant, --enable-deterministic-inference),
-# GrammarBackend.compile's per-request JSON keywords (any_whitespace, whitespace_pattern)
+# GrammarBackend.compile's per-request JSON keywords (any_whitespace, whitespace_pattern);
+# 1.11: in-place weight updates (CausalLM.load_weights(..., partial=True), modules' weights_updated())
 
 
 # --------------------------------------------------------------------------- batches
@@ -311,7 +312,13 @@ class CausalLM(Protocol):
         """Map selected hidden states ``[N, hidden]`` to float32 logits ``[N, vocab]``."""
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Consume checkpoint tensors by their Hugging Face names."""
+        """Consume checkpoint tensors by their Hugging Face names.
+
+        Optional since 1.11: a ``partial=False`` keyword. With ``partial=True`` (a trainer's weight
+        update of the served model) any subset arrives, written all or nothing
+        (``core.layers.load_packed_weights(..., partial=True)`` does both); a model without the keyword
+        refuses such updates. After one, every module's ``weights_updated()`` (where defined) drops
+        what it derived from the weights (cached plans, packed copies)."""
 
 
 # --------------------------------------------------------------------------- parsers

@@ -332,7 +332,7 @@ def test_unknown_name_lists_registered(installed):
 
 @pytest.mark.parametrize("declared,ok", [
     ("1", True), ("1.7", True), (1, True), ("2", False), ("0.9", False),
-    (">=1.0,<2", True), ("~=1.0", True), ("==1.*", True), (">=1.10", True), (">=1.11", False), (">=2,<3", False),
+    (">=1.0,<2", True), ("~=1.0", True), ("==1.*", True), (">=1.11", True), (">=1.12", False), (">=2,<3", False),
     ("<1", False),
     ("not a version", False),
 ])

@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import multiprocessing
 import pickle
 from typing import Any
 
@@ -105,6 +106,10 @@ def loads(data: Any) -> Any:
         return _Unpickler(io.BytesIO(payload_bytes(data))).load()
     except InvalidRequest:
         raise
+    except multiprocessing.AuthenticationError:  # a CPU tensor's fd is handed over only to the sender's children
+        raise InvalidRequest("CPU tensors from another process must be shared by file name: call "
+                             "torch.multiprocessing.set_sharing_strategy('file_system') in the trainer before "
+                             "serializing", param="serialized_named_tensors") from None
     except Exception as e:
         raise InvalidRequest(f"cannot read the serialized tensors: {type(e).__name__}: {e}",
                              param="serialized_named_tensors") from None

@@ -157,9 +157,8 @@ class WeightSync:
     # ------------------------------------------------------------------ process groups
     def init_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                    group_name: str = "weight_update_group", backend: str = "nccl") -> tuple[bool, str]:
-        """Join the trainer's group as rank ``rank_offset`` (blocking until every rank joined), the
-        rendezvous and store layout of SGLang's ``init_custom_process_group``, so a trainer using it
-        (or torch's own ``init_process_group`` on that address) meets this server."""
+        """Join the trainer's group as rank ``rank_offset`` (blocking until every rank joined), with the
+        rendezvous and store layout of SGLang's ``init_custom_process_group``, which trainers call."""
         if not group_name:
             return False, "group_name must not be empty"
         if group_name in self.groups:
