@@ -252,3 +252,54 @@ def test_update_from_distributed_over_gloo(engines, two_models, bucket):
             trainer.kill()
         reset(eng, two_models)
     assert trainer.exitcode == 0
+
+
+def _trainer_tp(port: int, tensors: dict, group: str) -> None:
+    """As ``_trainer``, for a server of two tensor-parallel ranks (world: the trainer and both)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    store, rank, size = next(c10d.rendezvous(f"tcp://127.0.0.1:{port}", 0, 3))
+    pg, _ = c10d._new_process_group_helper(size, rank, [], c10d.Backend("gloo"), c10d.PrefixStore(group, store),
+                                           group_name=group, backend_options=None, timeout=c10d.default_pg_timeout)
+    c10d._world.pg_group_ranks[pg] = {0: 0, 1: 1, 2: 2}
+    for t in tensors.values():
+        torch.distributed.broadcast(t.contiguous(), src=0, group=pg)
+
+
+def test_tensor_parallel_ranks_update_their_shards(two_models):
+    """``--tp-size 2``: rank 1 (another process) loads its shard of each tensor rank 0 was handed,
+    and joins the trainer's group as ``rank_offset + 1``: the answers are the trainer model's."""
+    a, b, tensors = two_models
+    ref = make_engine(b, skip_tokenizer_init=True)
+    want = outputs(ref)
+    ref.shutdown()
+    eng = make_engine(a, skip_tokenizer_init=True, tp_size=2)
+    try:
+        before = outputs(eng)
+        ok, message = eng.update_weights_from_tensor(list(tensors.items()))
+        assert ok, message
+        assert outputs(eng) == want
+        ok, message = eng.update_weights_from_tensor([("model.layers.0.mlp.up_proj.weight", torch.zeros(5, 5))])
+        assert not ok and "up_proj" in message and outputs(eng) == want
+        original = load_file(str(a / "model.safetensors"))
+        assert eng.update_weights_from_tensor(list(original.items()))[0]
+        assert outputs(eng) == before
+        port, group = _free_port(), "wg-tp"
+        trainer = mp.get_context("spawn").Process(target=_trainer_tp, args=(port, tensors, group))
+        trainer.start()
+        try:
+            assert eng.init_weights_update_group("127.0.0.1", port, 1, 2, group, backend="gloo")[0] is False  # (too few)
+            ok, message = eng.init_weights_update_group("127.0.0.1", port, 1, 3, group, backend="gloo")
+            assert ok, message
+            ok, message = eng.update_weights_from_distributed(list(tensors), [str(t.dtype) for t in tensors.values()],
+                                                              [list(t.shape) for t in tensors.values()], group)
+            assert ok, message
+            trainer.join(timeout=60)
+            assert trainer.exitcode == 0
+            assert outputs(eng) == want
+            assert eng.destroy_weights_update_group(group)[0] is True
+        finally:
+            if trainer.is_alive():
+                trainer.kill()
+    finally:
+        eng.shutdown()

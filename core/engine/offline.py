@@ -258,7 +258,8 @@ class Engine:
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                                   group_name: str = "weight_update_group", backend: str = "nccl") -> tuple[bool, str]:
         """Join the trainer's process group (rank 0 is the trainer); blocks until every rank joined."""
-        return self._sync().init_group(master_address, master_port, rank_offset, world_size, group_name, backend)
+        return self._call(self._sync().init_group(master_address, master_port, rank_offset, world_size, group_name,
+                                                  backend))
 
     def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                                         group_name: str = "weight_update_group", flush_cache: bool = True,
@@ -267,7 +268,7 @@ class Engine:
         return self._call(self._sync().update_from_distributed(names, dtypes, shapes, group_name, flush_cache, load_format))
 
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> tuple[bool, str]:
-        return self._sync().destroy_group(group_name)
+        return self._call(self._sync().destroy_group(group_name))
 
     def begin_weight_update(self, selector: str = "all") -> tuple[bool, str]:
         return self._call(_run(self._sync().begin, selector))

@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import msgspec
@@ -112,15 +111,15 @@ async def init_weights_update_group(request: Request) -> Response:
     obj = await read_body(request, InitWeightsUpdateGroupReqInput)
     if (ws := _sync(request)) is None:
         return _answer(_NO_DP)
-    return _answer(await asyncio.to_thread(ws.init_group, obj.master_address, obj.master_port, obj.rank_offset,
-                                           obj.world_size, obj.group_name, obj.backend))  # (waits for every rank)
+    return _answer(await ws.init_group(obj.master_address, obj.master_port, obj.rank_offset, obj.world_size,
+                                       obj.group_name, obj.backend))  # (waits for every rank of the group)
 
 
 async def destroy_weights_update_group(request: Request) -> Response:
     obj = await _body(request, GroupNameReqInput)
     if (ws := _sync(request)) is None:
         return _answer(_NO_DP)
-    return _answer(await asyncio.to_thread(ws.destroy_group, obj.group_name))
+    return _answer(await ws.destroy_group(obj.group_name))
 
 
 async def begin_weight_update(request: Request) -> Response:

@@ -173,6 +173,12 @@ class TensorParallelGroup:
         if (bad := first_failure(agree(self.control, None))) is not None:
             raise LoRAError(f"tensor-parallel rank {bad[0]} could not {what}: {bad[1]}")
 
+    def collective(self, message: tuple, run: Callable[[], str | None]) -> tuple[int, str] | None:
+        """Send the other ranks ``message``, run rank 0's part (``run``: its error or None), hear
+        from every rank: the first (rank, error), or None. On the forward thread, between steps."""
+        broadcast(self.control, message)
+        return first_failure(agree(self.control, run()))
+
     # ------------------------------------------------------------------ serving (forward thread)
     def forward(self, inputs: StepInputs, run: Callable[[], T]) -> T:
         """Broadcast the step, then ``run`` it here. Any failure is final: RankFailure."""

@@ -28,6 +28,7 @@ from core.engine.hybrid_attention import build_attention_backend
 from core.engine.mem_cache.kv_cache import allocate_kv_cache
 from core.engine.model_loader.loader import load_model_config
 from core.engine.model_loader.model_build import build_model
+from core.engine.model_loader.weight_sync import rank_job
 from core.engine.model_runner import forward_step
 from core.interfaces import AttentionConfig
 from core.layers import local_heads
@@ -84,6 +85,7 @@ def _serve(rank: int, args: EngineArgs, plan: DistPlan) -> int:
     gc_watch.freeze(f"tensor-parallel rank {rank}")  # the model and modules: out of later collector passes
     gc_watch.configure(args)
     lora = None  # core.engine.lora.tp.RankLoRA with --enable-lora
+    groups: dict = {}  # this rank's trainer process groups (weight_sync.rank_job)
     with torch.inference_mode():
         while True:
             msg = broadcast(control)
@@ -103,6 +105,8 @@ def _serve(rank: int, args: EngineArgs, plan: DistPlan) -> int:
                 except Exception as e:
                     error = describe(e)
                 agree(control, error)
+            elif msg[0] == "weights":  # a trainer's weights, its process group (core.engine.model_loader.weight_sync)
+                agree(control, rank_job(model, groups, device, rank, msg[1]))
             elif msg[0] == "reload":
                 model = _reload(plugins, args, mc, msg[1], device, tp, control) or model
                 gc_watch.refreeze()

@@ -55,8 +55,6 @@ class WeightSync:
             return "the draft model's weights cannot be updated (its target's can: selector 'target' or 'all')"
         if e.lora is not None:
             return "not supported with --enable-lora (the adapters are bound to the served weights)"
-        if e.tp_group is not None:
-            return "not supported with --tp-size > 1 yet"
         if "partial" not in inspect.signature(e.model.load_weights).parameters:
             return f"the model plugin's {type(e.model).__name__}.load_weights takes no partial updates"
         for name, m in e.model.named_modules():
@@ -99,45 +97,34 @@ class WeightSync:
             return False, f"Failed to update weights: {e}"
         if why := self.refusal(selector):
             return False, f"Failed to update weights: {why}"
-        return await exclusive(self.engine, flush_cache, torch_empty_cache, self._receive_and_load,
-                               self.groups[group_name], specs, load_format == "flattened_bucket")
+        return await exclusive(self.engine, flush_cache, torch_empty_cache, self._receive_and_load, group_name, specs,
+                               load_format == "flattened_bucket")
 
-    def _receive_and_load(self, group: Any, specs: list[tuple[str, torch.dtype, torch.Size]],
+    def _receive_and_load(self, name: str, specs: list[tuple[str, torch.dtype, torch.Size]],
                           bucket: bool) -> tuple[bool, str]:
-        device = self.engine.device
-        try:
-            if bucket:  # one uint8 buffer: each tensor's bytes back to back, in order
-                sizes = [s.numel() * d.itemsize for _, d, s in specs]
-                flat = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
-                torch.distributed.broadcast(flat, src=0, group=group)
-                named, at = [], 0
-                for (name, dtype, shape), size in zip(specs, sizes):
-                    named.append((name, flat[at:at + size].view(dtype).reshape(shape)))
-                    at += size
-            else:
-                named = [(name, torch.empty(shape, dtype=dtype, device=device)) for name, dtype, shape in specs]
-                works = [torch.distributed.broadcast(t, src=0, group=group, async_op=True) for _, t in named]
-                for w in works:
-                    w.wait()
-        except Exception as e:
-            return False, f"Failed to receive the weights: {type(e).__name__}: {e}"
-        return self._load(named, False)
+        return self._on_ranks(("recv", name, specs, bucket), "Failed to update weights: ")
 
     def _load(self, named: list[tuple[str, torch.Tensor]], direct: bool) -> tuple[bool, str]:
-        """On the forward thread: write ``named`` in place (all or nothing), then make again what
-        was derived from the weights."""
-        model = self.engine.model
-        try:
-            if direct:
-                _load_direct(model, named)
-            else:
-                model.load_weights(named, partial=True)
-        except (ModelLoadError, ValueError, RuntimeError) as e:
-            log.warning("engine.update_weights_failed", source="tensors", error=str(e))
-            return False, f"Failed to update weights: {e}; the served weights are unchanged"
-        refresh(model)
-        log.info("engine.weights_updated", source="tensors", tensors=len(named))
-        return True, "Succeeded to update model weights."
+        """On the forward thread: write ``named`` in place on every rank (all or nothing), then make
+        again what was derived from the weights."""
+        # (the other ranks get the full tensors, on the CPU, and load their shard of each)
+        msg = ("tensors", named if self.engine.tp_group is None else [(n, t.cpu()) for n, t in named], direct)
+        return self._on_ranks(msg, "Failed to update weights: ")
+
+    def _on_ranks(self, msg: tuple, failed: str) -> tuple[bool, str]:
+        """``rank_job(msg)`` here and, under tensor parallelism, on every other rank (the forward
+        thread's turn on the control channel); (success, message)."""
+        e = self.engine
+        here = lambda: rank_job(e.model, self.groups, e.device, 0, msg)  # noqa: E731
+        if e.tp_group is None:
+            error = here()
+        else:
+            bad = e.tp_group.collective(("weights", msg), here)
+            error = None if bad is None else bad[1] if bad[0] == 0 else f"tensor-parallel rank {bad[0]}: {bad[1]}"
+        if error is not None:
+            log.warning("engine.weight_sync_failed", job=msg[0], error=error)
+            return False, failed + error
+        return True, _DONE[msg[0]]
 
     # ------------------------------------------------------------------ sessions (SGLang 0.5)
     def begin(self, selector: str = "all") -> tuple[bool, str]:
@@ -155,50 +142,99 @@ class WeightSync:
         return True, "Weight-update session closed."
 
     # ------------------------------------------------------------------ process groups
-    def init_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
-                   group_name: str = "weight_update_group", backend: str = "nccl") -> tuple[bool, str]:
-        """Join the trainer's group as rank ``rank_offset`` (blocking until every rank joined), with the
-        rendezvous and store layout of SGLang's ``init_custom_process_group``, which trainers call."""
+    async def init_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                         group_name: str = "weight_update_group", backend: str = "nccl") -> tuple[bool, str]:
+        """Join the trainer's group as ranks ``rank_offset`` + tensor-parallel rank (blocking, as
+        SGLang's scheduler does, until every rank joined), with the rendezvous and store layout of
+        SGLang's ``init_custom_process_group``, which trainers call."""
+        tp = self.engine.tp_group.plan.tp_size if self.engine.tp_group is not None else 1
         if not group_name:
             return False, "group_name must not be empty"
         if group_name in self.groups:
             return False, f"group {group_name!r} is already initialized"
-        if self.engine.tp_group is not None:
-            return False, "Failed to initialize custom process group: not supported with --tp-size > 1 yet"
         if backend == "nccl" and self.engine.device.type != "cuda":
             return False, (f"Failed to initialize custom process group: backend nccl needs a CUDA device; this server "
                            f"runs on {self.engine.device.type}: use backend 'gloo'")
-        if not 0 <= rank_offset < world_size:
-            return False, f"rank_offset {rank_offset} must be in [0, world_size {world_size})"
-        from torch.distributed import distributed_c10d as c10d
+        if not 0 < rank_offset or rank_offset + tp > world_size:
+            return False, (f"rank_offset {rank_offset} must be >= 1 (rank 0 is the trainer) with its {tp} rank(s) "
+                           f"inside world_size {world_size}")
+        msg = ("join", master_address, master_port, rank_offset, world_size, group_name, backend)
+        return await self.engine._on_forward_thread(self._on_ranks, msg, "Failed to initialize custom process group: ")
 
-        try:
-            url = f"tcp://{master_address}:{master_port}"
-            store, rank, size = next(c10d.rendezvous(url, rank_offset, world_size, timeout=GROUP_TIMEOUT))
-            store.set_timeout(GROUP_TIMEOUT)
-            pg, _ = c10d._new_process_group_helper(size, rank, [], c10d.Backend(backend), c10d.PrefixStore(group_name, store),
-                                                   group_name=group_name, backend_options=None, timeout=GROUP_TIMEOUT)
-            c10d._world.pg_group_ranks[pg] = {i: i for i in range(size)}  # (group rank = global rank: src=0 is the trainer)
-        except Exception as e:
-            log.warning("engine.weight_group_failed", group=group_name, error=str(e))
-            return False, f"Failed to initialize custom process group: {type(e).__name__}: {e}."
-        self.groups[group_name] = pg
-        log.info("engine.weight_group", group=group_name, rank=rank_offset, world_size=world_size, backend=backend)
-        return True, "Succeeded to initialize custom process group."
-
-    def destroy_group(self, group_name: str = "weight_update_group") -> tuple[bool, str]:
-        pg = self.groups.pop(group_name, None)
-        if pg is None:
+    async def destroy_group(self, group_name: str = "weight_update_group") -> tuple[bool, str]:
+        if group_name not in self.groups:
             return False, "The group to be destroyed does not exist."
-        try:
-            torch.distributed.destroy_process_group(pg)
-        except Exception as e:
-            return False, f"Failed to destroy custom process group: {e}."
-        return True, "Succeeded to destroy custom process group."
+        return await self.engine._on_forward_thread(self._on_ranks, ("leave", group_name),
+                                                    "Failed to destroy custom process group: ")
 
     def close(self) -> None:
+        """At shutdown: leave this rank's groups (the other ranks leave theirs as they exit)."""
         for name in list(self.groups):
-            self.destroy_group(name)
+            rank_job(self.engine.model, self.groups, self.engine.device, 0, ("leave", name))
+
+
+_DONE = {"tensors": "Succeeded to update model weights.", "recv": "Succeeded to update parameter online.",
+         "join": "Succeeded to initialize custom process group.", "leave": "Succeeded to destroy custom process group."}
+
+
+def rank_job(model: torch.nn.Module, groups: dict[str, Any], device: torch.device, rank: int, msg: tuple) -> str | None:
+    """One rank's part of a weight-sync job (rank 0's, or a tensor-parallel rank's on rank 0's
+    word): its error, or None. ``groups``: this rank's trainer process groups, by name."""
+    kind = msg[0]
+    try:
+        if kind == "join":
+            address, port, rank_offset, world_size, name, backend = msg[1:]
+            groups[name] = _join(address, port, rank_offset + rank, world_size, name, backend)
+            log.info("engine.weight_group", group=name, rank=rank_offset + rank, world_size=world_size, backend=backend)
+            return None
+        if kind == "leave":
+            torch.distributed.destroy_process_group(groups.pop(msg[1]))
+            return None
+        if kind == "recv":
+            named, direct = _receive(groups[msg[1]], msg[2], msg[3], device), False
+        else:
+            named, direct = [(n, t.to(device)) for n, t in msg[1]], msg[2]
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    try:
+        if direct:
+            _load_direct(model, named)
+        else:
+            model.load_weights(named, partial=True)
+    except (ModelLoadError, ValueError, RuntimeError) as e:
+        return f"{e}; the served weights are unchanged"
+    refresh(model)
+    log.info("engine.weights_updated", source="tensors" if kind == "tensors" else "broadcast", tensors=len(named))
+    return None
+
+
+def _join(address: str, port: int, rank: int, world_size: int, name: str, backend: str) -> Any:
+    from torch.distributed import distributed_c10d as c10d
+
+    store, rank, size = next(c10d.rendezvous(f"tcp://{address}:{port}", rank, world_size, timeout=GROUP_TIMEOUT))
+    store.set_timeout(GROUP_TIMEOUT)
+    pg, _ = c10d._new_process_group_helper(size, rank, [], c10d.Backend(backend), c10d.PrefixStore(name, store),
+                                           group_name=name, backend_options=None, timeout=GROUP_TIMEOUT)
+    c10d._world.pg_group_ranks[pg] = {i: i for i in range(size)}  # (group rank = global rank: src=0 is the trainer)
+    return pg
+
+
+def _receive(group: Any, specs: list[tuple[str, torch.dtype, torch.Size]], bucket: bool,
+             device: torch.device) -> list[tuple[str, torch.Tensor]]:
+    """The trainer's broadcasts from rank 0: one per tensor, in order, or one uint8 bucket of them all."""
+    if bucket:
+        sizes = [s.numel() * d.itemsize for _, d, s in specs]
+        flat = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+        torch.distributed.broadcast(flat, src=0, group=group)
+        named, at = [], 0
+        for (name, dtype, shape), size in zip(specs, sizes):
+            named.append((name, flat[at:at + size].view(dtype).reshape(shape)))
+            at += size
+        return named
+    named = [(name, torch.empty(shape, dtype=dtype, device=device)) for name, dtype, shape in specs]
+    for w in [torch.distributed.broadcast(t, src=0, group=group, async_op=True) for _, t in named]:
+        w.wait()
+    return named
 
 
 def refresh(model: torch.nn.Module) -> None:
