@@ -303,3 +303,36 @@ def test_tensor_parallel_ranks_update_their_shards(two_models):
                 trainer.kill()
     finally:
         eng.shutdown()
+
+
+FAMILIES = {  # (config, model, overrides): experts stacked from per-expert tensors, fused checkpoint tensors, tied heads
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                                               num_experts=4, num_experts_per_tok=2)),
+    "phi3_fused_checkpoint": ("Phi3Config", "Phi3ForCausalLM", {"pad_token_id": 0}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 8,
+                                                     "hidden_activation": "gelu_pytorch_tanh"}),
+    "qwen3_tied": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 32, "tie_word_embeddings": True}),
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_other_families_update_in_place(family, tmp_path):
+    import transformers
+
+    from tests.model_utils import build_tiny
+
+    cfg, cls, overrides = FAMILIES[family]
+    served, trained = tmp_path / "served", tmp_path / "trained"
+    for path, seed in ((served, 0), (trained, 7)):
+        build_tiny(path, getattr(transformers, cfg), getattr(transformers, cls), seed=seed, **overrides)
+    ref = make_engine(trained, skip_tokenizer_init=True)
+    want = outputs(ref)
+    ref.shutdown()
+    eng = make_engine(served, skip_tokenizer_init=True)
+    try:
+        assert outputs(eng) != want
+        ok, message = eng.update_weights_from_tensor(list(load_file(str(trained / "model.safetensors")).items()))
+        assert ok, message
+        assert outputs(eng) == want
+    finally:
+        eng.shutdown()
