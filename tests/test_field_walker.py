@@ -439,6 +439,8 @@ CLASSIFIED: dict[str, dict[str, Any]] = {
         "constrained_json_disable_any_whitespace": H("tests.test_launch_flags_chat::test_json_whitespace_flags_give_compact_constrained_output"),
         "constrained_json_max_whitespace_cnt": H("tests.test_launch_flags_chat::test_json_whitespace_flags_give_compact_constrained_output"),
         "weight_loader_disable_mmap": H("tests.test_loader::test_weight_loader_disable_mmap_reads_files_whole"),
+        "enable_memory_saver": H("tests.test_memory_saver::test_release_and_resume_with_a_cpu_backup"),
+        "enable_weights_cpu_backup": H("tests.test_memory_saver::test_release_and_resume_with_a_cpu_backup"),
         "enable_tf32_matmul": H("tests.test_launch_flags::test_enable_tf32_matmul_sets_cudas_float32_precision"),
         "enable_deterministic_inference": H("tests.test_deterministic::test_a_request_is_the_same_in_any_batch"),
         "enable_fp32_lm_head": H("tests.test_lm_head_fp32::test_served_logprobs_come_from_the_float32_logits"),

@@ -15,7 +15,7 @@ from typing import Any, Callable
 import structlog
 import torch
 
-from core.engine import deterministic, gc_watch, gil_switch, pause
+from core.engine import deterministic, gc_watch, gil_switch, memory_saver, pause
 from core.engine.distributed.collectives import KVSpec
 from core.engine.device import check_openmp_policy, configure_cpu_runtime, engine_device
 from core.engine.distributed.tensor_parallel import RankFailure, start_tensor_parallel
@@ -123,6 +123,7 @@ class AsyncEngine(RequestFrontEnd):
         self.paused, self.parked = False, asyncio.Event()  # /pause_generation (core.engine.pause): the loop waits
         self._update_lock = asyncio.Lock()  # one weight update at a time
         self.weight_sync = WeightSync(self)  # weights from a trainer, in place (RL: core.engine.model_loader.weight_sync)
+        self.memory_saver = memory_saver.MemorySaver(self)  # --enable-memory-saver's release and resume
         self.log = log
         # Observers (metrics, request logs): called on the loop thread, must be cheap and never raise.
         self.step_listeners: list[Callable[[ScheduledBatch, float], None]] = []

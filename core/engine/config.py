@@ -200,6 +200,11 @@ class EngineArgs:
     soft_watchdog_timeout: float | None = _arg(None, MEMORY, "seconds after which a step still running is logged "
                                                              "once (its requests and the stuck thread's stack) and "
                                                              "goes on (default: off)")
+    enable_memory_saver: bool = _arg(False, MEMORY, "/release_memory_occupation and /resume_memory_occupation may "
+                                                    "free the KV cache, the weights and the CUDA graphs for a "
+                                                    "colocated trainer and take them back (RL)")
+    enable_weights_cpu_backup: bool = _arg(False, MEMORY, "keep a CPU copy of the weights a release frees, restored "
+                                                          "on resume (else they come back with the next weight update)")
     enable_return_hidden_states: bool = _arg(False, MEMORY, "requests may ask for the last layer's hidden states "
                                                             "(return_hidden_states: true or \"last\"); the same as "
                                                             "--return-hidden-states-mode full")

@@ -247,6 +247,11 @@ class Engine:
             raise CoreError("weight updates from a trainer are not supported with --dp-size > 1")
         return ws
 
+    def _saver(self) -> Any:
+        if (saver := getattr(self.engine, "memory_saver", None)) is None:
+            raise CoreError("releasing memory occupation is not supported with --dp-size > 1")
+        return saver
+
     def update_weights_from_tensor(self, named_tensors: Any, load_format: str | None = None,
                                    flush_cache: bool = True) -> tuple[bool, str]:
         """``named_tensors``: ``[(name, tensor)]`` (Hugging Face names; ``load_format="direct"``: the
@@ -275,6 +280,18 @@ class Engine:
 
     def end_weight_update(self) -> tuple[bool, str]:
         return self._call(_run(self._sync().end))
+
+    def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        """``--enable-memory-saver``: free ``tags`` (``weights``, ``kv_cache``, ``cuda_graph``; None: all)
+        for a colocated trainer, after the running requests; requests wait until they are back."""
+        ok, message = self._call(self._saver().release(tags))
+        if not ok:
+            raise CoreError(message)
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        ok, message = self._call(self._saver().resume(tags))
+        if not ok:
+            raise CoreError(message)
 
     def update_weights_from_disk(self, model_path: str, load_format: str | None = None) -> tuple[bool, str, int]:
         """Reload the weights from ``model_path`` (same architecture), after the running requests."""

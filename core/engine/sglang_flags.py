@@ -46,7 +46,7 @@ enable-fused-moe-sum-all-reduce enable-fused-qk-norm-rope enable-hisparse
 enable-http-worker-reuseport enable-int8-mamba-checkpoint enable-kv-cache-sharding enable-layernorm-sp
 enable-layerwise-nvtx-marker enable-lean-attention enable-linear-replayssm enable-linear-replayssm-spec
 enable-linker-mla-dedup enable-lmcache enable-lora-overlap-loading enable-mamba-cache-stochastic-rounding
-enable-megamoe-for-layernorm-sp enable-memory-saver enable-metrics-for-all-schedulers enable-mfu-metrics enable-mis
+enable-megamoe-for-layernorm-sp enable-metrics-for-all-schedulers enable-mfu-metrics enable-mis
 enable-mm-global-cache enable-mscclpp enable-multi-layer-eagle enable-nccl-nvls enable-nvidia-megakernel
 enable-page-major-kv-layout enable-paged-experts enable-pd-role-switch enable-pdmux
 enable-precise-embedding-interpolation enable-prefill-cp enable-prefill-delayer enable-prefix-mm-cache
@@ -56,7 +56,7 @@ enable-scattered-sconv enable-session-radix-cache enable-shared-experts-attn-tp 
 enable-ssl-refresh enable-streaming-session enable-strict-thinking enable-symm-mem 
 enable-tokenizer-batch-encode enable-torch-compile-debug-mode enable-torch-symm-mem enable-tp-lm-head-all-to-all
 enable-trace enable-two-batch-overlap enable-unified-cache-external-linker enable-unified-memory
-enable-w4a4-mxfp4-megamoe enable-waterfill enable-watermark enable-weights-cpu-backup encoder-bootstrap-port
+enable-w4a4-mxfp4-megamoe enable-waterfill enable-watermark encoder-bootstrap-port
 encoder-only encoder-register-urls encoder-transfer-backend encoder-urls enforce-disable-flashinfer-allreduce-fusion
 enforce-shared-experts-fusion engine-info-bootstrap-port ep-dispatch-algorithm ep-num-redundant-experts
 eplb-algorithm eplb-min-rebalancing-utilization-threshold eplb-rebalance-layers-per-chunk

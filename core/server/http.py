@@ -315,7 +315,8 @@ ADMIN_PATHS = frozenset({
     "/abort_request", "/start_profile", "/stop_profile", "/update_weights_from_disk", "/update_weight_version",
     "/load_lora_adapter", "/unload_lora_adapter", "/pause_generation", "/continue_generation", "/get_weights_by_name",
     "/configure_logging", "/update_weights_from_tensor", "/update_weights_from_distributed", "/init_weights_update_group",
-    "/destroy_weights_update_group", "/begin_weight_update", "/end_weight_update",
+    "/destroy_weights_update_group", "/begin_weight_update", "/end_weight_update", "/release_memory_occupation",
+    "/resume_memory_occupation",
 })
 
 

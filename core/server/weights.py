@@ -1,7 +1,9 @@
 """SGLang's weight-sync endpoints for RL trainers (admin endpoints, as SGLang's):
 ``/update_weights_from_tensor``, ``/init_weights_update_group``, ``/update_weights_from_distributed``,
-``/destroy_weights_update_group``, ``/begin_weight_update``, ``/end_weight_update``. Each answers
-``{"success", "message"}``, 200 or 400; the work is ``core.engine.model_loader.weight_sync``'s."""
+``/destroy_weights_update_group``, ``/begin_weight_update``, ``/end_weight_update``, and
+``--enable-memory-saver``'s ``/release_memory_occupation`` and ``/resume_memory_occupation``. Each
+answers ``{"success", "message"}``, 200 or 400; the work is ``core.engine.model_loader.weight_sync``'s
+and ``core.engine.memory_saver``'s."""
 
 from __future__ import annotations
 
@@ -60,6 +62,10 @@ class SelectorReqInput(msgspec.Struct, forbid_unknown_fields=True):
 
 class EmptyReqInput(msgspec.Struct, forbid_unknown_fields=True):
     pass
+
+
+class MemoryReqInput(msgspec.Struct, forbid_unknown_fields=True):
+    tags: list[str] | None = None  # weights, kv_cache, cuda_graph; None: all
 
 
 def _answer(result: tuple[bool, str]) -> Response:
@@ -130,3 +136,15 @@ async def begin_weight_update(request: Request) -> Response:
 async def end_weight_update(request: Request) -> Response:
     await _body(request, EmptyReqInput)
     return _answer(_NO_DP if (ws := _sync(request)) is None else ws.end())
+
+
+async def release_memory_occupation(request: Request) -> Response:
+    obj = await _body(request, MemoryReqInput)
+    saver = getattr(state_of(request).engine, "memory_saver", None)
+    return _answer(_NO_DP if saver is None else await saver.release(obj.tags))
+
+
+async def resume_memory_occupation(request: Request) -> Response:
+    obj = await _body(request, MemoryReqInput)
+    saver = getattr(state_of(request).engine, "memory_saver", None)
+    return _answer(_NO_DP if saver is None else await saver.resume(obj.tags))

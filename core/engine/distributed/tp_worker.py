@@ -25,6 +25,7 @@ from core.engine.config import EngineArgs
 from core.engine.distributed.collectives import DistPlan, KVSpec, agree, broadcast, describe, init_rank, rank_device
 from core.engine.device import configure_cpu_runtime, placed_device, use_cuda_device
 from core.engine.hybrid_attention import build_attention_backend
+from core.engine.memory_saver import RankMemory, rank_job as memory_job
 from core.engine.mem_cache.kv_cache import allocate_kv_cache
 from core.engine.model_loader.loader import load_model_config
 from core.engine.model_loader.model_build import build_model
@@ -86,6 +87,7 @@ def _serve(rank: int, args: EngineArgs, plan: DistPlan) -> int:
     gc_watch.configure(args)
     lora = None  # core.engine.lora.tp.RankLoRA with --enable-lora
     groups: dict = {}  # this rank's trainer process groups (weight_sync.rank_job)
+    memory = None  # this rank's released memory (core.engine.memory_saver.RankMemory)
     with torch.inference_mode():
         while True:
             msg = broadcast(control)
@@ -107,6 +109,10 @@ def _serve(rank: int, args: EngineArgs, plan: DistPlan) -> int:
                 agree(control, error)
             elif msg[0] == "weights":  # a trainer's weights, its process group (core.engine.model_loader.weight_sync)
                 agree(control, rank_job(model, groups, device, rank, msg[1]))
+            elif msg[0] == "memory":  # --enable-memory-saver's release or resume (core.engine.memory_saver)
+                memory = memory or RankMemory(model, kv, args.enable_weights_cpu_backup)
+                memory.model = model  # (a reload from disk replaces it)
+                agree(control, memory_job(memory, msg[1], msg[2]))
             elif msg[0] == "reload":
                 model = _reload(plugins, args, mc, msg[1], device, tp, control) or model
                 gc_watch.refreeze()

@@ -36,11 +36,13 @@ async def exclusive(engine: AsyncEngine, flush_cache: bool, torch_empty_cache: b
     at a time, after the queued and running requests finish (at once while generation is paused),
     requests submitted meanwhile held; then, on success, the prefix cache flushed (``flush_cache``)."""
     async with engine._update_lock:
-        engine._held = []
+        engine._held = [] if engine._held is None else engine._held  # (memory released: already holding)
         try:
             while engine.scheduler.has_work and engine.fatal_error is None and not engine.paused:  # (paused: at once)
                 await asyncio.sleep(UPDATE_IDLE_POLL_S)
             ok, message = await engine._on_forward_thread(job, *args)
+            if ok:  # (weights that came back without their values have them now: core.engine.memory_saver)
+                engine.memory_saver.weights_stale = False
             if ok and flush_cache and engine.scheduler.flush_cache():  # idle: always succeeds
                 log.info("engine.cache_flushed", reason="weights updated")
                 getattr(engine.tree_cache, "clear_storage", bool)()  # a stored page has no weight version
@@ -52,7 +54,10 @@ async def exclusive(engine: AsyncEngine, flush_cache: bool, torch_empty_cache: b
 
 
 def release_held(engine: AsyncEngine) -> None:
-    """Admit the requests held during a weight update (or fail them if the engine stopped)."""
+    """Admit the requests held during a weight update (or fail them if the engine stopped); not
+    while memory is released (``core.engine.memory_saver``)."""
+    if engine.memory_saver.holds and engine.fatal_error is None:
+        return
     held, engine._held = engine._held or [], None
     if not held:
         return
