@@ -99,54 +99,43 @@ class MemorySaver:
         """Whether new requests wait (``core.engine.model_loader.weight_update.release_held``)."""
         return bool(self.released) or self.weights_stale
 
-    def _tags(self, tags: list[str] | None) -> list[str]:
-        if not self.enabled:
-            raise _Refused("memory occupation can be released only with --enable-memory-saver")
-        tags = list(tags or TAGS)
-        if bad := [t for t in tags if t not in TAGS]:
-            raise _Refused(f"unknown memory tag {bad[0]!r}; known: {', '.join(TAGS)}")
-        return tags
-
     async def release(self, tags: list[str] | None = None) -> tuple[bool, str]:
-        try:
-            tags = self._tags(tags)
-        except _Refused as e:
-            return False, str(e)
-        e = self.engine
-        async with e._update_lock:
-            e._held = [] if e._held is None else e._held
-            while e.scheduler.has_work and not e.paused and e.fatal_error is None:
-                await asyncio.sleep(UPDATE_IDLE_POLL_S)
-            if e.scheduler.running:  # (paused in place: their KV would be lost)
-                release_held(e)
-                return False, "requests are paused in place: abort them or pause with mode 'retract' first"
-            if "kv_cache" in tags:
-                e.scheduler.flush_cache()
-                getattr(e.tree_cache, "clear_storage", bool)()
-            self.released.update(tags)
-            e.runner.graphs = None  # (they replay addresses about to be freed)
-            error = await e._on_forward_thread(self._on_ranks, "release", tags)
-        if error:
-            return False, f"Failed to release memory: {error}"
-        log.info("engine.memory_released", tags=sorted(tags))
-        return True, "Succeeded to release memory occupation."
+        return await self._change("release", tags)
 
     async def resume(self, tags: list[str] | None = None) -> tuple[bool, str]:
-        try:
-            tags = self._tags(tags)
-        except _Refused as e:
-            return False, str(e)
+        return await self._change("resume", tags)
+
+    async def _change(self, op: str, tags: list[str] | None) -> tuple[bool, str]:
+        """(success, message) of ``op`` on ``tags`` (None: all), one weight or memory change at a time."""
+        if not self.enabled:
+            return False, "memory occupation can be released only with --enable-memory-saver"
+        tags = list(tags or TAGS)
+        if bad := [t for t in tags if t not in TAGS]:
+            return False, f"unknown memory tag {bad[0]!r}; known: {', '.join(TAGS)}"
         e = self.engine
         async with e._update_lock:
-            error = await e._on_forward_thread(self._on_ranks, "resume", tags)
-            self.released.difference_update(tags)
-            if not self.released and self.graphs:  # every address may have moved
-                e.runner.graphs = await e._on_forward_thread(e._capture_cuda_graphs)
-            release_held(e)
+            if op == "release":
+                e._held = [] if e._held is None else e._held
+                while e.scheduler.has_work and not e.paused and e.fatal_error is None:
+                    await asyncio.sleep(UPDATE_IDLE_POLL_S)
+                if e.scheduler.running:  # (paused in place: their KV would be lost)
+                    release_held(e)
+                    return False, "requests are paused in place: abort them or pause with mode 'retract' first"
+                if "kv_cache" in tags:
+                    e.scheduler.flush_cache()
+                    getattr(e.tree_cache, "clear_storage", bool)()
+                self.released.update(tags)
+                e.runner.graphs = None  # (they replay addresses about to be freed)
+            error = await e._on_forward_thread(self._on_ranks, op, tags)
+            if op == "resume":
+                self.released.difference_update(tags)
+                if not self.released and self.graphs:  # every address may have moved
+                    e.runner.graphs = await e._on_forward_thread(e._capture_cuda_graphs)
+                release_held(e)
         if error:
-            return False, f"Failed to resume memory: {error}"
-        log.info("engine.memory_resumed", tags=sorted(tags), weights_stale=self.weights_stale)
-        return True, "Succeeded to resume memory occupation."
+            return False, f"Failed to {op} memory: {error}"
+        log.info(f"engine.memory_{op}d", tags=sorted(tags), weights_stale=self.weights_stale)
+        return True, f"Succeeded to {op} memory occupation."
 
     def _on_ranks(self, op: str, tags: list[str]) -> str | None:
         """``op`` on this rank and, under tensor parallelism, on the others (the forward thread)."""
@@ -170,11 +159,8 @@ def rank_job(rank: RankMemory, op: str, tags: list[str]) -> str | None:
     """One rank's release or resume of ``tags``; its error or None."""
     try:
         for tag in tags:
-            rank.release(tag) if op == "release" else rank.resume(tag)
+            (rank.release if op == "release" else rank.resume)(tag)
     except Exception as e:
         return f"{type(e).__name__}: {e}"
     return None
 
-
-class _Refused(Exception):
-    pass
