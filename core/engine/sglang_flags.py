@@ -25,7 +25,7 @@ detokenizer-worker-num disable-aiter-allreduce-fusion-in-decode disable-aiter-al
 disable-attn-tp-gather disable-chunked-prefix-cache disable-cuda-graph-padding 
 disable-decode-cuda-graph disable-fast-image-processor disable-flashinfer-autotune
 disable-flashinfer-cutlass-moe-fp4-allgather disable-hybrid-swa-memory disable-outlines-disk-cache
-disable-overlap-schedule disable-prefill-cuda-graph disable-priority-preemption disable-shared-experts-fusion
+ disable-prefill-cuda-graph disable-priority-preemption disable-shared-experts-fusion
 disable-tokenizer-batch-decode disaggregation-bootstrap-port disaggregation-decode-allocation-policy
 disaggregation-decode-enable-offload-kvcache disaggregation-decode-enable-radix-cache
 disaggregation-decode-extra-slots disaggregation-decode-host-receive-threshold
@@ -103,15 +103,15 @@ scheduler-recv-interval shared-experts-tp-size show-time-cost sidecar sidecar-ar
 smg-grpc-mode smg-http-sidecar-port spec-trace-dir
 speculative-adaptive speculative-adaptive-config speculative-attention-mode
 speculative-dflash-block-size speculative-domino-candidate-pool-size speculative-draft-attention-backend
-speculative-draft-kv-cache-dtype speculative-draft-load-format speculative-draft-model-path
+speculative-draft-kv-cache-dtype speculative-draft-load-format 
 speculative-draft-model-quantization speculative-draft-model-revision speculative-draft-sink-size
 speculative-draft-window-size speculative-dsa-topk-backend speculative-dspark-align-verify-tokens-to-graph-tier
 speculative-dspark-block-size speculative-dspark-confidence-sts-path speculative-dspark-sps-table-path
-speculative-eagle-topk speculative-enable-w4a4-mxfp4-megamoe speculative-moe-a2a-backend
-speculative-moe-runner-backend speculative-ngram-capacity speculative-ngram-external-corpus-max-tokens
-speculative-ngram-external-corpus-path speculative-ngram-external-sam-budget speculative-ngram-match-type
-speculative-ngram-max-bfs-breadth speculative-ngram-max-trie-depth speculative-ngram-min-bfs-breadth
-speculative-num-draft-tokens speculative-num-steps speculative-token-map speculative-use-block-verification
+ speculative-enable-w4a4-mxfp4-megamoe speculative-moe-a2a-backend
+speculative-moe-runner-backend  speculative-ngram-external-corpus-max-tokens
+speculative-ngram-external-corpus-path speculative-ngram-external-sam-budget 
+  
+  speculative-token-map speculative-use-block-verification
 speculative-use-rejection-sampling 
 startup-weight-load-mode strip-thinking-cache swa-full-tokens-ratio
 swa-prefix-tails tbo-token-distribution-threshold tokenizer-backend tokenizer-metrics-allowed-custom-labels
