@@ -64,11 +64,14 @@ def test_weights_without_a_backup_wait_for_the_trainer(tiny_llama):
     try:
         want = outputs(eng)
         eng.release_memory_occupation(["weights", "kv_cache"])
+        tensors = list(load_file(str(path / "model.safetensors")).items())
+        ok, message = eng.update_weights_from_tensor(tensors)
+        assert not ok and "resume_memory_occupation with tag 'weights' first" in message
         eng.resume_memory_occupation()
         pending = submit(eng)
         time.sleep(0.3)
         assert not pending.done(), "weights back without their values: requests wait for an update"
-        ok, message = eng.update_weights_from_tensor(list(load_file(str(path / "model.safetensors")).items()))
+        ok, message = eng.update_weights_from_tensor(tensors)
         assert ok, message
         assert [o["output_ids"] for o in pending.result(timeout=60)] == want
     finally:

@@ -55,6 +55,8 @@ class WeightSync:
             return "the draft model's weights cannot be updated (its target's can: selector 'target' or 'all')"
         if e.lora is not None:
             return "not supported with --enable-lora (the adapters are bound to the served weights)"
+        if "weights" in e.memory_saver.released:
+            return "the weights' memory is released: resume_memory_occupation with tag 'weights' first"
         if "partial" not in inspect.signature(e.model.load_weights).parameters:
             return f"the model plugin's {type(e.model).__name__}.load_weights takes no partial updates"
         for name, m in e.model.named_modules():
