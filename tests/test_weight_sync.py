@@ -336,3 +336,21 @@ def test_other_families_update_in_place(family, tmp_path):
         assert outputs(eng) == want
     finally:
         eng.shutdown()
+
+
+def test_offline_engine_disk_reload_weights_by_name_and_flush(engines, two_models):
+    """The offline Engine's other weight calls, as SGLang's: ``update_weights_from_disk`` (success,
+    message, paused requests), ``get_weights_by_name`` (the first rows), ``flush_cache``."""
+    eng, before, want, tensors = engines
+    try:
+        ok, message, paused = eng.update_weights_from_disk(str(two_models[1]))
+        assert ok and paused == 0, message
+        assert outputs(eng) == want
+        rows = eng.get_weights_by_name("model.layers.1.self_attn.k_proj.weight", truncate_size=2)
+        torch.testing.assert_close(torch.tensor(rows), tensors["model.layers.1.self_attn.k_proj.weight"][:2].float(),
+                                   atol=1e-2, rtol=0)
+        assert eng.flush_cache() is True
+        assert eng.generate(input_ids=PROMPTS[0], sampling_params=GREEDY)["meta_info"]["cached_tokens"] == 0
+    finally:
+        assert eng.update_weights_from_disk(str(two_models[0]))[0]
+    assert outputs(eng) == before
