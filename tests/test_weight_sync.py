@@ -211,29 +211,46 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _trainer(port: int, tensors: dict, group: str, bucket: bool) -> None:
-    """A trainer process: rank 0 of the group (SGLang's store layout: the group's prefix), broadcasting."""
+def _trainer(port: int, tensors: dict, group: str, bucket: bool, world: int, done) -> None:
+    """A trainer process: rank 0 of the group (SGLang's store layout: the group's prefix),
+    broadcasting; it leaves the group once the test says the server left (``done``)."""
     from torch.distributed import distributed_c10d as c10d
 
-    store, rank, size = next(c10d.rendezvous(f"tcp://127.0.0.1:{port}", 0, 2))
+    store, rank, size = next(c10d.rendezvous(f"tcp://127.0.0.1:{port}", 0, world))
     pg, _ = c10d._new_process_group_helper(size, rank, [], c10d.Backend("gloo"), c10d.PrefixStore(group, store),
                                            group_name=group, backend_options=None, timeout=c10d.default_pg_timeout)
-    c10d._world.pg_group_ranks[pg] = {0: 0, 1: 1}
+    c10d._world.pg_group_ranks[pg] = {i: i for i in range(world)}
     if bucket:
         torch.distributed.broadcast(torch.cat([t.contiguous().view(-1).view(torch.uint8) for t in tensors.values()]),
                                     src=0, group=pg)
     else:
         for t in tensors.values():
             torch.distributed.broadcast(t.contiguous(), src=0, group=pg)
-    torch.distributed.barrier(group=pg)
+    done.wait(120)
+    torch.distributed.destroy_process_group(pg)
+
+
+def start_trainer(port: int, tensors: dict, group: str, bucket: bool = False, world: int = 2):
+    ctx = mp.get_context("spawn")
+    done = ctx.Event()
+    trainer = ctx.Process(target=_trainer, args=(port, tensors, group, bucket, world, done))
+    trainer.start()
+    return trainer, done
+
+
+def stop_trainer(trainer, done) -> int | None:
+    done.set()
+    trainer.join(timeout=60)
+    if trainer.is_alive():
+        trainer.kill()
+    return trainer.exitcode
 
 
 @pytest.mark.parametrize("bucket", [False, True], ids=["each", "flattened_bucket"])
 def test_update_from_distributed_over_gloo(engines, two_models, bucket):
     eng, before, want, tensors = engines
     port, group = _free_port(), f"wg-{int(bucket)}"
-    trainer = mp.get_context("spawn").Process(target=_trainer, args=(port, tensors, group, bucket))
-    trainer.start()
+    trainer, done = start_trainer(port, tensors, group, bucket)
     try:
         ok, message = eng.init_weights_update_group("127.0.0.1", port, 1, 2, group, backend="gloo")
         assert ok, message
@@ -242,28 +259,13 @@ def test_update_from_distributed_over_gloo(engines, two_models, bucket):
                                                           [list(t.shape) for t in tensors.values()], group,
                                                           load_format="flattened_bucket" if bucket else None)
         assert ok, message
-        torch.distributed.barrier(group=eng.engine.weight_sync.groups[group])
         assert outputs(eng) == want
         assert eng.destroy_weights_update_group(group)[0] is True
         assert eng.destroy_weights_update_group(group)[0] is False
     finally:
-        trainer.join(timeout=60)
-        if trainer.is_alive():
-            trainer.kill()
+        exitcode = stop_trainer(trainer, done)
         reset(eng, two_models)
-    assert trainer.exitcode == 0
-
-
-def _trainer_tp(port: int, tensors: dict, group: str) -> None:
-    """As ``_trainer``, for a server of two tensor-parallel ranks (world: the trainer and both)."""
-    from torch.distributed import distributed_c10d as c10d
-
-    store, rank, size = next(c10d.rendezvous(f"tcp://127.0.0.1:{port}", 0, 3))
-    pg, _ = c10d._new_process_group_helper(size, rank, [], c10d.Backend("gloo"), c10d.PrefixStore(group, store),
-                                           group_name=group, backend_options=None, timeout=c10d.default_pg_timeout)
-    c10d._world.pg_group_ranks[pg] = {0: 0, 1: 1, 2: 2}
-    for t in tensors.values():
-        torch.distributed.broadcast(t.contiguous(), src=0, group=pg)
+    assert exitcode == 0
 
 
 def test_tensor_parallel_ranks_update_their_shards(two_models):
@@ -285,8 +287,7 @@ def test_tensor_parallel_ranks_update_their_shards(two_models):
         assert eng.update_weights_from_tensor(list(original.items()))[0]
         assert outputs(eng) == before
         port, group = _free_port(), "wg-tp"
-        trainer = mp.get_context("spawn").Process(target=_trainer_tp, args=(port, tensors, group))
-        trainer.start()
+        trainer, done = start_trainer(port, tensors, group, world=3)
         try:
             assert eng.init_weights_update_group("127.0.0.1", port, 1, 2, group, backend="gloo")[0] is False  # (too few)
             ok, message = eng.init_weights_update_group("127.0.0.1", port, 1, 3, group, backend="gloo")
@@ -294,13 +295,10 @@ def test_tensor_parallel_ranks_update_their_shards(two_models):
             ok, message = eng.update_weights_from_distributed(list(tensors), [str(t.dtype) for t in tensors.values()],
                                                               [list(t.shape) for t in tensors.values()], group)
             assert ok, message
-            trainer.join(timeout=60)
-            assert trainer.exitcode == 0
             assert outputs(eng) == want
             assert eng.destroy_weights_update_group(group)[0] is True
         finally:
-            if trainer.is_alive():
-                trainer.kill()
+            assert stop_trainer(trainer, done) == 0
     finally:
         eng.shutdown()
 

@@ -105,7 +105,7 @@ def _payloads(common, FlattenedTensorBucket, url, tensors, want, own, original) 
     assert answers(url) == own
 
 
-def _trainer(port: int, tensors: dict, group: str) -> None:
+def _trainer(port: int, tensors: dict, group: str, done) -> None:
     """The trainer process: SGLang's ``init_custom_process_group`` as its RL examples call it (rank 0)."""
     import torch
 
@@ -116,12 +116,16 @@ def _trainer(port: int, tensors: dict, group: str) -> None:
                                    group_name=group)
     for t in tensors.values():
         torch.distributed.broadcast(t.contiguous(), src=0, group=pg)
+    done.wait(120)  # (until the server left the group)
+    torch.distributed.destroy_process_group(pg)
 
 
 def test_update_weights_from_distributed_with_sglang_trainer_code(setup):
     url, tensors, want, own, original = setup
     port, group = free_port(), "weight_update_group"
-    trainer = mp.get_context("spawn").Process(target=_trainer, args=(port, tensors, group))
+    ctx = mp.get_context("spawn")
+    done = ctx.Event()
+    trainer = ctx.Process(target=_trainer, args=(port, tensors, group, done))
     trainer.start()
     try:
         post(url, "/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1,
@@ -130,11 +134,12 @@ def test_update_weights_from_distributed_with_sglang_trainer_code(setup):
                                                        for t in tensors.values()],
                                                        "shapes": [list(t.shape) for t in tensors.values()],
                                                        "group_name": group, "weight_version": "step-1"})
-        trainer.join(timeout=60)
-        assert trainer.exitcode == 0
         assert answers(url) == want
         assert httpx.get(url + "/get_model_info", timeout=10).json()["weight_version"] == "step-1"
         post(url, "/destroy_weights_update_group", {"group_name": group})
+        done.set()
+        trainer.join(timeout=60)
+        assert trainer.exitcode == 0
     finally:
         if trainer.is_alive():
             trainer.kill()

@@ -117,6 +117,8 @@ def _serve(rank: int, args: EngineArgs, plan: DistPlan) -> int:
                 model = _reload(plugins, args, mc, msg[1], device, tp, control) or model
                 gc_watch.refreeze()
             elif msg[0] == "stop":
+                for name in list(groups):  # (a live gloo group can abort the interpreter's exit)
+                    rank_job(model, groups, device, rank, ("leave", name))
                 return 0
             else:
                 raise RuntimeError(f"unknown message from rank 0: {msg[0]!r}")
