@@ -497,35 +497,12 @@ def load_packed_weights(
     the checkpoint lacks raises ModelLoadError naming the tensor: a missing tensor
     would otherwise serve uninitialised memory. Returns the checkpoint names loaded.
 
-    ``partial`` (a weight update of a served model: ``core.engine.model_loader.weight_sync``):
-    any subset of the tensors, and all or nothing: every name is resolved before anything is
-    written, and on a failure the parameters written so far get their values back."""
+    ``partial`` (a served model's update, ``core.engine.model_loader.weight_sync``): any subset, all
+    or nothing: every write is tried on meta tensors (``_write(dry=True)``) before any is done."""
     params = dict(model.named_parameters())
-    seen: set[str] = set()
-    weights = list(weights) if partial else weights
-    if partial and (unknown := [n for n, _ in weights if not skip(n) and checkpoint_target(n, packed)[0] not in params]):
-        raise ModelLoadError(f"tensor {unknown[0]!r} has no matching model parameter ({len(unknown)} unknown)")
-    saved: dict[str, torch.Tensor] = {}  # (partial) each written parameter's values before the update
-    for name, tensor in weights:
-        if skip(name):
-            continue
-        target, shard = checkpoint_target(name, packed)
-        if target not in params:
-            raise ModelLoadError(f"checkpoint tensor {name!r} has no matching model parameter")
-        param = params[target]
-        if partial and target not in saved:
-            saved[target] = param.detach().clone()
-        loader = getattr(param, "weight_loader", None)
-        try:
-            if loader is None:
-                default_weight_loader(param, tensor.to(param.dtype))
-            else:
-                loader(param, tensor.to(param.dtype), shard)
-        except ValueError as e:  # e.g. a shape mismatch: name the tensor
-            for t, old in saved.items():
-                params[t].data.copy_(old)
-            raise ModelLoadError(f"checkpoint tensor {name!r}: {e}") from None
-        seen.add(name)
+    if partial:
+        _write(params, weights := list(weights), packed, skip, dry=True)
+    seen = _write(params, weights, packed, skip)
     if partial:
         return seen
     expected: set[str] = set()
@@ -536,6 +513,29 @@ def load_packed_weights(
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise ModelLoadError(f"checkpoint is missing {len(missing)} tensor(s): {', '.join(missing[:5])}{more}")
+    return seen
+
+
+def _write(params: dict[str, torch.Tensor], weights: Iterable[tuple[str, torch.Tensor]],
+           packed: Mapping[str, tuple[str, object]], skip: Callable[[str], bool], dry: bool = False) -> set[str]:
+    """Each tensor into its parameter (through the parameter's ``weight_loader``); the names written.
+    ``dry``: into a meta tensor of its shape instead (the loaders' checks run, nothing is copied)."""
+    seen: set[str] = set()
+    for name, tensor in weights:
+        if skip(name):
+            continue
+        target, shard = checkpoint_target(name, packed)
+        if target not in params:
+            raise ModelLoadError(f"checkpoint tensor {name!r} has no matching model parameter")
+        param, loader = params[target], getattr(params[target], "weight_loader", None) or default_weight_loader
+        try:
+            if dry:
+                loader(torch.empty_like(param, device="meta"), tensor.to("meta", param.dtype), shard)
+            else:
+                loader(param, tensor.to(param.dtype), shard)
+        except ValueError as e:  # e.g. a shape mismatch: name the tensor
+            raise ModelLoadError(f"checkpoint tensor {name!r}: {e}") from None
+        seen.add(name)
     return seen
 
 
