@@ -78,6 +78,7 @@ def _sync(request: Request) -> Any:
 
 
 _NO_DP = (False, "weight updates from a trainer are not supported with --dp-size > 1")
+_NO_DP_MEMORY = (False, "releasing memory occupation is not supported with --dp-size > 1")
 
 
 async def _body(request: Request, typ: type) -> Any:
@@ -141,10 +142,10 @@ async def end_weight_update(request: Request) -> Response:
 async def release_memory_occupation(request: Request) -> Response:
     obj = await _body(request, MemoryReqInput)
     saver = getattr(state_of(request).engine, "memory_saver", None)
-    return _answer(_NO_DP if saver is None else await saver.release(obj.tags))
+    return _answer(_NO_DP_MEMORY if saver is None else await saver.release(obj.tags))
 
 
 async def resume_memory_occupation(request: Request) -> Response:
     obj = await _body(request, MemoryReqInput)
     saver = getattr(state_of(request).engine, "memory_saver", None)
-    return _answer(_NO_DP if saver is None else await saver.resume(obj.tags))
+    return _answer(_NO_DP_MEMORY if saver is None else await saver.resume(obj.tags))
