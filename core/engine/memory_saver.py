@@ -36,30 +36,30 @@ class RankMemory:
     """One rank's released memory: the KV buffers and the parameters' storages (with their CPU
     copies under ``--enable-weights-cpu-backup``)."""
 
-    def __init__(self, model: torch.nn.Module, kv: Any, cpu_backup: bool) -> None:
-        self.model, self.kv, self.cpu_backup = model, kv, cpu_backup
+    def __init__(self, kv: Any, cpu_backup: bool) -> None:
+        self.kv, self.cpu_backup = kv, cpu_backup  # (the model is passed per call: a reload replaces it)
         self.sizes: dict[str, list[tuple[torch.UntypedStorage, int]]] = {}  # tag -> (storage, its bytes)
         self.backup: list[torch.Tensor] = []
 
-    def _storages(self, tag: str) -> list[torch.UntypedStorage]:
-        tensors = [*self.kv.k, *self.kv.v] if tag == "kv_cache" else list(self.model.parameters())
+    def _storages(self, tag: str, model: torch.nn.Module) -> list[torch.UntypedStorage]:
+        tensors = [*self.kv.k, *self.kv.v] if tag == "kv_cache" else list(model.parameters())
         seen: dict[int, torch.UntypedStorage] = {}  # (tied and fused weights share one)
         for t in tensors:
             s = t.untyped_storage()
             seen.setdefault(s.data_ptr(), s)
         return list(seen.values())
 
-    def release(self, tag: str) -> None:
+    def release(self, tag: str, model: torch.nn.Module) -> None:
         if tag not in ("kv_cache", "weights") or tag in self.sizes:
             return
-        storages = self._storages(tag)
+        storages = self._storages(tag, model)
         if tag == "weights" and self.cpu_backup:
             self.backup = [_bytes(s).to("cpu", copy=True) for s in storages]
         self.sizes[tag] = [(s, s.nbytes()) for s in storages]
         for s in storages:
             s.resize_(0)
 
-    def resume(self, tag: str) -> bool:
+    def resume(self, tag: str, model: torch.nn.Module) -> bool:
         """Take ``tag``'s memory back; whether its values came back too (KV: its padding page)."""
         if tag not in self.sizes:
             return True
@@ -74,7 +74,7 @@ class RankMemory:
         backup, self.backup = self.backup, []
         for (s, _), b in zip(held, backup):
             _bytes(s).copy_(b)
-        refresh(self.model)  # (the packed copies and the plans that held the old addresses)
+        refresh(model)  # (the packed copies and the plans that held the old addresses)
         return bool(backup)
 
 
@@ -89,7 +89,7 @@ class MemorySaver:
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
         self.enabled = engine.args.enable_memory_saver
-        self.rank = RankMemory(engine.model, engine.kv_cache, engine.args.enable_weights_cpu_backup)
+        self.rank = RankMemory(engine.kv_cache, engine.args.enable_weights_cpu_backup)
         self.released: set[str] = set()
         self.weights_stale = False  # weights back without their values: held until a weight update
         self.graphs = engine.runner.graphs is not None  # captured again once everything is back
@@ -140,8 +140,7 @@ class MemorySaver:
     def _on_ranks(self, op: str, tags: list[str]) -> str | None:
         """``op`` on this rank and, under tensor parallelism, on the others (the forward thread)."""
         e = self.engine
-        self.rank.model = e.model  # (the served module: a reload from disk replaces it)
-        here = lambda: rank_job(self.rank, op, tags)  # noqa: E731
+        here = lambda: rank_job(self.rank, e.model, op, tags)  # noqa: E731
         if e.tp_group is None:
             error = here()
         else:
@@ -155,11 +154,11 @@ class MemorySaver:
         return error
 
 
-def rank_job(rank: RankMemory, op: str, tags: list[str]) -> str | None:
-    """One rank's release or resume of ``tags``; its error or None."""
+def rank_job(rank: RankMemory, model: torch.nn.Module, op: str, tags: list[str]) -> str | None:
+    """One rank's release or resume of ``tags`` (``model``: the one it serves); its error or None."""
     try:
         for tag in tags:
-            (rank.release if op == "release" else rank.resume)(tag)
+            (rank.release if op == "release" else rank.resume)(tag, model)
     except Exception as e:
         return f"{type(e).__name__}: {e}"
     return None

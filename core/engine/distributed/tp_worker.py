@@ -110,9 +110,8 @@ def _serve(rank: int, args: EngineArgs, plan: DistPlan) -> int:
             elif msg[0] == "weights":  # a trainer's weights, its process group (core.engine.model_loader.weight_sync)
                 agree(control, rank_job(model, groups, device, rank, msg[1]))
             elif msg[0] == "memory":  # --enable-memory-saver's release or resume (core.engine.memory_saver)
-                memory = memory or RankMemory(model, kv, args.enable_weights_cpu_backup)
-                memory.model = model  # (a reload from disk replaces it)
-                agree(control, memory_job(memory, msg[1], msg[2]))
+                memory = memory or RankMemory(kv, args.enable_weights_cpu_backup)
+                agree(control, memory_job(memory, model, msg[1], msg[2]))
             elif msg[0] == "reload":
                 model = _reload(plugins, args, mc, msg[1], device, tp, control) or model
                 gc_watch.refreeze()
