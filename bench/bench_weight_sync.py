@@ -18,6 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import core  # noqa: F401  (before torch: the CPU runtime's OpenMP settings)
 import torch
 
 
@@ -41,8 +42,6 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--cpu-threads", type=int, default=2)
     args = ap.parse_args()
-    import core
-
     dtype = getattr(torch, args.dtype)
     with tempfile.TemporaryDirectory() as tmp:
         folders = [Path(tmp) / "a", Path(tmp) / "b"]
