@@ -283,6 +283,9 @@ def test_tensor_parallel_ranks_update_their_shards(two_models):
         assert outputs(eng) == want
         ok, message = eng.update_weights_from_tensor([("model.layers.0.mlp.up_proj.weight", torch.zeros(5, 5))])
         assert not ok and "up_proj" in message and outputs(eng) == want
+        direct = [(n, p.detach().clone()) for n, p in eng.engine.model.named_parameters()]
+        ok, message = eng.update_weights_from_tensor(direct, load_format="direct")
+        assert not ok and "--tp-size" in message
         original = load_file(str(a / "model.safetensors"))
         assert eng.update_weights_from_tensor(list(original.items()))[0]
         assert outputs(eng) == before

@@ -75,6 +75,8 @@ class WeightSync:
         """SGLang's ``update_weights_from_tensor``: ``tensors`` as ``named_tensors`` reads them."""
         if load_format not in (None, "direct", "flattened_bucket"):
             return False, f"load_format {load_format!r} is not supported (None, 'direct' or 'flattened_bucket')"
+        if load_format == "direct" and self.engine.tp_group is not None:  # (rank 0's shapes are not the others' values)
+            return False, "load_format 'direct' names this server's sharded parameters: not with --tp-size > 1"
         if why := self.refusal(selector):
             return False, f"Failed to update weights: {why}"
         # (off the loop: a shared-memory handle is fetched from the sender's process)
