@@ -179,8 +179,14 @@ def test_http_endpoints(engines, two_models):
     async def go() -> list:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(state)), base_url="http://t",
                                      timeout=120) as c:
-            body = {"serialized_named_tensors": [_serialize(list(tensors.items()))], "weight_version": "v1"}
+            body = {"serialized_named_tensors": [_serialize(list(tensors.items()))], "weight_version": "v1",
+                    "abort_all_requests": True}
+            running = asyncio.create_task(c.post("/generate", json={"input_ids": PROMPTS[0], "sampling_params": {
+                "max_new_tokens": 200, "ignore_eos": True}}))
+            while not eng.engine.scheduler.running and not running.done():
+                await asyncio.sleep(0.001)
             good = await c.post("/update_weights_from_tensor", json=body)
+            aborted = (await running).json()["meta_info"]["finish_reason"]
             evil = await c.post("/update_weights_from_tensor", json={"serialized_named_tensors": [_serialize(_Evil())]})
             unknown = await c.post("/update_weights_from_tensor", json={**body, "bogus": 1})
             nogroup = await c.post("/update_weights_from_distributed",
@@ -189,10 +195,11 @@ def test_http_endpoints(engines, two_models):
                                                                      "rank_offset": 1, "world_size": 2})
             session = [(await c.post(p)).status_code for p in ("/begin_weight_update", "/end_weight_update",
                                                                 "/end_weight_update")]
-            return [good, evil, unknown, nogroup, nccl, session]
+            return [good, aborted, evil, unknown, nogroup, nccl, session]
 
     try:
-        good, evil, unknown, nogroup, nccl, session = asyncio.run_coroutine_threadsafe(go(), eng._loop).result()
+        good, aborted, evil, unknown, nogroup, nccl, session = asyncio.run_coroutine_threadsafe(go(), eng._loop).result()
+        assert aborted["type"] == "abort", "abort_all_requests ends the running requests before the update"
         assert good.status_code == 200 and good.json()["success"] is True, good.text
         assert "Weight version updated to v1" in good.json()["message"] and state.weight_version == "v1"
         assert outputs(eng) == want
