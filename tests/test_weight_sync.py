@@ -362,3 +362,25 @@ def test_offline_engine_disk_reload_weights_by_name_and_flush(engines, two_model
     finally:
         assert eng.update_weights_from_disk(str(two_models[0]))[0]
     assert outputs(eng) == before
+
+
+def test_sglang_patched_cuda_payloads_map_the_gpu_uuid_back(monkeypatch):
+    """A trainer under SGLang's ``monkey_patch_torch_reductions`` pickles CUDA tensors through
+    ``sglang.srt.utils.patch_torch._rebuild_cuda_tensor_modified`` with the GPU's UUID as argument
+    6: read as ``rebuild_cuda_tensor_by_uuid``, which hands torch's rebuild the local index (the
+    rebuild itself needs a GPU; here it is observed, the UUID table stood in for)."""
+    from torch.multiprocessing import reductions
+
+    from core.engine.model_loader import tensor_payload
+
+    seen = []
+    monkeypatch.setattr(reductions, "rebuild_cuda_tensor", lambda *a: seen.append(a) or "tensor")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(uuid=f"GPU-{i}"))
+    fn = tensor_payload._Unpickler(io.BytesIO(b"")).find_class("sglang.srt.utils.patch_torch",
+                                                              "_rebuild_cuda_tensor_modified")
+    assert fn is tensor_payload.rebuild_cuda_tensor_by_uuid
+    assert fn(*range(6), "GPU-1", "x") == "tensor" and seen[-1] == (0, 1, 2, 3, 4, 5, 1, "x")
+    assert fn(*range(6), 0, "y") == "tensor" and seen[-1] == (0, 1, 2, 3, 4, 5, 0, "y")
+    with pytest.raises(ValueError, match="GPU-7"):
+        fn(*range(6), "GPU-7")

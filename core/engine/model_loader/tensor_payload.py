@@ -7,7 +7,8 @@ A payload is a pickle, so it is read with an allowlist, as SGLang's ``SafeUnpick
 containers, dtypes, and torch's own tensor and storage rebuilders (a CPU tensor arrives as a
 shared-memory handle, a CUDA one as an IPC handle; only the handle travels), and SGLang's two data
 classes read as this module's equivalents. Anything else (a function, a module's callable) is
-refused before it is called."""
+refused before it is called. A CUDA tensor shared by a trainer that applied SGLang's
+``monkey_patch_torch_reductions`` names its GPU by UUID (``rebuild_cuda_tensor_by_uuid``)."""
 
 from __future__ import annotations
 
@@ -67,10 +68,26 @@ class Bucket:
     metadata: list[BucketEntry]
 
 
+def rebuild_cuda_tensor_by_uuid(*args: Any) -> torch.Tensor:
+    """SGLang's ``monkey_patch_torch_reductions`` (which RL trainers apply) sends a CUDA tensor's
+    device as its GPU's UUID (argument 6 of torch's ``rebuild_cuda_tensor``), so that processes
+    seeing the GPUs in another order agree: the UUID back to this process's device index."""
+    device = args[6]
+    if isinstance(device, str):
+        found = [i for i in range(torch.cuda.device_count()) if str(torch.cuda.get_device_properties(i).uuid) == device]
+        if not found:
+            raise ValueError(f"no visible GPU has the UUID {device} the tensor was shared from")
+        args = (*args[:6], found[0], *args[7:])
+    from torch.multiprocessing import reductions
+
+    return reductions.rebuild_cuda_tensor(*args)
+
+
 _SGLANG_CLASSES = {
     "LocalSerializedTensor": RankPayloads,
     "FlattenedTensorMetadata": BucketEntry,
     "FlattenedTensorBucket": Bucket,
+    "_rebuild_cuda_tensor_modified": rebuild_cuda_tensor_by_uuid,
 }
 
 
