@@ -204,7 +204,8 @@ class EngineArgs:
                                                     "free the KV cache, the weights and the CUDA graphs for a "
                                                     "colocated trainer and take them back (RL)")
     enable_weights_cpu_backup: bool = _arg(False, MEMORY, "keep a CPU copy of the weights a release frees, restored "
-                                                          "on resume (else they come back with the next weight update)")
+                                                          "on resume (else they come back with the next weight "
+                                                          "update); enables the memory saver too, as in SGLang")
     enable_return_hidden_states: bool = _arg(False, MEMORY, "requests may ask for the last layer's hidden states "
                                                             "(return_hidden_states: true or \"last\"); the same as "
                                                             "--return-hidden-states-mode full")

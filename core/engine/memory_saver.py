@@ -88,7 +88,7 @@ class MemorySaver:
 
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
-        self.enabled = engine.args.enable_memory_saver
+        self.enabled = engine.args.enable_memory_saver or engine.args.enable_weights_cpu_backup  # (either, as SGLang)
         self.rank = RankMemory(engine.kv_cache, engine.args.enable_weights_cpu_backup)
         self.released: set[str] = set()
         self.weights_stale = False  # weights back without their values: held until a weight update
@@ -108,7 +108,7 @@ class MemorySaver:
     async def _change(self, op: str, tags: list[str] | None) -> tuple[bool, str]:
         """(success, message) of ``op`` on ``tags`` (None: all), one weight or memory change at a time."""
         if not self.enabled:
-            return False, "memory occupation can be released only with --enable-memory-saver"
+            return False, "memory occupation can be released only with --enable-memory-saver (or --enable-weights-cpu-backup)"
         tags = list(tags or TAGS)
         if bad := [t for t in tags if t not in TAGS]:
             return False, f"unknown memory tag {bad[0]!r}; known: {', '.join(TAGS)}"
