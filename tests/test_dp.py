@@ -202,6 +202,9 @@ def test_server_aggregates_replicas_and_survives_one_dying(model_path):
         assert [s["dp_rank"] for s in info["internal_states"]] == [0, 1] and info["dp_size"] == 2
         loads = httpx.get(url + "/v1/loads").json()
         assert len(loads["loads"]) == 2 and loads["aggregate"]["max_total_num_tokens"] == 2 * 16384
+        for path in ("/update_weights_from_tensor", "/release_memory_occupation"):  # (as SGLang: one engine only)
+            r = httpx.post(url + path, json={"serialized_named_tensors": []} if "tensor" in path else None)
+            assert r.status_code == 400 and "--dp-size > 1" in r.json()["message"], r.text
         os.kill(health.json()["dp_replicas"][1]["pid"], signal.SIGKILL)
         deadline = time.monotonic() + 20
         while (h := httpx.get(url + "/health")).json()["dp_replicas"][1]["alive"]:

@@ -384,3 +384,31 @@ def test_sglang_patched_cuda_payloads_map_the_gpu_uuid_back(monkeypatch):
     assert fn(*range(6), 0, "y") == "tensor" and seen[-1] == (0, 1, 2, 3, 4, 5, 0, "y")
     with pytest.raises(ValueError, match="GPU-7"):
         fn(*range(6), "GPU-7")
+
+
+def test_an_engine_in_its_own_process_takes_updates(two_models):
+    """``--enable-frontend-multiprocessing`` (the CUDA default): the HTTP front end forwards the
+    trainer's payload and the memory calls to the engine's process, which reads the tensors."""
+    import torch.multiprocessing
+
+    from tests.server_utils import start_server
+
+    a, b, tensors = two_models
+    body = {"input_ids": PROMPTS, "sampling_params": GREEDY}
+    strategy = torch.multiprocessing.get_sharing_strategy()
+    torch.multiprocessing.set_sharing_strategy("file_system")  # (the engine's process is not this one's child)
+    try:
+        with start_server("--model-path", str(b), "--dtype", "float32", "--skip-tokenizer-init") as url:
+            want = [o["output_ids"] for o in httpx.post(url + "/generate", json=body, timeout=60).json()]
+        with start_server("--model-path", str(a), "--dtype", "float32", "--skip-tokenizer-init",
+                          "--enable-frontend-multiprocessing", "--enable-weights-cpu-backup") as url:
+            before = [o["output_ids"] for o in httpx.post(url + "/generate", json=body, timeout=60).json()]
+            r = httpx.post(url + "/update_weights_from_tensor",
+                           json={"serialized_named_tensors": [_serialize(list(tensors.items()))]}, timeout=120)
+            assert r.status_code == 200 and r.json()["success"], r.text
+            assert [o["output_ids"] for o in httpx.post(url + "/generate", json=body, timeout=60).json()] == want != before
+            assert httpx.post(url + "/release_memory_occupation", timeout=60).json()["success"] is True
+            assert httpx.post(url + "/resume_memory_occupation", timeout=60).json()["success"] is True
+            assert [o["output_ids"] for o in httpx.post(url + "/generate", json=body, timeout=60).json()] == want
+    finally:
+        torch.multiprocessing.set_sharing_strategy(strategy)

@@ -276,10 +276,10 @@ class Engine:
         return self._call(self._sync().destroy_group(group_name))
 
     def begin_weight_update(self, selector: str = "all") -> tuple[bool, str]:
-        return self._call(_run(self._sync().begin, selector))
+        return self._call(self._sync().begin(selector))
 
     def end_weight_update(self) -> tuple[bool, str]:
-        return self._call(_run(self._sync().end))
+        return self._call(self._sync().end())
 
     def release_memory_occupation(self, tags: list[str] | None = None) -> None:
         """``--enable-memory-saver``: free ``tags`` (``weights``, ``kv_cache``, ``cuda_graph``; None: all)

@@ -131,12 +131,12 @@ async def destroy_weights_update_group(request: Request) -> Response:
 
 async def begin_weight_update(request: Request) -> Response:
     obj = await _body(request, SelectorReqInput)
-    return _answer(_NO_DP if (ws := _sync(request)) is None else ws.begin(obj.selector))
+    return _answer(_NO_DP if (ws := _sync(request)) is None else await ws.begin(obj.selector))
 
 
 async def end_weight_update(request: Request) -> Response:
     await _body(request, EmptyReqInput)
-    return _answer(_NO_DP if (ws := _sync(request)) is None else ws.end())
+    return _answer(_NO_DP if (ws := _sync(request)) is None else await ws.end())
 
 
 async def release_memory_occupation(request: Request) -> Response:

@@ -28,7 +28,7 @@ import structlog
 from core.engine import gc_watch
 from core.engine.distributed.collectives import process_context
 from core.engine.config import EngineArgs, lora_requested
-from core.engine.data_parallel.replica import ReqDelta, ReqSpec, replica_main
+from core.engine.data_parallel.replica import RL_OPS, ReqDelta, ReqSpec, replica_main
 from core.engine.data_parallel.router import Router
 from core.engine.device import gpu_index, placed_device
 from core.engine.frontend import RequestFrontEnd
@@ -111,6 +111,8 @@ class DataParallelEngine(RequestFrontEnd):
         self.random_seed = first["random_seed"] if args.dp_size == 1 else None
         self.chunked_prefill_size = first["chunked_prefill_size"]
         self.profiler = _ReplicaProfiler(self)
+        if args.dp_size == 1:  # (an engine in its own process: a trainer's weight updates reach it; not replicas)
+            self.weight_sync, self.memory_saver = _OneReplica(self, "weight_sync"), _OneReplica(self, "memory_saver")
         for r in self.replicas:
             threading.Thread(target=self._read, args=(r,), name=f"core-dp-read{r.index}", daemon=True).start()
         log.info("dp.ready", replicas=args.dp_size, load_balance_method=args.load_balance_method,
@@ -483,6 +485,23 @@ class _ReplicaProfiler:
 
     async def stop(self) -> str:
         return _paths(await self.engine._call_all("stop_profile"))
+
+
+class _OneReplica:
+    """An engine in its own process (``--dp-size 1`` behind the front end): its ``weight_sync`` or
+    ``memory_saver`` coroutines, each run there (``Replica._call``, "rl"), tensors as they came."""
+
+    def __init__(self, engine: DataParallelEngine, target: str) -> None:
+        self.engine, self.target = engine, target
+
+    def __getattr__(self, op: str) -> Any:
+        if op not in RL_OPS:
+            raise AttributeError(op)
+
+        async def call(*args: Any) -> Any:
+            return await self.engine._call(self.engine.replicas[0], "rl", self.target, op, *args)
+
+        return call
 
 
 def replica_args(args: EngineArgs, index: int) -> EngineArgs:

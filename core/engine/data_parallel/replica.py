@@ -26,6 +26,9 @@ from core.engine.request import Req
 from core.engine.sampling_params import SamplingParams
 
 log = structlog.get_logger("core.engine.data_parallel.replica")
+# the WeightSync / MemorySaver coroutines a front end may run in its one replica (DataParallelEngine._OneReplica)
+RL_OPS = frozenset({"update_from_tensor", "update_from_distributed", "init_group", "destroy_group", "begin", "end",
+                    "release", "resume"})
 
 
 @attrs.frozen
@@ -189,6 +192,8 @@ class _Replica:
                 value = await self.engine.profiler.start(*args)
             elif what == "stop_profile":
                 value = await self.engine.profiler.stop()
+            elif what == "rl" and args[1] in RL_OPS:  # a trainer's weights, the memory saver (weight_sync)
+                value = await getattr(getattr(self.engine, args[0]), args[1])(*args[2:])
             elif what == "clear_storage":  # (waits for the queued writes first)
                 clear = getattr(self.engine.tree_cache, "clear_storage", None)
                 value = clear is not None and await asyncio.to_thread(clear)

@@ -131,7 +131,7 @@ class WeightSync:
         return True, _DONE[msg[0]]
 
     # ------------------------------------------------------------------ sessions (SGLang 0.5)
-    def begin(self, selector: str = "all") -> tuple[bool, str]:
+    async def begin(self, selector: str = "all") -> tuple[bool, str]:
         if self.session is not None:
             return False, "a weight-update session is already open; call end_weight_update first"
         if why := self.refusal(selector):
@@ -139,7 +139,7 @@ class WeightSync:
         self.session = selector
         return True, "Weight-update session opened."
 
-    def end(self) -> tuple[bool, str]:
+    async def end(self) -> tuple[bool, str]:
         if self.session is None:
             return False, "no weight-update session is open; call begin_weight_update first"
         self.session = None  # (each update was applied whole: nothing is left to finalize)
