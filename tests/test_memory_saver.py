@@ -63,6 +63,9 @@ def test_weights_without_a_backup_wait_for_the_trainer(tiny_llama):
     eng = make_engine(path, skip_tokenizer_init=True, enable_memory_saver=True)
     try:
         want = outputs(eng)
+        eng.release_memory_occupation(["kv_cache"])
+        eng.resume_memory_occupation()  # (every tag: the weights were never released, nothing waits)
+        assert outputs(eng) == want
         eng.release_memory_occupation(["weights", "kv_cache"])
         tensors = list(load_file(str(path / "model.safetensors")).items())
         ok, message = eng.update_weights_from_tensor(tensors)

@@ -149,8 +149,8 @@ class MemorySaver:
         if op == "release" and e.device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
-        if op == "resume" and "weights" in tags and not self.rank.cpu_backup:
-            self.weights_stale = True
+        if op == "resume" and "weights" in tags and "weights" in self.released and not self.rank.cpu_backup:
+            self.weights_stale = True  # (released and back without their values)
         return error
 
 
