@@ -296,6 +296,22 @@ def test_tensor_parallel_ranks_update_their_shards(two_models):
         original = load_file(str(a / "model.safetensors"))
         assert eng.update_weights_from_tensor(list(original.items()))[0]
         assert outputs(eng) == before
+        # SGLang's HTTP form: one payload per rank, each rank reading its own (shared memory by file name:
+        # rank 1 is no child of this process)
+        strategy = torch.multiprocessing.get_sharing_strategy()
+        torch.multiprocessing.set_sharing_strategy("file_system")
+        try:
+            payloads = [_serialize(list(tensors.items())) for _ in range(2)]
+            ok, message = asyncio.run_coroutine_threadsafe(eng.engine.weight_sync.update_from_tensor(payloads),
+                                                           eng._loop).result(timeout=120)
+            assert ok, message
+            assert outputs(eng) == want
+            payloads = [_serialize(list(original.items())) for _ in range(2)]
+            assert asyncio.run_coroutine_threadsafe(eng.engine.weight_sync.update_from_tensor(payloads),
+                                                    eng._loop).result(timeout=120)[0]
+            assert outputs(eng) == before
+        finally:
+            torch.multiprocessing.set_sharing_strategy(strategy)
         port, group = _free_port(), "wg-tp"
         trainer, done = start_trainer(port, tensors, group, world=3)
         try:

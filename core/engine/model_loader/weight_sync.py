@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import structlog
 import torch
 
-from core.engine.model_loader.tensor_payload import named_tensors
+from core.engine.model_loader.tensor_payload import named_tensors, payload_bytes
 from core.engine.model_loader.weight_update import exclusive
 from core.errors import ModelLoadError
 from core.layers import ExpertsMethod, default_weight_loader
@@ -79,6 +79,11 @@ class WeightSync:
             return False, "load_format 'direct' names this server's sharded parameters: not with --tp-size > 1"
         if why := self.refusal(selector):
             return False, f"Failed to update weights: {why}"
+        tp = self.engine.tp_group
+        if tp is not None and _serialized(tensors) and len(tensors) >= tp.plan.tp_size:  # (SGLang's one per rank:
+            payloads = [payload_bytes(p) for p in tensors]  # each rank reads its own handles, no tensor travels)
+            return await exclusive(self.engine, flush_cache, torch_empty_cache, self._on_ranks, ("payloads", payloads),
+                                   "Failed to update weights: ")
         # (off the loop: a shared-memory handle is fetched from the sender's process)
         named = await asyncio.to_thread(named_tensors, tensors, self.engine.device)
         return await exclusive(self.engine, flush_cache, torch_empty_cache, self._load, named, load_format == "direct")
@@ -177,8 +182,9 @@ class WeightSync:
             rank_job(self.engine.model, self.groups, self.engine.device, 0, ("leave", name))
 
 
-_DONE = {"tensors": "Succeeded to update model weights.", "recv": "Succeeded to update parameter online.",
-         "join": "Succeeded to initialize custom process group.", "leave": "Succeeded to destroy custom process group."}
+_DONE = {"tensors": "Succeeded to update model weights.", "payloads": "Succeeded to update model weights.",
+         "recv": "Succeeded to update parameter online.", "join": "Succeeded to initialize custom process group.",
+         "leave": "Succeeded to destroy custom process group."}
 
 
 def rank_job(model: torch.nn.Module, groups: dict[str, Any], device: torch.device, rank: int, msg: tuple) -> str | None:
@@ -196,6 +202,8 @@ def rank_job(model: torch.nn.Module, groups: dict[str, Any], device: torch.devic
             return None
         if kind == "recv":
             named, direct = _receive(groups[msg[1]], msg[2], msg[3], device), False
+        elif kind == "payloads":  # (this rank's own)
+            named, direct = named_tensors(msg[1], device, rank), False
         else:
             named, direct = [(n, t.to(device)) for n, t in msg[1]], msg[2]
     except Exception as e:
@@ -208,7 +216,7 @@ def rank_job(model: torch.nn.Module, groups: dict[str, Any], device: torch.devic
     except (ModelLoadError, ValueError, RuntimeError) as e:
         return f"{e}; the served weights are unchanged"
     refresh(model)
-    log.info("engine.weights_updated", source="tensors" if kind == "tensors" else "broadcast", tensors=len(named))
+    log.info("engine.weights_updated", source="broadcast" if kind == "recv" else "tensors", tensors=len(named))
     return None
 
 
@@ -262,6 +270,11 @@ def _load_direct(model: torch.nn.Module, named: list[tuple[str, torch.Tensor]]) 
                              f"{tuple(params[bad[0]].shape)}")
     for name, t in named:
         default_weight_loader(params[name], t.to(params[name].dtype))
+
+
+def _serialized(tensors: Any) -> bool:
+    """Whether ``tensors`` are serialized payloads (one per rank) rather than tensors themselves."""
+    return isinstance(tensors, list) and bool(tensors) and all(isinstance(p, (str, bytes, bytearray)) for p in tensors)
 
 
 def _dtype(name: Any) -> torch.dtype:
