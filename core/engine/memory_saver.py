@@ -16,14 +16,13 @@ held in place, whose KV it would destroy). Under tensor parallelism every rank d
 
 from __future__ import annotations
 
-import asyncio
 from typing import TYPE_CHECKING, Any
 
 import structlog
 import torch
 
 from core.engine.model_loader.weight_sync import refresh
-from core.engine.model_loader.weight_update import UPDATE_IDLE_POLL_S, release_held
+from core.engine.model_loader.weight_update import hold_until_idle, release_held
 
 if TYPE_CHECKING:
     from core.engine.async_engine import AsyncEngine
@@ -115,9 +114,7 @@ class MemorySaver:
         e = self.engine
         async with e._update_lock:
             if op == "release":
-                e._held = [] if e._held is None else e._held
-                while e.scheduler.has_work and not e.paused and e.fatal_error is None:
-                    await asyncio.sleep(UPDATE_IDLE_POLL_S)
+                await hold_until_idle(e)
                 if e.scheduler.running:  # (paused in place: their KV would be lost)
                     release_held(e)
                     return False, "requests are paused in place: abort them or pause with mode 'retract' first"
@@ -141,11 +138,7 @@ class MemorySaver:
         """``op`` on this rank and, under tensor parallelism, on the others (the forward thread)."""
         e = self.engine
         here = lambda: rank_job(self.rank, e.model, op, tags)  # noqa: E731
-        if e.tp_group is None:
-            error = here()
-        else:
-            bad = e.tp_group.collective(("memory", op, tags), here)
-            error = None if bad is None else f"tensor-parallel rank {bad[0]}: {bad[1]}"
+        error = here() if e.tp_group is None else e.tp_group.collective(("memory", op, tags), here)
         if op == "release" and e.device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.empty_cache()

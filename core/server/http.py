@@ -195,6 +195,11 @@ async def read_body_ignoring_unknown(request: Request, typ: type[msgspec.Struct]
     return obj
 
 
+async def read_optional_body(request: Request, typ: type) -> Any:
+    """``typ`` from the body, or its defaults for an empty one (SGLang's clients may send none)."""
+    return typ() if not await request.body() else await read_body(request, typ)
+
+
 async def read_body(request: Request, typ: Any = Any) -> Any:
     """The request's JSON body decoded into ``typ`` (see :func:`decode_body`), after the
     Content-Type check (:func:`check_json_content_type`) and the size limit

@@ -27,6 +27,7 @@ from core.server.http import (
     prepare_off_loop,
     read_body,
     read_body_ignoring_unknown,
+    read_optional_body,
     state_of,
 )
 from core.server.limits import check_sampling_limits, check_sequences
@@ -35,6 +36,7 @@ from core.server.metrics import CONTENT_TYPE
 from core.server.multimodal import generate_images, images_kwargs, needs_thread
 from core.server.request_log import emit as emit_request_log
 from core.server.state import ServerState
+from core.server.weights import run_update
 
 log = structlog.get_logger("core.server.native")
 
@@ -535,17 +537,11 @@ async def update_weights_from_disk(request: Request) -> Response:
     for name, why in _UNSUPPORTED_UPDATE_FIELDS.items():
         if getattr(obj, name) != getattr(_UPDATE_DEFAULTS, name):
             raise InvalidRequest(f"{name} is not supported: {why}", param=name)
-    engine = state.engine
-    if obj.abort_all_requests:
-        engine.abort_all("aborted to update the weights")
-    success, message = await engine.update_weights_from_disk(obj.model_path, flush_cache=obj.flush_cache,
-                                                             torch_empty_cache=obj.torch_empty_cache,
-                                                             load_format=obj.load_format or "auto")
+    success, message = await run_update(state, obj, lambda: state.engine.update_weights_from_disk(
+        obj.model_path, flush_cache=obj.flush_cache, torch_empty_cache=obj.torch_empty_cache,
+        load_format=obj.load_format or "auto"))
     if success:
         state.model_path = obj.model_path
-        if obj.weight_version is not None:
-            state.weight_version = obj.weight_version
-            message += f" Weight version updated to {obj.weight_version}."
     return json_response({"success": success, "message": message, "num_paused_requests": 0},
                          status=200 if success else 400)
 
@@ -579,20 +575,15 @@ class ContinueGenerationReqInput(msgspec.Struct, forbid_unknown_fields=True):
     torch_empty_cache: bool = True  # (CUDA's cached blocks back to the driver first)
 
 
-async def _optional_body(request: Request, typ: type) -> Any:
-    """``typ`` from the body, or its defaults for an empty one (SGLang's clients may send none)."""
-    return typ() if not await request.body() else await read_body(request, typ)
-
-
 async def pause_generation(request: Request) -> Response:
     """SGLang's /pause_generation: answers once no step runs (``core.engine.pause``)."""
-    obj = await _optional_body(request, PauseGenerationReqInput)
+    obj = await read_optional_body(request, PauseGenerationReqInput)
     await state_of(request).engine.pause_generation(obj.mode)
     return json_response({"message": "Generation paused successfully.", "status": "ok"})
 
 
 async def continue_generation(request: Request) -> Response:
-    obj = await _optional_body(request, ContinueGenerationReqInput)
+    obj = await read_optional_body(request, ContinueGenerationReqInput)
     await state_of(request).engine.continue_generation(obj.torch_empty_cache)
     return json_response({"message": "Generation continued successfully.", "status": "ok"})
 

@@ -7,13 +7,13 @@ and ``core.engine.memory_saver``'s."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from core.server.http import json_response, read_body, state_of
+from core.server.http import json_response, read_body, read_optional_body, state_of
 
 
 class UpdateWeightsFromTensorReqInput(msgspec.Struct, forbid_unknown_fields=True):
@@ -81,37 +81,33 @@ _NO_DP = (False, "weight updates from a trainer are not supported with --dp-size
 _NO_DP_MEMORY = (False, "releasing memory occupation is not supported with --dp-size > 1")
 
 
-async def _body(request: Request, typ: type) -> Any:
-    return typ() if not await request.body() else await read_body(request, typ)
-
-
-async def _update(request: Request, obj: Any, run: Any) -> Response:
-    """Abort first if asked; run the update; record the weight version on success."""
-    state = state_of(request)
+async def run_update(state: Any, obj: Any, run: Callable[[], Awaitable[tuple[bool, str]]]) -> tuple[bool, str]:
+    """A weight update's request fields around ``run()``: ``abort_all_requests`` first, the
+    ``weight_version`` recorded on success (every update endpoint, ``/update_weights_from_disk`` too)."""
     if obj.abort_all_requests:
         state.engine.abort_all("aborted to update the weights")
-    success, message = await run
+    success, message = await run()
     if success and obj.weight_version is not None:
         state.weight_version = obj.weight_version
         message += f" Weight version updated to {obj.weight_version}."
-    return _answer((success, message))
+    return success, message
 
 
 async def update_weights_from_tensor(request: Request) -> Response:
     obj = await read_body(request, UpdateWeightsFromTensorReqInput)
     if (ws := _sync(request)) is None:
         return _answer(_NO_DP)
-    return await _update(request, obj, ws.update_from_tensor(obj.serialized_named_tensors, obj.load_format,
-                                                             obj.flush_cache, obj.torch_empty_cache, obj.selector))
+    return _answer(await run_update(state_of(request), obj, lambda: ws.update_from_tensor(
+        obj.serialized_named_tensors, obj.load_format, obj.flush_cache, obj.torch_empty_cache, obj.selector)))
 
 
 async def update_weights_from_distributed(request: Request) -> Response:
     obj = await read_body(request, UpdateWeightsFromDistributedReqInput)
     if (ws := _sync(request)) is None:
         return _answer(_NO_DP)
-    return await _update(request, obj, ws.update_from_distributed(obj.names, obj.dtypes, obj.shapes, obj.group_name,
-                                                                  obj.flush_cache, obj.load_format,
-                                                                  obj.torch_empty_cache, obj.selector))
+    return _answer(await run_update(state_of(request), obj, lambda: ws.update_from_distributed(
+        obj.names, obj.dtypes, obj.shapes, obj.group_name, obj.flush_cache, obj.load_format, obj.torch_empty_cache,
+        obj.selector)))
 
 
 async def init_weights_update_group(request: Request) -> Response:
@@ -123,29 +119,29 @@ async def init_weights_update_group(request: Request) -> Response:
 
 
 async def destroy_weights_update_group(request: Request) -> Response:
-    obj = await _body(request, GroupNameReqInput)
+    obj = await read_optional_body(request, GroupNameReqInput)
     if (ws := _sync(request)) is None:
         return _answer(_NO_DP)
     return _answer(await ws.destroy_group(obj.group_name))
 
 
 async def begin_weight_update(request: Request) -> Response:
-    obj = await _body(request, SelectorReqInput)
+    obj = await read_optional_body(request, SelectorReqInput)
     return _answer(_NO_DP if (ws := _sync(request)) is None else await ws.begin(obj.selector))
 
 
 async def end_weight_update(request: Request) -> Response:
-    await _body(request, EmptyReqInput)
+    await read_optional_body(request, EmptyReqInput)
     return _answer(_NO_DP if (ws := _sync(request)) is None else await ws.end())
 
 
 async def release_memory_occupation(request: Request) -> Response:
-    obj = await _body(request, MemoryReqInput)
+    obj = await read_optional_body(request, MemoryReqInput)
     saver = getattr(state_of(request).engine, "memory_saver", None)
     return _answer(_NO_DP_MEMORY if saver is None else await saver.release(obj.tags))
 
 
 async def resume_memory_occupation(request: Request) -> Response:
-    obj = await _body(request, MemoryReqInput)
+    obj = await read_optional_body(request, MemoryReqInput)
     saver = getattr(state_of(request).engine, "memory_saver", None)
     return _answer(_NO_DP_MEMORY if saver is None else await saver.resume(obj.tags))

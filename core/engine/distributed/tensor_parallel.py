@@ -173,11 +173,14 @@ class TensorParallelGroup:
         if (bad := first_failure(agree(self.control, None))) is not None:
             raise LoRAError(f"tensor-parallel rank {bad[0]} could not {what}: {bad[1]}")
 
-    def collective(self, message: tuple, run: Callable[[], str | None]) -> tuple[int, str] | None:
+    def collective(self, message: tuple, run: Callable[[], str | None]) -> str | None:
         """Send the other ranks ``message``, run rank 0's part (``run``: its error or None), hear
-        from every rank: the first (rank, error), or None. On the forward thread, between steps."""
+        from every rank: the first error (another rank's named), or None. On the forward thread,
+        between steps."""
         broadcast(self.control, message)
-        return first_failure(agree(self.control, run()))
+        if (bad := first_failure(agree(self.control, run()))) is None:
+            return None
+        return bad[1] if bad[0] == 0 else f"tensor-parallel rank {bad[0]}: {bad[1]}"
 
     # ------------------------------------------------------------------ serving (forward thread)
     def forward(self, inputs: StepInputs, run: Callable[[], T]) -> T:

@@ -125,11 +125,7 @@ class WeightSync:
         thread's turn on the control channel); (success, message)."""
         e = self.engine
         here = lambda: rank_job(e.model, self.groups, e.device, 0, msg)  # noqa: E731
-        if e.tp_group is None:
-            error = here()
-        else:
-            bad = e.tp_group.collective(("weights", msg), here)
-            error = None if bad is None else bad[1] if bad[0] == 0 else f"tensor-parallel rank {bad[0]}: {bad[1]}"
+        error = here() if e.tp_group is None else e.tp_group.collective(("weights", msg), here)
         if error is not None:
             log.warning("engine.weight_sync_failed", job=msg[0], error=error)
             return False, failed + error

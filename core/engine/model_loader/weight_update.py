@@ -36,10 +36,8 @@ async def exclusive(engine: AsyncEngine, flush_cache: bool, torch_empty_cache: b
     at a time, after the queued and running requests finish (at once while generation is paused),
     requests submitted meanwhile held; then, on success, the prefix cache flushed (``flush_cache``)."""
     async with engine._update_lock:
-        engine._held = [] if engine._held is None else engine._held  # (memory released: already holding)
         try:
-            while engine.scheduler.has_work and engine.fatal_error is None and not engine.paused:  # (paused: at once)
-                await asyncio.sleep(UPDATE_IDLE_POLL_S)
+            await hold_until_idle(engine)
             ok, message = await engine._on_forward_thread(job, *args)
             if ok:  # (weights that came back without their values have them now: core.engine.memory_saver)
                 engine.memory_saver.weights_stale = False
@@ -51,6 +49,14 @@ async def exclusive(engine: AsyncEngine, flush_cache: bool, torch_empty_cache: b
             return ok, message
         finally:
             release_held(engine)
+
+
+async def hold_until_idle(engine: AsyncEngine) -> None:
+    """Hold new requests (``AsyncEngine.submit``) and wait until the queued and running ones have
+    finished, or at once while generation is paused (under ``engine._update_lock``)."""
+    engine._held = [] if engine._held is None else engine._held  # (memory released: already holding)
+    while engine.scheduler.has_work and engine.fatal_error is None and not engine.paused:
+        await asyncio.sleep(UPDATE_IDLE_POLL_S)
 
 
 def release_held(engine: AsyncEngine) -> None:
